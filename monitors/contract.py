@@ -1,0 +1,301 @@
+"""The types that cross the trainer <-> supervisor boundary.
+
+Both sides import this module and nothing else from each other (DESIGN.md, import rule):
+metric names, the per-step record, commands and their acknowledgements, findings, and the
+small Protocols at the two seams (record sink, command channel).
+
+Plain dataclasses and dicts only: this module must stay importable without torch so the
+supervisor never pulls the trainer's stack in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+# --- metric names (DESIGN.md, "Metric names") ------------------------------------------------
+
+LOSS = "loss"
+LR = "lr"
+GRAD_NORM = "grad_norm"  # global, before clipping; also "grad_norm/<module>"
+ATTN_LOGIT_MAX = "attn_logit_max"  # exact max of QK^T/sqrt(d), pre-softmax
+ATTN_LOGIT_LSE = "attn_logit_lse"  # log-sum-exp bound: max <= lse <= max + ln(keys)
+ACT_MAX = "act_max"
+ACT_MIN = "act_min"
+Z = "z"  # log-sum-exp of the output logits
+PARAM_NORM = "param_norm"
+UPDATE_RATIO = "update_ratio"
+TOKENS_PER_S = "tokens_per_s"
+SKIPPED_STEPS = "skipped_steps"
+
+SEP = "/"
+
+# How the run controller reduces one metric across ranks. Anything not listed is averaged.
+_REDUCE_MAX = frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE, ACT_MAX, Z, GRAD_NORM, SKIPPED_STEPS})
+_REDUCE_MIN = frozenset({ACT_MIN})
+_REDUCE_SUM = frozenset({TOKENS_PER_S})
+
+
+class Reduce(str, enum.Enum):
+    MAX = "max"
+    MIN = "min"
+    MEAN = "mean"
+    SUM = "sum"
+
+
+def metric_key(name: str, module: str | None = None) -> str:
+    """`attn_logit_max` + `blocks.3.attn` -> `attn_logit_max/blocks.3.attn`."""
+    return f"{name}{SEP}{module}" if module else name
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """Inverse of metric_key: returns (metric, module); module is "" for scalars."""
+    name, _, module = key.partition(SEP)
+    return name, module
+
+
+def reduction(key: str) -> Reduce:
+    name = split_key(key)[0]
+    if name in _REDUCE_MAX:
+        return Reduce.MAX
+    if name in _REDUCE_MIN:
+        return Reduce.MIN
+    if name in _REDUCE_SUM:
+        return Reduce.SUM
+    return Reduce.MEAN
+
+
+# --- the per-step record -----------------------------------------------------------------------
+
+# Keys of the flat JSON record that are not metrics.
+RECORD_FIELDS = ("step", "sample_lo", "sample_hi", "tokens", "wall_time", "ranks")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One training step's thermometers, already reduced across ranks.
+
+    `values` maps metric keys to floats (NaN and +-Inf are data, not errors).
+    `ranks` maps a metric key to the rank that held the extreme, for keys reduced by max/min.
+    `sample_lo`/`sample_hi` is the half-open range of *absolute* sample indices this step
+    consumed (skipped indices inside it were passed over); the policy turns an onset step into
+    a skip range with it.
+    """
+
+    step: int
+    values: dict[str, float]
+    sample_lo: int = -1
+    sample_hi: int = -1
+    tokens: int = 0
+    wall_time: float = 0.0
+    ranks: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat shape of DESIGN.md: {"step": 1200, "loss": 2.31, "attn_logit_max/...": 41.2}."""
+        out: dict[str, Any] = {"step": self.step}
+        if self.sample_lo >= 0:
+            out["sample_lo"] = self.sample_lo
+            out["sample_hi"] = self.sample_hi
+        if self.tokens:
+            out["tokens"] = self.tokens
+        if self.wall_time:
+            out["wall_time"] = self.wall_time
+        if self.ranks:
+            out["ranks"] = dict(self.ranks)
+        out.update(self.values)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "StepRecord":
+        """Parse the flat shape. Raises ContractError naming the bad field."""
+        if not isinstance(obj, Mapping):
+            raise ContractError(f"a step record must be a JSON object, got {type(obj).__name__}")
+        step = obj.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ContractError(f"'step' must be a non-negative integer, got {step!r}")
+        values: dict[str, float] = {}
+        for key, val in obj.items():
+            if key in RECORD_FIELDS:
+                continue
+            if isinstance(val, bool) or not isinstance(val, (int, float)):
+                if val is None:
+                    values[key] = math.nan
+                    continue
+                raise ContractError(f"step {step}: metric {key!r} must be a number, got {val!r}")
+            values[key] = float(val)
+        ranks = obj.get("ranks") or {}
+        if not isinstance(ranks, Mapping):
+            raise ContractError(f"step {step}: 'ranks' must be an object of metric -> rank")
+        return cls(
+            step=step,
+            values=values,
+            sample_lo=int(obj.get("sample_lo", -1)),
+            sample_hi=int(obj.get("sample_hi", -1)),
+            tokens=int(obj.get("tokens", 0)),
+            wall_time=float(obj.get("wall_time", 0.0)),
+            ranks={str(k): int(v) for k, v in ranks.items()},
+        )
+
+
+# --- commands (supervisor -> run controller) ---------------------------------------------------
+
+
+class CommandKind(str, enum.Enum):
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"  # args: to_step | checkpoint, skip_ranges, lr_multiplier, lr_steps
+    SKIP = "skip"  # args: skip_ranges [[lo, hi), ...] absolute sample indices
+    SET_LR = "set_lr"  # args: lr_multiplier, lr_steps (None = permanent), rewarmup_steps
+    STOP = "stop"
+    PROFILE = "profile"  # args: steps (how many steps to trace), out_dir
+
+
+@dataclass(slots=True)
+class Command:
+    """One command from the supervisor's action queue. `id` is the action row's id."""
+
+    id: int
+    kind: CommandKind
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind.value, "args": self.args}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Command":
+        try:
+            return cls(id=int(obj["id"]), kind=CommandKind(obj["kind"]), args=dict(obj.get("args") or {}))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ContractError(f"bad command {obj!r}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class Ack:
+    """The run controller's answer: the command took effect before training `step`."""
+
+    command_id: int
+    ok: bool
+    step: int
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"command_id": self.command_id, "ok": self.ok, "step": self.step, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Ack":
+        try:
+            return cls(int(obj["command_id"]), bool(obj["ok"]), int(obj["step"]), str(obj.get("detail", "")))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ContractError(f"bad ack {obj!r}: {exc}") from exc
+
+
+# --- findings (detectors -> policy) -------------------------------------------------------------
+
+
+class Severity(str, enum.Enum):
+    INFO = "info"
+    WARN = "warn"
+    CRITICAL = "critical"
+
+
+class Signal(str, enum.Enum):
+    ATTN_LOGIT_GROWTH = "attn_logit_growth"
+    ATTN_LOGIT_CEILING = "attn_logit_ceiling"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_SPIKE = "grad_spike"
+    NON_FINITE = "non_finite"
+    ACT_OVERFLOW = "act_overflow"
+    STALL = "stall"
+    OUTLIER_RANK = "outlier_rank"
+
+
+@dataclass(slots=True)
+class Finding:
+    """What a detector saw. `onset_step` is where the series left its baseline."""
+
+    signal: Signal
+    module: str  # "" for scalar series
+    severity: Severity
+    onset_step: int
+    detect_step: int
+    metric: str = ""  # the metric key the finding is about
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "signal": self.signal.value,
+            "module": self.module,
+            "severity": self.severity.value,
+            "onset_step": self.onset_step,
+            "detect_step": self.detect_step,
+            "metric": self.metric,
+            "evidence": self.evidence,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Finding":
+        return cls(
+            signal=Signal(obj["signal"]),
+            module=str(obj.get("module", "")),
+            severity=Severity(obj["severity"]),
+            onset_step=int(obj["onset_step"]),
+            detect_step=int(obj["detect_step"]),
+            metric=str(obj.get("metric", "")),
+            evidence=dict(obj.get("evidence") or {}),
+        )
+
+
+# --- run and checkpoint descriptions ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunInfo:
+    """Sent by the run controller when a run (or a new attempt of it) starts."""
+
+    run_id: str
+    attempt: int
+    world_size: int
+    config: dict[str, Any] = field(default_factory=dict)
+    start_step: int = 0
+    hosts: dict[int, str] = field(default_factory=dict)  # rank -> node address
+
+
+@dataclass(slots=True)
+class CheckpointInfo:
+    """A checkpoint's manifest as the supervisor needs it (the full manifest rides in `manifest`)."""
+
+    step: int
+    path: str
+    sample_cursor: int
+    healthy: bool
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+# --- seams --------------------------------------------------------------------------------------
+
+
+class RecordSink(Protocol):
+    """Where the run controller sends what it measured. The supervisor's ingest implements it
+    in-process (embedded mode) and over HTTP (cluster mode)."""
+
+    def open_run(self, info: RunInfo) -> None: ...
+
+    def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None: ...
+
+    def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CommandChannel(Protocol):
+    """How the run controller learns what to do. Polled between steps."""
+
+    def poll(self, run_id: str) -> list[Command]: ...
+
+    def ack(self, run_id: str, ack: Ack) -> None: ...
+
+
+class ContractError(ValueError):
+    """A record, command or ack that does not match this contract. The message names the field."""

@@ -1,0 +1,1 @@
+"""What runs on the GPUs: model, data, DeepSpeed engine, Ray actors, run controller."""
