@@ -1,0 +1,399 @@
+"""Ingest throughput: thermometer values/s from HTTP request to committed row, next to the raw
+driver doing the same inserts, on SQLite and PostgreSQL; plus a 10^6-step history read.
+
+    python bench/ingest.py                       # 2,000 steps x 1,000 values, both databases
+    python bench/ingest.py --steps 5000 --json   # ... ends with one JSON line of figures
+    python bench/ingest.py --layouts             # narrow vs wide vs chunk rows, raw drivers
+
+The supervisor runs in a subprocess (real uvicorn + the ingest router), the client posts
+pre-encoded batches of --batch steps x --values values with httpx, one at a time like the run
+controller does. The raw-driver rows are the same chunk + step rows (sqlite3 executemany with
+ON CONFLICT DO NOTHING; psycopg COPY, which has no ON CONFLICT). The history read is seeded with
+the raw driver: one series of --history-steps steps in 50-step chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import httpx
+import numpy as np
+
+PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def serve(url: str, port: int) -> None:
+    """Subprocess entry: the supervisor's ingest API on `url`."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from supervisor.api.ingest import make_router
+    from supervisor.db import make_engine, make_sessionmaker, upgrade
+    from supervisor.ingest import Ingestor
+
+    upgrade(url)
+    app = FastAPI()
+    app.include_router(make_router(Ingestor(make_sessionmaker(make_engine(url)))))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keys(n: int) -> list[str]:
+    metrics = ["act_max", "act_min", "attn_logit_max", "grad_norm", "update_ratio", "z", "param_norm", "act_rms", "attn_logit_lse", "grad_max"]
+    return [f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(n)]
+
+
+def _bodies(steps: int, batch: int, keys: list[str], rng) -> list[bytes]:
+    out = []
+    for lo in range(0, steps, batch):
+        vals = rng.standard_normal((batch, len(keys)))
+        recs = []
+        for i in range(batch):
+            r = {"step": lo + i, "sample_lo": (lo + i) * 64, "sample_hi": (lo + i + 1) * 64, "tokens": 131072,
+                 "wall_time": 1.0, "ranks": {keys[0]: 3}}
+            r.update(zip(keys, vals[i].tolist()))
+            recs.append(r)
+        out.append(json.dumps({"records": recs}).encode())
+    return out
+
+
+def bench_http(url: str, bodies: list[bytes], n_values: int) -> float:
+    port = _port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port)], env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=120) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    c.post("/api/runs", json={"run_id": "bench", "attempt": 0, "world_size": 8}).raise_for_status()
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError("benchmark server did not start")
+                    time.sleep(0.1)
+            hdr = {"content-type": "application/json"}
+            c.post("/api/runs/bench/attempts/0/steps", content=bodies[0], headers=hdr).raise_for_status()  # warm-up
+            t = time.perf_counter()
+            for b in bodies[1:]:
+                r = c.post("/api/runs/bench/attempts/0/steps", content=b, headers=hdr)
+                r.raise_for_status()
+            dt = time.perf_counter() - t
+        return n_values * (len(bodies) - 1) / len(bodies) / dt
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
+    """The server's work without HTTP: json.loads + records_from_json + Ingestor.write."""
+    from monitors.contract import RunInfo
+    from supervisor.db import make_engine, make_sessionmaker, upgrade
+    from supervisor.ingest import Ingestor, records_from_json
+
+    upgrade(url)
+    eng = make_engine(url)
+    ing = Ingestor(make_sessionmaker(eng))
+    ing.open_run(RunInfo("inproc", 0, 8))
+    ing.write("inproc", 0, records_from_json(json.loads(bodies[0])))  # warm-up
+    t = time.perf_counter()
+    for b in bodies[1:]:
+        ing.write("inproc", 0, records_from_json(json.loads(b)))
+    dt = time.perf_counter() - t
+    eng.dispose()
+    return n_values * (len(bodies) - 1) / len(bodies) / dt
+
+
+def _chunk_rows(steps: int, batch: int, n_series: int, rng, run="raw"):
+    """The rows ingest writes: per batch, one chunk per series and one row per step."""
+    for lo in range(0, steps, batch):
+        vt = np.ascontiguousarray(rng.standard_normal((batch, n_series)).T)
+        st = np.arange(lo, lo + batch, dtype=np.int64)
+        # steps NULL: contiguous, exactly as ingest stores them
+        chunks = [(run, j + 1, 0, lo, lo + batch - 1, batch, None, vt[j].tobytes(), None) for j in range(n_series)]
+        step_rows = [(run, int(s), 0, int(s) * 64, int(s + 1) * 64, 131072, 1.0) for s in st]
+        yield chunks, step_rows
+
+
+_INS_CHUNK = ('INSERT INTO thermometer_chunks (run_id, series_id, attempt, first_step, last_step, n, steps, "values", ranks)'
+              " VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING")
+_INS_STEP = ("INSERT INTO steps (run_id, step, attempt, sample_lo, sample_hi, tokens, wall_time) VALUES (?,?,?,?,?,?,?)"
+             " ON CONFLICT DO NOTHING")
+_CHUNK_COLS = '(run_id, series_id, attempt, first_step, last_step, n, steps, "values", ranks)'
+_STEP_COLS = "(run_id, step, attempt, sample_lo, sample_hi, tokens, wall_time)"
+
+
+def _prepare_raw(kind: str, target: str, n_series: int, run: str) -> None:
+    from supervisor.db import make_engine, make_sessionmaker
+    from supervisor.store import runs, thermometers
+    from monitors.contract import RunInfo
+
+    eng = make_engine(target)
+    with make_sessionmaker(eng).begin() as s:
+        runs.open_attempt(s, RunInfo(run, 0, 8))
+        thermometers.series_ids(s, _keys(n_series))
+    eng.dispose()
+
+
+def bench_raw_sqlite(path: str, steps: int, batch: int, n_series: int, rng) -> float:
+    _prepare_raw("sqlite", f"sqlite:///{path}", n_series, "raw")
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=NORMAL")
+    rows = list(_chunk_rows(steps, batch, n_series, rng))
+    t = time.perf_counter()
+    for chunks, step_rows in rows:
+        con.executemany(_INS_STEP, step_rows)
+        con.executemany(_INS_CHUNK, chunks)
+        con.commit()
+    dt = time.perf_counter() - t
+    con.close()
+    return steps * n_series / dt
+
+
+def _pg_conninfo(schema: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(PG_URL)
+    return f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database} options=-csearch_path={schema}"
+
+
+def bench_raw_pg(schema: str, steps: int, batch: int, n_series: int, rng) -> float:
+    import psycopg
+
+    _prepare_raw("pg", _pg_url(schema), n_series, "raw")
+    rows = list(_chunk_rows(steps, batch, n_series, rng))
+    with psycopg.connect(_pg_conninfo(schema)) as con:
+        t = time.perf_counter()
+        for chunks, step_rows in rows:
+            with con.cursor() as cur:
+                with cur.copy(f"COPY steps {_STEP_COLS} FROM STDIN") as cp:
+                    for r in step_rows:
+                        cp.write_row(r)
+                with cur.copy(f"COPY thermometer_chunks {_CHUNK_COLS} FROM STDIN") as cp:
+                    for r in chunks:
+                        cp.write_row(r)
+            con.commit()
+        dt = time.perf_counter() - t
+    return steps * n_series / dt
+
+
+def _pg_url(schema: str) -> str:
+    return f"{PG_URL}?options=-csearch_path%3D{schema}"
+
+
+def seed_and_read_history(url: str, n_steps: int, reps: int = 5) -> tuple[float, int]:
+    """Seed one series of n_steps in 50-step chunks with the raw driver; time history() (ms, best of reps)."""
+    from supervisor.db import make_engine, make_sessionmaker
+    from supervisor.store import thermometers
+
+    rng = np.random.default_rng(1)
+    key = _keys(1)[0]
+    _prepare_raw("", url, 1, "hist")
+    gen = _chunk_rows(n_steps, 50, 1, rng, run="hist")
+    chunks = [c for cs, _ in gen for c in cs]
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"))
+        con.executemany(_INS_CHUNK, chunks)
+        con.commit()
+        con.close()
+    else:
+        import psycopg
+
+        schema = url.rsplit("%3D", 1)[1]
+        with psycopg.connect(_pg_conninfo(schema)) as con, con.cursor() as cur:
+            with cur.copy(f"COPY thermometer_chunks {_CHUNK_COLS} FROM STDIN") as cp:
+                for r in chunks:
+                    cp.write_row(r)
+            cur.execute("ANALYZE thermometer_chunks")
+    eng = make_engine(url)
+    sessions = make_sessionmaker(eng)
+    best = float("inf")
+    for _ in range(reps):
+        with sessions() as s:
+            t = time.perf_counter()
+            steps, vals = thermometers.history(s, "hist", key)
+            best = min(best, time.perf_counter() - t)
+    eng.dispose()
+    assert len(steps) == n_steps, (len(steps), n_steps)
+    return best * 1e3, len(steps)
+
+
+def bench_layouts(steps: int, n_series: int, batch: int) -> dict:
+    """The measurement behind the chunk layout (store/thermometers.py): raw drivers, three
+    layouts, write values/s and one-series read ms, in a throwaway file / schema."""
+    import psycopg
+
+    rng = np.random.default_rng(0)
+    ddl = {
+        "narrow": ("narrow(run int, attempt int, series int, step bigint, rank int, value double precision, "
+                   "primary key(run, series, step, attempt))"),
+        "wide": "wide(run int, attempt int, step bigint, vals BLOB, primary key(run, step, attempt))",
+        "chunk": ("chunk(run int, series int, attempt int, first_step bigint, last_step bigint, vals BLOB, "
+                  "primary key(run, series, attempt, first_step))"),
+    }
+    read = {"narrow": "select step, value from narrow where run=1 and series=7 order by step",
+            "wide": "select step, vals from wide where run=1 order by step",
+            "chunk": "select first_step, vals from chunk where run=1 and series=7 order by attempt, first_step"}
+
+    def rows(layout, lo):
+        v = rng.standard_normal((batch, n_series))
+        if layout == "narrow":
+            return [(1, 0, j, lo + i, -1, float(v[i, j])) for i in range(batch) for j in range(n_series)]
+        if layout == "wide":
+            return [(1, 0, lo + i, v[i].tobytes()) for i in range(batch)]
+        vt = np.ascontiguousarray(v.T)
+        return [(1, j, 0, lo, lo + batch - 1, vt[j].tobytes()) for j in range(n_series)]
+
+    def decode(layout, fetched):
+        if layout == "narrow":
+            return np.array([r[1] for r in fetched])
+        if layout == "wide":
+            return np.array([np.frombuffer(r[1], np.float64)[7] for r in fetched])
+        return np.frombuffer(b"".join(bytes(r[1]) for r in fetched), np.float64)
+
+    out: dict = {}
+    tmp = tempfile.mkdtemp(prefix="tw-layouts-")
+    schema = f"tw_layouts_{uuid.uuid4().hex[:8]}"
+    admin = psycopg.connect(_pg_conninfo("public"), autocommit=True)
+    admin.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        for layout in ddl:
+            con = sqlite3.connect(f"{tmp}/{layout}.db")
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.execute("create table " + ddl[layout])
+            t = time.perf_counter()
+            for lo in range(0, steps, batch):
+                r = rows(layout, lo)
+                con.executemany(f"insert into {layout.split('(')[0]} values ({','.join('?' * len(r[0]))}) "
+                                "on conflict do nothing", r)
+                con.commit()
+            w = steps * n_series / (time.perf_counter() - t)
+            t = time.perf_counter()
+            n = len(decode(layout, con.execute(read[layout]).fetchall()))
+            out[("sqlite", layout)] = (w, (time.perf_counter() - t) * 1e3, n)
+            con.close()
+            with psycopg.connect(_pg_conninfo(schema)) as con:
+                con.execute("create table " + ddl[layout].replace("BLOB", "bytea"))
+                t = time.perf_counter()
+                for lo in range(0, steps, batch):
+                    with con.cursor().copy(f"COPY {layout} FROM STDIN") as cp:
+                        for r in rows(layout, lo):
+                            cp.write_row(r)
+                    con.commit()
+                w = steps * n_series / (time.perf_counter() - t)
+                t = time.perf_counter()
+                n = len(decode(layout, con.execute(read[layout], binary=True).fetchall()))
+                out[("postgres", layout)] = (w, (time.perf_counter() - t) * 1e3, n)
+    finally:
+        admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"layouts: {steps} steps x {n_series} series, batches of {batch} steps, raw drivers "
+          "(sqlite3 executemany, psycopg COPY)")
+    print(f"{'database':10} {'layout':8} {'write values/s':>15} {'read 1 series ms':>17}")
+    for (d, layout), (w, r, _) in out.items():
+        print(f"{d:10} {layout:8} {w:>15,.0f} {r:>17.1f}")
+    return {f"{d}/{layout}": {"write_values_per_s": round(w), "read_ms": round(r, 1)} for (d, layout), (w, r, _) in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000, help="steps posted per database (default 2000)")
+    ap.add_argument("--batch", type=int, default=50, help="steps per HTTP batch")
+    ap.add_argument("--values", type=int, default=1000, help="thermometer values per step")
+    ap.add_argument("--history-steps", type=int, default=1_000_000)
+    ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    ap.add_argument("--layouts", action="store_true", help="compare storage layouts with the raw drivers instead")
+    ap.add_argument("--serve", nargs=2, metavar=("URL", "PORT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve:
+        serve(a.serve[0], int(a.serve[1]))
+        return
+    import psycopg
+
+    if a.layouts:
+        res = bench_layouts(a.steps, a.values, a.batch)
+        if a.json:
+            print(json.dumps({"bench": "ingest-layouts", "steps": a.steps, "values": a.values, "results": res}))
+        return
+    rng = np.random.default_rng(0)
+    keys = _keys(a.values)
+    bodies = _bodies(a.steps, a.batch, keys, rng)
+    n_values = a.steps * a.values
+    mb = sum(len(b) for b in bodies) / len(bodies) / 1e6
+    results: dict[str, dict] = {}
+    tmp = tempfile.mkdtemp(prefix="tw-bench-")
+    dbs = ["sqlite", "postgres"] if a.db == "both" else [a.db]
+    try:
+        for name in dbs:
+            if name == "sqlite":
+                http_url, raw = f"sqlite:///{tmp}/http.db", None
+                http = bench_http(http_url, bodies, n_values)
+                inproc = bench_inprocess(f"sqlite:///{tmp}/inproc.db", bodies, n_values)
+                raw_db = f"{tmp}/raw.db"
+                from supervisor.db import upgrade
+
+                upgrade(f"sqlite:///{raw_db}")
+                raw = bench_raw_sqlite(raw_db, a.steps, a.batch, a.values, rng)
+                hist_ms, n = seed_and_read_history(f"sqlite:///{raw_db}", a.history_steps)
+            else:
+                from supervisor.db import upgrade
+
+                schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(3)]
+                admin = psycopg.connect(_pg_conninfo("public"), autocommit=True)
+                for s in schemas:
+                    admin.execute(f'CREATE SCHEMA "{s}"')
+                try:
+                    http = bench_http(_pg_url(schemas[0]), bodies, n_values)
+                    inproc = bench_inprocess(_pg_url(schemas[2]), bodies, n_values)
+                    upgrade(_pg_url(schemas[1]))
+                    raw = bench_raw_pg(schemas[1], a.steps, a.batch, a.values, rng)
+                    hist_ms, n = seed_and_read_history(_pg_url(schemas[1]), a.history_steps)
+                finally:
+                    for s in schemas:
+                        admin.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
+                    admin.close()
+            results[name] = {"http_values_per_s": round(http), "inprocess_values_per_s": round(inproc),
+                             "raw_values_per_s": round(raw),
+                             "http_over_raw": round(http / raw, 3), "history_ms": round(hist_ms, 1), "history_points": n}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"ingest: {a.steps} steps x {a.values} values in batches of {a.batch} steps ({mb:.1f} MB JSON per batch), "
+          f"{os.cpu_count()} CPUs")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average at the end: {load:.1f} (shared machine: compare the ratios)")
+    print(f"{'database':10} {'HTTP values/s':>14} {'in-process':>11} {'raw driver':>11} {'HTTP/raw':>9} "
+          f"{'history ms':>11} {'points':>10}")
+    for name, r in results.items():
+        print(f"{name:10} {r['http_values_per_s']:>14,} {r['inprocess_values_per_s']:>11,} {r['raw_values_per_s']:>11,} "
+              f"{r['http_over_raw']:>9.3f} {r['history_ms']:>11.1f} {r['history_points']:>10,}")
+    print("HTTP: uvicorn subprocess, request to committed row. in-process: json.loads + records_from_json +")
+    print("Ingestor.write, no HTTP. raw driver: sqlite3 executemany (ON CONFLICT DO NOTHING) / psycopg COPY")
+    print("of the same chunk + step rows. history: one metric, 10^6 steps in 50-step chunks, best of 5.")
+    if a.json:
+        print(json.dumps({"bench": "ingest", "steps": a.steps, "batch": a.batch, "values": a.values, "load": load,
+                          "results": results}))
+
+
+if __name__ == "__main__":
+    main()

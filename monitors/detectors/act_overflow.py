@@ -1,0 +1,85 @@
+"""Activations approaching the dtype's largest finite value (keys `act_max/*`, `act_min/*`).
+
+|act| > fraction * finfo(dtype).max. Default fraction 0.5: one doubling away from Inf, and a
+doubling is exactly what a residual add of two similar-size tensors or one more step of
+runaway growth does. For fp16 (65504) this is the real overflow risk; for bf16 (3.39e38, the
+fp32 exponent range) activations practically never get there, which is why YaLM moved to bf16,
+and the detector then mostly guards against values that are already absurd. The act_max key is
+reduced by max and act_min by min across ranks (contract.reduction), so one rank suffices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from monitors.contract import Finding, Severity, Signal
+
+from .base import SeriesBase, at_least, slog
+
+# torch.finfo(dtype).max, written out so the detectors import without torch.
+DTYPE_MAX = {
+    "bf16": 3.3895313892515355e38,
+    "fp16": 65504.0,
+    "fp32": 3.4028234663852886e38,
+    "fp8_e4m3": 448.0,
+    "fp8_e5m2": 57344.0,
+}
+
+
+@dataclass
+class ActOverflowConfig:
+    dtype: str = "bf16"  # the trainer's compute dtype (DESIGN.md: bf16 with DeepSpeed)
+    fraction: float = 0.5  # one doubling from Inf (module docstring)
+    critical_fraction: float = 0.9  # within ~10 % of Inf: the next step may overflow
+    clear_steps: int = 5  # points back under the line before it may raise again
+    history: int = 128  # points kept: the baseline window and the onset search
+    # Points searched back for the onset: enough baseline before a change caught within
+    # ~20-40 points, short enough that slow healthy curvature is not read as the break.
+    onset_lookback: int = 96
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_MAX:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_MAX)}, got {self.dtype!r}")
+        if not 0.0 < self.fraction <= self.critical_fraction <= 1.0:
+            raise ValueError(
+                f"need 0 < fraction <= critical_fraction <= 1, got {self.fraction!r}, {self.critical_fraction!r}"
+            )
+        at_least("clear_steps", self.clear_steps, 1)
+        at_least("history", self.history, 8)
+        at_least("onset_lookback", self.onset_lookback, 8)
+        if self.onset_lookback > self.history:
+            raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
+
+    @property
+    def limit(self) -> float:
+        return DTYPE_MAX[self.dtype]
+
+
+class ActOverflowDetector(SeriesBase):
+    signal = Signal.ACT_OVERFLOW
+
+    def __init__(self, key: str, config: ActOverflowConfig | None = None) -> None:
+        self.config = config or ActOverflowConfig()
+        super().__init__(key, self.config.history, self.config.clear_steps)
+
+    def _update(self, step: int, value: float) -> Finding | None:
+        c = self.config
+        if not math.isfinite(value):
+            return None  # non_finite.py reports Inf
+        mag = abs(value)
+        self.history.append(step, slog(mag))
+        self.seen += 1
+        warn_at, crit_at = c.fraction * c.limit, c.critical_fraction * c.limit
+        self.latch.observe(mag <= warn_at)
+        self._count_exceed(step, mag > warn_at)
+        if mag <= warn_at:
+            return None
+        severity = Severity.CRITICAL if mag > crit_at else Severity.WARN
+        if not self.latch.should_fire(severity):
+            return None
+        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
+        self.latch.fire(severity, onset)
+        evidence = {"value": value, "threshold": warn_at, "dtype": c.dtype, "dtype_max": c.limit,
+                    "fraction_of_max": mag / c.limit, "onset_method": method}
+        return self._finding(severity, onset, step, evidence)

@@ -1,0 +1,190 @@
+"""Attention-logit growth and ceiling (keys `attn_logit_max/<module>`, `attn_logit_lse/<module>`).
+
+YaLM-100B: "starting at about 14,000 iterations, the maxima of matmul in attention began to grow
+sharply. This growth is the reason for the divergence." A blowing-up attention logit grows
+*multiplicatively* (a few % per step), while a healthy run drifts slowly up (e.g. 2 -> 8 over a
+few hundred early steps, well under 1 %/step). So we judge log(value):
+
+  growth  = all of, for `confirm` consecutive points:
+            (a) level - baseline > max(z * sigma, ln(min_ratio)): the median of the last
+                `level_points` log values stands well above the median of a trailing baseline
+                window that ends before the slope window (so the ramp does not pull it up);
+            (b) Theil-Sen slope of the last `slope_window` log values >= ln(1 + min_growth)
+                per step: it is *growing*, not a one-step outlier or a plateau.
+  ceiling = value >= `ceiling` (absolute), whatever the history.
+
+LSE bound caveat: `attn_logit_lse` = max + ln(sum_j exp(x_j - max)), an offset in [0, ln(keys)]
+(~8.3 for 4096 keys). Growth in log space still works because a blowup of the max soon
+dominates a bounded additive offset, but: (1) the offset dilutes the relative growth while the
+max is small (log(max + 8) rises slower than log(max)), so detection comes a few steps later;
+(2) the offset moves with attention entropy alone (diffuse attention raises it, collapse onto one
+key lowers it toward 0), which can mimic or mask a few log units of change; (3) the ceiling
+fires earlier on the bound than on the exact max: set `lse_ceiling_offset` to compensate.
+
+Ranks: the value is already the max over ranks (contract.reduction), so growth on one rank
+shows here; outlier_rank.py says which rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from monitors.contract import ATTN_LOGIT_LSE, Finding, Severity, Signal
+
+from .base import SeriesBase, at_least, positive, robust_stats
+
+
+@dataclass
+class AttnLogitConfig:
+    # QK-clip (Kimi K2's MuonClip) caps the max logit at tau = 100; beyond it softmax is
+    # effectively one-hot and bf16 logits lose integer precision (arXiv:2507.20534).
+    ceiling: float = 100.0
+    # ln(4096 keys) ~ 8.3: the LSE bound can sit this far above the exact max.
+    lse_ceiling_offset: float = 0.0
+    # Baseline window (points): long enough for a robust median, short enough to follow
+    # healthy early-training drift.
+    window: int = 64
+    # Points in the slope fit; also the gap between the baseline window and "now".
+    slope_window: int = 16
+    # Median of the last 3 log values: one noisy point neither triggers nor clears.
+    level_points: int = 3
+    # 1 %/step: healthy drift (2 -> 8 in 300 steps) is ~0.5 %/step, YaLM-style blowups are
+    # several %/step.
+    min_growth: float = 0.01
+    # The level must be 25 % above baseline before growth counts (noise floor for quiet series).
+    min_ratio: float = 1.25
+    # Robust z on the baseline's log spread; 4 keeps healthy noisy drift out.
+    z: float = 4.0
+    # Consecutive points before firing: 3 points rejects a 1-2 point blip, adds <= 3 steps.
+    confirm: int = 3
+    # Level twice the baseline: escalate to CRITICAL (the run is diverging, roll back).
+    critical_ratio: float = 2.0
+    # Growth below this level is learning, not a blowup: a healthy 4-layer byte-level GPT at
+    # lr 5e-3 took its LSE logit from 5 to 30 in 200 steps (measured, docs/demo.md), which the
+    # ratio test alone reads as a 2.5x "blowup". Softmax saturation needs logits well above it.
+    min_level: float = 20.0
+    # Points seen before any growth finding. Early training moves logits fast and for real: a
+    # 2-layer char model at lr 3e-3 went 1.4 -> 10 in 16 steps and 8 -> 11 around step 100,
+    # then trained fine. (The ceiling has no warm-up: 100+ is never a phase.)
+    warmup: int = 200
+    # Points kept for the onset search (bounded buffer).
+    history: int = 128
+    # Points searched back for the onset: enough baseline before a change caught within
+    # ~20-40 points, short enough that slow healthy curvature is not read as the break.
+    onset_lookback: int = 96
+    # Consecutive in-band points before a finding may be raised again.
+    clear_steps: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("ceiling", "min_growth", "z", "critical_ratio", "min_level"):
+            positive(name, getattr(self, name))
+        if not self.lse_ceiling_offset >= 0:
+            raise ValueError(f"lse_ceiling_offset must be >= 0, got {self.lse_ceiling_offset!r}")
+        if not self.min_ratio > 1.0:
+            raise ValueError(f"min_ratio must be > 1 (a ratio over baseline), got {self.min_ratio!r}")
+        at_least("window", self.window, 4)
+        at_least("slope_window", self.slope_window, 3)
+        at_least("level_points", self.level_points, 1)
+        at_least("confirm", self.confirm, 1)
+        at_least("warmup", self.warmup, 0)
+        at_least("clear_steps", self.clear_steps, 1)
+        at_least("history", self.history, self.window + self.slope_window)
+        at_least("onset_lookback", self.onset_lookback, 8)
+        if self.onset_lookback > self.history:
+            raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
+        if self.level_points > self.slope_window:
+            raise ValueError("level_points must not exceed slope_window")
+
+
+def theil_sen_slope(steps: np.ndarray, values: np.ndarray) -> float:
+    """Median of pairwise slopes: one outlier among 16 points cannot fake a trend."""
+    i, j = np.triu_indices(values.size, k=1)
+    dt = steps[j] - steps[i]
+    good = dt > 0
+    if not good.any():
+        return 0.0
+    return float(np.median((values[j] - values[i])[good] / dt[good]))
+
+
+class AttnLogitGrowthDetector(SeriesBase):
+    """Sustained multiplicative growth of one attention-logit series."""
+
+    signal = Signal.ATTN_LOGIT_GROWTH
+
+    def __init__(self, key: str, config: AttnLogitConfig | None = None) -> None:
+        self.config = config or AttnLogitConfig()
+        super().__init__(key, self.config.history, self.config.clear_steps)
+
+    def _update(self, step: int, value: float) -> Finding | None:
+        c = self.config
+        if not math.isfinite(value) or value <= 0.0:
+            return None  # non_finite.py reports NaN/Inf; log space needs a positive value
+        self.history.append(step, math.log(value))
+        self.seen += 1
+        base = self.history.tail(c.window, skip_last=c.slope_window)
+        if self.seen <= c.warmup or base.size < c.window // 2:
+            return None
+        med, sigma = robust_stats(base)
+        level = float(np.median(self.history.tail(c.level_points)))
+        rise = level - med
+        thr = max(c.z * sigma, math.log(c.min_ratio))
+        self.latch.observe(rise <= thr / 2)
+        slope = math.nan
+        exceeded = rise > thr and level >= math.log(c.min_level)
+        if exceeded:  # the slope costs O(slope_window^2); only pay it when the level is up
+            slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
+            exceeded = slope >= math.log1p(c.min_growth)
+        self._count_exceed(step, exceeded)
+        if self.run < c.confirm:
+            return None
+        severity = Severity.CRITICAL if rise >= math.log(c.critical_ratio) else Severity.WARN
+        if not self.latch.should_fire(severity):
+            return None
+        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
+        self.latch.fire(severity, onset)
+        return self._finding(severity, onset, step, self._evidence(value, med, rise, thr, slope, method))
+
+    def _evidence(self, value: float, med: float, rise: float, thr: float, slope: float, method: str) -> dict[str, Any]:
+        return {
+            "value": value,
+            "baseline": math.exp(med),
+            "ratio": math.exp(rise),
+            "threshold": math.exp(med + thr),  # the level (not one point) had to pass this
+            "threshold_ratio": math.exp(thr),
+            "growth_per_step": math.expm1(slope),
+            "min_growth_per_step": self.config.min_growth,
+            "recent": [math.exp(v) for v in self.history.tail(8)],
+            "onset_method": method,
+        }
+
+
+class AttnLogitCeilingDetector(SeriesBase):
+    """Absolute ceiling on one attention-logit series (latched; clears below 90 % of it)."""
+
+    signal = Signal.ATTN_LOGIT_CEILING
+
+    def __init__(self, key: str, config: AttnLogitConfig | None = None) -> None:
+        self.config = config or AttnLogitConfig()
+        super().__init__(key, self.config.history, self.config.clear_steps)
+        offset = self.config.lse_ceiling_offset if self.metric == ATTN_LOGIT_LSE else 0.0
+        self.ceiling = self.config.ceiling + offset
+
+    def _update(self, step: int, value: float) -> Finding | None:
+        if not math.isfinite(value) or value <= 0.0:
+            return None
+        self.history.append(step, math.log(value))
+        self.seen += 1
+        over = value >= self.ceiling
+        self.latch.observe(value < 0.9 * self.ceiling)
+        self._count_exceed(step, over)
+        if not over or self.latch.active:
+            return None
+        onset, method = self._onset(self.config.onset_lookback)
+        self.latch.fire(Severity.CRITICAL, onset)
+        evidence = {"value": value, "threshold": self.ceiling, "onset_method": method,
+                    "recent": [math.exp(v) for v in self.history.tail(8)]}
+        return self._finding(Severity.CRITICAL, onset, step, evidence)

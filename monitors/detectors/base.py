@@ -1,0 +1,271 @@
+"""Shared pieces of the streaming detectors: the seam Protocols, a bounded step/value history,
+a severity latch, robust window statistics and a strict-JSON helper for evidence.
+
+Every detector is pure (no clock, no I/O), O(1) amortised per point (bounded buffers only) and
+restartable: `state_dict()` returns strict JSON (no NaN, so it fits PostgreSQL JSONB) and
+`load_state_dict()` restores it exactly, so findings after a supervisor restart are the same
+as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from itertools import islice
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from monitors.contract import Finding, Severity, Signal, split_key
+
+from .onset import estimate_onset
+
+_RANK = {Severity.INFO: 0, Severity.WARN: 1, Severity.CRITICAL: 2}
+
+# 1.4826 * MAD estimates the standard deviation of Gaussian noise (consistency constant).
+MAD_TO_SIGMA = 1.4826
+
+
+@runtime_checkable
+class SeriesDetector(Protocol):
+    """One instance judges one metric key (one series)."""
+
+    def update(self, step: int, value: float, wall_time: float | None = None) -> Finding | None: ...
+
+    def reset(self, to_step: int | None = None) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...
+
+
+def severity_rank(s: Severity) -> int:
+    return _RANK[s]
+
+
+def jsonable(x: Any) -> Any:
+    """Strict-JSON form of evidence: non-finite floats become "nan"/"inf"/"-inf" strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, (np.floating, np.integer)):
+        return jsonable(x.item())
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def robust_stats(values: np.ndarray) -> tuple[float, float]:
+    """(median, sigma) with sigma = 1.4826 * MAD: half the window may be outliers and the
+    baseline still holds, unlike mean/std where one spike inflates the threshold."""
+    med = float(np.median(values))
+    return med, MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
+
+
+def slog(v: float) -> float:
+    """Signed log1p: a log scale for values that may be negative or zero (act_min, loss)."""
+    return math.copysign(math.log1p(abs(v)), v)
+
+
+class History:
+    """Bounded (step, value) buffer. Appends are O(1); `rewind` drops points from a rolled-back
+    stretch so repeated steps after a rollback do not sit next to their first run."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self.steps: deque[int] = deque(maxlen=maxlen)
+        self.values: deque[float] = deque(maxlen=maxlen)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, step: int, value: float) -> None:
+        self.steps.append(int(step))
+        self.values.append(float(value))
+
+    def tail(self, n: int, skip_last: int = 0) -> np.ndarray:
+        """The `n` values before the last `skip_last` ones (fewer if the buffer is short)."""
+        vals = self.values
+        end = len(vals) - skip_last
+        start = max(0, end - n)
+        if end <= 0:
+            return np.empty(0)
+        # deques do not slice; islice walks at most `maxlen` items, a bounded cost.
+        return np.fromiter(islice(vals, start, end), dtype=np.float64, count=end - start)
+
+    def tail_steps(self, n: int) -> np.ndarray:
+        end = len(self.steps)
+        start = max(0, end - n)
+        return np.fromiter(islice(self.steps, start, end), dtype=np.float64, count=end - start)
+
+    def rewind(self, to_step: int | None) -> int:
+        """Drop points at or after `to_step` (all with None); returns how many were dropped."""
+        n = len(self.steps)
+        if to_step is None:
+            self.steps.clear()
+            self.values.clear()
+            return n
+        while self.steps and self.steps[-1] >= to_step:
+            self.steps.pop()
+            self.values.pop()
+        return n - len(self.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "values": list(self.values)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.steps = deque((int(s) for s in d["steps"]), maxlen=self.maxlen)
+        self.values = deque((float(v) for v in d["values"]), maxlen=self.maxlen)
+
+
+class Latch:
+    """Raise a finding once per excursion. Re-raise only to escalate severity (WARN ->
+    CRITICAL); clear after `clear_steps` consecutive points back inside the baseline band."""
+
+    def __init__(self, clear_steps: int) -> None:
+        self.clear_steps = clear_steps
+        self.severity: Severity | None = None
+        self.onset_step = -1
+        self._clear_run = 0
+
+    @property
+    def active(self) -> bool:
+        return self.severity is not None
+
+    def should_fire(self, severity: Severity) -> bool:
+        return self.severity is None or severity_rank(severity) > severity_rank(self.severity)
+
+    def fire(self, severity: Severity, onset_step: int) -> None:
+        if self.severity is None:
+            self.onset_step = onset_step  # an escalation keeps the first onset
+        self.severity = severity
+        self._clear_run = 0
+
+    def observe(self, inside_band: bool) -> None:
+        if self.severity is None:
+            return
+        self._clear_run = self._clear_run + 1 if inside_band else 0
+        if self._clear_run >= self.clear_steps:
+            self.reset()
+
+    def reset(self) -> None:
+        self.severity = None
+        self.onset_step = -1
+        self._clear_run = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "severity": self.severity.value if self.severity else None,
+            "onset_step": self.onset_step,
+            "clear_run": self._clear_run,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.severity = Severity(d["severity"]) if d["severity"] else None
+        self.onset_step = int(d["onset_step"])
+        self._clear_run = int(d["clear_run"])
+
+
+class SeriesBase:
+    """Common bookkeeping for one-series detectors: key split, history, latch, the count of
+    points seen (for warm-up), implicit rewind when steps go backwards, and state."""
+
+    signal: Signal
+
+    def __init__(self, key: str, history: int, clear_steps: int) -> None:
+        self.key = key
+        self.metric, self.module = split_key(key)
+        self.history = History(history)
+        self.latch = Latch(clear_steps)
+        self.seen = 0  # finite points seen since the last full reset (drives warm-up)
+        self.last_step: int | None = None
+        self.run = 0  # consecutive points past the threshold
+        self.first_exceed = -1  # first step of that run
+
+    def update(self, step: int, value: float, wall_time: float | None = None) -> Finding | None:
+        if self.last_step is not None and step <= self.last_step:
+            # Steps went back without reset(): an unannounced rollback, or a re-sent record.
+            # Keep a latch whose excursion began before `step`, so a duplicate does not
+            # raise the same finding twice.
+            keep = self.latch.state_dict() if self.latch.active and self.latch.onset_step < step else None
+            self.reset(step)
+            if keep is not None:
+                self.latch.load_state_dict(keep)
+        self.last_step = step
+        return self._update(int(step), float(value))
+
+    def _update(self, step: int, value: float) -> Finding | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def reset(self, to_step: int | None = None) -> None:
+        """After a rollback to `to_step`: forget points at or after it, drop the latch. With
+        None, forget everything (warm-up starts again)."""
+        dropped = self.history.rewind(to_step)
+        self.latch.reset()
+        self.run, self.first_exceed = 0, -1
+        if to_step is None:
+            self.seen = 0
+            self.last_step = None
+        else:
+            # Warm-up is about the run's age, which the rollback only shortens by what it
+            # dropped; a rollback deeper than the buffer still waits for a refilled window.
+            self.seen = max(0, self.seen - dropped)
+            self.last_step = self.history.steps[-1] if len(self.history) else None
+
+    def _count_exceed(self, step: int, exceeded: bool) -> None:
+        if exceeded:
+            if self.run == 0:
+                self.first_exceed = step
+            self.run += 1
+        else:
+            self.run, self.first_exceed = 0, -1
+
+    def _onset(self, lookback: int) -> tuple[int, str]:
+        """Onset from the buffered history (which already holds the detection point)."""
+        steps = self.history.tail_steps(lookback)
+        values = self.history.tail(lookback)
+        return estimate_onset(steps, values, self.first_exceed)
+
+    def _finding(self, severity: Severity, onset: int, step: int, evidence: dict[str, Any]) -> Finding:
+        return Finding(
+            signal=self.signal,
+            module=self.module,
+            severity=severity,
+            onset_step=onset,
+            detect_step=step,
+            metric=self.key,
+            evidence=jsonable(evidence),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "history": self.history.state_dict(),
+            "latch": self.latch.state_dict(),
+            "seen": self.seen,
+            "last_step": self.last_step,
+            "run": self.run,
+            "first_exceed": self.first_exceed,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d["key"] != self.key:
+            raise ValueError(f"state is for series {d['key']!r}, not {self.key!r}")
+        self.history.load_state_dict(d["history"])
+        self.latch.load_state_dict(d["latch"])
+        self.seen = int(d["seen"])
+        self.last_step = None if d["last_step"] is None else int(d["last_step"])
+        self.run = int(d["run"])
+        self.first_exceed = int(d["first_exceed"])
+
+
+def positive(name: str, value: float) -> None:
+    """Config validation helper: the message names the field and the fix."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def at_least(name: str, value: int, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")

@@ -1,0 +1,92 @@
+"""Attention-logit thermometers: the probe slot, and explicit QK^T for torch.nn.MultiheadAttention.
+
+The probe protocol (duck-typed, so `monitors` never imports `trainer`): an attention module
+with a `thermo_probe` attribute reads `probe.mode` each forward (None = not sampled, or
+"lse" / "exact" / "flex") and `probe.heads` (device index of the heads to compute
+explicitly, None = all), then calls `probe.put_lse(lse[B, H, T])` or
+`probe.put_scores_max(max[len(heads)])` with detached tensors. trainer.model implements it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from monitors.thermometers.slots import Slots
+
+
+class AttnProbe:
+    """Writes one module's attention-logit figures into its slots: the max over batch, heads
+    and query positions at `slot`, and with `per_head` one value per head after it."""
+
+    def __init__(self, slots: Slots, slot: int, n_head: int, per_head: bool) -> None:
+        self.slots, self.slot, self.n_head, self.per_head = slots, slot, n_head, per_head
+        self.mode: str | None = None  # set by Thermometers.begin_step on sampled steps
+        self.heads: torch.Tensor | None = None
+
+    def put_lse(self, lse: torch.Tensor) -> None:
+        if self.per_head:
+            per = lse.amax(dim=(0, 2))
+            self.slots.put(self.slot + 1, per)
+            self.slots.put(self.slot, per.amax().reshape(1))
+        else:
+            self.slots.put(self.slot, lse.amax().reshape(1))
+
+    def put_scores_max(self, m: torch.Tensor) -> None:
+        self.slots.put(self.slot, m.amax().reshape(1))
+        if self.per_head:
+            if self.heads is None:
+                self.slots.put(self.slot + 1, m)
+            else:
+                self.slots.put_indexed(self.slot + 1, self.n_head, self.heads, m)
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default
+
+
+@torch.no_grad()
+def mha_scores_max(mha: nn.MultiheadAttention, args: tuple, kwargs: dict, heads: torch.Tensor | None) -> torch.Tensor:
+    """Exact max of the pre-softmax logits QK^T/sqrt(d) (+ an additive float mask; masked
+    positions excluded) for `heads` of an nn.MultiheadAttention call, recomputed from its
+    inputs: only the sampled heads' rows of the q/k projections. Returns [len(heads)] fp32.
+    add_bias_kv's extra key is ignored."""
+    query = _arg(args, kwargs, 0, "query")
+    key = _arg(args, kwargs, 1, "key")
+    key_padding_mask = _arg(args, kwargs, 3, "key_padding_mask")
+    attn_mask = _arg(args, kwargs, 5, "attn_mask")
+    is_causal = _arg(args, kwargs, 7, "is_causal", False)
+    if query.dim() == 2:  # unbatched (T, E)
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif not mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    e, n_head = mha.embed_dim, mha.num_heads
+    hd = e // n_head
+    heads = torch.arange(n_head, device=query.device) if heads is None else heads
+    rows = (heads[:, None] * hd + torch.arange(hd, device=query.device)).reshape(-1)
+    if mha._qkv_same_embed_dim:
+        wq, wk = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+    else:
+        wq, wk = mha.q_proj_weight, mha.k_proj_weight
+    bias = mha.in_proj_bias
+    bq, bk = (None, None) if bias is None else (bias[:e][rows], bias[e : 2 * e][rows])
+    b, t, s = query.shape[0], query.shape[1], key.shape[1]
+    k_sel = heads.numel()
+    q = F.linear(query, wq[rows], bq).view(b, t, k_sel, hd).transpose(1, 2).float()
+    k = F.linear(key, wk[rows], bk).view(b, s, k_sel, hd).transpose(1, 2).float()
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(hd)  # [B, k, T, S]
+    if attn_mask is not None:
+        m = attn_mask if attn_mask.dim() == 2 else attn_mask.view(b, n_head, t, s)[:, heads]
+        scores = scores.masked_fill(m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    elif is_causal:
+        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if key_padding_mask is not None:
+        kpm = key_padding_mask[:, None, None, :]
+        scores = scores.masked_fill(kpm, float("-inf")) if kpm.dtype == torch.bool else scores + kpm.float()
+    return scores.amax(dim=(0, 2, 3))

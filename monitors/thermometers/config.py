@@ -1,0 +1,72 @@
+"""What the thermometers measure, and how often."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+# A transformer block in our GPT (`blocks.3`), torch.nn.TransformerEncoder (`layers.3`),
+# HF GPT-2 (`transformer.h.3`) and Llama-style models (`model.layers.3`).
+BLOCK_PATTERN = r"(^|\.)(blocks|layers|h)\.\d+$"
+
+ATTN_MODES = ("lse", "exact", "flex")
+
+
+@dataclass
+class ThermometerConfig:
+    # Modules whose output gets act_max/act_min, by qualified-name regex (re.search) ...
+    act_patterns: tuple[str, ...] = (
+        r"(^|\.)embed_norm$",  # YaLM's LayerNorm after the embeddings
+        BLOCK_PATTERN,  # residual stream after each block
+        r"\.(attn|self_attn|attention)$",  # attention outputs
+        r"\.(mlp|ffn|feed_forward)$",  # MLP outputs
+        r"(^|\.)(final_norm|ln_f|norm)$",  # the last norm before the head
+        r"(^|\.)(head|lm_head)$",  # the logits
+    )
+    # ... or by type: foreign models name their attention freely, the class is stable.
+    act_types: tuple[type, ...] = (nn.MultiheadAttention,)
+    # Modules whose output is logits: z/<module> = max over tokens of logsumexp over the vocab.
+    z_patterns: tuple[str, ...] = (r"(^|\.)(head|lm_head)$",)
+    # Attention modules: these types (explicit QK^T on sampled heads, recomputed from the
+    # inputs) plus every module exposing a `thermo_probe` slot (trainer.model's attention).
+    attn_types: tuple[type, ...] = (nn.MultiheadAttention,)
+    # How probe modules measure: "lse" = the fused kernel's log-sum-exp, a bound
+    # max <= lse <= max + ln(keys), free (no T x T); "exact" = explicit QK^T (T x T per head);
+    # "flex" = FlexAttention max_scores, exact and fused, CUDA only.
+    attn_mode: str = "lse"
+    # Heads per attention module the explicit QK^T path computes each sampled step, rotating
+    # through all heads step by step; None = every head (then the max is exact, not a sample).
+    attn_heads: int | None = None
+    per_head: bool = False  # also one key per head: `<metric>/<module>.heads.<h>`
+    # Modules whose parameters get grad_norm/<module> (a parameter counts in every match).
+    grad_patterns: tuple[str, ...] = (BLOCK_PATTERN, r"(^|\.)(embed|head|lm_head)$")
+    # Sampling intervals per group, in steps (step % every == 0 is sampled). 1 = every step:
+    # a divergence can take off within tens of steps (PaLM restarts ~100 steps before a spike).
+    act_every: int = 1
+    attn_every: int = 1
+    grad_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("act_patterns", "z_patterns", "grad_patterns"):
+            for pat in getattr(self, name):
+                try:
+                    re.compile(pat)
+                except re.error as exc:
+                    raise ValueError(f"ThermometerConfig.{name}: bad regex {pat!r}: {exc}") from exc
+        for name in ("act_types", "attn_types"):
+            for t in getattr(self, name):
+                if not (isinstance(t, type) and issubclass(t, nn.Module)):
+                    raise ValueError(f"ThermometerConfig.{name} must hold nn.Module classes, got {t!r}")
+        if self.attn_mode not in ATTN_MODES:
+            raise ValueError(f"ThermometerConfig.attn_mode={self.attn_mode!r} is not one of {ATTN_MODES}")
+        if self.attn_heads is not None and (isinstance(self.attn_heads, bool) or self.attn_heads < 1):
+            raise ValueError(f"ThermometerConfig.attn_heads must be >= 1 or None, got {self.attn_heads!r}")
+        for name in ("act_every", "attn_every", "grad_every"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1, got {val!r}")
+
+    def matches(self, patterns: tuple[str, ...], name: str) -> bool:
+        return any(re.search(p, name) for p in patterns)

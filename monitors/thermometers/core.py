@@ -1,0 +1,316 @@
+"""Thermometers for any torch model: hooks that measure into one device tensor per step.
+
+Per step (the order the trainer calls things):
+
+    th.begin_step(step)          # arm the groups sampled this step, NaN-fill the slots
+    loss = model(...); loss.backward()   # hooks write amax/amin, attention logits, grad norms
+    th.end_step(loss=loss, lr=lr, grad_norm=gn)   # finish grad norms, start ONE host copy
+    values = th.collect()        # float64 [len(th.names)], NaN where a group was not sampled
+
+Cost (Composer's activation monitor reads `.item()` per module; we do not): every hook issues
+a few small device ops into preallocated slots, nothing waits for the device until the
+single copy in end_step, which is `non_blocking` into pinned memory on CUDA (collect() waits
+for that copy only, so call it a step later to never stall) and synchronous on CPU.
+
+Gradient norms come from parameter tensor hooks (`p.register_hook`), which see each gradient
+as autograd produces it. That works under DeepSpeed ZeRO 1/2/3, where `.grad` is None after
+backward because ZeRO moves gradients into its buckets: the value is the rank's *local,
+pre-reduction* gradient (before the all-reduce / reduce-scatter and before clipping; with
+fp16 loss scaling it includes the loss scale). With gradient accumulation the hook fires
+once per micro-batch and the norms combine as sqrt(sum of squares over micro-batches).
+A tied parameter is one tensor and counts in every group that holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from monitors.contract import (
+    ACT_MAX,
+    ACT_MIN,
+    ATTN_LOGIT_LSE,
+    ATTN_LOGIT_MAX,
+    GRAD_NORM,
+    LOSS,
+    LR,
+    Z,
+    metric_key,
+)
+from monitors.thermometers.attention import AttnProbe, mha_scores_max
+from monitors.thermometers.config import ThermometerConfig
+from monitors.thermometers.slots import Slots
+
+_SCALARS = (LOSS, LR, GRAD_NORM)  # slots 0, 1, 2: given by the caller in end_step
+
+
+def _first_float_tensor(out) -> torch.Tensor | None:
+    """A module's output, or the first floating tensor of a tuple/list output (HF models,
+    nn.MultiheadAttention return tuples)."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, (tuple, list)):
+        for t in out:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return t
+    return None
+
+
+@dataclass
+class _Attn:
+    name: str
+    module: nn.Module
+    probe: AttnProbe
+    explicit: bool  # True: nn.MultiheadAttention recomputed by our pre-hook
+    mode: str  # what probe.mode becomes on sampled steps
+
+
+class Thermometers:
+    """Build with `instrument(model, config)`. `names` is the fixed order of `collect()`."""
+
+    def __init__(self, model: nn.Module, config: ThermometerConfig | None = None, device=None) -> None:
+        cfg = config or ThermometerConfig()
+        self.model, self.config = model, cfg
+        param = next(model.parameters(), None)
+        # The slots must live where the activations do, or every hook becomes a D2H sync.
+        self.device = torch.device(device) if device is not None else param.device if param is not None else torch.device("cpu")
+        names: list[str] = list(_SCALARS)
+        act, z, attn, groups = [], [], [], []
+        for name, mod in model.named_modules():
+            if not name:
+                continue
+            if cfg.matches(cfg.act_patterns, name) or isinstance(mod, cfg.act_types):
+                act.append((name, mod))
+            if cfg.matches(cfg.z_patterns, name):
+                z.append((name, mod))
+            if hasattr(mod, "thermo_probe") or isinstance(mod, cfg.attn_types):
+                attn.append((name, mod))
+            if cfg.matches(cfg.grad_patterns, name):
+                groups.append((name, mod))
+        act_slots = {}
+        for name, _ in act:
+            act_slots[name] = len(names)
+            names += [metric_key(ACT_MAX, name), metric_key(ACT_MIN, name)]
+        z_slots = {}
+        for name, _ in z:
+            z_slots[name] = len(names)
+            names.append(metric_key(Z, name))
+        attn_slots = []
+        for name, mod in attn:
+            explicit = not hasattr(mod, "thermo_probe")
+            mode = "exact" if explicit else cfg.attn_mode
+            metric = ATTN_LOGIT_LSE if mode == "lse" else ATTN_LOGIT_MAX
+            n_head = getattr(mod, "num_heads", None) or getattr(mod, "n_head", None)
+            if (cfg.per_head or cfg.attn_heads is not None) and not n_head:
+                raise ValueError(
+                    f"attention module {name!r} ({type(mod).__name__}) has no `n_head`/`num_heads`; "
+                    "per_head and attn_heads need it: set ThermometerConfig(per_head=False, attn_heads=None)"
+                )
+            attn_slots.append((name, mod, len(names), n_head or 0, explicit, mode))
+            names.append(metric_key(metric, name))
+            if cfg.per_head:
+                names += [metric_key(metric, f"{name}.heads.{h}") for h in range(n_head)]
+        grad_start = len(names)
+        names += [metric_key(GRAD_NORM, name) for name, _ in groups]
+        self.names: list[str] = names
+        self._slots = Slots(len(names), self.device)
+        self._grad_slice = slice(grad_start, len(names))
+
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._act_on = self._attn_on = self._grad_on = False
+        for name, mod in act:
+            self._handles.append(mod.register_forward_hook(self._act_hook(act_slots[name])))
+        for name, mod in z:
+            self._handles.append(mod.register_forward_hook(self._z_hook(z_slots[name])))
+        self._attn: list[_Attn] = []
+        self._head_index: dict[tuple[int, int], torch.Tensor] = {}
+        for name, mod, slot, n_head, explicit, mode in attn_slots:
+            probe = AttnProbe(self._slots, slot, n_head, cfg.per_head)
+            if explicit:
+                self._handles.append(mod.register_forward_pre_hook(self._mha_hook(probe), with_kwargs=True))
+            elif mod.thermo_probe is not None:
+                self.detach()
+                raise RuntimeError(
+                    f"{name!r} already carries a thermo_probe: the model is instrumented twice; "
+                    "detach() the other Thermometers first"
+                )
+            else:
+                mod.thermo_probe = probe
+            self._attn.append(_Attn(name, mod, probe, explicit, mode))
+
+        # Gradient norms: one slot per unique trainable parameter, summed into groups at end_step.
+        params, index = [], {}
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in index:
+                index[id(p)] = len(params)
+                params.append(p)
+        src, dst = [], []
+        for g, (_, mod) in enumerate(groups):
+            for p in {id(p): p for p in mod.parameters() if id(p) in index}.values():
+                src.append(index[id(p)])
+                dst.append(g)
+        self._pnorm = torch.zeros(len(params), dtype=torch.float32, device=self.device)
+        self._pseen = [False] * len(params)
+        self._src = torch.tensor(src, dtype=torch.long, device=self.device)
+        self._dst = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for j, p in enumerate(params):
+            self._handles.append(p.register_hook(self._grad_hook(j)))
+
+        self._host: list[torch.Tensor] = []
+        if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's
+            self._host = [torch.empty(len(names), dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self._ring = 0
+        self._pending: tuple[int, torch.Tensor, object] | None = None
+        self.step: int | None = None
+        self.last_step: int | None = None  # the step the latest collect() returned
+        self._detached = False
+
+    # --- hooks (hot path: tensor ops only, no host sync) ------------------------------------
+
+    def _act_hook(self, slot: int):
+        def hook(mod, args, out):
+            if not self._act_on:
+                return
+            t = _first_float_tensor(out)
+            if t is not None and t.numel():
+                mn, mx = torch.aminmax(t.detach())
+                self._slots.put_minmax(slot, mn, mx)
+
+        return hook
+
+    def _z_hook(self, slot: int):
+        def hook(mod, args, out):
+            if not self._act_on:
+                return
+            t = _first_float_tensor(out)
+            if t is not None and t.numel():
+                # Max over tokens (not the mean PaLM's z-loss penalises): one runaway token shows.
+                z = torch.logsumexp(t.detach().float(), dim=-1).amax()
+                self._slots.put(slot, z.reshape(1))
+
+        return hook
+
+    def _mha_hook(self, probe: AttnProbe):
+        def hook(mod, args, kwargs):
+            if probe.mode is not None:
+                probe.put_scores_max(mha_scores_max(mod, args, kwargs, probe.heads))
+
+        return hook
+
+    def _grad_hook(self, j: int):
+        def hook(grad: torch.Tensor):
+            if not self._grad_on:
+                return None
+            slot = self._pnorm[j]
+            if not self._pseen[j]:
+                torch.linalg.vector_norm(grad, dtype=torch.float32, out=slot)
+                self._pseen[j] = True
+            else:  # another micro-batch: sqrt(a^2 + b^2)
+                torch.hypot(slot, torch.linalg.vector_norm(grad, dtype=torch.float32), out=slot)
+            return None  # never changes the gradient
+
+        return hook
+
+    # --- step protocol ----------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        if self._detached:
+            raise RuntimeError("these thermometers were detached; call instrument(model) again")
+        cfg = self.config
+        self.step = step
+        self._act_on = step % cfg.act_every == 0
+        self._attn_on = step % cfg.attn_every == 0
+        self._grad_on = step % cfg.grad_every == 0
+        self._slots.reset()
+        if self._grad_on:
+            self._pnorm.zero_()
+            self._pseen = [False] * len(self._pseen)
+        for a in self._attn:
+            a.probe.mode = a.mode if self._attn_on else None
+            a.probe.heads = self._heads(step, a.probe.n_head) if a.mode == "exact" else None
+
+    def _heads(self, step: int, n_head: int) -> torch.Tensor | None:
+        """The heads the explicit path computes this step: attn_heads of them, rotating."""
+        k = self.config.attn_heads
+        if k is None or k >= n_head:
+            return None
+        start = (step * k) % n_head
+        key = (start, n_head)
+        if key not in self._head_index:  # built once per rotation, then reused: no H2D per step
+            idx = [(start + j) % n_head for j in range(k)]
+            self._head_index[key] = torch.tensor(idx, dtype=torch.long, device=self.device)
+        return self._head_index[key]
+
+    def end_step(self, loss=None, lr=None, grad_norm=None) -> None:
+        """Close the step: scalars (floats or device tensors, never synced), group grad norms
+        (global norm over this rank's gradients when `grad_norm` is None), one host copy."""
+        buf = self._slots.buf
+        for i, val in enumerate((loss, lr, grad_norm)):
+            if isinstance(val, torch.Tensor):
+                buf[i].copy_(val.detach().reshape(()))
+            elif val is not None:
+                buf[i].fill_(float(val))
+        if self._grad_on and any(self._pseen):
+            sq = self._pnorm.square()
+            groups = torch.zeros(self._grad_slice.stop - self._grad_slice.start, device=self.device)
+            groups.index_add_(0, self._dst, sq.index_select(0, self._src))
+            buf[self._grad_slice].copy_(groups.sqrt_())
+            if grad_norm is None:
+                buf[2].copy_(sq.sum().sqrt())
+        self._act_on = self._attn_on = self._grad_on = False
+        for a in self._attn:
+            a.probe.mode = None
+        if self._host:
+            host = self._host[self._ring]
+            self._ring ^= 1
+            host.copy_(buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (self.step, host, event)
+        else:
+            self._pending = (self.step, buf.clone(), None)
+
+    def collect(self, block: bool = True) -> np.ndarray | None:
+        """Values of the latest ended step (float64, aligned with `names`), each step at most
+        once; None when nothing new. On CUDA with block=False, None while the copy runs."""
+        if self._pending is None:
+            return None
+        step, host, event = self._pending
+        if event is not None:
+            if not block and not event.query():
+                return None
+            event.synchronize()
+        self._pending = None
+        self.last_step = step
+        return host.numpy().astype(np.float64)
+
+    def as_dict(self, values: np.ndarray) -> dict[str, float]:
+        return dict(zip(self.names, values.tolist()))
+
+    def detach(self) -> None:
+        """Remove every hook and probe; the model then runs exactly as before instrument()."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for a in self._attn:
+            if not a.explicit:
+                a.module.thermo_probe = None
+        self._detached = True
+
+    def __enter__(self) -> "Thermometers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+
+def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None) -> Thermometers:
+    """Attach thermometers to `model` (any nn.Module). See ThermometerConfig for what is measured.
+
+    Call it once the model sits on its device (e.g. after `deepspeed.initialize`), or pass
+    `device`: the slots are allocated there. Works on a ZeRO-3 model whose parameters are
+    already partitioned (hooks go on the Parameter objects, which ZeRO keeps)."""
+    return Thermometers(model, config, device)

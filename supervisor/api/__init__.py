@@ -1,0 +1,1 @@
+"""HTTP API routers (FastAPI). Each module exposes a router factory; the app assembles them."""

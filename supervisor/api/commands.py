@@ -1,0 +1,89 @@
+"""The command channel over HTTP, and manual actions (thin routers over supervisor.executor).
+
+    GET  /api/runs/{run_id}/commands            -> {"commands": [Command...]}   (pending -> sent)
+    POST /api/runs/{run_id}/acks                {Ack}                          -> {"ok": true}
+    POST /api/runs/{run_id}/actions             {"kind", "args", "who", "reason"} -> 201 {"action_id"}
+    POST /api/actions/{action_id}/approve       {"who"}                        -> {"ok": true}
+    POST /api/actions/{action_id}/cancel        {"who"}                        -> {"ok": true}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from monitors.contract import Ack, ContractError
+from supervisor.api.ingest import _check_token, read_json
+from supervisor.errors import Conflict, NotFound, UserError
+
+
+class ManualAction(BaseModel):
+    kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile")
+    args: dict[str, Any] = Field(default_factory=dict)
+    who: str = Field(min_length=1, description="your name, for the audit trail")
+    reason: str = ""
+
+
+class Approval(BaseModel):
+    who: str = Field(min_length=1)
+
+
+async def call(fn, *args):
+    """Run a blocking call off the event loop; user errors become 4xx with their message."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except NotFound as exc:
+        raise HTTPException(404, str(exc)) from None
+    except Conflict as exc:
+        raise HTTPException(409, str(exc)) from None
+    except (UserError, ContractError) as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+def make_router(sup, *, token: str | None = None) -> APIRouter:
+    from supervisor.manual import validate_args
+
+    router = APIRouter(prefix="/api", tags=["commands"])
+
+    @router.get("/runs/{run_id}/commands")
+    async def poll(run_id: str, request: Request) -> dict:
+        _check_token(request, token)
+        cmds = await call(sup.poll, run_id)
+        return {"commands": [c.to_json() for c in cmds]}
+
+    @router.post("/runs/{run_id}/acks")
+    async def ack(run_id: str, request: Request) -> dict:
+        _check_token(request, token)
+        try:
+            a = Ack.from_json(await read_json(request, 1 << 20))
+        except ContractError as exc:
+            raise HTTPException(422, str(exc)) from None
+        await call(sup.ack, run_id, a)
+        return {"ok": True}
+
+    @router.post("/runs/{run_id}/actions", status_code=201)
+    async def submit(run_id: str, body: ManualAction, request: Request) -> dict:
+        _check_token(request, token)
+        try:
+            args = validate_args(body.kind, body.args)
+        except UserError as exc:
+            raise HTTPException(422, str(exc)) from None
+        action_id = await call(sup.executor.submit, run_id, body.kind, args, body.who, body.reason)
+        return {"action_id": action_id}
+
+    @router.post("/actions/{action_id}/approve")
+    async def approve(action_id: int, body: Approval, request: Request) -> dict:
+        _check_token(request, token)
+        await call(sup.executor.approve, action_id, body.who)
+        return {"ok": True}
+
+    @router.post("/actions/{action_id}/cancel")
+    async def cancel(action_id: int, body: Approval, request: Request) -> dict:
+        _check_token(request, token)
+        await call(sup.executor.cancel, action_id, body.who)
+        return {"ok": True}
+
+    return router

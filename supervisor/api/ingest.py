@@ -1,0 +1,130 @@
+"""HTTP side of ingest: thin routes over supervisor.ingest.Ingestor (which owns the transaction).
+
+    POST /api/runs                                       RunInfo JSON          -> 201 {"ok": true}
+    POST /api/runs/{run_id}/attempts/{attempt}/steps       {"records": [...]}    -> 200 {"ok": true, "records": n, "values": m}
+    POST /api/runs/{run_id}/attempts/{attempt}/checkpoints CheckpointInfo JSON   -> 201 {"ok": true}
+
+Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401 bad token,
+404 unknown run/attempt, 413 body or batch too large, 422 wrong types. Bodies are read as raw
+bytes and parsed with json.loads (accepts NaN/Infinity, which Python's json emits) in a worker
+thread; pydantic models per record would cost more than the database insert.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+
+from monitors.contract import ContractError
+from supervisor.ingest import (
+    BatchTooLarge,
+    Ingestor,
+    UnknownRun,
+    checkpoint_from_json,
+    records_from_json,
+    run_info_from_json,
+)
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a 50-step x 10k-value batch is ~15 MB of JSON
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, refusing (413) before reading more than max_bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise HTTPException(400, f"bad Content-Length header {declared!r}") from None
+        if size > max_bytes:
+            raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {max_bytes}; send smaller batches")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise HTTPException(413, f"request body exceeds the limit of {max_bytes} bytes; send smaller batches")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """Body as JSON for small requests (acks, commands): parsed on the event loop."""
+    return parse_json(await read_body(request, max_bytes))
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _check_token(request: Request, token: str | None) -> None:
+    if token is None:
+        return
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+
+async def _call(fn, *args):
+    """Run parsing and the blocking ingest call off the event loop (a 50 x 1000 batch is ~30 ms
+    of json.loads + records_from_json: command polls and pages must not wait behind it),
+    mapping ingest errors to 4xx."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except UnknownRun as exc:
+        raise HTTPException(404, str(exc)) from None
+    except BatchTooLarge as exc:
+        raise HTTPException(413, str(exc)) from None
+    except ContractError as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+def _attempt(raw: str) -> int:
+    # Parsed here, not by FastAPI, so the 422 detail is one sentence like every other error.
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise HTTPException(422, f"attempt must be a non-negative integer, got {raw!r}")
+    return value
+
+
+def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
+    router = APIRouter(prefix="/api", tags=["ingest"])
+
+    @router.post("/runs", status_code=201)
+    async def open_run(request: Request) -> dict:
+        _check_token(request, token)
+        body = await read_body(request, max_body_bytes)
+        await _call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
+        return {"ok": True}
+
+    @router.post("/runs/{run_id}/attempts/{attempt}/steps")
+    async def write_steps(run_id: str, attempt: str, request: Request) -> dict:
+        _check_token(request, token)
+        att = _attempt(attempt)
+        body = await read_body(request, max_body_bytes)
+
+        def work() -> dict:
+            records = records_from_json(parse_json(body))
+            n = ingestor.write(run_id, att, records)
+            return {"ok": True, "records": len(records), "values": n}
+
+        return await _call(work)
+
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
+    async def checkpoint_saved(run_id: str, attempt: str, request: Request) -> dict:
+        _check_token(request, token)
+        att = _attempt(attempt)
+        body = await read_body(request, max_body_bytes)
+        await _call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
+        return {"ok": True}
+
+    return router

@@ -1,0 +1,259 @@
+"""The read API: runs, their thermometer history, incidents, actions and audit (thin routers
+over supervisor.store; each request is one read-only session).
+
+    GET /api/runs                                   -> {"runs": [{run_id, last_step, attempts, open_incidents}]}
+    GET /api/runs/{run_id}                          -> attempts, checkpoints, skip ranges, LR changes
+    GET /api/runs/{run_id}/series                   -> {"keys": [...]}
+    GET /api/runs/{run_id}/history?key=&step_lo=&step_hi=&max_points=
+                                                    -> {"key", "steps": [...], "values": [...], "downsampled"}
+    GET /api/runs/{run_id}/incidents                -> incidents, each with its findings
+    GET /api/runs/{run_id}/actions?limit=           -> newest first
+    GET /api/runs/{run_id}/audit?limit=             -> newest first
+
+Non-finite values are data (DESIGN.md). JSON has no NaN/Infinity, so they travel as the
+strings "NaN", "Infinity" and "-Infinity": both Python's float() and JavaScript's Number()
+read those back, unlike null (which would lose the sign of an overflow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import difflib
+import json
+import math
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import Response
+from sqlalchemy.orm import Session
+
+from supervisor.store import actions as actions_store
+from supervisor.store import audit as audit_store
+from supervisor.store import checkpoints as ckpt_store
+from supervisor.store import findings as findings_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import lr_changes as lr_store
+from supervisor.store import runs as runs_store
+from supervisor.store import skips as skips_store
+from supervisor.store import thermometers
+
+NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+
+def jsonable(obj: Any) -> Any:
+    """Rows (dataclasses), datetimes and non-finite floats -> plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else NONFINITE[repr(obj)]
+    if isinstance(obj, dt.datetime):
+        return obj.isoformat()
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "value") and hasattr(obj, "name"):  # enums (Signal, Severity)
+        return obj.value
+    return obj
+
+
+def values_json(values: np.ndarray) -> list:
+    """float64 array -> JSON list; only the non-finite entries are touched in Python."""
+    out = values.tolist()
+    for i in np.flatnonzero(~np.isfinite(values)).tolist():
+        out[i] = NONFINITE[repr(out[i])]
+    return out
+
+
+def json_response(payload: Any) -> Response:
+    # json.dumps directly: FastAPI's encoder walks every element in Python (slow at 10^6 points).
+    return Response(json.dumps(payload, allow_nan=False, separators=(",", ":")), media_type="application/json")
+
+
+# --- downsampling ------------------------------------------------------------------------------
+
+
+def envelope(steps: np.ndarray, values: np.ndarray, max_points: int,
+             step_lo: int | None = None, step_hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """At most `max_points` points that keep every bucket's min and max (and its first NaN).
+
+    The step range is cut into equal buckets (one per plot pixel column when max_points is
+    twice the width), so a one-step spike survives at any zoom. Steps must be ascending.
+    O(n) numpy: reduceat over the contiguous buckets.
+    """
+    if max_points < 3:
+        raise ValueError(f"max_points must be >= 3 (a bucket keeps its min, max and first NaN), got {max_points}")
+    n = len(steps)
+    if n <= max_points:
+        return steps, values
+    nan = np.isnan(values)
+    per_bucket = 3 if nan.any() else 2  # min, max, and the first NaN where there is one
+    nb = max(1, max_points // per_bucket)
+    lo = int(steps[0]) if step_lo is None else min(int(step_lo), int(steps[0]))
+    hi = int(steps[-1]) if step_hi is None else max(int(step_hi), int(steps[-1]))
+    span = hi - lo + 1
+    bucket = ((steps - lo).astype(np.float64) * nb / span).astype(np.int64)
+    np.clip(bucket, 0, nb - 1, out=bucket)
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    counts = np.diff(np.r_[starts, n])
+    idx = np.arange(n)
+    picked = []
+    for fill, reduce in ((-np.inf, np.fmax), (np.inf, np.fmin)):
+        v = np.where(nan, fill, values)
+        best = reduce.reduceat(v, starts)
+        hit = v == np.repeat(best, counts)
+        picked.append(np.minimum.reduceat(np.where(hit, idx, n), starts))
+    if per_bucket == 3:
+        first_nan = np.minimum.reduceat(np.where(nan, idx, n), starts)
+        picked.append(first_nan[first_nan < n])
+    keep = np.unique(np.concatenate(picked))
+    return steps[keep], values[keep]
+
+
+# --- reads shared with the web page ----------------------------------------------------------
+
+
+def require_run(s: Session, run_id: str) -> runs_store.RunRow:
+    run = runs_store.get_run(s, run_id)
+    if run is None:
+        known = [r.run_id for r in runs_store.list_runs(s)]
+        hint = f"; known runs: {', '.join(known[-10:])}" if known else "; no runs are stored yet"
+        raise HTTPException(404, f"no run {run_id!r}{hint}")
+    return run
+
+
+def resolve_keys(s: Session, run_id: str, metric: str) -> list[str]:
+    """A full key ("loss", "act_max/blocks.0") or a metric prefix ("act_max": all its modules).
+    404 naming the metric and listing close matches when the run has neither."""
+    keys = thermometers.series_keys(s, run_id)
+    if metric in keys:
+        return [metric]
+    prefixed = [k for k in keys if k.startswith(metric + "/")]
+    if prefixed:
+        return prefixed
+    raise HTTPException(404, unknown_key_message(run_id, metric, keys))
+
+
+def unknown_key_message(run_id: str, key: str, keys: list[str]) -> str:
+    if not keys:
+        return f"run {run_id!r} has no series {key!r}: it has reported no thermometers yet"
+    metrics = sorted({k.split("/", 1)[0] for k in keys})
+    close = difflib.get_close_matches(key, keys + metrics, n=5, cutoff=0.5)
+    shown = close or (metrics + [k for k in keys if k not in metrics])[:8]
+    return (f"run {run_id!r} has no series {key!r}; {'close matches' if close else 'some known keys'}: "
+            f"{', '.join(shown)} ({len(keys)} keys in all: GET /api/runs/{run_id}/series)")
+
+
+def check_window(step_lo: int | None, step_hi: int | None) -> None:
+    if step_lo is not None and step_hi is not None and step_lo > step_hi:
+        raise HTTPException(422, f"step_lo={step_lo} is after step_hi={step_hi}; swap them")
+
+
+def run_summaries(s: Session) -> list[dict[str, Any]]:
+    open_count: dict[str, int] = {}
+    for inc in incidents_store.open_incidents(s):
+        open_count[inc.run_id] = open_count.get(inc.run_id, 0) + 1
+    out = []
+    for run in runs_store.list_runs(s):
+        latest = runs_store.latest_attempt(s, run.run_id)
+        out.append({
+            "run_id": run.run_id, "created_at": run.created_at.isoformat(),
+            "last_step": thermometers.latest_step(s, run.run_id),
+            "attempts": (latest.attempt + 1) if latest is not None else 0,
+            "open_incidents": open_count.get(run.run_id, 0),
+        })
+    return out
+
+
+def run_detail(s: Session, run_id: str) -> dict[str, Any]:
+    run = require_run(s, run_id)
+    return {
+        "run_id": run.run_id, "created_at": run.created_at.isoformat(), "config": jsonable(run.config),
+        "last_step": thermometers.latest_step(s, run_id),
+        "attempts": jsonable(runs_store.attempts(s, run_id)),
+        "checkpoints": jsonable(ckpt_store.checkpoints(s, run_id)),
+        "skip_ranges": [[lo, hi] for lo, hi in skips_store.skip_ranges(s, run_id)],
+        "lr_changes": jsonable(lr_store.lr_changes(s, run_id)),
+    }
+
+
+def incidents_with_findings(s: Session, run_id: str) -> list[dict[str, Any]]:
+    by_incident: dict[int | None, list] = {}
+    for f in findings_store.findings(s, run_id):
+        by_incident.setdefault(f.incident_id, []).append(
+            {"id": f.id, "created_at": f.created_at.isoformat() if f.created_at else None, **jsonable(f.finding.to_json())})
+    out = []
+    for inc in incidents_store.incidents(s, run_id):
+        out.append({**jsonable(inc), "findings": by_incident.get(inc.id, [])})
+    return out
+
+
+# --- the router --------------------------------------------------------------------------------
+
+
+def make_router(sup) -> APIRouter:
+    router = APIRouter(prefix="/api", tags=["runs"])
+    # Plain `def` handlers: FastAPI runs them in its threadpool, off the event loop.
+
+    @router.get("/runs")
+    def list_runs() -> Response:
+        with sup.sessions() as s:
+            return json_response({"runs": run_summaries(s)})
+
+    @router.get("/runs/{run_id}")
+    def get_run(run_id: str) -> Response:
+        with sup.sessions() as s:
+            return json_response(run_detail(s, run_id))
+
+    @router.get("/runs/{run_id}/series")
+    def series(run_id: str) -> Response:
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            return json_response({"run_id": run_id, "keys": thermometers.series_keys(s, run_id)})
+
+    @router.get("/runs/{run_id}/history")
+    def history(
+        run_id: str,
+        key: str = Query(min_length=1, description="a metric key, e.g. loss or attn_logit_max/blocks.3.attn"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+        max_points: int | None = Query(None, ge=3, le=1_000_000,
+                                       description="downsample to at most this many points (min/max per bucket)"),
+    ) -> Response:
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            keys = thermometers.series_keys(s, run_id)
+            if key not in keys:
+                raise HTTPException(404, unknown_key_message(run_id, key, keys))
+            steps, values = thermometers.history(s, run_id, key, step_lo, step_hi)
+        total = len(steps)
+        if max_points is not None:
+            steps, values = envelope(steps, values, max_points, step_lo, step_hi)
+        return json_response({"run_id": run_id, "key": key, "points": total, "downsampled": len(steps) < total,
+                              "steps": steps.tolist(), "values": values_json(values)})
+
+    @router.get("/runs/{run_id}/incidents")
+    def incidents(run_id: str) -> Response:
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            return json_response({"run_id": run_id, "incidents": incidents_with_findings(s, run_id)})
+
+    @router.get("/runs/{run_id}/actions")
+    def actions(run_id: str, limit: int = Query(200, ge=1, le=10_000)) -> Response:
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            return json_response({"run_id": run_id, "actions": jsonable(actions_store.actions(s, run_id, limit))})
+
+    @router.get("/runs/{run_id}/audit")
+    def audit(run_id: str, limit: int = Query(200, ge=1, le=10_000)) -> Response:
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            return json_response({"run_id": run_id, "audit": jsonable(audit_store.audit_log(s, run_id, limit))})
+
+    return router

@@ -1,0 +1,184 @@
+"""`thermowatch` command line.
+
+Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
+and `replay` never starts Ray. Exit codes: 0 ok, 1 the job ran and failed, 2 bad usage or
+bad input (the message says which value and how to fix it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exit code 2."""
+
+
+def _supervisor_config(args: argparse.Namespace):
+    from supervisor.config import SupervisorConfig
+
+    return SupervisorConfig.load(
+        getattr(args, "config", None),
+        db_url=getattr(args, "db", None),
+        data_dir=getattr(args, "data_dir", None),
+        host=getattr(args, "host", None),
+        port=getattr(args, "port", None),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from supervisor.server import serve
+
+    return serve(_supervisor_config(args), auto_upgrade=not args.no_upgrade)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from supervisor.launch import train
+
+    return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from supervisor.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(
+        data_dir=Path(args.data_dir),
+        json_summary=Path(args.json_summary) if args.json_summary else None,
+        compare=args.compare,
+        steps=args.steps,
+        progress=not args.no_progress,
+    )
+    return run_demo(opts)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from monitors.detectors import BankConfig
+    from monitors.replay import replay
+    from supervisor.replay_policy import replay_decider
+
+    decide = None if args.no_policy else replay_decider(_load_mapping(args.policy))
+    detector_cfg = BankConfig.from_dict(_load_mapping(args.detectors))
+    return replay(args.file, detector_cfg, sys.stdout, json_out=args.json, policy=decide)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from supervisor import db
+
+    cfg = _supervisor_config(args)
+    if args.db_command == "upgrade":
+        db.upgrade(cfg.db_url)
+        print(f"database at {db.redact(cfg.db_url)} is at the newest revision")
+        return EXIT_OK
+    engine = db.make_engine(cfg.db_url)
+    try:
+        db.check_current(engine)
+    except db.SchemaOutOfDate as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_FAILED
+    print("database is current")
+    return EXIT_OK
+
+
+def cmd_manual(args: argparse.Namespace) -> int:
+    """rollback / skip / lr / pause / resume / stop / approve / actions / runs: the same action
+    rows the automatic policy writes, so one executor and one audit trail serve both."""
+    from supervisor.manual import run_manual
+
+    return run_manual(args, _supervisor_config(args))
+
+
+def _load_mapping(path: str | None) -> dict:
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"{path}: no such file")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def _add_db_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="supervisor YAML config (lists only what differs from defaults)")
+    p.add_argument("--db", help="database URL (default: SQLite in the data dir)")
+    p.add_argument("--data-dir", help="data directory (default: .thermowatch)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="thermowatch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the supervisor daemon (ingest, detectors, policy, API, web, jobs)")
+    _add_db_flags(p)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8765)")
+    p.add_argument("--no-upgrade", action="store_true", help="refuse to start on an old schema instead of migrating")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("train", help="launch a supervised training run")
+    p.add_argument("config_file", help="training config (YAML/JSON; only what differs from defaults)")
+    p.add_argument("--supervisor", help="URL of a running daemon; default: an embedded one in this process")
+    _add_db_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="a diverging 2-rank ZeRO run on CPU, caught and repaired by the supervisor")
+    p.add_argument("--data-dir", default=".thermowatch-demo")
+    p.add_argument("--json-summary", help="write incidents, actions, skipped ranges and final loss here")
+    p.add_argument("--compare", action="store_true", help="also train the same run without the supervisor")
+    p.add_argument("--steps", type=int, default=None, help="shorten the run (CI)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("replay", help="feed a recorded run (JSONL/CSV) through the detectors and the policy")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="one JSON object per finding")
+    p.add_argument("--detectors", help="detector settings that differ from defaults (YAML/JSON)")
+    p.add_argument("--policy", help="policy settings that differ from defaults (YAML/JSON)")
+    p.add_argument("--no-policy", action="store_true", help="findings only")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("db", help="database schema")
+    p.add_argument("db_command", choices=["upgrade", "current"])
+    _add_db_flags(p)
+    p.set_defaults(func=cmd_db)
+
+    from supervisor.manual import add_manual_commands
+
+    add_manual_commands(sub, _add_db_flags, cmd_manual)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"thermowatch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # user-facing errors of the parts carry their own messages
+        from supervisor.errors import UserError
+
+        if isinstance(exc, UserError):
+            print(f"thermowatch: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The daemon's configuration: one dataclass, read from a YAML file and the environment.
+
+A YAML file lists only what differs from these defaults. Environment variables win over the
+file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
+`THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`), so a systemd unit or a Kubernetes
+secret can override one field without a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from supervisor.errors import UserError
+
+
+class ConfigError(UserError):
+    """A configuration value that cannot work. The message names the field and the fix."""
+
+
+@dataclass
+class SlackConfig:
+    channel: str = ""  # empty: no Slack, console alerts only (the embedded default)
+    token_env: str = "SLACK_BOT_TOKEN"  # a bot token never lives in a config file
+    token_file: str = ""  # or a mounted secret file (Kubernetes)
+    base_url: str | None = None  # only tests point this at a local fake of the Slack API
+
+
+@dataclass
+class SupervisorConfig:
+    data_dir: Path = Path(".thermowatch")
+    # SQLite in the data dir is the embedded default; PostgreSQL by URL at scale.
+    db_url: str = ""
+    host: str = "127.0.0.1"  # never listen on all interfaces by default: the API can roll runs back
+    port: int = 8765
+    api_token: str = ""  # when set, mutating API calls need `Authorization: Bearer <token>`
+    public_url: str = ""  # where the web page is reachable, for links in alerts
+    advise_only: bool = False  # every action waits for a human's approval
+    ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
+    ack_retries: int = 2
+    max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
+    slack: SlackConfig = field(default_factory=SlackConfig)
+    policy: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields that differ
+    detectors: dict[str, Any] = field(default_factory=dict)  # DetectorBank config that differs
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if not self.db_url:
+            self.db_url = f"sqlite:///{(self.data_dir / 'thermowatch.db').resolve()}"
+        if not (0 < int(self.port) < 65536):
+            raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
+        if self.ack_timeout_s <= 0:
+            raise ConfigError(f"ack_timeout_s must be > 0, got {self.ack_timeout_s!r}")
+        if isinstance(self.slack, Mapping):
+            self.slack = SlackConfig(**self.slack)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> "SupervisorConfig":
+        """Defaults <- YAML file <- environment <- explicit overrides (CLI flags)."""
+        values: dict[str, Any] = {}
+        if path:
+            values.update(_read_yaml(Path(path)))
+        env = os.environ if env is None else env
+        for name, key in (("db_url", "THERMOWATCH_DB_URL"), ("data_dir", "THERMOWATCH_DATA_DIR"),
+                          ("host", "THERMOWATCH_HOST"), ("port", "THERMOWATCH_PORT"),
+                          ("api_token", "THERMOWATCH_API_TOKEN")):
+            if env.get(key):
+                values[name] = env[key]
+        if env.get("THERMOWATCH_ADVISE_ONLY"):
+            values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
+        if env.get("THERMOWATCH_SLACK_CHANNEL"):
+            values.setdefault("slack", {})
+            values["slack"] = {**dict(values["slack"]), "channel": env["THERMOWATCH_SLACK_CHANNEL"]}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown supervisor config keys {unknown}; known keys: {sorted(known)}")
+        if "port" in values:
+            try:
+                values["port"] = int(values["port"])
+            except ValueError as exc:
+                raise ConfigError(f"port must be an integer, got {values['port']!r}") from exc
+        return cls(**values)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+    return data

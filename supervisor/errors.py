@@ -1,0 +1,18 @@
+"""The supervisor's exception hierarchy.
+
+`UserError` and its subclasses are mistakes a person can fix (a bad flag, an unknown run, an
+action in the wrong state): the CLI prints them without a traceback and exits 2, the HTTP API
+answers 4xx. Everything else is a bug or an outage and is logged with its traceback.
+"""
+
+
+class UserError(ValueError):
+    """Bad input from a person or a client. The message names the value and the fix."""
+
+
+class NotFound(UserError):
+    """An id (run, action, checkpoint) that does not exist."""
+
+
+class Conflict(UserError):
+    """A request that is valid but not now (e.g. approving an action that already ran)."""

@@ -1,0 +1,271 @@
+"""Ingest: the supervisor's side of contract.RecordSink, in-process and behind the HTTP router.
+
+Each call is one transaction. After a batch commits, `on_records(run_id, attempt, records)`
+runs (the detectors hang there); its failure is logged and never undoes or fails the ingest,
+because the data is already safely stored and the run controller must not retry it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Callable, Mapping, Sequence
+
+from sqlalchemy.orm import sessionmaker
+
+from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord, split_key
+from supervisor.store import audit as audit_store
+from supervisor.store import checkpoints as checkpoints_store
+from supervisor.store import runs as runs_store
+from supervisor.store import steps as steps_store
+from supervisor.store import thermometers
+
+log = logging.getLogger(__name__)
+
+_INT64 = 2**63
+MAX_METRIC_LEN, MAX_MODULE_LEN = 100, 300  # store/orm.py Series columns
+OnRecords = Callable[[str, int, Sequence[StepRecord]], None]
+
+
+class IngestError(ValueError):
+    """Bad input to ingest; the message names the problem. Nothing was stored."""
+
+
+class UnknownRun(IngestError, LookupError):
+    """The run (or this attempt of it) was never opened."""
+
+
+class BatchTooLarge(IngestError):
+    """More records or values in one batch than the supervisor accepts."""
+
+
+@dataclass(slots=True)
+class IngestLimits:
+    max_records: int = 10_000  # steps per batch; the controller sends ~50
+    max_values: int = 5_000_000  # values per batch (~40 MB of float64 once unpacked)
+
+
+class Ingestor:
+    """Implements contract.RecordSink on top of the store (same semantics as the HTTP API)."""
+
+    def __init__(self, session_factory: sessionmaker, on_records: OnRecords | None = None,
+                 limits: IngestLimits | None = None) -> None:
+        self._sessions = session_factory
+        self._on_records = on_records
+        self.limits = limits or IngestLimits()
+        self._cache = thermometers.SeriesCache()
+        self._attempts: set[tuple[str, int]] = set()  # opened (run, attempt) pairs seen committed
+
+    # --- RecordSink ----------------------------------------------------------------------------
+
+    def open_run(self, info: RunInfo) -> None:
+        validate_run_info(info)
+        with self._sessions.begin() as s:
+            new = not runs_store.attempt_exists(s, info.run_id, info.attempt)
+            runs_store.open_attempt(s, info)
+            if new:
+                audit_store.audit(s, info.run_id, "run-controller", "attempt_opened",
+                                  {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step})
+        self._attempts.add((info.run_id, info.attempt))
+
+    def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
+        """Store a batch; returns the number of values it carried. Idempotent on retries."""
+        records = list(records)
+        n_values = self._validate_batch(run_id, attempt, records)
+        if not records:
+            return 0
+        view = self._cache.view()
+        with self._sessions.begin() as s:
+            self._check_attempt(s, run_id, attempt)
+            steps_store.record_steps(s, run_id, attempt, records)
+            thermometers.append(s, run_id, attempt, records, view)
+        self._cache.merge(view)  # only after the commit
+        self._notify(run_id, attempt, records)
+        return n_values
+
+    def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+        validate_checkpoint(ckpt)
+        with self._sessions.begin() as s:
+            self._check_attempt(s, run_id, attempt)
+            checkpoints_store.record_checkpoint(s, run_id, attempt, ckpt)
+
+    def close(self) -> None:
+        pass
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _check_attempt(self, s, run_id: str, attempt: int) -> None:
+        if (run_id, attempt) in self._attempts:
+            return
+        if not runs_store.attempt_exists(s, run_id, attempt):
+            if not runs_store.run_exists(s, run_id):
+                raise UnknownRun(f"unknown run {run_id!r}: open it first (POST /api/runs or Ingestor.open_run)")
+            raise UnknownRun(f"run {run_id!r} has no attempt {attempt}: open it first (POST /api/runs)")
+        self._attempts.add((run_id, attempt))
+
+    def _validate_batch(self, run_id: Any, attempt: Any, records: list) -> int:
+        if not isinstance(run_id, str) or not run_id:
+            raise ContractError(f"'run_id' must be a non-empty string, got {run_id!r}")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise ContractError(f"'attempt' must be a non-negative integer, got {attempt!r}")
+        if len(records) > self.limits.max_records:
+            raise BatchTooLarge(f"batch of {len(records)} records exceeds the limit of {self.limits.max_records}; "
+                                "send smaller batches")
+        n_values = 0
+        for i, r in enumerate(records):
+            if not isinstance(r, StepRecord):
+                raise ContractError(f"records[{i}] must be a StepRecord, got {type(r).__name__}")
+            if isinstance(r.step, bool) or not isinstance(r.step, int) or r.step < 0:
+                raise ContractError(f"records[{i}]: 'step' must be a non-negative integer, got {r.step!r}")
+            for name in ("step", "sample_lo", "sample_hi", "tokens"):
+                v = getattr(r, name)
+                if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < _INT64:
+                    raise ContractError(f"records[{i}]: {name!r} must be an integer in [-1, 2**63), got {v!r}")
+            if isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float)):
+                raise ContractError(f"step {r.step}: 'wall_time' must be a number, got {r.wall_time!r}")
+            if not isinstance(r.values, dict):
+                raise ContractError(f"step {r.step}: 'values' must be a dict of metric -> float")
+            n_values += len(r.values)
+        if n_values > self.limits.max_values:
+            raise BatchTooLarge(f"batch of {n_values} values exceeds the limit of {self.limits.max_values}; "
+                                "send fewer steps per batch")
+        _check_numbers(records)
+        _check_keys(records)
+        return n_values
+
+    def _notify(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+        if self._on_records is None:
+            return
+        try:
+            self._on_records(run_id, attempt, records)
+        except Exception:  # the batch is committed; a detector bug must not bounce it
+            log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt,
+                          records[0].step, records[-1].step)
+
+
+def _keys(records: Sequence[StepRecord]) -> list[str]:
+    return list(dict.fromkeys(k for r in records for k in r.values))
+
+
+def _check_numbers(records: Sequence[StepRecord]) -> None:
+    """Metric values must be real numbers (NaN/Inf allowed), ranks integers. One C-level pass
+    over the value types; the slow scan that names the bad field only runs when it fails."""
+    types = set(map(type, chain.from_iterable(r.values.values() for r in records)))
+    rank_types = set(map(type, chain.from_iterable(r.ranks.values() for r in records if r.ranks)))
+    if types <= {float, int} and rank_types <= {int}:
+        return
+    for r in records:
+        for key, v in r.values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ContractError(f"step {r.step}: metric {key!r} must be a number, got {v!r}")
+        for key, rank in r.ranks.items():
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise ContractError(f"step {r.step}: ranks[{key!r}] must be an integer rank, got {rank!r}")
+
+
+def _check_keys(records: Sequence[StepRecord]) -> None:
+    """Metric keys: strings, `metric[/module]` within the series columns' lengths (a longer one
+    would be a database error, i.e. a 500, on PostgreSQL). Checked once per distinct key."""
+    keys = set(chain.from_iterable(r.values for r in records))
+    for key in keys:
+        if not isinstance(key, str):
+            raise ContractError(f"metric keys must be strings, got {key!r}")
+        metric, module = split_key(key)
+        if not metric or len(metric) > MAX_METRIC_LEN or len(module) > MAX_MODULE_LEN:
+            raise ContractError(f"metric key {key[:80]!r}: expected 'metric' or 'metric/module' with a non-empty metric "
+                                f"of at most {MAX_METRIC_LEN} chars and a module of at most {MAX_MODULE_LEN}")
+    for r in records:
+        for key, rank in r.ranks.items():
+            if not 0 <= rank < 2**31:
+                raise ContractError(f"step {r.step}: ranks[{key!r}] must be a rank in [0, 2**31), got {rank!r}")
+
+
+# --- parsing and validating the other two messages (contract has no from_json for them) -------
+
+
+def _req_int(obj: Mapping[str, Any], name: str, lo: int = 0, default: Any = ...) -> int:
+    v = obj.get(name, default)
+    if v is ...:
+        raise ContractError(f"missing field {name!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ContractError(f"{name!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def run_info_from_json(obj: Any) -> RunInfo:
+    if not isinstance(obj, Mapping):
+        raise ContractError(f"run info must be a JSON object, got {type(obj).__name__}")
+    run_id = obj.get("run_id")
+    if not isinstance(run_id, str) or not run_id or len(run_id) > 200 or "/" in run_id:
+        raise ContractError(f"'run_id' must be a non-empty string of at most 200 chars without '/', got {run_id!r}")
+    config = obj.get("config") or {}
+    hosts = obj.get("hosts") or {}
+    if not isinstance(config, Mapping):
+        raise ContractError("'config' must be an object")
+    if not isinstance(hosts, Mapping):
+        raise ContractError("'hosts' must be an object of rank -> host")
+    try:
+        hosts = {int(k): str(v) for k, v in hosts.items()}
+    except ValueError:
+        raise ContractError(f"'hosts' keys must be integer ranks, got {list(hosts)!r}") from None
+    return RunInfo(run_id=run_id, attempt=_req_int(obj, "attempt"), world_size=_req_int(obj, "world_size", 1),
+                   config=dict(config), start_step=_req_int(obj, "start_step", 0, 0), hosts=hosts)
+
+
+def run_info_to_json(info: RunInfo) -> dict[str, Any]:
+    return {"run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
+            "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}}
+
+
+def validate_run_info(info: RunInfo) -> None:
+    run_info_from_json(run_info_to_json(info)) if isinstance(info, RunInfo) else _bad("RunInfo", info)
+
+
+def checkpoint_from_json(obj: Any) -> CheckpointInfo:
+    if not isinstance(obj, Mapping):
+        raise ContractError(f"checkpoint must be a JSON object, got {type(obj).__name__}")
+    path = obj.get("path")
+    if not isinstance(path, str) or not path:
+        raise ContractError(f"'path' must be a non-empty string, got {path!r}")
+    healthy = obj.get("healthy")
+    if not isinstance(healthy, bool):
+        raise ContractError(f"'healthy' must be true or false, got {healthy!r}")
+    manifest = obj.get("manifest") or {}
+    if not isinstance(manifest, Mapping):
+        raise ContractError("'manifest' must be an object")
+    return CheckpointInfo(step=_req_int(obj, "step"), path=path, sample_cursor=_req_int(obj, "sample_cursor"),
+                          healthy=healthy, manifest=dict(manifest))
+
+
+def checkpoint_to_json(ckpt: CheckpointInfo) -> dict[str, Any]:
+    return {"step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
+            "manifest": ckpt.manifest}
+
+
+def validate_checkpoint(ckpt: CheckpointInfo) -> None:
+    checkpoint_from_json(checkpoint_to_json(ckpt)) if isinstance(ckpt, CheckpointInfo) else _bad("CheckpointInfo", ckpt)
+
+
+def _bad(want: str, got: Any) -> None:
+    raise ContractError(f"expected a {want}, got {type(got).__name__}")
+
+
+def records_from_json(obj: Any) -> list[StepRecord]:
+    """{"records": [flat step records]} -> StepRecords (ContractError names the bad field)."""
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("records"), list):
+        raise ContractError('body must be a JSON object {"records": [...]}')
+    out = []
+    for i, r in enumerate(obj["records"]):
+        try:
+            out.append(StepRecord.from_json(r))
+        except ContractError:
+            raise
+        except (ValueError, TypeError, OverflowError) as exc:  # int()/float() of sample_lo, tokens, ranks ...
+            raise ContractError(f"records[{i}]: {exc} (sample_lo/sample_hi/tokens must be integers, "
+                                "wall_time a number, ranks an object of metric -> integer)") from None
+    return out
+
+
+__all__ = ["Ingestor", "IngestLimits", "IngestError", "UnknownRun", "BatchTooLarge", "ContractError",
+           "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json"]

@@ -1,0 +1,125 @@
+"""The daemon's periodic jobs (run by supervisor.scheduler; each one logs and carries on per item).
+
+ack watchdog      sent commands with no acknowledgement are re-sent, then failed loudly
+stall check       no step for detectors.stall.timeout_s -> stall finding -> policy (page)
+retention         thin old thermometers so a 10^6-step run stays bounded
+checkpoint scan   recorded checkpoints whose files vanished or whose manifest broke are distrusted
+daily digest      one message a day: steps, incidents, actions per run
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from monitors.contract import Severity
+from supervisor.notify.base import Alert
+from supervisor.scheduler import Job
+from supervisor.store import actions as actions_store
+from supervisor.store import checkpoints as ckpt_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import runs as runs_store
+from supervisor.store import thermometers as thermo_store
+
+if TYPE_CHECKING:
+    from supervisor.service import Supervisor
+
+log = logging.getLogger(__name__)
+
+# Keep full resolution for the newest 100k steps; thin older points to one in 10 (max/min kept
+# by the store's per-metric reduction, so a spike never disappears from the plot).
+RETENTION_FULL_STEPS = 100_000
+RETENTION_EVERY = 10
+
+
+def default_jobs(sup: "Supervisor") -> list[Job]:
+    return [
+        Job("ack_watchdog", lambda: sup.executor.expire(), every_s=min(30.0, sup.cfg.ack_timeout_s / 2)),
+        Job("stall_check", lambda: sup.responder.check_stalls(), every_s=30.0),
+        Job("retention", lambda: retention(sup), every_s=3600.0, jitter=60.0),
+        Job("checkpoint_scan", lambda: checkpoint_scan(sup), every_s=900.0, jitter=30.0),
+        Job("daily_digest", lambda: daily_digest(sup), every_s=86400.0),
+    ]
+
+
+def retention(sup: "Supervisor", full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
+    thinned = 0
+    with sup.sessions() as s:
+        run_ids = [r.run_id for r in runs_store.list_runs(s)]
+    for run_id in run_ids:
+        try:
+            with sup.sessions.begin() as s:
+                last = thermo_store.latest_step(s, run_id)
+                if last is not None and last > full_steps:
+                    thinned += thermo_store.downsample(s, run_id, last - full_steps, every)
+        except Exception:  # noqa: BLE001 - one bad run must not stop the others
+            log.exception("retention for run %s failed", run_id)
+    return thinned
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why a recorded checkpoint cannot be a rollback target any more, or None."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"directory {path} is gone"
+    manifest = p / "manifest.json"
+    try:
+        data = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return f"{manifest} is missing (half-written checkpoint)"
+    except (OSError, ValueError) as exc:
+        return f"{manifest} is unreadable: {exc}"
+    for entry in data.get("files", []):
+        f = p / entry.get("path", "")
+        if not f.is_file():
+            return f"{f} is missing"
+        if "size" in entry and f.stat().st_size != entry["size"]:
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
+    return None
+
+
+def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
+    """Marks checkpoints whose files are gone or broken unhealthy, so the policy never picks them."""
+    bad = []
+    with sup.sessions() as s:
+        rows = [c for r in runs_store.list_runs(s) for c in ckpt_store.checkpoints(s, r.run_id)]
+    for c in rows:
+        try:
+            problem = checkpoint_problem(c.path)
+        except Exception as exc:  # noqa: BLE001
+            problem = f"scan failed: {exc}"
+        if problem and c.healthy:
+            with sup.sessions.begin() as s:
+                ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+            log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, problem)
+            bad.append((c.run_id, c.step, problem))
+    return bad
+
+
+def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Alert]:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    since = now - dt.timedelta(days=1)
+    sent = []
+    with sup.sessions() as s:
+        runs = runs_store.list_runs(s)
+        for run in runs:
+            incs = [i for i in incidents_store.incidents(s, run.run_id) if _aware(i.opened_at) >= since]
+            acts = [a for a in actions_store.actions(s, run.run_id) if _aware(a.created_at) >= since]
+            last = thermo_store.latest_step(s, run.run_id)
+            text = (f"last step {last}; {len(incs)} incident(s), {len(acts)} action(s) in the last 24 h"
+                    + "".join(f"\n- {i.signal} on {i.module or '-'} onset {i.onset_step} ({i.state})" for i in incs[:10]))
+            sent.append(Alert(run_id=run.run_id, severity=Severity.INFO, title=f"{run.run_id}: daily digest",
+                              text=text))
+    for alert in sent:
+        try:
+            sup.notifier.send(alert)
+        except Exception:  # noqa: BLE001
+            log.exception("digest for %s failed", alert.run_id)
+    return sent
+
+
+def _aware(t: dt.datetime) -> dt.datetime:
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)

@@ -1,0 +1,53 @@
+"""`thermowatch train CONFIG`: one supervised run.
+
+Against a running daemon (`--supervisor URL`) the controller talks HTTP, spooling to disk while
+the daemon is away; without one, an embedded supervisor runs in this process (the same code,
+no HTTP) on the data dir's SQLite.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from supervisor.config import SupervisorConfig
+from supervisor.errors import UserError
+
+
+def train(config_file: str, *, supervisor_url: str | None, sup_config: SupervisorConfig) -> int:
+    import ray
+
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.controller import RunController
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not Path(config_file).exists():
+        raise UserError(f"training config {config_file} does not exist")
+    try:
+        tcfg = TrainConfig.load(config_file)
+    except (ConfigError, ValueError) as exc:
+        raise UserError(f"{config_file}: {exc}") from exc
+    if supervisor_url:
+        from trainer.http_sink import HttpCommandChannel, HttpSink
+
+        token = sup_config.api_token or None
+        sink = HttpSink(supervisor_url, sup_config.data_dir / "spool" / tcfg.run_id, token=token)
+        commands = HttpCommandChannel(supervisor_url, token=token)
+        closer = sink.close
+    else:
+        from supervisor.service import Supervisor
+
+        sup = Supervisor(sup_config)
+        sink = commands = sup
+        closer = sup.close
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)  # joins the cluster named by RAY_ADDRESS (KubeRay), else local
+    try:
+        result = RunController(tcfg, sink=sink, commands=commands).run()
+    finally:
+        closer()
+    print(f"run {result.run_id}: step {result.final_step}, final loss {result.final_loss:.4f}, "
+          f"attempts {result.attempts}, restarts {result.restarts}", file=sys.stderr)
+    return 0 if result.final_step >= tcfg.steps or result.stopped else 1
+

@@ -1,0 +1,142 @@
+"""The notifier seam: an `Alert`, the `Notifier` Protocol, the null object and the fan-out.
+
+The executor holds one `Notifier` and never asks whether Slack is on (STYLE.md 7): the daemon
+builds `FanOut([ConsoleNotifier(), SlackNotifier(...)])` or just the console one. Plain Python,
+no Slack import here (STYLE.md 6); the Slack part lives in `supervisor.notify.slack`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+
+from monitors.contract import Finding, Severity
+from supervisor.errors import UserError
+
+if TYPE_CHECKING:
+    from supervisor.policy import Decision
+
+log = logging.getLogger(__name__)
+
+
+class NotifyError(RuntimeError):
+    """A message could not be delivered (after retries). The message says what to check."""
+
+
+class NotifyConfigError(UserError):
+    """A notifier that cannot work as configured (missing token, empty channel)."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One message to humans. `fields` are short key/value facts (onset/detect step, target)."""
+
+    run_id: str
+    severity: Severity
+    title: str
+    text: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    incident_id: int | str | None = None
+    reasons: Sequence[str] = ()  # the policy's reasons, one bullet each
+    thread_ts: str | None = None  # reply in the thread of an earlier message (its id from send)
+
+    @classmethod
+    def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
+                      incident_id: int | str | None = None, thread_ts: str | None = None) -> "Alert":
+        """The alert the executor sends for a policy decision."""
+        from supervisor.policy import DecisionKind
+
+        kind = decision.kind
+        if kind is DecisionKind.PAUSE or decision.page:
+            severity = Severity.CRITICAL
+        elif kind is DecisionKind.NOOP:
+            severity = Severity.INFO
+        elif decision.acts:
+            severity = Severity.WARN
+        else:
+            severity = finding.severity
+        verb = {
+            DecisionKind.ROLLBACK: f"rollback to step {decision.target_step}",
+            DecisionKind.LOWER_LR: f"LR x{decision.lr_multiplier:g}" if decision.lr_multiplier else "lower LR",
+            DecisionKind.PAUSE: "paused",
+            DecisionKind.ALERT: "alert",
+            DecisionKind.NOOP: "no action",
+        }[kind]
+        if kind is DecisionKind.ROLLBACK and decision.lr_multiplier is not None:
+            verb += f" + LR multiplier {decision.lr_multiplier:g}"
+        if decision.requires_approval:
+            verb = f"approval needed: {verb}"
+        where = finding.module or finding.metric
+        title = f"{run_id}: {verb} ({finding.signal.value}{' on ' + where if where else ''})"
+        facts: dict[str, Any] = {
+            "signal": finding.signal.value,
+            "module": finding.module or None,
+            "onset step": finding.onset_step,
+            "detect step": finding.detect_step,
+            "rung": decision.rung or None,
+            "target step": decision.target_step,
+            "skip steps": f"{decision.skip_steps[0]}-{decision.skip_steps[1]}" if decision.skip_steps else None,
+            "LR multiplier": decision.lr_multiplier,
+            "exclude": decision.exclude_node or decision.exclude_rank,
+        }
+        return cls(
+            run_id=run_id, severity=severity, title=title,
+            text=decision.reasons[0] if decision.reasons else "",
+            fields={k: v for k, v in facts.items() if v is not None},
+            incident_id=incident_id, reasons=tuple(decision.reasons[1:]), thread_ts=thread_ts,
+        )
+
+
+class Notifier(Protocol):
+    def send(self, alert: Alert) -> str | None:
+        """Deliver `alert`; return an id later alerts can thread under (Slack's ts), or None.
+        Raise NotifyError when it could not be delivered."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NullNotifier:
+    """Sends nothing. For runs nobody watches and for tests of other parts."""
+
+    def send(self, alert: Alert) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class FanOut:
+    """Sends each alert to every part. One failing part is logged and does not stop the others.
+
+    Returns the first thread id a part gave (Slack's ts); raises NotifyError only if every part
+    failed, so the executor can mark the notification failed and retry it.
+    """
+
+    def __init__(self, parts: Sequence[Notifier]):
+        self.parts = list(parts)
+
+    def send(self, alert: Alert) -> str | None:
+        first: str | None = None
+        failures: list[str] = []
+        for part in self.parts:
+            try:
+                got = part.send(alert)
+            except Exception as exc:  # noqa: BLE001 - one broken channel must not silence the others
+                log.exception("notifier %s failed for run %s (%r); the other notifiers still get it",
+                              type(part).__name__, alert.run_id, alert.title)
+                failures.append(f"{type(part).__name__}: {exc}")
+                continue
+            if first is None and got is not None:
+                first = got
+        if self.parts and len(failures) == len(self.parts):
+            raise NotifyError(f"every notifier failed for {alert.title!r}: " + "; ".join(failures))
+        return first
+
+    def close(self) -> None:
+        for part in self.parts:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - close() survives any one part failing
+                log.exception("closing notifier %s failed; closing the others", type(part).__name__)

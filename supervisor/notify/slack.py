@@ -1,0 +1,218 @@
+"""Alerts to Slack with slack-sdk's WebClient (chat.postMessage, Block Kit).
+
+The only module that imports slack_sdk (STYLE.md 6). The bot token comes from an environment
+variable or a mounted secret file, never from a config file. Rate limits (HTTP 429 +
+Retry-After), 5xx answers and dropped connections are retried with slack-sdk's RetryHandlers;
+after the last retry a NotifyError says what to check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+from urllib.parse import quote
+
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError
+from slack_sdk.http_retry import ConnectionErrorRetryHandler, RetryHandler
+from slack_sdk.http_retry.builtin_handlers import ServerErrorRetryHandler
+from slack_sdk.http_retry.builtin_interval_calculators import BackoffRetryIntervalCalculator
+
+from monitors.contract import Severity
+from supervisor.notify.base import Alert, NotifyConfigError, NotifyError
+
+log = logging.getLogger(__name__)
+
+_EMOJI = {Severity.INFO: ":information_source:", Severity.WARN: ":warning:", Severity.CRITICAL: ":rotating_light:"}
+_AUTH_ERRORS = {"invalid_auth", "not_authed", "token_revoked", "token_expired", "account_inactive"}
+_CHANNEL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived"}
+# Block Kit limits: header text 150 chars, section text 3000, 10 fields of 2000 each.
+_HEADER_MAX, _SECTION_MAX, _FIELDS_MAX = 150, 3000, 10
+
+
+class SlackSettings(Protocol):
+    """What from_config reads; supervisor.config.SlackConfig has these fields."""
+
+    channel: str
+    token_env: str
+    token_file: str
+    base_url: str | None
+
+
+def resolve_token(token_env: str | None, token_file: str | None,
+                  environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """Return (token, where it came from). A token file, when set, wins over the env var."""
+    environ = os.environ if environ is None else environ
+    if token_file:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise NotifyConfigError(
+                f"Slack token file {path} cannot be read ({exc.strerror}); mount the secret there "
+                "or set slack.token_file to the right path") from exc
+        if not token:
+            raise NotifyConfigError(f"Slack token file {path} is empty; put the bot token (xoxb-...) in it")
+        return token, f"file {path}"
+    if token_env:
+        token = environ.get(token_env, "").strip()
+        if not token:
+            raise NotifyConfigError(
+                f"Slack token not found: environment variable {token_env} is unset or empty; export the "
+                "bot token (xoxb-...) there, or set slack.token_file to a secret file holding it")
+        return token, f"environment variable {token_env}"
+    raise NotifyConfigError("Slack is configured without a token source; set slack.token_env or slack.token_file")
+
+
+class _RateLimitRetry(RetryHandler):
+    """Retry HTTP 429 after Retry-After seconds, capped, so one alert never blocks for minutes.
+
+    slack-sdk's own RateLimitErrorRetryHandler sleeps Retry-After + up to 1 s of jitter with no cap.
+    """
+
+    def __init__(self, max_retry_count: int, max_wait_s: float):
+        super().__init__(max_retry_count=max_retry_count)
+        self.max_wait_s = max_wait_s
+
+    def _can_retry(self, *, state, request, response=None, error=None) -> bool:
+        return response is not None and response.status_code == 429
+
+    def prepare_for_next_attempt(self, *, state, request, response=None, error=None) -> None:
+        wait = 1.0  # Slack always sends Retry-After; this is for proxies that drop it
+        for key, values in (response.headers if response is not None else {}).items():
+            if key.lower() == "retry-after" and values:
+                try:
+                    wait = float(values[0] if isinstance(values, list) else values)
+                except ValueError:
+                    pass
+        wait = max(0.0, min(wait, self.max_wait_s))
+        log.warning("Slack rate-limited the request; retrying in %.2fs (retry %d of %d)",
+                    wait, state.current_attempt + 1, self.max_retry_count)
+        state.next_attempt_requested = True
+        time.sleep(wait)
+        state.increment_current_attempt()
+
+
+class SlackNotifier:
+    """Posts alerts to one channel; `send` returns the message ts so later alerts can thread."""
+
+    def __init__(self, token: str, channel: str, base_url: str | None = None, retries: int = 3,
+                 *, max_retry_wait_s: float = 30.0, timeout_s: float = 10.0,
+                 web_base_url: str | None = None, token_source: str = "the token argument"):
+        if not token:
+            raise NotifyConfigError(f"SlackNotifier needs a bot token; none came from {token_source}")
+        if not channel:
+            raise NotifyConfigError("SlackNotifier needs a channel (e.g. '#training-alerts' or a channel id)")
+        if retries < 0:
+            raise NotifyConfigError(f"retries={retries} must be >= 0")
+        if base_url and not base_url.endswith("/api/"):
+            raise NotifyConfigError(f"Slack base_url={base_url!r} must end with '/api/' (slack-sdk appends the "
+                                    "method name to it), e.g. 'http://127.0.0.1:8080/api/'")
+        self.channel = channel
+        self.retries = retries
+        self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
+        self.token_source = token_source
+        backoff = BackoffRetryIntervalCalculator(backoff_factor=0.5)
+        handlers = [
+            ConnectionErrorRetryHandler(max_retry_count=retries, interval_calculator=backoff),
+            _RateLimitRetry(max_retry_count=retries, max_wait_s=max_retry_wait_s),
+            ServerErrorRetryHandler(max_retry_count=retries, interval_calculator=backoff),
+        ]
+        kwargs: dict[str, Any] = {"token": token, "timeout": int(max(1, timeout_s)), "retry_handlers": handlers}
+        if base_url:
+            kwargs["base_url"] = base_url
+        self.client = WebClient(**kwargs)
+
+    @classmethod
+    def from_config(cls, cfg: SlackSettings, *, environ: Mapping[str, str] | None = None,
+                    web_base_url: str | None = None, retries: int = 3) -> "SlackNotifier":
+        token, source = resolve_token(cfg.token_env, cfg.token_file, environ)
+        return cls(token, cfg.channel, base_url=cfg.base_url, retries=retries,
+                   web_base_url=web_base_url, token_source=source)
+
+    def check(self) -> dict[str, Any]:
+        """auth.test: who the bot is. For `thermowatch doctor` and start-up checks."""
+        return dict(self._call("auth.test", self.client.auth_test).data)
+
+    def send(self, alert: Alert) -> str | None:
+        resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
+                          text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
+                          unfurl_links=False)
+        return resp.get("ts")
+
+    def close(self) -> None:
+        pass  # WebClient opens one connection per request; nothing to release
+
+    def _call(self, method: str, fn, **kwargs: Any):
+        try:
+            return fn(**{k: v for k, v in kwargs.items() if v is not None})
+        except SlackApiError as exc:
+            raise NotifyError(self._explain(method, exc)) from exc
+        except OSError as exc:  # URLError, ConnectionError, timeouts: after the retries ran out
+            raise NotifyError(f"Slack {method} could not reach {self.client.base_url} after {self.retries} "
+                              f"retries: {exc}; check the network or slack.base_url") from exc
+
+    def _explain(self, method: str, exc: SlackApiError) -> str:
+        status = exc.response.status_code
+        error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
+        if status == 429 or error == "ratelimited":
+            return (f"Slack {method} is still rate limited (HTTP 429) after {self.retries} retries; the alert "
+                    "was not delivered; retry later or send fewer messages")
+        if error in _AUTH_ERRORS:
+            return (f"Slack rejected the bot token ({error}) from {self.token_source}; put a valid bot token "
+                    "(xoxb-...) there")
+        if error in _CHANNEL_ERRORS:
+            return (f"Slack cannot post to {self.channel} ({error}); invite the bot to the channel "
+                    "(/invite @thermowatch) or fix slack.channel")
+        return f"Slack {method} failed: HTTP {status}, error {error or exc}"
+
+    def blocks(self, alert: Alert) -> list[dict[str, Any]]:
+        """Block Kit: header, finding, the reasons, fields, link to the plot, run/incident context."""
+        blocks: list[dict[str, Any]] = [{
+            "type": "header",
+            "text": {"type": "plain_text", "text": _cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX),
+                     "emoji": True},
+        }]
+        if alert.text:
+            blocks.append(_section(_esc(alert.text)))
+        if alert.reasons:
+            blocks.append(_section("\n".join(f"\u2022 {_esc(r)}" for r in alert.reasons)))
+        fields = [{"type": "mrkdwn", "text": _cut(f"*{_esc(str(k))}*\n{_esc(str(v))}", 2000)}
+                  for k, v in list(alert.fields.items())[:_FIELDS_MAX]]
+        if fields:
+            blocks.append({"type": "section", "fields": fields})
+        context = [f"run `{_esc(alert.run_id)}`", f"severity {alert.severity.value}"]
+        if alert.incident_id is not None:
+            context.append(f"incident {alert.incident_id}")
+        url = self.plot_url(alert)
+        if url:
+            context.append(f"<{url}|thermometer plot>")
+        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": " \u00b7 ".join(context)}]})
+        return blocks
+
+    def plot_url(self, alert: Alert) -> str | None:
+        if not self.web_base_url:
+            return None
+        url = f"{self.web_base_url}/runs/{quote(alert.run_id, safe='')}"
+        return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
+
+
+def _fallback_text(alert: Alert) -> str:
+    # Shown in notifications and by clients that cannot render blocks.
+    return f"[{alert.severity.value.upper()}] {alert.title}" + (f": {alert.text}" if alert.text else "")
+
+
+def _section(text: str) -> dict[str, Any]:
+    return {"type": "section", "text": {"type": "mrkdwn", "text": _cut(text, _SECTION_MAX)}}
+
+
+def _esc(text: str) -> str:
+    # Slack mrkdwn control characters (api.slack.com/reference/surfaces/formatting#escaping).
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"

@@ -1,0 +1,163 @@
+"""Detect -> decide -> act, as each ingested batch lands.
+
+The detectors (monitors.detectors) judge the series; the policy (supervisor.policy) decides
+from the finding and the run's state in the DB; the executor writes the decision as action rows
+before anything is carried out (STYLE.md rule 2). This module only glues them: it owns the
+per-run detector banks and the incident bookkeeping.
+
+Detector state survives a supervisor restart: each bank's state is saved in the DB after every
+batch. After a rollback to step s the bank forgets what it saw after s but keeps the healthy
+baseline before it (steps after s are re-trained in a new attempt and must not be judged
+against their own diverged past, nor wait through a fresh warm-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from sqlalchemy.orm import sessionmaker
+
+from monitors.contract import CheckpointInfo, Finding, Signal, StepRecord
+from monitors.detectors import BankConfig, DetectorBank
+from supervisor.executor import Executor
+from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
+from supervisor.store import actions as actions_store
+from supervisor.store import checkpoints as ckpt_store
+from supervisor.store import detector_state
+from supervisor.store import findings as findings_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import lr_changes as lr_store
+
+log = logging.getLogger(__name__)
+
+
+class Responder:
+    def __init__(self, session_factory: sessionmaker, executor: Executor, policy: PolicyConfig,
+                 detectors: BankConfig, clock: Callable[[], float] = time.time):
+        self._session = session_factory
+        self._executor = executor
+        self._policy = policy
+        self._detector_cfg = detectors
+        self._clock = clock
+        self._banks: dict[str, DetectorBank] = {}
+        self._lock = threading.RLock()  # ingest (HTTP threads) and the scheduler both reach here
+
+    # --- detectors --------------------------------------------------------------------------
+
+    def bank(self, run_id: str) -> DetectorBank:
+        with self._lock:
+            bank = self._banks.get(run_id)
+            if bank is None:
+                bank = DetectorBank(self._detector_cfg)
+                with self._session() as s:
+                    saved = detector_state.load(s, run_id)
+                if saved is not None:
+                    try:
+                        bank.load_state_dict(saved)
+                    except (ValueError, KeyError) as exc:  # an older state format: start fresh, say so
+                        log.warning("run %s: detector state not restored (%s); starting fresh", run_id, exc)
+                self._banks[run_id] = bank
+            return bank
+
+    def on_records(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> list[Finding]:
+        """Called by the ingestor after a batch is committed."""
+        with self._lock:
+            bank = self.bank(run_id)
+            found = bank.observe_many(records)
+            with self._session.begin() as s:
+                detector_state.save(s, run_id, bank.state_dict())
+            for finding in found:
+                self.handle(run_id, finding)
+            return found
+
+    def rewind(self, run_id: str, to_step: int) -> None:
+        """After a rollback to `to_step` took effect: detectors forget what came after it."""
+        with self._lock:
+            bank = self.bank(run_id)
+            bank.reset(to_step)
+            with self._session.begin() as s:
+                detector_state.save(s, run_id, bank.state_dict())
+
+    def check_stalls(self, now: float | None = None) -> list[Finding]:
+        """Wall-clock detectors (no step for too long); run by the scheduler."""
+        now = self._clock() if now is None else now
+        out = []
+        with self._lock:
+            for run_id, bank in list(self._banks.items()):
+                for finding in bank.check(now):
+                    out.append(finding)
+                    self.handle(run_id, finding)
+        return out
+
+    # --- decide and act ---------------------------------------------------------------------
+
+    def handle(self, run_id: str, finding: Finding) -> int | None:
+        """Record the finding in an incident, decide, and write the actions. Returns the incident id."""
+        with self._lock, self._session.begin() as s:
+            in_flight = [a for a in actions_store.open_actions(s, run_id) if a.state in ("pending", "sent")]
+            if in_flight and in_flight[0].incident_id is not None:
+                # One divergence trips several detectors (logits, then loss, then grad norm):
+                # while its repair is on the way, later findings join that incident.
+                findings_store.add_finding(s, run_id, finding, in_flight[0].incident_id)
+                log.info("run %s: %s joins incident %s (action %s in flight)", run_id, finding.signal.value,
+                         in_flight[0].incident_id, in_flight[0].id)
+                return in_flight[0].incident_id
+            incident_id = incidents_store.open_incident(
+                s, run_id, finding.signal.value, finding.module, finding.onset_step, finding.detect_step,
+                severity=finding.severity.value)
+            findings_store.add_finding(s, run_id, finding, incident_id)
+            self._distrust_checkpoints(s, run_id, finding)
+            decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight)), self._policy)
+            log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
+                     finding.onset_step, finding.detect_step, decision.kind.value, "; ".join(decision.reasons))
+            self._executor.carry_out(s, run_id, incident_id, finding, decision)
+            if decision.kind in (DecisionKind.NOOP, DecisionKind.ALERT):
+                incidents_store.resolve_incident(s, incident_id, f"{decision.kind.value}: {decision.reasons[0]}"
+                                                 if decision.reasons else decision.kind.value)
+        self._executor.flush_alerts()
+        return incident_id
+
+    def _distrust_checkpoints(self, s, run_id: str, finding: Finding) -> None:
+        """A checkpoint saved after the onset was saved while unhealthy: never a rollback target."""
+        if finding.signal in (Signal.STALL, Signal.OUTLIER_RANK):
+            return
+        for c in ckpt_store.checkpoints(s, run_id):
+            if c.healthy and c.step >= finding.onset_step:
+                ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+
+    def _policy_input(self, s, run_id: str, finding: Finding, in_flight: bool) -> PolicyInput:
+        cks = [CheckpointInfo(step=c.step, path=c.path, sample_cursor=c.sample_cursor, healthy=c.healthy,
+                              manifest=c.manifest) for c in ckpt_store.checkpoints(s, run_id)]
+        history = []
+        rows = actions_store.actions(s, run_id)
+        for a in rows:
+            inc = incidents_store.get_incident(s, a.incident_id) if a.incident_id else None
+            history.append(Intervention(
+                kind=_decision_kind(a.kind),
+                signal=Signal(inc.signal) if inc else None,
+                module=inc.module if inc else "",
+                step=inc.detect_step if inc else (a.ack_step or 0),
+                time=a.created_at.timestamp() if a.created_at else self._clock(),
+                ok=a.state != "failed",
+                automatic=a.origin == "auto",
+            ))
+        changes = lr_store.lr_changes(s, run_id)
+        return PolicyInput(
+            finding=finding,
+            now=self._clock(),
+            checkpoints=cks,
+            history=history,
+            current_lr_multiplier=changes[-1].multiplier if changes else 1.0,
+            failed_action_pending=any(a.state == "failed" and a.origin == "auto" and not a.error.startswith("resolved")
+                                      for a in rows[:5]),
+            action_in_flight=in_flight,
+            paused=self._executor.is_paused(s, run_id),
+        )
+
+
+def _decision_kind(action_kind: str) -> DecisionKind:
+    return {"rollback": DecisionKind.ROLLBACK, "set_lr": DecisionKind.LOWER_LR, "pause": DecisionKind.PAUSE,
+            "skip": DecisionKind.ROLLBACK}.get(action_kind, DecisionKind.ALERT)

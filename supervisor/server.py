@@ -1,0 +1,69 @@
+"""`thermowatch serve`: the daemon. FastAPI + uvicorn for ingest, commands, the read API and
+the web page; APScheduler for the periodic jobs; the same Supervisor object the embedded
+mode uses underneath.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from supervisor.config import SupervisorConfig
+from supervisor.service import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+def build_app(sup: Supervisor) -> FastAPI:
+    from supervisor.api import commands, ingest, runs
+    from supervisor.web import pages
+
+    token = sup.cfg.api_token or None
+    app = FastAPI(title="thermowatch", version="0.1.0")
+    app.include_router(ingest.make_router(sup, token=token, max_body_bytes=sup.cfg.max_body_bytes))
+    app.include_router(commands.make_router(sup, token=token))
+    app.include_router(runs.make_router(sup))
+    app.include_router(pages.make_router(sup, public_url=sup.cfg.public_url))
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # The daemon stays up; the client learns it was our fault, not theirs.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
+
+    return app
+
+
+def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
+    import uvicorn
+
+    from supervisor.scheduler import Scheduler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sup = Supervisor(cfg, auto_upgrade=auto_upgrade)
+    scheduler = Scheduler(sup.jobs())
+    scheduler.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(sup), host=cfg.host, port=cfg.port, log_level="info"))
+    log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, _redact(cfg.db_url))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    try:
+        server.run()
+    finally:
+        scheduler.shutdown()
+        sup.close()
+    return 0
+
+
+def _redact(url: str) -> str:
+    from supervisor import db
+
+    return db.redact(url) if hasattr(db, "redact") else url.split("@")[-1]

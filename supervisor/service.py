@@ -1,0 +1,101 @@
+"""The supervisor, assembled: DB, ingest, detectors, policy, executor, notifier, jobs.
+
+`Supervisor` implements both seams of monitors.contract: it is the run controller's
+`RecordSink` and its `CommandChannel`. Embedded mode hands the object itself to the
+controller (same process, no HTTP); `thermowatch serve` puts the same object behind the HTTP
+API (supervisor.server), so both modes share every line below the transport.
+
+A restart resumes from the DB: open incidents and actions are rows, detector state is saved
+after every batch, and pending/sent actions are delivered again on the controller's next poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
+from monitors.detectors import BankConfig
+from supervisor import db
+from supervisor.config import SupervisorConfig
+from supervisor.executor import Executor
+from supervisor.ingest import Ingestor
+from supervisor.notify.base import FanOut, Notifier
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.policy import PolicyConfig
+from supervisor.respond import Responder
+from supervisor.scheduler import Job
+
+log = logging.getLogger(__name__)
+
+
+def build_notifier(cfg: SupervisorConfig) -> Notifier:
+    """Console always (the journal is the last resort), plus Slack when a channel is set."""
+    parts: list[Notifier] = [ConsoleNotifier()]
+    if cfg.slack.channel:
+        from supervisor.notify.slack import SlackNotifier
+
+        parts.append(SlackNotifier.from_config(cfg.slack, web_base_url=cfg.public_url or None))
+    return FanOut(parts)
+
+
+class Supervisor:
+    def __init__(self, cfg: SupervisorConfig, notifier: Notifier | None = None, *, auto_upgrade: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = db.make_engine(cfg.db_url)
+        if auto_upgrade:
+            db.upgrade(self.engine)
+        else:
+            db.check_current(self.engine)
+        self.sessions = db.make_sessionmaker(self.engine)
+        self.notifier = notifier if notifier is not None else build_notifier(cfg)
+        policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
+        self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
+                                 ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
+                                 on_rollback_done=self._rewind)
+        self.responder = Responder(self.sessions, self.executor, policy,
+                                   BankConfig.from_dict(cfg.detectors),
+                                   clock=clock)
+        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records)
+
+    # --- RecordSink ---------------------------------------------------------------------------
+
+    def open_run(self, info: RunInfo) -> None:
+        self.ingestor.open_run(info)
+
+    def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
+        return self.ingestor.write(run_id, attempt, records)
+
+    def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+        self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
+
+    # --- CommandChannel -----------------------------------------------------------------------
+
+    def poll(self, run_id: str) -> list[Command]:
+        return self.executor.deliver(run_id)
+
+    def ack(self, run_id: str, ack: Ack) -> None:
+        self.executor.acknowledge(run_id, ack)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _rewind(self, run_id: str, step: int) -> None:
+        self.responder.rewind(run_id, step)
+
+    def jobs(self) -> list[Job]:
+        """The daemon's periodic work (supervisor.jobs holds the longer ones)."""
+        from supervisor import jobs
+
+        return jobs.default_jobs(self)
+
+    def close(self) -> None:
+        """Survives any one part failing (STYLE.md rule 9)."""
+        for name, closer in (("ingestor", self.ingestor.close), ("notifier", self.notifier.close),
+                             ("engine", self.engine.dispose)):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001
+                log.exception("closing %s failed", name)

@@ -1,0 +1,133 @@
+"""The action queue: every command (automatic or manual) is written here before it is carried out.
+
+States: pending -> sent -> acked -> done | failed (failed is reachable from any open state;
+pending may also be cancelled). An action with requires_approval stays pending and is not
+handed to the run controller until approve_action() clears the flag (advise-only mode).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from supervisor.store._sql import jsonable
+from supervisor.store.orm import Action, utcnow
+
+STATES = ("pending", "sent", "acked", "done", "failed", "cancelled")
+ORIGINS = ("auto", "manual")
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset({"sent", "failed", "cancelled"}),
+    "sent": frozenset({"acked", "failed", "pending"}),  # sent -> pending: redeliver after a lost poll
+    "acked": frozenset({"done", "failed"}),
+    "done": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+}
+OPEN_STATES = ("pending", "sent", "acked")
+
+
+class ActionStateError(ValueError):
+    """An illegal state transition or an unknown action; the message says which."""
+
+
+@dataclass(slots=True)
+class ActionRow:
+    id: int
+    run_id: str
+    kind: str
+    args: dict[str, Any]
+    state: str
+    origin: str
+    who: str
+    reason: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    ack_step: int | None = None
+    attempts: int = 0
+    error: str = ""
+    incident_id: int | None = None
+    requires_approval: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _row(a: Action) -> ActionRow:
+    return ActionRow(a.id, a.run_id, a.kind, dict(a.args or {}), a.state, a.origin, a.who, a.reason, a.created_at,
+                     a.updated_at, a.ack_step, a.attempts, a.error, a.incident_id, a.requires_approval)
+
+
+def enqueue_action(session: Session, run_id: str, kind: str, args: dict[str, Any], reason: str, origin: str,
+                   who: str, incident_id: int | None = None, requires_approval: bool = False) -> int:
+    """Write a pending action; returns its id (the command id the run controller acks)."""
+    if origin not in ORIGINS:
+        raise ActionStateError(f"origin must be one of {ORIGINS}, got {origin!r}")
+    a = Action(run_id=run_id, kind=str(kind), args=jsonable(dict(args)), state="pending", origin=origin, who=who,
+               reason=reason, incident_id=incident_id, requires_approval=requires_approval)
+    session.add(a)
+    session.flush()
+    return a.id
+
+
+def get_action(session: Session, action_id: int) -> ActionRow | None:
+    a = session.get(Action, action_id)
+    return _row(a) if a is not None else None
+
+
+def set_action_state(session: Session, action_id: int, state: str, *, ack_step: int | None = None,
+                     error: str | None = None) -> ActionRow:
+    """Move an action along its state machine; raises ActionStateError on an illegal move.
+    Moving to `sent` counts a delivery attempt. Uses a compare-and-set on the old state, so two
+    writers cannot both move the same action."""
+    if state not in STATES:
+        raise ActionStateError(f"unknown action state {state!r}; expected one of {STATES}")
+    cur = session.execute(select(Action.state, Action.attempts).where(Action.id == action_id)).first()
+    if cur is None:
+        raise ActionStateError(f"no action with id {action_id}")
+    old, attempts = cur
+    if state not in TRANSITIONS[old]:
+        raise ActionStateError(f"action {action_id}: cannot go from {old!r} to {state!r} "
+                               f"(allowed: {sorted(TRANSITIONS[old]) or 'none, it is final'})")
+    values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
+    if state == "sent":
+        values["attempts"] = attempts + 1
+    if ack_step is not None:
+        values["ack_step"] = ack_step
+    if error is not None:
+        values["error"] = error
+    res = session.execute(update(Action).where(Action.id == action_id, Action.state == old).values(**values))
+    if res.rowcount != 1:
+        raise ActionStateError(f"action {action_id} changed state concurrently (was {old!r})")
+    return get_action(session, action_id)  # type: ignore[return-value]
+
+
+def approve_action(session: Session, action_id: int, who: str) -> None:
+    res = session.execute(
+        update(Action).where(Action.id == action_id, Action.state == "pending", Action.requires_approval.is_(True))
+        .values(requires_approval=False, who=who, updated_at=utcnow())
+    )
+    if res.rowcount != 1:
+        raise ActionStateError(f"action {action_id} is not a pending action awaiting approval")
+
+
+def pending_actions(session: Session, run_id: str, *, include_unapproved: bool = False) -> list[ActionRow]:
+    """Pending actions in creation order; those awaiting approval only if asked for."""
+    q = select(Action).where(Action.run_id == run_id, Action.state == "pending")
+    if not include_unapproved:
+        q = q.where(Action.requires_approval.is_(False))
+    return [_row(a) for a in session.execute(q.order_by(Action.id)).scalars()]
+
+
+def open_actions(session: Session, run_id: str | None = None) -> list[ActionRow]:
+    """Actions not yet final (what a restarted supervisor must resume)."""
+    q = select(Action).where(Action.state.in_(OPEN_STATES))
+    if run_id is not None:
+        q = q.where(Action.run_id == run_id)
+    return [_row(a) for a in session.execute(q.order_by(Action.id)).scalars()]
+
+
+def actions(session: Session, run_id: str, limit: int = 200) -> list[ActionRow]:
+    q = select(Action).where(Action.run_id == run_id).order_by(Action.id.desc()).limit(limit)
+    return [_row(a) for a in session.execute(q).scalars()]

@@ -1,0 +1,72 @@
+"""Checkpoints the run controller saved, with their health at save time."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from monitors.contract import CheckpointInfo
+from supervisor.store._sql import insert_ignore
+from supervisor.store.orm import Checkpoint
+
+
+@dataclass(slots=True)
+class CheckpointRow:
+    id: int
+    run_id: str
+    attempt: int
+    step: int
+    path: str
+    sample_cursor: int
+    healthy: bool
+    manifest: dict[str, Any] = field(default_factory=dict)
+    created_at: dt.datetime | None = None
+    deleted: bool = False
+
+
+def record_checkpoint(session: Session, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+    """Idempotent on (run, attempt, step): a retried report stores nothing new."""
+    session.execute(
+        insert_ignore(session, Checkpoint.__table__),
+        [
+            {
+                "run_id": run_id, "attempt": attempt, "step": ckpt.step, "path": ckpt.path,
+                "sample_cursor": ckpt.sample_cursor, "healthy": bool(ckpt.healthy), "manifest": ckpt.manifest,
+            }
+        ],
+    )
+
+
+def _row(c: Checkpoint) -> CheckpointRow:
+    return CheckpointRow(c.id, c.run_id, c.attempt, c.step, c.path, c.sample_cursor, c.healthy,
+                         dict(c.manifest or {}), c.created_at, c.deleted)
+
+
+def checkpoints(session: Session, run_id: str, *, include_deleted: bool = False) -> list[CheckpointRow]:
+    """The run's checkpoints by step (then attempt), oldest first."""
+    q = select(Checkpoint).where(Checkpoint.run_id == run_id)
+    if not include_deleted:
+        q = q.where(Checkpoint.deleted.is_(False))
+    return [_row(c) for c in session.execute(q.order_by(Checkpoint.step, Checkpoint.attempt)).scalars()]
+
+
+def newest_healthy_before(session: Session, run_id: str, step: int) -> CheckpointRow | None:
+    """Rollback target: the newest healthy, not deleted checkpoint strictly before `step`."""
+    c = session.execute(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id, Checkpoint.step < step, Checkpoint.healthy.is_(True),
+               Checkpoint.deleted.is_(False))
+        .order_by(Checkpoint.step.desc(), Checkpoint.attempt.desc())
+        .limit(1)
+    ).scalar()
+    return _row(c) if c is not None else None
+
+
+def mark_checkpoint(session: Session, checkpoint_id: int, *, healthy: bool | None = None, deleted: bool | None = None) -> None:
+    values = {k: v for k, v in (("healthy", healthy), ("deleted", deleted)) if v is not None}
+    if values:
+        session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(**values))

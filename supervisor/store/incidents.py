@@ -1,0 +1,79 @@
+"""Incidents: findings grouped by (run, signal, module) while open."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from supervisor.store.orm import Incident, utcnow
+
+STATES = ("open", "resolved")
+
+
+@dataclass(slots=True)
+class IncidentRow:
+    id: int
+    run_id: str
+    signal: str
+    module: str
+    severity: str
+    onset_step: int
+    detect_step: int
+    state: str
+    opened_at: dt.datetime
+    closed_at: dt.datetime | None
+    resolution: str
+
+
+def _row(i: Incident) -> IncidentRow:
+    return IncidentRow(i.id, i.run_id, i.signal, i.module, i.severity, i.onset_step, i.detect_step,
+                       i.state, i.opened_at, i.closed_at, i.resolution)
+
+
+def open_incident(session: Session, run_id: str, signal: str, module: str, onset_step: int, detect_step: int,
+                  severity: str = "warn") -> int:
+    """Id of the open incident for (run, signal, module), opening one if there is none."""
+    found = find_open(session, run_id, signal, module)
+    if found is not None:
+        return found.id
+    inc = Incident(run_id=run_id, signal=signal, module=module, severity=severity,
+                   onset_step=onset_step, detect_step=detect_step, state="open")
+    session.add(inc)
+    session.flush()
+    return inc.id
+
+
+def find_open(session: Session, run_id: str, signal: str, module: str) -> IncidentRow | None:
+    i = session.execute(
+        select(Incident).where(Incident.run_id == run_id, Incident.signal == signal, Incident.module == module,
+                               Incident.state == "open").order_by(Incident.id).limit(1)
+    ).scalar()
+    return _row(i) if i is not None else None
+
+
+def open_incidents(session: Session, run_id: str | None = None) -> list[IncidentRow]:
+    q = select(Incident).where(Incident.state == "open")
+    if run_id is not None:
+        q = q.where(Incident.run_id == run_id)
+    return [_row(i) for i in session.execute(q.order_by(Incident.id)).scalars()]
+
+
+def get_incident(session: Session, incident_id: int) -> IncidentRow | None:
+    i = session.get(Incident, incident_id)
+    return _row(i) if i is not None else None
+
+
+def incidents(session: Session, run_id: str) -> list[IncidentRow]:
+    return [_row(i) for i in session.execute(select(Incident).where(Incident.run_id == run_id).order_by(Incident.id)).scalars()]
+
+
+def resolve_incident(session: Session, incident_id: int, resolution: str = "") -> bool:
+    """Close an open incident; False if it was not open."""
+    res = session.execute(
+        update(Incident).where(Incident.id == incident_id, Incident.state == "open")
+        .values(state="resolved", closed_at=utcnow(), resolution=resolution)
+    )
+    return res.rowcount == 1

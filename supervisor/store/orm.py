@@ -1,0 +1,268 @@
+"""ORM models of the supervisor's database (one class per table; queries live in store/<entity>.py).
+
+The ORM is used for the schema, migrations and the small tables; the hot thermometer path
+goes through Core inserts on `ThermometerChunk.__table__` (no per-row ORM objects).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, so migrations can drop/alter them on both dialects.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC on the Python side on both dialects (SQLite drops tzinfo)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc)
+            if dialect.name == "sqlite":
+                value = value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dt.datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+def _run_fk(ondelete: str = "CASCADE"):
+    return ForeignKey("runs.run_id", ondelete=ondelete)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    run_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Attempt(Base):
+    """One (re)start of a run: attempt 0 is the first launch, each rollback/relaunch adds one."""
+
+    __tablename__ = "attempts"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    world_size: Mapped[int] = mapped_column(Integer)
+    start_step: Mapped[int] = mapped_column(BigInteger, default=0)
+    hosts: Mapped[dict[str, Any]] = mapped_column(default=dict)  # {"rank": "host"}
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class Step(Base):
+    """What each step consumed: turns an onset step into an absolute sample range to skip."""
+
+    __tablename__ = "steps"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample_lo: Mapped[int] = mapped_column(BigInteger)
+    sample_hi: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    wall_time: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class Series(Base):
+    """Dictionary of thermometer series: (metric, module) -> small integer id, shared by runs."""
+
+    __tablename__ = "series"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    metric: Mapped[str] = mapped_column(String(100))
+    module: Mapped[str] = mapped_column(String(300), default="")
+    __table_args__ = (UniqueConstraint("metric", "module"),)
+
+
+class RunSeries(Base):
+    """Which series a run has (series_keys() without scanning the chunks)."""
+
+    __tablename__ = "run_series"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), primary_key=True)
+
+
+class ThermometerChunk(Base):
+    """A run of consecutive points of one series within one attempt, as packed arrays.
+
+    `steps` int64 or NULL when contiguous, `values` float64 (NaN/Inf kept bit-exact), `ranks` int32 or NULL when no
+    point of the chunk carried a rank. Layout chosen by measurement, see store/thermometers.py.
+    """
+
+    __tablename__ = "thermometer_chunks"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    n: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # NULL: contiguous
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+    ranks: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    sample_cursor: Mapped[int] = mapped_column(BigInteger)
+    healthy: Mapped[bool] = mapped_column(Boolean)
+    manifest: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    __table_args__ = (UniqueConstraint("run_id", "attempt", "step"),)
+
+
+class Incident(Base):
+    """Findings grouped by (run, signal, module) while open."""
+
+    __tablename__ = "incidents"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    signal: Mapped[str] = mapped_column(String(50))
+    module: Mapped[str] = mapped_column(String(300), default="")
+    severity: Mapped[str] = mapped_column(String(20), default="warn")
+    onset_step: Mapped[int] = mapped_column(BigInteger)
+    detect_step: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(20), default="open")  # open | resolved
+    opened_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    closed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    resolution: Mapped[str] = mapped_column(Text, default="")
+    __table_args__ = (Index(None, "run_id", "state"),)
+
+
+class FindingRow(Base):
+    __tablename__ = "findings"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True)
+    signal: Mapped[str] = mapped_column(String(50))
+    module: Mapped[str] = mapped_column(String(300), default="")
+    metric: Mapped[str] = mapped_column(String(400), default="")
+    severity: Mapped[str] = mapped_column(String(20))
+    onset_step: Mapped[int] = mapped_column(BigInteger)
+    detect_step: Mapped[int] = mapped_column(BigInteger)
+    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index(None, "run_id", "detect_step"),)
+
+
+class Action(Base):
+    """The command queue and its history: pending -> sent -> acked -> done | failed."""
+
+    __tablename__ = "actions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    kind: Mapped[str] = mapped_column(String(30))
+    args: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    state: Mapped[str] = mapped_column(String(20), default="pending")
+    origin: Mapped[str] = mapped_column(String(10))  # auto | manual
+    who: Mapped[str] = mapped_column(String(200), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ack_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str] = mapped_column(Text, default="")
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True)
+    requires_approval: Mapped[bool] = mapped_column(Boolean, default=False)
+    __table_args__ = (Index(None, "run_id", "state"),)
+
+
+class SkipRange(Base):
+    """Absolute sample-index range [lo, hi) that every restart of the run passes over."""
+
+    __tablename__ = "skip_ranges"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    lo: Mapped[int] = mapped_column(BigInteger)
+    hi: Mapped[int] = mapped_column(BigInteger)
+    action_id: Mapped[int | None] = mapped_column(ForeignKey("actions.id", ondelete="SET NULL"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class LrChange(Base):
+    __tablename__ = "lr_changes"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    multiplier: Mapped[float] = mapped_column(Float)
+    start_step: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # None = permanent
+    action_id: Mapped[int | None] = mapped_column(ForeignKey("actions.id", ondelete="SET NULL"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Alert(Base):
+    __tablename__ = "alerts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(_run_fk("SET NULL"), nullable=True)
+    channel: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+    sent_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str] = mapped_column(Text, default="")
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    run_id: Mapped[str | None] = mapped_column(String(200), nullable=True)  # no FK: audit outlives runs
+    actor: Mapped[str] = mapped_column(String(200))
+    event: Mapped[str] = mapped_column(String(100))
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    __table_args__ = (Index(None, "run_id", "at"),)
+
+
+def load_models() -> MetaData:
+    """Import every supervisor.store module, so models declared beside their queries (e.g.
+    store/detector_state.py) are on Base.metadata too; returns it (Alembic env, schema tests)."""
+    import importlib
+    import pkgutil
+
+    import supervisor.store as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    return Base.metadata

@@ -1,0 +1,50 @@
+"""Per-step bookkeeping: which absolute samples each step consumed (for skip ranges)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from monitors.contract import StepRecord
+from supervisor.store._sql import insert_ignore
+from supervisor.store.orm import Step
+
+
+def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+    """One row per step; a retried batch inserts nothing new."""
+    if records:
+        session.execute(
+            insert_ignore(session, Step.__table__),
+            [
+                {
+                    "run_id": run_id, "attempt": attempt, "step": r.step, "sample_lo": r.sample_lo,
+                    "sample_hi": r.sample_hi, "tokens": r.tokens, "wall_time": r.wall_time,
+                }
+                for r in records
+            ],
+        )
+
+
+def sample_range(session: Session, run_id: str, step_lo: int, step_hi: int) -> tuple[int, int] | None:
+    """Half-open absolute sample range [lo, hi) consumed by steps step_lo..step_hi (inclusive),
+    as the newest attempt that trained each step saw it. None if no step there reported samples."""
+    rows = session.execute(
+        select(Step.step, Step.attempt, Step.sample_lo, Step.sample_hi)
+        .where(Step.run_id == run_id, Step.step >= step_lo, Step.step <= step_hi, Step.sample_lo >= 0)
+        .order_by(Step.step, Step.attempt)
+    ).all()
+    if not rows:
+        return None
+    newest = {step: (lo, hi) for step, _, lo, hi in rows}  # ordered by attempt: the last one wins
+    return min(lo for lo, _ in newest.values()), max(hi for _, hi in newest.values())
+
+
+def step_wall_times(session: Session, run_id: str, attempt: int, step_lo: int = 0) -> list[tuple[int, float]]:
+    rows = session.execute(
+        select(Step.step, Step.wall_time)
+        .where(Step.run_id == run_id, Step.attempt == attempt, Step.step >= step_lo)
+        .order_by(Step.step)
+    ).all()
+    return [(s, w) for s, w in rows]

@@ -1,0 +1,169 @@
+"""Thermometer charts as PNG bytes (matplotlib, Agg). The only module that imports matplotlib.
+
+Figures are built with the object API (Figure + FigureCanvasAgg), never pyplot: pyplot keeps
+global state, and the web server renders several charts at once in its threadpool.
+
+What a chart shows, for the engineer who opens it at 8 a.m.:
+  - every series of the metric (one line per module), downsampled to a min/max envelope per
+    pixel column so a one-step spike is never averaged away;
+  - non-finite points as red ticks along the top edge (a NaN cannot sit on a y axis);
+  - incidents: onset dashed, detection solid (the selected incident drawn heavier);
+  - rollbacks: an arrow from the detection step back to the step training resumed from, over
+    a shaded band of the steps that were re-trained;
+  - LR changes: a dotted line where the multiplier took effect, shaded while it lasts.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.transforms import blended_transform_factory
+
+from supervisor.api.runs import envelope
+
+MAX_LEGEND = 8  # more lines than this: the legend names the ones with the highest peaks
+
+
+@dataclass(slots=True)
+class IncidentMark:
+    id: int
+    label: str
+    onset: int
+    detect: int
+    open: bool
+    selected: bool = False
+
+
+@dataclass(slots=True)
+class RollbackMark:
+    label: str
+    from_step: int | None  # detection step (None for a manual rollback without an incident)
+    to_step: int
+
+
+@dataclass(slots=True)
+class LrMark:
+    step: int
+    multiplier: float
+    steps: int | None
+
+
+@dataclass(slots=True)
+class Marks:
+    incidents: list[IncidentMark] = field(default_factory=list)
+    rollbacks: list[RollbackMark] = field(default_factory=list)
+    lr_changes: list[LrMark] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Chart:
+    title: str
+    series: list[tuple[str, np.ndarray, np.ndarray]]  # (label, steps, values)
+    logy: bool = False
+    step_lo: int | None = None
+    step_hi: int | None = None
+    width_px: int = 1100
+    height_px: int = 320
+
+
+def _visible(lo: float, hi: float, *steps: int | None) -> bool:
+    return any(s is not None and lo <= s <= hi for s in steps)
+
+
+def render(chart: Chart, marks: Marks | None = None) -> bytes:
+    marks = marks or Marks()
+    dpi = 100
+    fig = Figure(figsize=(chart.width_px / dpi, chart.height_px / dpi), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title(chart.title, fontsize=10, loc="left")
+    ax.grid(True, alpha=0.25)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    if chart.logy:
+        ax.set_yscale("log", nonpositive="clip")
+
+    n = len(chart.series)
+    cmap = matplotlib.colormaps["viridis"]
+    peaks = []
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    any_points = False
+    nonfinite_labelled = False
+    for i, (label, steps, values) in enumerate(chart.series):
+        if len(steps) == 0:
+            peaks.append(-np.inf)
+            continue
+        any_points = True
+        s, v = envelope(steps, values, 2 * chart.width_px, chart.step_lo, chart.step_hi)
+        color = f"C{i}" if n <= 10 else cmap(i / max(1, n - 1) * 0.9)
+        # zorder 3: data above the incident/rollback lines, so a spike at the detection step shows
+        ax.plot(s, np.where(np.isfinite(v), v, np.nan), lw=0.9, color=color, label=label, zorder=3)
+        finite = v[np.isfinite(v)]
+        peaks.append(float(finite.max()) if len(finite) else np.inf)
+        bad = ~np.isfinite(v)
+        if bad.any():
+            ax.plot(s[bad], np.full(bad.sum(), 0.985), "|", color="red", ms=10, mew=1.5, transform=top,
+                    label=None if nonfinite_labelled else "NaN / Inf", clip_on=False, zorder=4)
+            nonfinite_labelled = True
+    if not any_points:
+        ax.text(0.5, 0.5, "no points in this window", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+    if chart.step_lo is not None or chart.step_hi is not None:
+        cur_lo, cur_hi = ax.get_xlim()
+        ax.set_xlim(chart.step_lo if chart.step_lo is not None else cur_lo,
+                    chart.step_hi if chart.step_hi is not None else cur_hi)
+    lo, hi = ax.get_xlim()
+    _annotate(ax, top, marks, lo, hi)
+    ax.set_xlim(lo, hi)
+
+    handles, labels = ax.get_legend_handles_labels()
+    if len(handles) > MAX_LEGEND + 3:  # many modules: name the hottest ones
+        order = np.argsort(peaks)[::-1][:MAX_LEGEND]
+        wanted = {chart.series[j][0] for j in order} | {"NaN / Inf"}
+        pairs = [(h, l) for h, l in zip(handles, labels) if l in wanted or not any(l == s[0] for s in chart.series)]
+        handles, labels = [p[0] for p in pairs], [p[1] for p in pairs]
+        title = f"top {MAX_LEGEND} of {n} by peak"
+    else:
+        title = None
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper left", title=title, title_fontsize=7,
+                  framealpha=0.8, ncols=2 if len(handles) > 6 else 1)
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _annotate(ax, top, marks: Marks, lo: float, hi: float) -> None:
+    for lr in marks.lr_changes:
+        end = lr.step + lr.steps if lr.steps is not None else hi
+        if lr.step > hi or end < lo:
+            continue
+        ax.axvline(lr.step, color="tab:purple", ls=":", lw=1.2, label=f"LR x{lr.multiplier:g} @ {lr.step}")
+        ax.axvspan(lr.step, end, color="tab:purple", alpha=0.06)
+    for rb in marks.rollbacks:
+        if not _visible(lo, hi, rb.from_step, rb.to_step):
+            continue
+        if rb.from_step is not None and rb.from_step > rb.to_step:
+            ax.axvspan(rb.to_step, rb.from_step, color="tab:orange", alpha=0.12, label=f"re-trained ({rb.label})")
+            ax.annotate("", xy=(rb.to_step, 0.9), xytext=(rb.from_step, 0.9), xycoords=top, textcoords=top,
+                        arrowprops={"arrowstyle": "->", "color": "tab:orange", "lw": 1.6})
+            ax.text((rb.to_step + rb.from_step) / 2, 0.92, rb.label, transform=top, ha="center", va="bottom",
+                    fontsize=7, color="tab:orange")
+        else:
+            ax.axvline(rb.to_step, color="tab:orange", lw=1.2, label=rb.label)
+    for inc in marks.incidents:
+        if not _visible(lo, hi, inc.onset, inc.detect):
+            continue
+        color = "tab:red" if inc.open else "dimgray"
+        lw = 2.0 if inc.selected else 1.0
+        alpha = 1.0 if inc.selected else 0.7
+        ax.axvline(inc.onset, color=color, ls="--", lw=lw, alpha=alpha, label=f"#{inc.id} onset {inc.onset}")
+        ax.axvline(inc.detect, color=color, ls="-", lw=lw, alpha=alpha, label=f"#{inc.id} detect {inc.detect}")
+        ax.text(inc.detect, 0.02, f" #{inc.id} {inc.label}", transform=top, fontsize=7, color=color,
+                rotation=90, va="bottom", ha="right")

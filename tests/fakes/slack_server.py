@@ -1,0 +1,196 @@
+"""A local stand-in for the Slack Web API, the one thing outside the machine the tests fake.
+
+It speaks Slack's wire format (https://api.slack.com/web): `POST /api/<method>` with a bearer
+token, JSON or form bodies, answers `{"ok": true, ...}` or HTTP 200 `{"ok": false, "error": ...}`,
+and HTTP 429 with `Retry-After` when rate limited. The real slack-sdk WebClient talks to it
+through `base_url`. Every request is recorded (headers + parsed body) for assertions.
+
+Use the `fake_slack` fixture (import it into a test module or list this module in
+`pytest_plugins`), or `with FakeSlack() as fake:` directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+BOT = {"user_id": "U0THERMO", "bot_id": "B0THERMO", "team_id": "T0FAKE"}
+
+
+@dataclass
+class RecordedRequest:
+    api_method: str  # e.g. "chat.postMessage"
+    headers: dict[str, str]
+    body: dict[str, Any]  # parsed JSON, or the form/query fields (one value each)
+    status: int  # HTTP status answered
+    answer: dict[str, Any]  # the JSON answered
+
+
+class FakeSlack:
+    """`auth.test`, `chat.postMessage` and `chat.update`, with switches for failures."""
+
+    def __init__(self, token: str = "xoxb-fake-token", channels: set[str] | None = None):
+        self.token = token
+        self.channels = channels  # None: every channel exists and the bot is in it
+        self.requests: list[RecordedRequest] = []
+        self.messages: dict[str, dict[str, Any]] = {}  # ts -> message
+        self._lock = threading.Lock()
+        self._rate_limited = 0
+        self._retry_after = "0"
+        self._failures: list[str] = []
+        self._ts = itertools.count(1)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- switches -------------------------------------------------------------------------
+
+    def rate_limit(self, calls: int, retry_after: float | str = 0) -> None:
+        """Answer the next `calls` requests with HTTP 429 and `Retry-After: retry_after`."""
+        with self._lock:
+            self._rate_limited = calls
+            self._retry_after = str(retry_after)
+
+    def fail_next(self, error: str, calls: int = 1) -> None:
+        """Answer the next `calls` requests with HTTP 200 {"ok": false, "error": error}."""
+        with self._lock:
+            self._failures += [error] * calls
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        assert self._server is not None, "FakeSlack is not started"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/api/"  # slack-sdk appends the method name
+
+    def start(self) -> "FakeSlack":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                fake._handle(self)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                pass  # quiet in test output
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="fake-slack", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> "FakeSlack":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- queries for tests ------------------------------------------------------------------
+
+    def calls(self, api_method: str) -> list[RecordedRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.api_method == api_method]
+
+    def posted(self) -> list[dict[str, Any]]:
+        """Bodies of chat.postMessage calls that succeeded, oldest first."""
+        return [r.body for r in self.calls("chat.postMessage") if r.answer.get("ok")]
+
+    # --- the wire format ---------------------------------------------------------------------
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        url = urlsplit(req.path)
+        api_method = url.path[len("/api/"):] if url.path.startswith("/api/") else ""
+        raw = req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        body: dict[str, Any] = {k: v[0] for k, v in parse_qs(url.query).items()}
+        ctype = req.headers.get("Content-Type", "")
+        if raw and ctype.startswith("application/json"):
+            body.update(json.loads(raw))
+        elif raw:
+            body.update({k: v[0] for k, v in parse_qs(raw.decode()).items()})
+        with self._lock:
+            status, answer, extra = self._answer(api_method, req.headers.get("Authorization", ""), body)
+            self.requests.append(RecordedRequest(api_method, dict(req.headers.items()), body, status, answer))
+        data = json.dumps(answer).encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json; charset=utf-8")
+        req.send_header("Content-Length", str(len(data)))
+        for key, value in extra.items():
+            req.send_header(key, value)
+        req.end_headers()
+        req.wfile.write(data)
+
+    def _answer(self, api_method: str, auth: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if self._rate_limited > 0:
+            self._rate_limited -= 1
+            return 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": self._retry_after}
+        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else body.get("token", "")
+        if not token:
+            return 200, {"ok": False, "error": "not_authed"}, {}
+        if token != self.token:
+            return 200, {"ok": False, "error": "invalid_auth"}, {}
+        if self._failures:
+            return 200, {"ok": False, "error": self._failures.pop(0)}, {}
+        if api_method == "auth.test":
+            return 200, {"ok": True, "url": "https://fake.slack.com/", "team": "fake", "user": "thermowatch", **BOT}, {}
+        if api_method == "chat.postMessage":
+            return self._post(body)
+        if api_method == "chat.update":
+            return self._update(body)
+        return 404, {"ok": False, "error": "unknown_method"}, {}
+
+    def _channel_error(self, body: dict[str, Any]) -> str | None:
+        channel = body.get("channel")
+        if not channel:
+            return "channel_not_found"
+        if self.channels is not None and channel not in self.channels:
+            return "channel_not_found"
+        return None
+
+    def _post(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        error = self._channel_error(body)
+        if error:
+            return 200, {"ok": False, "error": error}, {}
+        if not body.get("text") and not body.get("blocks"):
+            return 200, {"ok": False, "error": "no_text"}, {}
+        ts = f"1700000000.{next(self._ts):06d}"
+        message = {"type": "message", "text": body.get("text", ""), "ts": ts, "user": BOT["user_id"],
+                   "bot_id": BOT["bot_id"]}
+        if body.get("blocks"):
+            message["blocks"] = body["blocks"]
+        if body.get("thread_ts"):
+            if body["thread_ts"] not in self.messages:
+                return 200, {"ok": False, "error": "thread_not_found"}, {}
+            message["thread_ts"] = body["thread_ts"]
+        self.messages[ts] = message
+        return 200, {"ok": True, "channel": body["channel"], "ts": ts, "message": message}, {}
+
+    def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        error = self._channel_error(body)
+        if error:
+            return 200, {"ok": False, "error": error}, {}
+        message = self.messages.get(body.get("ts", ""))
+        if message is None:
+            return 200, {"ok": False, "error": "message_not_found"}, {}
+        message.update({k: body[k] for k in ("text", "blocks") if k in body})
+        return 200, {"ok": True, "channel": body["channel"], "ts": message["ts"], "text": message["text"],
+                     "message": message}, {}
+
+
+@pytest.fixture
+def fake_slack() -> Iterator[FakeSlack]:
+    with FakeSlack() as fake:
+        yield fake

@@ -1,0 +1,226 @@
+"""trainer.http_sink against a real uvicorn server on a real port, stopped and restarted:
+nothing is lost while the supervisor (or its database) is down, and order is kept."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord
+from supervisor.api.ingest import make_router
+from supervisor.db import make_engine, make_sessionmaker
+from supervisor.ingest import Ingestor
+from supervisor.store import checkpoints, runs, thermometers
+from trainer.http_sink import HttpCommandChannel, HttpSink, SinkRejected
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn in a thread; stop() and start() again on the same port."""
+
+    def __init__(self, app: FastAPI, port: int):
+        self.app, self.port = app, port
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, app: FastAPI | None = None) -> "Server":
+        cfg = uvicorn.Config(app or self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(20)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _app(ingestor: Ingestor) -> FastAPI:
+    app = FastAPI()
+    app.include_router(make_router(ingestor))
+    return app
+
+
+@pytest.fixture
+def server(db):
+    ing = Ingestor(db.sessions)
+    srv = Server(_app(ing), _free_port()).start()
+    yield srv
+    if srv._thread.is_alive():
+        srv.stop()
+
+
+def _batch(lo, n=10):
+    return [StepRecord(step=s, values={"loss": float(s), "z/head": float(-s)}, sample_lo=s, sample_hi=s + 1)
+            for s in range(lo, lo + n)]
+
+
+def _loss(db, run_id="r"):
+    with db.sessions() as s:
+        return thermometers.history(s, run_id, "loss")
+
+
+def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink.open_run(RunInfo("r", 0, world_size=2))
+    for lo in range(0, 100, 10):
+        sink.write("r", 0, _batch(lo))
+    assert sink.spooled == 0
+    server.stop()  # the supervisor goes down; training goes on
+    sink.checkpoint_saved("r", 0, CheckpointInfo(100, "/ck/100", 100, True))
+    for lo in range(100, 600, 10):
+        sink.write("r", 0, _batch(lo))
+    assert sink.spooled == 51
+    assert len(_loss(db)[0]) == 100
+    server.start()  # back on the same port
+    sink.write("r", 0, _batch(600))  # replays the spool first, then sends this batch
+    assert sink.spooled == 0
+    steps, vals = _loss(db)
+    np.testing.assert_array_equal(steps, np.arange(610))
+    np.testing.assert_array_equal(vals, np.arange(610.0))
+    with db.sessions() as s:
+        assert [c.step for c in checkpoints.checkpoints(s, "r")] == [100]
+    assert list((tmp_path / "spool").glob("spool-*.jsonl")) == []
+    sink.close()
+
+
+def test_spool_survives_a_controller_restart(db, server, tmp_path):
+    server.stop()
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    sink.open_run(RunInfo("r", 0, world_size=1))  # spooled: the run does not exist yet on the server
+    for lo in range(0, 50, 10):
+        sink.write("r", 0, _batch(lo))
+    sink.close()  # controller exits while the supervisor is down; the spool stays on disk
+    assert len(list((tmp_path / "spool").glob("spool-*.jsonl"))) == 1
+    server.start()
+    sink2 = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    assert sink2.spooled == 6
+    sink2.write("r", 0, _batch(50))  # a fresh process replays first (open_run comes first: no 404)
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(60))
+    sink2.close()
+
+
+def test_database_down_is_spooled_then_replayed(db, server, tmp_path):
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0))
+    server.stop()
+    dead = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/nothing", connect_args={"connect_timeout": 1})
+    server.start(_app(Ingestor(make_sessionmaker(dead))))  # supervisor up, its database not: HTTP 500
+    sink.write("r", 0, _batch(10))
+    assert sink.spooled == 1
+    server.stop()
+    server.start()  # database back
+    sink.write("r", 0, _batch(20))
+    assert sink.spooled == 0
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(30))
+    sink.close()
+    dead.dispose()
+
+
+def test_rejected_message_raises_and_does_not_block_the_spool(db, server, tmp_path):
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    with pytest.raises(SinkRejected, match="404"):
+        sink.write("never-opened", 0, _batch(0))
+    assert sink.spooled == 0
+    server.stop()
+    sink.write("never-opened", 0, _batch(0))  # spooled while down, refused on replay
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0))
+    server.start()
+    assert sink.flush()
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
+    assert (tmp_path / "spool" / "rejected.jsonl").read_text().count("\n") == 1
+    sink.close()
+
+
+def test_nan_and_inf_travel_over_http(db, server, tmp_path):
+    sink = HttpSink(server.url, tmp_path / "spool")
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, [StepRecord(step=i, values={"loss": v}) for i, v in enumerate([np.nan, np.inf, -np.inf])])
+    _, vals = _loss(db)
+    assert np.isnan(vals[0]) and vals[1] == np.inf and vals[2] == -np.inf
+    with db.sessions() as s:
+        assert runs.get_run(s, "r") is not None
+    sink.close()
+
+
+def test_command_channel(tmp_path):
+    """Client side only: the shapes are Command.to_json() / Ack.to_json(); the server here is a
+    stand-in for the supervisor's command routes (owned elsewhere)."""
+    queue = [Command(7, CommandKind.ROLLBACK, {"to_step": 1100, "skip_ranges": [[10, 20]]})]
+    acks: list[dict] = []
+    app = FastAPI()
+
+    @app.get("/api/runs/{run_id}/commands")
+    def commands(run_id: str):
+        return {"commands": [c.to_json() for c in queue]} if run_id == "run 1#x" else {"commands": []}
+
+    @app.post("/api/runs/{run_id}/acks")
+    async def ack(run_id: str, request: Request):
+        acks.append({"run_id": run_id, **(await request.json())})
+        return {"ok": True}
+
+    srv = Server(app, _free_port()).start()
+    ch = HttpCommandChannel(srv.url)
+    assert ch.poll("run 1#x") == queue  # run ids are URL-quoted
+    ch.ack("run 1#x", Ack(7, True, 1101, "rolled back"))
+    assert acks == [{"run_id": "run 1#x", "command_id": 7, "ok": True, "step": 1101, "detail": "rolled back"}]
+    srv.stop()
+    assert ch.poll("run 1#x") == []  # down: training goes on
+    ch.ack("run 1#x", Ack(8, False, 1200, "no checkpoint"))  # kept for later
+    srv.start()
+    ch.poll("run 1#x")
+    assert [a["command_id"] for a in acks] == [7, 8]
+    ch.close()
+    srv.stop()
+
+
+def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=30.0)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    server.stop()
+    sink.write("r", 0, _batch(0))  # fails once, backs off 30 s
+    server.start()
+    for lo in range(10, 50, 10):
+        sink.write("r", 0, _batch(lo))  # inside the interval: straight to the spool, no request
+    assert sink.spooled == 5 and len(_loss(db)[0]) == 0
+    assert sink.flush(force=True)
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(50))
+    sink.close()
+
+
+def test_torn_spool_line_from_a_crash_is_set_aside(db, server, tmp_path):
+    server.stop()
+    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0))
+    sink.close()
+    spool = next((tmp_path / "spool").glob("spool-*.jsonl"))
+    with open(spool, "ab") as f:
+        f.write(b'{"path": "/api/runs/r/attempts/0/steps", "body": {"records": [{"st')  # killed mid-append
+    server.start()
+    sink = HttpSink(server.url, tmp_path / "spool")
+    assert sink.flush(force=True)
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
+    assert (tmp_path / "spool" / "rejected.jsonl").read_bytes().count(b"\n") == 1
+    sink.close()

@@ -1,0 +1,237 @@
+"""Ingest in-process (Ingestor) and over HTTP (the router), on real SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord
+from supervisor.api.ingest import make_router
+from supervisor.ingest import BatchTooLarge, IngestLimits, Ingestor, UnknownRun
+from supervisor.store import checkpoints, thermometers
+from supervisor.store import steps as steps_store
+
+KEYS = ["loss", "attn_logit_max/blocks.0.attn", "act_max/blocks.0.mlp"]
+
+
+def _recs(lo, hi, keys=KEYS):
+    return [StepRecord(step=s, values={k: s + j / 10 for j, k in enumerate(keys)}, sample_lo=4 * s, sample_hi=4 * s + 4,
+                       tokens=4096, wall_time=0.5, ranks={keys[-1]: s % 2}) for s in range(lo, hi)]
+
+
+def _counts(db) -> tuple[int, int]:
+    with db.sessions() as s:
+        return (s.execute(sa.text("select count(*) from steps")).scalar(),
+                s.execute(sa.text("select count(*) from thermometer_chunks")).scalar())
+
+
+@pytest.fixture
+def seen():
+    return []
+
+
+@pytest.fixture
+def ingestor(db, seen):
+    return Ingestor(db.sessions, on_records=lambda run, att, recs: seen.append((run, att, [r.step for r in recs])),
+                    limits=IngestLimits(max_records=100, max_values=1000))
+
+
+def test_write_then_read_back(db, ingestor, seen):
+    ingestor.open_run(RunInfo("r", 0, world_size=2))
+    assert ingestor.write("r", 0, _recs(0, 10)) == 30
+    ingestor.write("r", 0, _recs(0, 10))  # retried batch
+    assert _counts(db) == (10, 3)
+    assert seen == [("r", 0, list(range(10)))] * 2
+    with db.sessions() as s:
+        steps, vals, ranks = thermometers.history_with_ranks(s, "r", KEYS[-1])
+        np.testing.assert_array_equal(steps, np.arange(10))
+        np.testing.assert_array_equal(ranks, np.arange(10) % 2)
+        assert steps_store.sample_range(s, "r", 2, 3) == (8, 16)
+
+
+def test_bad_input_stores_nothing(db, ingestor, seen):
+    with pytest.raises(UnknownRun, match="unknown run 'r'"):
+        ingestor.write("r", 0, _recs(0, 2))
+    ingestor.open_run(RunInfo("r", 0, world_size=2))
+    with pytest.raises(UnknownRun, match="no attempt 1"):
+        ingestor.write("r", 1, _recs(0, 2))
+    bad = _recs(0, 3)
+    bad[2].values["loss"] = "high"
+    with pytest.raises(ContractError, match="step 2: metric 'loss' must be a number"):
+        ingestor.write("r", 0, bad)
+    bad = _recs(0, 3)
+    bad[1].step = -5
+    with pytest.raises(ContractError, match="'step'"):
+        ingestor.write("r", 0, bad)
+    bad = _recs(0, 3)
+    bad[0].sample_hi = 2**64
+    with pytest.raises(ContractError, match="'sample_hi'"):
+        ingestor.write("r", 0, bad)
+    with pytest.raises(BatchTooLarge, match="101 records"):
+        ingestor.write("r", 0, _recs(0, 101, keys=["loss"]))
+    with pytest.raises(BatchTooLarge, match="values"):
+        ingestor.write("r", 0, _recs(0, 20, keys=[f"k{i}" for i in range(60)]))
+    with pytest.raises(ContractError, match="world_size"):
+        ingestor.open_run(RunInfo("r2", 0, world_size=0))
+    with pytest.raises(ContractError, match="healthy"):
+        ingestor.checkpoint_saved("r", 0, CheckpointInfo(1, "/p", 1, healthy="yes"))
+    assert _counts(db) == (0, 0) and seen == []
+
+
+def test_one_transaction_per_batch(db, ingestor, monkeypatch):
+    ingestor.open_run(RunInfo("r", 0, world_size=2))
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(thermometers, "append", boom)  # fails after the steps rows were written
+    with pytest.raises(RuntimeError):
+        ingestor.write("r", 0, _recs(0, 5))
+    monkeypatch.undo()
+    assert _counts(db) == (0, 0)
+    ingestor.write("r", 0, _recs(0, 5))
+    assert _counts(db) == (5, 3)
+
+
+def test_on_records_failure_does_not_undo_the_batch(db):
+    def broken(*a):
+        raise ZeroDivisionError
+
+    ing = Ingestor(db.sessions, on_records=broken)
+    ing.open_run(RunInfo("r", 0, world_size=1))
+    ing.write("r", 0, _recs(0, 3))
+    assert _counts(db) == (3, 3)
+
+
+def test_checkpoint_saved(db, ingestor):
+    ingestor.open_run(RunInfo("r", 0, world_size=2))
+    ingestor.checkpoint_saved("r", 0, CheckpointInfo(100, "/ck/100", 400, True, {"skip_ranges": []}))
+    ingestor.checkpoint_saved("r", 0, CheckpointInfo(100, "/ck/100", 400, True))
+    with db.sessions() as s:
+        assert [(c.step, c.path, c.healthy) for c in checkpoints.checkpoints(s, "r")] == [(100, "/ck/100", True)]
+
+
+# --- HTTP ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client(ingestor):
+    app = FastAPI()
+    app.include_router(make_router(ingestor, max_body_bytes=20_000))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+RUN = {"run_id": "r", "attempt": 0, "world_size": 2, "hosts": {"0": "n0"}, "config": {"lr": 1e-3}}
+STEPS = "/api/runs/r/attempts/0/steps"
+
+
+def test_http_round_trip_with_nan_literals(db, client, seen):
+    assert client.post("/api/runs", json=RUN).status_code == 201
+    recs = [StepRecord(step=i, values={"loss": v}) for i, v in enumerate([1.0, math.nan, math.inf, -math.inf])]
+    body = json.dumps({"records": [r.to_json() for r in recs]})  # Python's json: NaN, Infinity
+    assert "NaN" in body and "-Infinity" in body
+    r = client.post(STEPS, content=body)
+    assert r.status_code == 200 and r.json() == {"ok": True, "records": 4, "values": 4}
+    r = client.post(STEPS, content=json.dumps({"records": [{"step": 4, "loss": None}]}))
+    assert r.status_code == 200
+    with db.sessions() as s:
+        _, vals = thermometers.history(s, "r", "loss")
+    assert vals[0] == 1.0 and math.isnan(vals[1]) and vals[2] == math.inf and vals[3] == -math.inf and math.isnan(vals[4])
+    ck = {"step": 3, "path": "/ck/3", "sample_cursor": 12, "healthy": True}
+    assert client.post("/api/runs/r/attempts/0/checkpoints", json=ck).status_code == 201
+    assert seen[0][2] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        (STEPS, {"records": [{"step": 1, "loss": 1.0}]}, 404, "unknown run 'r'"),
+        ("/api/runs/r/attempts/0/checkpoints", {"step": 1, "path": "/p", "sample_cursor": 0, "healthy": True}, 404, "unknown run"),
+        ("/api/runs", {"run_id": "r", "attempt": "zero", "world_size": 2}, 422, "'attempt'"),
+        ("/api/runs", {"attempt": 0, "world_size": 2}, 422, "'run_id'"),
+        ("/api/runs", [1, 2], 422, "JSON object"),
+    ],
+)
+def test_http_errors_before_open(db, client, path, body, status, needle):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b'{"records": [{"step": 1, "loss": "x"}]}', 422, "metric 'loss' must be a number"),
+        (b'{"records": [{"step": -1, "loss": 1}]}', 422, "'step'"),
+        (b'{"records": [{"step": 1, "tokens": "many"}]}', 422, "records[0]"),
+        (b'{"records": [{"step": 1, "ranks": {"loss": "r0"}}]}', 422, "records[0]"),
+        (b'{"records": [{"step": 1, "ranks": [1]}]}', 422, "'ranks'"),
+        (b'{"records": {"step": 1}}', 422, '{"records": [...]}'),
+        (b'{"records": [{"step": 1, "loss": 1', 400, "not valid JSON"),
+        (b"\xff\xfe", 400, "not valid JSON"),
+        (b'{"records": [' + b'{"step": 1, "loss": 1.0},' * 2000 + b'{"step": 2}]}', 413, "exceeds the limit"),
+        (json.dumps({"records": [{"step": i, "loss": 1.0} for i in range(101)]}).encode(), 413, "101 records"),
+    ],
+)
+def test_http_bad_batches_are_4xx_and_store_nothing(db, client, body, status, needle):
+    assert client.post("/api/runs", json=RUN).status_code == 201
+    r = client.post(STEPS, content=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"]
+    assert _counts(db) == (0, 0)
+    assert client.post(STEPS, json={"records": [{"step": 1, "loss": 1.0}]}).status_code == 200  # still up
+
+
+def test_http_chunked_oversized_body_and_bad_attempt(db, client):
+    assert client.post("/api/runs", json=RUN).status_code == 201
+
+    def chunks():  # no Content-Length: the limit is enforced while streaming
+        yield b'{"records": ['
+        for _ in range(1000):
+            yield b'{"step": 1, "loss": 1.0},'
+        yield b'{"step": 2}]}'
+
+    r = client.post(STEPS, content=chunks())
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["detail"]
+    r = client.post("/api/runs/r/attempts/first/steps", json={"records": []})
+    assert r.status_code == 422 and r.json()["detail"] == "attempt must be a non-negative integer, got 'first'"
+    assert _counts(db) == (0, 0)
+
+
+def test_http_token(ingestor):
+    app = FastAPI()
+    app.include_router(make_router(ingestor, token="s3cret"))
+    with TestClient(app) as c:
+        assert c.post("/api/runs", json=RUN).status_code == 401
+        assert c.post("/api/runs", json=RUN, headers={"authorization": "Bearer nope"}).status_code == 401
+        assert c.post("/api/runs", json=RUN, headers={"authorization": "Bearer s3cret"}).status_code == 201
+
+
+def test_values_the_database_would_choke_on_are_4xx(db, client):
+    assert client.post("/api/runs", json=RUN).status_code == 201
+    for body, needle in [
+        (b'{"records": [{"step": 1, "loss": 1' + b"0" * 400 + b"}]}", "records[0]"),  # int beyond float64
+        (json.dumps({"records": [{"step": 1, ("m" * 101): 1.0}]}).encode(), "at most 100"),
+        (json.dumps({"records": [{"step": 1, "act_max/" + "x" * 301: 1.0}]}).encode(), "module"),
+        (json.dumps({"records": [{"step": 1, "/blocks.0": 1.0}]}).encode(), "non-empty metric"),
+        (json.dumps({"records": [{"step": 1, "loss": 1.0, "ranks": {"loss": 2**40}}]}).encode(), "ranks['loss']"),
+        (json.dumps({"records": [{"step": 2**63, "loss": 1.0}]}).encode(), "'step'"),
+    ]:
+        r = client.post(STEPS, content=body)
+        assert r.status_code == 422, (needle, r.text)
+        assert needle in r.json()["detail"]
+    assert _counts(db) == (0, 0)
+
+
+def test_in_process_int_too_large_for_float(db, ingestor):
+    ingestor.open_run(RunInfo("r", 0, world_size=1))
+    with pytest.raises(ContractError, match="too large"):
+        ingestor.write("r", 0, [StepRecord(step=1, values={"loss": 10**400})])
+    assert _counts(db) == (0, 0)

@@ -1,0 +1,268 @@
+"""Table tests for the pure policy: each row is (finding + state + config) -> expected decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from monitors.contract import CheckpointInfo, Finding, Severity, Signal
+from supervisor.policy import (
+    Decision,
+    DecisionKind,
+    Intervention,
+    PolicyConfig,
+    PolicyConfigError,
+    PolicyInput,
+    make_decision,
+)
+
+NOW = 1_800_000_000.0
+H = 3600.0
+K = DecisionKind
+S = Signal
+
+
+def ck(step: int, healthy: bool = True) -> CheckpointInfo:
+    return CheckpointInfo(step=step, path=f"/ckpt/step{step}", sample_cursor=step * 64, healthy=healthy)
+
+
+def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.WARN, module="", **evidence) -> Finding:
+    return Finding(signal=signal, module=module, severity=sev, onset_step=onset, detect_step=detect,
+                   metric="loss" if signal is S.LOSS_SPIKE else "", evidence=evidence)
+
+
+def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True) -> Intervention:
+    return Intervention(kind=kind, signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic)
+
+
+CKPTS = [ck(800), ck(850), ck(900), ck(950)]
+
+# (id, PolicyInput kwargs, PolicyConfig kwargs, expected Decision attributes; "says": substrings of reasons)
+CASES = [
+    ("rung1-loss-spike-margin-100",
+     dict(finding=finding(), checkpoints=CKPTS), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=850, target_path="/ckpt/step850", skip_steps=(890, 1000),
+          lr_multiplier=None, page=False, requires_approval=False, says=["rung 1", "step 850", "890-1000"])),
+    ("rung1-small-run-margin-20",
+     dict(finding=finding(), checkpoints=[ck(900), ck(950), ck(980)]), dict(rollback_margin_steps=20),
+     dict(kind=K.ROLLBACK, target_step=950, skip_steps=(970, 1000))),
+    ("rung1-attention-logit-growth",
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH, module="blocks.3.attn"), checkpoints=CKPTS), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=850, says=["blocks.3.attn"])),
+    ("rung1-unhealthy-checkpoint-passed-over",
+     dict(finding=finding(), checkpoints=[ck(800), ck(850, healthy=False), ck(950)]), {},
+     dict(kind=K.ROLLBACK, target_step=800, skip_steps=(890, 1000), says=["850", "unhealthy"])),
+    ("rung1-target-at-limit-skips-from-next-step",
+     dict(finding=finding(), checkpoints=[ck(890)]), {},
+     dict(kind=K.ROLLBACK, target_step=890, skip_steps=(891, 1000))),
+    ("rung2-recurrence-rollback-and-lower-lr",
+     dict(finding=finding(onset=940, detect=950), checkpoints=CKPTS, history=[iv(step=1000)]), {},
+     dict(kind=K.ROLLBACK, rung=2, target_step=800, skip_steps=(840, 950), lr_multiplier=0.5, lr_steps=None,
+          page=False, says=["rung 2", "-50 steps", "1 -> 0.5"])),
+    ("rung2-multiplier-compounds",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1100)], current_lr_multiplier=0.5), {},
+     dict(kind=K.ROLLBACK, rung=2, lr_multiplier=0.25)),
+    ("rung2-attention-growth-then-ceiling-is-same-signal",
+     dict(finding=finding(S.ATTN_LOGIT_CEILING, module="blocks.5.attn"), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=1020)]), {},
+     dict(kind=K.ROLLBACK, rung=2, lr_multiplier=0.5)),
+    ("rung2-temporary-lr-with-rewarmup",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)]), dict(lr_steps=2000, rewarmup_steps=100),
+     dict(kind=K.ROLLBACK, rung=2, lr_steps=2000, rewarmup_steps=100, says=["2000 steps", "re-warm-up"])),
+    ("rung2-lower-lr-in-place",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)]), dict(recurrence_rollback=False),
+     dict(kind=K.LOWER_LR, rung=2, target_step=None, skip_steps=None, lr_multiplier=0.5)),
+    ("rung1-previous-rollback-outside-step-window",
+     dict(finding=finding(onset=1990, detect=2000), checkpoints=CKPTS + [ck(1800)], history=[iv(step=1000)]), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=1800, lr_multiplier=None)),
+    ("rung1-previous-rollback-on-another-signal",
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH), checkpoints=CKPTS, history=[iv(step=1000)]), {},
+     dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
+    ("rung1-previous-rollback-failed-is-no-recurrence",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000, ok=False)]), {},
+     dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
+    ("rung3-lr-floor",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)], current_lr_multiplier=0.125), {},
+     dict(kind=K.PAUSE, rung=3, page=True, target_step=None, says=["min_lr_multiplier"])),
+    ("rung3-too-many-interventions",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in
+                   [(3000, 5 * H), (5000, 4 * H), (7000, 3 * H), (9000, 2 * H)]]), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["4 automatic interventions", "max_interventions=4"])),
+    ("interventions-outside-window-do-not-count",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=7 * H) for s in (3000, 5000, 7000, 9000)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("manual-interventions-do-not-count",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=None, step=s, ago=2 * H, automatic=False) for s in (3000, 5000, 7000, 9000)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("rung3-no-healthy-checkpoint-before-onset",
+     dict(finding=finding(), checkpoints=[ck(950), ck(1000)]), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint at or before step 890"])),
+    ("rung3-only-unhealthy-checkpoints-before-onset",
+     dict(finding=finding(), checkpoints=[ck(800, healthy=False), ck(850, healthy=False), ck(950)]), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["unhealthy at [800, 850]"])),
+    ("rung3-failed-action",
+     dict(finding=finding(), checkpoints=CKPTS, failed_action_pending=True), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["previous action failed"])),
+    ("non-finite-rolls-back-with-margin",
+     dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL), checkpoints=CKPTS), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=900, skip_steps=(901, 1000))),
+    ("non-finite-inside-margin-when-needed",
+     dict(finding=finding(S.NON_FINITE, onset=1000, detect=1001, sev=Severity.CRITICAL),
+          checkpoints=[ck(950), ck(980, healthy=False), ck(1000)]), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=950, skip_steps=(951, 1001), says=["inside the margin", "980"])),
+    ("non-finite-no-healthy-checkpoint-before-onset",
+     dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL),
+          checkpoints=[ck(950, healthy=False), ck(1000)]), {},
+     dict(kind=K.PAUSE, rung=3, page=True)),
+    ("non-finite-ignores-cooldown",
+     dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("cooldown-too-soon-alerts",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
+     dict(kind=K.ALERT, rung=0, page=False, target_step=None, says=["cooldown", "60s ago"])),
+    ("cooldown-critical-finding-pages",
+     dict(finding=finding(sev=Severity.CRITICAL), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
+     dict(kind=K.ALERT, page=True)),
+    ("cooldown-expired-acts",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=700)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("cooldown-manual-action-does-not-block",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=None, step=3000, ago=60, automatic=False)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("same-incident-is-noop",
+     dict(finding=finding(onset=990, detect=1010), checkpoints=CKPTS, history=[iv(step=1000, ago=30)]), {},
+     dict(kind=K.NOOP, says=["same incident", "step 1000"])),
+    ("same-incident-non-finite-is-noop",
+     dict(finding=finding(S.NON_FINITE, onset=1000, detect=1003, sev=Severity.CRITICAL), checkpoints=CKPTS,
+          history=[iv(signal=S.NON_FINITE, step=1000, ago=30)]), {},
+     dict(kind=K.NOOP)),
+    ("per-day-cap",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in [(3000, 20 * H), (5000, 10 * H)]]),
+     dict(max_rollbacks_per_day=2),
+     dict(kind=K.PAUSE, rung=3, page=True, says=["2 automatic rollbacks in the last 24 h"])),
+    ("per-day-cap-forgets-yesterday",
+     dict(finding=finding(), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in [(3000, 30 * H), (5000, 10 * H)]]),
+     dict(max_rollbacks_per_day=2),
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("advise-only-rollback-needs-approval",
+     dict(finding=finding(), checkpoints=CKPTS), dict(advise_only=True),
+     dict(kind=K.ROLLBACK, target_step=850, skip_steps=(890, 1000), requires_approval=True, page=True,
+          says=["advise-only"])),
+    ("advise-only-pause-needs-approval",
+     dict(finding=finding(), checkpoints=[]), dict(advise_only=True),
+     dict(kind=K.PAUSE, requires_approval=True)),
+    ("advise-only-alert-needs-no-approval",
+     dict(finding=finding(S.GRAD_SPIKE), checkpoints=CKPTS), dict(advise_only=True),
+     dict(kind=K.ALERT, requires_approval=False)),
+    ("grad-spike-alerts-only",
+     dict(finding=finding(S.GRAD_SPIKE, sev=Severity.CRITICAL), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, page=False, target_step=None, says=["clipping"])),
+    ("grad-spike-rolls-back-when-configured",
+     dict(finding=finding(S.GRAD_SPIKE), checkpoints=CKPTS),
+     dict(rollback_signals=["grad_spike", "loss_spike"]),
+     dict(kind=K.ROLLBACK, target_step=850)),
+    ("stall-alerts-and-pages",
+     dict(finding=finding(S.STALL), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, page=True, says=["stall"])),
+    ("info-severity-alerts-only",
+     dict(finding=finding(sev=Severity.INFO), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, says=["below act_min_severity"])),
+    ("paused-run-is-noop",
+     dict(finding=finding(S.NON_FINITE, sev=Severity.CRITICAL), checkpoints=CKPTS, paused=True), {},
+     dict(kind=K.NOOP, says=["paused"])),
+    ("action-in-flight-is-noop",
+     dict(finding=finding(), checkpoints=CKPTS, action_in_flight=True), {},
+     dict(kind=K.NOOP, says=["in flight"])),
+    ("outlier-rank-alert-names-rank-and-node",
+     dict(finding=finding(S.OUTLIER_RANK, rank=5, node="gpu-node-07"), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, target_step=None, exclude_rank=None, says=["rank 5 on node gpu-node-07"])),
+    ("outlier-rank-alerts-off",
+     dict(finding=finding(S.OUTLIER_RANK, rank=5), checkpoints=CKPTS), dict(outlier_rank_alerts=False),
+     dict(kind=K.NOOP)),
+    ("outlier-rank-restart-without-it",
+     dict(finding=finding(S.OUTLIER_RANK, rank=5, host="gpu-node-07"), checkpoints=CKPTS),
+     dict(restart_without_outlier=True),
+     dict(kind=K.ROLLBACK, target_step=950, skip_steps=None, exclude_rank=5, exclude_node="gpu-node-07",
+          says=["without rank 5"])),
+    ("outlier-rank-restart-needs-a-rank",
+     dict(finding=finding(S.OUTLIER_RANK), checkpoints=CKPTS), dict(restart_without_outlier=True),
+     dict(kind=K.ALERT, exclude_rank=None, says=["names no rank"])),
+]
+
+
+@pytest.mark.parametrize("inp_kw, cfg_kw, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decision_table(inp_kw, cfg_kw, expected):
+    decision = make_decision(PolicyInput(now=NOW, **inp_kw), PolicyConfig(**cfg_kw))
+    expected = dict(expected)
+    says = expected.pop("says", [])
+    got = {k: getattr(decision, k) for k in expected}
+    assert got == expected, decision.reasons
+    text = "\n".join(decision.reasons)
+    for phrase in says:
+        assert phrase in text, f"{phrase!r} not in reasons:\n{text}"
+    # Every decision explains itself: the finding first, then at least one why.
+    assert len(decision.reasons) >= 2 and inp_kw["finding"].signal.value in decision.reasons[0]
+
+
+def test_never_targets_an_unhealthy_checkpoint_or_one_past_the_onset():
+    rng = random.Random(0)
+    for _ in range(500):
+        ckpts = [ck(s, healthy=rng.random() < 0.6) for s in sorted(rng.sample(range(0, 2000, 10), 8))]
+        onset = rng.randrange(50, 2000)
+        sig = rng.choice([S.LOSS_SPIKE, S.NON_FINITE, S.ATTN_LOGIT_CEILING])
+        inp = PolicyInput(finding=finding(sig, onset=onset, detect=onset + rng.randrange(0, 30)),
+                          now=NOW, checkpoints=ckpts)
+        cfg = PolicyConfig(rollback_margin_steps=rng.choice([0, 20, 100]))
+        d = make_decision(inp, cfg)
+        assert d == make_decision(inp, cfg)  # pure
+        assert d.kind in (K.ROLLBACK, K.PAUSE)
+        if d.kind is K.ROLLBACK:
+            chosen = next(c for c in ckpts if c.step == d.target_step)
+            assert chosen.healthy
+            within_margin = chosen.step <= onset - cfg.rollback_margin_steps
+            # Only non-finite may go inside the margin, and then still strictly before the onset.
+            assert within_margin or (sig is S.NON_FINITE and chosen.step < onset)
+            if d.skip_steps:
+                assert d.target_step < d.skip_steps[0] <= d.skip_steps[1] == inp.finding.detect_step
+        else:
+            assert not any(c.healthy and c.step <= onset - cfg.rollback_margin_steps for c in ckpts)
+
+
+def test_decision_to_json_is_plain():
+    d = make_decision(PolicyInput(finding=finding(), now=NOW, checkpoints=CKPTS))
+    j = d.to_json()
+    assert j["kind"] == "rollback" and j["skip_steps"] == [890, 1000] and j["target_step"] == 850
+    assert isinstance(d, Decision) and d.acts
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr_multiplier=1.5), "lr_multiplier=1.5 must be in \\(0, 1\\)"),
+    (dict(lr_multiplier=0.0), "lr_multiplier=0.0"),
+    (dict(rollback_margin_steps=-1), "rollback_margin_steps=-1"),
+    (dict(max_interventions=0), "max_interventions=0 must be >= 1"),
+    (dict(lr_steps=0), "lr_steps=0 must be >= 1, or None"),
+    (dict(cooldown_s=-5), "cooldown_s=-5"),
+    (dict(rollback_signals=["stall"]), "rollback cannot fix"),
+    (dict(rollback_signals=["loss_spik"]), "known signals"),
+    (dict(act_min_severity="fatal"), "info, warn, critical"),
+], ids=["lr-above-1", "lr-zero", "negative-margin", "no-interventions", "lr-steps-zero", "negative-cooldown",
+        "stall-cannot-roll-back", "typo-signal", "bad-severity"])
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(PolicyConfigError, match=match):
+        PolicyConfig(**kwargs)
+
+
+def test_config_accepts_strings_from_yaml():
+    cfg = PolicyConfig(rollback_signals=["loss_spike"], page_signals=["stall", "grad_spike"], act_min_severity="critical")
+    assert cfg.rollback_signals == frozenset({S.LOSS_SPIKE})
+    assert cfg.page_signals == frozenset({S.STALL, S.GRAD_SPIKE})
+    assert cfg.act_min_severity is Severity.CRITICAL

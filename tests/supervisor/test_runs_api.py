@@ -1,0 +1,248 @@
+"""The read API (supervisor.api.runs) on real SQLite and PostgreSQL, seeded through the store."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import sessionmaker
+
+from monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
+from supervisor.api import runs as runs_api
+from supervisor.api.runs import envelope
+from supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
+from supervisor.store import steps as steps_store
+
+RUN = "gpt-350m"
+LAYERS = 3
+
+
+@dataclass
+class Sup:
+    sessions: sessionmaker
+
+
+@dataclass
+class Seeded:
+    incident: int
+    rollback: int
+    set_lr: int
+    evil_run: str
+    evil_incident: int
+
+
+def _records(lo: int, hi: int, scale: float = 1.0) -> list[StepRecord]:
+    out = []
+    for s in range(lo, hi):
+        v = {"loss": 3.0 - s / 1000 * scale, "lr": 3e-4, "grad_norm": 0.5 + s / 1000}
+        for layer in range(LAYERS):
+            v[f"attn_logit_max/blocks.{layer}.attn"] = 10.0 + layer + s / 100
+            v[f"act_max/blocks.{layer}.mlp"] = 5.0 + layer
+        out.append(StepRecord(step=s, values=v, sample_lo=8 * s, sample_hi=8 * s + 8))
+    return out
+
+
+def seed(db) -> Seeded:
+    """A run that blew up in attempt 0 (attention logits of block 2, then a NaN loss), was rolled
+    back to step 100 with a skip and a lower LR, and re-trained to step 260 in attempt 1. Plus a
+    run whose id and strings are hostile HTML."""
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(RUN, 0, world_size=2, config={"model": "350m"}))
+        recs = _records(0, 220)
+        for r in recs:
+            if r.step >= 180:  # the blow-up
+                r.values["attn_logit_max/blocks.2.attn"] = 10.0 * 1.2 ** (r.step - 180)
+        recs[210].values["loss"] = math.nan
+        recs[211].values["grad_norm"] = math.inf
+        recs[212].values["act_max/blocks.0.mlp"] = -math.inf
+        thermometers.append(s, RUN, 0, recs)
+        steps_store.record_steps(s, RUN, 0, recs)
+        checkpoints.record_checkpoint(s, RUN, 0, CheckpointInfo(100, "/ckpt/100", 800, True))
+        checkpoints.record_checkpoint(s, RUN, 0, CheckpointInfo(200, "/ckpt/200", 1600, False))
+        inc = incidents.open_incident(s, RUN, "attn_logit_growth", "blocks.2.attn", 185, 205, severity="critical")
+        findings.add_finding(s, RUN, Finding(Signal.ATTN_LOGIT_GROWTH, "blocks.2.attn", Severity.CRITICAL, 185, 205,
+                                             metric="attn_logit_max/blocks.2.attn",
+                                             evidence={"slope": 0.18, "ratio": math.inf}), inc)
+        findings.add_finding(s, RUN, Finding(Signal.NON_FINITE, "", Severity.CRITICAL, 210, 210, metric="loss"), inc)
+        rb = actions.enqueue_action(s, RUN, "rollback", {"to_step": 100, "skip_ranges": [[1440, 1648]],
+                                                         "lr_multiplier": 0.5, "lr_steps": 200},
+                                    "attn logits of blocks.2.attn grew 18%/step", "auto", "policy", incident_id=inc)
+        audit.audit(s, RUN, "policy", "enqueued", {"action_id": rb, "kind": "rollback"})
+        actions.set_action_state(s, rb, "sent")
+        actions.set_action_state(s, rb, "acked", ack_step=100)
+        skips.add_skip_range(s, RUN, 1440, 1648, action_id=rb)
+        lr_changes.add_lr_change(s, RUN, 0.5, 100, 200, action_id=rb)
+        actions.set_action_state(s, rb, "done")
+        incidents.resolve_incident(s, inc, "rollback done at step 100")
+        audit.audit(s, RUN, "trainer", "done", {"action_id": rb, "step": 100})
+        lr = actions.enqueue_action(s, RUN, "set_lr", {"lr_multiplier": 0.25}, "still hot", "manual", "alice")
+        runs.open_attempt(s, RunInfo(RUN, 1, world_size=2, start_step=100))
+        retrained = _records(100, 261, scale=2.0)
+        thermometers.append(s, RUN, 1, retrained)
+        steps_store.record_steps(s, RUN, 1, retrained)
+
+        evil = "<img src=x onerror=alert('run')>&\"x"
+        runs.open_attempt(s, RunInfo(evil, 0, world_size=1))
+        thermometers.append(s, evil, 0, [StepRecord(step=i, values={"loss": 1.0}) for i in range(5)])
+        evil_inc = incidents.open_incident(s, evil, "loss_spike", "<img src=x onerror=alert(1)>", 2, 3)
+        actions.enqueue_action(s, evil, "pause", {}, "<b>bold</b> reason", "manual", "mallory<script>")
+    return Seeded(inc, rb, lr, evil, evil_inc)
+
+
+@pytest.fixture
+def seeded(db):
+    return seed(db)
+
+
+@pytest.fixture
+def client(db):
+    app = FastAPI()
+    app.include_router(runs_api.make_router(Sup(db.sessions)))
+    with TestClient(app) as c:
+        yield c
+
+
+def _num(v):
+    """The API's encoding of non-finite floats, read back the way Python and JS read them."""
+    return float(v)
+
+
+def test_runs_list(client, seeded):
+    body = client.get("/api/runs").json()
+    by_id = {r["run_id"]: r for r in body["runs"]}
+    assert by_id[RUN]["last_step"] == 260  # the newest attempt's newest step
+    assert by_id[RUN]["attempts"] == 2
+    assert by_id[RUN]["open_incidents"] == 0  # resolved by the rollback
+    assert by_id[seeded.evil_run]["open_incidents"] == 1
+
+
+def test_run_detail(client, seeded):
+    body = client.get(f"/api/runs/{RUN}").json()
+    assert [a["attempt"] for a in body["attempts"]] == [0, 1]
+    assert body["attempts"][1]["start_step"] == 100
+    assert [(c["step"], c["healthy"]) for c in body["checkpoints"]] == [(100, True), (200, False)]
+    assert body["skip_ranges"] == [[1440, 1648]]
+    assert [(c["multiplier"], c["start_step"], c["steps"]) for c in body["lr_changes"]] == [(0.5, 100, 200)]
+    assert body["config"] == {"model": "350m"}
+
+
+def test_series_keys(client, seeded):
+    keys = client.get(f"/api/runs/{RUN}/series").json()["keys"]
+    assert "loss" in keys and "attn_logit_max/blocks.2.attn" in keys
+    assert len(keys) == 3 + 2 * LAYERS
+
+
+def test_history_values_and_nonfinite(client, seeded):
+    body = client.get(f"/api/runs/{RUN}/history", params={"key": "loss", "step_lo": 205, "step_hi": 215}).json()
+    assert body["steps"] == list(range(205, 216))
+    # steps 205..215 were re-trained in attempt 1 (the latest attempt wins): no NaN there any more
+    assert body["values"][0] == pytest.approx(3.0 - 205 / 1000 * 2.0)
+    # attempt 0's NaN/Inf are still in the series it alone wrote
+    g = client.get(f"/api/runs/{RUN}/history", params={"key": "grad_norm", "step_lo": 0, "step_hi": 99}).json()
+    assert len(g["steps"]) == 100 and g["values"][10] == pytest.approx(0.51)
+
+
+def test_history_encodes_nan_and_inf_as_strings(db, client, seeded):
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo("nf", 0, world_size=1))
+        thermometers.append(s, "nf", 0, [StepRecord(step=i, values={"loss": v})
+                                          for i, v in enumerate([1.5, math.nan, math.inf, -math.inf, 2.5])])
+    body = client.get("/api/runs/nf/history", params={"key": "loss"}).json()
+    assert body["values"] == [1.5, "NaN", "Infinity", "-Infinity", 2.5]
+    back = np.array([_num(v) for v in body["values"]])
+    assert np.isnan(back[1]) and back[2] == np.inf and back[3] == -np.inf
+
+
+def test_incidents_with_findings(client, seeded):
+    body = client.get(f"/api/runs/{RUN}/incidents").json()
+    [inc] = body["incidents"]
+    assert (inc["id"], inc["signal"], inc["module"], inc["onset_step"], inc["detect_step"]) == (
+        seeded.incident, "attn_logit_growth", "blocks.2.attn", 185, 205)
+    assert inc["state"] == "resolved" and inc["resolution"] == "rollback done at step 100"
+    assert [f["signal"] for f in inc["findings"]] == ["attn_logit_growth", "non_finite"]
+    assert inc["findings"][0]["evidence"]["ratio"] in ("inf", "Infinity")  # stored as 'inf' by the store
+
+
+def test_actions_and_audit(client, seeded):
+    acts = client.get(f"/api/runs/{RUN}/actions").json()["actions"]
+    assert [a["id"] for a in acts] == [seeded.set_lr, seeded.rollback]  # newest first
+    rb = acts[1]
+    assert (rb["kind"], rb["state"], rb["ack_step"], rb["origin"], rb["who"]) == ("rollback", "done", 100, "auto", "policy")
+    assert rb["args"]["skip_ranges"] == [[1440, 1648]] and rb["incident_id"] == seeded.incident
+    assert acts[0]["who"] == "alice" and acts[0]["state"] == "pending"
+    assert len(client.get(f"/api/runs/{RUN}/actions", params={"limit": 1}).json()["actions"]) == 1
+    events = [a["event"] for a in client.get(f"/api/runs/{RUN}/audit").json()["audit"]]
+    assert events == ["done", "enqueued"]
+
+
+def test_unknown_run_is_404_naming_it(client, seeded):
+    for path in ("", "/series", "/incidents", "/actions", "/audit", "/history?key=loss"):
+        r = client.get(f"/api/runs/nope{path}")
+        assert r.status_code == 404, path
+        assert "no run 'nope'" in r.json()["detail"] and RUN in r.json()["detail"]
+
+
+def test_unknown_key_is_404_listing_known_keys(client, seeded):
+    r = client.get(f"/api/runs/{RUN}/history", params={"key": "attn_logit_max/blocks.9.attn"})
+    assert r.status_code == 404
+    detail = r.json()["detail"]
+    assert "'attn_logit_max/blocks.9.attn'" in detail and "attn_logit_max/blocks.2.attn" in detail
+    r = client.get(f"/api/runs/{RUN}/history", params={"key": "perplexity"})
+    assert r.status_code == 404 and "loss" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("params, word", [
+    ({"key": "loss", "step_lo": 50, "step_hi": 10}, "step_lo=50"),
+    ({"key": "loss", "step_lo": -1}, "step_lo"),
+    ({"key": "loss", "max_points": 1}, "max_points"),
+    ({"key": "loss", "step_hi": "ten"}, "step_hi"),
+    ({}, "key"),
+    ({"key": ""}, "key"),
+])
+def test_bad_params_are_422_naming_the_param(client, seeded, params, word):
+    r = client.get(f"/api/runs/{RUN}/history", params=params)
+    assert r.status_code == 422
+    assert word in str(r.json()["detail"])
+
+
+def test_history_downsampled_keeps_spike(db, client, seeded):
+    n, spike_at = 100_000, 73_457
+    values = np.sin(np.arange(n) / 500.0)
+    values[spike_at] = 1e6
+    values[20_000] = np.nan
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo("long", 0, world_size=1))
+        for lo in range(0, n, 25_000):
+            thermometers.append(s, "long", 0, [StepRecord(step=i, values={"attn_logit_max/b.0": float(values[i])})
+                                               for i in range(lo, lo + 25_000)])
+    body = client.get("/api/runs/long/history", params={"key": "attn_logit_max/b.0", "max_points": 2000}).json()
+    assert body["points"] == n and body["downsampled"] is True
+    assert 1000 <= len(body["steps"]) <= 2000 <= 2000 * 2
+    assert body["steps"] == sorted(body["steps"])
+    vals = [_num(v) for v in body["values"]]
+    i = vals.index(max(v for v in vals if not math.isnan(v)))
+    assert (body["steps"][i], vals[i]) == (spike_at, 1e6)
+    assert 20_000 in body["steps"] and math.isnan(vals[body["steps"].index(20_000)])
+    assert min(v for v in vals if not math.isnan(v)) == pytest.approx(-1.0, abs=1e-4)  # troughs kept too
+
+
+def test_envelope_keeps_extremes_per_bucket():
+    steps = np.arange(10_000, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=10_000)
+    values[[5, 5000, 9999]] = [50.0, -60.0, np.inf]
+    s, v = envelope(steps, values, 100)
+    assert len(s) <= 100 and np.all(np.diff(s) > 0)
+    assert {5, 5000, 9999} <= set(s.tolist())
+    # every bucket's max is in the output
+    buckets = (steps * 50 // 10_000)
+    for b in (0, 17, 49):
+        m = buckets == b
+        assert values[m].max() in v
+    # short series pass through untouched
+    s2, v2 = envelope(steps[:50], values[:50], 100)
+    assert s2 is steps[:50] or np.array_equal(s2, steps[:50])

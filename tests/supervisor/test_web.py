@@ -1,0 +1,233 @@
+"""The web page and its charts on real SQLite and PostgreSQL, and once end to end in real headless
+Chromium against a real uvicorn server. Needs /usr/bin/chromium (CI installs it in .ci/run)."""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from urllib.parse import quote
+
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from supervisor.api import runs as runs_api
+from supervisor.web import pages
+from tests.supervisor.test_runs_api import RUN, Sup, seed
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def _app(db, requests: list | None = None, public_url: str = "") -> FastAPI:
+    sup = Sup(db.sessions)
+    app = FastAPI()
+    app.include_router(runs_api.make_router(sup))
+    app.include_router(pages.make_router(sup, public_url=public_url))
+    if requests is not None:
+        @app.middleware("http")
+        async def log_requests(request: Request, call_next):
+            response = await call_next(request)
+            requests.append((request.url.path, str(request.url.query), response.status_code))
+            return response
+    return app
+
+
+@pytest.fixture
+def seeded(db):
+    return seed(db)
+
+
+@pytest.fixture
+def client(db):
+    with TestClient(_app(db)) as c:
+        yield c
+
+
+def _png(r) -> bytes:
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/png"
+    assert r.content[:8] == PNG_SIGNATURE
+    return r.content
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from matplotlib.image import imread
+
+    return imread(io.BytesIO(png), format="png")
+
+
+def test_plot_png_draws_the_metric(client, seeded):
+    attn = _png(client.get(f"/runs/{RUN}/plot.png", params={"metric": "attn_logit_max"}))
+    loss = _png(client.get(f"/runs/{RUN}/plot.png", params={"metric": "loss"}))
+    one = _png(client.get(f"/runs/{RUN}/plot.png", params={"metric": "attn_logit_max/blocks.2.attn"}))
+    assert len(attn) > 10_000 and len(loss) > 10_000
+    assert len({attn, loss, one}) == 3
+    px = _pixels(attn)
+    assert px.shape[:2] == (320, 1100)
+    assert len(np.unique(px.reshape(-1, px.shape[-1]), axis=0)) > 20  # lines, text, bands: not a blank canvas
+    zoomed = _png(client.get(f"/runs/{RUN}/plot.png", params={"metric": "loss", "step_lo": 150, "step_hi": 230}))
+    assert zoomed != loss
+
+
+def test_plot_shows_the_selected_incident_and_nonfinite_points(client, seeded):
+    base = {"metric": "grad_norm", "step_lo": 150, "step_hi": 260}
+    plain = _pixels(_png(client.get(f"/runs/{RUN}/plot.png", params=base)))
+    selected = _pixels(_png(client.get(f"/runs/{RUN}/plot.png", params={**base, "incident": seeded.incident})))
+    assert not np.array_equal(plain, selected)  # the selected incident's lines are drawn heavier
+
+
+def _pure_red(px: np.ndarray) -> int:
+    return int(((px[..., 0] > 0.95) & (px[..., 1] < 0.1) & (px[..., 2] < 0.1)).sum())
+
+
+def test_plot_marks_nonfinite_points(db, client):
+    from monitors.contract import RunInfo, StepRecord
+    from supervisor.store import runs, thermometers
+
+    with db.sessions.begin() as s:
+        for run_id, bad in (("finite", 1.0), ("nan", float("nan"))):
+            runs.open_attempt(s, RunInfo(run_id, 0, world_size=1))
+            thermometers.append(s, run_id, 0, [StepRecord(step=i, values={"loss": bad if i == 40 else 1.0 + i / 100})
+                                               for i in range(100)])
+    ok = _pixels(_png(client.get("/runs/finite/plot.png", params={"metric": "loss"})))
+    nan = _pixels(_png(client.get("/runs/nan/plot.png", params={"metric": "loss"})))
+    assert _pure_red(ok) == 0 and _pure_red(nan) > 20  # the red tick (and its legend entry)
+
+
+def test_plot_bad_input(client, seeded):
+    r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "attn_logit_mx"})
+    assert r.status_code == 404 and "attn_logit_max" in r.json()["detail"]
+    r = client.get("/runs/nope/plot.png", params={"metric": "loss"})
+    assert r.status_code == 404 and "no run 'nope'" in r.json()["detail"]
+    r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "loss", "step_lo": 9, "step_hi": 3})
+    assert r.status_code == 422 and "step_lo=9" in r.json()["detail"]
+    assert client.get(f"/runs/{RUN}/plot.png").status_code == 422
+
+
+def test_index_lists_runs_with_links(client, seeded):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert f"href='/runs/{RUN}'" in r.text
+    assert html.escape(seeded.evil_run, quote=True) in r.text
+    assert seeded.evil_run not in r.text  # never raw
+
+
+def test_run_page_has_plots_incidents_and_actions(client, seeded):
+    r = client.get(f"/runs/{RUN}")
+    assert r.status_code == 200
+    page = r.text
+    metrics = re.findall(r"<img class='plot' data-metric='([^']+)'", page)
+    assert metrics == ["loss", "grad_norm", "lr", "attn_logit_max", "act_max"]
+    for src in re.findall(r"<img class='plot'[^>]* src='([^']+)'", page):
+        _png(client.get(html.unescape(src)))
+    row = re.search(rf"<tr id='incident-{seeded.incident}'.*?</tr>", page, re.S).group(0)
+    for text in ("attn_logit_growth", "blocks.2.attn", "185", "205", "resolved", "rollback done at step 100",
+                 "non_finite"):
+        assert text in row
+    rb = re.search(rf"<tr id='action-{seeded.rollback}'.*?</tr>", page, re.S).group(0)
+    for text in ("rollback", "done", "auto", "policy", "grew 18%/step", "<td>100</td>", "skip_ranges"):
+        assert text in rb
+    lr = re.search(rf"<tr id='action-{seeded.set_lr}'.*?</tr>", page, re.S).group(0)
+    assert "alice" in lr and "pending" in lr
+    assert "<td>1440</td><td>1648</td>" in page  # skip range
+    assert "/ckpt/200" in page and "/ckpt/100" in page
+    assert "enqueued" in page  # audit tail
+
+
+def test_incident_link_zooms_and_highlights(client, seeded):
+    page = client.get(f"/runs/{RUN}", params={"incident": seeded.incident}).text
+    assert re.search(rf"<tr id='incident-{seeded.incident}' class='selected'", page)
+    assert "class='banner'" in page
+    srcs = [html.unescape(s) for s in re.findall(r"<img class='plot'[^>]* src='([^']+)'", page)]
+    assert srcs and all(f"incident={seeded.incident}" in s for s in srcs)
+    # window: rollback target 100 .. detect 205, padded by half the span (52)
+    assert all("step_lo=48" in s and "step_hi=257" in s for s in srcs)
+    r = client.get(f"/runs/{RUN}", params={"incident": 999})
+    assert r.status_code == 404 and "no incident 999" in r.json()["detail"]
+    assert client.get(f"/runs/{RUN}", params={"incident": "one"}).status_code == 422
+    assert client.get("/runs/nope").status_code == 404
+
+
+def test_user_strings_are_escaped(client, seeded):
+    page = client.get(f"/runs/{quote(seeded.evil_run, safe='')}", params={"incident": seeded.evil_incident}).text
+    for raw in ("<img src=x onerror=alert(1)>", "<b>bold</b>", "mallory<script>", "<img src=x onerror=alert('run')>"):
+        assert raw not in page
+        assert html.escape(raw, quote=True) in page
+    assert "<script" not in page.lower()
+
+
+def test_public_url_prefixes_links(db, seeded):
+    with TestClient(_app(db, public_url="https://ops.example/thermowatch/")) as c:
+        page = c.get(f"/runs/{RUN}").text
+    assert f"src='/thermowatch/runs/{RUN}/plot.png?" in page
+    assert "href='/thermowatch'" in page
+
+
+# --- end to end: real browser, real server ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(db, seeded):
+    import uvicorn
+
+    requests: list = []
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(_app(db, requests), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", requests
+    srv.should_exit = True
+    t.join(10)
+
+
+def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    if not os.path.exists(CHROMIUM) and not os.environ.get("CI"):
+        pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, timeout=120, text=False)
+
+
+def test_browser_opens_the_slack_link(tmp_path, server, seeded):
+    base, requests = server
+    url = f"{base}/runs/{RUN}?incident={seeded.incident}"
+    dom = _chromium(tmp_path, "--virtual-time-budget=15000", "--dump-dom", url)
+    text = dom.stdout.decode()
+    assert dom.returncode == 0, dom.stderr.decode()[-2000:]
+    assert re.search(rf"<tr id=\"incident-{seeded.incident}\" class=\"selected\"", text), text[:2000]
+    imgs = re.findall(r"<img [^>]*data-metric[^>]*>", text)
+    assert len(imgs) == 5
+    # onerror adds class 'broken' to an image that failed to load
+    assert all(re.search(r'class="plot"', i) for i in imgs), imgs
+    plots = [(q, code) for path, q, code in requests if path.endswith("/plot.png")]
+    assert len(plots) >= 5 and all(code == 200 for _, code in plots)
+    assert all(f"incident={seeded.incident}" in q for q, _ in plots)
+
+    shot = tmp_path / "page.png"
+    r = _chromium(tmp_path, "--window-size=1280,1600", "--virtual-time-budget=15000", f"--screenshot={shot}", url)
+    assert r.returncode == 0 and shot.exists(), r.stderr.decode()[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == PNG_SIGNATURE and len(png) > 20_000
+    px = _pixels(png)
+    assert px.shape[:2] == (1600, 1280)
+    assert len(np.unique(px.reshape(-1, px.shape[-1])[::7], axis=0)) > 50  # charts, not a blank page

@@ -1,0 +1,102 @@
+"""The engine: DeepSpeed config, LR math, config loading, and ZeRO 1/2/3 training real text."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.trainer.conftest import tiny_config
+from trainer.config import ConfigError, TrainConfig
+from trainer.engine import build_deepspeed_config
+from trainer.lr import LRChange, LRSchedule, lr_at
+
+
+def test_deepspeed_config_per_stage_and_override(tmp_path):
+    cfg = tiny_config(tmp_path, zero_stage=3, deepspeed_config_override={"zero_optimization": {"reduce_bucket_size": 123}})
+    ds = build_deepspeed_config(cfg)
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["communication_data_type"] == "fp32"  # fp32 gradient reduction
+    assert ds["train_micro_batch_size_per_gpu"] == 4  # global 8 over 2 ranks
+    assert ds["optimizer"]["params"]["torch_adam"] is True
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3 and z["overlap_comm"] and z["stage3_prefetch_bucket_size"] > 0
+    assert z["reduce_bucket_size"] == 123 and z["contiguous_gradients"]  # merged, not replaced
+    z2 = build_deepspeed_config(tiny_config(tmp_path, zero_stage=2))["zero_optimization"]
+    assert "stage3_prefetch_bucket_size" not in z2 and z2["stage"] == 2
+
+
+def test_config_lists_only_differences_and_names_bad_keys(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: x\nzero_stage: 3\nmodel: {n_layer: 3}\noptim: {betas: [0.9, 0.99]}\n")
+    cfg = TrainConfig.load(path)
+    assert cfg.model["n_layer"] == 3 and cfg.model["d_model"] == 64  # merged onto the tiny default
+    assert cfg.optim.betas == (0.9, 0.99) and cfg.data.seq_len == 64
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lrr'\] in optim"):
+        TrainConfig.from_dict({"optim": {"lrr": 1.0}})
+    with pytest.raises(ConfigError, match="divisible by world_size"):
+        TrainConfig.from_dict({"data": {"global_batch": 6}, "world_size": 4})
+    with pytest.raises(ConfigError, match="exceeds model.seq_len"):
+        TrainConfig.from_dict({"data": {"seq_len": 128}})
+    with pytest.raises(ConfigError, match="zero_stage"):
+        TrainConfig.from_dict({"zero_stage": 4})
+
+
+def test_lr_is_a_pure_function_of_step():
+    s = LRSchedule(1e-3, total_steps=100, warmup_steps=10, kind="cosine", min_ratio=0.1)
+    assert s.at(5) == pytest.approx(5e-4) and s.at(10) == pytest.approx(1e-3)
+    assert s.at(100) == pytest.approx(1e-4)
+    assert s.at(55) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    temp = LRChange(start_step=20, multiplier=0.5, steps=5)
+    rewarm = LRChange(start_step=30, multiplier=0.25, rewarmup_steps=4)
+    ch = [temp, rewarm]
+    assert lr_at(19, s, ch) == s.at(19)
+    assert lr_at(20, s, ch) == pytest.approx(0.5 * s.at(20)) and lr_at(24, s, ch) == pytest.approx(0.5 * s.at(24))
+    assert lr_at(25, s, ch) == s.at(25)
+    assert [lr_at(k, s, ch) / s.at(k) for k in range(30, 35)] == pytest.approx([0.0625, 0.125, 0.1875, 0.25, 0.25])
+    assert LRChange.from_json(rewarm.to_json()) == rewarm
+    with pytest.raises(ValueError, match="1-based"):
+        s.at(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_path, stage):
+    from monitors.contract import CommandKind
+    from trainer.controller import RunController
+    from trainer.local import ListSink, QueueCommands
+
+    cfg = tiny_config(tmp_path, zero_stage=stage, steps=30, run_id=f"z{stage}", checkpoint={"every": 24})
+    sink, q = ListSink(), QueueCommands()
+
+    def roll_back_once(rec, attempt):
+        if rec.step == 28 and attempt == 0:
+            q.push(cfg.run_id, CommandKind.ROLLBACK, to_step=24)
+
+    result = RunController(cfg, sink, q, progress=roll_back_once).run()
+    assert result.final_step == 30 and result.attempts == [0, 1] and result.restarts == 0
+    replay = {r.step: r.values["loss"] for r in sink.attempt(cfg.run_id, 1)}
+    first = {r.step: r.values["loss"] for r in sink.attempt(cfg.run_id, 0)}
+    assert sorted(replay) == [25, 26, 27, 28, 29, 30]
+    assert [replay[k] for k in (25, 26, 27, 28)] == [first[k] for k in (25, 26, 27, 28)]  # bit for bit
+    recs = sink.attempt(cfg.run_id, 0)[:24] + sink.attempt(cfg.run_id, 1)
+    assert [r.step for r in recs] == list(range(1, 31))
+    loss = np.array([r.values["loss"] for r in recs])
+    assert np.isfinite(loss).all()
+    # Bytes start at ln(256) = 5.55; 30 steps of stdlib Python get well below it.
+    assert loss[:3].mean() > 5.0 and loss[-5:].mean() < loss[:3].mean() - 1.0, loss
+    norms = np.array([r.values["grad_norm"] for r in recs])
+    assert np.isfinite(norms).all() and (norms > 0).all()
+    sched = cfg.lr_schedule()
+    assert [r.values["lr"] for r in recs] == pytest.approx([sched.at(k) for k in range(1, 31)], rel=1e-6)
+    # Consecutive, disjoint sample ranges; 8 samples of 64 tokens per step.
+    assert all(r.sample_hi - r.sample_lo == 8 and r.tokens == 512 for r in recs)
+    assert all(a.sample_hi == b.sample_lo for a, b in zip(recs, recs[1:]))
+    # Cross-rank reduction: ranks named for max/min keys, the summed throughput is positive.
+    assert set(recs[-1].ranks) >= {"act_max/blocks.0", "act_min/blocks.0"}
+    assert set(recs[-1].ranks.values()) <= {0, 1}
+    assert recs[-1].values["tokens_per_s"] > 0
+    assert any(k.startswith("attn_logit") for k in recs[-1].values)
+    assert math.isfinite(result.final_loss)

@@ -1,0 +1,231 @@
+"""The training run's configuration: nested dataclasses, each validated in __post_init__.
+
+A YAML/JSON file lists only what differs from the defaults (STYLE.md 5):
+
+    run_id: tiny-z3
+    zero_stage: 3
+    model: {n_layer: 2, d_model: 64}
+    optim: {lr: 3.0e-3}
+
+`TrainConfig.from_dict` merges such a dict onto the defaults and names any unknown key.
+The defaults are the embedded mode's: a tiny byte-level GPT, 2 CPU ranks over gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainer.data import DataConfig
+from trainer.lr import SCHEDULES, LRSchedule
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used. The message names the key and the fix."""
+
+
+def _positive_int(owner: str, name: str, val: Any, minimum: int = 1) -> None:
+    if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {val!r}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3  # peak LR; tiny models take a high one (nanoGPT shakespeare-char: 1e-3)
+    warmup_steps: int = 10  # linear warmup; GPT-3 warmed up over ~0.1-1% of training
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant" after warmup
+    min_lr_ratio: float = 0.1  # cosine floor = 10% of peak (GPT-3, Chinchilla)
+    weight_decay: float = 0.1  # GPT-3 / YaLM
+    betas: tuple[float, float] = (0.9, 0.95)  # beta2 = 0.95 damps spikes (GPT-3, OPT, PaLM)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; the thermometer reports the norm *before* it
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optim.lr must be a positive finite float, got {self.lr!r}")
+        _positive_int("optim", "warmup_steps", self.warmup_steps, minimum=0)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
+        self.betas = tuple(float(b) for b in self.betas)  # YAML gives lists
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two floats in [0, 1), got {self.betas!r}")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"optim.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"  # root; each run writes <dir>/<run_id>/step_<n>; must be shared by all nodes
+    every: int = 50  # steps between saves; 0 = never (tests, benchmarks)
+    keep_last: int = 3  # retention: the newest K ...
+    keep_every: int = 500  # ... plus every M-th step, so a healthy target stays behind an onset
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint", "every", self.every, minimum=0)
+        _positive_int("checkpoint", "keep_last", self.keep_last)
+        _positive_int("checkpoint", "keep_every", self.keep_every, minimum=0)
+
+
+@dataclass
+class TrainConfig:
+    run_id: str = "run"  # the supervisor's key for this run; reuse it to resume
+    seed: int = 0  # model init; data order has its own seed (data.seed)
+    world_size: int = 2  # ranks = Ray actors; the embedded default is 2 CPU ranks over gloo
+    zero_stage: int = 2  # ZeRO 1 (optimizer), 2 (+grads), 3 (+params)
+    steps: int = 100  # total optimizer steps (also the LR schedule's length)
+    use_gpu: bool = False  # one GPU per actor and NCCL; False = CPU + gloo
+    cpus_per_rank: float = 1.0  # Ray CPU reservation (and torch threads) per rank
+    placement: str = "PACK"  # PACK locally; SPREAD / STRICT_SPREAD to put ranks on different nodes
+    max_restarts: int = 3  # gang restarts after a worker dies before the run gives up
+    flush_every_steps: int = 10  # records per sink.write ...
+    flush_every_s: float = 1.0  # ... or sooner, when this much time has passed
+    poll_every_s: float = 0.25  # command polling interval while paused
+    # A step that neither finishes nor fails in this time means a hung rank (a collective
+    # waiting on a stalled node): the gang is killed and restarted like after a death.
+    step_timeout_s: float = 600.0
+    model: dict[str, Any] = field(
+        # A tiny model: trains on 2 CPU cores in seconds. Any trainer.model.GPTConfig field.
+        default_factory=lambda: {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64}
+    )
+    # trainer.data.DataConfig: stdlib bytes, 8 samples of 64 tokens per step (tiny-model scale).
+    data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=64, global_batch=8))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    thermometers: dict[str, Any] = field(default_factory=dict)  # monitors ThermometerConfig fields
+    # A user's own DeepSpeed JSON, merged over the one engine.py builds (dicts merge key by key).
+    deepspeed_config_override: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
+            raise ConfigError(f"run_id must be a non-empty string without '/', got {self.run_id!r}")
+        _positive_int("", "world_size", self.world_size)
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        _positive_int("", "steps", self.steps)
+        _positive_int("", "max_restarts", self.max_restarts, minimum=0)
+        _positive_int("", "flush_every_steps", self.flush_every_steps)
+        if self.placement not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"placement={self.placement!r} is not one of {PLACEMENT_STRATEGIES}")
+        if not (self.step_timeout_s > 0 and self.poll_every_s > 0 and self.flush_every_s >= 0):
+            raise ConfigError("step_timeout_s and poll_every_s must be > 0 and flush_every_s >= 0")
+        if not self.cpus_per_rank > 0:
+            raise ConfigError(f"cpus_per_rank must be > 0, got {self.cpus_per_rank!r}")
+        for sub, cls in (("data", DataConfig), ("optim", OptimConfig), ("checkpoint", CheckpointConfig)):
+            val = getattr(self, sub)
+            if isinstance(val, Mapping):
+                setattr(self, sub, _build(cls, val, sub))
+        self.gpt_config()  # validates the model dict now, not on the workers
+        if self.data.global_batch % self.world_size:
+            raise ConfigError(
+                f"data.global_batch={self.data.global_batch} is not divisible by world_size="
+                f"{self.world_size}; use a multiple of {self.world_size}"
+            )
+        if self.data.start_batch and self.data.batch_multiple % self.world_size:
+            raise ConfigError(
+                f"data.batch_multiple={self.data.batch_multiple} must be divisible by world_size="
+                f"{self.world_size} so every ramped batch splits evenly across ranks"
+            )
+        if self.data.seq_len > self.gpt_config().seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.seq_len={self.gpt_config().seq_len}; "
+                "raise model.seq_len or lower data.seq_len"
+            )
+        if self.optim.warmup_steps > self.steps:
+            raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds steps={self.steps}")
+        self.thermometer_config()
+
+    # --- derived objects ------------------------------------------------------------------------
+
+    def gpt_config(self):
+        from trainer.model import GPTConfig
+
+        try:
+            return GPTConfig(**self.model)
+        except TypeError as exc:
+            names = sorted(f.name for f in dataclasses.fields(GPTConfig))
+            raise ConfigError(f"model: {exc}; valid keys are {names}") from exc
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from exc
+
+    def thermometer_config(self):
+        from monitors.thermometers.config import ThermometerConfig
+
+        try:
+            return ThermometerConfig(**self.thermometers)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"thermometers: {exc}") from exc
+
+    def lr_schedule(self) -> LRSchedule:
+        o = self.optim
+        return LRSchedule(o.lr, self.steps, o.warmup_steps, o.schedule, o.min_lr_ratio)
+
+    # --- (de)serialisation ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any] | None) -> "TrainConfig":
+        """Defaults, overridden by whatever `obj` lists (nested dicts merge)."""
+        return _build(cls, obj or {}, "")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            obj = yaml.safe_load(text)
+        else:
+            obj = json.loads(text)
+        return cls.from_dict(obj)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with top-level fields (or nested dicts, merged) changed."""
+        return _build(TrainConfig, _merge(self.to_dict(), changes), "")
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, val in over.items():
+        if isinstance(val, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], val)
+        else:
+            out[key] = val
+    return out
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _build(cls: type, obj: Mapping[str, Any], where: str):
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(obj).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(obj) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where or 'config'}; valid keys are {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, val in obj.items():
+        default = names[key].default_factory() if names[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default) and isinstance(val, Mapping):
+            # Merge onto the field's own default (e.g. data.seq_len=64), not the class defaults.
+            val = _build(type(default), {**_shallow(default), **val}, f"{where}.{key}".lstrip("."))
+        elif isinstance(default, dict) and isinstance(val, Mapping) and key == "model":
+            val = {**default, **val}  # model keys merge onto the tiny default
+        kwargs[key] = val
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from exc

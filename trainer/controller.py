@@ -1,0 +1,457 @@
+"""The run controller (the Ray driver): owns the gang, steps it, reports, obeys commands.
+
+    start:   attempt = last + 1; resume from the newest valid checkpoint (if any)
+    loop:    poll commands (apply them between steps; block while paused)
+             step every rank -> reduce across ranks -> StepRecord -> batch to sink.write
+             every N steps: checkpoint (all ranks write, manifest last) -> sink.checkpoint_saved
+    failure: a rank dies or hangs -> kill the gang, new attempt, new gang from the newest valid
+             checkpoint at or before the current step -> sink.open_run -> go on
+
+Every rollback and every gang restart starts a new attempt; the supervisor stores "later
+attempts win" for the steps they re-train. The skip ledger and the LR changes are controller
+state, written into every checkpoint manifest and re-applied on every start and rollback
+(DESIGN.md, "Rollback semantics"), so a command never has to be repeated after a relaunch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from monitors.contract import (
+    GRAD_NORM,
+    LOSS,
+    Ack,
+    CheckpointInfo,
+    Command,
+    CommandChannel,
+    RecordSink,
+    Reduce,
+    RunInfo,
+    StepRecord,
+    reduction,
+)
+from trainer.checkpoint import CheckpointStore, Retention, make_manifest
+from trainer.config import TrainConfig
+from trainer.data import SkipLedger
+from trainer.lr import LRChange, change_from_args, changes_to_json, lr_at
+
+log = logging.getLogger(__name__)
+
+_MAX_BUFFERED = 100_000  # records held while a sink keeps failing (~hours of steps), then dropped
+_ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (restarts exhausted, no way to build a gang). Says why."""
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    final_step: int
+    final_loss: float
+    attempt: int  # the last attempt number
+    attempts: list[int]  # every attempt this controller ran, in order
+    restarts: int  # gang restarts after a failure (rollbacks not counted)
+    stopped: bool  # ended by a STOP command
+    acks: list[Ack] = field(default_factory=list)
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class Reducer:
+    """Rank values (W, M) -> one row (M,) by contract.reduction, plus the extreme's rank."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        kinds = [reduction(n) for n in names]
+        self.idx = {k: np.array([i for i, r in enumerate(kinds) if r is k], dtype=np.int64) for k in Reduce}
+        self.max_names = [names[i] for i in self.idx[Reduce.MAX]]
+        self.min_names = [names[i] for i in self.idx[Reduce.MIN]]
+
+    def __call__(self, values: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        out = np.empty(values.shape[1], dtype=np.float64)
+        mx, mn = values[:, self.idx[Reduce.MAX]], values[:, self.idx[Reduce.MIN]]
+        with np.errstate(invalid="ignore"):  # NaN and Inf are data: max/min propagate NaN
+            out[self.idx[Reduce.MAX]] = mx.max(axis=0) if mx.size else mx.sum(axis=0)
+            out[self.idx[Reduce.MIN]] = mn.min(axis=0) if mn.size else mn.sum(axis=0)
+            out[self.idx[Reduce.MEAN]] = values[:, self.idx[Reduce.MEAN]].mean(axis=0)
+            out[self.idx[Reduce.SUM]] = values[:, self.idx[Reduce.SUM]].sum(axis=0)
+        ranks = dict(zip(self.max_names, mx.argmax(axis=0).tolist())) if mx.size else {}
+        if mn.size:
+            ranks.update(zip(self.min_names, mn.argmin(axis=0).tolist()))
+        return out, ranks
+
+
+class RunController:
+    def __init__(
+        self,
+        config: TrainConfig,
+        sink: RecordSink,
+        commands: CommandChannel,
+        progress: Callable[[StepRecord, int], None] | None = None,
+        store: CheckpointStore | None = None,
+    ) -> None:
+        self.cfg = config
+        self.sink, self.commands, self.progress = sink, commands, progress
+        root = Path(config.checkpoint.dir) / config.run_id
+        c = config.checkpoint
+        self.store = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
+        self.schedule = config.lr_schedule()
+        self.ledger = SkipLedger()
+        self.lr_changes: list[LRChange] = []
+        self.step = 0
+        self.attempt = -1
+        self.gang = None
+        self.paused = self.stopped = False
+        self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
+        self._buffer: list[tuple[int, StepRecord]] = []  # (attempt, record): a retry keeps its attempt
+        self._last_flush = time.monotonic()
+        self._healthy = True  # finite loss and grad norm since the previous checkpoint
+        self._last_ckpt_step = -1
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        t0 = time.monotonic()
+        self.store.clean_staging()
+        resume = self._resume_point(None)
+        if resume is not None:
+            self.ledger = SkipLedger.from_json(resume.manifest["data"].get("skip_ranges"))
+            self.lr_changes = [LRChange.from_json(c) for c in resume.manifest.get("lr", {}).get("changes", [])]
+        self.step = 0 if resume is None else resume.step  # where a failed bring-up restarts from
+        try:
+            self._start_attempt(resume, reason="start" if resume is None else f"resume from step {resume.step}")
+        except _GANG_FAILURES as exc:
+            self._restart(exc)
+        try:
+            while self.step < self.cfg.steps and not self.stopped:
+                self._apply_commands()
+                if self.stopped or self.step >= self.cfg.steps:
+                    break
+                try:
+                    self._train_step()
+                    if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                        self._checkpoint()
+                except _GANG_FAILURES as exc:
+                    self._restart(exc)
+            self._flush(force=True)
+            if self.cfg.checkpoint.every and self._last_ckpt_step != self.step and self.step > 0:
+                try:
+                    self._checkpoint()  # the end of the run (or a STOP) is a resume point too
+                except _GANG_FAILURES as exc:  # the steps are done; the periodic checkpoints remain
+                    log.error("final checkpoint at step %d failed: %r", self.step, exc)
+        finally:
+            self._flush(force=True)
+            if self.gang is not None:
+                try:
+                    self.gang.call("flush_profile", timeout_s=60)
+                except Exception:
+                    pass
+                self.gang.kill()
+                self.gang = None
+        r = self.result
+        r.final_step, r.attempt, r.stopped, r.wall_s = self.step, self.attempt, self.stopped, time.monotonic() - t0
+        return r
+
+    def _train_step(self) -> None:
+        step = self.step + 1
+        outs = self.gang.call("step", step, timeout_s=self.cfg.step_timeout_s)
+        values, ranks = self.reducer(np.stack([v for v, _ in outs]))
+        meta = outs[0][1]
+        rec = StepRecord(
+            step=step,
+            values=dict(zip(self.gang.names, values.tolist())),
+            sample_lo=meta["sample_lo"],
+            sample_hi=meta["sample_hi"],
+            tokens=meta["tokens"],
+            wall_time=time.time(),
+            ranks=ranks,
+        )
+        self.step = step
+        loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
+        self._healthy &= math.isfinite(loss) and math.isfinite(norm)
+        self.result.final_loss = loss
+        self._buffer.append((self.attempt, rec))
+        self._flush()
+        if self.progress is not None:
+            self.progress(rec, self.attempt)
+
+    # --- attempts -------------------------------------------------------------------------------
+
+    def _next_attempt(self) -> int:
+        """Attempts never repeat across controller relaunches: the last one is kept on disk."""
+        path = self.store.root / "attempt.json"
+        last = self.attempt
+        if path.exists():
+            try:
+                last = max(last, int(json.loads(path.read_text())["attempt"]))
+            except (ValueError, KeyError, OSError):
+                log.warning("unreadable %s; numbering attempts from the controller's memory", path)
+        nxt = last + 1
+        tmp = path.with_name("attempt.json.partial")
+        tmp.write_text(json.dumps({"attempt": nxt, "time": time.time()}))
+        tmp.replace(path)
+        return nxt
+
+    def _start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None:
+        """New attempt number; state from `ckpt` (None = step 0) loaded into a new gang, or into
+        the live one (`reuse_gang`, a rollback: saves the ~10 s of a gang bring-up; load_checkpoint
+        restores weights, fp32 masters and optimizer state, and the data state and LR changes
+        are set explicitly, so nothing of the abandoned trajectory survives); then open_run."""
+        import ray
+
+        self._flush(force=True)  # the old attempt's records go out under the old number
+        self.attempt = self._next_attempt()
+        self.result.attempts.append(self.attempt)
+        while True:
+            state = self._data_state(ckpt)
+            if self.gang is not None and (not reuse_gang or ckpt is None):
+                self.gang.kill()  # step 0 has no checkpoint to load in place: rebuild
+                self.gang = None
+            if self.gang is None:
+                self.gang = self._build_gang(state)
+            if ckpt is None:
+                break
+            try:
+                t = self.cfg.step_timeout_s
+                self.gang.call("load", ckpt.path, timeout_s=t)
+                self.gang.call("set_data_state", state, self.attempt, timeout_s=t)
+                self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=t)
+                break
+            except ray.exceptions.RayTaskError as exc:  # a file the store's checksums missed
+                log.error("checkpoint step %d failed to load (%s); trying an older one", ckpt.step, exc)
+                self.gang.kill()  # a half-loaded engine is not trusted; the next try starts clean
+                self.gang = None
+                ckpt = self._resume_point(ckpt.step - 1)
+        self.step = 0 if ckpt is None else ckpt.step
+        self._healthy = True
+        self._last_ckpt_step = self.step if ckpt is not None else -1
+        self.reducer = Reducer(self.gang.names)
+        log.info("run %s attempt %d from step %d (%s)", self.cfg.run_id, self.attempt, self.step, reason)
+        self._tell(
+            self.sink.open_run,
+            RunInfo(
+                run_id=self.cfg.run_id,
+                attempt=self.attempt,
+                world_size=self.cfg.world_size,
+                config={**self.cfg.to_dict(), "reason": reason},
+                start_step=self.step,
+                hosts=dict(self.gang.hosts),
+            ),
+        )
+
+    def _tell(self, fn: Callable[..., None], *args: Any) -> None:
+        """Report to the sink; a sink failure is logged, never fatal (the run keeps training
+        while the supervisor is down, DESIGN.md; HttpSink spools to disk on its own)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.error("%s failed: %r", getattr(fn, "__name__", fn), exc)
+
+    def _build_gang(self, data_state: dict[str, Any]):
+        from trainer.worker import Gang
+
+        return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
+
+    def _restart(self, exc: BaseException) -> None:
+        """A rank died or hung: the whole gang goes, a new one resumes from a checkpoint. A
+        bring-up that fails too (the node is still down) counts as one more restart."""
+        while True:
+            self.result.restarts += 1
+            log.error("gang failed at step %d (attempt %d): %r", self.step + 1, self.attempt, exc)
+            if self.gang is not None:
+                self.gang.kill()
+                self.gang = None
+            if self.result.restarts > self.cfg.max_restarts:
+                raise RunFailed(
+                    f"run {self.cfg.run_id}: {self.result.restarts} gang failures exceed max_restarts="
+                    f"{self.cfg.max_restarts}; last error {exc!r}. Check the failing node, then relaunch "
+                    "(the run resumes from its newest valid checkpoint)"
+                ) from exc
+            ckpt = self._resume_point(self.step)
+            try:
+                self._start_attempt(ckpt, reason=f"restart after {type(exc).__name__} at step {self.step + 1}")
+                return
+            except _GANG_FAILURES as again:
+                exc = again
+
+    def _resume_point(self, max_step: int | None) -> CheckpointInfo | None:
+        """Newest intact checkpoint <= max_step that no rollback abandoned."""
+        while True:
+            info = self.store.latest_valid(max_step=max_step)
+            if info is None or not str(info.manifest.get("unhealthy_reason", "")).startswith(_ABANDONED):
+                return info
+            max_step = info.step - 1
+
+    def _data_state(self, ckpt: CheckpointInfo | None) -> dict[str, Any]:
+        """The checkpoint's data state (or a fresh one) with the controller's whole ledger."""
+        state = dict(ckpt.manifest["data"]) if ckpt is not None else {"cursor": 0, "tokens_consumed": 0, "step": 0}
+        ledger = SkipLedger.from_json(state.get("skip_ranges"))
+        ledger.add_many(self.ledger.ranges)
+        self.ledger = ledger
+        state["skip_ranges"] = ledger.to_json()
+        return state
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def _checkpoint(self) -> CheckpointInfo:
+        staging = self.store.begin(self.step)
+        states = self.gang.call("save", str(staging), timeout_s=self.cfg.step_timeout_s)
+        manifest = make_manifest(
+            states[0],
+            lr_multiplier=lr_at(self.step + 1, self.schedule, self.lr_changes) / self.schedule.at(self.step + 1)
+            if self.step < self.cfg.steps
+            else 1.0,
+            lr_changes=changes_to_json(self.lr_changes),
+            attempt=self.attempt,
+            healthy=self._healthy,
+            run_id=self.cfg.run_id,
+            world_size=self.cfg.world_size,
+            zero_stage=self.cfg.zero_stage,
+        )
+        info = self.store.commit(self.step, manifest)
+        self._flush(force=True)  # the supervisor sees the steps before the checkpoint that covers them
+        self._tell(self.sink.checkpoint_saved, self.cfg.run_id, self.attempt, info)
+        self.result.checkpoints.append(info)
+        self._healthy, self._last_ckpt_step = True, self.step
+        return info
+
+    # --- records --------------------------------------------------------------------------------
+
+    def _flush(self, force: bool = False) -> None:
+        if not self._buffer:
+            return
+        due = len(self._buffer) >= self.cfg.flush_every_steps
+        due |= time.monotonic() - self._last_flush >= self.cfg.flush_every_s
+        if not (force or due):
+            return
+        while self._buffer:
+            attempt = self._buffer[0][0]
+            n = next((i for i, (a, _) in enumerate(self._buffer) if a != attempt), len(self._buffer))
+            try:
+                self.sink.write(self.cfg.run_id, attempt, [r for _, r in self._buffer[:n]])
+            except Exception as exc:  # the sink spools/retries itself; we keep the batch and go on
+                log.error("sink.write failed (%r); keeping %d records for the next flush", exc, len(self._buffer))
+                if len(self._buffer) > _MAX_BUFFERED:
+                    log.error("dropping the oldest %d records", len(self._buffer) - _MAX_BUFFERED)
+                    del self._buffer[: len(self._buffer) - _MAX_BUFFERED]
+                return
+            del self._buffer[:n]
+        self._last_flush = time.monotonic()
+
+    # --- commands -------------------------------------------------------------------------------
+
+    def _apply_commands(self) -> None:
+        while True:
+            for cmd in self.commands.poll(self.cfg.run_id):
+                self._apply(cmd)
+            if not self.paused or self.stopped:
+                return
+            self._flush(force=True)
+            time.sleep(self.cfg.poll_every_s)
+
+    def _apply(self, cmd: Command) -> None:
+        handler = getattr(self, f"_cmd_{cmd.kind.value}", None)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown command kind {cmd.kind!r}")
+            ok, detail = True, handler(cmd.args) or ""
+        except _GANG_FAILURES as exc:
+            self._restart(exc)
+            ok, detail = False, f"the gang failed while applying it ({exc!r}); restarted"
+        except Exception as exc:  # a bad argument, a missing checkpoint: refuse, keep training
+            log.exception("command %s failed", cmd)
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        ack = Ack(command_id=cmd.id, ok=ok, step=self.step + 1, detail=detail)
+        self.result.acks.append(ack)
+        try:
+            self.commands.ack(self.cfg.run_id, ack)
+        except Exception as exc:
+            log.error("could not ack command %d: %r", cmd.id, exc)
+
+    def _cmd_pause(self, args: dict[str, Any]) -> str:
+        self.paused = True
+        return f"paused before step {self.step + 1}"
+
+    def _cmd_resume(self, args: dict[str, Any]) -> str:
+        was, self.paused = self.paused, False
+        return "resumed" if was else "was not paused"
+
+    def _cmd_stop(self, args: dict[str, Any]) -> str:
+        self.stopped = True
+        return f"stopping after step {self.step}"
+
+    def _cmd_skip(self, args: dict[str, Any]) -> str:
+        ranges = _skip_ranges(args)
+        if not ranges:
+            raise ValueError("SKIP needs skip_ranges [[lo, hi], ...] (absolute sample ids)")
+        self.ledger.add_many(ranges)
+        self.gang.call("skip", ranges, timeout_s=self.cfg.step_timeout_s)
+        return f"skipping {ranges}; ledger {self.ledger.to_json()}"
+
+    def _cmd_set_lr(self, args: dict[str, Any]) -> str:
+        change = change_from_args(args, start_step=self.step + 1)
+        if change is None:
+            raise ValueError("SET_LR needs lr_multiplier (a float > 0 multiplying the schedule)")
+        self.lr_changes.append(change)
+        self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=self.cfg.step_timeout_s)
+        return f"lr x{change.multiplier} from step {change.start_step} for {change.steps or 'all remaining'} steps"
+
+    def _cmd_profile(self, args: dict[str, Any]) -> str:
+        steps = int(args.get("steps", 5))
+        if steps < 1:
+            raise ValueError(f"PROFILE steps must be >= 1, got {steps}")
+        out = args.get("out_dir") or str(self.store.root / "profiles" / f"step_{self.step + 1:08d}")
+        self.gang.call("profile", steps, out, timeout_s=self.cfg.step_timeout_s)
+        return f"tracing steps {self.step + 1}..{self.step + steps} into {out}"
+
+    def _cmd_rollback(self, args: dict[str, Any]) -> str:
+        """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
+        target = args.get("to_step", args.get("checkpoint"))
+        if isinstance(target, str) and not target.lstrip("-").isdigit():
+            target = int(Path(target).name.removeprefix("step_"))  # a checkpoint path
+        target = self.step if target is None else int(target)
+        ranges = _skip_ranges(args)
+        ckpt = self._resume_point(min(target, self.step))
+        if ckpt is None:
+            raise ValueError(f"no valid checkpoint at or before step {target}; nothing to roll back to")
+        self.ledger.add_many(ranges)
+        change = change_from_args(args, start_step=ckpt.step + 1)
+        if change is not None:
+            self.lr_changes.append(change)
+        prev_attempt = self.attempt
+        # Mark the left trajectory before anything else: a crash from here on must not let a
+        # relaunch resume from a checkpoint this rollback walked away from.
+        self.store.abandon_after(ckpt.step, f"{_ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
+        self._start_attempt(ckpt, reason=f"rollback to step {ckpt.step} (command)", reuse_gang=True)
+        return (
+            f"attempt {prev_attempt} -> {self.attempt}: rolled back to checkpoint step {ckpt.step}"
+            + (f", skipping {ranges}" if ranges else "")
+            + (f", lr x{change.multiplier}" if change else "")
+        )
+
+
+def _skip_ranges(args: dict[str, Any]) -> list[list[int]]:
+    raw = args.get("skip_ranges") or []
+    SkipLedger(raw)  # validates: pairs of ints, 0 <= lo <= hi
+    return [[int(lo), int(hi)] for lo, hi in raw]
+
+
+def _gang_failures() -> tuple[type[BaseException], ...]:
+    import ray.exceptions
+
+    from trainer.worker import GangTimeout
+
+    return (ray.exceptions.RayActorError, GangTimeout)
+
+
+_GANG_FAILURES = _gang_failures()

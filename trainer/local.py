@@ -1,0 +1,90 @@
+"""In-process implementations of the controller's two seams (monitors.contract), for tests,
+benchmarks and scripts: `ListSink` keeps what the controller reports, `QueueCommands` is a
+thread-safe queue of commands that records the acknowledgements. The supervisor provides the
+real ones (ingest into the database, its action queue)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Sequence
+
+from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord
+
+
+class ListSink:
+    """RecordSink that keeps everything in memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.runs: list[RunInfo] = []
+        self.records: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
+        self.checkpoints: list[tuple[int, CheckpointInfo]] = []  # (attempt, info)
+        self.writes = 0
+        self.closed = False
+
+    def open_run(self, info: RunInfo) -> None:
+        with self._lock:
+            self.runs.append(info)
+
+    def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+        with self._lock:
+            self.records[(run_id, attempt)].extend(records)
+            self.writes += 1
+
+    def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+        with self._lock:
+            self.checkpoints.append((attempt, ckpt))
+
+    def close(self) -> None:
+        self.closed = True
+
+    # --- views for tests ----------------------------------------------------------------------
+
+    def attempt(self, run_id: str, attempt: int) -> list[StepRecord]:
+        with self._lock:
+            return list(self.records.get((run_id, attempt), []))
+
+    def attempts(self, run_id: str) -> list[int]:
+        with self._lock:
+            return sorted({a for (r, a) in self.records if r == run_id})
+
+    def series(self, run_id: str, key: str) -> dict[int, float]:
+        """step -> value, later attempts winning (the supervisor's rule)."""
+        out: dict[int, float] = {}
+        for a in self.attempts(run_id):
+            for rec in self.attempt(run_id, a):
+                if key in rec.values:
+                    out[rec.step] = rec.values[key]
+        return out
+
+
+class QueueCommands:
+    """CommandChannel backed by a queue; `push` from any thread (e.g. a progress callback)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: dict[str, list[Command]] = defaultdict(list)
+        self.acks: list[Ack] = []
+        self._next_id = 1
+
+    def push(self, run_id: str, kind: CommandKind | str, **args) -> Command:
+        with self._lock:
+            cmd = Command(id=self._next_id, kind=CommandKind(kind), args=dict(args))
+            self._next_id += 1
+            self._queue[run_id].append(cmd)
+        return cmd
+
+    def poll(self, run_id: str) -> list[Command]:
+        with self._lock:
+            cmds, self._queue[run_id] = self._queue[run_id], []
+        return cmds
+
+    def ack(self, run_id: str, ack: Ack) -> None:
+        with self._lock:
+            self.acks.append(ack)
+
+    def ack_for(self, command: Command | int) -> Ack | None:
+        cid = command.id if isinstance(command, Command) else int(command)
+        with self._lock:
+            return next((a for a in self.acks if a.command_id == cid), None)

@@ -1,0 +1,358 @@
+"""One training rank: model + DeepSpeed engine + thermometers + data, driven step by step.
+
+The run controller makes one `TrainWorker` Ray actor per rank (`Gang` below) and calls
+`setup` on all of them at once (torch.distributed's rendezvous needs every rank), then `step`
+on all of them for every step. Everything the controller decides (LR changes, skips, the data
+state, which checkpoint to load) arrives through these methods; the worker holds no policy.
+
+Determinism: the data batch is a pure function of the data state, the LR of the step, and the
+torch RNG is reseeded from (seed, step, rank) every step, so a rollback replays bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from monitors.contract import LOSS, TOKENS_PER_S
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainWorker:
+    """Use as a Ray actor (`ray.remote(TrainWorker)`); plain methods, plain return values."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.attempt = 0
+        self._engine = None
+        # (attempt, step, sample ids) of the latest steps, for tests and forensics; bounded so a
+        # long run does not grow it without limit.
+        self._seen: deque[tuple[int, int, np.ndarray]] = deque(maxlen=4096)
+        self._profiler = None
+        self._profile_left = 0
+
+    # --- bring-up -----------------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): rank 0's becomes the rendezvous address."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(
+        self,
+        config: dict[str, Any],
+        attempt: int,
+        data_state: dict[str, Any] | None,
+        lr_changes: list[dict[str, Any]],
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        local_rank: int = 0,
+        local_size: int = 1,
+    ) -> dict[str, Any]:
+        """Join the process group, build model, engine, thermometers and data loader."""
+        from trainer.config import TrainConfig
+
+        cfg = TrainConfig.from_dict(config)
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_SIZE=str(local_size),  # DeepSpeed's CPU accelerator counts devices from it
+        )
+        if not cfg.use_gpu:
+            os.environ["DS_ACCELERATOR"] = "cpu"  # must precede the first deepspeed import
+        import deepspeed
+        import torch
+
+        from monitors.thermometers import instrument
+        from trainer.data import DataLoader, DataState
+        from trainer.engine import Engine
+        from trainer.lr import changes_from_json
+        from trainer.model import GPT
+
+        if not cfg.use_gpu:
+            torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
+        deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
+        self.cfg, self.attempt = cfg, attempt
+        torch.manual_seed(cfg.seed)  # identical init on every rank (ZeRO 3 partitions it after)
+        model = GPT(cfg.gpt_config())
+        self.flops_per_token = model.flops_per_token()
+        self._engine = Engine(cfg, model, on_gpu=cfg.use_gpu)
+        self.thermo = instrument(self._engine.module, cfg.thermometer_config())
+        self.names = list(self.thermo.names) + [TOKENS_PER_S]
+        self._loss_slot = self.names.index(LOSS)
+        self.schedule = cfg.lr_schedule()
+        self.lr_changes = changes_from_json(lr_changes)
+        state = DataState.from_json(data_state) if data_state else None
+        self.loader = DataLoader.from_config(cfg.data, self.rank, self.world_size, state=state)
+        return {"names": self.names, "host": socket.gethostname(), "flops_per_token": self.flops_per_token}
+
+    # --- training -----------------------------------------------------------------------------
+
+    @property
+    def next_step(self) -> int:
+        return self.loader.state.step + 1
+
+    def step(self, step: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """Train (1-based) `step`. Returns (values aligned with `names`, meta)."""
+        import torch
+
+        from trainer.lr import lr_at
+
+        if step != self.next_step:
+            raise RuntimeError(
+                f"rank {self.rank} was asked for step {step} but its data state is at step {self.next_step - 1}; "
+                "the controller must load a checkpoint or set_data_state before skipping ahead"
+            )
+        t0 = time.perf_counter()
+        self._profile_tick()
+        batch = self.loader.next_batch()
+        # Dropout (if any) becomes a pure function of the step: replay after rollback is exact.
+        torch.manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.rank)
+        lr = lr_at(step, self.schedule, self.lr_changes)
+        self._engine.set_lr(lr)
+        self.thermo.begin_step(step)
+        loss, norm = self._engine.train_step(batch.inputs, batch.targets)
+        self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
+        values = self.thermo.collect()  # the one host copy of the step
+        dt = time.perf_counter() - t0
+        local_tokens = batch.inputs.numel()
+        values = np.append(values, local_tokens / dt)
+        self._seen.append((self.attempt, step, batch.sample_ids))
+        meta = {
+            "loss": float(values[self._loss_slot]),  # this rank's; already on the host
+            "sample_lo": batch.sample_lo,
+            "sample_hi": batch.sample_hi,
+            "tokens": batch.tokens,
+            "global_batch": batch.global_batch,
+            "seq_len": batch.seq_len,
+            "time_s": dt,
+        }
+        return values, meta
+
+    # --- state the controller sets ------------------------------------------------------------
+
+    def data_state(self) -> dict[str, Any]:
+        return self.loader.state.to_json()
+
+    def set_data_state(self, state: dict[str, Any], attempt: int | None = None) -> None:
+        from trainer.data import DataState
+
+        self.loader.load_state(DataState.from_json(state))
+        if attempt is not None:
+            self.attempt = attempt
+
+    def skip(self, ranges: list[list[int]]) -> None:
+        for lo, hi in ranges:
+            self.loader.skip(int(lo), int(hi))
+
+    def set_lr_changes(self, changes: list[dict[str, Any]]) -> None:
+        from trainer.lr import changes_from_json
+
+        self.lr_changes = changes_from_json(changes)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: str) -> dict[str, Any]:
+        """Every rank writes its ZeRO shard into `directory` (shared by all ranks)."""
+        self._engine.save(directory)
+        return self.data_state()
+
+    def load(self, directory: str) -> None:
+        self._engine.load(directory)
+
+    # --- for tests and the profiler -----------------------------------------------------------
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sample_ids_seen(self, attempt: int | None = None, after_step: int = 0) -> np.ndarray:
+        """This rank's sample ids trained on (in `attempt`, if given) at steps > after_step."""
+        ids = [s for a, st, s in self._seen if (attempt is None or a == attempt) and st > after_step]
+        return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+
+    def profile(self, steps: int, out_dir: str) -> None:
+        """Trace the next `steps` steps with torch.profiler into out_dir/rank<r>.json."""
+        self._profile_left = int(steps)
+        self._profile_dir = Path(out_dir)
+
+    def _profile_tick(self) -> None:
+        import torch
+
+        if self._profiler is not None and self._profile_left <= 0:
+            self._profiler.stop()
+            self._profile_dir.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(self._profile_dir / f"rank{self.rank}.json"))
+            self._profiler = None
+        if self._profile_left > 0:
+            if self._profiler is None:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=acts, record_shapes=False)
+                self._profiler.start()
+            self._profile_left -= 1
+
+    def flush_profile(self) -> bool:
+        """Stop and write a trace still running (end of run). True if one was written."""
+        if self._profiler is None:
+            return False
+        self._profile_left = 0
+        self._profile_tick()
+        return True
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self._engine is not None:
+            self.thermo.detach()
+            self._engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Gang:
+    """All ranks of one attempt: a placement group, one TrainWorker actor per bundle, joined
+    into one torch.distributed group. A gang is never repaired: after a failure the controller
+    kills it and builds a new one (torch.distributed cannot re-admit a rank into a live group)."""
+
+    def __init__(
+        self,
+        config: Any,  # TrainConfig
+        attempt: int,
+        data_state: dict[str, Any] | None,
+        lr_changes: list[dict[str, Any]],
+        ready_timeout_s: float = 600.0,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        cfg, w = config, config.world_size
+        bundle: dict[str, float] = {"CPU": cfg.cpus_per_rank}
+        if cfg.use_gpu:
+            bundle["GPU"] = 1
+        self.pg = placement_group([dict(bundle) for _ in range(w)], strategy=cfg.placement)
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except Exception as exc:
+            self._remove_pg()
+            raise RuntimeError(
+                f"Ray could not place {w} ranks of {bundle} with strategy {cfg.placement} within "
+                f"{ready_timeout_s:.0f}s ({exc!r}); lower world_size / cpus_per_rank, use placement=PACK "
+                "on one node, or add nodes"
+            ) from exc
+        self.workers: list = []
+        try:
+            self._bring_up(cfg, attempt, data_state, lr_changes, ready_timeout_s)
+        except BaseException:
+            self.kill()  # no half-built gang holding actors and a placement group
+            raise
+
+    def _bring_up(
+        self, cfg: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list, timeout_s: float
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        w = cfg.world_size
+        env = {"DS_ACCELERATOR": "cuda" if cfg.use_gpu else "cpu"}
+        actor = ray.remote(TrainWorker)
+        self.workers = [
+            actor.options(
+                num_cpus=cfg.cpus_per_rank,
+                num_gpus=1 if cfg.use_gpu else 0,
+                max_restarts=0,  # a dead rank means a new gang, never a lone restarted actor
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                runtime_env={"env_vars": env},
+            ).remote(r, w)
+            for r in range(w)
+        ]
+        addresses = gather([a.address.remote() for a in self.workers], timeout_s)
+        master_addr, master_port = addresses[0]
+        self.hosts = {r: ip for r, (ip, _) in enumerate(addresses)}
+        # LOCAL_RANK = index among the ranks on the same node. On GPUs Ray gives each actor one
+        # visible device, which torch then calls cuda:0, so the local rank there is 0.
+        per_node: dict[str, int] = {}
+        local = []
+        for ip, _ in addresses:
+            local.append(per_node.get(ip, 0))
+            per_node[ip] = per_node.get(ip, 0) + 1
+        # gather, not ray.get: a rank that dies here leaves the others waiting in the rendezvous.
+        infos = gather(
+            [
+                a.setup.remote(
+                    cfg.to_dict(),
+                    attempt,
+                    data_state,
+                    lr_changes,
+                    master_addr,
+                    master_port,
+                    0 if cfg.use_gpu else local[r],
+                    1 if cfg.use_gpu else per_node[addresses[r][0]],
+                )
+                for r, a in enumerate(self.workers)
+            ],
+            timeout_s,
+        )
+        self.names: list[str] = infos[0]["names"]
+        self.flops_per_token: int = infos[0]["flops_per_token"]
+
+    def submit(self, method: str, *args: Any) -> list:
+        """Call `method` on every rank; returns the object refs (ranks run collectives together)."""
+        return [getattr(a, method).remote(*args) for a in self.workers]
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
+        return gather(self.submit(method, *args), timeout_s)
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.workers:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead: that is why we are here
+                pass
+        self.workers = []
+        self._remove_pg()
+
+    def _remove_pg(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+
+class GangTimeout(RuntimeError):
+    """Ranks that neither answered nor died in time (a hung collective, a stalled node)."""
+
+
+def gather(refs: list, timeout_s: float | None = None) -> list:
+    """ray.get of all ranks' results, but raising as soon as *any* rank fails: a plain
+    ray.get(list) would block on a live rank stuck in a collective waiting for the dead one."""
+    import ray
+
+    pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise GangTimeout(f"{len(pending)} rank(s) did not answer within {timeout_s}s")
+        ray.get(ready)  # raises RayActorError / RayTaskError for a failed rank
+    return ray.get(list(refs))
