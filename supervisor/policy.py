@@ -171,7 +171,12 @@ class Intervention:
     step: int  # the run's step when the action was decided (the finding's detect step)
     time: float  # epoch seconds when it was decided
     ok: bool  # False: it failed
-    automatic: bool = True  # False: issued by a human (CLI, web); not counted against the caps
+    automatic: bool = True
+    # ROLLBACK: the step it went back to, and whether it also lowered the LR. After a rollback
+    # that kept the LR (rung 1), rung 2 goes back no later than that target: the checkpoints
+    # saved since were trained at the very LR that diverged again.
+    target_step: int | None = None
+    lowered_lr: bool = False  # False: issued by a human (CLI, web); not counted against the caps
 
 
 @dataclass(frozen=True)
@@ -326,7 +331,9 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     if len(rollbacks) >= cfg.max_rollbacks_per_day:
         return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
                             f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
-    target, why = _pick_checkpoint(inp, cfg)
+    cap = (prev.target_step if prev is not None and prev.kind is DecisionKind.ROLLBACK and not prev.lowered_lr
+           else None)
+    target, why = _pick_checkpoint(inp, cfg, cap)
     if target is None:
         return _pause(head, why)
     reasons.append(why)
@@ -366,15 +373,21 @@ def _lr_reason(old: float, new: float, cfg: PolicyConfig) -> str:
     return f"lowering the LR x{cfg.lr_multiplier:g}: multiplier {old:g} -> {new:g} {span}"
 
 
-def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig) -> tuple[CheckpointInfo | None, str]:
-    """Newest healthy checkpoint at or before onset - margin; never one saved while unhealthy."""
+def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,
+                     cap: int | None = None) -> tuple[CheckpointInfo | None, str]:
+    """Newest healthy checkpoint at or before onset - margin (and at or before `cap`, the previous
+    rollback's target on a recurrence); never one saved while unhealthy."""
     f = inp.finding
     limit = f.onset_step - cfg.rollback_margin_steps
     healthy = [c for c in inp.checkpoints if c.healthy]
-    best = _newest_at_or_before(healthy, limit)
+    capped = cap is not None and cap < limit
+    best = _newest_at_or_before(healthy, cap if capped else limit)
     if best is not None:
         why = (f"roll back to the checkpoint at step {best.step}, the newest healthy one at or before "
                f"onset {f.onset_step} - margin {cfg.rollback_margin_steps} = step {limit}")
+        if capped:
+            why += (f" and at or before step {cap}, where the previous rollback went (the checkpoints since "
+                    f"were trained at the settings that diverged again)")
         return best, why + _passed_over(inp.checkpoints, best.step, limit)
     if f.signal is Signal.NON_FINITE:
         # Non-finite weights cannot be trained through: any healthy checkpoint before the onset

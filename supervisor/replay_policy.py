@@ -39,7 +39,8 @@ def replay_decider(settings: dict[str, Any] | None = None) -> Callable[[Finding]
                                       history=list(history), current_lr_multiplier=lr[0]), cfg)
         if d.kind in (DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE):
             history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
-                                        time=f.detect_step * seconds_per_step, ok=True))
+                                        time=f.detect_step * seconds_per_step, ok=True,
+                                        target_step=d.target_step, lowered_lr=d.lr_multiplier is not None))
             if d.lr_multiplier is not None:
                 lr[0] = d.lr_multiplier
             if d.kind is DecisionKind.ROLLBACK:

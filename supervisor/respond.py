@@ -30,6 +30,7 @@ from supervisor.store import detector_state
 from supervisor.store import findings as findings_store
 from supervisor.store import incidents as incidents_store
 from supervisor.store import lr_changes as lr_store
+from supervisor.store import runs as runs_store
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Responder:
         self._detector_cfg = detectors
         self._clock = clock
         self._banks: dict[str, DetectorBank] = {}
+        self._attempts: dict[str, int] = {}  # newest attempt per run: older ones are not judged
         self._lock = threading.RLock()  # ingest (HTTP threads) and the scheduler both reach here
 
     # --- detectors --------------------------------------------------------------------------
@@ -62,9 +64,24 @@ class Responder:
                 self._banks[run_id] = bank
             return bank
 
+    def note_attempt(self, run_id: str, attempt: int) -> None:
+        with self._lock:
+            self._attempts[run_id] = max(attempt, self._attempts.get(run_id, attempt))
+
     def on_records(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> list[Finding]:
         """Called by the ingestor after a batch is committed."""
         with self._lock:
+            if run_id not in self._attempts:
+                with self._session() as s:
+                    latest = runs_store.latest_attempt(s, run_id)
+                self._attempts[run_id] = latest.attempt if latest else attempt
+            if attempt < self._attempts[run_id]:
+                # Late records of an attempt the run has left (a rollback or restart came
+                # between): stored, but not judged, or the diverged past would look like a
+                # recurrence after the detectors were rewound.
+                log.info("run %s: %d late record(s) of attempt %d (now %d) stored, not judged",
+                         run_id, len(records), attempt, self._attempts[run_id])
+                return []
             bank = self.bank(run_id)
             found = bank.observe_many(records)
             with self._session.begin() as s:
@@ -143,6 +160,8 @@ class Responder:
                 time=a.created_at.timestamp() if a.created_at else self._clock(),
                 ok=a.state != "failed",
                 automatic=a.origin == "auto",
+                target_step=a.args.get("to_step") if a.kind == "rollback" else None,
+                lowered_lr=a.args.get("lr_multiplier") is not None,
             ))
         changes = lr_store.lr_changes(s, run_id)
         return PolicyInput(

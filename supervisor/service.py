@@ -65,6 +65,7 @@ class Supervisor:
 
     def open_run(self, info: RunInfo) -> None:
         self.ingestor.open_run(info)
+        self.responder.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
         return self.ingestor.write(run_id, attempt, records)

@@ -85,9 +85,13 @@ class Reducer:
             out[self.idx[Reduce.MIN]] = mn.min(axis=0) if mn.size else mn.sum(axis=0)
             out[self.idx[Reduce.MEAN]] = values[:, self.idx[Reduce.MEAN]].mean(axis=0)
             out[self.idx[Reduce.SUM]] = values[:, self.idx[Reduce.SUM]].sum(axis=0)
-        ranks = dict(zip(self.max_names, mx.argmax(axis=0).tolist())) if mx.size else {}
-        if mn.size:
-            ranks.update(zip(self.min_names, mn.argmin(axis=0).tolist()))
+        # Name the rank that held an extreme only where the ranks disagree: a value every rank
+        # shares (the global grad norm, the LR) has no outlier, and argmax would always say 0.
+        ranks: dict[str, int] = {}
+        for names, vals, pick in ((self.max_names, mx, np.argmax), (self.min_names, mn, np.argmin)):
+            if vals.size:
+                differ = (vals != vals[:1]).any(axis=0)
+                ranks.update((names[i], int(r)) for i, r in enumerate(pick(vals, axis=0).tolist()) if differ[i])
         return out, ranks
 
 
@@ -352,7 +356,12 @@ class RunController:
 
     def _apply_commands(self) -> None:
         while True:
-            for cmd in self.commands.poll(self.cfg.run_id):
+            cmds = self.commands.poll(self.cfg.run_id)
+            if cmds:
+                # The supervisor judges what happened before a command took effect: send it
+                # everything the current attempt trained before a rollback starts the next one.
+                self._flush(force=True)
+            for cmd in cmds:
                 self._apply(cmd)
             if not self.paused or self.stopped:
                 return

@@ -63,10 +63,11 @@ class AttnLogitConfig:
     confirm: int = 3
     # Level twice the baseline: escalate to CRITICAL (the run is diverging, roll back).
     critical_ratio: float = 2.0
-    # Growth below this level is learning, not a blowup: a healthy 4-layer byte-level GPT at
-    # lr 5e-3 took its LSE logit from 5 to 30 in 200 steps (measured, docs/demo.md), which the
-    # ratio test alone reads as a 2.5x "blowup". Softmax saturation needs logits well above it.
-    min_level: float = 20.0
+    # Growth below this level is not reported (0: off). Set it for short runs still in early
+    # training, where growth is learning: a healthy 4-layer byte-level GPT at lr 5e-3 took its
+    # LSE logit from 5 to 30 in 200 steps (docs/demo.md), which the ratio test alone reads as a
+    # 2.5x blowup. Long runs pass that phase inside `warmup`.
+    min_level: float = 0.0
     # Points seen before any growth finding. Early training moves logits fast and for real: a
     # 2-layer char model at lr 3e-3 went 1.4 -> 10 in 16 steps and 8 -> 11 around step 100,
     # then trained fine. (The ceiling has no warm-up: 100+ is never a phase.)
@@ -80,10 +81,12 @@ class AttnLogitConfig:
     clear_steps: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("ceiling", "min_growth", "z", "critical_ratio", "min_level"):
+        for name in ("ceiling", "min_growth", "z", "critical_ratio"):
             positive(name, getattr(self, name))
         if not self.lse_ceiling_offset >= 0:
             raise ValueError(f"lse_ceiling_offset must be >= 0, got {self.lse_ceiling_offset!r}")
+        if not self.min_level >= 0:
+            raise ValueError(f"min_level must be >= 0 (0 turns it off), got {self.min_level!r}")
         if not self.min_ratio > 1.0:
             raise ValueError(f"min_ratio must be > 1 (a ratio over baseline), got {self.min_ratio!r}")
         at_least("window", self.window, 4)
@@ -134,7 +137,7 @@ class AttnLogitGrowthDetector(SeriesBase):
         thr = max(c.z * sigma, math.log(c.min_ratio))
         self.latch.observe(rise <= thr / 2)
         slope = math.nan
-        exceeded = rise > thr and level >= math.log(c.min_level)
+        exceeded = rise > thr and (c.min_level <= 0 or level >= math.log(c.min_level))
         if exceeded:  # the slope costs O(slope_window^2); only pay it when the level is up
             slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
             exceeded = slope >= math.log1p(c.min_growth)
