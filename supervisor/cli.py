@@ -53,6 +53,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         compare=args.compare,
         steps=args.steps,
         progress=not args.no_progress,
+        db_url=args.db or "",
     )
     return run_demo(opts)
 
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also train the same run without the supervisor")
     p.add_argument("--steps", type=int, default=None, help="shorten the run (CI)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--db", help="database URL (default: SQLite in the data dir)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("replay", help="feed a recorded run (JSONL/CSV) through the detectors and the policy")

@@ -70,6 +70,7 @@ class DemoOptions:
     steps: int | None = None
     progress: bool = True
     run_id: str | None = None
+    db_url: str = ""  # default: SQLite in the data dir
 
 
 def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):
@@ -111,7 +112,7 @@ def run_demo(opts: DemoOptions) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
-    cfg = SupervisorConfig(data_dir=opts.data_dir, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
+    cfg = SupervisorConfig(data_dir=opts.data_dir, db_url=opts.db_url, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
     sup = Supervisor(cfg)
     tcfg = train_config(opts, run_id, opts.data_dir / "checkpoints")
     if not ray.is_initialized():

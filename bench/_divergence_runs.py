@@ -1,0 +1,137 @@
+"""The real training runs behind bench/divergence.py: one tiny GPT per (peak LR, qk_layernorm,
+seed), every step's full thermometer record written as JSONL that `thermowatch replay FILE` reads.
+
+One process per run, no Ray/DeepSpeed (the benchmark measures detectors, not the engine):
+trainer.model.GPT on the standard library's bytes through trainer.data's DataLoader, AdamW with
+decoupled weight decay on matrices only, global-norm clipping, linear warmup then constant LR.
+
+Precision: fp32 master weights (GPTConfig(dtype="float32")) with the forward pass under
+`torch.autocast("cpu", dtype=torch.bfloat16)`, so the matmuls run in bf16 as in the real
+trainer while AdamW updates fp32 weights (plain AdamW on bf16 weights drops updates smaller than
+bf16's 8-bit mantissa resolution). The model's own fp32 islands (LayerNorm, residual stream,
+softmax, cross-entropy) stay fp32.
+
+A sidecar `<name>.meta.json` holds the run's settings and a fingerprint of the code that trained
+it; `--reuse` serves a cached JSONL only when both match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Code whose change makes a cached run stale.
+_CODE = ("trainer/model.py", "trainer/data/loader.py", "trainer/data/sources.py", "trainer/data/order.py",
+         "monitors/thermometers/core.py", "monitors/thermometers/attention.py", "monitors/thermometers/config.py",
+         "monitors/thermometers/slots.py", "bench/_divergence_runs.py")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    peak_lr: float
+    qk_layernorm: bool = False
+    seed: int = 0
+    steps: int = 300
+    warmup_steps: int = 100  # linear warmup, then constant (the fixture's and the demo's recipe)
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 64
+    batch: int = 16
+    grad_clip: float = 1.0
+    weight_decay: float = 0.1
+    max_bytes: int = 1 << 20  # 1 MB of stdlib text: loads in well under a second, ~16k windows
+
+    @property
+    def name(self) -> str:
+        return f"lr{self.peak_lr:.0e}_qk{int(self.qk_layernorm)}_s{self.seed}_n{self.steps}"
+
+    def lr_at(self, step: int) -> float:
+        """1-based step, as trainer.lr: linear warmup to peak_lr, then constant."""
+        return self.peak_lr * min(1.0, step / self.warmup_steps)
+
+
+def fingerprint(spec: RunSpec) -> str:
+    import torch
+
+    h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
+    for rel in _CODE:
+        h.update((REPO / rel).read_bytes())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:20]
+
+
+def paths(out_dir: Path, spec: RunSpec) -> tuple[Path, Path]:
+    return out_dir / f"{spec.name}.jsonl", out_dir / f"{spec.name}.meta.json"
+
+
+def cached(out_dir: Path, spec: RunSpec) -> bool:
+    log, meta = paths(out_dir, spec)
+    if not (log.is_file() and meta.is_file()):
+        return False
+    try:
+        m = json.loads(meta.read_text())
+    except ValueError:
+        return False
+    return m.get("fingerprint") == fingerprint(spec) and m.get("complete") is True
+
+
+def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> dict:
+    """Train one run and write its JSONL + meta. Returns the meta dict (with train seconds)."""
+    import torch
+
+    from monitors.contract import StepRecord
+    from monitors.thermometers import ThermometerConfig, instrument
+    from trainer.data import DataConfig, DataLoader, stdlib_source
+    from trainer.model import GPT, GPTConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log, meta_path = paths(out, spec)
+    torch.set_num_threads(threads)  # one thread per run: two runs share the 2 cores side by side
+    torch.manual_seed(spec.seed)
+    cfg = GPTConfig(n_layer=spec.n_layer, n_head=spec.n_head, d_model=spec.d_model, seq_len=spec.seq_len,
+                    qk_layernorm=spec.qk_layernorm, dtype="float32")  # fp32 master weights
+    model = GPT(cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=spec.peak_lr, betas=(0.9, 0.95))
+    loader = DataLoader(stdlib_source(spec.max_bytes),
+                        DataConfig(seq_len=spec.seq_len, global_batch=spec.batch, seed=spec.seed,
+                                   max_bytes=spec.max_bytes))
+    tmp = log.with_suffix(f".{os.getpid()}.tmp")
+    t0 = time.perf_counter()
+    with instrument(model, ThermometerConfig()) as th, tmp.open("w") as fh:
+        for step in range(1, spec.steps + 1):
+            lr = spec.lr_at(step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = loader.next_batch()
+            th.begin_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(batch.inputs, batch.targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)  # pre-clip norm
+            opt.step()
+            th.end_step(loss=loss, lr=lr, grad_norm=norm)
+            rec = StepRecord(step=step, values=th.as_dict(th.collect()), sample_lo=batch.sample_lo,
+                             sample_hi=batch.sample_hi, tokens=batch.tokens, wall_time=time.time())
+            fh.write(json.dumps(rec.to_json()) + "\n")  # NaN/Inf as JSON literals, as replay reads them
+    tmp.replace(log)
+    meta = {"spec": asdict(spec), "fingerprint": fingerprint(spec), "complete": True,
+            "train_s": round(time.perf_counter() - t0, 2), "params": model.num_params(), "torch": torch.__version__}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def train_job(job: tuple[dict, str]) -> dict:
+    """Pool entry point (picklable): (asdict(spec), out_dir) -> meta."""
+    spec, out_dir = job
+    return train(RunSpec(**spec), out_dir)
