@@ -170,11 +170,20 @@ class Responder:
             checkpoints=cks,
             history=history,
             current_lr_multiplier=changes[-1].multiplier if changes else 1.0,
-            failed_action_pending=any(a.state == "failed" and a.origin == "auto" and not a.error.startswith("resolved")
-                                      for a in rows[:5]),
+            failed_action_pending=_failed_and_unattended(rows),
             action_in_flight=in_flight,
             paused=self._executor.is_paused(s, run_id),
         )
+
+
+def _failed_and_unattended(rows: Sequence[actions_store.ActionRow]) -> bool:
+    """The newest automatic action failed and no human has acted since: the run is not in the
+    state the supervisor believes, so the policy pauses (rung 3). Any manual command after the
+    failure (a resume, a rollback by hand) means a human has taken over and clears it."""
+    newest_auto = next((a for a in rows if a.origin == "auto"), None)  # rows: newest first
+    if newest_auto is None or newest_auto.state != "failed":
+        return False
+    return not any(a.origin == "manual" and a.id > newest_auto.id for a in rows)
 
 
 def _decision_kind(action_kind: str) -> DecisionKind:
