@@ -13,6 +13,7 @@ Manual commands (CLI, HTTP API, web) call `submit`, which writes the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -87,7 +88,7 @@ class Executor:
         if decision.kind is not DecisionKind.NOOP:
             alert = Alert.from_decision(run_id, finding, decision, incident_id)
             if needs_ok and not decision.requires_approval:
-                alert = Alert(**{**alert.__dict__, "title": f"approval needed: {alert.title}"})
+                alert = dataclasses.replace(alert, title=f"approval needed: {alert.title}")
             self._queue_alert(alert)
         return ids
 

@@ -13,11 +13,11 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from monitors.contract import Ack, ContractError
+from supervisor.api import call
 from supervisor.api.ingest import _check_token, read_json
-from supervisor.errors import Conflict, NotFound, UserError
+from supervisor.errors import UserError
 
 
 class ManualAction(BaseModel):
@@ -29,18 +29,6 @@ class ManualAction(BaseModel):
 
 class Approval(BaseModel):
     who: str = Field(min_length=1)
-
-
-async def call(fn, *args):
-    """Run a blocking call off the event loop; user errors become 4xx with their message."""
-    try:
-        return await run_in_threadpool(fn, *args)
-    except NotFound as exc:
-        raise HTTPException(404, str(exc)) from None
-    except Conflict as exc:
-        raise HTTPException(409, str(exc)) from None
-    except (UserError, ContractError) as exc:
-        raise HTTPException(422, str(exc)) from None
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:

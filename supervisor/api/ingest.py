@@ -17,13 +17,10 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from starlette.concurrency import run_in_threadpool
 
-from monitors.contract import ContractError
+from supervisor.api import call
 from supervisor.ingest import (
-    BatchTooLarge,
     Ingestor,
-    UnknownRun,
     checkpoint_from_json,
     records_from_json,
     run_info_from_json,
@@ -71,20 +68,6 @@ def _check_token(request: Request, token: str | None) -> None:
         raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
 
-async def _call(fn, *args):
-    """Run parsing and the blocking ingest call off the event loop (a 50 x 1000 batch is ~30 ms
-    of json.loads + records_from_json: command polls and pages must not wait behind it),
-    mapping ingest errors to 4xx."""
-    try:
-        return await run_in_threadpool(fn, *args)
-    except UnknownRun as exc:
-        raise HTTPException(404, str(exc)) from None
-    except BatchTooLarge as exc:
-        raise HTTPException(413, str(exc)) from None
-    except ContractError as exc:
-        raise HTTPException(422, str(exc)) from None
-
-
 def _attempt(raw: str) -> int:
     # Parsed here, not by FastAPI, so the 422 detail is one sentence like every other error.
     try:
@@ -103,7 +86,7 @@ def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes:
     async def open_run(request: Request) -> dict:
         _check_token(request, token)
         body = await read_body(request, max_body_bytes)
-        await _call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
+        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/steps")
@@ -117,14 +100,14 @@ def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes:
             n = ingestor.write(run_id, att, records)
             return {"ok": True, "records": len(records), "values": n}
 
-        return await _call(work)
+        return await call(work)
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
     async def checkpoint_saved(run_id: str, attempt: str, request: Request) -> dict:
         _check_token(request, token)
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
-        await _call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
+        await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
     return router

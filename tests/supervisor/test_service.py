@@ -1,0 +1,238 @@
+"""supervisor.service.Supervisor end to end, fed with thermometer records from a real diverging
+training run (tests/fixtures/diverging.py), on SQLite and PostgreSQL: detect -> incident ->
+rollback action -> poll/ack -> skip ledger, LR change, rewound detectors, rung 2, advise-only."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from monitors.contract import Ack, CommandKind, RunInfo
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import checkpoints as ckpt_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import lr_changes as lr_store
+from supervisor.store import skips as skips_store
+from supervisor.store import steps as steps_store
+from tests.fixtures.diverging import (
+    DETECTORS,
+    POLICY,
+    after_skip,
+    diverging_records,
+    feed,
+    healthy_records,
+    samples_of,
+)
+
+RUN = "div"
+ATTN_SIGNALS = {"attn_logit_growth", "attn_logit_ceiling"}
+MARGIN = POLICY["rollback_margin_steps"]
+
+
+def make_sup(db, tmp_path, **over) -> Supervisor:
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY), detectors=dict(DETECTORS),
+                           **over)
+    return Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
+
+
+@pytest.fixture
+def sup(db, tmp_path):
+    s = make_sup(db, tmp_path)
+    yield s
+    s.close()
+
+
+def open_actions(s: Supervisor, run_id: str = RUN):
+    with s.sessions() as ses:
+        return actions_store.open_actions(ses, run_id)
+
+
+def incidents(s: Supervisor, run_id: str = RUN):
+    with s.sessions() as ses:
+        return incidents_store.incidents(ses, run_id)
+
+
+def feed_until_action(s: Supervisor, attempt: int, recs, tmp_path) -> int:
+    return feed(s, RUN, attempt, recs, ckpt_root=tmp_path / "ckpt" / f"a{attempt}",
+                stop=lambda: bool(open_actions(s)))
+
+
+def diverge(s: Supervisor, tmp_path, recs=None):
+    """Attempt 0 of the diverging run until the supervisor queues an action; returns
+    (records, last step fed, incident, action)."""
+    recs = recs or diverging_records()
+    s.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    last = feed_until_action(s, 0, recs, tmp_path)
+    acts = open_actions(s)
+    assert len(acts) == 1, f"expected one action after the divergence, got {acts}"
+    incs = incidents(s)
+    assert len(incs) == 1
+    return recs, last, incs[0], acts[0]
+
+
+def test_divergence_rolls_back_to_a_healthy_checkpoint_before_the_onset(sup, tmp_path):
+    recs, last, inc, act = diverge(sup, tmp_path)
+    assert last < recs[-1].step, "the divergence must be caught before the run ends"
+    assert inc.signal in ATTN_SIGNALS and inc.module.startswith("blocks.")
+    assert inc.state == "open"
+    assert inc.onset_step <= inc.detect_step <= last
+    # Onset and detection sit where the recorded attention logits really took off.
+    key = next(k for k in recs[0].values if k.startswith("attn_logit_") and k.endswith(inc.module))
+    at_detect = next(r for r in recs if r.step == inc.detect_step).values[key]
+    assert at_detect > 100.0
+
+    assert act.kind == "rollback" and act.state == "pending" and act.origin == "auto"
+    assert act.incident_id == inc.id and not act.requires_approval
+    to_step = act.args["to_step"]
+    assert to_step <= inc.onset_step - MARGIN
+    assert to_step % 5 == 0, "the target is a reported checkpoint"
+    with sup.sessions() as s:
+        cks = {c.step: c for c in ckpt_store.checkpoints(s, RUN)}
+    assert cks[to_step].healthy and act.args["checkpoint"] == cks[to_step].path
+    # the newest healthy one at or before onset - margin: no healthy checkpoint in between
+    assert not [c for c in cks.values() if to_step < c.step <= inc.onset_step - MARGIN and c.healthy]
+    lo = max(inc.onset_step - MARGIN, to_step + 1)
+    assert act.args["skip_ranges"] == [samples_of(recs, lo, inc.detect_step)]
+    assert "lr_multiplier" not in act.args
+
+
+def test_checkpoints_saved_at_or_after_the_onset_are_distrusted(sup, tmp_path):
+    recs, last, inc, act = diverge(sup, tmp_path)
+    with sup.sessions() as s:
+        cks = ckpt_store.checkpoints(s, RUN)
+    assert [c.step for c in cks if c.step < inc.onset_step and not c.healthy] == []
+    after = [c for c in cks if c.step >= inc.onset_step]
+    assert after, "the feed reports checkpoints past the onset (the batch that detects it holds some)"
+    # Every checkpoint past the onset was trained on diverging weights, whether it was reported
+    # before the finding or right after it (the controller flushes the steps, then reports the
+    # checkpoint, so one saved at or just after the detection step always arrives after it).
+    assert [(c.step, c.healthy) for c in after] == [(c.step, False) for c in after]
+
+
+def test_poll_ack_books_the_skip_and_resolves_the_incident(sup, tmp_path):
+    recs, last, inc, act = diverge(sup, tmp_path)
+    cmds = sup.poll(RUN)
+    assert [(c.id, c.kind) for c in cmds] == [(act.id, CommandKind.ROLLBACK)]
+    assert cmds[0].args == act.args
+    assert sup.poll(RUN) == [], "a sent command is not handed out twice"
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, act.id)
+    assert row.state == "sent" and row.attempts == 1
+
+    to_step = act.args["to_step"]
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1, detail="rolled back"))
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, act.id)
+        assert row.state == "done" and row.ack_step == to_step + 1
+        assert skips_store.skip_ranges(s, RUN) == [tuple(act.args["skip_ranges"][0])]
+        assert lr_store.lr_changes(s, RUN) == []  # rung 1 keeps the LR
+        got = incidents_store.get_incident(s, inc.id)
+    assert got.state == "resolved" and "rollback done" in got.resolution
+
+
+def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
+    recs, last, inc, act = diverge(sup, tmp_path)
+    sup.poll(RUN)
+    to_step = act.args["to_step"]
+    skip = act.args["skip_ranges"][0]
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+
+    # Attempt 1 re-trains from the checkpoint at the same LR: the same divergence comes back,
+    # on the samples the loader serves once the skipped range is passed over.
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
+    again = after_skip(recs, to_step + 1, cursor=recs[to_step - 1].sample_hi, skip=tuple(skip))
+    feed_until_action(sup, 1, again, tmp_path)
+    acts = open_actions(sup)
+    assert len(acts) == 1
+    act2 = acts[0]
+    incs = incidents(sup)
+    assert len(incs) == 2 and incs[1].state == "open" and incs[1].signal in ATTN_SIGNALS
+    inc2 = incs[1]
+    assert act2.kind == "rollback" and act2.incident_id == inc2.id
+    assert act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_multiplier"])
+    # rung 2 goes back no later than where rung 1 went: the checkpoints since had the same LR
+    assert act2.args["to_step"] <= to_step and act2.args["to_step"] <= inc2.onset_step - MARGIN
+    lo = max(inc2.onset_step - MARGIN, act2.args["to_step"] + 1)
+    assert act2.args["skip_ranges"] == [samples_of(again, lo, inc2.detect_step)]
+    with sup.sessions() as s:
+        # the executor reads the newest attempt's samples, not the first attempt's
+        assert steps_store.sample_range(s, RUN, lo, inc2.detect_step) == tuple(samples_of(again, lo, inc2.detect_step))
+
+    assert [c.id for c in sup.poll(RUN)] == [act2.id]
+    ack_step = act2.args["to_step"] + 1
+    sup.ack(RUN, Ack(command_id=act2.id, ok=True, step=ack_step))
+    with sup.sessions() as s:
+        changes = lr_store.lr_changes(s, RUN)
+        assert [(c.multiplier, c.start_step, c.action_id) for c in changes] == [
+            (pytest.approx(POLICY["lr_multiplier"]), ack_step, act2.id)]
+        ranges = skips_store.skip_ranges(s, RUN)
+        assert incidents_store.get_incident(s, inc2.id).state == "resolved"
+    # both skips are in the ledger (merged where they touch)
+    for lo_, hi_ in (skip, act2.args["skip_ranges"][0]):
+        assert any(a <= lo_ and hi_ <= b for a, b in ranges), (lo_, hi_, ranges)
+
+
+def test_late_records_of_an_older_attempt_are_stored_not_judged(sup, tmp_path):
+    recs, last, inc, act = diverge(sup, tmp_path)
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
+    # The rest of attempt 0 (its logits keep blowing up, other layers included) arrives late.
+    late = [r for r in recs if r.step > last]
+    assert late
+    sup.write(RUN, 0, late)
+    with sup.sessions() as s:
+        assert steps_store.sample_range(s, RUN, late[0].step, late[-1].step) == (late[0].sample_lo,
+                                                                                  late[-1].sample_hi)
+    assert len(incidents(sup)) == 1
+    assert open_actions(sup) == []
+
+
+def test_a_fresh_supervisor_knows_the_newest_attempt_before_judging(db, tmp_path):
+    """A restarted supervisor learns the newest attempt from the DB, so late records of an older
+    attempt are not judged even before any open_run in this process."""
+    sup = make_sup(db, tmp_path)
+    recs, last, inc, act = diverge(sup, tmp_path)
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
+    sup.close()
+    sup2 = make_sup(db, tmp_path)
+    try:
+        sup2.write(RUN, 0, [r for r in recs if r.step > last])
+        assert len(incidents(sup2)) == 1 and open_actions(sup2) == []
+    finally:
+        sup2.close()
+
+
+def test_healthy_run_produces_no_action(sup, tmp_path):
+    recs = healthy_records()
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    feed(sup, RUN, 0, recs, ckpt_root=tmp_path / "ckpt")
+    with sup.sessions() as s:
+        assert actions_store.actions(s, RUN) == []
+        assert all(c.healthy for c in ckpt_store.checkpoints(s, RUN))
+    assert [i for i in incidents(sup) if i.signal in ATTN_SIGNALS] == []
+
+
+def test_advise_only_waits_for_approval(db, tmp_path):
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        recs, last, inc, act = diverge(sup, tmp_path)
+        assert act.kind == "rollback" and act.requires_approval
+        assert sup.poll(RUN) == []
+        assert sup.poll(RUN) == []
+        with sup.sessions() as s:
+            assert actions_store.get_action(s, act.id).state == "pending"
+        sup.executor.approve(act.id, "alice")
+        cmds = sup.poll(RUN)
+        assert [c.id for c in cmds] == [act.id]
+        with sup.sessions() as s:
+            row = actions_store.get_action(s, act.id)
+        assert row.state == "sent" and row.who == "alice" and not row.requires_approval
+    finally:
+        sup.close()
