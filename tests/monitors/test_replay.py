@@ -3,10 +3,8 @@
 import io
 import json
 import math
-import os
 
 import numpy as np
-import pytest
 
 from monitors.contract import Finding
 from monitors.detectors import BankConfig
@@ -109,14 +107,11 @@ def test_replay_missing_unreadable_and_empty_files_exit_2(tmp_path):
     assert "no readable step record" in err.getvalue()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read a chmod 000 file")
-def test_replay_permission_denied_exit_2(tmp_path):
-    path = tmp_path / "locked.jsonl"
-    path.write_text('{"step": 1, "loss": 2.0}\n')
-    path.chmod(0)
+def test_replay_unreadable_path_exit_2(tmp_path):
+    # A directory where the file should be: unreadable for everyone, root included (a chmod 000
+    # file is readable by root, so that variant could not fail here).
+    path = tmp_path / "run.jsonl"
+    path.mkdir()
     err = io.StringIO()
-    try:
-        assert replay(path, None, io.StringIO(), False, err=err) == EXIT_ERROR
-        assert "cannot read" in err.getvalue()
-    finally:
-        path.chmod(0o600)
+    assert replay(path, None, io.StringIO(), False, err=err) == EXIT_ERROR
+    assert "cannot read" in err.getvalue() and "run.jsonl" in err.getvalue()

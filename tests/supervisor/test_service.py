@@ -216,7 +216,7 @@ def test_healthy_run_produces_no_action(sup, tmp_path):
     with sup.sessions() as s:
         assert actions_store.actions(s, RUN) == []
         assert all(c.healthy for c in ckpt_store.checkpoints(s, RUN))
-    assert [i for i in incidents(sup) if i.signal in ATTN_SIGNALS] == []
+    assert incidents(sup) == []  # not even an alert: no detector fired on the healthy run
 
 
 def test_advise_only_waits_for_approval(db, tmp_path):
@@ -236,3 +236,42 @@ def test_advise_only_waits_for_approval(db, tmp_path):
         assert row.state == "sent" and row.who == "alice" and not row.requires_approval
     finally:
         sup.close()
+
+
+def test_a_pending_manual_command_does_not_swallow_a_divergence(sup, tmp_path):
+    """A manual command on its way (here a `profile` nobody polled yet) makes the policy wait
+    ("an action for this run is in flight; waiting for its acknowledgement before deciding
+    again"). The divergence it saw meanwhile must still be acted on once the command is acked,
+    not closed as a no-op while the logits keep climbing."""
+    recs = diverging_records()
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    manual = sup.executor.submit(RUN, "profile", {"steps": 5}, "bob", "why is it slow")
+    feed(sup, RUN, 0, [r for r in recs if r.step <= 50], ckpt_root=tmp_path / "ckpt")
+    (inc,) = incidents(sup)
+    assert inc.signal in ATTN_SIGNALS and inc.detect_step <= 50
+    assert inc.state == "open", f"closed while the run diverges: {inc.resolution!r}"
+
+    assert [c.id for c in sup.poll(RUN)] == [manual]
+    sup.ack(RUN, Ack(command_id=manual, ok=True, step=51))
+    feed(sup, RUN, 0, [r for r in recs if 50 < r.step <= 60], ckpt_root=tmp_path / "ckpt")
+    rollbacks = [a for a in open_actions(sup) if a.kind == "rollback"]
+    assert rollbacks, "the divergence seen while the manual command was in flight was never acted on"
+    assert rollbacks[0].args["to_step"] <= inc.onset_step - MARGIN
+
+
+def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollback(sup, tmp_path):
+    """After a rollback to step T is done, the older attempt's checkpoints after T belong to the
+    trajectory the run walked away from (trained on the samples now skipped; the trainer
+    abandons them, trainer/controller.py `store.abandon_after`). They must not stay healthy
+    rollback targets, or a later finding with a later onset (another signal: no cap from the
+    ladder) picks one, and where a step exists in both attempts the policy's `max()` over
+    (step, attempt)-ordered rows returns the OLD attempt's path."""
+    recs, last, inc, act = diverge(sup, tmp_path)
+    to_step = act.args["to_step"]
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
+    with sup.sessions() as s:
+        stale = [(c.attempt, c.step) for c in ckpt_store.checkpoints(s, RUN)
+                 if c.attempt == 0 and c.step > to_step and c.healthy and not c.deleted]
+    assert stale == []

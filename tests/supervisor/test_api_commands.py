@@ -1,0 +1,249 @@
+"""The command channel and manual actions over HTTP (supervisor.api.commands via
+server.build_app): happy paths, every 4xx with its message, token auth, and that a bad
+request changes nothing stored. One test runs a real uvicorn server on a free port."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from monitors.contract import RunInfo
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.server import build_app
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import audit as audit_store
+from supervisor.store import skips as skips_store
+from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
+
+RUN = "api"
+
+
+def make_sup(db, tmp_path, **over) -> Supervisor:
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
+                           detectors=dict(DETECTORS), **over)
+    sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    return sup
+
+
+@pytest.fixture
+def sup(db, tmp_path):
+    s = make_sup(db, tmp_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(sup):
+    with TestClient(build_app(sup)) as c:
+        yield c
+
+
+def stored(sup) -> tuple:
+    """Everything a command request could change."""
+    with sup.sessions() as s:
+        acts = [(a.id, a.kind, a.state, a.args, a.who, a.requires_approval, a.attempts, a.ack_step)
+                for a in actions_store.actions(s, RUN)]
+        return acts, skips_store.skip_ranges(s, RUN), len(audit_store.audit_log(s, RUN))
+
+
+def submit(client, kind="skip", args=None, who="bob", **kw):
+    body = {"kind": kind, "args": {"skip_ranges": [[10, 20]]} if args is None else args, "who": who, **kw}
+    return client.post(f"/api/runs/{RUN}/actions", json=body)
+
+
+def test_submit_poll_ack_happy_path(client, sup):
+    r = submit(client, reason="bad shard")
+    assert r.status_code == 201, r.text
+    aid = r.json()["action_id"]
+    r = client.get(f"/api/runs/{RUN}/commands")
+    assert r.status_code == 200
+    assert r.json() == {"commands": [{"id": aid, "kind": "skip", "args": {"skip_ranges": [[10, 20]]}}]}
+    assert client.get(f"/api/runs/{RUN}/commands").json() == {"commands": []}
+    r = client.post(f"/api/runs/{RUN}/acks", json={"command_id": aid, "ok": True, "step": 12, "detail": "ok"})
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, aid)
+        assert (row.state, row.ack_step, row.origin, row.who, row.reason) == ("done", 12, "manual", "bob", "bad shard")
+        assert skips_store.skip_ranges(s, RUN) == [(10, 20)]
+    # the read API shows the same row
+    acts = client.get(f"/api/runs/{RUN}/actions").json()["actions"]
+    assert [(a["id"], a["state"]) for a in acts] == [(aid, "done")]
+
+
+def test_ack_ok_must_be_a_boolean(client, sup):
+    """`"ok": "false"` is a refusal spelled as a string; read as truthy it would book the
+    command's effects (skip ranges, LR change) for a command the trainer refused."""
+    aid = submit(client).json()["action_id"]
+    client.get(f"/api/runs/{RUN}/commands")
+    before = stored(sup)
+    r = client.post(f"/api/runs/{RUN}/acks", json={"command_id": aid, "ok": "false", "step": 12})
+    assert r.status_code == 422, (r.status_code, r.text)
+    assert "ok" in r.json()["detail"]
+    assert stored(sup) == before
+
+
+def test_poll_for_an_unknown_run_is_404(client, sup):
+    """A controller polling under a wrong run id must learn it, not wait forever for commands."""
+    r = client.get("/api/runs/no-such-run/commands")
+    assert r.status_code == 404, (r.status_code, r.text)
+    assert "no-such-run" in r.json()["detail"]
+
+
+def test_cancel_happy_path_and_twice_is_409(client, sup):
+    aid = submit(client).json()["action_id"]
+    r = client.post(f"/api/actions/{aid}/cancel", json={"who": "alice"})
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    before = stored(sup)
+    r = client.post(f"/api/actions/{aid}/cancel", json={"who": "alice"})
+    assert r.status_code == 409 and "cancelled" in r.json()["detail"]
+    assert client.get(f"/api/runs/{RUN}/commands").json() == {"commands": []}
+    assert stored(sup) == before
+
+
+def test_approve_happy_path_and_twice_is_409(db, tmp_path):
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt",
+             stop=lambda: bool(stored(sup)[0]))
+        (aid, kind, state, args, *_), = stored(sup)[0]
+        assert (kind, state) == ("rollback", "pending")
+        with TestClient(build_app(sup)) as c:
+            assert c.get(f"/api/runs/{RUN}/commands").json() == {"commands": []}
+            r = c.post(f"/api/actions/{aid}/approve", json={"who": "alice"})
+            assert r.status_code == 200, r.text
+            before = stored(sup)
+            r = c.post(f"/api/actions/{aid}/approve", json={"who": "alice"})
+            assert r.status_code == 409 and "not a pending action awaiting approval" in r.json()["detail"]
+            assert stored(sup) == before
+            cmds = c.get(f"/api/runs/{RUN}/commands").json()["commands"]
+            assert [(x["id"], x["kind"]) for x in cmds] == [(aid, "rollback")]
+            assert cmds[0]["args"] == args
+    finally:
+        sup.close()
+
+
+@pytest.mark.parametrize("method, path, body, status, words", [
+    # unknown run / action
+    ("post", "/api/runs/nope/actions", {"kind": "pause", "who": "bob"}, 404, "no run 'nope'"),
+    ("post", f"/api/runs/{RUN}/acks", {"command_id": 999, "ok": True, "step": 1}, 404, "no action 999"),
+    ("post", "/api/runs/nope/acks", {"command_id": 1, "ok": True, "step": 1}, 404, "has no action"),
+    ("post", "/api/actions/999/approve", {"who": "alice"}, 404, "no action 999"),
+    ("post", "/api/actions/999/cancel", {"who": "alice"}, 404, "no action 999"),
+    # bad kind, bad args (the message names the field)
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "explode", "who": "bob"}, 422, "unknown command 'explode'"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "rollback", "args": {}, "who": "bob"}, 422, "to_step"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "rollback", "args": {"to_step": -3}, "who": "bob"}, 422, "to_step"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "skip", "args": {"skip_ranges": [[5, 5]]}, "who": "bob"}, 422,
+     "lo must be < hi"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "set_lr", "args": {"lr_multiplier": 0}, "who": "bob"}, 422,
+     "lr_multiplier"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": ""}, 422, "who"),
+    ("post", f"/api/runs/{RUN}/acks", {"command_id": "x", "ok": True, "step": 1}, 422, "bad ack"),
+    ("post", f"/api/runs/{RUN}/acks", {"ok": True, "step": 1}, 422, "command_id"),
+])
+def test_bad_requests_are_4xx_with_a_message_and_change_nothing(client, sup, method, path, body, status, words):
+    good = submit(client).json()["action_id"]
+    before = stored(sup)
+    r = getattr(client, method)(path, json=body)
+    assert r.status_code == status, r.text
+    assert words in str(r.json()["detail"])
+    assert stored(sup) == before
+    # and the next good request still works
+    assert [c["id"] for c in client.get(f"/api/runs/{RUN}/commands").json()["commands"]] == [good]
+
+
+@pytest.mark.parametrize("path", [f"/api/runs/{RUN}/acks", f"/api/runs/{RUN}/actions",
+                                  "/api/actions/1/approve", "/api/actions/1/cancel"])
+def test_malformed_json_is_400(client, sup, path):
+    submit(client)
+    before = stored(sup)
+    r = client.post(path, content=b'{"command_id": 1, "ok": tru', headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "JSON" in str(r.json()["detail"])
+    assert stored(sup) == before
+
+
+def test_token_auth(db, tmp_path):
+    sup = make_sup(db, tmp_path, api_token="s3cret")
+    try:
+        with TestClient(build_app(sup)) as c:
+            auth = {"Authorization": "Bearer s3cret"}
+            for method, path, body in (("get", f"/api/runs/{RUN}/commands", None),
+                                       ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": "bob"}),
+                                       ("post", f"/api/runs/{RUN}/acks", {"command_id": 1, "ok": True, "step": 1}),
+                                       ("post", "/api/actions/1/cancel", {"who": "bob"}),
+                                       ("post", "/api/actions/1/approve", {"who": "bob"})):
+                kw = {"json": body} if body is not None else {}
+                for headers in ({}, {"Authorization": "Bearer wrong"}):
+                    r = getattr(c, method)(path, headers=headers, **kw)
+                    assert r.status_code == 401, (path, r.status_code)
+                    assert "bearer token" in r.json()["detail"]
+            assert stored(sup)[0] == []
+            r = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "bob"}, headers=auth)
+            assert r.status_code == 201
+            cmds = c.get(f"/api/runs/{RUN}/commands", headers=auth).json()["commands"]
+            assert [x["kind"] for x in cmds] == ["pause"]
+    finally:
+        sup.close()
+
+
+def test_auth_is_checked_before_the_body(db, tmp_path):
+    """Without the token every mutating call is 401, whatever the body: a client without the
+    token learns nothing about what a valid request looks like."""
+    sup = make_sup(db, tmp_path, api_token="s3cret")
+    try:
+        with TestClient(build_app(sup)) as c:
+            for path, body in ((f"/api/runs/{RUN}/actions", {"kind": "pause"}),
+                               ("/api/actions/1/approve", {}), ("/api/actions/1/cancel", {"who": ""}),
+                               (f"/api/runs/{RUN}/acks", {"ok": True})):
+                r = c.post(path, json=body)
+                assert r.status_code == 401, (path, r.status_code, r.text)
+    finally:
+        sup.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_uvicorn_server(sup):
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(sup), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            r = c.post(f"/api/runs/{RUN}/actions", json={"kind": "set_lr", "args": {"lr_multiplier": 0.5},
+                                                         "who": "bob", "reason": "loss noisy"})
+            assert r.status_code == 201, r.text
+            aid = r.json()["action_id"]
+            assert c.post(f"/api/runs/{RUN}/actions", json={"kind": "set_lr", "args": {"lr_multiplier": 50},
+                                                            "who": "bob"}).status_code == 422
+            assert c.post(f"/api/runs/{RUN}/acks", content=b"not json").status_code == 400
+            cmds = c.get(f"/api/runs/{RUN}/commands").json()["commands"]
+            assert cmds == [{"id": aid, "kind": "set_lr", "args": {"lr_multiplier": 0.5}}]
+            assert c.post(f"/api/runs/{RUN}/acks", json={"command_id": aid, "ok": True, "step": 40}).json() == {"ok": True}
+    finally:
+        server.should_exit = True
+        thread.join(20)
+    with sup.sessions() as s:
+        from supervisor.store import lr_changes as lr_store
+
+        assert [(c.multiplier, c.start_step) for c in lr_store.lr_changes(s, RUN)] == [(0.5, 40)]
+        assert actions_store.get_action(s, aid).state == "done"

@@ -1,0 +1,179 @@
+"""`thermowatch` command line (supervisor.cli.main): exit codes, output, and the rows the
+manual commands write, on SQLite and PostgreSQL; `replay` on a log of a real diverging run."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from monitors.contract import RunInfo
+from supervisor.cli import main
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import audit as audit_store
+from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, first_step_over, healthy_records
+
+RUN = "cli-run"
+
+
+@pytest.fixture
+def run(db, tmp_path):
+    """A run with 30 real steps in the DB (through the supervisor's own ingest)."""
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, detectors=dict(DETECTORS)),
+                     notifier=ConsoleNotifier(io.StringIO()))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    sup.write(RUN, 0, healthy_records()[:30])
+    sup.close()
+    return RUN
+
+
+def actions(db, run_id=RUN):
+    with db.sessions() as s:
+        return actions_store.actions(s, run_id)
+
+
+def test_db_upgrade_and_current(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    assert main(["db", "current", "--db", url]) == 1
+    err = capsys.readouterr().err
+    assert "has no thermowatch schema" in err and "thermowatch db upgrade" in err
+    assert main(["db", "upgrade", "--db", url]) == 0
+    assert "newest revision" in capsys.readouterr().out
+    assert main(["db", "current", "--db", url]) == 0
+    assert "database is current" in capsys.readouterr().out
+    assert main(["db", "upgrade", "--db", url]) == 0  # idempotent
+
+
+def test_db_current_on_the_test_databases(db, capsys):
+    assert main(["db", "current", "--db", db.url]) == 0
+    assert "database is current" in capsys.readouterr().out
+
+
+def test_runs_and_actions_json(db, run, capsys):
+    assert main(["runs", "--db", db.url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [{"run_id": RUN, "last_step": 30, "open_incidents": 0}]
+    assert main(["runs", "--db", db.url]) == 0
+    assert f"{RUN}  last step 30" in capsys.readouterr().out
+    assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["actions", RUN, "--db", db.url]) == 0
+    assert "(none)" in capsys.readouterr().out
+
+
+def test_rollback_writes_a_manual_action(db, run, capsys):
+    code = main(["rollback", RUN, "--to-step", "20", "--skip", "160:320", "--skip", "400:416", "--multiplier", "0.5",
+                 "--who", "x", "--reason", "spike at 25", "--db", db.url])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (row,) = actions(db)
+    assert f"action {row.id}: rollback" in out
+    assert (row.kind, row.state, row.origin, row.who, row.reason, row.requires_approval) == (
+        "rollback", "pending", "manual", "x", "spike at 25", False)
+    assert row.args == {"to_step": 20, "skip_ranges": [[160, 320], [400, 416]], "lr_multiplier": 0.5,
+                        "lr_steps": None}
+    with db.sessions() as s:
+        assert [e.event for e in audit_store.audit_log(s, RUN)].count("enqueued") == 1
+    assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(a["id"], a["kind"], a["state"], a["who"]) for a in listed] == [(row.id, "rollback", "pending", "x")]
+
+
+def test_cancel_from_the_cli(db, run, capsys):
+    assert main(["pause", RUN, "--who", "x", "--db", db.url]) == 0
+    (row,) = actions(db)
+    assert main(["cancel", str(row.id), "--who", "y", "--db", db.url]) == 0
+    assert "cancelled by y" in capsys.readouterr().out
+    assert actions(db)[0].state == "cancelled"
+    assert main(["cancel", str(row.id), "--who", "y", "--db", db.url]) == 2
+    assert "cannot go from 'cancelled'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["rollback", RUN, "--to-step", "20", "--skip", "5"], "--skip takes LO:HI"),
+    (["rollback", RUN, "--to-step", "20", "--skip", "9:3"], "lo must be < hi"),
+    (["rollback", "no-such-run", "--to-step", "20"], "no run 'no-such-run'"),
+    (["actions", "no-such-run"], "no run 'no-such-run'"),
+    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a number in (0, 10]"),
+    (["lr", RUN, "--multiplier", "0"], "lr_multiplier"),
+    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer >= 0"),
+    (["approve", "12345"], "no action 12345"),
+])
+def test_bad_input_exits_2_with_a_message(db, run, capsys, argv, words):
+    code = main([*argv, "--who", "x", "--db", db.url] if argv[0] not in ("actions",) else [*argv, "--db", db.url])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and "Traceback" not in err
+    assert actions(db) == []
+
+
+def test_manual_commands_refuse_an_old_schema(tmp_path, capsys):
+    """A database that is not migrated is a fixable mistake: a message that says how (as
+    `db current` prints), not a traceback."""
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    code = main(["runs", "--db", url])
+    assert code in (1, 2)
+    assert "thermowatch db upgrade" in capsys.readouterr().err
+
+
+def _write_log(path, recs, replace=None, torn_at=None):
+    """JSONL as a run controller would log it (Python's json writes NaN/Infinity literals);
+    `replace` swaps in raw lines by step, `torn_at` inserts a torn line before that index."""
+    replace = replace or {}
+    lines = [replace.get(r.step, json.dumps(r.to_json())) for r in recs]
+    if torn_at is not None:
+        lines.insert(torn_at, '{"step": 3, "loss": ')
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_replay_json_on_a_real_divergence(tmp_path, capsys):
+    recs = diverging_records()
+    bad_step = recs[10].step
+    nan_line = json.dumps({**recs[10].to_json(), "grad_norm": math.nan})
+    assert '"grad_norm": NaN' in nan_line
+    log = tmp_path / "run.jsonl"
+    _write_log(log, recs, replace={bad_step: nan_line}, torn_at=3)
+    (tmp_path / "det.json").write_text(json.dumps(DETECTORS))
+    (tmp_path / "pol.json").write_text(json.dumps({**POLICY, "checkpoint_every": 5}))
+    code = main(["replay", str(log), "--json", "--detectors", str(tmp_path / "det.json"),
+                 "--policy", str(tmp_path / "pol.json")])
+    cap = capsys.readouterr()
+    assert code == 1, cap.err  # 1: findings
+    assert f"{log}:4: skipped malformed record" in cap.err
+    findings = [json.loads(line) for line in cap.out.splitlines()]
+    assert findings
+    for f in findings:
+        assert {"signal", "module", "onset_step", "detect_step", "severity", "decision"} <= set(f)
+        assert f["onset_step"] <= f["detect_step"]
+    # the NaN literal is data: the non-finite detector sees it at its step
+    nf = [f for f in findings if f["signal"] == "non_finite"]
+    assert [(f["detect_step"], f["metric"]) for f in nf] == [(bad_step, "grad_norm")]
+    attn = [f for f in findings if f["signal"].startswith("attn_logit")]
+    assert attn, findings
+    first = min(attn, key=lambda f: f["detect_step"])
+    assert first["detect_step"] >= first_step_over(recs, DETECTORS["attn"]["ceiling"]) - 20
+    assert first["module"].startswith("blocks.")
+    decided = [f["decision"]["kind"] for f in findings]
+    assert "rollback" in decided
+    rb = next(f["decision"] for f in findings if f["decision"]["kind"] == "rollback")
+    assert rb["target_step"] % 5 == 0 and rb["reasons"]
+
+
+def test_replay_of_the_healthy_run_is_clean(tmp_path, capsys):
+    log = tmp_path / "ok.jsonl"
+    _write_log(log, healthy_records())
+    (tmp_path / "det.json").write_text(json.dumps(DETECTORS))
+    assert main(["replay", str(log), "--detectors", str(tmp_path / "det.json")]) == 0
+    assert "120 records, 0 findings" in capsys.readouterr().out
+
+
+def test_replay_missing_file_exits_2(tmp_path, capsys):
+    assert main(["replay", str(tmp_path / "nope.jsonl"), "--json"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "x.jsonl"), "--policy", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err

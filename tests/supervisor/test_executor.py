@@ -1,0 +1,266 @@
+"""supervisor.executor: the action state machine through poll/ack/expire, manual submits,
+approve/cancel conflicts, and alerts (the fake Slack server for the one thing off the machine),
+on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+
+import pytest
+
+from monitors.contract import Ack, RunInfo
+from supervisor.config import SupervisorConfig
+from supervisor.errors import Conflict, NotFound, UserError
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.notify.slack import SlackNotifier
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import alerts as alerts_store
+from supervisor.store import audit as audit_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import skips as skips_store
+from tests.fakes.slack_server import fake_slack  # noqa: F401 - the fixture
+from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
+
+RUN = "ex"
+
+
+def make_sup(db, tmp_path, notifier=None, **over) -> Supervisor:
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
+                           detectors=dict(DETECTORS), **over)
+    sup = Supervisor(cfg, notifier=notifier if notifier is not None else ConsoleNotifier(io.StringIO()))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    return sup
+
+
+@pytest.fixture
+def stream():
+    return io.StringIO()
+
+
+@pytest.fixture
+def sup(db, tmp_path, stream):
+    s = make_sup(db, tmp_path, ConsoleNotifier(stream), ack_timeout_s=5.0, ack_retries=1)
+    yield s
+    s.close()
+
+
+def action(sup, action_id):
+    with sup.sessions() as s:
+        return actions_store.get_action(s, action_id)
+
+
+def alerts(sup):
+    with sup.sessions() as s:
+        return list(reversed(alerts_store.alerts(s, RUN)))
+
+
+def skip(sup, lo=100, hi=200, who="bob") -> int:
+    return sup.executor.submit(RUN, "skip", {"skip_ranges": [[lo, hi]]}, who, "bad shard")
+
+
+def test_ack_moves_sent_to_done_and_a_duplicate_ack_is_ignored(sup):
+    aid = skip(sup)
+    assert action(sup, aid).state == "pending"
+    assert [c.id for c in sup.poll(RUN)] == [aid]
+    sup.ack(RUN, Ack(aid, ok=True, step=7))
+    row = action(sup, aid)
+    assert (row.state, row.ack_step) == ("done", 7)
+    sup.ack(RUN, Ack(aid, ok=True, step=9))  # the controller re-sends its ack
+    sup.ack(RUN, Ack(aid, ok=False, step=9, detail="late"))
+    row = action(sup, aid)
+    assert (row.state, row.ack_step, row.error) == ("done", 7, "")
+    with sup.sessions() as s:
+        assert skips_store.skip_ranges(s, RUN) == [(100, 200)]  # booked once
+
+
+def test_failed_ack_marks_failed_and_sends_a_critical_alert(sup, stream):
+    aid = skip(sup)
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(aid, ok=False, step=3, detail="checkpoint step_35 is unreadable"))
+    row = action(sup, aid)
+    assert row.state == "failed" and "unreadable" in row.error
+    with sup.sessions() as s:
+        assert skips_store.skip_ranges(s, RUN) == []  # nothing booked for a refused command
+    got = [a for a in alerts(sup) if "FAILED" in a.text]
+    assert len(got) == 1 and got[0].ok and str(aid) in got[0].text
+    assert "[CRITICAL]" in stream.getvalue() and "unreadable" in stream.getvalue()
+
+
+def test_ack_for_another_runs_action_or_an_unknown_one_is_not_found(sup):
+    aid = skip(sup)
+    sup.open_run(RunInfo(run_id="other", attempt=0, world_size=1))
+    with pytest.raises(NotFound, match="has no action"):
+        sup.ack("other", Ack(aid, ok=True, step=1))
+    with pytest.raises(NotFound):
+        sup.ack(RUN, Ack(aid + 1000, ok=True, step=1))
+    assert action(sup, aid).state == "pending"
+
+
+def test_expire_redelivers_then_fails_with_an_alert(sup, stream):
+    aid = skip(sup)
+    sup.poll(RUN)
+    sent_at = action(sup, aid).updated_at
+    # not yet past the timeout: nothing happens
+    assert sup.executor.expire(now=sent_at + dt.timedelta(seconds=4)) == []
+    assert action(sup, aid).state == "sent"
+    # past it, with a retry left: back to pending, handed out again with the same id
+    assert sup.executor.expire(now=sent_at + dt.timedelta(seconds=6)) == []
+    assert action(sup, aid).state == "pending"
+    assert [c.id for c in sup.poll(RUN)] == [aid]
+    row = action(sup, aid)
+    assert row.state == "sent" and row.attempts == 2
+    # retries used up: failed, loudly
+    assert sup.executor.expire(now=row.updated_at + dt.timedelta(seconds=6)) == [aid]
+    row = action(sup, aid)
+    assert row.state == "failed" and "no acknowledgement" in row.error
+    assert any("never acknowledged" in a.text for a in alerts(sup))
+    assert "never acknowledged" in stream.getvalue()
+    assert sup.poll(RUN) == []
+    with sup.sessions() as s:
+        events = [e.event for e in audit_store.audit_log(s, RUN)]
+    assert events.count("redeliver") == 1
+
+
+def test_expire_leaves_pending_and_done_actions_alone(sup):
+    a1 = skip(sup)
+    a2 = skip(sup, 300, 400)
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(a2, ok=True, step=2))
+    a3 = skip(sup, 500, 600)  # pending, never polled
+    far = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)
+    sup.executor.expire(now=far)
+    assert action(sup, a1).state == "pending"  # redelivered (was sent)
+    assert action(sup, a2).state == "done"
+    assert action(sup, a3).state == "pending"
+
+
+@pytest.mark.parametrize("kind, args, who, run, exc, match", [
+    ("explode", {}, "bob", RUN, UserError, "unknown command 'explode'"),
+    ("pause", {}, "", RUN, UserError, "needs a `who`"),
+    ("pause", {}, "bob", "no-such-run", NotFound, "no run 'no-such-run'"),
+])
+def test_manual_submit_validation(sup, kind, args, who, run, exc, match):
+    with pytest.raises(exc, match=match):
+        sup.executor.submit(run, kind, args, who, "why")
+    with sup.sessions() as s:
+        assert actions_store.actions(s, RUN) == []
+
+
+def test_manual_submit_writes_a_manual_row_without_approval(db, tmp_path):
+    sup = make_sup(db, tmp_path, advise_only=True)  # manual commands never wait for approval
+    try:
+        aid = sup.executor.submit(RUN, "rollback", {"to_step": 10}, "carol", "spike at 12")
+        row = action(sup, aid)
+        assert (row.kind, row.origin, row.who, row.reason, row.requires_approval) == (
+            "rollback", "manual", "carol", "spike at 12", False)
+        assert [c.args for c in sup.poll(RUN)] == [{"to_step": 10}]
+    finally:
+        sup.close()
+
+
+def test_approve_and_cancel_conflicts(sup):
+    aid = skip(sup)
+    with pytest.raises(Conflict, match="not a pending action awaiting approval"):
+        sup.executor.approve(aid, "alice")  # manual: nothing to approve
+    with pytest.raises(NotFound):
+        sup.executor.approve(aid + 1000, "alice")
+    with pytest.raises(NotFound):
+        sup.executor.cancel(aid + 1000, "alice")
+    sup.executor.cancel(aid, "alice")
+    assert action(sup, aid).state == "cancelled"
+    with pytest.raises(Conflict, match="cannot go from 'cancelled'"):
+        sup.executor.cancel(aid, "alice")
+    assert sup.poll(RUN) == []
+    sent = skip(sup, 300, 400)
+    sup.poll(RUN)
+    with pytest.raises(Conflict, match="cannot go from 'sent' to 'cancelled'"):
+        sup.executor.cancel(sent, "alice")
+    assert action(sup, sent).state == "sent"
+
+
+def _diverge(sup, tmp_path):
+    feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt",
+         stop=lambda: bool(sup.executor and _open(sup)))
+    acts = _open(sup)
+    assert len(acts) == 1
+    return acts[0]
+
+
+def _open(sup):
+    with sup.sessions() as s:
+        return actions_store.open_actions(s, RUN)
+
+
+def test_advise_only_approve_then_approve_again_conflicts(db, tmp_path):
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        act = _diverge(sup, tmp_path)
+        assert act.requires_approval
+        sup.executor.approve(act.id, "alice")
+        with pytest.raises(Conflict):
+            sup.executor.approve(act.id, "alice")
+        with sup.sessions() as s:
+            assert [e.event for e in audit_store.audit_log(s, RUN)].count("approved") == 1
+    finally:
+        sup.close()
+
+
+def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, fake_slack):
+    slack = SlackNotifier(fake_slack.token, "#training-alerts", base_url=fake_slack.base_url, retries=0)
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        act = _diverge(sup, tmp_path)
+        posted = fake_slack.posted()
+        assert len(posted) == 1
+        msg = posted[0]
+        assert msg["channel"] == "#training-alerts"
+        blocks = msg["blocks"] if isinstance(msg["blocks"], list) else __import__("json").loads(msg["blocks"])
+        text = "\n".join(str(b) for b in blocks)
+        # the policy's reasons, as stored in the action row, are what the human reads
+        reasons = act.reason.split("; ")
+        assert any("rung 1" in r for r in reasons)
+        for r in reasons[1:]:
+            assert r.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")[:60] in text
+        assert f"step {act.args['to_step']}" in text
+        assert RUN in text
+        assert all(a.ok for a in alerts(sup))
+    finally:
+        sup.close()
+
+
+def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, fake_slack):
+    # A revoked bot token: every post is refused by Slack, the notifier raises NotifyError.
+    slack = SlackNotifier("xoxb-revoked", "#training-alerts", base_url=fake_slack.base_url, retries=0)
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        act = _diverge(sup, tmp_path)
+        assert act.kind == "rollback" and act.state == "pending"
+        with sup.sessions() as s:
+            assert incidents_store.get_incident(s, act.incident_id).state == "open"
+        got = alerts(sup)
+        assert got and not got[-1].ok and "invalid_auth" in got[-1].error
+        assert fake_slack.posted() == [] and fake_slack.calls("chat.postMessage")
+        # the run controller still gets its command
+        assert [c.id for c in sup.poll(RUN)] == [act.id]
+    finally:
+        sup.close()
+
+
+def test_an_ack_cannot_bypass_approval(db, tmp_path):
+    """Advise-only: an action waiting for a human is never delivered, so an ack for it (a
+    confused or stale controller, or anyone with the API token) must not carry it out."""
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        act = _diverge(sup, tmp_path)
+        assert act.requires_approval and sup.poll(RUN) == []
+        with pytest.raises(Conflict):
+            sup.ack(RUN, Ack(act.id, ok=True, step=act.args["to_step"] + 1))
+        row = action(sup, act.id)
+        assert (row.state, row.requires_approval) == ("pending", True)
+        with sup.sessions() as s:
+            assert skips_store.skip_ranges(s, RUN) == []
+            assert incidents_store.get_incident(s, act.incident_id).state == "open"
+    finally:
+        sup.close()

@@ -1,0 +1,178 @@
+"""The daemon's periodic jobs (supervisor.jobs) on SQLite and PostgreSQL: checkpoint scan,
+retention, daily digest, and the stall check with an injected clock."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from monitors.contract import CheckpointInfo, RunInfo
+from supervisor import jobs
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import checkpoints as ckpt_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store import thermometers as thermo_store
+from tests.fixtures.diverging import DETECTORS, POLICY, WALL_T0, healthy_records
+
+RUN = "jobs"
+
+
+class Clock:
+    """An adjustable wall clock for the supervisor (the stall check reads it)."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def stream():
+    return io.StringIO()
+
+
+@pytest.fixture
+def clock():
+    return Clock(WALL_T0)
+
+
+@pytest.fixture
+def sup(db, tmp_path, stream, clock):
+    detectors = {**DETECTORS, "stall": {"timeout_s": 60.0}}
+    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
+                                    detectors=detectors), notifier=ConsoleNotifier(stream), clock=clock)
+    s.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    yield s
+    s.close()
+
+
+def _checkpoint_dir(root, step, files=None):
+    d = root / f"step_{step}"
+    d.mkdir(parents=True)
+    files = files if files is not None else {"model.pt": b"weights" * 10}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    manifest = {"step": step, "files": [{"path": n, "size": len(b)} for n, b in files.items()]}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def _ckpts(sup):
+    with sup.sessions() as s:
+        return {c.step: c for c in ckpt_store.checkpoints(s, RUN)}
+
+
+def test_checkpoint_scan_distrusts_missing_and_broken_checkpoints(sup, tmp_path):
+    root = tmp_path / "ckpt"
+    good = _checkpoint_dir(root, 10)
+    no_manifest = _checkpoint_dir(root, 20)
+    (no_manifest / "manifest.json").unlink()
+    truncated = _checkpoint_dir(root, 30)
+    (truncated / "model.pt").write_bytes(b"w")  # size differs from the manifest
+    lost_file = _checkpoint_dir(root, 40)
+    (lost_file / "model.pt").unlink()
+    for step, path in ((10, good), (20, no_manifest), (30, truncated), (40, lost_file), (50, root / "step_50")):
+        sup.checkpoint_saved(RUN, 0, CheckpointInfo(step=step, path=str(path), sample_cursor=step * 16, healthy=True))
+    bad = jobs.checkpoint_scan(sup)
+    assert sorted((run, step) for run, step, _ in bad) == [(RUN, 20), (RUN, 30), (RUN, 40), (RUN, 50)]
+    why = {step: problem for _, step, problem in bad}
+    assert "manifest.json is missing" in why[20]
+    assert "bytes, the manifest says" in why[30]
+    assert "is missing" in why[40]
+    assert "is gone" in why[50]
+    assert {s: c.healthy for s, c in _ckpts(sup).items()} == {10: True, 20: False, 30: False, 40: False, 50: False}
+    assert jobs.checkpoint_scan(sup) == []  # already distrusted: reported once
+
+
+def test_checkpoint_scan_leaves_good_checkpoints_alone(sup, tmp_path):
+    d = _checkpoint_dir(tmp_path / "ckpt", 5, files={})
+    sup.checkpoint_saved(RUN, 0, CheckpointInfo(step=5, path=str(d), sample_cursor=80, healthy=True))
+    assert jobs.checkpoint_scan(sup) == []
+    assert _ckpts(sup)[5].healthy
+
+
+def test_retention_thins_old_points_and_keeps_recent_ones(sup):
+    recs = healthy_records()
+    sup.write(RUN, 0, recs[:60])
+    sup.write(RUN, 0, recs[60:])
+    key = "loss"
+    with sup.sessions() as s:
+        before = thermo_store.history(s, RUN, key)
+        attn_key = next(k for k in thermo_store.series_keys(s, RUN) if k.startswith("attn_logit"))
+        attn_before = thermo_store.history(s, RUN, attn_key)
+        n_series = len(thermo_store.series_keys(s, RUN))
+    assert len(before[0]) == 120
+    removed = jobs.retention(sup, full_steps=50, every=10)
+    assert removed == (60 - 7) * n_series
+    with sup.sessions() as s:
+        steps, values = thermo_store.history(s, RUN, key)
+        a_steps, a_values = thermo_store.history(s, RUN, attn_key)
+    # Retention works on whole chunks (one per series per ingest batch): the batch of steps 1-60
+    # ends before 120 - 50 = 70 and is thinned; the batch of steps 61-120 reaches past it and
+    # stays in full.
+    assert list(steps[steps > 60]) == list(range(61, 121))
+    np.testing.assert_array_equal(values[steps > 60], before[1][before[0] > 60])
+    old = steps[steps <= 60]
+    assert list(old // 10) == list(range(7)), old  # one point per 10-step window
+    # a mean-reduced series keeps each window's first point, a max-reduced one its maximum,
+    # so a spike survives thinning
+    assert list(old) == [1, 10, 20, 30, 40, 50, 60]
+    for w in range(7):
+        sel = (attn_before[0] // 10 == w) & (attn_before[0] <= 60)
+        kept = a_values[(a_steps // 10 == w) & (a_steps <= 60)]
+        assert list(kept) == [attn_before[1][sel].max()]
+    assert jobs.retention(sup, full_steps=50, every=10) == 0  # idempotent
+    assert jobs.retention(sup) == 0  # the default keeps 100k steps in full: nothing to do
+
+
+def test_daily_digest_sends_one_alert_per_run(sup, stream):
+    sup.open_run(RunInfo(run_id="other", attempt=0, world_size=1))
+    sup.write(RUN, 0, healthy_records()[:25])
+    sent = jobs.daily_digest(sup)
+    assert sorted(a.run_id for a in sent) == sorted([RUN, "other"])
+    by_run = {a.run_id: a for a in sent}
+    assert "last step 25" in by_run[RUN].text and "last step None" in by_run["other"].text
+    assert stream.getvalue().count("daily digest") == 2
+
+
+def test_stall_check_finds_a_stall_only_after_the_timeout(sup, clock):
+    recs = healthy_records()[:30]
+    sup.write(RUN, 0, recs)
+    last_wall = recs[-1].wall_time
+    clock.now = last_wall + 59.0
+    assert sup.responder.check_stalls() == []
+    clock.now = last_wall + 61.0
+    found = sup.responder.check_stalls()
+    assert [(f.signal.value, f.detect_step, f.severity.value) for f in found] == [("stall", 30, "warn")]
+    assert found[0].evidence["silent_s"] == pytest.approx(61.0)
+    assert sup.responder.check_stalls() == []  # latched until the next step
+    with sup.sessions() as s:
+        incs = incidents_store.incidents(s, RUN)
+        acts = actions_store.actions(s, RUN)
+    assert [(i.signal, i.onset_step) for i in incs] == [("stall", 30)]
+    assert incs[0].state == "resolved" and incs[0].resolution.startswith("alert")  # alert only, paged
+    assert acts == []  # a stall is not in the weights: no rollback
+
+
+def test_stall_check_job_uses_the_supervisors_clock(sup, clock, stream):
+    recs = healthy_records()[:10]
+    sup.write(RUN, 0, recs)
+    by_name = {j.name: j for j in sup.jobs()}
+    assert {"ack_watchdog", "stall_check", "retention", "checkpoint_scan", "daily_digest"} <= set(by_name)
+    clock.now = recs[-1].wall_time + 10 * 60.0  # > critical_factor (3) x timeout: critical
+    found = by_name["stall_check"].fn()
+    assert [(f.signal.value, f.severity.value) for f in found] == [("stall", "critical")]
+    assert "stall" in stream.getvalue()
+    # a new step clears the latch; silence after it is a new stall
+    sup.write(RUN, 0, [healthy_records()[10]])
+    clock.now = healthy_records()[10].wall_time + 61.0
+    assert [f.detect_step for f in by_name["stall_check"].fn()] == [11]
+    assert math.isfinite(clock.now)
