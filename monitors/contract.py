@@ -185,10 +185,17 @@ class Ack:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Ack":
-        try:
-            return cls(int(obj["command_id"]), bool(obj["ok"]), int(obj["step"]), str(obj.get("detail", "")))
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ContractError(f"bad ack {obj!r}: {exc}") from exc
+        # Strict types: bool("false") is True, and a refused rollback read as done would book
+        # its skip range and close its incident.
+        if not isinstance(obj, Mapping):
+            raise ContractError(f"bad ack: it must be a JSON object, got {type(obj).__name__}")
+        for name in ("command_id", "step"):
+            v = obj.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ContractError(f"bad ack: field {name!r} must be a non-negative integer, got {v!r}")
+        if not isinstance(obj.get("ok"), bool):
+            raise ContractError(f"bad ack: field 'ok' must be true or false, got {obj.get('ok')!r}")
+        return cls(obj["command_id"], obj["ok"], obj["step"], str(obj.get("detail", "")))
 
 
 # --- findings (detectors -> policy) -------------------------------------------------------------

@@ -28,6 +28,7 @@ from supervisor.policy import Decision, DecisionKind
 from supervisor.store import actions as actions_store
 from supervisor.store import alerts as alerts_store
 from supervisor.store import audit as audit_store
+from supervisor.store import checkpoints as ckpt_store
 from supervisor.store import incidents as incidents_store
 from supervisor.store import lr_changes as lr_store
 from supervisor.store import runs as runs_store
@@ -141,6 +142,8 @@ class Executor:
     def deliver(self, run_id: str) -> list[Command]:
         """Pending (approved) actions for the run controller; they become `sent`."""
         with self._session.begin() as s:
+            if runs_store.get_run(s, run_id) is None:
+                raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
             for a in actions_store.pending_actions(s, run_id):
                 actions_store.set_action_state(s, a.id, "sent")
@@ -157,6 +160,9 @@ class Executor:
             if row.state in ("done", "failed", "cancelled"):
                 log.info("action %s already %s; duplicate ack ignored", row.id, row.state)
                 return
+            if row.requires_approval:
+                raise Conflict(f"action {row.id} awaits a human's approval and was never sent; "
+                               f"an acknowledgement for it cannot be right")
             if not ack.ok:
                 actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it")
                 audit_store.audit(s, run_id, "trainer", "failed", {"action_id": row.id, "detail": ack.detail})
@@ -187,6 +193,12 @@ class Executor:
         if row.incident_id is not None and row.kind in ("rollback", "set_lr", "skip"):
             incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
         if row.kind == "rollback":
+            # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
+            # they belong to the trajectory left behind and are never a target again.
+            target = ack.step - 1
+            for c in ckpt_store.checkpoints(s, run_id):
+                if c.step > target and c.healthy:
+                    ckpt_store.mark_checkpoint(s, c.id, healthy=False)
             return ack.step
         return None
 

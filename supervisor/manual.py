@@ -108,7 +108,11 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
 
     engine = db.make_engine(cfg.db_url)
     try:
-        db.check_current(engine)
+        try:
+            db.check_current(engine)
+        except db.DatabaseError as exc:
+            print(f"thermowatch: {exc}", file=sys.stderr)
+            return 1
         sessions = db.make_sessionmaker(engine)
         who = getattr(args, "who", None) or getpass.getuser()
         ex = Executor(sessions, ConsoleNotifier(sys.stderr))
@@ -131,7 +135,7 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
             return 0
         if name in ("approve", "cancel"):
             (ex.approve if name == "approve" else ex.cancel)(args.action_id, who)
-            print(f"action {args.action_id} {name}d by {who}")
+            print(f"action {args.action_id} {({'approve': 'approved', 'cancel': 'cancelled'})[name]} by {who}")
             return 0
         kind, payload = _command(name, args)
         action_id = ex.submit(args.run_id, kind, validate_args(kind, payload), who, args.reason)

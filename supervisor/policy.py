@@ -407,7 +407,9 @@ def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,
 
 def _newest_at_or_before(ckpts: Iterable[CheckpointInfo], step: int) -> CheckpointInfo | None:
     eligible = [c for c in ckpts if c.step <= step]
-    return max(eligible, key=lambda c: c.step) if eligible else None
+    # The same step can exist in several attempts (re-trained after a rollback); the store lists
+    # them by (step, attempt), and max() keeps the first of equals: search from the newest.
+    return max(reversed(eligible), key=lambda c: c.step) if eligible else None
 
 
 def _passed_over(ckpts: Iterable[CheckpointInfo], after: int, upto: int) -> str:

@@ -34,6 +34,9 @@ from supervisor.store import runs as runs_store
 
 log = logging.getLogger(__name__)
 
+# Signals that say nothing about the weights: a checkpoint saved during them is still healthy.
+_NOT_DIVERGENCE = frozenset({Signal.STALL.value, Signal.OUTLIER_RANK.value})
+
 
 class Responder:
     def __init__(self, session_factory: sessionmaker, executor: Executor, policy: PolicyConfig,
@@ -98,6 +101,13 @@ class Responder:
             with self._session.begin() as s:
                 detector_state.save(s, run_id, bank.state_dict())
 
+    def diverging_since(self, run_id: str) -> int | None:
+        """The earliest onset among the run's open divergence incidents (None if there is none)."""
+        with self._session() as s:
+            onsets = [i.onset_step for i in incidents_store.open_incidents(s, run_id)
+                      if i.signal not in _NOT_DIVERGENCE]
+        return min(onsets) if onsets else None
+
     def check_stalls(self, now: float | None = None) -> list[Finding]:
         """Wall-clock detectors (no step for too long); run by the scheduler."""
         now = self._clock() if now is None else now
@@ -114,7 +124,10 @@ class Responder:
     def handle(self, run_id: str, finding: Finding) -> int | None:
         """Record the finding in an incident, decide, and write the actions. Returns the incident id."""
         with self._lock, self._session.begin() as s:
-            in_flight = [a for a in actions_store.open_actions(s, run_id) if a.state in ("pending", "sent")]
+            # Only the supervisor's own actions in flight hold a decision back; a person's pending
+            # command (a profile, a pause) must not swallow a divergence found meanwhile.
+            in_flight = [a for a in actions_store.open_actions(s, run_id)
+                         if a.state in ("pending", "sent") and a.origin == "auto"]
             if in_flight and in_flight[0].incident_id is not None:
                 # One divergence trips several detectors (logits, then loss, then grad norm):
                 # while its repair is on the way, later findings join that incident.
@@ -139,7 +152,7 @@ class Responder:
 
     def _distrust_checkpoints(self, s, run_id: str, finding: Finding) -> None:
         """A checkpoint saved after the onset was saved while unhealthy: never a rollback target."""
-        if finding.signal in (Signal.STALL, Signal.OUTLIER_RANK):
+        if finding.signal.value in _NOT_DIVERGENCE:
             return
         for c in ckpt_store.checkpoints(s, run_id):
             if c.healthy and c.step >= finding.onset_step:

@@ -11,6 +11,7 @@ after every batch, and pending/sent actions are delivered again on the controlle
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -71,6 +72,11 @@ class Supervisor:
         return self.ingestor.write(run_id, attempt, records)
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+        # The trainer reports a checkpoint after the steps before it, so one saved at or after a
+        # divergence's onset can arrive after the finding: it was saved while unhealthy.
+        if ckpt.healthy and self.responder.diverging_since(run_id) is not None \
+                and ckpt.step >= self.responder.diverging_since(run_id):
+            ckpt = dataclasses.replace(ckpt, healthy=False)
         self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
 
     # --- CommandChannel -----------------------------------------------------------------------

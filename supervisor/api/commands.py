@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from monitors.contract import Ack, ContractError
 from supervisor.api import call
@@ -29,6 +29,19 @@ class ManualAction(BaseModel):
 
 class Approval(BaseModel):
     who: str = Field(min_length=1)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, read only after the token check: unreadable JSON is a 400 and a field
+    of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
+    obj = await read_json(request, 1 << 20)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise HTTPException(422, f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) "
+                                 f"in the request body)") from None
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
@@ -53,8 +66,9 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         return {"ok": True}
 
     @router.post("/runs/{run_id}/actions", status_code=201)
-    async def submit(run_id: str, body: ManualAction, request: Request) -> dict:
+    async def submit(run_id: str, request: Request) -> dict:
         _check_token(request, token)
+        body = await _parse(request, ManualAction)
         try:
             args = validate_args(body.kind, body.args)
         except UserError as exc:
@@ -63,14 +77,16 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         return {"action_id": action_id}
 
     @router.post("/actions/{action_id}/approve")
-    async def approve(action_id: int, body: Approval, request: Request) -> dict:
+    async def approve(action_id: int, request: Request) -> dict:
         _check_token(request, token)
+        body = await _parse(request, Approval)
         await call(sup.executor.approve, action_id, body.who)
         return {"ok": True}
 
     @router.post("/actions/{action_id}/cancel")
-    async def cancel(action_id: int, body: Approval, request: Request) -> dict:
+    async def cancel(action_id: int, request: Request) -> dict:
         _check_token(request, token)
+        body = await _parse(request, Approval)
         await call(sup.executor.cancel, action_id, body.who)
         return {"ok": True}
 

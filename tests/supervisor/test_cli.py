@@ -16,7 +16,13 @@ from supervisor.notify.console import ConsoleNotifier
 from supervisor.service import Supervisor
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
-from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, first_step_over, healthy_records
+from tests.fixtures.diverging import (
+    DETECTORS,
+    POLICY,
+    diverging_records,
+    first_step_over,
+    healthy_records,
+)
 
 RUN = "cli-run"
 

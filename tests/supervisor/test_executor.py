@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 
 import pytest
 
@@ -20,7 +21,7 @@ from supervisor.store import alerts as alerts_store
 from supervisor.store import audit as audit_store
 from supervisor.store import incidents as incidents_store
 from supervisor.store import skips as skips_store
-from tests.fakes.slack_server import fake_slack  # noqa: F401 - the fixture
+from tests.fakes.slack_server import FakeSlack
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
 
 RUN = "ex"
@@ -32,6 +33,12 @@ def make_sup(db, tmp_path, notifier=None, **over) -> Supervisor:
     sup = Supervisor(cfg, notifier=notifier if notifier is not None else ConsoleNotifier(io.StringIO()))
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
     return sup
+
+
+@pytest.fixture
+def slack():
+    with FakeSlack() as fake:
+        yield fake
 
 
 @pytest.fixture
@@ -207,16 +214,16 @@ def test_advise_only_approve_then_approve_again_conflicts(db, tmp_path):
         sup.close()
 
 
-def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, fake_slack):
-    slack = SlackNotifier(fake_slack.token, "#training-alerts", base_url=fake_slack.base_url, retries=0)
-    sup = make_sup(db, tmp_path, slack)
+def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, slack):
+    notifier = SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0)
+    sup = make_sup(db, tmp_path, notifier)
     try:
         act = _diverge(sup, tmp_path)
-        posted = fake_slack.posted()
+        posted = slack.posted()
         assert len(posted) == 1
         msg = posted[0]
         assert msg["channel"] == "#training-alerts"
-        blocks = msg["blocks"] if isinstance(msg["blocks"], list) else __import__("json").loads(msg["blocks"])
+        blocks = msg["blocks"] if isinstance(msg["blocks"], list) else json.loads(msg["blocks"])
         text = "\n".join(str(b) for b in blocks)
         # the policy's reasons, as stored in the action row, are what the human reads
         reasons = act.reason.split("; ")
@@ -230,10 +237,10 @@ def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, fake_slack)
         sup.close()
 
 
-def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, fake_slack):
+def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, slack):
     # A revoked bot token: every post is refused by Slack, the notifier raises NotifyError.
-    slack = SlackNotifier("xoxb-revoked", "#training-alerts", base_url=fake_slack.base_url, retries=0)
-    sup = make_sup(db, tmp_path, slack)
+    notifier = SlackNotifier("xoxb-revoked", "#training-alerts", base_url=slack.base_url, retries=0)
+    sup = make_sup(db, tmp_path, notifier)
     try:
         act = _diverge(sup, tmp_path)
         assert act.kind == "rollback" and act.state == "pending"
@@ -241,7 +248,7 @@ def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, fake_slack)
             assert incidents_store.get_incident(s, act.incident_id).state == "open"
         got = alerts(sup)
         assert got and not got[-1].ok and "invalid_auth" in got[-1].error
-        assert fake_slack.posted() == [] and fake_slack.calls("chat.postMessage")
+        assert slack.posted() == [] and slack.calls("chat.postMessage")
         # the run controller still gets its command
         assert [c.id for c in sup.poll(RUN)] == [act.id]
     finally:

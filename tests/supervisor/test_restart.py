@@ -20,7 +20,12 @@ import yaml
 
 from supervisor.store import findings as findings_store
 from supervisor.store import incidents as incidents_store
-from tests.fixtures.diverging import DETECTORS, POLICY, checkpoint_for, diverging_records
+from tests.fixtures.diverging import (
+    DETECTORS,
+    POLICY,
+    checkpoint_for,
+    diverging_records,
+)
 
 RUN = "restart"
 THERMOWATCH = str(Path(sys.executable).with_name("thermowatch"))

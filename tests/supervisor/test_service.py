@@ -101,7 +101,7 @@ def test_divergence_rolls_back_to_a_healthy_checkpoint_before_the_onset(sup, tmp
 
 
 def test_checkpoints_saved_at_or_after_the_onset_are_distrusted(sup, tmp_path):
-    recs, last, inc, act = diverge(sup, tmp_path)
+    _recs, _last, inc, _act = diverge(sup, tmp_path)
     with sup.sessions() as s:
         cks = ckpt_store.checkpoints(s, RUN)
     assert [c.step for c in cks if c.step < inc.onset_step and not c.healthy] == []
@@ -114,7 +114,7 @@ def test_checkpoints_saved_at_or_after_the_onset_are_distrusted(sup, tmp_path):
 
 
 def test_poll_ack_books_the_skip_and_resolves_the_incident(sup, tmp_path):
-    recs, last, inc, act = diverge(sup, tmp_path)
+    _recs, _last, inc, act = diverge(sup, tmp_path)
     cmds = sup.poll(RUN)
     assert [(c.id, c.kind) for c in cmds] == [(act.id, CommandKind.ROLLBACK)]
     assert cmds[0].args == act.args
@@ -135,7 +135,7 @@ def test_poll_ack_books_the_skip_and_resolves_the_incident(sup, tmp_path):
 
 
 def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
-    recs, last, inc, act = diverge(sup, tmp_path)
+    recs, _last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
     to_step = act.args["to_step"]
     skip = act.args["skip_ranges"][0]
@@ -177,7 +177,7 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
 
 
 def test_late_records_of_an_older_attempt_are_stored_not_judged(sup, tmp_path):
-    recs, last, inc, act = diverge(sup, tmp_path)
+    recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
     sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
     sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
@@ -196,7 +196,7 @@ def test_a_fresh_supervisor_knows_the_newest_attempt_before_judging(db, tmp_path
     """A restarted supervisor learns the newest attempt from the DB, so late records of an older
     attempt are not judged even before any open_run in this process."""
     sup = make_sup(db, tmp_path)
-    recs, last, inc, act = diverge(sup, tmp_path)
+    recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
     sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
     sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
@@ -222,7 +222,7 @@ def test_healthy_run_produces_no_action(sup, tmp_path):
 def test_advise_only_waits_for_approval(db, tmp_path):
     sup = make_sup(db, tmp_path, advise_only=True)
     try:
-        recs, last, inc, act = diverge(sup, tmp_path)
+        _recs, _last, _inc, act = diverge(sup, tmp_path)
         assert act.kind == "rollback" and act.requires_approval
         assert sup.poll(RUN) == []
         assert sup.poll(RUN) == []
@@ -239,10 +239,10 @@ def test_advise_only_waits_for_approval(db, tmp_path):
 
 
 def test_a_pending_manual_command_does_not_swallow_a_divergence(sup, tmp_path):
-    """A manual command on its way (here a `profile` nobody polled yet) makes the policy wait
-    ("an action for this run is in flight; waiting for its acknowledgement before deciding
-    again"). The divergence it saw meanwhile must still be acted on once the command is acked,
-    not closed as a no-op while the logits keep climbing."""
+    """A person's command on its way (here a `profile` nobody polled yet) must not make the
+    policy wait: only the supervisor's own actions in flight hold a decision back. The
+    divergence seen meanwhile is acted on at once, queued behind the person's command, and its
+    incident stays open until the rollback is done."""
     recs = diverging_records()
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
     manual = sup.executor.submit(RUN, "profile", {"steps": 5}, "bob", "why is it slow")
@@ -250,13 +250,13 @@ def test_a_pending_manual_command_does_not_swallow_a_divergence(sup, tmp_path):
     (inc,) = incidents(sup)
     assert inc.signal in ATTN_SIGNALS and inc.detect_step <= 50
     assert inc.state == "open", f"closed while the run diverges: {inc.resolution!r}"
-
-    assert [c.id for c in sup.poll(RUN)] == [manual]
-    sup.ack(RUN, Ack(command_id=manual, ok=True, step=51))
-    feed(sup, RUN, 0, [r for r in recs if 50 < r.step <= 60], ckpt_root=tmp_path / "ckpt")
     rollbacks = [a for a in open_actions(sup) if a.kind == "rollback"]
     assert rollbacks, "the divergence seen while the manual command was in flight was never acted on"
+    assert rollbacks[0].incident_id == inc.id and rollbacks[0].origin == "auto"
     assert rollbacks[0].args["to_step"] <= inc.onset_step - MARGIN
+
+    # Both go to the trainer, the person's first (the order they were written).
+    assert [c.id for c in sup.poll(RUN)] == [manual, rollbacks[0].id]
 
 
 def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollback(sup, tmp_path):
@@ -266,7 +266,7 @@ def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollbac
     rollback targets, or a later finding with a later onset (another signal: no cap from the
     ladder) picks one, and where a step exists in both attempts the policy's `max()` over
     (step, attempt)-ordered rows returns the OLD attempt's path."""
-    recs, last, inc, act = diverge(sup, tmp_path)
+    _recs, _last, _inc, act = diverge(sup, tmp_path)
     to_step = act.args["to_step"]
     sup.poll(RUN)
     sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
