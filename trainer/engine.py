@@ -102,6 +102,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     ]
 
 
+
+def decline_shm_comm_op() -> None:
+    """On CPU, tell DeepSpeed its shared-memory comm op is unavailable, before init_distributed.
+
+    DeepSpeed 0.19 JIT-builds that op (~30 s) in every CPU rank and maps a 66 MB /dev/shm file
+    per rank that it never unlinks; yet it only serves `inference_all_reduce`
+    (deepspeed/comm/torch.py), never a training collective, which all go through
+    torch.distributed (gloo here). Measured here: killed gangs left 18 GB in /dev/shm, and a
+    build killed mid-way left torch's extension lock behind, so every later rank waited on it
+    forever. Declining it costs training nothing.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class Engine:
     """One rank's DeepSpeed engine. Build after torch.distributed is initialised."""
 

@@ -80,12 +80,13 @@ class TrainWorker:
 
         from monitors.thermometers import instrument
         from trainer.data import DataLoader, DataState
-        from trainer.engine import Engine
+        from trainer.engine import Engine, decline_shm_comm_op
         from trainer.lr import changes_from_json
         from trainer.model import GPT
 
         if not cfg.use_gpu:
             torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
+            decline_shm_comm_op()
         deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
         self.cfg, self.attempt = cfg, attempt
         torch.manual_seed(cfg.seed)  # identical init on every rank (ZeRO 3 partitions it after)

@@ -319,6 +319,8 @@ model, ref = GPT(cfg), GPT(cfg)
 ref.load_state_dict(model.state_dict())
 ds = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+from trainer.engine import decline_shm_comm_op
+decline_shm_comm_op()  # inference-only op: no 30 s build, no /dev/shm file left behind
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 th = instrument(model)  # after initialize, as the trainer does: ZeRO-3 params are partitioned now
 x, y = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))

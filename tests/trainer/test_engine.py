@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -61,6 +62,12 @@ def test_lr_is_a_pure_function_of_step():
         s.at(0)
 
 
+def _shm_buffers() -> set[str]:
+    import glob
+
+    return set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_path, stage):
@@ -70,6 +77,7 @@ def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_p
 
     cfg = tiny_config(tmp_path, zero_stage=stage, steps=30, run_id=f"z{stage}", checkpoint={"every": 24})
     sink, q = ListSink(), QueueCommands()
+    shm_before = _shm_buffers()
 
     def roll_back_once(rec, attempt):
         if rec.step == 28 and attempt == 0:
@@ -100,3 +108,6 @@ def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_p
     assert recs[-1].values["tokens_per_s"] > 0
     assert any(k.startswith("attn_logit") for k in recs[-1].values)
     assert math.isfinite(result.final_loss)
+    # DeepSpeed's CPU shm comm op (inference only) would leave a 66 MB /dev/shm file per rank
+    # that nobody unlinks; the workers decline it (trainer/worker.py).
+    assert not (_shm_buffers() - shm_before), "the run leaked DeepSpeed shared-memory buffers"
