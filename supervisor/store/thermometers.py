@@ -26,6 +26,8 @@ and chunks without ranks pay nothing (NULL).
 Idempotency: a retried batch produces the same chunk keys and is dropped by ON CONFLICT DO
 NOTHING; a replay that re-batches overlapping steps differently is deduplicated at read time
 (one point per step; for the same step a later attempt wins, as a rollback re-trains steps).
+history_by_attempt() keeps every attempt's points instead, so a chart can still show the
+diverged trajectory that a rollback abandoned.
 """
 
 from __future__ import annotations
@@ -226,11 +228,13 @@ def _series_id(session: Session, key: str) -> int | None:
     return session.execute(select(Series.id).where(Series.metric == metric, Series.module == module)).scalar()
 
 
-def _read(session: Session, run_id: str, key: str, step_lo: int | None, step_hi: int | None, with_ranks: bool):
-    empty = (np.empty(0, np.int64), np.empty(0, np.float64), np.empty(0, np.int32))
+def _points(session: Session, run_id: str, key: str, step_lo: int | None, step_hi: int | None, with_ranks: bool):
+    """Every stored point of one series inside the window, every attempt, in chunk order
+    (attempt, first_step), not deduplicated: (attempts, steps, values, ranks or None, keep), where
+    `keep` masks the points inside [step_lo, step_hi] (chunks straddle the bounds). None if none."""
     sid = _series_id(session, key)
     if sid is None:
-        return empty
+        return None
     c = ThermometerChunk
     cond = [c.run_id == run_id, c.series_id == sid]
     if step_lo is not None:
@@ -240,7 +244,7 @@ def _read(session: Session, run_id: str, key: str, step_lo: int | None, step_hi:
     cols = [c.attempt, c.first_step, c.n, c.steps, c.values] + ([c.ranks] if with_ranks else [])
     rows = _fetch(session, select(*cols).where(and_(*cond)).order_by(c.attempt, c.first_step))
     if not rows:
-        return empty
+        return None
     ns = np.array([r[2] for r in rows], np.int64)
     attempts = np.repeat(np.array([r[0] for r in rows], np.int64), ns)
     steps = _decode_steps(np.array([r[1] for r in rows], np.int64), ns, [r[3] for r in rows])
@@ -255,6 +259,15 @@ def _read(session: Session, run_id: str, key: str, step_lo: int | None, step_hi:
         keep &= steps >= step_lo
     if step_hi is not None:
         keep &= steps <= step_hi
+    return attempts, steps, values, ranks, keep
+
+
+def _read(session: Session, run_id: str, key: str, step_lo: int | None, step_hi: int | None, with_ranks: bool):
+    empty = (np.empty(0, np.int64), np.empty(0, np.float64), np.empty(0, np.int32))
+    pts = _points(session, run_id, key, step_lo, step_hi, with_ranks)
+    if pts is None:
+        return empty
+    attempts, steps, values, ranks, keep = pts
     # Sort by (step, attempt) and keep the last point of each step: the latest attempt wins.
     order = np.lexsort((attempts, steps))
     order = order[keep[order]]
@@ -295,6 +308,59 @@ def history_with_ranks(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like history(), plus the rank that held each extreme (-1 where none was reported)."""
     return _read(session, run_id, key, step_lo, step_hi, True)
+
+
+def history_by_attempt(
+    session: Session, run_id: str, key: str, step_lo: int | None = None, step_hi: int | None = None
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{attempt: (steps int64, values float64)} of one metric key, each attempt's own points
+    (ascending, bounds inclusive), attempts ascending. Unlike history(), a step that a rollback
+    re-trained keeps every attempt's value: the abandoned trajectory is what explains the
+    rollback. Within one attempt a re-batched replay's duplicates are dropped as history() does."""
+    pts = _points(session, run_id, key, step_lo, step_hi, False)
+    if pts is None:
+        return {}
+    attempts, steps, values, _, keep = pts
+    # Sort by (attempt, step) and keep the last point of each (attempt, step): the sort is
+    # stable, so among duplicates the later chunk wins, the same point history() would keep.
+    order = np.lexsort((steps, attempts))
+    order = order[keep[order]]
+    a, s = attempts[order], steps[order]
+    last = np.ones(len(s), bool)
+    last[:-1] = (s[1:] != s[:-1]) | (a[1:] != a[:-1])
+    order = order[last]
+    a = attempts[order]
+    bounds = np.flatnonzero(np.r_[True, a[1:] != a[:-1], True])
+    return {
+        int(a[lo]): (steps[order[lo:hi]], values[order[lo:hi]])  # fancy indexing: fresh arrays
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+    }
+
+
+def split_superseded(
+    by_attempt: dict[int, tuple[np.ndarray, np.ndarray]],
+) -> tuple[tuple[np.ndarray, np.ndarray], dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """history_by_attempt() -> (current, superseded). `current` is what history() returns (for
+    each step the newest attempt's point); `superseded` holds, per older attempt, the points a
+    newer attempt re-trained (the steps where a newer attempt has a point), omitting attempts
+    with none. One pass per attempt, numpy within it."""
+    if not by_attempt:
+        return (np.empty(0, np.int64), np.empty(0, np.float64)), {}
+    if len(by_attempt) == 1:
+        return next(iter(by_attempt.values())), {}
+    cur_s, cur_v, superseded = [], [], {}
+    newer = np.empty(0, np.int64)  # sorted steps of every attempt newer than the one at hand
+    for attempt in sorted(by_attempt, reverse=True):
+        steps, values = by_attempt[attempt]
+        gone = np.isin(steps, newer, assume_unique=True)
+        if gone.any():
+            superseded[attempt] = (steps[gone], values[gone])
+        cur_s.append(steps[~gone])
+        cur_v.append(values[~gone])
+        newer = np.union1d(newer, steps)
+    s, v = np.concatenate(cur_s), np.concatenate(cur_v)
+    order = np.argsort(s, kind="stable")
+    return (s[order], v[order]), dict(sorted(superseded.items()))
 
 
 def latest_step(session: Session, run_id: str) -> int | None:

@@ -6,6 +6,9 @@ global state, and the web server renders several charts at once in its threadpoo
 What a chart shows, for the engineer who opens it at 8 a.m.:
   - every series of the metric (one line per module), downsampled to a min/max envelope per
     pixel column so a one-step spike is never averaged away;
+  - under each series, faded and dashed in its color, the points of older attempts that a newer
+    attempt re-trained: the trajectory a rollback abandoned (usually the spike that caused it),
+    which the current line alone no longer shows;
   - non-finite points as red ticks along the top edge (a NaN cannot sit on a y axis);
   - incidents: onset dashed, detection solid (the selected incident drawn heavier);
   - rollbacks: an arrow from the detection step back to the step training resumed from, over
@@ -64,6 +67,8 @@ class Marks:
 class Chart:
     title: str
     series: list[tuple[str, np.ndarray, np.ndarray]]  # (label, steps, values)
+    # (index into series, attempt, steps, values): points a newer attempt re-trained
+    superseded: list[tuple[int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
     logy: bool = False
     step_lo: int | None = None
     step_hi: int | None = None
@@ -92,15 +97,16 @@ def render(chart: Chart, marks: Marks | None = None) -> bytes:
     cmap = matplotlib.colormaps["viridis"]
     peaks = []
     top = blended_transform_factory(ax.transData, ax.transAxes)
-    any_points = False
     nonfinite_labelled = False
+    colors = [f"C{i}" if n <= 10 else cmap(i / max(1, n - 1) * 0.9) for i in range(n)]
+    any_points = _draw_superseded(ax, top, chart, colors)
     for i, (label, steps, values) in enumerate(chart.series):
         if len(steps) == 0:
             peaks.append(-np.inf)
             continue
         any_points = True
         s, v = envelope(steps, values, 2 * chart.width_px, chart.step_lo, chart.step_hi)
-        color = f"C{i}" if n <= 10 else cmap(i / max(1, n - 1) * 0.9)
+        color = colors[i]
         # zorder 3: data above the incident/rollback lines, so a spike at the detection step shows
         ax.plot(s, np.where(np.isfinite(v), v, np.nan), lw=0.9, color=color, label=label, zorder=3)
         finite = v[np.isfinite(v)]
@@ -137,6 +143,35 @@ def render(chart: Chart, marks: Marks | None = None) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+def _draw_superseded(ax, top, chart: Chart, colors: list) -> bool:
+    """Faded dashed lines (zorder 2.5: over the bands and incident lines, under the current
+    trajectory at 3) and faded non-finite ticks. The legend names each attempt once; with several
+    series its swatch is gray, as the lines take their series' colors. True if anything was drawn."""
+    labelled: set[int] = set()
+    drawn = False
+    for i, attempt, steps, values in chart.superseded:
+        if len(steps) == 0:
+            continue
+        drawn = True
+        s, v = envelope(steps, values, 2 * chart.width_px, chart.step_lo, chart.step_hi)
+        label = None
+        if attempt not in labelled:
+            labelled.add(attempt)
+            label = f"superseded attempt {attempt}"
+            if len(chart.series) > 1:  # a neutral legend swatch, drawn nowhere
+                ax.plot([], [], color="gray", **_FADED, label=label)
+                label = None
+        ax.plot(s, np.where(np.isfinite(v), v, np.nan), color=colors[i], **_FADED, label=label, zorder=2.5)
+        bad = ~np.isfinite(v)
+        if bad.any():  # often the very NaN that triggered the rollback
+            ax.plot(s[bad], np.full(bad.sum(), 0.985), "|", color="red", alpha=0.35, ms=10, mew=1.5,
+                    transform=top, clip_on=False, zorder=2.5)
+    return drawn
+
+
+_FADED = {"lw": 0.9, "ls": (0, (4, 2)), "alpha": 0.45}
 
 
 def _annotate(ax, top, marks: Marks, lo: float, hi: float) -> None:

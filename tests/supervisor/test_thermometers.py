@@ -92,6 +92,50 @@ def test_later_attempt_wins_for_the_same_step(db):
         assert (vals[:10] == 2.0).all() and (vals[10:] == 1.0).all()
 
 
+def test_history_by_attempt_keeps_the_superseded_trajectory(db):
+    _open(db, attempts=(0, 1, 2))
+    # attempt 0 diverges from step 50 on; a rollback to 40 re-trains 40..60 in attempt 1
+    _append(db, _recs(range(0, 40), ["loss"], fn=lambda st, j: 1.0), attempt=0)
+    _append(db, _recs(range(40, 61), ["loss"], fn=lambda st, j: 1.0 if st < 50 else 10.0 ** (st - 49)), attempt=0)
+    _append(db, _recs(range(40, 61), ["loss"], fn=lambda st, j: 2.0), attempt=1)
+    _append(db, _recs(range(45, 55), ["loss"], fn=lambda st, j: 2.0), attempt=1)  # a re-batched replay
+    _append(db, _recs(range(55, 58), ["loss"], fn=lambda st, j: 3.0), attempt=2)  # a second rollback
+    _append(db, _recs(range(0, 3), ["lr"]), attempt=0)  # another series: not mixed in
+    with db.sessions() as s:
+        by = thermometers.history_by_attempt(s, "r", "loss")
+        assert list(by) == [0, 1, 2]
+        np.testing.assert_array_equal(by[0][0], np.arange(61))
+        assert by[0][0].dtype == np.int64 and by[0][1].dtype == np.float64
+        assert by[0][1][60] == 1e11 and (by[0][1][50:] > 1).all() and (by[0][1][:50] == 1.0).all()
+        np.testing.assert_array_equal(by[1][0], np.arange(40, 61))  # the replay's duplicates are dropped
+        assert (by[1][1] == 2.0).all()
+        np.testing.assert_array_equal(by[2][0], [55, 56, 57])
+        # history() is unchanged: the newest attempt wins each step
+        steps, vals = thermometers.history(s, "r", "loss")
+        np.testing.assert_array_equal(steps, np.arange(61))
+        assert (vals[:40] == 1.0).all() and (vals[40:55] == 2.0).all() and (vals[55:58] == 3.0).all()
+        assert (vals[58:] == 2.0).all()
+        # split_superseded: current == history(), the rest per attempt
+        (cs, cv), sup = thermometers.split_superseded(by)
+        np.testing.assert_array_equal(cs, steps)
+        np.testing.assert_array_equal(cv, vals)
+        assert list(sup) == [0, 1]
+        np.testing.assert_array_equal(sup[0][0], np.arange(40, 61))
+        np.testing.assert_array_equal(sup[0][1], by[0][1][40:])
+        np.testing.assert_array_equal(sup[1][0], [55, 56, 57])
+        # a window cuts every attempt alike
+        win = thermometers.history_by_attempt(s, "r", "loss", 50, 56)
+        np.testing.assert_array_equal(win[0][0], np.arange(50, 57))
+        np.testing.assert_array_equal(win[0][1], 10.0 ** np.arange(1, 8))
+        np.testing.assert_array_equal(win[1][0], np.arange(50, 57))
+        np.testing.assert_array_equal(win[2][0], [55, 56])
+        assert thermometers.history_by_attempt(s, "r", "loss", 100, 200) == {}
+        assert thermometers.history_by_attempt(s, "r", "no_such_metric") == {}
+        assert list(thermometers.history_by_attempt(s, "r", "lr")) == [0]
+        (cs, _), sup = thermometers.split_superseded({})
+        assert cs.size == 0 and sup == {}
+
+
 def test_ranks_are_kept_per_point(db):
     _open(db)
     key = "attn_logit_max/blocks.0.attn"

@@ -1,0 +1,88 @@
+"""Cluster mode, as deployed: `thermowatch serve` as its own process (real uvicorn, SQLite),
+`thermowatch train CONFIG --supervisor URL` as another (real Ray actors, DeepSpeed ZeRO-2 on
+gloo), talking only HTTP: thermometers in, commands out, acknowledgements back. The run's LR
+really diverges; the daemon rolls it back and lowers the LR without anyone touching it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SUPERVISOR = """
+data_dir: {data}
+port: {port}
+policy: {{rollback_margin_steps: 5, recurrence_window_steps: 60, lr_multiplier: 0.2, min_lr_multiplier: 0.01,
+          cooldown_steps: 5, cooldown_s: 0.0, max_interventions: 6}}
+detectors: {{attn: {{warmup: 20, min_level: 80.0, ceiling: 150.0}}, disabled: [outlier_rank]}}
+"""
+TRAIN = """
+run_id: cluster-1
+world_size: 2
+zero_stage: 2
+steps: 100
+model: {{n_layer: 4, n_head: 4, d_model: 128, seq_len: 64}}
+data: {{seq_len: 64, global_batch: 16, seed: 1234}}
+optim: {{lr: 3.0e-2, warmup_steps: 100, schedule: constant, grad_clip: 1.0}}
+checkpoint: {{dir: {ckpt}, every: 5, keep_last: 8, keep_every: 10}}
+flush_every_steps: 2
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
+    port = _free_port()
+    (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=port))
+    (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt"))
+    cli = [sys.executable, "-m", "supervisor.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    daemon = subprocess.Popen([*cli, "serve", "--config", str(tmp_path / "sup.yaml")], env=env,
+                              stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the daemon never answered /healthz:\n" + (tmp_path / "serve.log").read_text())
+
+        train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--supervisor", url,
+                                "--data-dir", str(tmp_path / "trainer")],
+                               env=env, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stderr[-4000:]
+        assert "run cluster-1: step 100" in train.stderr
+
+        actions = httpx.get(f"{url}/api/runs/cluster-1/actions").json()
+        actions = actions["actions"] if isinstance(actions, dict) else actions
+        rollbacks = [a for a in actions if a["kind"] == "rollback" and a["origin"] == "auto"]
+        assert rollbacks and all(a["state"] == "done" for a in rollbacks), actions
+        assert all(a["ack_step"] == a["args"]["to_step"] + 1 for a in rollbacks)
+        assert any(a["args"].get("lr_multiplier") for a in rollbacks), "the recurrence never lowered the LR"
+        incidents = httpx.get(f"{url}/api/runs/cluster-1/incidents").json()
+        incidents = incidents["incidents"] if isinstance(incidents, dict) else incidents
+        assert incidents and incidents[0]["signal"].startswith("attn_logit")
+        # Everything the trainer measured arrived: the daemon has all 100 steps, no spool left.
+        run = httpx.get(f"{url}/api/runs/cluster-1").json()
+        assert run["last_step"] == 100
+        spool = tmp_path / "trainer" / "spool" / "cluster-1"
+        assert not any(p.stat().st_size for p in spool.rglob("*.jsonl") if p.name != "rejected.jsonl")
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+    assert daemon.returncode in (0, -15), (tmp_path / "serve.log").read_text()[-3000:]
