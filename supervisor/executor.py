@@ -109,26 +109,23 @@ class Executor:
         return action_id
 
     def approve(self, action_id: int, who: str) -> None:
-        with self._session.begin() as s:
-            row = actions_store.get_action(s, action_id)
-            if row is None:
-                raise NotFound(f"no action {action_id}")
-            try:
-                actions_store.approve_action(s, action_id, who)
-            except actions_store.ActionStateError as exc:
-                raise Conflict(str(exc)) from exc
-            audit_store.audit(s, row.run_id, who, "approved", {"action_id": action_id})
+        """Advise-only mode: a human lets a pending action go to the trainer."""
+        self._human_decides(action_id, who, "approved", lambda s: actions_store.approve_action(s, action_id, who))
 
     def cancel(self, action_id: int, who: str) -> None:
+        self._human_decides(action_id, who, "cancelled",
+                            lambda s: actions_store.set_action_state(s, action_id, "cancelled"))
+
+    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], Any]) -> None:
         with self._session.begin() as s:
             row = actions_store.get_action(s, action_id)
             if row is None:
                 raise NotFound(f"no action {action_id}")
             try:
-                actions_store.set_action_state(s, action_id, "cancelled")
+                change(s)
             except actions_store.ActionStateError as exc:
                 raise Conflict(str(exc)) from exc
-            audit_store.audit(s, row.run_id, who, "cancelled", {"action_id": action_id})
+            audit_store.audit(s, row.run_id, who, event, {"action_id": action_id})
 
     def _enqueue(self, s: Session, run_id: str, kind: CommandKind, args: dict[str, Any], reason: str, origin: str,
                  who: str, incident_id: int | None, needs_ok: bool) -> int:

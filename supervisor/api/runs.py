@@ -6,6 +6,10 @@ over supervisor.store; each request is one read-only session).
     GET /api/runs/{run_id}/series                   -> {"keys": [...]}
     GET /api/runs/{run_id}/history?key=&step_lo=&step_hi=&max_points=
                                                     -> {"key", "steps": [...], "values": [...], "downsampled"}
+    GET /api/runs/{run_id}/history?key=&attempts=all&step_lo=&step_hi=&max_points=
+                                                    -> {"key", "attempts": {"0": {"steps", "values", "points",
+                                                        "downsampled"}, ...}}: every attempt's own points,
+                                                        including steps a rollback re-trained
     GET /api/runs/{run_id}/incidents                -> incidents, each with its findings
     GET /api/runs/{run_id}/actions?limit=           -> newest first
     GET /api/runs/{run_id}/audit?limit=             -> newest first
@@ -113,6 +117,14 @@ def envelope(steps: np.ndarray, values: np.ndarray, max_points: int,
         picked.append(first_nan[first_nan < n])
     keep = np.unique(np.concatenate(picked))
     return steps[keep], values[keep]
+
+
+def _points_json(steps: np.ndarray, values: np.ndarray, max_points: int | None,
+                 step_lo: int | None, step_hi: int | None) -> dict[str, Any]:
+    total = len(steps)
+    if max_points is not None:
+        steps, values = envelope(steps, values, max_points, step_lo, step_hi)
+    return {"points": total, "downsampled": len(steps) < total, "steps": steps.tolist(), "values": values_json(values)}
 
 
 # --- reads shared with the web page ----------------------------------------------------------
@@ -224,6 +236,9 @@ def make_router(sup) -> APIRouter:
         step_hi: int | None = Query(None, ge=0),
         max_points: int | None = Query(None, ge=3, le=1_000_000,
                                        description="downsample to at most this many points (min/max per bucket)"),
+        attempts: str | None = Query(None, pattern="^all$",
+                                     description="all: every attempt's own points, keyed by attempt, instead of "
+                                                 "the newest attempt's point per step (max_points applies per attempt)"),
     ) -> Response:
         check_window(step_lo, step_hi)
         with sup.sessions() as s:
@@ -231,12 +246,14 @@ def make_router(sup) -> APIRouter:
             keys = thermometers.series_keys(s, run_id)
             if key not in keys:
                 raise HTTPException(404, unknown_key_message(run_id, key, keys))
-            steps, values = thermometers.history(s, run_id, key, step_lo, step_hi)
-        total = len(steps)
-        if max_points is not None:
-            steps, values = envelope(steps, values, max_points, step_lo, step_hi)
-        return json_response({"run_id": run_id, "key": key, "points": total, "downsampled": len(steps) < total,
-                              "steps": steps.tolist(), "values": values_json(values)})
+            if attempts == "all":
+                by_attempt = thermometers.history_by_attempt(s, run_id, key, step_lo, step_hi)
+            else:
+                steps, values = thermometers.history(s, run_id, key, step_lo, step_hi)
+        if attempts == "all":
+            return json_response({"run_id": run_id, "key": key, "attempts": {
+                str(a): _points_json(st, v, max_points, step_lo, step_hi) for a, (st, v) in by_attempt.items()}})
+        return json_response({"run_id": run_id, "key": key, **_points_json(steps, values, max_points, step_lo, step_hi)})
 
     @router.get("/runs/{run_id}/incidents")
     def incidents(run_id: str) -> Response:

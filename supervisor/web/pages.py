@@ -9,7 +9,8 @@
 
 With ?incident=N the page zooms every chart to the steps around that incident (onset, detection
 and the rollback target), highlights its row and puts a summary banner above the charts (linking to the row) rather than
-scrolling away from the zoomed charts. Every string that came from a
+scrolling away from the zoomed charts. Charts draw older attempts' re-trained points faded and
+dashed (the trajectory a rollback abandoned), with a note saying so. Every string that came from a
 run (ids, module names, reasons, audit details) is HTML-escaped.
 """
 
@@ -168,14 +169,17 @@ def make_router(sup, *, public_url: str = "") -> APIRouter:
         with sup.sessions() as s:
             require_run(s, run_id)
             keys = resolve_keys(s, run_id, metric)
-            series = []
-            for k in keys:
-                steps, values = thermometers.history(s, run_id, k, step_lo, step_hi)
+            series, superseded = [], []
+            for i, k in enumerate(keys):
+                # one read per key: the current line (what history() returns) and what it hides
+                (steps, values), old = thermometers.split_superseded(
+                    thermometers.history_by_attempt(s, run_id, k, step_lo, step_hi))
                 series.append((k.split("/", 1)[1] if "/" in k and len(keys) > 1 else k, steps, values))
+                superseded.extend((i, attempt, st, v) for attempt, (st, v) in old.items())
             marks = collect_marks(s, run_id, incident)
         prefix = metric.split("/", 1)[0]
         title = f"{run_id}: {metric}" + (f" ({len(keys)} series)" if len(keys) > 1 else "")
-        chart = Chart(title, series, logy=(prefix in LOG_METRICS) if logy is None else logy,
+        chart = Chart(title, series, superseded, logy=(prefix in LOG_METRICS) if logy is None else logy,
                       step_lo=step_lo, step_hi=step_hi, width_px=width, height_px=height)
         png = render(chart, marks)
         return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
@@ -224,6 +228,7 @@ def make_router(sup, *, public_url: str = "") -> APIRouter:
                          f"{e(step_hi if step_hi is not None else 'end')} &middot; "
                          f"<a href='{e(run_url(run_id))}'>full history</a></p>")
         parts.append("<h2>thermometers</h2>")
+        note_at = len(parts)
         shown = []
         for metric, title, _ in CHARTS:
             if metric in keys or any(k.startswith(metric + "/") for k in keys):
@@ -233,6 +238,11 @@ def make_router(sup, *, public_url: str = "") -> APIRouter:
                              f"width='1100' height='320' onerror=\"this.classList.add('broken')\">")
         if not shown:
             parts.append("<p class='muted'>no thermometers reported yet</p>")
+        elif len(attempts) > 1:  # above the charts: the first thing to read before the lines
+            parts.insert(note_at, "<p class='muted' id='superseded-note'>Faded dashed lines: trajectories abandoned by a "
+                         "rollback (or a restart from an earlier checkpoint), i.e. an older attempt's points at steps a "
+                         "newer attempt re-trained, in the same color as their series. Solid lines: the newest "
+                         "attempt at each step.</p>")
         others = sorted({k.split("/", 1)[0] for k in keys} - set(shown))
         if others:
             links = " ".join(f"<a href='{e(run_url(run_id, '/plot.png', metric=m, step_lo=step_lo, step_hi=step_hi))}'>"

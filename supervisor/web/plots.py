@@ -99,7 +99,7 @@ def render(chart: Chart, marks: Marks | None = None) -> bytes:
     top = blended_transform_factory(ax.transData, ax.transAxes)
     nonfinite_labelled = False
     colors = [f"C{i}" if n <= 10 else cmap(i / max(1, n - 1) * 0.9) for i in range(n)]
-    any_points = _draw_superseded(ax, top, chart, colors)
+    any_points = False
     for i, (label, steps, values) in enumerate(chart.series):
         if len(steps) == 0:
             peaks.append(-np.inf)
@@ -116,6 +116,8 @@ def render(chart: Chart, marks: Marks | None = None) -> bytes:
             ax.plot(s[bad], np.full(bad.sum(), 0.985), "|", color="red", ms=10, mew=1.5, transform=top,
                     label=None if nonfinite_labelled else "NaN / Inf", clip_on=False, zorder=4)
             nonfinite_labelled = True
+    # drawn after the current lines so the legend lists those first; zorder keeps them beneath
+    any_points = _draw_superseded(ax, top, chart, colors) or any_points
     if not any_points:
         ax.text(0.5, 0.5, "no points in this window", ha="center", va="center", transform=ax.transAxes, color="gray")
 

@@ -146,6 +146,38 @@ def test_history_values_and_nonfinite(client, seeded):
     assert len(g["steps"]) == 100 and g["values"][10] == pytest.approx(0.51)
 
 
+def test_history_of_every_attempt_keeps_the_abandoned_spike(client, seeded):
+    key = "attn_logit_max/blocks.2.attn"
+    params = {"key": key, "step_lo": 150, "step_hi": 230}
+    newest = client.get(f"/api/runs/{RUN}/history", params=params).json()
+    assert set(newest) == {"run_id", "key", "points", "downsampled", "steps", "values"}  # unchanged without attempts
+    assert max(newest["values"]) < 20  # the newest attempt re-trained 100..260: no spike left
+    body = client.get(f"/api/runs/{RUN}/history", params={**params, "attempts": "all"}).json()
+    assert (body["run_id"], body["key"]) == (RUN, key) and set(body["attempts"]) == {"0", "1"}
+    a0, a1 = body["attempts"]["0"], body["attempts"]["1"]
+    assert a0["steps"] == list(range(150, 220)) and a1["steps"] == list(range(150, 231))
+    assert a0["values"][-1] == pytest.approx(10.0 * 1.2 ** 39)  # the spike that caused the rollback
+    assert a0["values"][:30] == pytest.approx([10.0 + 2 + s / 100 for s in range(150, 180)])
+    assert a1["values"][219 - 150] == pytest.approx(12 + 219 / 100)
+    assert (a0["points"], a0["downsampled"], a1["points"]) == (70, False, 81)
+    # NaN/Inf encoding per attempt: attempt 0's NaN loss at 210, gone from the newest history
+    loss = client.get(f"/api/runs/{RUN}/history", params={"key": "loss", "attempts": "all", "step_lo": 205}).json()
+    assert loss["attempts"]["0"]["values"][210 - 205] == "NaN"
+    assert "NaN" not in loss["attempts"]["1"]["values"]
+    # max_points applies per attempt, and each attempt keeps its own extremes
+    small = client.get(f"/api/runs/{RUN}/history", params={"key": key, "attempts": "all", "max_points": 10}).json()
+    s0, s1 = small["attempts"]["0"], small["attempts"]["1"]
+    assert s0["downsampled"] and s1["downsampled"] and len(s0["steps"]) <= 10 and len(s1["steps"]) <= 10
+    assert (s0["points"], s1["points"]) == (220, 161)
+    assert max(s0["values"]) == pytest.approx(10.0 * 1.2 ** 39) and 219 in s0["steps"]
+    assert max(s1["values"]) == pytest.approx(12 + 260 / 100)
+    # a window no attempt reaches: no attempts, not an error
+    empty = client.get(f"/api/runs/{RUN}/history", params={"key": key, "attempts": "all", "step_lo": 5000}).json()
+    assert empty["attempts"] == {}
+    r = client.get(f"/api/runs/{RUN}/history", params={"key": key, "attempts": "newest"})
+    assert r.status_code == 422 and "attempts" in str(r.json()["detail"])
+
+
 def test_history_encodes_nan_and_inf_as_strings(db, client, seeded):
     with db.sessions.begin() as s:
         runs.open_attempt(s, RunInfo("nf", 0, world_size=1))
