@@ -173,7 +173,7 @@ def _draw_superseded(ax, top, chart: Chart, colors: list) -> bool:
     return drawn
 
 
-_FADED = {"lw": 0.9, "ls": (0, (4, 2)), "alpha": 0.45}
+_FADED = {"lw": 1.0, "ls": (0, (4, 2)), "alpha": 0.55}  # visible over the re-trained band, clearly not current
 
 
 def _annotate(ax, top, marks: Marks, lo: float, hi: float) -> None:

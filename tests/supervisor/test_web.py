@@ -103,6 +103,55 @@ def test_plot_marks_nonfinite_points(db, client):
     assert _pure_red(ok) == 0 and _pure_red(nan) > 20  # the red tick (and its legend entry)
 
 
+def _bluish(px: np.ndarray) -> np.ndarray:
+    """Pixels tinted toward C0 (tab:blue), faded or not: blue well above red."""
+    return px[..., 2] - px[..., 0] > 0.15
+
+
+def test_plot_draws_the_trajectory_a_rollback_abandoned(db, client):
+    import sqlalchemy as sa
+
+    from monitors.contract import RunInfo, StepRecord
+    from supervisor.store import runs, thermometers
+    from supervisor.store.orm import ThermometerChunk
+
+    def loss(step: int, attempt: int) -> float:
+        if step == 10:
+            return 100.0  # before the rollback, in both renders: the y axis is the same in both
+        return 1.0 + (9 * (step - 150) if attempt == 0 and 150 <= step <= 160 else 0.0)  # attempt 0 spikes to 91
+
+    def recs(lo: int, hi: int, attempt: int) -> list[StepRecord]:
+        return [StepRecord(step=i, values={"loss": loss(i, attempt)}) for i in range(lo, hi)]
+
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo("forked", 0, world_size=1))
+        thermometers.append(s, "forked", 0, recs(0, 140, 0))
+        thermometers.append(s, "forked", 0, recs(140, 201, 0))  # diverges, rolled back to 140
+        runs.open_attempt(s, RunInfo("forked", 1, world_size=1, start_step=140))
+        thermometers.append(s, "forked", 1, recs(140, 201, 1))
+    params = {"metric": "loss", "logy": "false"}
+    with_old = _pixels(_png(client.get("/runs/forked/plot.png", params=params)))
+    with db.sessions.begin() as s:  # the same run without the superseded points
+        s.execute(sa.delete(ThermometerChunk).where(ThermometerChunk.attempt == 0, ThermometerChunk.first_step == 140))
+    without = _pixels(_png(client.get("/runs/forked/plot.png", params=params)))
+    assert with_old.shape == without.shape
+    # the faded spike: blue pixels where the newest attempt drew none, over a tall span of rows
+    extra = _bluish(with_old) & ~_bluish(without)
+    rows = np.flatnonzero(extra.any(axis=1))
+    assert len(rows) > 100, len(rows)
+    # faded, not solid: no fully saturated C0 among them (solid tab:blue is (0.12, 0.47, 0.71))
+    assert (with_old[extra][:, 0] > 0.3).mean() > 0.5
+
+
+def test_run_page_explains_faded_lines_only_after_a_new_attempt(client, seeded):
+    page = client.get(f"/runs/{RUN}").text  # two attempts
+    note = re.search(r"<p class='muted' id='superseded-note'>(.*?)</p>", page, re.S)
+    assert note and "rollback" in note.group(1) and "Faded dashed lines" in note.group(1)
+    assert page.index("superseded-note") < page.index("<img class='plot'")  # read before the charts
+    one = client.get(f"/runs/{quote(seeded.evil_run, safe='')}").text  # one attempt: nothing to explain
+    assert "superseded-note" not in one
+
+
 def test_plot_bad_input(client, seeded):
     r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "attn_logit_mx"})
     assert r.status_code == 404 and "attn_logit_max" in r.json()["detail"]
