@@ -72,6 +72,8 @@ class Executor:
             if decision.lr_multiplier is not None:
                 args.update(lr_multiplier=decision.lr_multiplier, lr_steps=decision.lr_steps,
                             rewarmup_steps=decision.rewarmup_steps)
+            if decision.exclude_rank is not None or decision.exclude_node:
+                args.update(exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
             ids.append(self._enqueue(s, run_id, CommandKind.ROLLBACK, args, reason, "auto", "policy",
                                      incident_id, needs_ok))
         elif decision.kind is DecisionKind.LOWER_LR:

@@ -425,6 +425,12 @@ class RunController:
 
     def _cmd_rollback(self, args: dict[str, Any]) -> str:
         """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
+        if args.get("exclude_rank") is not None or args.get("exclude_node"):
+            # Restarting without a node needs a gang of world_size - 1 (or a spare node) and a data
+            # split that still divides the batch; until then refuse loudly instead of rolling back
+            # with the bad node still in the gang.
+            raise ValueError(f"restarting without rank {args.get('exclude_rank')} / node {args.get('exclude_node')!r} "
+                             "is not supported by this controller; drain the node and relaunch by hand")
         target = args.get("to_step", args.get("checkpoint"))
         if isinstance(target, str) and not target.lstrip("-").isdigit():
             target = int(Path(target).name.removeprefix("step_"))  # a checkpoint path

@@ -95,12 +95,12 @@ def test_later_attempt_wins_for_the_same_step(db):
 def test_history_by_attempt_keeps_the_superseded_trajectory(db):
     _open(db, attempts=(0, 1, 2))
     # attempt 0 diverges from step 50 on; a rollback to 40 re-trains 40..60 in attempt 1
-    _append(db, _recs(range(0, 40), ["loss"], fn=lambda st, j: 1.0), attempt=0)
+    _append(db, _recs(range(40), ["loss"], fn=lambda st, j: 1.0), attempt=0)
     _append(db, _recs(range(40, 61), ["loss"], fn=lambda st, j: 1.0 if st < 50 else 10.0 ** (st - 49)), attempt=0)
     _append(db, _recs(range(40, 61), ["loss"], fn=lambda st, j: 2.0), attempt=1)
     _append(db, _recs(range(45, 55), ["loss"], fn=lambda st, j: 2.0), attempt=1)  # a re-batched replay
     _append(db, _recs(range(55, 58), ["loss"], fn=lambda st, j: 3.0), attempt=2)  # a second rollback
-    _append(db, _recs(range(0, 3), ["lr"]), attempt=0)  # another series: not mixed in
+    _append(db, _recs(range(3), ["lr"]), attempt=0)  # another series: not mixed in
     with db.sessions() as s:
         by = thermometers.history_by_attempt(s, "r", "loss")
         assert list(by) == [0, 1, 2]

@@ -145,7 +145,7 @@ def test_plot_draws_the_trajectory_a_rollback_abandoned(db, client):
 
 def test_run_page_explains_faded_lines_only_after_a_new_attempt(client, seeded):
     page = client.get(f"/runs/{RUN}").text  # two attempts
-    note = re.search(r"<p class='muted' id='superseded-note'>(.*?)</p>", page, re.S)
+    note = re.search(r"<p class='muted' id='superseded-note'>(.*?)</p>", page, re.DOTALL)
     assert note and "rollback" in note.group(1) and "Faded dashed lines" in note.group(1)
     assert page.index("superseded-note") < page.index("<img class='plot'")  # read before the charts
     one = client.get(f"/runs/{quote(seeded.evil_run, safe='')}").text  # one attempt: nothing to explain

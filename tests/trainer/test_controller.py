@@ -183,6 +183,8 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
             cmds["prof"] = q.push("cmd", CommandKind.PROFILE, steps=2, out_dir=str(prof))
             cmds["skip"] = q.push("cmd", CommandKind.SKIP, skip_ranges=[[rec.sample_hi + 4, rec.sample_hi + 20]])
             cmds["bad"] = q.push("cmd", CommandKind.SET_LR)  # no multiplier: refused, run goes on
+            # A restart without a rank is not supported yet: refused loudly, never a plain rollback.
+            cmds["exclude"] = q.push("cmd", CommandKind.ROLLBACK, to_step=2, exclude_rank=1)
         if rec.step == 14:
             cmds["ids"] = _ids_seen(ctl, 0)
 
@@ -207,6 +209,8 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
     assert all(q.ack_for(cmds[c]).ok and q.ack_for(cmds[c]).step == 4 for c in ("pause", "resume", "prof", "skip"))
     bad = q.ack_for(cmds["bad"])
     assert not bad.ok and "lr_multiplier" in bad.detail
+    exclude = q.ack_for(cmds["exclude"])
+    assert not exclude.ok and "rank 1" in exclude.detail and "not supported" in exclude.detail
     # Skip: the ids never reach any rank, and the step ranges jump over them.
     lo, hi = recs[3].sample_hi + 4, recs[3].sample_hi + 20
     ids = cmds["ids"]

@@ -1,4 +1,4 @@
-"""Cluster mode, as deployed: `thermowatch serve` as its own process (real uvicorn, SQLite),
+"""`thermowatch train`, as deployed. Cluster mode: `thermowatch serve` as its own process (real uvicorn, SQLite),
 `thermowatch train CONFIG --supervisor URL` as another (real Ray actors, DeepSpeed ZeRO-2 on
 gloo), talking only HTTP: thermometers in, commands out, acknowledgements back. The run's LR
 really diverges; the daemon rolls it back and lowers the LR without anyone touching it."""
@@ -86,3 +86,30 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
         daemon.terminate()
         daemon.wait(timeout=30)
     assert daemon.returncode in (0, -15), (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_train_with_an_embedded_supervisor(tmp_path):
+    """No daemon given: `thermowatch train` runs the supervisor in its own process on the data
+    dir's SQLite, and the same repair happens without any HTTP."""
+    (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt").replace("steps: 100", "steps: 70"))
+    (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=_free_port()))
+    cli = [sys.executable, "-m", "supervisor.cli"]
+    train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--config", str(tmp_path / "sup.yaml")],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert train.returncode == 0, train.stderr[-4000:]
+    assert "run cluster-1: step 70" in train.stderr
+    db = f"sqlite:///{tmp_path / 'srv' / 'thermowatch.db'}"
+    out = subprocess.run([*cli, "actions", "cluster-1", "--db", db, "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rollbacks = [a for a in json.loads(out.stdout) if a["kind"] == "rollback"]
+    assert rollbacks and all(a["state"] == "done" and a["origin"] == "auto" for a in rollbacks)
+
+
+def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
+    cli = [sys.executable, "-m", "supervisor.cli"]
+    (tmp_path / "bad.yaml").write_text("zero_stage: 4\n")
+    bad = subprocess.run([*cli, "train", str(tmp_path / "bad.yaml"), "--data-dir", str(tmp_path / "d")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "zero_stage must be 1, 2 or 3, got 4" in bad.stderr
+    missing = subprocess.run([*cli, "train", str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
