@@ -315,7 +315,8 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
             f"rung 2: {f.signal.value} again at step {f.detect_step}, {f.detect_step - prev.step:+d} steps from "
             f"the {prev.kind.value} at step {prev.step} (recurrence_window_steps={cfg.recurrence_window_steps}): "
             f"the last {prev.kind.value} was not enough")
-        new = inp.current_lr_multiplier * cfg.lr_multiplier
+        # Rounded: 0.2 * 0.2 is 0.04000000000000001 in binary, and humans read this number.
+        new = round(inp.current_lr_multiplier * cfg.lr_multiplier, 12)
         if new < cfg.min_lr_multiplier * (1 - 1e-9):
             return _pause(head, f"lowering the LR again would take its multiplier from {inp.current_lr_multiplier:g} "
                                 f"to {new:g}, below min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human")
