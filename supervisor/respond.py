@@ -5,8 +5,10 @@ from the finding and the run's state in the DB; the executor writes the decision
 before anything is carried out (STYLE.md rule 2). This module only glues them: it owns the
 per-run detector banks and the incident bookkeeping.
 
-Detector state survives a supervisor restart: each bank's state is saved in the DB after every
-batch. After a rollback to step s the bank forgets what it saw after s but keeps the healthy
+Detector state survives a supervisor restart: each bank's state is saved in the DB whenever a
+batch raised a finding (latches must survive), else at most every `state_save_every_s` (the
+state is ~6 kB per series: rewriting it per batch would cost a 1,000-series run megabytes per
+batch), and on close. After a rollback to step s the bank forgets what it saw after s but keeps the healthy
 baseline before it (steps after s are re-trained in a new attempt and must not be judged
 against their own diverged past, nor wait through a fresh warm-up).
 """
@@ -14,6 +16,7 @@ against their own diverged past, nor wait through a fresh warm-up).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -40,7 +43,7 @@ _NOT_DIVERGENCE = frozenset({Signal.STALL.value, Signal.OUTLIER_RANK.value})
 
 class Responder:
     def __init__(self, session_factory: sessionmaker, executor: Executor, policy: PolicyConfig,
-                 detectors: BankConfig, clock: Callable[[], float] = time.time):
+                 detectors: BankConfig, clock: Callable[[], float] = time.time, state_save_every_s: float = 5.0):
         self._session = session_factory
         self._executor = executor
         self._policy = policy
@@ -48,6 +51,8 @@ class Responder:
         self._clock = clock
         self._banks: dict[str, DetectorBank] = {}
         self._attempts: dict[str, int] = {}  # newest attempt per run: older ones are not judged
+        self._state_every = state_save_every_s
+        self._state_saved: dict[str, float] = {}  # run -> monotonic time of the last state save
         self._lock = threading.RLock()  # ingest (HTTP threads) and the scheduler both reach here
 
     # --- detectors --------------------------------------------------------------------------
@@ -87,8 +92,8 @@ class Responder:
                 return []
             bank = self.bank(run_id)
             found = bank.observe_many(records)
-            with self._session.begin() as s:
-                detector_state.save(s, run_id, bank.state_dict())
+            if found or time.monotonic() - self._state_saved.get(run_id, -math.inf) >= self._state_every:
+                self._save_state(run_id)
             for finding in found:
                 self.handle(run_id, finding)
             return found
@@ -96,10 +101,19 @@ class Responder:
     def rewind(self, run_id: str, to_step: int) -> None:
         """After a rollback to `to_step` took effect: detectors forget what came after it."""
         with self._lock:
-            bank = self.bank(run_id)
-            bank.reset(to_step)
-            with self._session.begin() as s:
-                detector_state.save(s, run_id, bank.state_dict())
+            self.bank(run_id).reset(to_step)
+            self._save_state(run_id)
+
+    def save_states(self) -> None:
+        """Write every loaded bank's state (on close)."""
+        with self._lock:
+            for run_id in list(self._banks):
+                self._save_state(run_id)
+
+    def _save_state(self, run_id: str) -> None:
+        with self._session.begin() as s:
+            detector_state.save(s, run_id, self._banks[run_id].state_dict())
+        self._state_saved[run_id] = time.monotonic()
 
     def diverging_since(self, run_id: str) -> int | None:
         """The earliest onset among the run's open divergence incidents (None if there is none)."""

@@ -100,7 +100,8 @@ class Supervisor:
 
     def close(self) -> None:
         """Survives any one part failing (STYLE.md rule 9)."""
-        for name, closer in (("ingestor", self.ingestor.close), ("notifier", self.notifier.close),
+        for name, closer in (("detector state", self.responder.save_states), ("ingestor", self.ingestor.close),
+                             ("notifier", self.notifier.close),
                              ("engine", self.engine.dispose)):
             try:
                 closer()

@@ -275,3 +275,20 @@ def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollbac
         stale = [(c.attempt, c.step) for c in ckpt_store.checkpoints(s, RUN)
                  if c.attempt == 0 and c.step > to_step and c.healthy and not c.deleted]
     assert stale == []
+
+
+def test_detector_state_is_throttled_but_written_on_close(db, tmp_path):
+    """State is saved on the first batch, then at most every few seconds unless a batch raised a
+    finding; close() writes what the throttle held back, so a clean restart loses nothing."""
+    from supervisor.store import detector_state
+
+    recs = healthy_records()
+    s1 = make_sup(db, tmp_path)
+    s1.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    s1.write(RUN, 0, recs[:10])
+    s1.write(RUN, 0, recs[10:20])  # within the throttle window, no finding: not saved yet
+    with s1.sessions() as s:
+        assert detector_state.load(s, RUN)["stall"]["last_step"] == recs[9].step
+    s1.close()
+    with s1.sessions() as s:
+        assert detector_state.load(s, RUN)["stall"]["last_step"] == recs[19].step
