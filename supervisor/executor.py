@@ -194,10 +194,7 @@ class Executor:
         if row.kind == "rollback":
             # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
             # they belong to the trajectory left behind and are never a target again.
-            target = ack.step - 1
-            for c in ckpt_store.checkpoints(s, run_id):
-                if c.step > target and c.healthy:
-                    ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+            ckpt_store.distrust_from(s, run_id, ack.step)
             return ack.step
         return None
 
@@ -222,11 +219,6 @@ class Executor:
                                             incident_id=a.incident_id))
         self.flush_alerts()
         return failed
-
-    def is_paused(self, s: Session, run_id: str) -> bool:
-        rows = [a for a in actions_store.actions(s, run_id, limit=50) if a.kind in ("pause", "resume")
-                and a.state in ("acked", "done")]
-        return bool(rows) and rows[0].kind == "pause"
 
     # --- alerts ---------------------------------------------------------------------------------
 

@@ -166,19 +166,17 @@ class Responder:
 
     def _distrust_checkpoints(self, s, run_id: str, finding: Finding) -> None:
         """A checkpoint saved after the onset was saved while unhealthy: never a rollback target."""
-        if finding.signal.value in _NOT_DIVERGENCE:
-            return
-        for c in ckpt_store.checkpoints(s, run_id):
-            if c.healthy and c.step >= finding.onset_step:
-                ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+        if finding.signal.value not in _NOT_DIVERGENCE:
+            ckpt_store.distrust_from(s, run_id, finding.onset_step)
 
     def _policy_input(self, s, run_id: str, finding: Finding, in_flight: bool) -> PolicyInput:
         cks = [CheckpointInfo(step=c.step, path=c.path, sample_cursor=c.sample_cursor, healthy=c.healthy,
                               manifest=c.manifest) for c in ckpt_store.checkpoints(s, run_id)]
         history = []
         rows = actions_store.actions(s, run_id)
+        incs = {i.id: i for i in incidents_store.incidents(s, run_id)}
         for a in rows:
-            inc = incidents_store.get_incident(s, a.incident_id) if a.incident_id else None
+            inc = incs.get(a.incident_id) if a.incident_id else None
             history.append(Intervention(
                 kind=_decision_kind(a.kind),
                 signal=Signal(inc.signal) if inc else None,
@@ -199,8 +197,14 @@ class Responder:
             current_lr_multiplier=changes[-1].multiplier if changes else 1.0,
             failed_action_pending=_failed_and_unattended(rows),
             action_in_flight=in_flight,
-            paused=self._executor.is_paused(s, run_id),
+            paused=_paused(rows),
         )
+
+
+def _paused(rows: Sequence[actions_store.ActionRow]) -> bool:
+    """The newest pause or resume the trainer carried out was a pause (rows: newest first)."""
+    done = next((a for a in rows if a.kind in ("pause", "resume") and a.state in ("acked", "done")), None)
+    return done is not None and done.kind == "pause"
 
 
 def _failed_and_unattended(rows: Sequence[actions_store.ActionRow]) -> bool:

@@ -74,9 +74,10 @@ class Supervisor:
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         # The trainer reports a checkpoint after the steps before it, so one saved at or after a
         # divergence's onset can arrive after the finding: it was saved while unhealthy.
-        if ckpt.healthy and self.responder.diverging_since(run_id) is not None \
-                and ckpt.step >= self.responder.diverging_since(run_id):
-            ckpt = dataclasses.replace(ckpt, healthy=False)
+        if ckpt.healthy:
+            onset = self.responder.diverging_since(run_id)
+            if onset is not None and ckpt.step >= onset:
+                ckpt = dataclasses.replace(ckpt, healthy=False)
         self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
 
     # --- CommandChannel -----------------------------------------------------------------------

@@ -66,6 +66,14 @@ def newest_healthy_before(session: Session, run_id: str, step: int) -> Checkpoin
     return _row(c) if c is not None else None
 
 
+def distrust_from(session: Session, run_id: str, step: int) -> int:
+    """Mark every healthy checkpoint of the run at or after `step` unhealthy (saved during a
+    divergence, or on a trajectory a rollback abandoned); returns how many changed."""
+    res = session.execute(update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step >= step,
+                                                   Checkpoint.healthy.is_(True)).values(healthy=False))
+    return res.rowcount
+
+
 def mark_checkpoint(session: Session, checkpoint_id: int, *, healthy: bool | None = None, deleted: bool | None = None) -> None:
     values = {k: v for k, v in (("healthy", healthy), ("deleted", deleted)) if v is not None}
     if values:
