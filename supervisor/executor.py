@@ -204,7 +204,7 @@ class Executor:
         failed = []
         with self._session.begin() as s:
             for a in actions_store.open_actions(s):
-                if a.state != "sent" or _aware(a.updated_at) + self._ack_timeout > now:
+                if a.state != "sent" or a.updated_at + self._ack_timeout > now:
                     continue
                 if a.attempts <= self._ack_retries:
                     actions_store.set_action_state(s, a.id, "pending")
@@ -240,7 +240,3 @@ class Executor:
                 log.exception("alert for run %s failed", alert.run_id)
             with self._session.begin() as s:
                 alerts_store.record_alert(s, alert.run_id, "notify", alert.title, ok=ok, error=error)
-
-
-def _aware(t: dt.datetime) -> dt.datetime:
-    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)

@@ -106,8 +106,8 @@ def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Aler
     with sup.sessions() as s:
         runs = runs_store.list_runs(s)
         for run in runs:
-            incs = [i for i in incidents_store.incidents(s, run.run_id) if _aware(i.opened_at) >= since]
-            acts = [a for a in actions_store.actions(s, run.run_id) if _aware(a.created_at) >= since]
+            incs = [i for i in incidents_store.incidents(s, run.run_id) if i.opened_at >= since]
+            acts = [a for a in actions_store.actions(s, run.run_id) if a.created_at >= since]
             last = thermo_store.latest_step(s, run.run_id)
             text = (f"last step {last}; {len(incs)} incident(s), {len(acts)} action(s) in the last 24 h"
                     + "".join(f"\n- {i.signal} on {i.module or '-'} onset {i.onset_step} ({i.state})" for i in incs[:10]))
@@ -119,7 +119,3 @@ def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Aler
         except Exception:  # noqa: BLE001
             log.exception("digest for %s failed", alert.run_id)
     return sent
-
-
-def _aware(t: dt.datetime) -> dt.datetime:
-    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
