@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from monitors.contract import Severity
+from monitors.manifest import MANIFEST, files_problem
 from supervisor.notify.base import Alert
 from supervisor.scheduler import Job
 from supervisor.store import actions as actions_store
@@ -61,24 +62,19 @@ def retention(sup: "Supervisor", full_steps: int = RETENTION_FULL_STEPS, every: 
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why a recorded checkpoint cannot be a rollback target any more, or None."""
+    """Why a recorded checkpoint cannot be a rollback target any more, or None. The file check
+    is the trainer's own (monitors.manifest), so both sides agree on what "intact" means."""
     p = Path(path)
     if not p.is_dir():
         return f"directory {path} is gone"
-    manifest = p / "manifest.json"
+    manifest = p / MANIFEST
     try:
         data = json.loads(manifest.read_text())
+        return files_problem(p, data)
     except FileNotFoundError:
         return f"{manifest} is missing (half-written checkpoint)"
-    except (OSError, ValueError) as exc:
-        return f"{manifest} is unreadable: {exc}"
-    for entry in data.get("files", []):
-        f = p / entry.get("path", "")
-        if not f.is_file():
-            return f"{f} is missing"
-        if "size" in entry and f.stat().st_size != entry["size"]:
-            return f"{f} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-    return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{manifest} is unreadable or malformed: {type(exc).__name__}: {exc}"
 
 
 def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:

@@ -28,22 +28,19 @@ import os
 import re
 import shutil
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from monitors.contract import CheckpointInfo
+from monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 STAGING_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
 _DIR_RE = re.compile(r"^step_(\d{8,})$")
-_EDGE = 1 << 20  # bytes hashed at each end of a file in "edges" mode
-_CHUNK = 8 << 20
 _RESERVED = ("format", "step", "files", "checksum", "wall_time")
 
 
@@ -107,21 +104,6 @@ def make_manifest(
         "healthy": bool(healthy),
         **extra,
     }
-
-
-def file_digest(path: Path, mode: str = "edges") -> dict[str, Any]:
-    """{"size", "crc32"} of a file; "edges" hashes the first and last MiB, "full" everything."""
-    size = path.stat().st_size
-    crc = 0
-    with open(path, "rb") as f:
-        if mode == "full" or size <= 2 * _EDGE:
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        else:
-            crc = zlib.crc32(f.read(_EDGE), crc)
-            f.seek(size - _EDGE)
-            crc = zlib.crc32(f.read(_EDGE), crc)
-    return {"size": size, "crc32": f"{crc:08x}"}
 
 
 class CheckpointStore:
@@ -242,19 +224,10 @@ class CheckpointStore:
             body = self.load_manifest(step)
         except CheckpointError as exc:
             return str(exc)
-        base = self.path(step)
-        mode = body.get("checksum", "edges")
         try:
-            for rel, want in body["files"].items():
-                p = base / rel
-                if not p.is_file():
-                    return f"step {step}: {rel} is missing"
-                size = p.stat().st_size
-                if size != want["size"]:
-                    return f"step {step}: {rel} has {size} bytes, manifest says {want['size']} (truncated?)"
-                got = file_digest(p, mode)["crc32"]
-                if got != want["crc32"]:
-                    return f"step {step}: {rel} crc32 {got} != manifest {want['crc32']} (corrupted)"
+            why = files_problem(self.path(step), body)
+            if why:
+                return f"step {step}: {why}"
             int(body["data"]["cursor"])
         except (KeyError, TypeError, AttributeError, ValueError, OSError) as exc:
             return f"step {step}: manifest or files unusable ({type(exc).__name__}: {exc})"

@@ -4,7 +4,7 @@ retention, daily digest, and the stall check with an injected clock."""
 from __future__ import annotations
 
 import io
-import json
+from pathlib import Path
 import math
 
 import numpy as np
@@ -55,14 +55,17 @@ def sup(db, tmp_path, stream, clock):
 
 
 def _checkpoint_dir(root, step, files=None):
-    d = root / f"step_{step}"
-    d.mkdir(parents=True)
+    """A committed checkpoint written by the trainer's own store (its manifest format)."""
+    from trainer.checkpoint import CheckpointStore, make_manifest
+
     files = files if files is not None else {"model.pt": b"weights" * 10}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-    manifest = {"step": step, "files": [{"path": n, "size": len(b)} for n, b in files.items()]}
-    (d / "manifest.json").write_text(json.dumps(manifest))
-    return d
+
+    def write(d):
+        for name, data in files.items():
+            (d / name).write_bytes(data)
+
+    info = CheckpointStore(root).save(step, write, make_manifest({"cursor": step * 16, "tokens_consumed": step * 1024}))
+    return Path(info.path)
 
 
 def _ckpts(sup):
