@@ -8,16 +8,13 @@ bad input (the message says which value and how to fix it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from supervisor.errors import UserError
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-class CliError(Exception):
-    """A user-facing error: printed without a traceback, exit code 2."""
 
 
 def _supervisor_config(args: argparse.Namespace):
@@ -95,21 +92,9 @@ def cmd_manual(args: argparse.Namespace) -> int:
 
 
 def _load_mapping(path: str | None) -> dict:
-    if not path:
-        return {}
-    p = Path(path)
-    if not p.exists():
-        raise CliError(f"{path}: no such file")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
+    from supervisor.config import read_mapping
 
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise CliError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    return data
+    return read_mapping(Path(path)) if path else {}
 
 
 def _add_db_flags(p: argparse.ArgumentParser) -> None:
@@ -168,18 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
-        print(f"thermowatch: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # user-facing errors of the parts carry their own messages
-        from supervisor.errors import UserError
-
-        if isinstance(exc, UserError):
-            print(f"thermowatch: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+    except UserError as exc:  # a person's mistake: its message names the value and the fix
+        print(f"thermowatch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

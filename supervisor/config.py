@@ -62,7 +62,7 @@ class SupervisorConfig:
         """Defaults <- YAML file <- environment <- explicit overrides (CLI flags)."""
         values: dict[str, Any] = {}
         if path:
-            values.update(_read_yaml(Path(path)))
+            values.update(read_mapping(Path(path)))
         env = os.environ if env is None else env
         for name, key in (("db_url", "THERMOWATCH_DB_URL"), ("data_dir", "THERMOWATCH_DATA_DIR"),
                           ("host", "THERMOWATCH_HOST"), ("port", "THERMOWATCH_PORT"),
@@ -87,13 +87,14 @@ class SupervisorConfig:
         return cls(**values)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_mapping(path: Path) -> dict[str, Any]:
+    """A YAML (or JSON: a subset of YAML) file holding a mapping of settings."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path} does not exist") from exc
+        raise ConfigError(f"{path}: no such file") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

@@ -168,7 +168,7 @@ class _NoHumanOnCall:
 
 def _final_loss(losses: list[float], last: int = 10) -> float:
     """Mean loss over the last `last` steps: one step's loss is too noisy to compare runs."""
-    tail = [x for x in losses[-last:]]
+    tail = losses[-last:]
     return float(sum(tail) / len(tail)) if tail else math.nan
 
 

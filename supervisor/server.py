@@ -12,6 +12,7 @@ import threading
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from supervisor import db
 from supervisor.config import SupervisorConfig
 from supervisor.service import Supervisor
 
@@ -52,7 +53,7 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
     server = uvicorn.Server(uvicorn.Config(build_app(sup), host=cfg.host, port=cfg.port, log_level="info"))
-    log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, _redact(cfg.db_url))
+    log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, db.redact(cfg.db_url))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
@@ -62,8 +63,3 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
         sup.close()
     return 0
 
-
-def _redact(url: str) -> str:
-    from supervisor import db
-
-    return db.redact(url) if hasattr(db, "redact") else url.split("@")[-1]
