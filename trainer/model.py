@@ -2,7 +2,7 @@
 
 Precision (YaLM-100B: bf16 weights, precision-critical ops in fp32):
 - weights and matmuls in `GPTConfig.dtype` (bf16 by default);
-- every LayerNorm computes in fp32 and casts back to the matmul dtype;
+- every LayerNorm / RMSNorm (`GPTConfig.norm`) computes in fp32 and casts back to the matmul dtype;
 - the residual stream is fp32: `blocks.{i}` outputs fp32 and each block adds its branch in fp32;
 - the attention softmax is fp32: the fused SDPA kernels accumulate in fp32 for bf16 inputs
   (`opmath_type`, aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), the explicit path casts;
@@ -36,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_NORMS = ("layernorm", "rmsnorm")
+_ACTIVATIONS = ("gelu", "relu2")
 
 
 @dataclass
@@ -54,6 +56,11 @@ class GPTConfig:
     qk_layernorm: bool = False  # LayerNorm on q and k bounds the attention logits (ViT-22B)
     z_loss: float = 0.0  # PaLM uses 1e-4 * log(Z)^2 to keep the softmax normaliser near 0
     dtype: str = "bfloat16"  # weight dtype; YaLM trains bf16 with fp32 critical ops
+    # Every norm layer (embed_norm, ln1/ln2, final_norm, the q/k norms): "layernorm" (nanoGPT,
+    # YaLM) or "rmsnorm" (LLaMA, modded-nanogpt: no mean, no bias). Both compute in fp32.
+    norm: str = "layernorm"
+    # MLP nonlinearity: "gelu" (GPT-2, nanoGPT) or "relu2" = relu(x)^2 (Primer; modded-nanogpt).
+    activation: str = "gelu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -78,6 +85,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.z_loss must be >= 0, got {self.z_loss!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.norm not in _NORMS:
+            raise ValueError(f"GPTConfig.norm={self.norm!r} is not one of {list(_NORMS)}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"GPTConfig.activation={self.activation!r} is not one of {list(_ACTIVATIONS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,6 +108,27 @@ class FP32LayerNorm(nn.LayerNorm):
         b = self.bias.float() if self.bias is not None else None
         y = F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)
         return y.to(self.out_dtype or x.dtype)
+
+
+class FP32RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019; LLaMA, modded-nanogpt) with a learned gain, computed in
+    fp32 like FP32LayerNorm, output in `out_dtype` (None = the input's dtype)."""
+
+    def __init__(self, dim: int, out_dtype: torch.dtype | None = None, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.out_dtype = eps, out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(self.out_dtype or x.dtype)
+
+
+def make_norm(cfg: GPTConfig, dim: int, out_dtype: torch.dtype | None = None) -> nn.Module:
+    """The norm layer `cfg.norm` names; the module names stay the same for either kind."""
+    if cfg.norm == "rmsnorm":
+        return FP32RMSNorm(dim, out_dtype)
+    return FP32LayerNorm(dim, out_dtype)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -133,8 +165,9 @@ class CausalSelfAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.q_norm = FP32LayerNorm(self.head_dim) if cfg.qk_layernorm else None
-        self.k_norm = FP32LayerNorm(self.head_dim) if cfg.qk_layernorm else None
+        # qk-norm (ViT-22B); of the kind `cfg.norm` names, so "rmsnorm" means QK-RMSNorm.
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_layernorm else None
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_layernorm else None
         # Learned mix of this block's values with block 0's (modded-nanogpt value residual).
         # Block 0 only hands its values on: no parameter there, since an unused one breaks
         # DDP / ZeRO gradient bookkeeping.
@@ -189,9 +222,12 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False)
+        self.relu2 = cfg.activation == "relu2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        h = self.fc(x)
+        # relu(x)^2: Primer (So et al. 2021), modded-nanogpt's MLP.
+        return self.proj(F.relu(h).square() if self.relu2 else F.gelu(h))
 
 
 class Block(nn.Module):
@@ -200,7 +236,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         wdt = cfg.torch_dtype
-        self.ln1, self.ln2 = FP32LayerNorm(cfg.d_model, wdt), FP32LayerNorm(cfg.d_model, wdt)
+        self.ln1, self.ln2 = make_norm(cfg, cfg.d_model, wdt), make_norm(cfg, cfg.d_model, wdt)
         self.attn, self.mlp = CausalSelfAttention(cfg, layer), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -215,10 +251,10 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.embed_norm = FP32LayerNorm(cfg.d_model, torch.float32)  # YaLM: LN after embeddings
+        self.embed_norm = make_norm(cfg, cfg.d_model, torch.float32)  # YaLM: LN after embeddings
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.final_norm = FP32LayerNorm(cfg.d_model, cfg.torch_dtype)
+        self.final_norm = make_norm(cfg, cfg.d_model, cfg.torch_dtype)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if not cfg.untied_head:
             self.head.weight = self.embed.weight

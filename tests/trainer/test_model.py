@@ -74,8 +74,12 @@ def test_loss_falls_on_repeating_text():
         dict(qk_layernorm=True),
         dict(z_loss=1e-2),
         dict(dtype="float32"),
+        dict(norm="rmsnorm"),
+        dict(norm="rmsnorm", qk_layernorm=True),
+        dict(activation="relu2"),
+        dict(norm="rmsnorm", activation="relu2"),
     ],
-    ids=lambda o: ",".join(o),
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
 def test_each_option_builds_and_trains(option):
     torch.manual_seed(0)
@@ -118,6 +122,34 @@ def test_option_effects():
     assert vr.blocks[1].attn.v_mix.grad.abs().sum() > 0  # block 1 really mixes block 0's values
 
     assert GPT(tiny(qk_layernorm=True)).blocks[0].attn.q_norm is not None
+
+
+def test_norm_and_activation_choices():
+    """rmsnorm / relu2 compute what their papers define; the defaults keep LayerNorm + GELU."""
+    from trainer.model import FP32LayerNorm, FP32RMSNorm
+
+    torch.manual_seed(0)
+    default = GPT(tiny(qk_layernorm=True))
+    norms = [m for m in default.modules() if isinstance(m, (FP32LayerNorm, FP32RMSNorm))]
+    assert norms and all(type(m) is FP32LayerNorm for m in norms)
+    torch.manual_seed(0)
+    rms = GPT(tiny(norm="rmsnorm", activation="relu2", qk_layernorm=True, dtype="float32"))
+    kinds = {n: type(m) for n, m in rms.named_modules() if isinstance(m, (FP32LayerNorm, FP32RMSNorm))}
+    assert set(kinds.values()) == {FP32RMSNorm} and len(kinds) == len(norms)  # same names, other kind
+    assert "blocks.0.attn.q_norm" in kinds and "final_norm" in kinds
+    # RMSNorm: x / sqrt(mean(x^2) + eps) * g, no mean subtraction, no bias.
+    ln = rms.blocks[0].ln1
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 32) + 2.0
+    ref = x / torch.sqrt(x.square().mean(-1, keepdim=True) + ln.eps) * ln.weight
+    torch.testing.assert_close(ln(x), ref)
+    assert not hasattr(ln, "bias")
+    # relu2: proj(relu(fc(x))^2).
+    mlp = rms.blocks[0].mlp
+    torch.testing.assert_close(mlp(x), mlp.proj(torch.relu(mlp.fc(x)) ** 2))
+    gelu = GPT(tiny(dtype="float32")).blocks[0].mlp
+    torch.testing.assert_close(gelu(x), gelu.proj(torch.nn.functional.gelu(gelu.fc(x))))
 
 
 class _OpDtypes(TorchDispatchMode):
@@ -172,6 +204,8 @@ def test_counts_and_flops():
         (dict(logit_softcap=0.0), "logit_softcap"),
         (dict(dtype="fp8"), "fp8"),
         (dict(dropout=1.0), "dropout"),
+        (dict(norm="batchnorm"), "batchnorm"),
+        (dict(activation="swiglu"), "swiglu"),
     ],
 )
 def test_config_rejects_bad_values(bad, match):
