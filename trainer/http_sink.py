@@ -342,10 +342,11 @@ class HttpCommandChannel:
         except httpx.TransportError as exc:
             log.warning("cannot poll commands (%s); training goes on", exc)
             return []
-        if r.status_code >= 500:
-            log.warning("command poll failed: HTTP %s", r.status_code)
+        if r.status_code >= 400:
+            # Never fatal: a 404 means the daemon has not stored this run yet (open_run is sent
+            # by HttpSink's background thread and may still be on its way); training goes on.
+            log.warning("command poll failed: HTTP %s %s", r.status_code, r.text[:200])
             return []
-        r.raise_for_status()
         obj = r.json()
         items = obj.get("commands", []) if isinstance(obj, dict) else obj
         return [Command.from_json(c) for c in items]
