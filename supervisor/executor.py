@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import threading
 from typing import Any, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,9 +23,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitors.contract import Ack, Command, CommandKind, Finding, Severity
 from supervisor.errors import Conflict, NotFound, UserError
 from supervisor.notify.base import Alert, Notifier
+from supervisor.notify.outbox import Outbox
 from supervisor.policy import Decision, DecisionKind
 from supervisor.store import actions as actions_store
-from supervisor.store import alerts as alerts_store
 from supervisor.store import audit as audit_store
 from supervisor.store import checkpoints as ckpt_store
 from supervisor.store import incidents as incidents_store
@@ -51,8 +50,9 @@ class Executor:
         self._ack_timeout = dt.timedelta(seconds=ack_timeout_s)
         self._ack_retries = ack_retries
         self._on_rollback_done = on_rollback_done or (lambda run_id, step: None)
-        self._outbox: list[Alert] = []  # alerts decided inside a transaction, sent after it commits
-        self._lock = threading.Lock()
+        # Alerts are rows written in the deciding transaction and sent by a background thread, so
+        # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
+        self.outbox = Outbox(session_factory, notifier).start()
 
     # --- decisions -> rows ---------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ class Executor:
             alert = Alert.from_decision(run_id, finding, decision, incident_id)
             if needs_ok and not decision.requires_approval:
                 alert = dataclasses.replace(alert, title=f"approval needed: {alert.title}")
-            self._queue_alert(alert)
+            self._queue_alert(s, alert)
         return ids
 
     def submit(self, run_id: str, kind: str, args: dict[str, Any], who: str, reason: str) -> int:
@@ -105,8 +105,8 @@ class Executor:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}; `thermowatch runs` lists the known runs")
             action_id = self._enqueue(s, run_id, CommandKind(kind), args, reason or "manual", "manual", who, None, False)
-        self._queue_alert(Alert(run_id=run_id, severity=Severity.INFO,
-                                title=f"{run_id}: {who} asked for {kind} {args or ''}".strip(), text=reason))
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
+                                       title=f"{run_id}: {who} asked for {kind} {args or ''}".strip(), text=reason))
         self.flush_alerts()
         return action_id
 
@@ -165,7 +165,7 @@ class Executor:
             if not ack.ok:
                 actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it")
                 audit_store.audit(s, run_id, "trainer", "failed", {"action_id": row.id, "detail": ack.detail})
-                self._queue_alert(Alert(run_id=run_id, severity=Severity.CRITICAL,
+                self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                         title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
                                         text=ack.detail or "the run controller refused the command",
                                         incident_id=row.incident_id))
@@ -213,7 +213,7 @@ class Executor:
                 else:
                     actions_store.set_action_state(s, a.id, "failed", error="no acknowledgement from the trainer")
                     failed.append(a.id)
-                    self._queue_alert(Alert(run_id=a.run_id, severity=Severity.CRITICAL,
+                    self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.CRITICAL,
                                             title=f"{a.run_id}: {a.kind} (action {a.id}) was never acknowledged",
                                             text=f"sent {a.attempts} times; is the run controller alive?",
                                             incident_id=a.incident_id))
@@ -222,21 +222,13 @@ class Executor:
 
     # --- alerts ---------------------------------------------------------------------------------
 
-    def _queue_alert(self, alert: Alert) -> None:
-        with self._lock:
-            self._outbox.append(alert)
+    def _queue_alert(self, s: Session, alert: Alert) -> None:
+        """Write `alert` to the outbox in the caller's transaction (sent once it commits)."""
+        self.outbox.enqueue(s, alert)
 
     def flush_alerts(self) -> None:
-        """Send queued alerts (after the transaction that decided them has committed) and record
-        each one. A notifier that fails is recorded, never allowed to undo the decision."""
-        with self._lock:
-            outbox, self._outbox = self._outbox, []
-        for alert in outbox:
-            ok, error = True, ""
-            try:
-                self._notifier.send(alert)
-            except Exception as exc:  # noqa: BLE001 - an alert channel must not take the daemon down
-                ok, error = False, f"{type(exc).__name__}: {exc}"
-                log.exception("alert for run %s failed", alert.run_id)
-            with self._session.begin() as s:
-                alerts_store.record_alert(s, alert.run_id, "notify", alert.title, ok=ok, error=error)
+        """Wake the alert sender after a transaction that queued alerts has committed. Never waits."""
+        self.outbox.wake()
+
+    def close(self) -> None:
+        self.outbox.close()

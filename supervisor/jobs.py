@@ -109,9 +109,8 @@ def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Aler
                     + "".join(f"\n- {i.signal} on {i.module or '-'} onset {i.onset_step} ({i.state})" for i in incs[:10]))
             sent.append(Alert(run_id=run.run_id, severity=Severity.INFO, title=f"{run.run_id}: daily digest",
                               text=text))
-    for alert in sent:
-        try:
-            sup.notifier.send(alert)
-        except Exception:  # noqa: BLE001
-            log.exception("digest for %s failed", alert.run_id)
+    with sup.sessions.begin() as s:  # through the outbox: in order, retried, recorded
+        for alert in sent:
+            sup.executor.outbox.enqueue(s, alert)
+    sup.executor.flush_alerts()
     return sent

@@ -107,6 +107,7 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
     from supervisor.store import thermometers as thermo_store
 
     engine = db.make_engine(cfg.db_url)
+    ex = None
     try:
         try:
             db.check_current(engine)
@@ -143,6 +144,8 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
               f"the run controller applies it between steps")
         return 0
     finally:
+        if ex is not None:
+            ex.close()  # delivers this command's alert before the process exits
         engine.dispose()
 
 

@@ -102,7 +102,7 @@ class Supervisor:
     def close(self) -> None:
         """Survives any one part failing (STYLE.md rule 9)."""
         for name, closer in (("detector state", self.responder.save_states), ("ingestor", self.ingestor.close),
-                             ("notifier", self.notifier.close),
+                             ("alert outbox", self.executor.close), ("notifier", self.notifier.close),
                              ("engine", self.engine.dispose)):
             try:
                 closer()

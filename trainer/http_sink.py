@@ -1,11 +1,16 @@
 """The run controller's side of the supervisor's HTTP API.
 
-HttpSink implements contract.RecordSink. When the supervisor (or its database) is unreachable
--- connect error, timeout, 5xx -- the message is appended to a spool file (JSONL, fsync'd) and
-training goes on; spooled messages are replayed in order once the supervisor answers again.
-While anything is spooled, new messages queue behind it, so the supervisor always sees them in
-the order they were produced. Ingest is idempotent, so a message replayed twice (a crash
-between send and spool deletion) stores nothing twice.
+HttpSink implements contract.RecordSink without ever blocking the training loop (DESIGN.md,
+"Nothing blocks training"): `write()` appends to a bounded in-memory queue and returns; one
+background thread serialises, posts, and spools. When the supervisor (or its database) is
+unreachable -- connect error, timeout, 5xx -- the message is appended to a spool file (JSONL,
+fsync'd by the sender thread) and training goes on; spooled messages are replayed in order once
+the supervisor answers again. While anything is spooled, new messages queue behind it, so the
+supervisor always sees them in the order they were produced. If the queue is full (the sender
+is stuck in a slow request), the caller spills to an overflow file (one buffered write, no
+fsync) that the sender promotes into the spool once it has caught up: a slow or absent daemon
+only grows the spool. Ingest is idempotent, so a message replayed twice (a crash between send
+and spool deletion) stores nothing twice.
 
 HttpCommandChannel implements contract.CommandChannel:
     GET  /api/runs/{run_id}/commands -> {"commands": [Command.to_json(), ...]}
@@ -14,13 +19,14 @@ HttpCommandChannel implements contract.CommandChannel:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import quote
 
 import httpx
@@ -46,51 +52,154 @@ def _run_path(run_id: str) -> str:
 
 
 class HttpSink:
-    """contract.RecordSink over HTTP, with an on-disk spool for supervisor outages."""
+    """contract.RecordSink over HTTP, sent from a background thread, with an on-disk spool for
+    supervisor outages. Call `drain()` to wait until everything written so far has been posted
+    or spooled (tests, shutdown); `close()` drains, replays the spool once more and stops."""
 
     def __init__(self, base_url: str, spool_dir: str | os.PathLike, token: str | None = None, *,
                  timeout: float = 30.0, connect_timeout: float = 2.0, retry_interval: float = 1.0,
-                 max_retry_interval: float = 60.0) -> None:
+                 max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 60.0) -> None:
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
-        # While the supervisor is unreachable, writes go straight to the spool and one replay is
+        # While the supervisor is unreachable, messages go straight to the spool and one replay is
         # tried per retry interval, which doubles up to max_retry_interval: a blackholed host
-        # (connect timeout, 2 s) stalls the training loop ~15 times in a ten-minute outage, not
-        # on every step. A refused connection (supervisor process down) fails at once.
+        # (connect timeout, 2 s) costs the sender thread ~15 stalls in a ten-minute outage.
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token),
                                     timeout=httpx.Timeout(timeout, connect=connect_timeout))
         self.retry_interval = retry_interval
         self.max_retry_interval = max_retry_interval
+        self.close_timeout = close_timeout
         self._backoff = retry_interval
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the spool and the HTTP client (sender thread, flush())
         self._next_retry = 0.0
         self._file: Any = None  # the spool file being appended to
         self._seq = max((self._file_seq(p) for p in self._spool_files()), default=0)
+        self.rejected = 0  # messages the supervisor refused (4xx), set aside in rejected.jsonl
+        # The caller's side: a bounded queue of (path, body factory); serialising happens on the
+        # sender thread, so write() costs one append.
+        self._queue_size = queue_size
+        self._queue: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False  # the sender holds a message it has not finished with
+        self._overflow: Any = None  # spill file while the queue is full; the sender promotes it
+        self._closing = False
+        self._thread = threading.Thread(target=self._sender, name="thermowatch-sink", daemon=True)
+        self._thread.start()
 
-    # --- RecordSink ----------------------------------------------------------------------------
+    # --- RecordSink (called from the training loop: never blocks on the network) -------------------
 
     def open_run(self, info: RunInfo) -> None:
-        body = {"run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
-                "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}}
-        self._send("/api/runs", body)
+        self._submit("/api/runs", lambda: {
+            "run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
+            "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}})
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if records:
-            self._send(f"{_run_path(run_id)}/attempts/{attempt}/steps", {"records": [r.to_json() for r in records]})
+            records = list(records)  # the caller may reuse its list; the records themselves are not mutated
+            self._submit(f"{_run_path(run_id)}/attempts/{attempt}/steps",
+                         lambda: {"records": [r.to_json() for r in records]})
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
-        body = {"step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
-                "manifest": ckpt.manifest}
-        self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", body)
+        self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", lambda: {
+            "step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
+            "manifest": ckpt.manifest})
 
     def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(self.close_timeout)
+        if self._thread.is_alive():
+            log.error("sink sender still busy after %.0f s at close; unsent messages stay in memory only",
+                      self.close_timeout)
         try:
-            self.flush(force=True)
+            self._promote_overflow()
+            with self._lock:
+                self._replay(force=True)
         except Exception:  # close() must survive an outage; the spool stays for next time
             log.exception("could not replay the spool at close; it stays in %s", self.spool_dir)
         finally:
-            self._close_file()
+            with self._lock:
+                self._close_file()
             self._client.close()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every message written so far is posted or spooled. False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy or self._overflow is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _submit(self, path: str, body: Callable[[], Any]) -> None:
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("HttpSink is closed")
+            if self._overflow is None and len(self._queue) < self._queue_size:
+                self._queue.append((path, body))
+                self._cv.notify_all()
+                return
+            # The sender is stuck (a slow supervisor): spill, in order, behind everything queued.
+            if self._overflow is None:
+                self._overflow = open(self.spool_dir / "overflow.jsonl", "ab")
+            self._overflow.write(_spool_line(path, json.dumps(body()).encode()))
+
+    # --- the sender thread ---------------------------------------------------------------------
+
+    def _sender(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing and self._overflow is None:
+                    wait = self._replay_due_in()
+                    if wait == 0 or (not self._cv.wait(wait) and wait is not None):
+                        break  # the spool is due for a replay
+                item = self._queue.popleft() if self._queue else None
+                if item is None and self._closing and self._overflow is None:
+                    return
+                self._busy = True
+            try:
+                if item is not None:
+                    path, body = item
+                    self._send(path, json.dumps(body()).encode())  # NaN/Infinity literals: ingest accepts them
+                else:
+                    self._promote_overflow()
+                    with self._lock:
+                        self._replay(force=False)
+            except Exception:  # the sender must outlive any one message
+                log.exception("sink sender: unexpected error; going on")
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _replay_due_in(self) -> float | None:
+        """Seconds until the spool should be retried on its own (None: nothing spooled)."""
+        if self._file is None and not self._spool_files():
+            return None
+        if not self._next_retry:
+            return 0.0  # a spool left by an earlier process: try it at once
+        # At least 50 ms between tries even with retry_interval=0, so an outage is not a busy loop.
+        return max(0.05, self._next_retry - time.monotonic())
+
+    def _promote_overflow(self) -> None:
+        """Turn the caller's spill file into the newest spool file, once the queue ahead of it is
+        empty, so that it is replayed after everything queued before it and before anything after."""
+        with self._cv:
+            if self._overflow is None or self._queue:
+                return
+            f, self._overflow = self._overflow, None
+            with self._lock:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                self._close_file()
+                self._seq += 1
+                os.replace(self.spool_dir / "overflow.jsonl", self.spool_dir / f"spool-{self._seq:08d}.jsonl")
+                _fsync_dir(self.spool_dir)
+            self._cv.notify_all()
 
     # --- spool -----------------------------------------------------------------------------------
 
@@ -104,12 +213,13 @@ class HttpSink:
         return n
 
     def flush(self, force: bool = False) -> bool:
-        """Replay the spool now; True when it is empty afterwards."""
+        """Wait for the queue, then replay the spool now; True when it is empty afterwards."""
+        self.drain()
+        self._promote_overflow()
         with self._lock:
             return self._replay(force)
 
-    def _send(self, path: str, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()  # NaN/Infinity literals: the ingest parser accepts them
+    def _send(self, path: str, data: bytes) -> None:
         with self._lock:
             if self._spool_files() and not self._replay(force=False):
                 self._spool(path, data)  # keep order: queue behind what is already spooled
@@ -120,6 +230,8 @@ class HttpSink:
                 log.warning("supervisor unreachable (%s); spooling to %s", exc, self.spool_dir)
                 self._failed()
                 self._spool(path, data)
+            except SinkRejected as exc:
+                self._reject(_spool_line(path, data), str(exc))
 
     def _post(self, path: str, data: bytes) -> None:
         try:
@@ -142,13 +254,8 @@ class HttpSink:
         if self._file is None:
             self._seq += 1
             self._file = open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab")
-            dir_fd = os.open(self.spool_dir, os.O_RDONLY)  # make the new file's name durable too
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        line = b'{"path": ' + json.dumps(path).encode() + b', "body": ' + data + b"}\n"
-        self._file.write(line)
+            _fsync_dir(self.spool_dir)  # make the new file's name durable too
+        self._file.write(_spool_line(path, data))
         self._file.flush()
         os.fsync(self._file.fileno())  # a crash of the controller must not lose spooled steps
 
@@ -195,6 +302,7 @@ class HttpSink:
         return True
 
     def _reject(self, line: bytes, why: str) -> None:
+        self.rejected += 1
         with open(self.spool_dir / "rejected.jsonl", "ab") as rej:
             rej.write(line if line.endswith(b"\n") else line + b"\n")
         log.error("spooled message moved to rejected.jsonl: %s", why)
@@ -206,6 +314,18 @@ class HttpSink:
 
 class _Unreachable(Exception):
     pass
+
+
+def _spool_line(path: str, data: bytes) -> bytes:
+    return b'{"path": ' + json.dumps(path).encode() + b', "body": ' + data + b"}\n"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class HttpCommandChannel:
@@ -222,10 +342,11 @@ class HttpCommandChannel:
         except httpx.TransportError as exc:
             log.warning("cannot poll commands (%s); training goes on", exc)
             return []
-        if r.status_code >= 500:
-            log.warning("command poll failed: HTTP %s", r.status_code)
+        if r.status_code >= 400:
+            # Never fatal: a 404 means the daemon has not stored this run yet (open_run is sent
+            # by HttpSink's background thread and may still be on its way); training goes on.
+            log.warning("command poll failed: HTTP %s %s", r.status_code, r.text[:200])
             return []
-        r.raise_for_status()
         obj = r.json()
         items = obj.get("commands", []) if isinstance(obj, dict) else obj
         return [Command.from_json(c) for c in items]

@@ -8,6 +8,7 @@ no Slack import here (STYLE.md 6); the Slack part lives in `supervisor.notify.sl
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
@@ -21,7 +22,14 @@ log = logging.getLogger(__name__)
 
 
 class NotifyError(RuntimeError):
-    """A message could not be delivered (after retries). The message says what to check."""
+    """A message could not be delivered (after retries). The message says what to check.
+
+    `retryable` False: the channel refused this message itself (malformed, too long), so trying
+    it again cannot help; the outbox marks it failed and goes on with the next one."""
+
+    def __init__(self, message: str, *, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class NotifyConfigError(UserError):
@@ -40,6 +48,19 @@ class Alert:
     incident_id: int | str | None = None
     reasons: Sequence[str] = ()  # the policy's reasons, one bullet each
     thread_ts: str | None = None  # reply in the thread of an earlier message (its id from send)
+
+    def to_json(self) -> dict[str, Any]:
+        """Strict JSON (the outbox stores it): values of `fields` that JSON lacks become strings."""
+        return {"run_id": self.run_id, "severity": self.severity.value, "title": self.title, "text": self.text,
+                "fields": {str(k): _plain(v) for k, v in self.fields.items()},
+                "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
+        return cls(run_id=str(obj.get("run_id") or ""), severity=Severity(obj.get("severity", "info")),
+                   title=str(obj.get("title", "")), text=str(obj.get("text", "")),
+                   fields=dict(obj.get("fields") or {}), incident_id=obj.get("incident_id"),
+                   reasons=tuple(obj.get("reasons") or ()), thread_ts=obj.get("thread_ts"))
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
@@ -86,6 +107,14 @@ class Alert:
             fields={k: v for k, v in facts.items() if v is not None},
             incident_id=incident_id, reasons=tuple(decision.reasons[1:]), thread_ts=thread_ts,
         )
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return v
+    if isinstance(v, float) and math.isfinite(v):
+        return v
+    return str(v)
 
 
 class Notifier(Protocol):

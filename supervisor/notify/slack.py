@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 _EMOJI = {Severity.INFO: ":information_source:", Severity.WARN: ":warning:", Severity.CRITICAL: ":rotating_light:"}
 _AUTH_ERRORS = {"invalid_auth", "not_authed", "token_revoked", "token_expired", "account_inactive"}
 _CHANNEL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived"}
+# Errors about the message itself: sending it again cannot succeed (the outbox marks it failed).
+_MESSAGE_ERRORS = {"invalid_blocks", "invalid_blocks_format", "msg_too_long", "no_text", "invalid_arguments",
+                   "too_many_attachments", "invalid_attachments"}
 # Block Kit limits: header text 150 chars, section text 3000, 10 fields of 2000 each.
 _HEADER_MAX, _SECTION_MAX, _FIELDS_MAX = 150, 3000, 10
 
@@ -112,6 +115,7 @@ class SlackNotifier:
             raise NotifyConfigError(f"Slack base_url={base_url!r} must end with '/api/' (slack-sdk appends the "
                                     "method name to it), e.g. 'http://127.0.0.1:8080/api/'")
         self.channel = channel
+        self.channel_name = f"slack:{channel}"  # the outbox's channel key (supervisor.notify.outbox)
         self.retries = retries
         self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
         self.token_source = token_source
@@ -150,7 +154,8 @@ class SlackNotifier:
         try:
             return fn(**{k: v for k, v in kwargs.items() if v is not None})
         except SlackApiError as exc:
-            raise NotifyError(self._explain(method, exc)) from exc
+            error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
+            raise NotifyError(self._explain(method, exc), retryable=error not in _MESSAGE_ERRORS) from exc
         except OSError as exc:  # URLError, ConnectionError, timeouts: after the retries ran out
             raise NotifyError(f"Slack {method} could not reach {self.client.base_url} after {self.retries} "
                               f"retries: {exc}; check the network or slack.base_url") from exc

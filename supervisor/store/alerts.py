@@ -1,14 +1,22 @@
-"""Alerts sent (or attempted) to humans: Slack, console."""
+"""Alerts to humans (Slack, console): the durable outbox's rows.
+
+One row per alert per channel. `enqueue` writes them `pending` inside the caller's transaction
+(the one that decided the incident or action), so an alert exists exactly when its cause does;
+the sender (supervisor.notify.outbox) delivers them in id order per channel and records what
+really happened: `sent`, still `pending` with the last error and the next try, or `failed` when
+the channel refused that message for good.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any, Sequence
 
-from sqlalchemy import select
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.store.orm import Alert
+from supervisor.store.orm import Alert, utcnow
 
 
 @dataclass(slots=True)
@@ -17,16 +25,56 @@ class AlertRow:
     run_id: str | None
     channel: str
     text: str
-    sent_at: dt.datetime
+    sent_at: dt.datetime | None
     ok: bool
     error: str
+    state: str = "sent"
+    attempts: int = 0
+    next_attempt_at: dt.datetime | None = None
+    created_at: dt.datetime | None = None
+    payload: dict[str, Any] | None = None
 
 
-def record_alert(session: Session, run_id: str | None, channel: str, text: str, ok: bool, error: str = "") -> int:
-    row = Alert(run_id=run_id, channel=channel, text=text, ok=ok, error=error)
-    session.add(row)
-    session.flush()
-    return row.id
+def _row(r: Alert) -> AlertRow:
+    return AlertRow(r.id, r.run_id, r.channel, r.text, r.sent_at, r.ok, r.error, r.state, r.attempts,
+                    r.next_attempt_at, r.created_at, r.payload)
+
+
+def enqueue(session: Session, run_id: str | None, channels: Sequence[str], title: str,
+            payload: dict[str, Any]) -> None:
+    """One pending row per channel, in the caller's transaction (never commits)."""
+    now = utcnow()
+    session.execute(insert(Alert), [
+        {"run_id": run_id, "channel": ch, "text": title, "created_at": now, "sent_at": None, "ok": False,
+         "error": "", "state": "pending", "attempts": 0, "next_attempt_at": None, "payload": payload}
+        for ch in channels])
+
+
+def pending(session: Session, channel: str, limit: int = 50) -> list[AlertRow]:
+    """The channel's undelivered alerts, oldest first (due or not: order is kept per channel)."""
+    q = (select(Alert).where(Alert.state == "pending", Alert.channel == channel)
+         .order_by(Alert.id).limit(limit))
+    return [_row(r) for r in session.execute(q).scalars()]
+
+
+def pending_channels(session: Session) -> list[str]:
+    q = select(Alert.channel).where(Alert.state == "pending").distinct()
+    return list(session.execute(q).scalars())
+
+
+def mark_sent(session: Session, alert_id: int) -> None:
+    session.execute(update(Alert).where(Alert.id == alert_id).values(
+        state="sent", ok=True, sent_at=utcnow(), attempts=Alert.attempts + 1, next_attempt_at=None))
+
+
+def mark_retry(session: Session, alert_id: int, error: str, next_attempt_at: dt.datetime) -> None:
+    session.execute(update(Alert).where(Alert.id == alert_id).values(
+        error=error, attempts=Alert.attempts + 1, next_attempt_at=next_attempt_at))
+
+
+def mark_failed(session: Session, alert_id: int, error: str) -> None:
+    session.execute(update(Alert).where(Alert.id == alert_id).values(
+        state="failed", ok=False, error=error, attempts=Alert.attempts + 1, next_attempt_at=None))
 
 
 def alerts(session: Session, run_id: str | None = None, limit: int = 200) -> list[AlertRow]:
@@ -34,4 +82,4 @@ def alerts(session: Session, run_id: str | None = None, limit: int = 200) -> lis
     if run_id is not None:
         q = q.where(Alert.run_id == run_id)
     rows = session.execute(q.order_by(Alert.id.desc()).limit(limit)).scalars()
-    return [AlertRow(r.id, r.run_id, r.channel, r.text, r.sent_at, r.ok, r.error) for r in rows]
+    return [_row(r) for r in rows]

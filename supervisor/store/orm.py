@@ -234,14 +234,24 @@ class LrChange(Base):
 
 
 class Alert(Base):
+    """One alert to one channel: the durable outbox (supervisor.notify.outbox). Written pending in
+    the transaction that decided it; the sender marks it sent, or keeps it pending with the
+    error and the time of the next try, or failed when the channel refuses this message for good."""
+
     __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_state_channel_id", "state", "channel", "id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str | None] = mapped_column(_run_fk("SET NULL"), nullable=True)
     channel: Mapped[str] = mapped_column(String(200))
-    text: Mapped[str] = mapped_column(Text)
-    sent_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
-    ok: Mapped[bool] = mapped_column(Boolean)
-    error: Mapped[str] = mapped_column(Text, default="")
+    text: Mapped[str] = mapped_column(Text)  # the title, for lists and search
+    created_at: Mapped[dt.datetime | None] = mapped_column(default=utcnow, nullable=True)
+    sent_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)  # None until delivered
+    ok: Mapped[bool] = mapped_column(Boolean)  # delivered (state == "sent")
+    error: Mapped[str] = mapped_column(Text, default="")  # the last delivery error
+    state: Mapped[str] = mapped_column(String(16), default="sent", server_default="sent")  # pending|sent|failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_attempt_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    payload: Mapped[dict[str, Any] | None] = mapped_column(nullable=True)  # the Alert, to send it again
 
 
 class AuditEntry(Base):

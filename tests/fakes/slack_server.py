@@ -45,6 +45,9 @@ class FakeSlack:
         self._rate_limited = 0
         self._retry_after = "0"
         self._failures: list[str] = []
+        self._server_errors = 0
+        self._open = threading.Event()
+        self._open.set()
         self._ts = itertools.count(1)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -61,6 +64,18 @@ class FakeSlack:
         """Answer the next `calls` requests with HTTP 200 {"ok": false, "error": error}."""
         with self._lock:
             self._failures += [error] * calls
+
+    def server_error(self, calls: int) -> None:
+        """Answer the next `calls` requests with HTTP 500 (after any rate limiting)."""
+        with self._lock:
+            self._server_errors = calls
+
+    def hold(self) -> None:
+        """Accept requests but answer none until `release()` (a Slack that hangs)."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -112,6 +127,7 @@ class FakeSlack:
     # --- the wire format ---------------------------------------------------------------------
 
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        self._open.wait()
         url = urlsplit(req.path)
         api_method = url.path[len("/api/"):] if url.path.startswith("/api/") else ""
         raw = req.rfile.read(int(req.headers.get("Content-Length") or 0))
@@ -137,6 +153,9 @@ class FakeSlack:
         if self._rate_limited > 0:
             self._rate_limited -= 1
             return 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": self._retry_after}
+        if self._server_errors > 0:
+            self._server_errors -= 1
+            return 500, {"ok": False, "error": "internal_error"}, {}
         token = auth[len("Bearer "):] if auth.startswith("Bearer ") else body.get("token", "")
         if not token:
             return 200, {"ok": False, "error": "not_authed"}, {}

@@ -161,13 +161,13 @@ def test_skips_lr_alerts_audit(db):
         lr_changes.add_lr_change(s, "r", 0.5, 1200, 1000, aid)
         with pytest.raises(ValueError):
             lr_changes.add_lr_change(s, "r", 0.0, 1)
-        alerts.record_alert(s, "r", "#train", "rolled back", ok=False, error="timeout")
+        alerts.enqueue(s, "r", ["slack:#train"], "rolled back", {"title": "rolled back"})
         audit.audit(s, "r", "bob", "manual_skip", {"lo": 500, "x": math.inf})
     with db.sessions() as s:
         assert skips.skip_ranges(s, "r") == [(100, 250), (500, 700)]
         ch = lr_changes.lr_changes(s, "r")
         assert (ch[0].multiplier, ch[0].start_step, ch[0].steps, ch[0].action_id) == (0.5, 1200, 1000, aid)
         al = alerts.alerts(s, "r")
-        assert al[0].ok is False and al[0].error == "timeout"
+        assert (al[0].ok, al[0].state, al[0].sent_at, al[0].payload) == (False, "pending", None, {"title": "rolled back"})
         log = audit.audit_log(s, "r")
         assert log[0].event == "manual_skip" and log[0].detail == {"lo": 500, "x": "inf"}

@@ -59,6 +59,7 @@ def action(sup, action_id):
 
 
 def alerts(sup):
+    assert sup.executor.outbox.drain(30, due_only=True), "the alert sender did not catch up"
     with sup.sessions() as s:
         return list(reversed(alerts_store.alerts(s, RUN)))
 
@@ -219,6 +220,7 @@ def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, slack):
     sup = make_sup(db, tmp_path, notifier)
     try:
         act = _diverge(sup, tmp_path)
+        assert sup.executor.outbox.drain(30)
         posted = slack.posted()
         assert len(posted) == 1
         msg = posted[0]
@@ -243,11 +245,13 @@ def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, slack):
     sup = make_sup(db, tmp_path, notifier)
     try:
         act = _diverge(sup, tmp_path)
+        assert sup.executor.outbox.drain(30, due_only=True)
         assert act.kind == "rollback" and act.state == "pending"
         with sup.sessions() as s:
             assert incidents_store.get_incident(s, act.incident_id).state == "open"
         got = alerts(sup)
         assert got and not got[-1].ok and "invalid_auth" in got[-1].error
+        assert got[-1].state == "pending" and got[-1].sent_at is None  # kept for a retry once the token is fixed
         assert slack.posted() == [] and slack.calls("chat.postMessage")
         # the run controller still gets its command
         assert [c.id for c in sup.poll(RUN)] == [act.id]

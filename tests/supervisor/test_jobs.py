@@ -143,6 +143,7 @@ def test_daily_digest_sends_one_alert_per_run(sup, stream):
     assert sorted(a.run_id for a in sent) == sorted([RUN, "other"])
     by_run = {a.run_id: a for a in sent}
     assert "last step 25" in by_run[RUN].text and "last step None" in by_run["other"].text
+    assert sup.executor.outbox.drain(30)
     assert stream.getvalue().count("daily digest") == 2
 
 
@@ -173,6 +174,7 @@ def test_stall_check_job_uses_the_supervisors_clock(sup, clock, stream):
     clock.now = recs[-1].wall_time + 10 * 60.0  # > critical_factor (3) x timeout: critical
     found = by_name["stall_check"].fn()
     assert [(f.signal.value, f.severity.value) for f in found] == [("stall", "critical")]
+    assert sup.executor.outbox.drain(30)
     assert "stall" in stream.getvalue()
     # a new step clears the latch; silence after it is a new stall
     sup.write(RUN, 0, [healthy_records()[10]])

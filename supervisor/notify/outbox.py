@@ -1,0 +1,169 @@
+"""The durable alert outbox: nothing on the ingest or command path waits for Slack.
+
+The executor writes each alert as one `pending` row per channel in the same transaction as the
+incident or action that causes it (supervisor.store.alerts.enqueue), then wakes this sender. One
+background thread delivers rows in id order per channel, so a channel's alerts arrive in the
+order they were decided even after an outage. A channel that fails (Slack 429 with a long
+Retry-After, 5xx, a dropped connection, a revoked token) keeps its rows `pending` with the error
+and the time of the next try (exponential backoff, capped); a daemon restart picks them up from
+the database. A message the channel refuses for good (malformed blocks, too long) is marked
+`failed` and the channel goes on with the next one. The row tells the truth: `sent` only after
+the channel took it.
+
+Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
+recorded on its own: the console taking an alert no longer hides that Slack refused it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError
+from supervisor.store import alerts as alerts_store
+
+log = logging.getLogger(__name__)
+
+
+def channel_name(part: Notifier) -> str:
+    """A stable name per notifier: it is stored on each row and must survive a restart."""
+    name = getattr(part, "channel_name", None)
+    return str(name) if name else type(part).__name__.removesuffix("Notifier").lower() or "notifier"
+
+
+class Outbox:
+    def __init__(self, sessions: sessionmaker, notifier: Notifier, *, retry_s: float = 2.0,
+                 max_retry_s: float = 600.0, idle_s: float = 10.0, batch: int = 50,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)) -> None:
+        self._sessions = sessions
+        parts: Sequence[Notifier] = notifier.parts if isinstance(notifier, FanOut) else [notifier]
+        self._channels: dict[str, Notifier] = {}
+        for part in parts:
+            name, n = channel_name(part), 2
+            while name in self._channels:  # two consoles, two Slack channels: keep rows apart
+                name, n = f"{channel_name(part)}#{n}", n + 1
+            self._channels[name] = part
+        self.retry_s, self.max_retry_s, self.idle_s, self.batch = retry_s, max_retry_s, idle_s, batch
+        self._clock = clock
+        # One sender thread per channel: a Slack that hangs must not hold up the console.
+        self._wakes = {name: threading.Event() for name in self._channels}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def channels(self) -> list[str]:
+        return list(self._channels)
+
+    # --- the decision side (inside the caller's transaction) ------------------------------------
+
+    def enqueue(self, s: Session, alert: Alert) -> None:
+        """Write `alert` as pending rows; delivered after the caller commits and calls `wake()`."""
+        if self._channels:
+            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json())
+
+    def wake(self) -> None:
+        for ev in self._wakes.values():
+            ev.set()
+
+    # --- the senders ------------------------------------------------------------------------------
+
+    def start(self) -> "Outbox":
+        if not self._threads:
+            for name, part in self._channels.items():
+                t = threading.Thread(target=self._run, args=(name, part), name=f"thermowatch-alerts-{name}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+            self.wake()  # rows left pending by an earlier process
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the senders after a last short pass; what is still pending stays in the database."""
+        if self._threads:
+            self.drain(timeout, due_only=True)
+            self._stop.set()
+            self.wake()
+            for t in self._threads:
+                t.join(timeout + 30)
+            self._threads = []
+
+    def drain(self, timeout: float = 30.0, *, due_only: bool = False) -> bool:
+        """Wait until no row of a configured channel is pending (`due_only`: none is due now,
+        i.e. every channel has either caught up or is backing off after a failure)."""
+        deadline = time.monotonic() + timeout
+        self.wake()
+        while True:
+            if not self._pending(due_only):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def _run(self, name: str, part: Notifier) -> None:
+        wake = self._wakes[name]
+        while not self._stop.is_set():
+            wake.clear()
+            try:
+                wait = self._deliver_channel(name, part)
+            except Exception:  # noqa: BLE001 - the sender outlives a database hiccup
+                log.exception("alert sender %s: a delivery pass failed; trying again shortly", name)
+                wait = self.retry_s
+            wake.wait(min(self.idle_s, wait) if wait is not None else self.idle_s)
+
+    def _deliver_channel(self, name: str, part: Notifier) -> float | None:
+        while True:
+            with self._sessions() as s:
+                rows = alerts_store.pending(s, name, self.batch)
+            if not rows:
+                return None
+            for row in rows:
+                now = self._clock()
+                if row.next_attempt_at is not None and row.next_attempt_at > now:
+                    # Order per channel: nothing newer goes out before this one.
+                    return (row.next_attempt_at - now).total_seconds()
+                if not self._send_one(name, part, row):
+                    return self._backoff(row.attempts + 1)
+            if len(rows) < self.batch:
+                return None
+
+    def _send_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
+        """Deliver one row; False when the channel is down (stop it for now, keep the order)."""
+        try:
+            part.send(Alert.from_json(row.payload or {"run_id": row.run_id, "title": row.text}))
+        except NotifyError as exc:
+            if not exc.retryable:
+                log.error("alert %s to %s refused for good: %s", row.id, name, exc)
+                with self._sessions.begin() as s:
+                    alerts_store.mark_failed(s, row.id, str(exc))
+                return True
+            return self._retry_later(name, row, f"{exc}")
+        except Exception as exc:  # noqa: BLE001 - an unknown failure is treated as an outage
+            return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
+        with self._sessions.begin() as s:
+            alerts_store.mark_sent(s, row.id)
+        return True
+
+    def _retry_later(self, name: str, row: alerts_store.AlertRow, error: str) -> bool:
+        wait = self._backoff(row.attempts + 1)
+        log.warning("alert %s to %s not delivered (attempt %d): %s; retrying in %.0f s",
+                    row.id, name, row.attempts + 1, error, wait)
+        with self._sessions.begin() as s:
+            alerts_store.mark_retry(s, row.id, error, self._clock() + dt.timedelta(seconds=wait))
+        return False
+
+    def _backoff(self, attempts: int) -> float:
+        return min(self.max_retry_s, self.retry_s * 2 ** max(0, attempts - 1))
+
+    def _pending(self, due_only: bool) -> bool:
+        now = self._clock()
+        with self._sessions() as s:
+            for name in self._channels:
+                rows = alerts_store.pending(s, name, 1)
+                if rows and (not due_only or rows[0].next_attempt_at is None or rows[0].next_attempt_at <= now):
+                    return True
+        return False
