@@ -8,6 +8,7 @@ because the data is already safely stored and the run controller must not retry 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable, Mapping, Sequence
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from sqlalchemy.orm import sessionmaker
 
 from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord, split_key
+from supervisor.errors import Conflict
 from supervisor.store import audit as audit_store
 from supervisor.store import checkpoints as checkpoints_store
 from supervisor.store import runs as runs_store
@@ -38,6 +40,10 @@ class UnknownRun(IngestError, LookupError):
 
 class BatchTooLarge(IngestError):
     """More records or values in one batch than the supervisor accepts."""
+
+
+class HistoryConflict(Conflict):
+    """A re-sent step whose values differ from the stored ones: stored history is immutable."""
 
 
 @dataclass(slots=True)
@@ -78,10 +84,13 @@ class Ingestor:
         view = self._cache.view()
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
-            steps_store.record_steps(s, run_id, attempt, records)
-            thermometers.append(s, run_id, attempt, records, view)
+            records = _new_records(s, run_id, attempt, records)
+            if records:
+                steps_store.record_steps(s, run_id, attempt, records)
+                thermometers.append(s, run_id, attempt, records, view)
         self._cache.merge(view)  # only after the commit
-        self._notify(run_id, attempt, records)
+        if records:  # a re-sent batch was judged when it first came: never twice
+            self._notify(run_id, attempt, records)
         return n_values
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
@@ -216,6 +225,36 @@ def run_info_from_json(obj: Any) -> RunInfo:
 def run_info_to_json(info: RunInfo) -> dict[str, Any]:
     return {"run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
             "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}}
+
+
+def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> list[StepRecord]:
+    """Stored history is immutable (DESIGN.md, "Trust"): steps of this attempt already stored are
+    dropped when the re-send carries exactly what is stored (a sink retry after a time-out), and
+    refused with HistoryConflict, naming the step and the series, when anything differs. Same
+    answer on both databases; nothing of the batch is stored then (one transaction)."""
+    steps = [r.step for r in records]
+    old = steps_store.stored(s, run_id, attempt, min(steps), max(steps))
+    if not old:
+        return records
+    resent = [r for r in records if r.step in old]
+    points = thermometers.stored_points(s, run_id, attempt, min(r.step for r in resent), max(r.step for r in resent))
+    for r in resent:
+        if (r.sample_lo, r.sample_hi) != old[r.step]:
+            raise HistoryConflict(
+                f"run {run_id!r} attempt {attempt} step {r.step} is already stored with samples "
+                f"[{old[r.step][0]}, {old[r.step][1]}); this write says [{r.sample_lo}, {r.sample_hi}). Stored "
+                "history is immutable: a retrained step belongs to a new attempt (open it with POST /api/runs)")
+        stored_keys = {k for k, pts in points.items() if r.step in pts}
+        for key in sorted(stored_keys | set(r.values)):
+            was = points.get(key, {}).get(r.step)
+            now = r.values.get(key)
+            if was is None or now is None or not (was == now or (math.isnan(was) and math.isnan(now))):
+                raise HistoryConflict(
+                    f"run {run_id!r} attempt {attempt} step {r.step}, series {key!r}: stored "
+                    f"{'nothing' if was is None else repr(was)}, this write says {'nothing' if now is None else repr(now)}. "
+                    "Stored history is immutable: re-send exactly what was sent, or report a retrained step "
+                    "under a new attempt")
+    return [r for r in records if r.step not in old]
 
 
 def validate_run_info(info: RunInfo) -> None:

@@ -27,6 +27,16 @@ def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[
         )
 
 
+def stored(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[int, tuple[int, int]]:
+    """Steps of this attempt already stored in [step_lo, step_hi]: step -> (sample_lo, sample_hi).
+    One indexed range read per batch; empty unless the batch is a re-send."""
+    rows = session.execute(
+        select(Step.step, Step.sample_lo, Step.sample_hi)
+        .where(Step.run_id == run_id, Step.attempt == attempt, Step.step >= step_lo, Step.step <= step_hi)
+    ).all()
+    return {step: (lo, hi) for step, lo, hi in rows}
+
+
 def sample_range(session: Session, run_id: str, step_lo: int, step_hi: int) -> tuple[int, int] | None:
     """Half-open absolute sample range [lo, hi) consumed by steps step_lo..step_hi (inclusive),
     as the newest attempt that trained each step saw it. None if no step there reported samples."""

@@ -194,6 +194,22 @@ _PG_TYPES = ("text", "int4", "int4", "int8", "int8", "int4", "bytea", "bytea", "
 _COL_LIST = ", ".join(f'"{c}"' for c in _COLS)
 
 
+def stored_points(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[str, dict[int, float]]:
+    """Every series' stored points of one attempt in [step_lo, step_hi]: key -> {step: value}.
+    For comparing a re-sent batch with what is stored (rare and small: not the ingest hot path)."""
+    c = ThermometerChunk
+    stmt = (select(Series.metric, Series.module, c.first_step, c.n, c.steps, c.values)
+            .join(Series, Series.id == c.series_id)
+            .where(c.run_id == run_id, c.attempt == attempt, c.last_step >= step_lo, c.first_step <= step_hi))
+    out: dict[str, dict[int, float]] = {}
+    for metric, module, first, n, blob, vals in _fetch(session, stmt):
+        steps = _decode_steps(np.array([first], np.int64), np.array([n], np.int64), [blob])
+        values = np.frombuffer(vals, np.float64)
+        keep = (steps >= step_lo) & (steps <= step_hi)
+        out.setdefault(metric_key(metric, module), {}).update(zip(steps[keep].tolist(), values[keep].tolist()))
+    return out
+
+
 def _insert_chunks(session: Session, rows: list[dict]) -> None:
     """INSERT ... ON CONFLICT DO NOTHING. On PostgreSQL: binary COPY into a temp table, then one
     INSERT ... SELECT, instead of one pipelined INSERT per row (SQLAlchemy's executemany for

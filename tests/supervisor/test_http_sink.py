@@ -123,6 +123,7 @@ def test_database_down_is_spooled_then_replayed(db, server, tmp_path):
     sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
     sink.write("r", 0, _batch(0))
+    assert sink.drain(30) and sink.spooled == 0
     server.stop()
     dead = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/nothing", connect_args={"connect_timeout": 1})
     server.start(_app(Ingestor(make_sessionmaker(dead))))  # supervisor up, its database not: HTTP 500
@@ -200,6 +201,7 @@ def test_command_channel(tmp_path):
 def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
     sink = HttpSink(server.url, tmp_path / "spool", retry_interval=30.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
+    assert sink.drain(30) and sink.spooled == 0
     server.stop()
     sink.write("r", 0, _batch(0))  # fails once, backs off 30 s
     assert sink.drain(30)
@@ -265,6 +267,7 @@ def test_spool_is_replayed_by_the_sender_on_its_own(db, server, tmp_path):
     batches, still catches the supervisor up)."""
     sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
+    assert sink.drain(30) and sink.spooled == 0
     server.stop()
     sink.write("r", 0, _batch(0))
     assert sink.drain(30) and sink.spooled == 1

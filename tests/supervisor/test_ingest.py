@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord
 from supervisor.api.ingest import make_router
-from supervisor.ingest import BatchTooLarge, IngestLimits, Ingestor, UnknownRun
+from supervisor.ingest import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
 from supervisor.store import checkpoints, thermometers
 from supervisor.store import steps as steps_store
 
@@ -45,9 +45,9 @@ def ingestor(db, seen):
 def test_write_then_read_back(db, ingestor, seen):
     ingestor.open_run(RunInfo("r", 0, world_size=2))
     assert ingestor.write("r", 0, _recs(0, 10)) == 30
-    ingestor.write("r", 0, _recs(0, 10))  # retried batch
+    ingestor.write("r", 0, _recs(0, 10))  # retried batch: a no-op, and not judged again
     assert _counts(db) == (10, 3)
-    assert seen == [("r", 0, list(range(10)))] * 2
+    assert seen == [("r", 0, list(range(10)))]
     with db.sessions() as s:
         steps, vals, ranks = thermometers.history_with_ranks(s, "r", KEYS[-1])
         np.testing.assert_array_equal(steps, np.arange(10))
@@ -235,3 +235,50 @@ def test_in_process_int_too_large_for_float(db, ingestor):
     with pytest.raises(ContractError, match="too large"):
         ingestor.write("r", 0, [StepRecord(step=1, values={"loss": 10**400})])
     assert _counts(db) == (0, 0)
+
+
+def test_stored_history_is_immutable(db, ingestor, seen):
+    """A re-send that overlaps stored steps: identical points are dropped (only the new steps are
+    stored and judged); any difference is refused naming step and series, and nothing of that
+    batch is stored. The same on SQLite and PostgreSQL (PostgreSQL used to read back the new value)."""
+    ingestor.open_run(RunInfo("r", 0, world_size=1))
+    ingestor.write("r", 0, _recs(0, 10))
+    ingestor.write("r", 0, _recs(5, 15))  # re-batched overlap: 5..9 identical, 10..14 new
+    assert seen == [("r", 0, list(range(10))), ("r", 0, list(range(10, 15)))]
+    changed = _recs(6, 20)
+    changed[0].values["loss"] = 99.0
+    with pytest.raises(HistoryConflict, match=r"step 6, series 'loss': stored 6\.0, this write says 99\.0"):
+        ingestor.write("r", 0, changed)
+    extra = _recs(14, 16)
+    extra[0].values["grad_norm"] = 1.0  # a point added to a stored step changes history too
+    with pytest.raises(HistoryConflict, match="step 14, series 'grad_norm': stored nothing"):
+        ingestor.write("r", 0, extra)
+    moved = _recs(3, 4)
+    moved[0].sample_lo += 1
+    with pytest.raises(HistoryConflict, match="step 3 is already stored with samples"):
+        ingestor.write("r", 0, moved)
+    nan = [StepRecord(step=20, values={"loss": math.nan}, sample_lo=80, sample_hi=84)]
+    ingestor.write("r", 0, nan)
+    ingestor.write("r", 0, nan)  # NaN equals NaN here: a stored NaN re-sent is identical
+    with db.sessions() as s:
+        steps, vals = thermometers.history(s, "r", "loss")
+    np.testing.assert_array_equal(steps, list(range(15)) + [20])
+    np.testing.assert_array_equal(vals[:15], np.arange(15.0))
+    assert math.isnan(vals[-1])
+    assert [r[2] for r in seen] == [list(range(10)), list(range(10, 15)), [20]]
+    ingestor.open_run(RunInfo("r", 1, world_size=1, start_step=5))
+    ingestor.write("r", 1, changed)  # a retrained step under a new attempt is new history
+    with db.sessions() as s:
+        assert thermometers.history(s, "r", "loss")[1][6] == 99.0
+
+
+def test_http_conflicting_resend_is_409(db, client):
+    assert client.post("/api/runs", json={"run_id": "r", "attempt": 0, "world_size": 1}).status_code in (200, 201)
+    body = {"records": [r.to_json() for r in _recs(0, 3)]}
+    assert client.post("/api/runs/r/attempts/0/steps", json=body).status_code < 300
+    assert client.post("/api/runs/r/attempts/0/steps", json=body).status_code < 300  # identical: no-op
+    body["records"][1]["loss"] = -1.0
+    r = client.post("/api/runs/r/attempts/0/steps", json=body)
+    assert r.status_code == 409 and "step 1, series 'loss'" in r.text
+    with db.sessions() as s:
+        np.testing.assert_array_equal(thermometers.history(s, "r", "loss")[1], [0.0, 1.0, 2.0])
