@@ -1,7 +1,7 @@
 """Non-finite values (any key): NaN or +-Inf in a thermometer.
 
 In loss or grad norm it means the optimizer step is poisoned (or, with an fp16 loss scaler,
-skipped): CRITICAL at once, no warm-up, no confirmation. In other metrics it is WARN unless the
+skipped): CRITICAL and outcome act at once, no warm-up, no confirmation. In other metrics it is WARN unless the
 metric is in `critical_metrics` (an Inf activation in bf16 is an overflow, not noise).
 The onset is searched over the finite values buffered before the first NaN: a loss that
 climbed for 30 steps before turning NaN is rolled back to where the climb began.
