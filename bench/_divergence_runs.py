@@ -1,15 +1,15 @@
-"""The real training runs behind bench/divergence.py: one tiny GPT per (peak LR, qk_layernorm,
-seed), every step's full thermometer record written as JSONL that `thermowatch replay FILE` reads.
+"""The real training runs behind bench/divergence.py: one tiny GPT per RunSpec (architecture, LR
+schedule, qk_layernorm, seed), every step's full thermometer record written as JSONL that
+`thermowatch replay FILE` reads.
 
 One process per run, no Ray/DeepSpeed (the benchmark measures detectors, not the engine):
 trainer.model.GPT on the standard library's bytes through trainer.data's DataLoader, AdamW with
 decoupled weight decay on matrices only, global-norm clipping, linear warmup then constant LR.
 
-Precision: fp32 master weights (GPTConfig(dtype="float32")) with the forward pass under
-`torch.autocast("cpu", dtype=torch.bfloat16)`, so the matmuls run in bf16 as in the real
-trainer while AdamW updates fp32 weights (plain AdamW on bf16 weights drops updates smaller than
-bf16's 8-bit mantissa resolution). The model's own fp32 islands (LayerNorm, residual stream,
-softmax, cross-entropy) stay fp32.
+Precision: fp32 master weights (GPTConfig(dtype="float32")). The forward pass runs in fp32 by
+default (RunSpec.bf16: bf16 autocast is ~10x slower on CPUs without AMX, which a 40-run grid
+under 15 minutes cannot afford); with bf16=True it runs under `torch.autocast("cpu",
+dtype=torch.bfloat16)` as the real trainer's matmuls do, AdamW still updating fp32 weights.
 
 A sidecar `<name>.meta.json` holds the run's settings and a fingerprint of the code that trained
 it; `--reuse` serves a cached JSONL only when both match.

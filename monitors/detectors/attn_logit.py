@@ -16,7 +16,7 @@ few hundred early steps, well under 1 %/step). So we judge log(value):
 Outcomes (issue 8): growth of the max logit alone never acts. Growth below `act_level` is
 `watch` (early training moves logits fast and for real); above it, `alert`. Either detector says
 `act` only when the growth is still going at decision time (the growth test holds at this very
-point; for the ceiling, a rising Theil-Sen slope) AND a witness of harm speaks (witness.py: the
+point; for the ceiling, a Theil-Sen slope of at least `min_growth` per step) AND a witness of harm speaks (witness.py: the
 loss behind its own trend, gradient-norm growth, output-logit z growth, attention-entropy
 collapse, update-ratio growth), or when the logit reaches `extreme`, where waiting is unsafe.
 A rise that turns back while the loss improves therefore stays `alert` at most.
@@ -212,7 +212,8 @@ class AttnLogitCeilingDetector(SeriesBase):
             return None
         # Still going: the log values of the last slope_window points trend up. Only an
         # escalation to act needs it; the first crossing alerts whatever the trend.
-        going = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window)) > 0
+        slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
+        going = slope >= math.log1p(c.min_growth)  # the growth detector's own bar: real growth
         outcome, why, harm = _judge(value, c, self.witnesses if going else None,
                                     "above the ceiling and rising" if going else "above the ceiling, not rising")
         if not self.latch.should_fire(Severity.CRITICAL, outcome):

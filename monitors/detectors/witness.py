@@ -50,6 +50,8 @@ class WitnessConfig:
     # Behind = smoothed loss >= trend * (1 + margin), margin = max(loss_margin, 3 x the fit's
     # residual spread): 3 % is about two standard errors of a 10-batch mean at this noise.
     loss_margin: float = 0.03
+    # ... for this many points in a row: one noisy batch in the trailing mean is not harm.
+    loss_confirm: int = 5
     # Spread of the recent (last `recent` points) median against a baseline (the `baseline`
     # points before them), for the other witnesses.
     recent: int = 8
@@ -65,6 +67,7 @@ class WitnessConfig:
         if not 0.0 < self.entropy_fraction < 1.0:
             raise ValueError(f"entropy_fraction must be in (0, 1), got {self.entropy_fraction!r}")
         at_least("loss_smooth", self.loss_smooth, 1)
+        at_least("loss_confirm", self.loss_confirm, 1)
         at_least("trend_min", self.trend_min, 8)
         at_least("trend_max", self.trend_max, self.trend_min)
         at_least("trend_gap", self.trend_gap, 1)
@@ -151,6 +154,7 @@ class Witnesses:
         self.shifts: dict[str, _Shift] = {}
         self.active: dict[str, str] = {}  # witness name -> why, at the newest step
         self.step = -1
+        self.behind = 0  # consecutive points with the loss behind its trend
 
     def observe(self, record: StepRecord) -> None:
         c = self.cfg
@@ -162,8 +166,10 @@ class Witnesses:
         loss = vals.get(LOSS)
         if loss is not None:
             got = self.loss.update(record.step, loss)
-            if got is not None and got[0] > got[1]:
-                active["loss_behind"] = f"loss {math.expm1(got[0]):+.1%} off its trend (margin {math.expm1(got[1]):.1%})"
+            self.behind = self.behind + 1 if got is not None and got[0] > got[1] else 0
+            if got is not None and self.behind >= c.loss_confirm:
+                active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
+                                         f"(margin {math.expm1(got[1]):.1%})")
         for key, v in vals.items():
             if not math.isfinite(v):
                 continue
@@ -200,11 +206,12 @@ class Witnesses:
         for sh in self.shifts.values():
             sh.history.rewind(to_step)
         self.active = {}
+        self.behind = 0
         self.step = -1 if to_step is None else to_step - 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": self.loss.state_dict(), "shifts": {k: s.history.state_dict() for k, s in self.shifts.items()},
-                "active": dict(self.active), "step": self.step}
+                "active": dict(self.active), "step": self.step, "behind": self.behind}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.loss.load_state_dict(d["loss"])
@@ -214,3 +221,4 @@ class Witnesses:
             self.shifts[key].history.load_state_dict(h)
         self.active = {str(k): str(v) for k, v in d["active"].items()}
         self.step = int(d["step"])
+        self.behind = int(d["behind"])
