@@ -22,11 +22,12 @@ LR = "lr"
 GRAD_NORM = "grad_norm"  # global, before clipping; also "grad_norm/<module>"
 ATTN_LOGIT_MAX = "attn_logit_max"  # exact max of QK^T/sqrt(d), pre-softmax
 ATTN_LOGIT_LSE = "attn_logit_lse"  # log-sum-exp bound: max <= lse <= max + ln(keys)
+ATTN_ENTROPY_MIN = "attn_entropy_min"  # min over heads of the mean attention entropy, nats
 ACT_MAX = "act_max"
 ACT_MIN = "act_min"
 Z = "z"  # log-sum-exp of the output logits
 PARAM_NORM = "param_norm"
-UPDATE_RATIO = "update_ratio"
+UPDATE_RATIO = "update_ratio"  # ||dW|| / ||W|| of one step; identical on every rank (mean)
 TOKENS_PER_S = "tokens_per_s"
 SKIPPED_STEPS = "skipped_steps"
 
@@ -34,7 +35,7 @@ SEP = "/"
 
 # How the run controller reduces one metric across ranks. Anything not listed is averaged.
 _REDUCE_MAX = frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE, ACT_MAX, Z, GRAD_NORM, SKIPPED_STEPS})
-_REDUCE_MIN = frozenset({ACT_MIN})
+_REDUCE_MIN = frozenset({ACT_MIN, ATTN_ENTROPY_MIN})
 _REDUCE_SUM = frozenset({TOKENS_PER_S})
 
 

@@ -15,9 +15,10 @@ function of the step), so DeepSpeed runs without a scheduler of its own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -142,14 +143,18 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, around_update: Callable[[], ContextManager] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clip, update. Returns (loss, grad norm before clipping) as
-        0-d tensors on the device: nothing here waits for the device."""
+        0-d tensors on the device: nothing here waits for the device. `around_update` (e.g.
+        Thermometers.measure_update) wraps the optimizer step alone."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         _, loss = self.engine(inputs, targets)
         self.engine.backward(loss)
-        self.engine.step()
+        with around_update() if around_update is not None else contextlib.nullcontext():
+            self.engine.step()
         norm = self.engine.get_global_grad_norm()  # cached by step(): global over ranks
         if norm is None:  # ZeRO 1/2 with compute_grad_norm disabled by the user
             norm = torch.tensor(float("nan"))

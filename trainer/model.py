@@ -24,6 +24,13 @@ what to measure and the module calls it back with detached tensors, never a host
            `probe.put_scores_max(max[H_sampled])` (the last resort: materialises T x T).
 - "flex":  FlexAttention with AuxRequest(max_scores=True), exact, CUDA only;
            `probe.put_scores_max(max[H])`.
+With `probe.entropy` the module also calls `probe.put_entropy(mean_entropy[H])`
+(`attention_entropy`: one more fused forward pass; in "exact" mode from the explicit softmax).
+
+z probe: `head.thermo_z_probe` (None by default). When set and `on`, the model hands it the
+per-token log-sum-exp of the head's logits, `probe.put_lse(lse[...])`: from the loss's own
+log-softmax when there is no soft-cap (no pass over the vocabulary), else a logsumexp over the
+fp32 logits the model holds anyway (no copy of its own).
 """
 
 from __future__ import annotations
@@ -149,13 +156,41 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out, lse[..., : q.shape[-2]]
 
 
-def causal_scores_max(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact max of the causal pre-softmax logits QK^T * scale per head: [B, H, T, D] -> [H] (fp32).
-    Materialises [B, H, T, T]: only for the few heads a thermometer samples, and for tests."""
+def causal_scores_stats(
+    q: torch.Tensor, k: torch.Tensor, scale: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact per-head max of the causal pre-softmax logits QK^T * scale, and (with `entropy`) the
+    mean over batch and query positions of the softmax entropy in nats: [B, H, T, D] -> ([H], [H])
+    fp32. Materialises [B, H, T, T]: only for the few heads a thermometer samples, and for tests."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     t_q, t_k = s.shape[-2], s.shape[-1]
     future = torch.ones(t_q, t_k, dtype=torch.bool, device=s.device).triu(1 + t_k - t_q)
-    return s.masked_fill(future, float("-inf")).amax(dim=(0, 2, 3))
+    s = s.masked_fill(future, float("-inf"))
+    ent = torch.special.entr(torch.softmax(s, dim=-1)).sum(-1).mean(dim=(0, 2)) if entropy else None
+    return s.amax(dim=(0, 2, 3)), ent
+
+
+def causal_scores_max(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact max of the causal pre-softmax logits per head: [B, H, T, D] -> [H] (fp32)."""
+    return causal_scores_stats(q, k, scale)[0]
+
+
+@torch.no_grad()
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Mean (over batch and query positions) entropy of each head's causal attention
+    distribution, in nats, [B, H, T, D] -> [H] fp32, without materialising T x T.
+
+    Per row, H = lse - E_p[s] with s_j = scale * q.k_j, and E_p[s] = scale * q . (sum_j p_j k_j):
+    the attention output with V = K. So one more fused forward pass (no gradient) gives it
+    exactly, up to the kernel's precision. The keys are centred first (V = K - kbar, the
+    q.kbar share added back in fp32): any constant shift is exact since sum_j p_j = 1, and the
+    bf16 output then carries only the deviation, so lse - E_p[s] does not cancel large terms.
+    """
+    kbar = k.mean(dim=-2, keepdim=True)
+    out, lse = attention_with_lse(q, k, k - kbar, scale)
+    qf = q.float()
+    mean_s = scale * ((qf * out.float()).sum(-1) + (qf * kbar.float()).sum(-1))
+    return (lse.float() - mean_s).mean(dim=(0, 2))
 
 
 class CausalSelfAttention(nn.Module):
@@ -196,6 +231,8 @@ class CausalSelfAttention(nn.Module):
         if mode == "lse" and drop == 0.0:
             y, lse = attention_with_lse(q, k, v, self.scale)
             probe.put_lse(lse.detach())
+            if probe.entropy:
+                probe.put_entropy(attention_entropy(q.detach(), k.detach(), self.scale))
             return y
         if mode == "flex":  # untested here (CPU only); compile the model for a fused kernel
             from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
@@ -208,12 +245,17 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, block_mask=self._flex_mask[1], scale=self.scale, return_aux=AuxRequest(max_scores=True)
             )
             probe.put_scores_max(aux.max_scores.detach().amax(dim=(0, 2)))
+            if probe.entropy:
+                probe.put_entropy(attention_entropy(q.detach(), k.detach(), self.scale))
             return y
         if mode == "exact" or mode == "lse":  # "lse" with dropout: the exact max (within the bound)
             heads = probe.heads
             with torch.no_grad():
                 qs, ks = (q, k) if heads is None else (q[:, heads], k[:, heads])
-                probe.put_scores_max(causal_scores_max(qs, ks, self.scale))
+                mx, ent = causal_scores_stats(qs, ks, self.scale, probe.entropy)
+                probe.put_scores_max(mx)
+                if ent is not None:  # the sampled heads' entropy (pre-dropout distribution)
+                    probe.put_entropy(ent)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, scale=self.scale)
 
 
@@ -256,6 +298,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.final_norm = make_norm(cfg, cfg.d_model, cfg.torch_dtype)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.thermo_z_probe = None  # set by monitors.thermometers; see the module docstring
         if not cfg.untied_head:
             self.head.weight = self.embed.weight
         self._init_weights()
@@ -281,13 +324,22 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, values)
         logits = self.head(self.final_norm(x)).float()  # fp32 softmax / cross-entropy (YaLM)
+        zp = self.head.thermo_z_probe
+        z_from_loss = targets is not None and self.cfg.logit_softcap is None
+        if zp is not None and zp.on and not z_from_loss:  # on the fp32 logits we hold anyway
+            zp.put_lse(torch.logsumexp(logits.detach(), dim=-1))
         if self.cfg.logit_softcap is not None:
             cap = self.cfg.logit_softcap
             logits = cap * torch.tanh(logits / cap)
         if targets is None:
             return logits, None
         flat = logits.view(-1, logits.size(-1))
-        loss = F.cross_entropy(flat, targets.reshape(-1))
+        # = F.cross_entropy (aten computes exactly these two ops), with log p kept in hand so
+        # the z thermometer reads the loss's own log-normaliser: lse = x_0 - log p_0.
+        logp = F.log_softmax(flat, dim=-1)
+        loss = F.nll_loss(logp, targets.reshape(-1))
+        if zp is not None and zp.on and z_from_loss:
+            zp.put_lse((flat[:, 0] - logp[:, 0]).detach())
         if self.cfg.z_loss:
             loss = loss + self.cfg.z_loss * torch.logsumexp(flat, dim=-1).square().mean()
         return logits, loss

@@ -127,7 +127,7 @@ class TrainWorker:
         lr = lr_at(step, self.schedule, self.lr_changes)
         self._engine.set_lr(lr)
         self.thermo.begin_step(step)
-        loss, norm = self._engine.train_step(batch.inputs, batch.targets)
+        loss, norm = self._engine.train_step(batch.inputs, batch.targets, self.thermo.measure_update)
         self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
         values = self.thermo.collect()  # the one host copy of the step
         dt = time.perf_counter() - t0

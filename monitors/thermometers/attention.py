@@ -4,7 +4,14 @@ The probe protocol (duck-typed, so `monitors` never imports `trainer`): an atten
 with a `thermo_probe` attribute reads `probe.mode` each forward (None = not sampled, or
 "lse" / "exact" / "flex") and `probe.heads` (device index of the heads to compute
 explicitly, None = all), then calls `probe.put_lse(lse[B, H, T])` or
-`probe.put_scores_max(max[len(heads)])` with detached tensors. trainer.model implements it.
+`probe.put_scores_max(max[len(heads)])` with detached tensors; when `probe.entropy` is True it
+also calls `probe.put_entropy(mean_entropy[heads])` (mean over batch and query positions, nats).
+trainer.model implements it.
+
+What the entropy figure is: attn_entropy_min = min over heads of that mean. Exact (to the
+kernel's precision) when every head is computed: the "lse"/"flex" probes and `attn_heads=None`;
+with `attn_heads=k` the explicit path sees k heads a step, so the min over them is a sampled
+upper bound of the true min.
 """
 
 from __future__ import annotations
@@ -22,10 +29,18 @@ class AttnProbe:
     """Writes one module's attention-logit figures into its slots: the max over batch, heads
     and query positions at `slot`, and with `per_head` one value per head after it."""
 
-    def __init__(self, slots: Slots, slot: int, n_head: int, per_head: bool) -> None:
+    def __init__(self, slots: Slots, slot: int, n_head: int, per_head: bool, entropy_slot: int | None = None) -> None:
         self.slots, self.slot, self.n_head, self.per_head = slots, slot, n_head, per_head
+        self.entropy_slot = entropy_slot
+        self.entropy = entropy_slot is not None  # the model computes the entropy when True
         self.mode: str | None = None  # set by Thermometers.begin_step on sampled steps
         self.heads: torch.Tensor | None = None
+
+    def put_entropy(self, ent: torch.Tensor) -> None:
+        """ent: [heads computed] mean entropy per head; the slot keeps the min (over heads and
+        over the step's micro-batches)."""
+        if self.entropy_slot is not None:
+            self.slots.put_min(self.entropy_slot, ent.float().amin().reshape(1))
 
     def put_lse(self, lse: torch.Tensor) -> None:
         if self.per_head:
@@ -50,12 +65,26 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):
     return args[pos] if len(args) > pos else default
 
 
-@torch.no_grad()
 def mha_scores_max(mha: nn.MultiheadAttention, args: tuple, kwargs: dict, heads: torch.Tensor | None) -> torch.Tensor:
     """Exact max of the pre-softmax logits QK^T/sqrt(d) (+ an additive float mask; masked
     positions excluded) for `heads` of an nn.MultiheadAttention call, recomputed from its
     inputs: only the sampled heads' rows of the q/k projections. Returns [len(heads)] fp32.
     add_bias_kv's extra key is ignored."""
+    return mha_scores_stats(mha, args, kwargs, heads, entropy=False)[0]
+
+
+def softmax_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) per head of softmax(scores) over the last dim, [B, H, T, S] -> [H];
+    -inf entries are masked keys (entr(0) = 0); a fully masked row (NaN) is left out."""
+    ent = torch.special.entr(torch.softmax(scores.float(), dim=-1)).sum(-1)
+    return ent.nanmean(dim=(0, 2))
+
+
+@torch.no_grad()
+def mha_scores_stats(
+    mha: nn.MultiheadAttention, args: tuple, kwargs: dict, heads: torch.Tensor | None, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mha_scores_max, mean softmax entropy per head or None) from one explicit QK^T."""
     query = _arg(args, kwargs, 0, "query")
     key = _arg(args, kwargs, 1, "key")
     key_padding_mask = _arg(args, kwargs, 3, "key_padding_mask")
@@ -89,4 +118,4 @@ def mha_scores_max(mha: nn.MultiheadAttention, args: tuple, kwargs: dict, heads:
     if key_padding_mask is not None:
         kpm = key_padding_mask[:, None, None, :]
         scores = scores.masked_fill(kpm, float("-inf")) if kpm.dtype == torch.bool else scores + kpm.float()
-    return scores.amax(dim=(0, 2, 3))
+    return scores.amax(dim=(0, 2, 3)), softmax_entropy(scores) if entropy else None

@@ -40,6 +40,12 @@ class ThermometerConfig:
     # through all heads step by step; None = every head (then the max is exact, not a sample).
     attn_heads: int | None = None
     per_head: bool = False  # also one key per head: `<metric>/<module>.heads.<h>`
+    # attn_entropy_min/<module>: min over heads of the mean (over batch and query positions)
+    # attention entropy in nats (ViT-22B: entropy collapse witnesses harmful logit growth).
+    # Sampled with the attention group. "lse"/"flex" probes: exact, one extra fused forward
+    # attention pass without gradient (see trainer.model.attention_entropy); "exact" mode and
+    # nn.MultiheadAttention: from the explicit softmax of the heads computed that step.
+    attn_entropy: bool = True
     # Modules whose parameters get grad_norm/<module> (a parameter counts in every match).
     grad_patterns: tuple[str, ...] = (BLOCK_PATTERN, r"(^|\.)(embed|head|lm_head)$")
     # Sampling intervals per group, in steps (step % every == 0 is sampled). 1 = every step:
@@ -47,6 +53,14 @@ class ThermometerConfig:
     act_every: int = 1
     attn_every: int = 1
     grad_every: int = 1
+    # update_ratio/<module> = ||W_after - W_before|| / ||W_before|| over the module's parameters
+    # (same modules as grad_patterns; plain `update_ratio` = the whole model), measured around
+    # the optimizer step by Thermometers.measure_update(). Exact, but it needs a copy of the
+    # weights (this rank's shard under ZeRO-3) held across the step, so only every
+    # `update_every` steps: 10 keeps the copy's memory traffic off 9 steps in 10 while a
+    # divergence (tens of steps, PaLM) still gets several readings. 1 = every step.
+    update_ratio: bool = True
+    update_every: int = 10
 
     def __post_init__(self) -> None:
         for name in ("act_patterns", "z_patterns", "grad_patterns"):
@@ -63,7 +77,7 @@ class ThermometerConfig:
             raise ValueError(f"ThermometerConfig.attn_mode={self.attn_mode!r} is not one of {ATTN_MODES}")
         if self.attn_heads is not None and (isinstance(self.attn_heads, bool) or self.attn_heads < 1):
             raise ValueError(f"ThermometerConfig.attn_heads must be >= 1 or None, got {self.attn_heads!r}")
-        for name in ("act_every", "attn_every", "grad_every"):
+        for name in ("act_every", "attn_every", "grad_every", "update_every"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1, got {val!r}")

@@ -4,6 +4,8 @@ Per step (the order the trainer calls things):
 
     th.begin_step(step)          # arm the groups sampled this step, NaN-fill the slots
     loss = model(...); loss.backward()   # hooks write amax/amin, attention logits, grad norms
+    with th.measure_update():    # update_ratio: weight copy before, ||dW||/||W|| after
+        opt.step()
     th.end_step(loss=loss, lr=lr, grad_norm=gn)   # finish grad norms, start ONE host copy
     values = th.collect()        # float64 [len(th.names)], NaN where a group was not sampled
 
@@ -19,10 +21,15 @@ pre-reduction* gradient (before the all-reduce / reduce-scatter and before clipp
 fp16 loss scaling it includes the loss scale). With gradient accumulation the hook fires
 once per micro-batch and the norms combine as sqrt(sum of squares over micro-batches).
 A tied parameter is one tensor and counts in every group that holds it.
+
+Attention entropy and z have their costs and exactness stated where they are computed
+(trainer.model.attention_entropy, GPT.forward's z probe, attention.py); the update ratio in
+update.py.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,17 +39,20 @@ import torch.nn as nn
 from monitors.contract import (
     ACT_MAX,
     ACT_MIN,
+    ATTN_ENTROPY_MIN,
     ATTN_LOGIT_LSE,
     ATTN_LOGIT_MAX,
     GRAD_NORM,
     LOSS,
     LR,
+    UPDATE_RATIO,
     Z,
     metric_key,
 )
-from monitors.thermometers.attention import AttnProbe, mha_scores_max
+from monitors.thermometers.attention import AttnProbe, mha_scores_stats
 from monitors.thermometers.config import ThermometerConfig
 from monitors.thermometers.slots import Slots
+from monitors.thermometers.update import UpdateRatio
 
 _SCALARS = (LOSS, LR, GRAD_NORM)  # slots 0, 1, 2: given by the caller in end_step
 
@@ -57,6 +67,19 @@ def _first_float_tensor(out) -> torch.Tensor | None:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 return t
     return None
+
+
+class ZProbe:
+    """The z slot of a logits module that reports its own log-sum-exp (trainer.model's head
+    carries `thermo_z_probe`): the model hands over the per-token lse it already has."""
+
+    def __init__(self, slots: Slots, slot: int) -> None:
+        self.slots, self.slot = slots, slot
+        self.on = False  # set by Thermometers.begin_step with the activation group
+
+    def put_lse(self, lse: torch.Tensor) -> None:
+        # Max over tokens (not the mean PaLM's z-loss penalises): one runaway token shows.
+        self.slots.put(self.slot, lse.amax().float().reshape(1))
 
 
 @dataclass
@@ -109,35 +132,48 @@ class Thermometers:
                     f"attention module {name!r} ({type(mod).__name__}) has no `n_head`/`num_heads`; "
                     "per_head and attn_heads need it: set ThermometerConfig(per_head=False, attn_heads=None)"
                 )
-            attn_slots.append((name, mod, len(names), n_head or 0, explicit, mode))
+            slot = len(names)
             names.append(metric_key(metric, name))
             if cfg.per_head:
                 names += [metric_key(metric, f"{name}.heads.{h}") for h in range(n_head)]
+            ent_slot = None
+            if cfg.attn_entropy:
+                ent_slot = len(names)
+                names.append(metric_key(ATTN_ENTROPY_MIN, name))
+            attn_slots.append((name, mod, slot, n_head or 0, explicit, mode, ent_slot))
         grad_start = len(names)
         names += [metric_key(GRAD_NORM, name) for name, _ in groups]
+        self._grad_slice = slice(grad_start, len(names))
+        update_start = len(names)
+        if cfg.update_ratio:
+            names.append(UPDATE_RATIO)
+            names += [metric_key(UPDATE_RATIO, name) for name, _ in groups]
         self.names: list[str] = names
         self._slots = Slots(len(names), self.device)
-        self._grad_slice = slice(grad_start, len(names))
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._act_on = self._attn_on = self._grad_on = False
+        self._act_on = self._attn_on = self._grad_on = self._update_on = False
+        self._detached = False
+        # Filled as hooks and probes go on, so a failed _claim() can detach() what is there.
+        self._z_probes: list[tuple[nn.Module, ZProbe]] = []
+        self._attn: list[_Attn] = []
         for name, mod in act:
             self._handles.append(mod.register_forward_hook(self._act_hook(act_slots[name])))
         for name, mod in z:
-            self._handles.append(mod.register_forward_hook(self._z_hook(z_slots[name])))
-        self._attn: list[_Attn] = []
+            if hasattr(mod, "thermo_z_probe"):  # the model reports its own lse: no vocab pass here
+                self._claim(name, mod, "thermo_z_probe")
+                zp = ZProbe(self._slots, z_slots[name])
+                mod.thermo_z_probe = zp
+                self._z_probes.append((mod, zp))
+            else:
+                self._handles.append(mod.register_forward_hook(self._z_hook(z_slots[name])))
         self._head_index: dict[tuple[int, int], torch.Tensor] = {}
-        for name, mod, slot, n_head, explicit, mode in attn_slots:
-            probe = AttnProbe(self._slots, slot, n_head, cfg.per_head)
+        for name, mod, slot, n_head, explicit, mode, ent_slot in attn_slots:
+            probe = AttnProbe(self._slots, slot, n_head, cfg.per_head, ent_slot)
             if explicit:
                 self._handles.append(mod.register_forward_pre_hook(self._mha_hook(probe), with_kwargs=True))
-            elif mod.thermo_probe is not None:
-                self.detach()
-                raise RuntimeError(
-                    f"{name!r} already carries a thermo_probe: the model is instrumented twice; "
-                    "detach() the other Thermometers first"
-                )
             else:
+                self._claim(name, mod, "thermo_probe")
                 mod.thermo_probe = probe
             self._attn.append(_Attn(name, mod, probe, explicit, mode))
 
@@ -158,6 +194,9 @@ class Thermometers:
         self._dst = torch.tensor(dst, dtype=torch.long, device=self.device)
         for j, p in enumerate(params):
             self._handles.append(p.register_hook(self._grad_hook(j)))
+        self._update = None
+        if cfg.update_ratio:
+            self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start)
 
         self._host: list[torch.Tensor] = []
         if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's
@@ -166,7 +205,14 @@ class Thermometers:
         self._pending: tuple[int, torch.Tensor, object] | None = None
         self.step: int | None = None
         self.last_step: int | None = None  # the step the latest collect() returned
-        self._detached = False
+
+    def _claim(self, name: str, mod: nn.Module, attr: str) -> None:
+        if getattr(mod, attr) is not None:
+            self.detach()
+            raise RuntimeError(
+                f"{name!r} already carries a {attr}: the model is instrumented twice; "
+                "detach() the other Thermometers first"
+            )
 
     # --- hooks (hot path: tensor ops only, no host sync) ------------------------------------
 
@@ -187,7 +233,8 @@ class Thermometers:
                 return
             t = _first_float_tensor(out)
             if t is not None and t.numel():
-                # Max over tokens (not the mean PaLM's z-loss penalises): one runaway token shows.
+                # Foreign models only (ours hand over their lse: ZProbe). Max over tokens (not
+                # the mean PaLM's z-loss penalises): one runaway token shows.
                 z = torch.logsumexp(t.detach().float(), dim=-1).amax()
                 self._slots.put(slot, z.reshape(1))
 
@@ -196,7 +243,10 @@ class Thermometers:
     def _mha_hook(self, probe: AttnProbe):
         def hook(mod, args, kwargs):
             if probe.mode is not None:
-                probe.put_scores_max(mha_scores_max(mod, args, kwargs, probe.heads))
+                mx, ent = mha_scores_stats(mod, args, kwargs, probe.heads, probe.entropy)
+                probe.put_scores_max(mx)
+                if ent is not None:
+                    probe.put_entropy(ent)
 
         return hook
 
@@ -224,7 +274,10 @@ class Thermometers:
         self._act_on = step % cfg.act_every == 0
         self._attn_on = step % cfg.attn_every == 0
         self._grad_on = step % cfg.grad_every == 0
+        self._update_on = self._update is not None and step % cfg.update_every == 0
         self._slots.reset()
+        for _, zp in self._z_probes:
+            zp.on = self._act_on
         if self._grad_on:
             self._pnorm.zero_()
             self._pseen = [False] * len(self._pseen)
@@ -244,6 +297,22 @@ class Thermometers:
             self._head_index[key] = torch.tensor(idx, dtype=torch.long, device=self.device)
         return self._head_index[key]
 
+    @contextmanager
+    def measure_update(self):
+        """Wrap the optimizer step (between begin_step and end_step) to measure update_ratio
+        on sampled steps; a no-op context on the others:
+
+            with th.measure_update():
+                opt.step()          # or engine.step() under DeepSpeed
+
+        Under ZeRO-3 every rank must enter it on the same steps (it all-reduces)."""
+        if not self._update_on:
+            yield
+            return
+        self._update.before()
+        yield
+        self._update.after()
+
     def end_step(self, loss=None, lr=None, grad_norm=None) -> None:
         """Close the step: scalars (floats or device tensors, never synced), group grad norms
         (global norm over this rank's gradients when `grad_norm` is None), one host copy."""
@@ -260,9 +329,11 @@ class Thermometers:
             buf[self._grad_slice].copy_(groups.sqrt_())
             if grad_norm is None:
                 buf[2].copy_(sq.sum().sqrt())
-        self._act_on = self._attn_on = self._grad_on = False
+        self._act_on = self._attn_on = self._grad_on = self._update_on = False
         for a in self._attn:
             a.probe.mode = None
+        for _, zp in self._z_probes:
+            zp.on = False
         if self._host:
             host = self._host[self._ring]
             self._ring ^= 1
@@ -296,8 +367,11 @@ class Thermometers:
             h.remove()
         self._handles.clear()
         for a in self._attn:
-            if not a.explicit:
+            if not a.explicit and a.module.thermo_probe is a.probe:
                 a.module.thermo_probe = None
+        for mod, zp in self._z_probes:
+            if mod.thermo_z_probe is zp:
+                mod.thermo_z_probe = None
         self._detached = True
 
     def __enter__(self) -> "Thermometers":

@@ -2,7 +2,7 @@
 
 Hooks write 0-d/1-d device tensors into fixed slots with tensor ops only: no `.item()`, no
 host sync. A slot written several times in one step (gradient accumulation runs several
-forwards) keeps the max (or min) of the writes; a slot nobody wrote stays NaN.
+forwards) keeps the max (or, for put_min, the min) of the writes; a slot nobody wrote stays NaN.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ class Slots:
             self.seen[start] = True
         else:
             torch.maximum(view, values.float(), out=view)
+
+    def put_min(self, start: int, values: torch.Tensor) -> None:
+        """Like put, but min-combines with earlier writes (a minimum over micro-batches)."""
+        view = self.buf[start : start + values.numel()]
+        if not self.seen[start]:
+            view.copy_(values)
+            self.seen[start] = True
+        else:
+            torch.minimum(view, values.float(), out=view)
 
     def put_minmax(self, start: int, mn: torch.Tensor, mx: torch.Tensor) -> None:
         """buf[start] = max, buf[start + 1] = min (one copy on the first write)."""

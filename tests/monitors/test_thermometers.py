@@ -151,23 +151,27 @@ def test_instrumented_model_is_bit_identical(mode, dtype):
     plain = gpt(dtype=dtype, value_residual=True)
     inst = copy.deepcopy(plain)
     th = instrument(inst, ThermometerConfig(attn_mode=mode, per_head=True))
+    opt_p, opt_i = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, inst))
     x, y = batch(0)
     th.begin_step(0)
     logits_i, loss_i = inst(x, y)
     loss_i.backward()
+    with th.measure_update():
+        opt_i.step()
     th.end_step(loss=loss_i, lr=1e-3)
     logits_p, loss_p = plain(x, y)
     loss_p.backward()
+    opt_p.step()
     assert torch.equal(logits_i, logits_p) and torch.equal(loss_i, loss_p)
     for (n, pp), pi in zip(plain.named_parameters(), inst.parameters()):
-        assert torch.equal(pp.grad, pi.grad), n
-    assert np.isfinite(th.collect()).all()
+        assert torch.equal(pp.grad, pi.grad) and torch.equal(pp, pi), n
+    assert np.isfinite(th.collect()).all()  # every thermometer, entropy and update ratio included
 
 
 def _hook_state(model: nn.Module):
     mods = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
     params = [len(p._backward_hooks or {}) for p in model.parameters()]
-    probes = [getattr(m, "thermo_probe", None) for m in model.modules()]
+    probes = [(getattr(m, "thermo_probe", None), getattr(m, "thermo_z_probe", None)) for m in model.modules()]
     return mods, params, probes
 
 
