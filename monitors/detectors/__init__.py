@@ -103,7 +103,7 @@ ROUTES: tuple[Route, ...] = (
     Route("attn_ceiling", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}),
           lambda k, c, w: AttnLogitCeilingDetector(k, c.attn, w)),
     Route("loss_spike", frozenset({LOSS}), lambda k, c, w: LossSpikeDetector(k, c.loss)),
-    Route("loss_degradation", frozenset({LOSS}), lambda k, c, w: DegradationDetector(k, c.degradation)),
+    Route("loss_degradation", frozenset({LOSS}), lambda k, c, w: DegradationDetector(k, c.degradation, w)),
     Route("grad_spike", frozenset({GRAD_NORM}), lambda k, c, w: GradSpikeDetector(k, c.grad)),
     Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda k, c, w: ActOverflowDetector(k, c.act)),
 )

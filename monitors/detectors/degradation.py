@@ -5,8 +5,7 @@ qk-LayerNorm bounds the attention logits, so a qk-LN model at too high an LR deg
 logit growth at all (issue 8: three qk-LN runs at LR 1e-1 that nothing caught). The expected
 curve is the run's own: log(loss) against log(step) fitted over a trailing window that grows
 with the run (witness.LossTrend). Behind = the smoothed loss above the trend by more than its
-margin, for `confirm` points in a row, where `confirm` also grows with the run (a plateau of
-30 steps means something at step 300, less at step 300,000).
+margin, for `confirm` points in a row.
 
 It alerts (outcome alert); a long stretch well behind is CRITICAL with outcome act, which the
 policy only acts on when `loss_degradation` is in its rollback_signals (off by default: a
@@ -22,19 +21,26 @@ from typing import Any
 from monitors.contract import Finding, Outcome, Severity, Signal
 
 from .base import SeriesBase, at_least, positive
-from .witness import LossTrend, WitnessConfig
+from .witness import LossTrend, WitnessConfig, Witnesses
+
+
+def _trend() -> WitnessConfig:
+    # The fit ends 48 points back, past the 30-point confirmation: a departure must not pull
+    # its own trend up before it is confirmed.
+    return WitnessConfig(trend_gap=48)
 
 
 @dataclass
 class DegradationConfig:
-    trend: WitnessConfig = field(default_factory=WitnessConfig)
-    # Points in a row behind the trend: at least `confirm_min`, and a tenth of the points seen.
+    trend: WitnessConfig = field(default_factory=_trend)
+    # Points in a row behind the trend: `confirm_min`, or a fraction of the points seen (0: off;
+    # keep confirm below trend.trend_gap, or the fit absorbs the departure first).
     confirm_min: int = 30
-    confirm_fraction: float = 0.1
+    confirm_fraction: float = 0.0
     # Points before any finding: the first steps fall fast under a warming-up LR, no trend yet.
     warmup: int = 100
-    # 10 % above the trend for the whole confirmation: CRITICAL (outcome act, gated by policy).
-    critical_margin: float = 0.10
+    # 15 % above the trend for the whole confirmation: CRITICAL (outcome act, gated by policy).
+    critical_margin: float = 0.15
     clear_steps: int = 20  # points back on the trend before it may raise again
     history: int = 128
     onset_lookback: int = 96
@@ -55,15 +61,17 @@ class DegradationConfig:
 class DegradationDetector(SeriesBase):
     signal = Signal.LOSS_DEGRADATION
 
-    def __init__(self, key: str = "loss", config: DegradationConfig | None = None) -> None:
+    def __init__(self, key: str = "loss", config: DegradationConfig | None = None,
+                 witnesses: Witnesses | None = None) -> None:
         self.config = config or DegradationConfig()
+        self.witnesses = witnesses  # for the step's LR: the trend starts after the LR warm-up
         super().__init__(key, self.config.history, self.config.clear_steps)
         self.trend = LossTrend(self.config.trend)
         self.worst = 0.0  # smallest excess over the current run of behind points (log ratio)
 
     def _update(self, step: int, value: float) -> Finding | None:
         c = self.config
-        got = self.trend.update(step, value)
+        got = self.trend.update(step, value, self.witnesses.lr if self.witnesses is not None else None)
         if not math.isfinite(value) or value <= 0.0:
             return None
         self.history.append(step, math.log(value))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import GRAD_NORM, LOSS, UPDATE_RATIO, Z, StepRecord, split_key
+from monitors.contract import GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord, split_key
 
 from .base import History, at_least, positive
 
@@ -47,9 +47,16 @@ class WitnessConfig:
     trend_min: int = 32
     trend_max: int = 256
     trend_gap: int = 16
+    # The trend starts once the LR has stopped rising for `lr_settle` points (the warm-up's
+    # loss curve has another shape, and a power law fitted to it predicts a fall the post-warm-up
+    # plateau never makes: healthy runs sat 10-13 % "behind" such a fit right after warm-up).
+    # Without an `lr` key in the records, after `lr_settle` points.
+    lr_settle: int = 20
     # Behind = smoothed loss >= trend * (1 + margin), margin = max(loss_margin, 3 x the fit's
-    # residual spread): 3 % is about two standard errors of a 10-batch mean at this noise.
-    loss_margin: float = 0.03
+    # residual spread). Healthy runs of the bench grid stayed within +6.6 % of their own trend
+    # (5-point minimum) over 1,500 steps after warm-up; a mid-run LR jump put the loss +24 % to
+    # +108 % above it.
+    loss_margin: float = 0.08
     # ... for this many points in a row: one noisy batch in the trailing mean is not harm.
     loss_confirm: int = 5
     # Spread of the recent (last `recent` points) median against a baseline (the `baseline`
@@ -68,6 +75,7 @@ class WitnessConfig:
             raise ValueError(f"entropy_fraction must be in (0, 1), got {self.entropy_fraction!r}")
         at_least("loss_smooth", self.loss_smooth, 1)
         at_least("loss_confirm", self.loss_confirm, 1)
+        at_least("lr_settle", self.lr_settle, 0)
         at_least("trend_min", self.trend_min, 8)
         at_least("trend_max", self.trend_max, self.trend_min)
         at_least("trend_gap", self.trend_gap, 1)
@@ -87,12 +95,21 @@ class LossTrend:
         self.history = History(cfg.trend_max + cfg.trend_gap + 1)
         self.seen = 0
         self.last: tuple[float, float] | None = None  # (excess, margin) at the newest point
+        self.lr_max = -math.inf  # the largest LR seen, and points since it last rose
+        self.settled = 0
 
-    def update(self, step: int, loss: float) -> tuple[float, float] | None:
+    def update(self, step: int, loss: float, lr: float | None = None) -> tuple[float, float] | None:
         c = self.cfg
         if not math.isfinite(loss) or loss <= 0.0:
             # A non-finite loss is non_finite.py's; it must not poison the trailing mean.
             return self.last
+        if self.settled < c.lr_settle:  # still in the LR warm-up: no trend yet
+            rising = lr is not None and math.isfinite(lr) and lr > self.lr_max * (1 + 1e-6)
+            if lr is not None and math.isfinite(lr):
+                self.lr_max = max(self.lr_max, lr)
+            self.settled = 0 if rising else self.settled + 1
+            self.raw.append(step, loss)  # feeds the trailing mean, not the fit
+            return None
         self.raw.append(step, loss)
         self.seen += 1
         self.history.append(step, math.log(float(self.raw.tail(c.loss_smooth).mean())))
@@ -117,16 +134,21 @@ class LossTrend:
         self.raw.rewind(to_step)
         self.seen = 0 if to_step is None else max(0, self.seen - dropped)
         self.last = None
+        if to_step is None:
+            self.lr_max, self.settled = -math.inf, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"raw": self.raw.state_dict(), "history": self.history.state_dict(), "seen": self.seen,
-                "last": list(self.last) if self.last else None}
+                "last": list(self.last) if self.last else None,
+                "lr_max": self.lr_max if math.isfinite(self.lr_max) else None, "settled": self.settled}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.raw.load_state_dict(d["raw"])
         self.history.load_state_dict(d["history"])
         self.seen = int(d["seen"])
         self.last = tuple(d["last"]) if d["last"] else None  # type: ignore[assignment]
+        self.lr_max = -math.inf if d["lr_max"] is None else float(d["lr_max"])
+        self.settled = int(d["settled"])
 
 
 class _Shift:
@@ -155,6 +177,7 @@ class Witnesses:
         self.active: dict[str, str] = {}  # witness name -> why, at the newest step
         self.step = -1
         self.behind = 0  # consecutive points with the loss behind its trend
+        self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
 
     def observe(self, record: StepRecord) -> None:
         c = self.cfg
@@ -163,9 +186,10 @@ class Witnesses:
         self.step = record.step
         active: dict[str, str] = {}
         vals = record.values
+        self.lr = vals.get(LR)
         loss = vals.get(LOSS)
         if loss is not None:
-            got = self.loss.update(record.step, loss)
+            got = self.loss.update(record.step, loss, vals.get(LR))
             self.behind = self.behind + 1 if got is not None and got[0] > got[1] else 0
             if got is not None and self.behind >= c.loss_confirm:
                 active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
