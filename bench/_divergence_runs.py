@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Code whose change makes a cached run stale.
 _CODE = ("trainer/model.py", "trainer/data/loader.py", "trainer/data/sources.py", "trainer/data/order.py",
          "monitors/thermometers/core.py", "monitors/thermometers/attention.py", "monitors/thermometers/config.py",
-         "monitors/thermometers/slots.py", "bench/_divergence_runs.py")
+         "monitors/thermometers/slots.py", "monitors/thermometers/update.py", "bench/_divergence_runs.py")
 
 
 @dataclass(frozen=True)
