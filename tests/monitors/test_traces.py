@@ -74,3 +74,19 @@ def test_degradation_alerts_after_the_jump_only():
     assert deg and all(f.detect_step > 300 for f in deg) and deg[0].outcome in (Outcome.ALERT, Outcome.ACT)
     _, healthy = _replay("healthy")
     assert [f for f, _ in healthy if f.signal is Signal.LOSS_DEGRADATION] == []
+
+
+def test_replay_prints_outcome_and_decision_for_every_finding(tmp_path):
+    import io
+    import json
+
+    from monitors.replay import replay
+
+    out = io.StringIO()
+    replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), out, json_out=True, policy=replay_decider({}))
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert rows and all(r["outcome"] in ("watch", "alert", "act") and r["decision"]["kind"] for r in rows)
+    assert any(r["outcome"] == "act" and r["decision"]["kind"] == "rollback" for r in rows)
+    text = io.StringIO()
+    replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), text, policy=replay_decider({}))
+    assert " act " in text.getvalue() and "kind=rollback" in text.getvalue()
