@@ -1,42 +1,38 @@
-"""Divergence detection on real training runs: our detector bank against three peer rules.
+"""Divergence detection on real training runs: our detectors and default policy against a fixed
+QK-clip ceiling and three peer rules, on a grid that is hard to pass by tuning (issue 8).
 
-A grid of tiny GPTs trains on CPU (bench/_divergence_runs.py: 4 layers, d_model 128, 4 heads,
-64-token windows, batch 16, AdamW, clip 1.0, linear warmup over 100 steps then constant LR,
-fp32 master weights with bf16 autocast) at peak LRs that end badly and LRs that do not, with
-and without qk_layernorm, over several seeds. Every step's full thermometer record is written
-as JSONL (`thermowatch replay FILE` reads each one). Then every detector replays every run:
+The grid (bench/_divergence_grid.py): two architectures (LayerNorm + GELU; RMSNorm + ReLU^2),
+three seeds each; healthy runs at several LRs (one of 1,500 steps with slow logit drift, a
+cosine run whose logits rise to ~300 and fall back while the loss improves); logit growth at a
+high constant LR; a late divergence after a long warm-up to a high LR; loss spikes from a mid-run
+LR jump, with and without qk-LN; qk-LN at too high an LR (no logit growth). Each run trains once
+(bench/_divergence_runs.py, cached as JSONL by settings and code fingerprint), then every
+detector replays every run in seconds.
 
-  ours/default    DetectorBank(BankConfig())                 (the defaults, set for 1e5-step runs)
-  ours/short-run  DetectorBank with SHORT_RUN below           (attention growth scaled to 300 steps)
-  olmo_core       loss and grad_norm > mean + 6 std of the previous 128 steps
-  llm_foundry     loss >= 2 x mean of the previous 100 steps for > 4 steps (or >= 10 persistently)
-  megatron_lm     loss >= 10 x the max of the first 100 losses
+Scored, per detector signal and for the full default policy (DetectorBank(BankConfig()) and
+PolicyConfig() through `thermowatch replay`'s decider): damaged runs acted on, acted on before
+the damage, healthy runs acted on (goal 0), false actions per 10k healthy steps, lead against a
+fixed ceiling of 100 on the runs whose logits crossed it before the damage (goal >= 0.9x), and
+the damaged runs missed. Peers (each finding of theirs counts as an action: they stop or flag):
 
-Ground truth comes from the loss curves alone, never from a detector's findings nor from the
-attention logits or gradient norms (GROUND TRUTH in the output states the rule): a run diverged if its loss rose well above its own running minimum,
-or if it ended well above the best run of its seed. The step that lead time is measured
-against is the first step of that rise, or else the step where the loss left the envelope of
-the healthy runs. Attention-logit blow-ups are shown beside it, but they do not define it.
+  olmo_core     loss and grad_norm > mean + 6 std of the previous 128 steps
+  llm_foundry   loss >= 2 x mean of the previous 100 steps for > 4 steps (or >= 10 persistently)
+  megatron_lm   loss >= 10 x the max of the first 100 losses
 
-    python bench/divergence.py [--quick] [--reuse] [--out /tmp/divbench] [--json]
-
-Cost on 2 shared CPU cores: the default grid (4 LRs x 2 x 3 seeds = 24 runs of 300 steps) trains
-in ~7 minutes, two runs side by side; --quick (1 seed, 8 runs) in ~80 s; --reuse with a warm
-cache replays in seconds. Every run is deterministic (seeded model, data order and autocast).
+    python bench/divergence.py [--reuse] [--seeds 3] [--archs ln-gelu,rms-relu2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -44,35 +40,31 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _divergence_grid as grid_mod
 import _divergence_runs as runs
 
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, StepRecord
+from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, StepRecord
 from monitors.detectors import BankConfig, DetectorBank
 from monitors.detectors.baselines import PeerBank
 from monitors.replay import read_records
+from supervisor.replay_policy import replay_decider
 
-# The bank scaled to a 300-step run: the demo's and the test fixture's attention settings
-# (tests/fixtures/diverging.py DETECTORS). Growth may fire after 20 points instead of 200, but
-# only above a logit of 80; the ceiling moves from 100 to 150.
-SHORT_RUN = {"attn": {"warmup": 20, "min_level": 80.0, "ceiling": 150.0}}
-SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "grad_spike", "non_finite")
+SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
+ACTS = ("rollback", "lower_lr", "pause")
+CEILING = 100.0  # the fixed reference: QK-clip tau (Kimi K2), Megatron-LM's --qk-clip
 
 # --- ground truth (from the loss only) --------------------------------------------------------
 SMOOTH = 10  # trailing mean over 10 steps: one noisy batch is ~0.1 nats here
-RISE = 0.25  # loss rise: smoothed loss >= its running minimum + 0.25 nats ...
-RISE_STEPS = 5  # ... for 5 consecutive steps (healthy runs here rise <= ~0.15)
-TAIL = 30  # final loss = mean of the last 30 steps
-GAP = 0.25  # degraded: final loss >= best final loss of the same seed + 0.25 nats
-ENVELOPE = 0.10  # departure: smoothed loss > max of the healthy runs' smoothed losses + 0.1 ...
-ENVELOPE_STEPS = 10  # ... for 10 consecutive steps
-ATTN_BLOWUP = 20.0  # context only: attention logit bound >= 20 x its step-1..10 median
-# (10x is too low here: a healthy lr 3e-3 run without qk_layernorm drifts from ~4 to ~50)
-RULE = (f"diverged = loss RISE (trailing-{SMOOTH} mean >= its running min + {RISE} for {RISE_STEPS}+ steps) "
-        f"or DEGRADED (mean of last {TAIL} losses >= best run of the same seed + {GAP}); "
-        f"divergence step = first step of the rise, else first step of {ENVELOPE_STEPS}+ steps with the smoothed "
-        f"loss > the healthy runs' envelope (per-step max, same seed) + {ENVELOPE}. "
-        f"Attention blow-up (bound >= {ATTN_BLOWUP:g}x its step 1-10 median) is context, not ground truth.")
+RISE = 0.25  # RISE: smoothed loss >= its own running minimum + 0.25 nats ...
+RISE_STEPS = 5  # ... for 5 consecutive steps
+GAP = 0.25  # BEHIND: the gap to the best run of the same (architecture, seed) at the same step
+GAP_STEPS = 10  # grew by 0.25 nats over its smallest value since GAP_FROM, for 10 steps
+GAP_FROM = 200  # runs at different LRs separate in their first ~2 warm-ups; judged after it
+RULE = (f"damaged = RISE (trailing-{SMOOTH} mean loss >= its running min + {RISE} for {RISE_STEPS}+ steps) or "
+        f"BEHIND (gap to the lowest trailing-{SMOOTH} loss of the same architecture and seed at that step grew "
+        f"by >= {GAP} over its smallest value since step {GAP_FROM}, for {GAP_STEPS}+ steps); damage step = the "
+        "first step of either. Loss only: no detector, attention logit or gradient norm enters it.")
 
 
 @dataclass
@@ -84,13 +76,12 @@ class Run:
     steps: np.ndarray = field(init=False)
     attn: np.ndarray = field(init=False)  # max over attention modules per step
     smooth: np.ndarray = field(init=False)  # NaN for the first SMOOTH-1 steps
-    final_loss: float = math.nan
     rise_step: int | None = None
-    diverged: bool = False
-    kind: str = ""
+    behind_step: int | None = None
     div_step: int | None = None
-    attn_blowup_step: int | None = None
+    ceiling_step: int | None = None  # first step any attention logit >= CEILING
     findings: dict[str, list[Finding]] = field(default_factory=dict)
+    decisions: list[tuple[Finding, dict]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.steps = np.array([r.step for r in self.records])
@@ -100,11 +91,20 @@ class Run:
         finite = np.where(np.isfinite(self.loss), self.loss, np.inf)  # a NaN loss counts as +inf
         c = np.convolve(finite, np.ones(SMOOTH) / SMOOTH, mode="valid")
         self.smooth = np.concatenate([np.full(SMOOTH - 1, np.nan), c])
-        self.final_loss = float(np.mean(finite[-TAIL:]))
+        over = np.nonzero(np.nan_to_num(self.attn, nan=np.inf) >= CEILING)[0]
+        self.ceiling_step = int(self.steps[over[0]]) if over.size else None
+
+    @property
+    def damaged(self) -> bool:
+        return self.div_step is not None
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.arch}/{self.spec.tag}/s{self.spec.seed}"
 
 
 def _first_run(mask: np.ndarray, length: int) -> int | None:
-    """Index of the first `length` consecutive True values."""
+    """Index of the first of `length` consecutive True values."""
     n = 0
     for i, m in enumerate(mask):
         n = n + 1 if m else 0
@@ -114,101 +114,124 @@ def _first_run(mask: np.ndarray, length: int) -> int | None:
 
 
 def label(all_runs: list[Run]) -> None:
-    """Apply RULE (module constants) to every run, in place."""
+    """Apply RULE to every run, in place."""
     for r in all_runs:
         s = r.smooth[SMOOTH - 1:]
         i = _first_run(s >= np.minimum.accumulate(s) + RISE, RISE_STEPS)
         r.rise_step = None if i is None else int(r.steps[SMOOTH - 1 + i])
-        base = np.median(r.attn[:10])
-        j = _first_run(r.attn >= ATTN_BLOWUP * base, 1)
-        r.attn_blowup_step = None if j is None else int(r.steps[j])
-    for seed in sorted({r.spec.seed for r in all_runs}):
-        group = [r for r in all_runs if r.spec.seed == seed]
-        best = min(r.final_loss for r in group)
-        for r in group:
-            degraded = r.final_loss >= best + GAP
-            r.diverged = r.rise_step is not None or degraded
-            r.kind = "rise" if r.rise_step is not None else ("degraded" if degraded else "")
-        healthy = [r for r in group if not r.diverged]
-        if not healthy:
-            continue
-        envelope = np.fmax.reduce(np.stack([h.smooth for h in healthy]), axis=0)  # NaN-skipping max
-        for r in group:
-            if not r.diverged:
-                continue
-            k = _first_run(np.nan_to_num(r.smooth - envelope, nan=-np.inf) > ENVELOPE, ENVELOPE_STEPS)
-            dep = None if k is None else int(r.steps[k])
-            found = [x for x in (r.rise_step, dep) if x is not None]
-            r.div_step = min(found) if found else None
-
-
-# --- detectors ---------------------------------------------------------------------------------
-
-def detectors() -> dict[str, Callable[[], DetectorBank | PeerBank]]:
-    """Fresh detector sets by name; each replays one run from its first record."""
-    out = {"ours/default": lambda: DetectorBank(BankConfig()),
-           "ours/short-run": lambda: DetectorBank(BankConfig.from_dict(SHORT_RUN))}
-    for name in PEERS:
-        out[name] = partial(PeerBank, name)
-    return out
-
-
-def replay_all(all_runs: list[Run]) -> None:
+    groups: dict[tuple, list[Run]] = {}
     for r in all_runs:
-        for name, build in detectors().items():
-            r.findings[name] = build().observe_many(r.records)
+        groups.setdefault((r.spec.arch, r.spec.seed), []).append(r)
+    for group in groups.values():
+        n = max(len(r.smooth) for r in group)
+        padded = np.stack([np.concatenate([r.smooth, np.full(n - len(r.smooth), np.nan)]) for r in group])
+        best = np.fmin.reduce(padded, axis=0)  # NaN-skipping min at each step
+        for r in group:
+            gap = r.smooth - best[:len(r.smooth)]
+            start = int(np.searchsorted(r.steps, GAP_FROM))
+            g = np.nan_to_num(gap[start:], nan=0.0, posinf=1e9)
+            j = _first_run(g >= np.minimum.accumulate(g) + GAP, GAP_STEPS) if g.size else None
+            r.behind_step = None if j is None else int(r.steps[start + j])
+    for r in all_runs:
+        found = [x for x in (r.rise_step, r.behind_step) if x is not None]
+        r.div_step = min(found) if found else None
 
 
-def score(all_runs: list[Run], det: str, signal: str | None) -> dict:
-    """caught / n_diverging, false alarms per 10k healthy steps, lead = div_step - first detection."""
-    div = [r for r in all_runs if r.diverged]
-    ok = [r for r in all_runs if not r.diverged]
-    pick = (lambda fs: fs) if signal is None else (lambda fs: [f for f in fs if f.signal.value == signal])
-    leads, caught, early = [], 0, 0
-    for r in div:
-        fs = pick(r.findings[det])
-        if not fs:
+# --- replay --------------------------------------------------------------------------------------
+
+def replay(r: Run) -> None:
+    bank = DetectorBank(BankConfig())
+    decide = replay_decider({})  # PolicyConfig() defaults, a checkpoint every 100 steps
+    found = []
+    for rec in r.records:
+        for f in bank.observe(rec):
+            found.append(f)
+            r.decisions.append((f, decide(f)))
+    r.findings["ours"] = found
+    for name in PEERS:
+        r.findings[name] = PeerBank(name).observe_many(r.records)
+
+
+def _acts(r: Run, det: str) -> list[int]:
+    """Steps at which `det` would change the run."""
+    if det == "policy":
+        return [f.detect_step for f, d in r.decisions if d.get("kind") in ACTS]
+    if det in PEERS:
+        return [f.detect_step for f in r.findings[det]]
+    return [f.detect_step for f in r.findings["ours"] if f.signal.value == det and f.outcome is Outcome.ACT]
+
+
+def _alerts(r: Run, det: str) -> list[int]:
+    if det == "policy":
+        return [f.detect_step for f, d in r.decisions if d.get("kind") in ACTS + ("alert",)]
+    if det in PEERS:
+        return _acts(r, det)
+    return [f.detect_step for f in r.findings["ours"] if f.signal.value == det and f.outcome is not Outcome.WATCH]
+
+
+def score(all_runs: list[Run], det: str) -> dict:
+    dmg = [r for r in all_runs if r.damaged]
+    ok = [r for r in all_runs if not r.damaged]
+    caught, early, missed, ratios = 0, 0, [], []
+    for r in dmg:
+        acts = _acts(r, det)
+        if not acts:
+            missed.append(r.label)
             continue
         caught += 1
-        first = min(f.detect_step for f in fs)
-        if r.div_step is not None:
-            leads.append(r.div_step - first)
-            early += r.div_step - first > 0
+        first = min(acts)
+        early += first < r.div_step
+        if r.ceiling_step is not None and r.ceiling_step < r.div_step:
+            ratios.append((r.div_step - first) / (r.div_step - r.ceiling_step))
+    logit_runs = [r for r in dmg if r.ceiling_step is not None and r.ceiling_step < r.div_step]
     healthy_steps = sum(len(r.records) for r in ok)
-    alarms = sum(len(pick(r.findings[det])) for r in ok)
-    # Findings on several modules at one step are one alarm to whoever is paged.
-    alarm_steps = sum(len({f.detect_step for f in pick(r.findings[det])}) for r in ok)
-    flagged = sum(1 for r in ok if pick(r.findings[det]))
+    false_acts = sum(len(set(_acts(r, det))) for r in ok)
     return {
-        "caught": caught, "n_diverging": len(div), "caught_before_divergence": early,
-        "false_alarms": alarms, "healthy_steps": healthy_steps,
-        "false_alarms_per_10k": round(1e4 * alarms / healthy_steps, 1) if healthy_steps else None,
-        "false_alarm_steps_per_10k": round(1e4 * alarm_steps / healthy_steps, 1) if healthy_steps else None,
-        "healthy_runs_flagged": flagged, "n_healthy": len(ok),
-        "lead_median": statistics.median(leads) if leads else None, "lead_min": min(leads) if leads else None,
+        "caught": caught, "n_damaged": len(dmg), "caught_before_damage": early,
+        "alerted": sum(1 for r in dmg if _alerts(r, det)),
+        "healthy_acted_on": sum(1 for r in ok if _acts(r, det)), "n_healthy": len(ok),
+        "healthy_alerted": sum(1 for r in ok if _alerts(r, det)),
+        "false_actions_per_10k": round(1e4 * false_acts / healthy_steps, 2) if healthy_steps else None,
+        # Lead vs the fixed ceiling, on damaged runs whose logits crossed 100 before the damage;
+        # a run not acted on counts as 0 (no lead at all).
+        "lead_vs_ceiling_runs": len(logit_runs),
+        "lead_ratio_min": round(min(ratios + [0.0] * (len(logit_runs) - len(ratios))), 2) if logit_runs else None,
+        "lead_ratio_median": round(statistics.median(ratios + [0.0] * (len(logit_runs) - len(ratios))), 2)
+        if logit_runs else None,
+        "lead_ratio_ge_0.9": sum(1 for x in ratios if x >= 0.9),
+        "missed": missed,
     }
 
 
 # --- driver --------------------------------------------------------------------------------------
 
+def _has_arch_options() -> bool:
+    from trainer.model import GPTConfig
+
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    return {"norm", "activation"} <= names
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/divbench", help="where the run JSONL files go")
     ap.add_argument("--reuse", action="store_true", help="serve runs from --out when settings and code match")
-    ap.add_argument("--quick", action="store_true", help="1 seed instead of 3 (~2 minutes)")
-    ap.add_argument("--seeds", type=int, default=None, help="seeds per (LR, qk_layernorm); default 3, --quick 1")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lrs", default="1e-3,3e-3,3e-2,1e-1", help="peak LRs, comma-separated")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--archs", default=None, help="comma-separated, from " + ",".join(grid_mod.ARCHS)
+                    + " (default: both, or ln-gelu where trainer.model lacks the norm/activation options)")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained side by side, one torch thread each")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     args = ap.parse_args()
-    if args.seeds is None:
-        args.seeds = 1 if args.quick else 3
+    if args.archs is None:
+        args.archs = ",".join(grid_mod.ARCHS) if _has_arch_options() else "ln-gelu"
+    bad = set(args.archs.split(",")) - set(grid_mod.ARCHS)
+    if bad:
+        ap.error(f"unknown --archs {sorted(bad)}; choose from {sorted(grid_mod.ARCHS)}")
     return args
 
 
 def train_grid(specs: list[runs.RunSpec], out: Path, reuse: bool, jobs: int) -> tuple[int, float]:
-    todo = [s for s in specs if not (reuse and runs.cached(out, s))]
+    todo = sorted((s for s in specs if not (reuse and runs.cached(out, s))), key=lambda s: -s.steps)
     t0 = time.perf_counter()
     if todo:
         work = [(asdict(s), str(out)) for s in todo]
@@ -223,7 +246,7 @@ def train_grid(specs: list[runs.RunSpec], out: Path, reuse: bool, jobs: int) -> 
     return len(todo), time.perf_counter() - t0
 
 
-def _fmt(x, nd=0) -> str:
+def _fmt(x, nd=2) -> str:
     if x is None:
         return "-"
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
@@ -233,79 +256,55 @@ def main() -> None:
     args = parse()
     t_start = time.perf_counter()
     out = Path(args.out)
-    lrs = [float(x) for x in args.lrs.split(",")]
-    specs = [runs.RunSpec(peak_lr=lr, qk_layernorm=qk, seed=s, steps=args.steps)
-             for s in range(args.seeds) for lr in lrs for qk in (False, True)]
+    specs = grid_mod.grid(args.seeds, args.archs.split(","))
     n_trained, train_s = train_grid(specs, out, args.reuse, args.jobs)
 
     t_replay = time.perf_counter()
-    all_runs = []
-    for s in specs:
-        path = runs.paths(out, s)[0]
-        all_runs.append(Run(s, path, [rec for _, rec in read_records(path)]))  # the reader `thermowatch replay` uses
+    all_runs = [Run(s, runs.paths(out, s)[0], [rec for _, rec in read_records(runs.paths(out, s)[0])]) for s in specs]
     label(all_runs)
-    replay_all(all_runs)
+    for r in all_runs:
+        replay(r)
     replay_s = time.perf_counter() - t_replay
 
-    rows: dict[str, dict] = {}
-    for det in ("ours/default", "ours/short-run"):
-        rows[f"{det} (any signal)"] = score(all_runs, det, None)
-        for sig in SIGNALS:
-            rows[f"{det} {sig}"] = score(all_runs, det, sig)
-    for det in PEERS:
-        rows[det] = score(all_runs, det, None)
+    dets = ["policy", *SIGNALS, *PEERS]
+    rows = {d: score(all_runs, d) for d in dets}
     wall_s = time.perf_counter() - t_start
     command = "python bench/" + Path(sys.argv[0]).name + "".join(f" {a}" for a in sys.argv[1:])
-
-    spec0 = specs[0]
-    print(f"Divergence benchmark: {len(all_runs)} real runs (GPT {spec0.n_layer}L d{spec0.d_model} h{spec0.n_head} "
-          f"T{spec0.seq_len} B{spec0.batch}, {spec0.steps} steps, warmup {spec0.warmup_steps} then constant LR, "
-          f"AdamW wd {spec0.weight_decay}, clip {spec0.grad_clip}, fp32 master weights + bf16 autocast, stdlib bytes)")
-    print(f"runs in {out} ({n_trained} trained in {train_s:.0f} s, {len(all_runs) - n_trained} reused); "
-          f"replay of {len(detectors())} detector sets over {sum(len(r.records) for r in all_runs)} records: {replay_s:.1f} s")
-    print(f"\nGROUND TRUTH: {RULE}\n")
-    short = {"ours/default": "default", "ours/short-run": "short", "olmo_core": "olmo", "llm_foundry": "foundry",
-             "megatron_lm": "megatron"}
-    print(f"{'run':<22}{'final':>7}{'gap':>7}{'rise':>6}{'max attn':>9}{f'x{ATTN_BLOWUP:g} @':>7}"
-          f"{'diverged':>10}{'div @':>6}   first alarm: " + " ".join(f"{v:>8}" for v in short.values()))
-    best = {s: min(r.final_loss for r in all_runs if r.spec.seed == s) for s in range(args.seeds)}
+    n_records = sum(len(r.records) for r in all_runs)
+    s0 = specs[0]
+    print(f"Divergence benchmark: {len(all_runs)} real runs, archs {args.archs}, {args.seeds} seeds (GPT {s0.n_layer}L "
+          f"d{s0.d_model} h{s0.n_head} T{s0.seq_len} B{s0.batch}, AdamW wd {s0.weight_decay}, clip {s0.grad_clip}, fp32, "
+          f"stdlib bytes), {n_records} steps")
+    print(f"runs in {out} ({n_trained} trained in {train_s:.0f} s, {len(all_runs) - n_trained} reused); replay "
+          f"{replay_s:.1f} s\n\nGROUND TRUTH: {RULE}\n")
+    print(f"{'run':<30}{'steps':>6}{'final':>7}{'max attn':>9}{'>=100 @':>8}{'damage @':>9}{'(rise/behind)':>14}"
+          f"{'first act':>10}{'first alert':>12}")
     for r in all_runs:
-        s = r.smooth[SMOOTH - 1:]
-        rise = float(np.max(s - np.minimum.accumulate(s)))
-        first = [min((f.detect_step for f in r.findings[d]), default=None) for d in short]
-        print(f"{r.spec.name[:-5]:<22}{r.final_loss:>7.3f}{r.final_loss - best[r.spec.seed]:>+7.2f}{rise:>6.2f}"
-              f"{np.nanmax(r.attn):>9.0f}{_fmt(r.attn_blowup_step):>7}{(r.kind or 'no'):>10}{_fmt(r.div_step):>6}"
-              f"{'':>16}" + " ".join(f"{_fmt(x):>8}" for x in first))
-    n_div = sum(r.diverged for r in all_runs)
-    print(f"\n{n_div} diverging, {len(all_runs) - n_div} healthy. lead = divergence step - first detection step "
-          "(positive = before it); caught = any finding in a diverging run, whenever it came.\n")
-    print(f"{'detector':<38}{'caught':>8}{'early':>7}{'FA/10k':>8}{'FA steps':>9}{'FA runs':>9}"
-          f"{'lead med':>10}{'lead min':>10}")
+        acts, alerts = _acts(r, "policy"), _alerts(r, "policy")
+        kind = "/".join(str(x) if x is not None else "-" for x in (r.rise_step, r.behind_step))
+        print(f"{r.label:<30}{len(r.records):>6}{float(np.mean(r.loss[-30:])):>7.3f}{np.nanmax(r.attn):>9.0f}"
+              f"{_fmt(r.ceiling_step):>8}{_fmt(r.div_step):>9}{kind:>14}{_fmt(min(acts, default=None)):>10}"
+              f"{_fmt(min(alerts, default=None)):>12}")
+    n_dmg = sum(r.damaged for r in all_runs)
+    print(f"\n{n_dmg} damaged, {len(all_runs) - n_dmg} healthy ({sum(len(r.records) for r in all_runs if not r.damaged)} "
+          f"healthy steps). 'policy' = the full default policy's rollback/lower-LR/pause decisions; a signal row counts "
+          "its findings with outcome act; peers: every finding.\n")
+    print(f"{'detector':<20}{'acted':>8}{'before':>7}{'alerted':>8}{'healthy acted':>14}{'FA/10k':>8}"
+          f"{'healthy alerted':>16}{'lead/ceiling min':>17}{'median':>7}{'>=0.9':>7}")
     for name, m in rows.items():
-        lead = m["lead_median"]
-        print(f"{name:<38}{m['caught']:>4}/{m['n_diverging']:<3}{m['caught_before_divergence']:>7}"
-              f"{_fmt(m['false_alarms_per_10k'], 1):>8}{_fmt(m['false_alarm_steps_per_10k'], 1):>9}"
-              f"{m['healthy_runs_flagged']:>5}/{m['n_healthy']:<3}"
-              f"{_fmt(float(lead), 1) if lead is not None else '-':>10}{_fmt(m['lead_min']):>10}")
-    print(f"\nearly = caught before the divergence step; FA/10k = findings on healthy runs per 10k healthy steps "
-          f"(one per module); FA steps = distinct steps with a finding, per 10k; FA runs = healthy runs with any finding."
-          f"\nshort-run bank settings: {json.dumps(SHORT_RUN)}")
+        print(f"{name:<20}{m['caught']:>4}/{m['n_damaged']:<3}{m['caught_before_damage']:>7}{m['alerted']:>8}"
+              f"{m['healthy_acted_on']:>9}/{m['n_healthy']:<4}{_fmt(m['false_actions_per_10k']):>8}"
+              f"{m['healthy_alerted']:>11}/{m['n_healthy']:<4}{_fmt(m['lead_ratio_min']):>17}"
+              f"{_fmt(m['lead_ratio_median']):>7}{m['lead_ratio_ge_0.9']:>4}/{m['lead_vs_ceiling_runs']:<2}")
+    print(f"\nmissed by the default policy: {', '.join(rows['policy']['missed']) or 'none'}")
     print(f"command: {command}\nwall time: {wall_s:.0f} s (training {train_s:.0f} s, replay {replay_s:.1f} s)")
     if args.json:
         print(json.dumps({
-            "bench": "divergence",
-            "command": command,
-            "wall_s": round(wall_s, 1),
-            "train_s": round(train_s, 1),
-            "replay_s": round(replay_s, 2),
-            "runs_trained": n_trained,
-            "ground_truth": RULE,
-            "short_run_config": SHORT_RUN,
-            "detectors": rows,
-            "runs": [{"name": r.spec.name, "lr": r.spec.peak_lr, "qk_ln": r.spec.qk_layernorm, "seed": r.spec.seed,
-                      "steps": r.spec.steps, "final_loss": round(r.final_loss, 4), "diverged": r.diverged,
-                      "kind": r.kind, "spike_step": r.div_step, "rise_step": r.rise_step,
-                      "attn_max": float(np.nanmax(r.attn)), "attn_blowup_step": r.attn_blowup_step,
+            "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
+            "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
+            "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
+                      "rise_step": r.rise_step, "behind_step": r.behind_step, "ceiling_step": r.ceiling_step,
+                      "attn_max": float(np.nanmax(r.attn)), "first_act": min(_acts(r, "policy"), default=None),
                       "path": str(r.path)} for r in all_runs],
             "config": {k: v for k, v in vars(args).items() if k != "json"},
         }))

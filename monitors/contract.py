@@ -203,15 +203,45 @@ class Ack:
 
 
 class Severity(str, enum.Enum):
+    """How far the series is from its baseline. Says nothing about what may be done: see Outcome."""
+
     INFO = "info"
     WARN = "warn"
     CRITICAL = "critical"
+
+
+class Outcome(str, enum.Enum):
+    """What a finding may lead to (DESIGN.md, Trust: "three outcomes").
+
+    watch  stored and drawn on the run's page; nobody is told
+    alert  a message to the on-call engineer (Slack)
+    act    the policy may change the run (roll back, lower the LR, pause), if its settings let it
+
+    Only `act` can change a run. A detector says `act` only when its evidence is enough to
+    justify an automatic change on its own (attention growth needs a second witness of harm).
+    """
+
+    WATCH = "watch"
+    ALERT = "alert"
+    ACT = "act"
+
+    @property
+    def rank(self) -> int:
+        return _OUTCOME_RANK[self]
+
+
+_OUTCOME_RANK = {Outcome.WATCH: 0, Outcome.ALERT: 1, Outcome.ACT: 2}
+
+# A finding built without an outcome (a new signal, a stored finding from before outcomes
+# existed) tells a human and changes nothing: the safe middle.
+DEFAULT_OUTCOME = Outcome.ALERT
 
 
 class Signal(str, enum.Enum):
     ATTN_LOGIT_GROWTH = "attn_logit_growth"
     ATTN_LOGIT_CEILING = "attn_logit_ceiling"
     LOSS_SPIKE = "loss_spike"
+    LOSS_DEGRADATION = "loss_degradation"  # behind its own trend, no attention signal needed
     GRAD_SPIKE = "grad_spike"
     NON_FINITE = "non_finite"
     ACT_OVERFLOW = "act_overflow"
@@ -219,9 +249,19 @@ class Signal(str, enum.Enum):
     OUTLIER_RANK = "outlier_rank"
 
 
+def _outcome(value: Any) -> Outcome:
+    if value is None or value == "":
+        return DEFAULT_OUTCOME
+    try:
+        return Outcome(value)
+    except ValueError as exc:
+        raise ContractError(f"finding outcome {value!r} is not one of watch, alert, act") from exc
+
+
 @dataclass(slots=True)
 class Finding:
-    """What a detector saw. `onset_step` is where the series left its baseline."""
+    """What a detector saw. `onset_step` is where the series left its baseline; `outcome` is
+    what it may lead to (Outcome); `key` names it for de-duplication (finding_key)."""
 
     signal: Signal
     module: str  # "" for scalar series
@@ -230,12 +270,20 @@ class Finding:
     detect_step: int
     metric: str = ""  # the metric key the finding is about
     evidence: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome = DEFAULT_OUTCOME
+
+    @property
+    def key(self) -> str:
+        """Stable identity: the same detector judging the same step of the same series again
+        (a batch delivered twice) produces the same key, so the store keeps one row."""
+        return finding_key(self)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "signal": self.signal.value,
             "module": self.module,
             "severity": self.severity.value,
+            "outcome": self.outcome.value,
             "onset_step": self.onset_step,
             "detect_step": self.detect_step,
             "metric": self.metric,
@@ -244,6 +292,7 @@ class Finding:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Finding":
+        """Findings stored before outcomes existed have none: they read as `alert`."""
         return cls(
             signal=Signal(obj["signal"]),
             module=str(obj.get("module", "")),
@@ -252,7 +301,14 @@ class Finding:
             detect_step=int(obj["detect_step"]),
             metric=str(obj.get("metric", "")),
             evidence=dict(obj.get("evidence") or {}),
+            outcome=_outcome(obj.get("outcome")),
         )
+
+
+def finding_key(f: Finding) -> str:
+    """signal|metric-or-module|detect_step|outcome|severity. Onset is left out: it is an estimate
+    that may shift with buffered history, while a re-judged step is the same event."""
+    return f"{f.signal.value}|{f.metric or f.module}|{f.detect_step}|{f.outcome.value}|{f.severity.value}"
 
 
 # --- run and checkpoint descriptions ------------------------------------------------------------

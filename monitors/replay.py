@@ -114,12 +114,13 @@ def _fmt(x: Any) -> str:
 
 
 def format_finding(f: Finding, decision: dict[str, Any] | None = None) -> str:
-    """One readable line: detect step, severity, signal, where, onset, key evidence."""
+    """One readable line: detect step, severity, outcome, signal, where, onset, key evidence, and
+    the policy's decision when there is one."""
     where = f.module or f.metric or "-"
     ev = f.evidence
     keys = ("value", "baseline", "ratio", "threshold", "threshold_ratio", "growth_per_step", "rank", "share", "silent_s")
     details = " ".join(f"{k}={_fmt(ev[k])}" for k in keys if k in ev)
-    line = (f"step {f.detect_step:>8}  {f.severity.value.upper():8} {f.signal.value:20} {where}"
+    line = (f"step {f.detect_step:>8}  {f.severity.value.upper():8} {f.outcome.value:5}  {f.signal.value:20} {where}"
             f"  onset={f.onset_step} ({f.detect_step - f.onset_step} steps before)  {details}")
     if decision is not None:
         line += "  -> " + " ".join(f"{k}={_fmt(v)}" for k, v in decision.items())

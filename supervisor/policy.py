@@ -1,5 +1,10 @@
 """The supervisor's decision: a pure function from one finding and the run's state to an action.
 
+Only a finding whose outcome is `act` can change the run (DESIGN.md, Trust: three outcomes):
+`watch` is recorded (NOOP), `alert` tells a human (ALERT), whatever the signal, the severity or
+the state of the run. An `act` finding still only acts if its signal is in `rollback_signals`
+and its severity is at least `act_min_severity` (critical by default: a warning never acts).
+
 Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
 no I/O. The executor gathers a `PolicyInput`, calls `make_decision`, writes the action row and
 carries it out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
@@ -28,7 +33,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from monitors.contract import CheckpointInfo, Finding, Severity, Signal
+from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
 from supervisor.errors import UserError
 
 DAY_S = 86_400.0
@@ -66,6 +71,10 @@ _ALERT_ONLY_WHY = {
     Signal.ACT_OVERFLOW: (
         "activation overflow only alerts by default: it becomes a non-finite finding if it matters; "
         "add act_overflow to rollback_signals to act on it directly"
+    ),
+    Signal.LOSS_DEGRADATION: (
+        "a loss falling behind its own trend only alerts by default: a rollback replays the same LR, "
+        "so a human should decide (lower the LR by hand, or add loss_degradation to rollback_signals)"
     ),
 }
 
@@ -112,9 +121,12 @@ class PolicyConfig:
     max_rollbacks_per_day: int = 8
     # Every action (rollback, lower LR, pause) needs a human's approval; alerts go out as usual.
     advise_only: bool = False
-    # Findings below this severity only alert, whatever their signal.
-    act_min_severity: Severity = Severity.WARN
-    # Grad spikes and activation overflow are left out on purpose (see _ALERT_ONLY_WHY).
+    # A second gate after the outcome: `act` findings below this severity only alert. Critical
+    # by default, so no finding labelled a warning can roll a run back (issue 8: warn-level
+    # attention growth on healthy runs rolled them back when this was "warn").
+    act_min_severity: Severity = Severity.CRITICAL
+    # Grad spikes, activation overflow and loss degradation are left out on purpose (see
+    # _ALERT_ONLY_WHY); add loss_degradation to act on a run falling behind its own trend.
     rollback_signals: frozenset[Signal] = DEFAULT_ROLLBACK_SIGNALS
     # Alert-only signals that also page: a stalled run burns GPU hours until someone looks.
     page_signals: frozenset[Signal] = frozenset({Signal.STALL})
@@ -226,6 +238,11 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
     cfg = cfg or PolicyConfig()
     f = inp.finding
     head = _describe(f)
+    # First, before any state of the run is looked at: only `act` may change the run.
+    if f.outcome is Outcome.WATCH:
+        return Decision(DecisionKind.NOOP, [head, "outcome watch: recorded and drawn on the run's page"])
+    if f.outcome is not Outcome.ACT:
+        return Decision(DecisionKind.ALERT, [head, _why_alert(f, inp)], page=f.signal in cfg.page_signals)
     if inp.paused:
         return Decision(DecisionKind.NOOP, [head, "the run is paused: findings are recorded, a human decides "
                                                   "when to resume"])
@@ -246,7 +263,17 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
 def _describe(f: Finding) -> str:
     where = f.module or f.metric or "the run"
     return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step} "
-            f"(severity {f.severity.value})")
+            f"(severity {f.severity.value}, outcome {f.outcome.value})")
+
+
+def _why_alert(f: Finding, inp: PolicyInput) -> str:
+    why = f.evidence.get("outcome_why") if isinstance(f.evidence, dict) else None
+    out = "outcome alert: a human is told, the run is not changed"
+    if why:
+        out += f" ({why})"
+    if inp.failed_action_pending:
+        out += "; note: an earlier action failed and nobody has resolved it"
+    return out
 
 
 def _family(signal: Signal | None) -> str | None:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import CheckpointInfo, Finding, Signal, StepRecord
+from monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
 from monitors.detectors import BankConfig, DetectorBank
 from supervisor.executor import Executor
 from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
@@ -91,11 +91,12 @@ class Responder:
                          run_id, len(records), attempt, self._attempts[run_id])
                 return []
             bank = self.bank(run_id)
-            found = bank.observe_many(records)
+            # With the attempt, the bank skips steps it already judged (a batch delivered twice).
+            found = bank.observe_many(records, attempt)
             if found or time.monotonic() - self._state_saved.get(run_id, -math.inf) >= self._state_every:
                 self._save_state(run_id)
             for finding in found:
-                self.handle(run_id, finding)
+                self.handle(run_id, finding, attempt)
             return found
 
     def rewind(self, run_id: str, to_step: int) -> None:
@@ -135,9 +136,24 @@ class Responder:
 
     # --- decide and act ---------------------------------------------------------------------
 
-    def handle(self, run_id: str, finding: Finding) -> int | None:
-        """Record the finding in an incident, decide, and write the actions. Returns the incident id."""
+    def handle(self, run_id: str, finding: Finding, attempt: int | None = None) -> int | None:
+        """Record the finding in an incident, decide, and write the actions. Returns the incident id.
+
+        A `watch` finding is only stored (drawn on the run's page): no incident, no decision.
+        A finding already stored for this attempt (the same batch delivered twice, judged again
+        by a supervisor that lost its detector state) is not decided again."""
+        if finding.outcome is Outcome.WATCH:
+            with self._lock, self._session.begin() as s:
+                findings_store.add_finding(s, run_id, finding, None, attempt)
+            return None
         with self._lock, self._session.begin() as s:
+            key = findings_store.stored_key(finding, attempt)
+            if key is not None:
+                old = findings_store.find_key(s, run_id, key)
+                if old is not None:
+                    log.info("run %s: %s at step %d already stored (row %d); not decided again", run_id,
+                             finding.signal.value, finding.detect_step, old.id)
+                    return old.incident_id
             # Only the supervisor's own actions in flight hold a decision back; a person's pending
             # command (a profile, a pause) must not swallow a divergence found meanwhile.
             in_flight = [a for a in actions_store.open_actions(s, run_id)
@@ -145,14 +161,14 @@ class Responder:
             if in_flight and in_flight[0].incident_id is not None:
                 # One divergence trips several detectors (logits, then loss, then grad norm):
                 # while its repair is on the way, later findings join that incident.
-                findings_store.add_finding(s, run_id, finding, in_flight[0].incident_id)
+                findings_store.add_finding(s, run_id, finding, in_flight[0].incident_id, attempt)
                 log.info("run %s: %s joins incident %s (action %s in flight)", run_id, finding.signal.value,
                          in_flight[0].incident_id, in_flight[0].id)
                 return in_flight[0].incident_id
             incident_id = incidents_store.open_incident(
                 s, run_id, finding.signal.value, finding.module, finding.onset_step, finding.detect_step,
                 severity=finding.severity.value)
-            findings_store.add_finding(s, run_id, finding, incident_id)
+            findings_store.add_finding(s, run_id, finding, incident_id, attempt)
             self._distrust_checkpoints(s, run_id, finding)
             decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight)), self._policy)
             log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
@@ -165,8 +181,10 @@ class Responder:
         return incident_id
 
     def _distrust_checkpoints(self, s, run_id: str, finding: Finding) -> None:
-        """A checkpoint saved after the onset was saved while unhealthy: never a rollback target."""
-        if finding.signal.value not in _NOT_DIVERGENCE:
+        """A checkpoint saved after the onset was saved while unhealthy: never a rollback target.
+        Only an `act` finding says the run is unhealthy: a healthy logit rise that alerts must not
+        leave the run with no rollback target when a real divergence comes later."""
+        if finding.outcome is Outcome.ACT and finding.signal.value not in _NOT_DIVERGENCE:
             ckpt_store.distrust_from(s, run_id, finding.onset_step)
 
     def _policy_input(self, s, run_id: str, finding: Finding, in_flight: bool) -> PolicyInput:

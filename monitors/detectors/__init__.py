@@ -8,9 +8,15 @@
     bank.reset(to_step)                    # after a rollback: steps >= to_step will repeat
 
 Routing (ROUTES): every key -> non_finite; attn_logit_max/* and attn_logit_lse/* -> attention
-growth + ceiling; loss -> loss spike; grad_norm and grad_norm/* -> grad spike; act_max/* and
-act_min/* -> activation overflow; record.ranks -> outlier rank; record.wall_time -> stall.
-One detector instance per (route, key), created on first sight of the key.
+growth + ceiling; loss -> loss spike + loss degradation; grad_norm and grad_norm/* -> grad spike;
+act_max/* and act_min/* -> activation overflow; record.ranks -> outlier rank; record.wall_time ->
+stall. One detector instance per (route, key), created on first sight of the key. Before them,
+the run's witnesses of harm (witness.py) read the whole record: the attention detectors ask
+them whether a growth may act.
+
+Judged once: `observe(record, attempt=...)` skips a step this bank has already judged for the
+same attempt (a batch the sink delivered twice), so a re-sent batch gives no second finding.
+A new attempt (after a rollback or restart) may repeat steps; `reset(to_step)` announces it.
 
 Across ranks: the record's values are already reduced (max of maxima, min of minima, mean of
 losses; contract.reduction), so a spike on one rank shows in the reduced series and nothing more
@@ -30,13 +36,15 @@ from monitors.contract import Finding, StepRecord, split_key
 from .act_overflow import ActOverflowConfig, ActOverflowDetector
 from .attn_logit import AttnLogitCeilingDetector, AttnLogitConfig, AttnLogitGrowthDetector
 from .base import SeriesDetector
+from .degradation import DegradationConfig, DegradationDetector
 from .grad_spike import GradSpikeConfig, GradSpikeDetector
 from .loss_spike import LossSpikeConfig, LossSpikeDetector
 from .non_finite import NonFiniteConfig, NonFiniteDetector
 from .outlier_rank import OutlierRankConfig, OutlierRankDetector
 from .stall import StallConfig, StallDetector
+from .witness import WitnessConfig, Witnesses
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: witnesses, degradation, the judged (attempt, step)
 
 
 @dataclass
@@ -50,6 +58,8 @@ class BankConfig:
     act: ActOverflowConfig = field(default_factory=ActOverflowConfig)
     stall: StallConfig = field(default_factory=StallConfig)
     outlier: OutlierRankConfig = field(default_factory=OutlierRankConfig)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
+    witness: WitnessConfig = field(default_factory=WitnessConfig)
     # Route names (ROUTES, plus "outlier_rank", "stall") to switch off, e.g. for a benchmark.
     disabled: tuple[str, ...] = ()
 
@@ -83,16 +93,19 @@ class BankConfig:
 class Route:
     name: str
     metrics: frozenset[str] | None  # metric names (key before "/"); None = every key
-    build: Callable[[str, BankConfig], SeriesDetector]
+    build: Callable[[str, BankConfig, Witnesses], SeriesDetector]
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("non_finite", None, lambda k, c: NonFiniteDetector(k, c.non_finite)),
-    Route("attn_growth", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}), lambda k, c: AttnLogitGrowthDetector(k, c.attn)),
-    Route("attn_ceiling", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}), lambda k, c: AttnLogitCeilingDetector(k, c.attn)),
-    Route("loss_spike", frozenset({LOSS}), lambda k, c: LossSpikeDetector(k, c.loss)),
-    Route("grad_spike", frozenset({GRAD_NORM}), lambda k, c: GradSpikeDetector(k, c.grad)),
-    Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda k, c: ActOverflowDetector(k, c.act)),
+    Route("non_finite", None, lambda k, c, w: NonFiniteDetector(k, c.non_finite)),
+    Route("attn_growth", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}),
+          lambda k, c, w: AttnLogitGrowthDetector(k, c.attn, w)),
+    Route("attn_ceiling", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}),
+          lambda k, c, w: AttnLogitCeilingDetector(k, c.attn, w)),
+    Route("loss_spike", frozenset({LOSS}), lambda k, c, w: LossSpikeDetector(k, c.loss)),
+    Route("loss_degradation", frozenset({LOSS}), lambda k, c, w: DegradationDetector(k, c.degradation, w)),
+    Route("grad_spike", frozenset({GRAD_NORM}), lambda k, c, w: GradSpikeDetector(k, c.grad)),
+    Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda k, c, w: ActOverflowDetector(k, c.act)),
 )
 
 
@@ -104,6 +117,10 @@ class DetectorBank:
         self.series: dict[str, dict[str, SeriesDetector]] = {r.name: {} for r in self._routes}
         self.outlier = OutlierRankDetector(self.config.outlier)
         self.stall = StallDetector(self.config.stall)
+        self.witnesses = Witnesses(self.config.witness)
+        # The newest (attempt, step) judged: a step at or before it in the same attempt is a
+        # re-delivery and is not judged again.
+        self.judged: tuple[int, int] | None = None
 
     def _routes_for(self, metric: str) -> list[Route]:
         routes = self._by_metric.get(metric)
@@ -116,11 +133,22 @@ class DetectorBank:
         per_key = self.series[route.name]
         det = per_key.get(key)
         if det is None:
-            det = per_key[key] = route.build(key, self.config)
+            det = per_key[key] = route.build(key, self.config, self.witnesses)
         return det
 
-    def observe(self, record: StepRecord) -> list[Finding]:
+    def already_judged(self, record: StepRecord, attempt: int | None) -> bool:
+        return (attempt is not None and self.judged is not None and attempt == self.judged[0]
+                and record.step <= self.judged[1])
+
+    def observe(self, record: StepRecord, attempt: int | None = None) -> list[Finding]:
+        """Judge one record. With `attempt`, a step already judged in that attempt is skipped
+        (returns []); without it (replay), a step going back is an unannounced rollback."""
+        if self.already_judged(record, attempt):
+            return []
+        if attempt is not None:
+            self.judged = (attempt, record.step)
         findings: list[Finding] = []
+        self.witnesses.observe(record)
         wall = record.wall_time if record.wall_time and math.isfinite(record.wall_time) else None
         if wall is not None and "stall" not in self.config.disabled:
             # A gap between this record and the previous one is a stall that already happened
@@ -138,10 +166,10 @@ class DetectorBank:
         self.stall.update(record.step, math.nan, wall)
         return findings
 
-    def observe_many(self, records: Iterable[StepRecord]) -> list[Finding]:
+    def observe_many(self, records: Iterable[StepRecord], attempt: int | None = None) -> list[Finding]:
         out: list[Finding] = []
         for record in records:
-            out.extend(self.observe(record))
+            out.extend(self.observe(record, attempt))
         return out
 
     def check(self, now: float) -> list[Finding]:
@@ -159,6 +187,10 @@ class DetectorBank:
                 det.reset(to_step)
         self.outlier.reset(to_step)
         self.stall.reset(to_step)
+        self.witnesses.reset(to_step)
+        if self.judged is not None:
+            # The steps from to_step on are trained again (in a new attempt, or this one).
+            self.judged = None if to_step is None else (self.judged[0], min(self.judged[1], to_step - 1))
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +198,8 @@ class DetectorBank:
             "series": {name: {k: d.state_dict() for k, d in per_key.items()} for name, per_key in self.series.items()},
             "outlier": self.outlier.state_dict(),
             "stall": self.stall.state_dict(),
+            "witnesses": self.witnesses.state_dict(),
+            "judged": list(self.judged) if self.judged is not None else None,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -180,11 +214,14 @@ class DetectorBank:
                 self._detector(routes[name], key).load_state_dict(state)
         self.outlier.load_state_dict(d["outlier"])
         self.stall.load_state_dict(d["stall"])
+        self.witnesses.load_state_dict(d["witnesses"])
+        self.judged = (int(d["judged"][0]), int(d["judged"][1])) if d.get("judged") else None
 
 
 __all__ = [
     "ActOverflowConfig", "ActOverflowDetector", "AttnLogitCeilingDetector", "AttnLogitConfig",
-    "AttnLogitGrowthDetector", "BankConfig", "DetectorBank", "GradSpikeConfig", "GradSpikeDetector",
+    "AttnLogitGrowthDetector", "BankConfig", "DegradationConfig", "DegradationDetector", "DetectorBank",
+    "WitnessConfig", "Witnesses", "GradSpikeConfig", "GradSpikeDetector",
     "LossSpikeConfig", "LossSpikeDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
     "OutlierRankDetector", "ROUTES", "Route", "SeriesDetector", "StallConfig", "StallDetector",
 ]

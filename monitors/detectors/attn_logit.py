@@ -13,6 +13,14 @@ few hundred early steps, well under 1 %/step). So we judge log(value):
                 per step: it is *growing*, not a one-step outlier or a plateau.
   ceiling = value >= `ceiling` (absolute), whatever the history.
 
+Outcomes (issue 8): growth of the max logit alone never acts. Growth below `act_level` is
+`watch` (early training moves logits fast and for real); above it, `alert`. Either detector says
+`act` only when the growth is still going at decision time (the growth test holds at this very
+point; for the ceiling, a Theil-Sen slope of at least `min_growth` per step) AND a witness of harm speaks (witness.py: the
+loss behind its own trend, gradient-norm growth, output-logit z growth, attention-entropy
+collapse, update-ratio growth), or when the logit reaches `extreme`, where waiting is unsafe.
+A rise that turns back while the loss improves therefore stays `alert` at most.
+
 LSE bound caveat: `attn_logit_lse` = max + ln(sum_j exp(x_j - max)), an offset in [0, ln(keys)]
 (~8.3 for 4096 keys). Growth in log space still works because a blowup of the max soon
 dominates a bounded additive offset, but: (1) the offset dilutes the relative growth while the
@@ -33,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import ATTN_LOGIT_LSE, Finding, Severity, Signal
+from monitors.contract import ATTN_LOGIT_LSE, Finding, Outcome, Severity, Signal
 
 from .base import SeriesBase, at_least, positive, robust_stats
+from .witness import Witnesses
 
 
 @dataclass
@@ -63,15 +72,22 @@ class AttnLogitConfig:
     confirm: int = 3
     # Level twice the baseline: escalate to CRITICAL (the run is diverging, roll back).
     critical_ratio: float = 2.0
-    # Growth below this level is not reported (0: off). Set it for short runs still in early
-    # training, where growth is learning: a healthy 4-layer byte-level GPT at lr 5e-3 took its
-    # LSE logit from 5 to 30 in 200 steps (docs/demo.md), which the ratio test alone reads as a
-    # 2.5x blowup. Long runs pass that phase inside `warmup`.
+    # Growth below this level is not reported at all (0: off).
     min_level: float = 0.0
-    # Points seen before any growth finding. Early training moves logits fast and for real: a
-    # 2-layer char model at lr 3e-3 went 1.4 -> 10 in 16 steps and 8 -> 11 around step 100,
-    # then trained fine. (The ceiling has no warm-up: 100+ is never a phase.)
-    warmup: int = 200
+    # Growth below this level is `watch` only: early training moves logits fast and for real (a
+    # healthy 4-layer byte-level GPT at lr 5e-3 took its LSE logit from 5 to 30 in 200 steps,
+    # docs/demo.md; issue 8 saw healthy runs rolled back at 20-25). Half the QK-clip tau: below
+    # it softmax still spreads over several keys. A level, not a step count, so it holds for
+    # runs of any length.
+    act_level: float = 50.0
+    # At or above this the logit is acted on without a witness: bf16 spaces representable values
+    # 4 apart from 512 on (neighbouring logits differ by e^4 ~ 55x in attention weight), so the
+    # softmax is one-hot and cannot train its way back. A healthy rise-and-fall reported in
+    # issue 8 peaked at ~345.
+    extreme: float = 512.0
+    # Points seen before any growth finding (0: only the baseline window must be half full).
+    # Not a run length: the watch band above does the early-training work a long warm-up did.
+    warmup: int = 0
     # Points kept for the onset search (bounded buffer).
     history: int = 128
     # Points searched back for the onset: enough baseline before a change caught within
@@ -81,7 +97,7 @@ class AttnLogitConfig:
     clear_steps: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("ceiling", "min_growth", "z", "critical_ratio"):
+        for name in ("ceiling", "min_growth", "z", "critical_ratio", "act_level", "extreme"):
             positive(name, getattr(self, name))
         if not self.lse_ceiling_offset >= 0:
             raise ValueError(f"lse_ceiling_offset must be >= 0, got {self.lse_ceiling_offset!r}")
@@ -118,8 +134,9 @@ class AttnLogitGrowthDetector(SeriesBase):
 
     signal = Signal.ATTN_LOGIT_GROWTH
 
-    def __init__(self, key: str, config: AttnLogitConfig | None = None) -> None:
+    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
         self.config = config or AttnLogitConfig()
+        self.witnesses = witnesses  # shared with the bank: the same run's other series
         super().__init__(key, self.config.history, self.config.clear_steps)
 
     def _update(self, step: int, value: float) -> Finding | None:
@@ -145,11 +162,16 @@ class AttnLogitGrowthDetector(SeriesBase):
         if self.run < c.confirm:
             return None
         severity = Severity.CRITICAL if rise >= math.log(c.critical_ratio) else Severity.WARN
-        if not self.latch.should_fire(severity):
+        outcome, why, harm = _judge(math.exp(level), c, self.witnesses, "growing")
+        if outcome is Outcome.ACT:
+            severity = Severity.CRITICAL
+        if not self.latch.should_fire(severity, outcome):
             return None
         onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
-        self.latch.fire(severity, onset)
-        return self._finding(severity, onset, step, self._evidence(value, med, rise, thr, slope, method))
+        self.latch.fire(severity, onset, outcome)
+        ev = self._evidence(value, med, rise, thr, slope, method)
+        ev.update(outcome_why=why, witnesses=harm)
+        return self._finding(severity, onset, step, ev, outcome)
 
     def _evidence(self, value: float, med: float, rise: float, thr: float, slope: float, method: str) -> dict[str, Any]:
         return {
@@ -170,13 +192,15 @@ class AttnLogitCeilingDetector(SeriesBase):
 
     signal = Signal.ATTN_LOGIT_CEILING
 
-    def __init__(self, key: str, config: AttnLogitConfig | None = None) -> None:
+    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
         self.config = config or AttnLogitConfig()
+        self.witnesses = witnesses
         super().__init__(key, self.config.history, self.config.clear_steps)
         offset = self.config.lse_ceiling_offset if self.metric == ATTN_LOGIT_LSE else 0.0
         self.ceiling = self.config.ceiling + offset
 
     def _update(self, step: int, value: float) -> Finding | None:
+        c = self.config
         if not math.isfinite(value) or value <= 0.0:
             return None
         self.history.append(step, math.log(value))
@@ -184,10 +208,30 @@ class AttnLogitCeilingDetector(SeriesBase):
         over = value >= self.ceiling
         self.latch.observe(value < 0.9 * self.ceiling)
         self._count_exceed(step, over)
-        if not over or self.latch.active:
+        if not over:
             return None
-        onset, method = self._onset(self.config.onset_lookback)
-        self.latch.fire(Severity.CRITICAL, onset)
+        # Still going: the log values of the last slope_window points trend up. Only an
+        # escalation to act needs it; the first crossing alerts whatever the trend.
+        slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
+        going = slope >= math.log1p(c.min_growth)  # the growth detector's own bar: real growth
+        outcome, why, harm = _judge(value, c, self.witnesses if going else None,
+                                    "above the ceiling and rising" if going else "above the ceiling, not rising")
+        if not self.latch.should_fire(Severity.CRITICAL, outcome):
+            return None
+        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
+        self.latch.fire(Severity.CRITICAL, onset, outcome)
         evidence = {"value": value, "threshold": self.ceiling, "onset_method": method,
-                    "recent": [math.exp(v) for v in self.history.tail(8)]}
-        return self._finding(Severity.CRITICAL, onset, step, evidence)
+                    "recent": [math.exp(v) for v in self.history.tail(8)], "outcome_why": why, "witnesses": harm}
+        return self._finding(Severity.CRITICAL, onset, step, evidence, outcome)
+
+
+def _judge(value: float, c: AttnLogitConfig, witnesses: Witnesses | None, what: str) -> tuple[Outcome, str, dict]:
+    """(outcome, why, witnesses) for an attention finding at `value` (module docstring)."""
+    if value >= c.extreme:
+        return Outcome.ACT, f"logit {value:.0f} >= extreme={c.extreme:g}: too large to wait for a witness", {}
+    if value < c.act_level:
+        return Outcome.WATCH, f"logit {value:.1f} below act_level={c.act_level:g}: early-training growth", {}
+    harm = witnesses.harm() if witnesses is not None else {}
+    if harm:
+        return Outcome.ACT, f"{what}, and " + "; ".join(harm.values()), harm
+    return Outcome.ALERT, f"{what}, but no witness of harm (loss on trend, no grad/z/entropy signal)", {}

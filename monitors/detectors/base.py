@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from monitors.contract import Finding, Severity, Signal, split_key
+from monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
 from .onset import estimate_onset
 
@@ -120,12 +120,14 @@ class History:
 
 
 class Latch:
-    """Raise a finding once per excursion. Re-raise only to escalate severity (WARN ->
-    CRITICAL); clear after `clear_steps` consecutive points back inside the baseline band."""
+    """Raise a finding once per excursion. Re-raise only to escalate, in severity (WARN ->
+    CRITICAL) or in outcome (watch -> alert -> act: a growth that gains a witness of harm);
+    clear after `clear_steps` consecutive points back inside the baseline band."""
 
     def __init__(self, clear_steps: int) -> None:
         self.clear_steps = clear_steps
         self.severity: Severity | None = None
+        self.outcome: Outcome | None = None
         self.onset_step = -1
         self._clear_run = 0
 
@@ -133,13 +135,21 @@ class Latch:
     def active(self) -> bool:
         return self.severity is not None
 
-    def should_fire(self, severity: Severity) -> bool:
-        return self.severity is None or severity_rank(severity) > severity_rank(self.severity)
+    def should_fire(self, severity: Severity, outcome: Outcome | None = None) -> bool:
+        if self.severity is None:
+            return True
+        if outcome is not None and self.outcome is not None and outcome.rank > self.outcome.rank:
+            return True
+        return severity_rank(severity) > severity_rank(self.severity) and (
+            outcome is None or self.outcome is None or outcome.rank >= self.outcome.rank)
 
-    def fire(self, severity: Severity, onset_step: int) -> None:
+    def fire(self, severity: Severity, onset_step: int, outcome: Outcome | None = None) -> None:
         if self.severity is None:
             self.onset_step = onset_step  # an escalation keeps the first onset
-        self.severity = severity
+        if self.severity is None or severity_rank(severity) > severity_rank(self.severity):
+            self.severity = severity
+        if outcome is not None and (self.outcome is None or outcome.rank > self.outcome.rank):
+            self.outcome = outcome
         self._clear_run = 0
 
     def observe(self, inside_band: bool) -> None:
@@ -151,18 +161,21 @@ class Latch:
 
     def reset(self) -> None:
         self.severity = None
+        self.outcome = None
         self.onset_step = -1
         self._clear_run = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "severity": self.severity.value if self.severity else None,
+            "outcome": self.outcome.value if self.outcome else None,
             "onset_step": self.onset_step,
             "clear_run": self._clear_run,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.severity = Severity(d["severity"]) if d["severity"] else None
+        self.outcome = Outcome(d["outcome"]) if d.get("outcome") else None
         self.onset_step = int(d["onset_step"])
         self._clear_run = int(d["clear_run"])
 
@@ -227,7 +240,14 @@ class SeriesBase:
         values = self.history.tail(lookback)
         return estimate_onset(steps, values, self.first_exceed)
 
-    def _finding(self, severity: Severity, onset: int, step: int, evidence: dict[str, Any]) -> Finding:
+    def outcome_for(self, severity: Severity) -> Outcome:
+        """What a finding of this severity may lead to. A critical excursion is strong enough
+        evidence to act on by itself (the policy's rollback_signals still decide whether it
+        does); a warning tells a human. Detectors whose evidence needs corroboration override."""
+        return Outcome.ACT if severity is Severity.CRITICAL else Outcome.ALERT
+
+    def _finding(self, severity: Severity, onset: int, step: int, evidence: dict[str, Any],
+                 outcome: Outcome | None = None) -> Finding:
         return Finding(
             signal=self.signal,
             module=self.module,
@@ -236,6 +256,7 @@ class SeriesBase:
             detect_step=step,
             metric=self.key,
             evidence=jsonable(evidence),
+            outcome=outcome if outcome is not None else self.outcome_for(severity),
         )
 
     def state_dict(self) -> dict[str, Any]:

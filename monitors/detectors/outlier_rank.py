@@ -19,7 +19,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.contract import Finding, Severity, Signal, StepRecord, split_key
+from monitors.contract import Finding, Outcome, Severity, Signal, StepRecord, split_key
 
 from .base import at_least, jsonable
 
@@ -91,8 +91,10 @@ class OutlierRankDetector:
         onset = next(s for s, r in buf if r == top)
         evidence = {"rank": top, "share": share, "window": len(buf), "world_size": world,
                     "expected_share": 1.0 / world}
+        # Outcome act: persistence over a whole window is the evidence a restart without the rank
+        # needs; the policy only does that with restart_without_outlier (off by default).
         return Finding(signal=self.signal, module=key, severity=Severity.WARN, onset_step=onset,
-                       detect_step=step, metric=key, evidence=jsonable(evidence))
+                       detect_step=step, metric=key, evidence=jsonable(evidence), outcome=Outcome.ACT)
 
     def _rewind_key(self, key: str, to_step: int | None) -> None:
         buf = self._seen[key]

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.contract import Finding, Severity, Signal
+from monitors.contract import Finding, Outcome, Severity, Signal
 
 from .base import jsonable, positive
 
@@ -63,8 +63,10 @@ class StallDetector:
         self.severity = severity
         evidence: dict[str, Any] = {"last_step": self.last_step, "last_wall_time": self.last_time,
                                     "now": now, "silent_s": silent, "threshold_s": c.timeout_s}
+        # Alert (and page, by the policy's page_signals): a stall is not in the weights.
         return Finding(signal=self.signal, module="", severity=severity, onset_step=self.last_step,
-                       detect_step=self.last_step, metric="step", evidence=jsonable(evidence))
+                       detect_step=self.last_step, metric="step", evidence=jsonable(evidence),
+                       outcome=Outcome.ALERT)
 
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback the restart takes time; the silence clock starts at the next step."""

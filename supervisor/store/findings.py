@@ -1,4 +1,4 @@
-"""Findings: what detectors saw, attached to an incident."""
+"""Findings: what detectors saw, attached to an incident. Stored once per key (judged once)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from monitors.contract import Finding
@@ -24,13 +25,39 @@ class StoredFinding:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def add_finding(session: Session, run_id: str, finding: Finding, incident_id: int | None = None) -> int:
+def stored_key(finding: Finding, attempt: int | None) -> str | None:
+    """The row key: the attempt, because a re-trained step in a new attempt may legitimately
+    find the same thing again; None (no de-duplication) when the attempt is unknown."""
+    return None if attempt is None else f"{attempt}|{finding.key}"
+
+
+def find_key(session: Session, run_id: str, key: str) -> FindingRow | None:
+    return session.execute(select(FindingRow).where(FindingRow.run_id == run_id, FindingRow.key == key)).scalar()
+
+
+def add_finding(session: Session, run_id: str, finding: Finding, incident_id: int | None = None,
+                attempt: int | None = None) -> tuple[int, bool]:
+    """(row id, True) for a new finding; (id of the stored one, False) when this finding of this
+    attempt is already stored (a batch delivered twice), which is left as it was."""
+    key = stored_key(finding, attempt)
+    if key is not None:
+        old = find_key(session, run_id, key)
+        if old is not None:
+            return old.id, False
     row = FindingRow(run_id=run_id, incident_id=incident_id, signal=finding.signal.value, module=finding.module,
-                     metric=finding.metric, severity=finding.severity.value, onset_step=finding.onset_step,
-                     detect_step=finding.detect_step, evidence=jsonable(finding.evidence))
-    session.add(row)
-    session.flush()
-    return row.id
+                     metric=finding.metric, severity=finding.severity.value, outcome=finding.outcome.value,
+                     onset_step=finding.onset_step, detect_step=finding.detect_step,
+                     evidence=jsonable(finding.evidence), key=key)
+    try:
+        with session.begin_nested():  # a racing writer with the same key: keep theirs
+            session.add(row)
+            session.flush()
+    except IntegrityError:
+        old = find_key(session, run_id, key) if key is not None else None
+        if old is None:
+            raise
+        return old.id, False
+    return row.id, True
 
 
 def findings(session: Session, run_id: str, incident_id: int | None = None) -> list[StoredFinding]:
@@ -40,6 +67,7 @@ def findings(session: Session, run_id: str, incident_id: int | None = None) -> l
     out = []
     for r in session.execute(q.order_by(FindingRow.id)).scalars():
         f = Finding.from_json({"signal": r.signal, "module": r.module, "severity": r.severity, "onset_step": r.onset_step,
-                               "detect_step": r.detect_step, "metric": r.metric, "evidence": r.evidence})
+                               "detect_step": r.detect_step, "metric": r.metric, "evidence": r.evidence,
+                               "outcome": r.outcome})
         out.append(StoredFinding(r.id, r.run_id, r.incident_id, f, r.created_at))
     return out

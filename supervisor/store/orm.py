@@ -185,7 +185,12 @@ class FindingRow(Base):
     detect_step: Mapped[int] = mapped_column(BigInteger)
     evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
-    __table_args__ = (Index(None, "run_id", "detect_step"),)
+    # watch | alert | act (contract.Outcome); rows from before outcomes existed read "alert".
+    outcome: Mapped[str] = mapped_column(String(10), default="alert", server_default="alert")
+    # "<attempt>|<Finding.key>": a batch delivered twice stores its finding once (judged once);
+    # NULL for rows from before keys existed (NULLs never collide in a unique constraint).
+    key: Mapped[str | None] = mapped_column(String(600), nullable=True)
+    __table_args__ = (Index(None, "run_id", "detect_step"), UniqueConstraint("run_id", "key"))
 
 
 class Action(Base):

@@ -18,6 +18,7 @@ from monitors.detectors import (
     OutlierRankDetector,
     StallConfig,
     StallDetector,
+    Witnesses,
 )
 
 
@@ -252,7 +253,7 @@ def test_every_route_obeys_the_detector_contract(route):
     round trip, findings carry the key, reset() forgets the latch."""
     metric = next(iter(route.metrics)) if route.metrics else "tokens_per_s"
     key = metric if metric in ("loss", "grad_norm", "tokens_per_s") else f"{metric}/blocks.0"
-    det = route.build(key, BankConfig(act=ActOverflowConfig(dtype="fp16")))
+    det = route.build(key, BankConfig(act=ActOverflowConfig(dtype="fp16")), Witnesses())
     sign = -1.0 if metric == "act_min" else 1.0
     rng = np.random.default_rng(0)
     base = [sign * 5.0 * math.exp(rng.normal(0, 0.02)) for _ in range(300)]
@@ -260,7 +261,7 @@ def test_every_route_obeys_the_detector_contract(route):
     out1 = run(det, base + bad)
     assert out1 and all(isinstance(f, Finding) and f.metric == key for f in out1)
     state = json.loads(json.dumps(det.state_dict(), allow_nan=False))
-    twin = route.build(key, BankConfig(act=ActOverflowConfig(dtype="fp16")))
+    twin = route.build(key, BankConfig(act=ActOverflowConfig(dtype="fp16")), Witnesses())
     twin.load_state_dict(state)
     assert twin.state_dict() == det.state_dict()
     det.reset(300)

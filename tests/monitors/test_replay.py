@@ -73,7 +73,7 @@ def test_replay_json_output_and_policy_decision(tmp_path):
     growth = [r for r in rows if r["signal"] == "attn_logit_growth"]
     assert growth and abs(growth[0]["onset_step"] - 400) <= 5
     for r in rows:
-        assert {"signal", "module", "onset_step", "detect_step", "severity", "metric", "evidence"} <= set(r)
+        assert {"signal", "module", "onset_step", "detect_step", "severity", "outcome", "metric", "evidence"} <= set(r)
         assert r["decision"] == {"action": "rollback", "to_before": r["onset_step"]}
         Finding.from_json(r)  # the contract can read it back
     assert "run.jsonl:101: skipped malformed record" in err.getvalue()

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from monitors.contract import CheckpointInfo, Finding, Severity, Signal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
 from supervisor.policy import (
     Decision,
     DecisionKind,
@@ -27,9 +30,10 @@ def ck(step: int, healthy: bool = True) -> CheckpointInfo:
     return CheckpointInfo(step=step, path=f"/ckpt/step{step}", sample_cursor=step * 64, healthy=healthy)
 
 
-def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.WARN, module="", **evidence) -> Finding:
+def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.CRITICAL, module="", outcome=Outcome.ACT,
+            **evidence) -> Finding:
     return Finding(signal=signal, module=module, severity=sev, onset_step=onset, detect_step=detect,
-                   metric="loss" if signal is S.LOSS_SPIKE else "", evidence=evidence)
+                   metric="loss" if signal is S.LOSS_SPIKE else "", evidence=evidence, outcome=outcome)
 
 
 def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True) -> Intervention:
@@ -123,7 +127,8 @@ CASES = [
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
      dict(kind=K.ROLLBACK, rung=1)),
     ("cooldown-too-soon-alerts",
-     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
+     dict(finding=finding(sev=Severity.WARN), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(act_min_severity="warn"),
      dict(kind=K.ALERT, rung=0, page=False, target_step=None, says=["cooldown", "60s ago"])),
     ("cooldown-critical-finding-pages",
      dict(finding=finding(sev=Severity.CRITICAL), checkpoints=CKPTS,
@@ -176,6 +181,31 @@ CASES = [
     ("info-severity-alerts-only",
      dict(finding=finding(sev=Severity.INFO), checkpoints=CKPTS), {},
      dict(kind=K.ALERT, says=["below act_min_severity"])),
+    ("warn-severity-never-acts-by-default",
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH, sev=Severity.WARN), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, says=["below act_min_severity=critical"])),
+    ("warn-severity-acts-when-configured",
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH, sev=Severity.WARN), checkpoints=CKPTS), dict(act_min_severity="warn"),
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("watch-outcome-is-noop",
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH, outcome=Outcome.WATCH), checkpoints=CKPTS), {},
+     dict(kind=K.NOOP, page=False, says=["outcome watch"])),
+    ("alert-outcome-critical-alerts-only",
+     dict(finding=finding(S.ATTN_LOGIT_CEILING, outcome=Outcome.ALERT), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, target_step=None, says=["outcome alert"])),
+    ("alert-outcome-with-failed-action-does-not-pause",
+     dict(finding=finding(outcome=Outcome.ALERT), checkpoints=CKPTS, failed_action_pending=True), {},
+     dict(kind=K.ALERT, rung=0, says=["earlier action failed"])),
+    ("loss-degradation-alerts-by-default",
+     dict(finding=finding(S.LOSS_DEGRADATION), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, target_step=None, says=["behind its own trend"])),
+    ("loss-degradation-acts-when-configured",
+     dict(finding=finding(S.LOSS_DEGRADATION), checkpoints=CKPTS),
+     dict(rollback_signals=["loss_degradation", "loss_spike"]),
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("alert-outcome-stall-pages",
+     dict(finding=finding(S.STALL, outcome=Outcome.ALERT), checkpoints=CKPTS), {},
+     dict(kind=K.ALERT, page=True)),
     ("paused-run-is-noop",
      dict(finding=finding(S.NON_FINITE, sev=Severity.CRITICAL), checkpoints=CKPTS, paused=True), {},
      dict(kind=K.NOOP, says=["paused"])),
@@ -266,3 +296,43 @@ def test_config_accepts_strings_from_yaml():
     assert cfg.rollback_signals == frozenset({S.LOSS_SPIKE})
     assert cfg.page_signals == frozenset({S.STALL, S.GRAD_SPIKE})
     assert cfg.act_min_severity is Severity.CRITICAL
+
+
+# --- only `act` changes a run (DESIGN.md, Trust) -------------------------------------------------
+
+_findings = st.builds(
+    Finding,
+    signal=st.sampled_from(list(Signal)),
+    module=st.sampled_from(["", "blocks.0.attn", "blocks.3.attn"]),
+    severity=st.sampled_from(list(Severity)),
+    onset_step=st.integers(0, 3000),
+    detect_step=st.integers(0, 3000),
+    metric=st.sampled_from(["", "loss", "grad_norm", "attn_logit_max/blocks.0.attn"]),
+    evidence=st.fixed_dictionaries({}, optional={"rank": st.integers(0, 7), "node": st.just("gpu-node-07")}),
+    outcome=st.sampled_from([Outcome.WATCH, Outcome.ALERT]),
+)
+_history = st.lists(st.builds(
+    Intervention, kind=st.sampled_from(list(DecisionKind)), signal=st.none() | st.sampled_from(list(Signal)),
+    module=st.just(""), step=st.integers(0, 3000), time=st.floats(NOW - 2 * 86_400, NOW), ok=st.booleans(),
+    automatic=st.booleans(), target_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans()), max_size=6)
+_inputs = st.builds(
+    PolicyInput, finding=_findings, now=st.just(NOW),
+    checkpoints=st.lists(st.builds(ck, st.integers(0, 3000), st.booleans()), max_size=6), history=_history,
+    current_lr_multiplier=st.floats(0.01, 1.0), failed_action_pending=st.booleans(),
+    action_in_flight=st.booleans(), paused=st.booleans())
+_configs = st.builds(
+    PolicyConfig, rollback_signals=st.sets(st.sampled_from(sorted(set(Signal) - {S.STALL, S.OUTLIER_RANK}))),
+    act_min_severity=st.sampled_from(list(Severity)), advise_only=st.booleans(),
+    restart_without_outlier=st.booleans(), recurrence_rollback=st.booleans(), cooldown_s=st.sampled_from([0.0, 600.0]),
+    max_interventions=st.integers(1, 4), max_rollbacks_per_day=st.integers(1, 4))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inp=_inputs, cfg=_configs)
+def test_watch_and_alert_findings_never_change_the_run(inp, cfg):
+    """Whatever the signal, severity, run state and settings: a watch or alert finding never
+    rolls back, lowers the LR or pauses (issue 8)."""
+    d = make_decision(inp, cfg)
+    assert d.kind in (K.NOOP, K.ALERT), d.reasons
+    assert not d.acts and d.target_step is None and d.lr_multiplier is None and d.rung == 0
+    assert d.kind is (K.NOOP if inp.finding.outcome is Outcome.WATCH else K.ALERT)

@@ -119,7 +119,8 @@ def test_restart_resumes_pending_action_incident_and_detector_state(db, tmp_path
     d2 = Daemon(db.url, config, data_dir, log)
     try:
         incs = d2.get(f"/api/runs/{RUN}/incidents")["incidents"]
-        assert [(i["id"], i["state"]) for i in incs] == [(act["incident_id"], "open")]
+        # Alert-only incidents (an attention ceiling crossed before a witness of harm) close at once.
+        assert [(i["id"], i["state"]) for i in incs if i["state"] == "open"] == [(act["incident_id"], "open")]
         cmds = d2.get(f"/api/runs/{RUN}/commands")["commands"]
         assert cmds == [{"id": act["id"], "kind": "rollback", "args": act["args"]}]
         assert d2.get(f"/api/runs/{RUN}/commands")["commands"] == []
@@ -131,7 +132,11 @@ def test_restart_resumes_pending_action_incident_and_detector_state(db, tmp_path
             after_findings = [(f.finding.signal.value, f.finding.module, f.finding.detect_step)
                               for f in findings_store.findings(s, RUN)]
             open_incs = incidents_store.open_incidents(s, RUN)
-        assert after_findings == before_findings, "a duplicate finding for the same event after the restart"
+        # Nothing about the series already reported; another layer may cross its ceiling now.
+        new = after_findings[len(before_findings):]
+        assert after_findings[:len(before_findings)] == before_findings
+        assert not {f[:2] for f in new} & {f[:2] for f in before_findings}, \
+            "a duplicate finding for the same event after the restart"
         assert [i.id for i in open_incs] == [act["incident_id"]]
         d2.post(f"/api/runs/{RUN}/acks", {"command_id": act["id"], "ok": True, "step": act["args"]["to_step"] + 1})
         (done,) = d2.get(f"/api/runs/{RUN}/actions")["actions"]

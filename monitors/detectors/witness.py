@@ -1,0 +1,248 @@
+"""Witnesses of harm: evidence, from series other than the attention logits, that training is
+being hurt right now. Attention-logit growth alone is `watch`/`alert`; it may `act` only when
+one of these agrees (issue 8; DESIGN.md, Trust: "acting on attention growth needs
+corroboration").
+
+    loss_behind       the smoothed loss stands above its own recent trend (a line fitted in
+                      log-log space over a trailing window that grows with the run)
+    grad_growth       the global gradient norm's recent median is a multiple of its baseline
+    z_growth          the output logits' log-sum-exp (z/<module>) rose by nats over baseline
+    entropy_collapse  a layer's minimum attention entropy (attn_entropy_min/<module>) fell to a
+                      fraction of its baseline (ViT-22B: logit growth -> entropy collapse ->
+                      divergence)
+    update_growth     a layer's update-to-weight ratio (update_ratio/<module>) is a multiple of
+                      its baseline
+
+Each witness only speaks when its series is there: a trainer without the entropy or
+update-ratio thermometers is judged on the others. The bank updates one Witnesses per run from
+each record before the per-series detectors run, so a detector at step s sees the witnesses of
+step s. Pure, bounded, restartable (state_dict / load_state_dict), like every detector.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from monitors.contract import GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord, split_key
+
+from .base import History, at_least, positive
+
+# The entropy thermometer's metric name (monitors/thermometers, issue 8 item 3). Spelled here so
+# the witness works whether or not this trainer records it.
+ATTN_ENTROPY_MIN = "attn_entropy_min"
+
+
+@dataclass
+class WitnessConfig:
+    # Loss trend: a trailing mean of `loss_smooth` losses (one batch is noisy) ...
+    loss_smooth: int = 10
+    # ... fitted as log(loss) = a + b log(step) over the points seen so far, at most `trend_max`
+    # of them and at least `trend_min`, ending `trend_gap` points before now so a departure does
+    # not drag its own baseline. The window is half of what the run has seen: it follows the
+    # run's own pace whether it is 300 steps old or 300,000.
+    trend_min: int = 32
+    trend_max: int = 256
+    trend_gap: int = 16
+    # The trend starts once the LR has stopped rising for `lr_settle` points (the warm-up's
+    # loss curve has another shape, and a power law fitted to it predicts a fall the post-warm-up
+    # plateau never makes: healthy runs sat 10-13 % "behind" such a fit right after warm-up).
+    # Without an `lr` key in the records, after `lr_settle` points.
+    lr_settle: int = 20
+    # Behind = smoothed loss >= trend * (1 + margin), margin = max(loss_margin, 3 x the fit's
+    # residual spread). Healthy runs of the bench grid stayed within +6.6 % of their own trend
+    # (5-point minimum) over 1,500 steps after warm-up; a mid-run LR jump put the loss +24 % to
+    # +108 % above it.
+    loss_margin: float = 0.08
+    # ... for this many points in a row: one noisy batch in the trailing mean is not harm.
+    loss_confirm: int = 5
+    # Spread of the recent (last `recent` points) median against a baseline (the `baseline`
+    # points before them), for the other witnesses.
+    recent: int = 8
+    baseline: int = 64
+    grad_ratio: float = 2.0  # gradient norm doubled: clipping is now doing the training
+    z_rise: float = 2.0  # nats: the output softmax normaliser grew e^2 ~ 7x (PaLM's z-loss target)
+    entropy_fraction: float = 0.5  # a layer's min attention entropy halved: attention collapsing
+    update_ratio: float = 3.0  # updates 3x their usual size relative to the weights
+
+    def __post_init__(self) -> None:
+        for name in ("loss_margin", "grad_ratio", "z_rise", "update_ratio"):
+            positive(name, getattr(self, name))
+        if not 0.0 < self.entropy_fraction < 1.0:
+            raise ValueError(f"entropy_fraction must be in (0, 1), got {self.entropy_fraction!r}")
+        at_least("loss_smooth", self.loss_smooth, 1)
+        at_least("loss_confirm", self.loss_confirm, 1)
+        at_least("lr_settle", self.lr_settle, 0)
+        at_least("trend_min", self.trend_min, 8)
+        at_least("trend_max", self.trend_max, self.trend_min)
+        at_least("trend_gap", self.trend_gap, 1)
+        at_least("recent", self.recent, 1)
+        at_least("baseline", self.baseline, 8)
+
+
+class LossTrend:
+    """The loss against its own trend in log-log space. `update` returns how far above the
+    trend the smoothed loss stands (log ratio) and the margin it must clear, or None while
+    there is not enough history. Also the core of the degradation detector."""
+
+    def __init__(self, cfg: WitnessConfig) -> None:
+        self.cfg = cfg
+        # Raw losses as long as the fitted history, so a rollback rewinds both to the same step.
+        self.raw = History(cfg.trend_max + cfg.trend_gap + 1)
+        self.history = History(cfg.trend_max + cfg.trend_gap + 1)
+        self.seen = 0
+        self.last: tuple[float, float] | None = None  # (excess, margin) at the newest point
+        self.lr_max = -math.inf  # the largest LR seen, and points since it last rose
+        self.settled = 0
+
+    def update(self, step: int, loss: float, lr: float | None = None) -> tuple[float, float] | None:
+        c = self.cfg
+        if not math.isfinite(loss) or loss <= 0.0:
+            # A non-finite loss is non_finite.py's; it must not poison the trailing mean.
+            return self.last
+        if self.settled < c.lr_settle:  # still in the LR warm-up: no trend yet
+            rising = lr is not None and math.isfinite(lr) and lr > self.lr_max * (1 + 1e-6)
+            if lr is not None and math.isfinite(lr):
+                self.lr_max = max(self.lr_max, lr)
+            self.settled = 0 if rising else self.settled + 1
+            self.raw.append(step, loss)  # feeds the trailing mean, not the fit
+            return None
+        self.raw.append(step, loss)
+        self.seen += 1
+        self.history.append(step, math.log(float(self.raw.tail(c.loss_smooth).mean())))
+        n_fit = min(c.trend_max, max(c.trend_min, self.seen // 2))
+        if len(self.history) < n_fit + c.trend_gap + 1 or self.seen < c.loss_smooth + n_fit + c.trend_gap:
+            self.last = None
+            return None
+        ys = self.history.tail(n_fit, skip_last=c.trend_gap)
+        xs = np.log(np.maximum(self.history.tail_steps(n_fit + c.trend_gap)[:n_fit], 1.0))
+        xm, ym = xs.mean(), ys.mean()
+        sxx = float(((xs - xm) ** 2).sum())
+        slope = float(((xs - xm) * (ys - ym)).sum() / sxx) if sxx > 0 else 0.0
+        resid = ys - (ym + slope * (xs - xm))
+        pred = ym + slope * (math.log(max(step, 1)) - xm)
+        excess = self.history.values[-1] - pred
+        margin = max(math.log1p(c.loss_margin), 3.0 * float(resid.std()))
+        self.last = (excess, margin)
+        return self.last
+
+    def reset(self, to_step: int | None = None) -> None:
+        dropped = self.history.rewind(to_step)
+        self.raw.rewind(to_step)
+        self.seen = 0 if to_step is None else max(0, self.seen - dropped)
+        self.last = None
+        if to_step is None:
+            self.lr_max, self.settled = -math.inf, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"raw": self.raw.state_dict(), "history": self.history.state_dict(), "seen": self.seen,
+                "last": list(self.last) if self.last else None,
+                "lr_max": self.lr_max if math.isfinite(self.lr_max) else None, "settled": self.settled}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.raw.load_state_dict(d["raw"])
+        self.history.load_state_dict(d["history"])
+        self.seen = int(d["seen"])
+        self.last = tuple(d["last"]) if d["last"] else None  # type: ignore[assignment]
+        self.lr_max = -math.inf if d["lr_max"] is None else float(d["lr_max"])
+        self.settled = int(d["settled"])
+
+
+class _Shift:
+    """Recent median against a baseline median of one series, in the series' own transform."""
+
+    def __init__(self, cfg: WitnessConfig) -> None:
+        self.cfg = cfg
+        self.history = History(cfg.recent + cfg.baseline)
+
+    def update(self, step: int, y: float) -> float | None:
+        """recent median - baseline median, or None before the baseline has half its points."""
+        self.history.append(step, y)
+        base = self.history.tail(self.cfg.baseline, skip_last=self.cfg.recent)
+        if base.size < self.cfg.baseline // 2:
+            return None
+        return float(np.median(self.history.tail(self.cfg.recent)) - np.median(base))
+
+
+class Witnesses:
+    """All witnesses of one run. `harm()` names those speaking at the newest step."""
+
+    def __init__(self, cfg: WitnessConfig | None = None) -> None:
+        self.cfg = cfg or WitnessConfig()
+        self.loss = LossTrend(self.cfg)
+        self.shifts: dict[str, _Shift] = {}
+        self.active: dict[str, str] = {}  # witness name -> why, at the newest step
+        self.step = -1
+        self.behind = 0  # consecutive points with the loss behind its trend
+        self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
+
+    def observe(self, record: StepRecord) -> None:
+        c = self.cfg
+        if self.step >= 0 and record.step <= self.step:
+            self.reset(record.step)  # steps went back: an unannounced rollback
+        self.step = record.step
+        active: dict[str, str] = {}
+        vals = record.values
+        self.lr = vals.get(LR)
+        loss = vals.get(LOSS)
+        if loss is not None:
+            got = self.loss.update(record.step, loss, vals.get(LR))
+            self.behind = self.behind + 1 if got is not None and got[0] > got[1] else 0
+            if got is not None and self.behind >= c.loss_confirm:
+                active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
+                                         f"(margin {math.expm1(got[1]):.1%})")
+        for key, v in vals.items():
+            if not math.isfinite(v):
+                continue
+            name = split_key(key)[0]
+            if key == GRAD_NORM and v > 0:
+                d = self._shift(key, record.step, math.log(v))
+                if d is not None and d >= math.log(c.grad_ratio):
+                    active["grad_growth"] = f"grad norm x{math.exp(d):.1f} over its baseline"
+            elif name == Z:
+                d = self._shift(key, record.step, v)
+                if d is not None and d >= c.z_rise:
+                    active["z_growth"] = f"{key} +{d:.1f} nats over its baseline"
+            elif name == ATTN_ENTROPY_MIN and v > 0:
+                d = self._shift(key, record.step, math.log(v))
+                if d is not None and d <= math.log(c.entropy_fraction):
+                    active["entropy_collapse"] = f"{key} at {math.exp(d):.0%} of its baseline"
+            elif name == UPDATE_RATIO and v > 0:
+                d = self._shift(key, record.step, math.log(v))
+                if d is not None and d >= math.log(c.update_ratio):
+                    active["update_growth"] = f"{key} x{math.exp(d):.1f} over its baseline"
+        self.active = active
+
+    def _shift(self, key: str, step: int, y: float) -> float | None:
+        sh = self.shifts.get(key)
+        if sh is None:
+            sh = self.shifts[key] = _Shift(self.cfg)
+        return sh.update(step, y)
+
+    def harm(self) -> dict[str, str]:
+        return dict(self.active)
+
+    def reset(self, to_step: int | None = None) -> None:
+        self.loss.reset(to_step)
+        for sh in self.shifts.values():
+            sh.history.rewind(to_step)
+        self.active = {}
+        self.behind = 0
+        self.step = -1 if to_step is None else to_step - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss.state_dict(), "shifts": {k: s.history.state_dict() for k, s in self.shifts.items()},
+                "active": dict(self.active), "step": self.step, "behind": self.behind}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.loss.load_state_dict(d["loss"])
+        self.shifts = {}
+        for key, h in d["shifts"].items():
+            self.shifts[key] = _Shift(self.cfg)
+            self.shifts[key].history.load_state_dict(h)
+        self.active = {str(k): str(v) for k, v in d["active"].items()}
+        self.step = int(d["step"])
+        self.behind = int(d["behind"])

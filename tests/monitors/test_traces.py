@@ -1,0 +1,92 @@
+"""Detectors and the default policy on real recorded training traces (tests/fixtures/traces:
+tiny GPTs trained by bench/_divergence_runs.py, not hand-made curves)."""
+
+from __future__ import annotations
+
+import pytest
+
+from monitors.contract import Outcome, Signal
+from monitors.detectors import BankConfig, DetectorBank, Witnesses
+from supervisor.replay_policy import replay_decider
+from tests.fixtures import traces
+
+ACTS = {"rollback", "lower_lr", "pause"}
+
+
+def _replay(name: str):
+    recs = traces.load(name)
+    bank, decide = DetectorBank(BankConfig()), replay_decider({})
+    out = []
+    for r in recs:
+        for f in bank.observe(r):
+            out.append((f, decide(f)))
+    return recs, out
+
+
+@pytest.mark.parametrize("name", ["healthy", "rise_and_fall", "logit_growth", "qkln_high_lr"])
+def test_no_action_without_harm(name):
+    """Healthy runs, a rise of the logits to ~320 that falls back while the loss improves, and
+    logit growth with the loss on its trend: the default policy never changes the run."""
+    _, out = _replay(name)
+    assert [(f.signal.value, f.detect_step, d["kind"]) for f, d in out if d["kind"] in ACTS] == []
+    assert all(f.outcome is not Outcome.ACT for f, _ in out)
+
+
+def test_healthy_run_raises_nothing_above_watch():
+    _, out = _replay("healthy")
+    assert [f for f, _ in out if f.outcome is not Outcome.WATCH] == []
+
+
+def test_ceiling_crossing_alerts_at_the_first_step_over_100():
+    recs, out = _replay("rise_and_fall")
+    keys = [k for k in recs[0].values if k.startswith("attn_logit_")]
+    first_over = min(r.step for r in recs if any(r.values[k] >= 100 for k in keys))
+    ceil = [f for f, _ in out if f.signal is Signal.ATTN_LOGIT_CEILING]
+    assert ceil and ceil[0].detect_step == first_over and ceil[0].outcome is Outcome.ALERT
+    assert "no witness of harm" in ceil[0].evidence["outcome_why"]
+
+
+def test_lr_jump_loss_spike_acts_and_rolls_back():
+    recs, out = _replay("jump_qkln")
+    jump = next(r.step for r, prev in zip(recs[1:], recs) if r.values["lr"] > 10 * prev.values["lr"])
+    spikes = [(f, d) for f, d in out if f.signal is Signal.LOSS_SPIKE]
+    assert spikes, "the loss spike after the LR jump was not seen"
+    f, d = spikes[0]
+    assert jump <= f.detect_step <= jump + 5 and f.outcome is Outcome.ACT and d["kind"] == "rollback"
+    assert d["target_step"] < f.onset_step
+
+
+def test_witness_sees_the_loss_leave_its_trend_after_the_jump_and_not_before():
+    recs = traces.load("jump_qkln")
+    jump = next(r.step for r, prev in zip(recs[1:], recs) if r.values["lr"] > 10 * prev.values["lr"])
+    w = Witnesses()
+    speaking = []
+    for r in recs:
+        w.observe(r)
+        if "loss_behind" in w.harm():
+            speaking.append(r.step)
+    assert speaking and jump < speaking[0] <= jump + 10
+
+
+def test_degradation_alerts_after_the_jump_only():
+    _, out = _replay("jump_qkln")
+    deg = [f for f, _ in out if f.signal is Signal.LOSS_DEGRADATION]
+    assert deg and all(f.detect_step > 300 for f in deg) and deg[0].outcome in (Outcome.ALERT, Outcome.ACT)
+    _, healthy = _replay("healthy")
+    assert [f for f, _ in healthy if f.signal is Signal.LOSS_DEGRADATION] == []
+
+
+def test_replay_prints_outcome_and_decision_for_every_finding(tmp_path):
+    import io
+    import json
+
+    from monitors.replay import replay
+
+    out = io.StringIO()
+    replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), out, json_out=True, policy=replay_decider({}))
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert rows and all(r["outcome"] in ("watch", "alert", "act") and r["decision"]["kind"] for r in rows)
+    assert any(r["outcome"] == "act" and r["decision"]["kind"] == "rollback" for r in rows)
+    text = io.StringIO()
+    replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), text, policy=replay_decider({}))
+    assert " act " in text.getvalue() and "kind=rollback" in text.getvalue()
