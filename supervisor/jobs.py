@@ -3,7 +3,8 @@
 ack watchdog      sent commands with no acknowledgement are re-sent, then failed loudly
 stall check       no step for detectors.stall.timeout_s -> stall finding -> policy (page)
 retention         thin old thermometers so a 10^6-step run stays bounded
-checkpoint scan   recorded checkpoints whose files vanished or whose manifest broke are distrusted
+checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
+                  (a backstop: the trainer reports its own retention deletes as it makes them)
 daily digest      one message a day: steps, incidents, actions per run
 """
 
@@ -87,9 +88,11 @@ def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
             problem = checkpoint_problem(c.path)
         except Exception as exc:  # noqa: BLE001
             problem = f"scan failed: {exc}"
-        if problem and c.healthy:
+        if problem and (c.healthy or not Path(c.path).is_dir()):
             with sup.sessions.begin() as s:
-                ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+                # Gone from disk: deleted (the page and the policy stop offering it); there but
+                # broken: kept in the list, distrusted.
+                ckpt_store.mark_checkpoint(s, c.id, healthy=False, deleted=not Path(c.path).is_dir() or None)
             log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, problem)
             bad.append((c.run_id, c.step, problem))
     return bad

@@ -20,6 +20,7 @@ from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
 from supervisor import db
 from supervisor.config import SupervisorConfig
+from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
 from supervisor.ingest import Ingestor
 from supervisor.notify.base import FanOut, Notifier
@@ -60,7 +61,8 @@ class Supervisor:
         self.responder = Responder(self.sessions, self.executor, policy,
                                    BankConfig.from_dict(cfg.detectors),
                                    clock=clock)
-        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records)
+        self.consistency = ConsistencyCheck(self.sessions, self.executor)
+        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records, check_state=self.consistency)
 
     # --- RecordSink ---------------------------------------------------------------------------
 
@@ -79,6 +81,9 @@ class Supervisor:
             if onset is not None and ckpt.step >= onset:
                 ckpt = dataclasses.replace(ckpt, healthy=False)
         self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
+
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason)
 
     # --- CommandChannel -----------------------------------------------------------------------
 

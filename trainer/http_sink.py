@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
-from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
+from monitors.contract import INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunInfo, StepRecord, dumps, loads
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class HttpSink:
         body = {"step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
                 "manifest": ckpt.manifest}
         self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", body)
+
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints/deleted",
+                   {"steps": [int(x) for x in steps], "reason": reason})
 
     def close(self) -> None:
         try:
@@ -209,11 +213,17 @@ class _Unreachable(Exception):
 
 
 class HttpCommandChannel:
-    """contract.CommandChannel over HTTP. Acks that cannot be delivered are kept and resent."""
+    """contract.CommandChannel over HTTP. Acks are sent in order; one the supervisor cannot reach
+    (connection error, 5xx) is kept and re-sent before the next poll, while one it refuses (4xx:
+    it failed the command and says why) is dropped with a log line, so one bad ack never holds
+    back the ones behind it. A poll that fails returns no commands; training goes on."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0,
+                 max_unsent: int = 10_000) -> None:
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout)
         self._unsent: list[tuple[str, Ack]] = []
+        self._max_unsent = max_unsent
+        self.refused: list[tuple[Ack, str]] = []  # (ack, the supervisor's reason), newest last
 
     def poll(self, run_id: str) -> list[Command]:
         self._resend_acks()
@@ -222,30 +232,48 @@ class HttpCommandChannel:
         except httpx.TransportError as exc:
             log.warning("cannot poll commands (%s); training goes on", exc)
             return []
-        if r.status_code >= 500:
-            log.warning("command poll failed: HTTP %s", r.status_code)
+        if r.status_code >= 400:
+            log.warning("command poll failed: HTTP %s %s", r.status_code, r.text[:300])
             return []
-        r.raise_for_status()
-        obj = r.json()
-        items = obj.get("commands", []) if isinstance(obj, dict) else obj
-        return [Command.from_json(c) for c in items]
+        try:
+            obj = loads(r.content)
+            items = obj.get("commands", []) if isinstance(obj, dict) else obj
+        except ContractError as exc:
+            log.error("unreadable command poll answer (%s)", exc)
+            return []
+        out = []
+        for c in items:  # one command this trainer cannot read must not hide the others
+            try:
+                out.append(Command.from_json(c))
+            except ContractError as exc:
+                log.error("command %r refused: %s", c, exc)
+                cid = c.get("id") if isinstance(c, dict) else None
+                if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
+                    self.ack(run_id, Ack(command_id=cid, ok=False, step=0, detail=f"unreadable command: {exc}"))
+        return out
 
     def ack(self, run_id: str, ack: Ack) -> None:
         self._unsent.append((run_id, ack))
+        if len(self._unsent) > self._max_unsent:
+            log.error("dropping the oldest unsent ack (command %s)", self._unsent[0][1].command_id)
+            del self._unsent[0]
         self._resend_acks()
 
     def _resend_acks(self) -> None:
         while self._unsent:
             run_id, ack = self._unsent[0]
             try:
-                r = self._client.post(f"{_run_path(run_id)}/acks", json=ack.to_json())
+                r = self._client.post(f"{_run_path(run_id)}/acks", content=dumps(ack.to_json()),
+                                      headers={"content-type": "application/json"})
             except httpx.TransportError as exc:
                 log.warning("cannot deliver ack for command %s (%s); will retry", ack.command_id, exc)
                 return
             if r.status_code >= 500:
+                log.warning("ack for command %s: HTTP %s; will retry", ack.command_id, r.status_code)
                 return
             if r.status_code >= 400:
                 log.error("ack for command %s refused: HTTP %s %s", ack.command_id, r.status_code, r.text[:300])
+                self.refused.append((ack, r.text[:300]))
             self._unsent.pop(0)
 
     def close(self) -> None:

@@ -82,7 +82,7 @@ def test_rollback_writes_a_manual_action(db, run, capsys):
     assert (row.kind, row.state, row.origin, row.who, row.reason, row.requires_approval) == (
         "rollback", "pending", "manual", "x", "spike at 25", False)
     assert row.args == {"to_step": 20, "skip_ranges": [[160, 320], [400, 416]], "lr_multiplier": 0.5,
-                        "lr_steps": None}
+                        "lr_steps": None, "rewarmup_steps": 0}
     with db.sessions() as s:
         assert [e.event for e in audit_store.audit_log(s, RUN)].count("enqueued") == 1
     assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
@@ -105,9 +105,9 @@ def test_cancel_from_the_cli(db, run, capsys):
     (["rollback", RUN, "--to-step", "20", "--skip", "9:3"], "lo must be < hi"),
     (["rollback", "no-such-run", "--to-step", "20"], "no run 'no-such-run'"),
     (["actions", "no-such-run"], "no run 'no-such-run'"),
-    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a number in (0, 10]"),
+    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a finite number in (0, 10]"),
     (["lr", RUN, "--multiplier", "0"], "lr_multiplier"),
-    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer >= 0"),
+    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer in [0, 2**63-1]"),
     (["approve", "12345"], "no action 12345"),
 ])
 def test_bad_input_exits_2_with_a_message(db, run, capsys, argv, words):

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord
+from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
 from supervisor.api.ingest import make_router
 from supervisor.db import make_engine, make_sessionmaker
 from supervisor.ingest import Ingestor
@@ -167,7 +167,7 @@ def test_nan_and_inf_travel_over_http(db, server, tmp_path):
 def test_command_channel(tmp_path):
     """Client side only: the shapes are Command.to_json() / Ack.to_json(); the server here is a
     stand-in for the supervisor's command routes (owned elsewhere)."""
-    queue = [Command(7, CommandKind.ROLLBACK, {"to_step": 1100, "skip_ranges": [[10, 20]]})]
+    queue = [Command(7, Rollback(to_step=1100, skip=(SampleRange(10, 20),)))]
     acks: list[dict] = []
     app = FastAPI()
 
@@ -184,7 +184,7 @@ def test_command_channel(tmp_path):
     ch = HttpCommandChannel(srv.url)
     assert ch.poll("run 1#x") == queue  # run ids are URL-quoted
     ch.ack("run 1#x", Ack(7, True, 1101, "rolled back"))
-    assert acks == [{"run_id": "run 1#x", "command_id": 7, "ok": True, "step": 1101, "detail": "rolled back"}]
+    assert acks == [{"run_id": "run 1#x", **Ack(7, True, 1101, "rolled back").to_json()}]
     srv.stop()
     assert ch.poll("run 1#x") == []  # down: training goes on
     ch.ack("run 1#x", Ack(8, False, 1200, "no checkpoint"))  # kept for later
