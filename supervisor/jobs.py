@@ -14,7 +14,9 @@ import datetime as dt
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from sqlalchemy.orm import sessionmaker
 
 from monitors.contract import Severity
 from monitors.manifest import MANIFEST, files_problem
@@ -26,8 +28,16 @@ from supervisor.store import incidents as incidents_store
 from supervisor.store import runs as runs_store
 from supervisor.store import thermometers as thermo_store
 
-if TYPE_CHECKING:
-    from supervisor.service import Supervisor
+
+class Daemon(Protocol):
+    """What the jobs need of the daemon (supervisor.service.Supervisor provides it). A Protocol,
+    not an import: service builds the jobs, so jobs must not import service back."""
+
+    cfg: Any
+    sessions: sessionmaker
+    executor: Any
+    responder: Any
+    notifier: Any
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +47,7 @@ RETENTION_FULL_STEPS = 100_000
 RETENTION_EVERY = 10
 
 
-def default_jobs(sup: "Supervisor") -> list[Job]:
+def default_jobs(sup: Daemon) -> list[Job]:
     return [
         Job("ack_watchdog", lambda: sup.executor.expire(), every_s=min(30.0, sup.cfg.ack_timeout_s / 2)),
         Job("stall_check", lambda: sup.responder.check_stalls(), every_s=30.0),
@@ -47,7 +57,7 @@ def default_jobs(sup: "Supervisor") -> list[Job]:
     ]
 
 
-def retention(sup: "Supervisor", full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
+def retention(sup: Daemon, full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
     thinned = 0
     with sup.sessions() as s:
         run_ids = [r.run_id for r in runs_store.list_runs(s)]
@@ -78,7 +88,7 @@ def checkpoint_problem(path: str) -> str | None:
         return f"{manifest} is unreadable or malformed: {type(exc).__name__}: {exc}"
 
 
-def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
+def checkpoint_scan(sup: Daemon) -> list[tuple[str, int, str]]:
     """Marks checkpoints whose files are gone or broken unhealthy, so the policy never picks them."""
     bad = []
     with sup.sessions() as s:
@@ -98,7 +108,7 @@ def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
     return bad
 
 
-def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Alert]:
+def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     now = now or dt.datetime.now(dt.timezone.utc)
     since = now - dt.timedelta(days=1)
     sent = []

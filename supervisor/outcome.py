@@ -57,7 +57,7 @@ def render(o: dict[str, Any]) -> str:
         return "\n".join(lines)
     if o["checkpoint_step"] is not None:
         lines.append(f"  checkpoint loaded: step {o['checkpoint_step']} ({o['checkpoint_path']})")
-    if o["first_step"] is not None:
+    if o["first_step"] is not None and o["kind"] != "stop":
         lines.append(f"  first step trained: {o['first_step']}")
     if o["effective_lr_multiplier"] is not None:
         asked = f" (asked {o['requested_lr']})" if o["requested_lr"] else ""

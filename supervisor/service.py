@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
-from supervisor import db
+from supervisor import db, jobs
 from supervisor.config import SupervisorConfig
 from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
@@ -100,8 +100,6 @@ class Supervisor:
 
     def jobs(self) -> list[Job]:
         """The daemon's periodic work (supervisor.jobs holds the longer ones)."""
-        from supervisor import jobs
-
         return jobs.default_jobs(self)
 
     def close(self) -> None:
