@@ -41,6 +41,18 @@ from monitors.contract import (
 from trainer.checkpoint import CheckpointStore, Retention, make_manifest
 from trainer.config import TrainConfig
 from trainer.data import SkipLedger
+from trainer.lifecycle import (
+    ControllerState,
+    Errored,
+    FailureDecision,
+    FailureStatus,
+    Finished,
+    Initializing,
+    Paused,
+    Restarting,
+    Running,
+    make_decision,
+)
 from trainer.lr import LRChange, changes_to_json
 from trainer.obey import ABANDONED as _ABANDONED
 from trainer.obey import CommandState, Obey
@@ -102,6 +114,8 @@ class RunController:
         self.attempt = -1
         self.gang = None
         self.paused = self.stopped = False
+        self.state: ControllerState = Initializing()
+        self.states: list[ControllerState] = [self.state]  # every state entered, in order
         self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
         self._buffer: list[tuple[int, StepRecord]] = []  # (attempt, record): a retry keeps its attempt
         self._last_flush = time.monotonic()
@@ -153,6 +167,7 @@ class RunController:
                     pass
                 self.gang.kill()
                 self.gang = None
+        self._enter(Finished(self.step, self.stopped))
         r = self.result
         r.final_step, r.attempt, r.stopped, r.wall_s = self.step, self.attempt, self.stopped, time.monotonic() - t0
         return r
@@ -234,6 +249,7 @@ class RunController:
         self._last_ckpt_step = self.step if ckpt is not None else -1
         self.reducer = Reducer(self.gang.names)
         log.info("run %s attempt %d from step %d (%s)", self.cfg.run_id, self.attempt, self.step, reason)
+        self._enter(Running(self.attempt, self.step))
         self._tell(
             self.sink.open_run,
             RunInfo(
@@ -245,6 +261,11 @@ class RunController:
                 hosts=dict(self.gang.hosts),
             ),
         )
+
+    def _enter(self, state: ControllerState) -> None:
+        self.state = state
+        self.states.append(state)
+        log.debug("controller state %s", state)
 
     def _tell(self, fn: Callable[..., None], *args: Any) -> None:
         """Report to the sink; a sink failure is logged, never fatal (the run keeps training
@@ -267,10 +288,13 @@ class RunController:
         while True:
             self.result.restarts += 1
             log.error("gang failed at step %d (attempt %d): %r", self.step + 1, self.attempt, exc)
+            self._enter(Restarting(self.attempt, self.step, repr(exc), self.result.restarts))
             if self.gang is not None:
                 self.gang.kill()
                 self.gang = None
-            if self.result.restarts > self.cfg.max_restarts:
+            decision = make_decision(FailureStatus(self.result.restarts, self.cfg.max_restarts, exc))
+            if decision is FailureDecision.RAISE:
+                self._enter(Errored(f"{self.result.restarts} gang failures; last {exc!r}"))
                 raise RunFailed(
                     f"run {self.cfg.run_id}: {self.result.restarts} gang failures exceed max_restarts="
                     f"{self.cfg.max_restarts}; last error {exc!r}. Check the failing node, then relaunch "
@@ -366,7 +390,11 @@ class RunController:
             for cmd in cmds:
                 self._apply(cmd)
             if not self.paused or self.stopped:
+                if isinstance(self.state, Paused):
+                    self._enter(Running(self.attempt, self.step))
                 return
+            if not isinstance(self.state, Paused):
+                self._enter(Paused(self.attempt, self.step))
             self._flush(force=True)
             time.sleep(self.cfg.poll_every_s)
 

@@ -224,3 +224,19 @@ def test_torn_spool_line_from_a_crash_is_set_aside(db, server, tmp_path):
     np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
     assert (tmp_path / "spool" / "rejected.jsonl").read_bytes().count(b"\n") == 1
     sink.close()
+
+
+def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
+    """Retention deletes are reported as they happen, so the list never offers a gone checkpoint."""
+    from supervisor.store import checkpoints as ckpt_store
+
+    sink = HttpSink(server.url, tmp_path / "spool")
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    for step in (10, 20, 30):
+        sink.checkpoint_saved("r", 0, CheckpointInfo(step=step, path=f"/c/step_{step}", sample_cursor=step, healthy=True))
+    sink.checkpoints_deleted("r", 0, [10, 20], "retention")
+    with db.sessions() as s:
+        assert [c.step for c in ckpt_store.checkpoints(s, "r")] == [30]
+        assert [c.step for c in ckpt_store.checkpoints(s, "r", include_deleted=True) if c.deleted] == [10, 20]
+    assert sink.spooled == 0
+    sink.close()

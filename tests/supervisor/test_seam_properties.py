@@ -229,6 +229,13 @@ def _check(h: Harness, cfg) -> None:
                     assert not ((ids >= lo) & (ids < hi)).any(), (attempt, step, (lo, hi), ids)
     # I4: the supervisor's checkpoints are the trainer's disk.
     assert listed == h.ctl.store.steps()
+    # The controller's typed states tell the same story: it started, every restart brought it back
+    # to Running, and it finished.
+    from trainer.lifecycle import Finished, Initializing, Restarting, Running
+
+    states = h.ctl.states
+    assert isinstance(states[0], Initializing) and states[-1] == Finished(STEPS, False)
+    assert all(isinstance(b, (Running, Restarting)) for a, b in zip(states, states[1:]) if isinstance(a, Restarting))
 
 
 def _far_future():
