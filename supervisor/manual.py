@@ -111,9 +111,11 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
                 if runs_store.get_run(s, args.run_id) is None:
                     raise UserError(f"no run {args.run_id!r}; `thermowatch runs` lists the known runs")
                 rows = [{"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
-                         "ack_step": a.ack_step, "args": a.args, "reason": a.reason}
+                         "ack_step": a.ack_step, "args": a.args, "reason": a.reason,
+                         "did": (a.result or {}).get("detail") or a.error, "ack": a.result}
                         for a in actions_store.actions(s, args.run_id)]
-            _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}")
+            _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}"
+                                    "\n      {did}")
             return 0
         if name in ("approve", "cancel"):
             (ex.approve if name == "approve" else ex.cancel)(args.action_id, who)
