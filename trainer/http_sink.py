@@ -70,18 +70,14 @@ class HttpSink:
     # --- RecordSink ----------------------------------------------------------------------------
 
     def open_run(self, info: RunInfo) -> None:
-        body = {"run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
-                "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}}
-        self._send("/api/runs", body)
+        self._send("/api/runs", info.to_json())
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if records:
             self._send(f"{_run_path(run_id)}/attempts/{attempt}/steps", {"records": [r.to_json() for r in records]})
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
-        body = {"step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
-                "manifest": ckpt.manifest}
-        self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", body)
+        self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", ckpt.to_json())
 
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
         self._send(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints/deleted",
