@@ -30,6 +30,9 @@ PARAM_NORM = "param_norm"
 UPDATE_RATIO = "update_ratio"  # ||dW|| / ||W|| of one step; identical on every rank (mean)
 TOKENS_PER_S = "tokens_per_s"
 SKIPPED_STEPS = "skipped_steps"
+# The LR multiplier on the schedule the trainer really used for the step (contract.multiplier_at
+# of its own LR changes); the supervisor compares it with its own view (supervisor.consistency).
+LR_MULTIPLIER = "lr_multiplier"
 
 SEP = "/"
 
@@ -71,7 +74,7 @@ def reduction(key: str) -> Reduce:
 # --- the per-step record -----------------------------------------------------------------------
 
 # Keys of the flat JSON record that are not metrics.
-RECORD_FIELDS = ("step", "sample_lo", "sample_hi", "tokens", "wall_time", "ranks")
+RECORD_FIELDS = ("step", "sample_lo", "sample_hi", "tokens", "wall_time", "ranks", "ledger_digest")
 
 
 @dataclass(slots=True)
@@ -82,7 +85,8 @@ class StepRecord:
     `ranks` maps a metric key to the rank that held the extreme, for keys reduced by max/min.
     `sample_lo`/`sample_hi` is the half-open range of *absolute* sample indices this step
     consumed (skipped indices inside it were passed over); the policy turns an onset step into
-    a skip range with it.
+    a skip range with it. `ledger_digest` is contract.ledger_digest of the skip ledger the step
+    was trained under ("" when the sender does not report it).
     """
 
     step: int
@@ -92,6 +96,7 @@ class StepRecord:
     tokens: int = 0
     wall_time: float = 0.0
     ranks: dict[str, int] = field(default_factory=dict)
+    ledger_digest: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """Flat shape of DESIGN.md: {"step": 1200, "loss": 2.31, "attn_logit_max/...": 41.2}."""
@@ -105,6 +110,8 @@ class StepRecord:
             out["wall_time"] = self.wall_time
         if self.ranks:
             out["ranks"] = dict(self.ranks)
+        if self.ledger_digest:
+            out["ledger_digest"] = self.ledger_digest
         out.update(self.values)
         return out
 
@@ -127,6 +134,9 @@ class StepRecord:
                 raise ContractError(f"step {step}: metric {key!r} must be a number, got {val!r}")
             values[key] = float(val)
         ranks = obj.get("ranks") or {}
+        digest = obj.get("ledger_digest", "")
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise ContractError(f"step {step}: 'ledger_digest' must be a short string, got {digest!r}")
         if not isinstance(ranks, Mapping):
             raise ContractError(f"step {step}: 'ranks' must be an object of metric -> rank")
         return cls(
@@ -137,66 +147,18 @@ class StepRecord:
             tokens=int(obj.get("tokens", 0)),
             wall_time=float(obj.get("wall_time", 0.0)),
             ranks={str(k): int(v) for k, v in ranks.items()},
+            ledger_digest=digest,
         )
 
 
-# --- commands (supervisor -> run controller) ---------------------------------------------------
+# --- commands, acknowledgements and the values they carry: monitors/commands.py ----------------
+# (one vocabulary, re-exported here so both sides import it from the contract)
 
-
-class CommandKind(str, enum.Enum):
-    PAUSE = "pause"
-    RESUME = "resume"
-    ROLLBACK = "rollback"  # args: to_step | checkpoint, skip_ranges, lr_multiplier, lr_steps
-    SKIP = "skip"  # args: skip_ranges [[lo, hi), ...] absolute sample indices
-    SET_LR = "set_lr"  # args: lr_multiplier, lr_steps (None = permanent), rewarmup_steps
-    STOP = "stop"
-    PROFILE = "profile"  # args: steps (how many steps to trace), out_dir
-
-
-@dataclass(slots=True)
-class Command:
-    """One command from the supervisor's action queue. `id` is the action row's id."""
-
-    id: int
-    kind: CommandKind
-    args: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind.value, "args": self.args}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Command":
-        try:
-            return cls(id=int(obj["id"]), kind=CommandKind(obj["kind"]), args=dict(obj.get("args") or {}))
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ContractError(f"bad command {obj!r}: {exc}") from exc
-
-
-@dataclass(slots=True)
-class Ack:
-    """The run controller's answer: the command took effect before training `step`."""
-
-    command_id: int
-    ok: bool
-    step: int
-    detail: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"command_id": self.command_id, "ok": self.ok, "step": self.step, "detail": self.detail}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Ack":
-        # Strict types: bool("false") is True, and a refused rollback read as done would book
-        # its skip range and close its incident.
-        if not isinstance(obj, Mapping):
-            raise ContractError(f"bad ack: it must be a JSON object, got {type(obj).__name__}")
-        for name in ("command_id", "step"):
-            v = obj.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ContractError(f"bad ack: field {name!r} must be a non-negative integer, got {v!r}")
-        if not isinstance(obj.get("ok"), bool):
-            raise ContractError(f"bad ack: field 'ok' must be true or false, got {obj.get('ok')!r}")
-        return cls(obj["command_id"], obj["ok"], obj["step"], str(obj.get("detail", "")))
+from monitors.commands import (  # noqa: E402
+    COMMAND_TYPES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, Ack, Command, CommandBody, CommandKind, ContractError,
+    LRChange, Pause, Profile, Resume, Rollback, SampleRange, SetLR, Skip, Stop, dumps, ledger_digest, loads,
+    merge_ranges, multiplier_at, parse_command, ranges_from_json,
+)
 
 
 # --- findings (detectors -> policy) -------------------------------------------------------------
@@ -247,6 +209,9 @@ class Signal(str, enum.Enum):
     ACT_OVERFLOW = "act_overflow"
     STALL = "stall"
     OUTLIER_RANK = "outlier_rank"
+    # The trainer's effective LR multiplier or skip-ledger digest differs from the supervisor's
+    # record of the commands it acknowledged (supervisor.consistency): page, never act.
+    STATE_MISMATCH = "state_mismatch"
 
 
 def _outcome(value: Any) -> Outcome:
@@ -325,6 +290,30 @@ class RunInfo:
     start_step: int = 0
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> node address
 
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "attempt": self.attempt, "world_size": self.world_size, "config": self.config,
+                "start_step": self.start_step, "hosts": {str(k): v for k, v in self.hosts.items()}}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "RunInfo":
+        if not isinstance(obj, Mapping):
+            raise ContractError(f"run info must be a JSON object, got {type(obj).__name__}")
+        run_id = obj.get("run_id")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 200 or "/" in run_id:
+            raise ContractError(f"'run_id' must be a non-empty string of at most 200 chars without '/', got {run_id!r}")
+        config, hosts = obj.get("config") or {}, obj.get("hosts") or {}
+        if not isinstance(config, Mapping):
+            raise ContractError("'config' must be an object")
+        if not isinstance(hosts, Mapping):
+            raise ContractError("'hosts' must be an object of rank -> host")
+        try:
+            hosts = {int(k): str(v) for k, v in hosts.items()}
+        except ValueError:
+            raise ContractError(f"'hosts' keys must be integer ranks, got {list(hosts)!r}") from None
+        return cls(run_id=run_id, attempt=_req_int(obj, "attempt", 0, INT32_MAX),
+                   world_size=_req_int(obj, "world_size", 1, INT32_MAX), config=dict(config),
+                   start_step=_req_int(obj, "start_step", 0, INT64_MAX, 0), hosts=hosts)
+
 
 @dataclass(slots=True)
 class CheckpointInfo:
@@ -335,6 +324,34 @@ class CheckpointInfo:
     sample_cursor: int
     healthy: bool
     manifest: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "sample_cursor": self.sample_cursor, "healthy": self.healthy,
+                "manifest": self.manifest}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "CheckpointInfo":
+        if not isinstance(obj, Mapping):
+            raise ContractError(f"checkpoint must be a JSON object, got {type(obj).__name__}")
+        path, healthy, manifest = obj.get("path"), obj.get("healthy"), obj.get("manifest") or {}
+        if not isinstance(path, str) or not path:
+            raise ContractError(f"'path' must be a non-empty string, got {path!r}")
+        if not isinstance(healthy, bool):
+            raise ContractError(f"'healthy' must be true or false, got {healthy!r}")
+        if not isinstance(manifest, Mapping):
+            raise ContractError("'manifest' must be an object")
+        return cls(step=_req_int(obj, "step", 0, INT64_MAX), path=path,
+                   sample_cursor=_req_int(obj, "sample_cursor", 0, INT64_MAX), healthy=healthy,
+                   manifest=dict(manifest))
+
+
+def _req_int(obj: Mapping[str, Any], name: str, lo: int, hi: int, default: Any = ...) -> int:
+    v = obj.get(name, default)
+    if v is ...:
+        raise ContractError(f"missing field {name!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ContractError(f"{name!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
 
 
 # --- seams --------------------------------------------------------------------------------------
@@ -350,6 +367,11 @@ class RecordSink(Protocol):
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None: ...
 
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        """The trainer deleted these checkpoints (retention), as it did so: the supervisor's
+        list and the page must never offer a checkpoint that is gone."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -359,7 +381,3 @@ class CommandChannel(Protocol):
     def poll(self, run_id: str) -> list[Command]: ...
 
     def ack(self, run_id: str, ack: Ack) -> None: ...
-
-
-class ContractError(ValueError):
-    """A record, command or ack that does not match this contract. The message names the field."""

@@ -8,6 +8,13 @@ in between finds the row in its state on restart: pending rows are delivered aga
 are re-sent after the ack timeout (the controller ignores a command id it already applied and
 acknowledges it again), so no action is lost or applied twice.
 
+Every row holds a typed command (monitors.contract): the policy's decision, a manual request
+and a delivered command are all built by the same constructors, so they cannot disagree on
+what is valid. The acknowledgement is stored with the row (`result`) and its effects (skip
+ranges, the LR change with its place in the trainer's list) are booked from what the trainer
+says it did. An ack the supervisor cannot accept fails its action, loudly, and is answered with
+the reason (a 4xx), so the trainer moves on to the next one.
+
 Manual commands (CLI, HTTP API, web) call `submit`, which writes the same rows.
 """
 
@@ -18,9 +25,25 @@ import datetime as dt
 import logging
 from typing import Any, Callable
 
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitors.contract import Ack, Command, CommandKind, Finding, Severity
+from monitors.contract import (
+    Ack,
+    Command,
+    CommandBody,
+    CommandKind,
+    ContractError,
+    Finding,
+    Pause,
+    Rollback,
+    SampleRange,
+    SetLR,
+    Severity,
+    Skip,
+    parse_command,
+)
+from supervisor import feasibility
 from supervisor.errors import Conflict, NotFound, UserError
 from supervisor.notify.base import Alert, Notifier
 from supervisor.notify.outbox import Outbox
@@ -36,8 +59,8 @@ from supervisor.store import steps as steps_store
 
 log = logging.getLogger(__name__)
 
-# What a manual command may carry, per kind (the CLI and the API validate against this).
 MANUAL_KINDS = {k.value for k in CommandKind}
+FINAL_STATES = ("done", "failed", "cancelled")
 
 
 class Executor:
@@ -58,35 +81,21 @@ class Executor:
 
     def carry_out(self, s: Session, run_id: str, incident_id: int, finding: Finding, decision: Decision) -> list[int]:
         """Write what `decision` asks for as action rows (in the caller's transaction)."""
-        reason = "; ".join(decision.reasons)
+        reasons = list(decision.reasons)
         needs_ok = decision.requires_approval or self._advise_only
         ids: list[int] = []
-        if decision.kind is DecisionKind.ROLLBACK:
-            args: dict[str, Any] = {"to_step": decision.target_step}
-            if decision.target_path:
-                args["checkpoint"] = decision.target_path
-            if decision.skip_steps is not None:
-                rng = steps_store.sample_range(s, run_id, decision.skip_steps[0], decision.skip_steps[1])
-                if rng is not None:
-                    args["skip_ranges"] = [[int(rng[0]), int(rng[1])]]
-            if decision.lr_multiplier is not None:
-                args.update(lr_multiplier=decision.lr_multiplier, lr_steps=decision.lr_steps,
-                            rewarmup_steps=decision.rewarmup_steps)
-            if decision.exclude_rank is not None or decision.exclude_node:
-                args.update(exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
-            ids.append(self._enqueue(s, run_id, CommandKind.ROLLBACK, args, reason, "auto", "policy",
-                                     incident_id, needs_ok))
-        elif decision.kind is DecisionKind.LOWER_LR:
-            args = {"lr_multiplier": decision.lr_multiplier, "lr_steps": decision.lr_steps,
-                    "rewarmup_steps": decision.rewarmup_steps}
-            ids.append(self._enqueue(s, run_id, CommandKind.SET_LR, args, reason, "auto", "policy",
-                                     incident_id, needs_ok))
-        elif decision.kind is DecisionKind.PAUSE:
-            ids.append(self._enqueue(s, run_id, CommandKind.PAUSE, {}, reason, "auto", "policy",
-                                     incident_id, needs_ok))
+        body = None
+        try:
+            body = self._decision_body(s, run_id, decision)
+        except ContractError as exc:  # never write a command the trainer could not carry out
+            log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.kind.value, exc)
+            reasons.append(f"the decision is not a valid command ({exc}); pausing for a human instead")
+            body = Pause()
+        if body is not None:
+            ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), "auto", "policy", incident_id, needs_ok))
         audit_store.audit(s, run_id, "policy", "decision", {
             "incident_id": incident_id, "finding": finding.to_json(), "decision": decision.kind.value,
-            "rung": decision.rung, "reasons": decision.reasons, "actions": ids,
+            "rung": decision.rung, "reasons": reasons, "actions": ids,
             "requires_approval": needs_ok})
         if decision.kind is not DecisionKind.NOOP:
             alert = Alert.from_decision(run_id, finding, decision, incident_id)
@@ -95,8 +104,27 @@ class Executor:
             self._queue_alert(s, alert)
         return ids
 
+    def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
+        lr = None
+        if decision.lr_multiplier is not None:
+            lr = SetLR(decision.lr_multiplier, decision.lr_steps, decision.rewarmup_steps or 0)
+        if decision.kind is DecisionKind.ROLLBACK:
+            skip: tuple[SampleRange, ...] = ()
+            if decision.skip_steps is not None:
+                rng = steps_store.sample_range(s, run_id, decision.skip_steps[0], decision.skip_steps[1])
+                if rng is not None and rng[0] < rng[1]:
+                    skip = (SampleRange(int(rng[0]), int(rng[1])),)
+            return Rollback(to_step=decision.target_step, checkpoint=decision.target_path, skip=skip, lr=lr,
+                            exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
+        if decision.kind is DecisionKind.LOWER_LR:
+            return lr
+        if decision.kind is DecisionKind.PAUSE:
+            return Pause()
+        return None
+
     def submit(self, run_id: str, kind: str, args: dict[str, Any], who: str, reason: str) -> int:
-        """A manual command (CLI, API, web): same rows, same executor, never needs approval."""
+        """A manual command (CLI, API, web): same rows, same executor, never needs approval.
+        Refused (UserError, nothing stored) when the contract or the run's state rules it out."""
         if kind not in MANUAL_KINDS:
             raise UserError(f"unknown command {kind!r}; expected one of {sorted(MANUAL_KINDS)}")
         if not who:
@@ -104,9 +132,16 @@ class Executor:
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}; `thermowatch runs` lists the known runs")
-            action_id = self._enqueue(s, run_id, CommandKind(kind), args, reason or "manual", "manual", who, None, False)
+            args = feasibility.resolve_relative(s, run_id, args or {})
+            try:
+                body = parse_command(kind, args)
+            except ContractError as exc:
+                raise UserError(str(exc)) from None
+            feasibility.check(s, run_id, body)
+            action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
-                                       title=f"{run_id}: {who} asked for {kind} {args or ''}".strip(), text=reason))
+                                       title=f"{run_id}: {who} asked for {kind} {body.to_args() or ''}".strip(),
+                                       text=reason))
         self.flush_alerts()
         return action_id
 
@@ -129,66 +164,105 @@ class Executor:
                 raise Conflict(str(exc)) from exc
             audit_store.audit(s, row.run_id, who, event, {"action_id": action_id})
 
-    def _enqueue(self, s: Session, run_id: str, kind: CommandKind, args: dict[str, Any], reason: str, origin: str,
+    def _enqueue(self, s: Session, run_id: str, body: CommandBody, reason: str, origin: str,
                  who: str, incident_id: int | None, needs_ok: bool) -> int:
-        action_id = actions_store.enqueue_action(s, run_id, kind.value, args, reason, origin, who,
+        args = body.to_args()
+        action_id = actions_store.enqueue_action(s, run_id, body.kind.value, args, reason, origin, who,
                                                  incident_id=incident_id, requires_approval=needs_ok)
-        audit_store.audit(s, run_id, who, "enqueued", {"action_id": action_id, "kind": kind.value, "args": args})
+        audit_store.audit(s, run_id, who, "enqueued", {"action_id": action_id, "kind": body.kind.value, "args": args})
         return action_id
 
     # --- the command channel ------------------------------------------------------------------
 
     def deliver(self, run_id: str) -> list[Command]:
-        """Pending (approved) actions for the run controller; they become `sent`."""
+        """Pending (approved) actions for the run controller; they become `sent`. A stored row
+        that is no valid command (written by an older version) fails instead of blocking the queue."""
+        bad: list[tuple[actions_store.ActionRow, str]] = []
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
             for a in actions_store.pending_actions(s, run_id):
+                try:
+                    cmd = Command(id=a.id, body=parse_command(a.kind, a.args))
+                except ContractError as exc:
+                    bad.append((a, str(exc)))
+                    continue
                 actions_store.set_action_state(s, a.id, "sent")
-                out.append(Command(id=a.id, kind=CommandKind(a.kind), args=dict(a.args)))
-            return out
+                out.append(cmd)
+        for a, why in bad:
+            self.fail(run_id, a.id, f"not a valid command: {why}")
+        return out
 
     def acknowledge(self, run_id: str, ack: Ack) -> None:
-        """The run controller says the command took effect before training `ack.step` (or failed)."""
+        """The run controller says what the command did (or that it failed). An ack that cannot
+        be booked fails the action with an alert and raises UserError (a 4xx) with the reason."""
         rollback_to = None
-        with self._session.begin() as s:
-            row = actions_store.get_action(s, ack.command_id)
-            if row is None or row.run_id != run_id:
-                raise NotFound(f"run {run_id!r} has no action {ack.command_id}")
-            if row.state in ("done", "failed", "cancelled"):
-                log.info("action %s already %s; duplicate ack ignored", row.id, row.state)
-                return
-            if row.requires_approval:
-                raise Conflict(f"action {row.id} awaits a human's approval and was never sent; "
-                               f"an acknowledgement for it cannot be right")
-            if not ack.ok:
-                actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it")
-                audit_store.audit(s, run_id, "trainer", "failed", {"action_id": row.id, "detail": ack.detail})
-                self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
-                                        title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
-                                        text=ack.detail or "the run controller refused the command",
-                                        incident_id=row.incident_id))
-            else:
-                if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
-                    actions_store.set_action_state(s, row.id, "sent")
-                actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step)
-                rollback_to = self._book(s, run_id, row, ack)
-                actions_store.set_action_state(s, row.id, "done")
-                audit_store.audit(s, run_id, "trainer", "done", {"action_id": row.id, "step": ack.step,
-                                                                 "detail": ack.detail})
+        try:
+            with self._session.begin() as s:
+                row = actions_store.get_action(s, ack.command_id)
+                if row is None or row.run_id != run_id:
+                    raise NotFound(f"run {run_id!r} has no action {ack.command_id}")
+                if row.state in FINAL_STATES:
+                    log.info("action %s already %s; duplicate ack ignored", row.id, row.state)
+                    return
+                if row.requires_approval:
+                    raise Conflict(f"action {row.id} awaits a human's approval and was never sent; "
+                                   f"an acknowledgement for it cannot be right")
+                result = ack.to_json()
+                if not ack.ok:
+                    actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it",
+                                                   result=result)
+                    audit_store.audit(s, run_id, "trainer", "failed", {"action_id": row.id, "detail": ack.detail})
+                    self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
+                                            title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
+                                            text=ack.detail or "the run controller refused the command",
+                                            incident_id=row.incident_id))
+                else:
+                    if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
+                        actions_store.set_action_state(s, row.id, "sent")
+                    actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step, result=result)
+                    rollback_to = self._book(s, run_id, row, ack)
+                    actions_store.set_action_state(s, row.id, "done")
+                    audit_store.audit(s, run_id, "trainer", "done", {"action_id": row.id, "step": ack.step,
+                                                                     "detail": ack.detail})
+        except (ContractError, DataError, IntegrityError, actions_store.ActionStateError) as exc:
+            why = f"the acknowledgement could not be booked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self.fail(run_id, ack.command_id, why, result=ack.to_json())
+            raise UserError(f"action {ack.command_id}: {why}") from None
         if rollback_to is not None:
             self._on_rollback_done(run_id, rollback_to)
         self.flush_alerts()
 
+    def fail(self, run_id: str, action_id: int, why: str, result: dict[str, Any] | None = None) -> bool:
+        """Fail an open action with an alert (a bad ack, an undeliverable row). False if there is
+        no such open action of this run."""
+        with self._session.begin() as s:
+            row = actions_store.get_action(s, action_id)
+            if row is None or row.run_id != run_id or row.state in FINAL_STATES:
+                return False
+            actions_store.set_action_state(s, action_id, "failed", error=why, result=result)
+            audit_store.audit(s, run_id, "supervisor", "failed", {"action_id": action_id, "detail": why})
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
+                                    title=f"{run_id}: {row.kind} (action {action_id}) FAILED", text=why,
+                                    incident_id=row.incident_id))
+        self.flush_alerts()
+        return True
+
     def _book(self, s: Session, run_id: str, row: actions_store.ActionRow, ack: Ack) -> int | None:
-        """The lasting effects of an acknowledged command: skip ledger, LR changes, incident."""
-        args = row.args
-        for lo, hi in args.get("skip_ranges") or []:
-            skips_store.add_skip_range(s, run_id, int(lo), int(hi), action_id=row.id)
-        if args.get("lr_multiplier") is not None:
-            lr_store.add_lr_change(s, run_id, float(args["lr_multiplier"]), ack.step, args.get("lr_steps"),
-                                   action_id=row.id)
+        """The lasting effects of an acknowledged command, as the trainer reports them (a bare
+        ack, from an older trainer, books what the command asked for)."""
+        body = parse_command(row.kind, row.args)
+        asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
+        for r in ack.skipped or asked_ranges:
+            skips_store.add_skip_range(s, run_id, r.lo, r.hi, action_id=row.id)
+        change, seq = ack.lr_change, ack.lr_seq
+        if change is None and ack.checkpoint_step is None:
+            lr = body if isinstance(body, SetLR) else body.lr if isinstance(body, Rollback) else None
+            change = lr.change(max(1, ack.step)) if lr is not None else None
+        if change is not None:
+            lr_store.add_lr_change(s, run_id, change.multiplier, change.start_step, change.steps, action_id=row.id,
+                                   rewarmup_steps=change.rewarmup_steps, seq=seq)
         if row.incident_id is not None and row.kind in ("rollback", "set_lr", "skip"):
             incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
         if row.kind == "rollback":
@@ -221,6 +295,12 @@ class Executor:
         return failed
 
     # --- alerts ---------------------------------------------------------------------------------
+
+    def notify(self, alert: Alert) -> None:
+        """Queue an alert in a transaction of its own (callers outside the executor's ones)."""
+        with self._session.begin() as s:
+            self._queue_alert(s, alert)
+        self.flush_alerts()
 
     def _queue_alert(self, s: Session, alert: Alert) -> None:
         """Write `alert` to the outbox in the caller's transaction (sent once it commits)."""

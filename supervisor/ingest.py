@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 _INT64 = 2**63
 MAX_METRIC_LEN, MAX_MODULE_LEN = 100, 300  # store/orm.py Series columns
-OnRecords = Callable[[str, int, Sequence[StepRecord]], None]
+OnRecords = Callable[[str, int, Sequence[StepRecord]], Any]
 
 
 class IngestError(ValueError):
@@ -56,9 +56,12 @@ class Ingestor:
     """Implements contract.RecordSink on top of the store (same semantics as the HTTP API)."""
 
     def __init__(self, session_factory: sessionmaker, on_records: OnRecords | None = None,
-                 limits: IngestLimits | None = None) -> None:
+                 limits: IngestLimits | None = None, check_state: OnRecords | None = None) -> None:
         self._sessions = session_factory
         self._on_records = on_records
+        # supervisor.consistency: the trainer's reported LR multiplier and ledger digest against
+        # the supervisor's record, after the commit (it pages; it never fails the ingest).
+        self._check_state = check_state
         self.limits = limits or IngestLimits()
         self._cache = thermometers.SeriesCache()
         self._attempts: set[tuple[str, int]] = set()  # opened (run, attempt) pairs seen committed
@@ -89,7 +92,12 @@ class Ingestor:
                 steps_store.record_steps(s, run_id, attempt, records)
                 thermometers.append(s, run_id, attempt, records, view)
         self._cache.merge(view)  # only after the commit
-        if records:  # a re-sent batch was judged when it first came: never twice
+        if records:  # a re-sent batch was checked and judged when it first came: never twice
+            if self._check_state is not None:
+                try:
+                    self._check_state(run_id, attempt, records)
+                except Exception:  # the batch is committed; a failing check must not bounce it
+                    log.exception("state check failed for run %s attempt %s", run_id, attempt)
             self._notify(run_id, attempt, records)
         return n_values
 
@@ -98,6 +106,16 @@ class Ingestor:
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
             checkpoints_store.record_checkpoint(s, run_id, attempt, ckpt)
+
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        """The trainer deleted these checkpoints: never offer them again (list, page, policy)."""
+        steps = [int(x) for x in steps]
+        with self._sessions.begin() as s:
+            self._check_attempt(s, run_id, attempt)
+            n = checkpoints_store.mark_deleted(s, run_id, steps)
+            if n:
+                audit_store.audit(s, run_id, "run-controller", "checkpoints_deleted",
+                                  {"steps": steps, "reason": reason, "attempt": attempt})
 
     def close(self) -> None:
         pass
@@ -190,41 +208,15 @@ def _check_keys(records: Sequence[StepRecord]) -> None:
                 raise ContractError(f"step {r.step}: ranks[{key!r}] must be a rank in [0, 2**31), got {rank!r}")
 
 
-# --- parsing and validating the other two messages (contract has no from_json for them) -------
-
-
-def _req_int(obj: Mapping[str, Any], name: str, lo: int = 0, default: Any = ...) -> int:
-    v = obj.get(name, default)
-    if v is ...:
-        raise ContractError(f"missing field {name!r}")
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ContractError(f"{name!r} must be an integer >= {lo}, got {v!r}")
-    return v
+# --- parsing and validating the other two messages (their JSON lives in the contract) -------
 
 
 def run_info_from_json(obj: Any) -> RunInfo:
-    if not isinstance(obj, Mapping):
-        raise ContractError(f"run info must be a JSON object, got {type(obj).__name__}")
-    run_id = obj.get("run_id")
-    if not isinstance(run_id, str) or not run_id or len(run_id) > 200 or "/" in run_id:
-        raise ContractError(f"'run_id' must be a non-empty string of at most 200 chars without '/', got {run_id!r}")
-    config = obj.get("config") or {}
-    hosts = obj.get("hosts") or {}
-    if not isinstance(config, Mapping):
-        raise ContractError("'config' must be an object")
-    if not isinstance(hosts, Mapping):
-        raise ContractError("'hosts' must be an object of rank -> host")
-    try:
-        hosts = {int(k): str(v) for k, v in hosts.items()}
-    except ValueError:
-        raise ContractError(f"'hosts' keys must be integer ranks, got {list(hosts)!r}") from None
-    return RunInfo(run_id=run_id, attempt=_req_int(obj, "attempt"), world_size=_req_int(obj, "world_size", 1),
-                   config=dict(config), start_step=_req_int(obj, "start_step", 0, 0), hosts=hosts)
+    return RunInfo.from_json(obj)
 
 
 def run_info_to_json(info: RunInfo) -> dict[str, Any]:
-    return {"run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
-            "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}}
+    return info.to_json()
 
 
 def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> list[StepRecord]:
@@ -258,36 +250,33 @@ def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> lis
 
 
 def validate_run_info(info: RunInfo) -> None:
-    run_info_from_json(run_info_to_json(info)) if isinstance(info, RunInfo) else _bad("RunInfo", info)
+    RunInfo.from_json(info.to_json()) if isinstance(info, RunInfo) else _bad("RunInfo", info)
 
 
 def checkpoint_from_json(obj: Any) -> CheckpointInfo:
-    if not isinstance(obj, Mapping):
-        raise ContractError(f"checkpoint must be a JSON object, got {type(obj).__name__}")
-    path = obj.get("path")
-    if not isinstance(path, str) or not path:
-        raise ContractError(f"'path' must be a non-empty string, got {path!r}")
-    healthy = obj.get("healthy")
-    if not isinstance(healthy, bool):
-        raise ContractError(f"'healthy' must be true or false, got {healthy!r}")
-    manifest = obj.get("manifest") or {}
-    if not isinstance(manifest, Mapping):
-        raise ContractError("'manifest' must be an object")
-    return CheckpointInfo(step=_req_int(obj, "step"), path=path, sample_cursor=_req_int(obj, "sample_cursor"),
-                          healthy=healthy, manifest=dict(manifest))
+    return CheckpointInfo.from_json(obj)
 
 
 def checkpoint_to_json(ckpt: CheckpointInfo) -> dict[str, Any]:
-    return {"step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
-            "manifest": ckpt.manifest}
+    return ckpt.to_json()
 
 
 def validate_checkpoint(ckpt: CheckpointInfo) -> None:
-    checkpoint_from_json(checkpoint_to_json(ckpt)) if isinstance(ckpt, CheckpointInfo) else _bad("CheckpointInfo", ckpt)
+    CheckpointInfo.from_json(ckpt.to_json()) if isinstance(ckpt, CheckpointInfo) else _bad("CheckpointInfo", ckpt)
 
 
 def _bad(want: str, got: Any) -> None:
     raise ContractError(f"expected a {want}, got {type(got).__name__}")
+
+
+def deleted_from_json(obj: Any) -> tuple[list[int], str]:
+    """{"steps": [..], "reason": ".."} of a checkpoints-deleted report."""
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("steps"), list):
+        raise ContractError('body must be {"steps": [checkpoint steps], "reason": "..."}')
+    steps = obj["steps"]
+    if len(steps) > 100_000 or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _INT64 for x in steps):
+        raise ContractError(f"'steps' must be a list of checkpoint steps in [0, 2**63), got {steps[:10]!r}")
+    return steps, str(obj.get("reason", ""))[:200]
 
 
 def records_from_json(obj: Any) -> list[StepRecord]:
@@ -307,4 +296,5 @@ def records_from_json(obj: Any) -> list[StepRecord]:
 
 
 __all__ = ["Ingestor", "IngestLimits", "IngestError", "UnknownRun", "BatchTooLarge", "ContractError",
-           "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json"]
+           "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json",
+           "deleted_from_json"]

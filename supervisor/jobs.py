@@ -3,7 +3,8 @@
 ack watchdog      sent commands with no acknowledgement are re-sent, then failed loudly
 stall check       no step for detectors.stall.timeout_s -> stall finding -> policy (page)
 retention         thin old thermometers so a 10^6-step run stays bounded
-checkpoint scan   recorded checkpoints whose files vanished or whose manifest broke are distrusted
+checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
+                  (a backstop: the trainer reports its own retention deletes as it makes them)
 daily digest      one message a day: steps, incidents, actions per run
 """
 
@@ -13,7 +14,9 @@ import datetime as dt
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from sqlalchemy.orm import sessionmaker
 
 from monitors.contract import Severity
 from monitors.manifest import MANIFEST, files_problem
@@ -25,8 +28,16 @@ from supervisor.store import incidents as incidents_store
 from supervisor.store import runs as runs_store
 from supervisor.store import thermometers as thermo_store
 
-if TYPE_CHECKING:
-    from supervisor.service import Supervisor
+
+class Daemon(Protocol):
+    """What the jobs need of the daemon (supervisor.service.Supervisor provides it). A Protocol,
+    not an import: service builds the jobs, so jobs must not import service back."""
+
+    cfg: Any
+    sessions: sessionmaker
+    executor: Any
+    responder: Any
+    notifier: Any
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +47,7 @@ RETENTION_FULL_STEPS = 100_000
 RETENTION_EVERY = 10
 
 
-def default_jobs(sup: "Supervisor") -> list[Job]:
+def default_jobs(sup: Daemon) -> list[Job]:
     return [
         Job("ack_watchdog", lambda: sup.executor.expire(), every_s=min(30.0, sup.cfg.ack_timeout_s / 2)),
         Job("stall_check", lambda: sup.responder.check_stalls(), every_s=30.0),
@@ -46,7 +57,7 @@ def default_jobs(sup: "Supervisor") -> list[Job]:
     ]
 
 
-def retention(sup: "Supervisor", full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
+def retention(sup: Daemon, full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
     thinned = 0
     with sup.sessions() as s:
         run_ids = [r.run_id for r in runs_store.list_runs(s)]
@@ -77,7 +88,7 @@ def checkpoint_problem(path: str) -> str | None:
         return f"{manifest} is unreadable or malformed: {type(exc).__name__}: {exc}"
 
 
-def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
+def checkpoint_scan(sup: Daemon) -> list[tuple[str, int, str]]:
     """Marks checkpoints whose files are gone or broken unhealthy, so the policy never picks them."""
     bad = []
     with sup.sessions() as s:
@@ -87,15 +98,17 @@ def checkpoint_scan(sup: "Supervisor") -> list[tuple[str, int, str]]:
             problem = checkpoint_problem(c.path)
         except Exception as exc:  # noqa: BLE001
             problem = f"scan failed: {exc}"
-        if problem and c.healthy:
+        if problem and (c.healthy or not Path(c.path).is_dir()):
             with sup.sessions.begin() as s:
-                ckpt_store.mark_checkpoint(s, c.id, healthy=False)
+                # Gone from disk: deleted (the page and the policy stop offering it); there but
+                # broken: kept in the list, distrusted.
+                ckpt_store.mark_checkpoint(s, c.id, healthy=False, deleted=not Path(c.path).is_dir() or None)
             log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, problem)
             bad.append((c.run_id, c.step, problem))
     return bad
 
 
-def daily_digest(sup: "Supervisor", now: dt.datetime | None = None) -> list[Alert]:
+def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     now = now or dt.datetime.now(dt.timezone.utc)
     since = now - dt.timedelta(days=1)
     sent = []

@@ -3,6 +3,12 @@
 They write the same action rows as the automatic policy (origin `manual`, with who and why),
 so the run controller, the executor and the audit trail treat both alike. They work against
 the database directly (`--db`, or the data dir's SQLite), so they need no running daemon.
+
+What is valid is decided once: the contract's command types and the run's limits
+(supervisor.feasibility), through Executor.submit; a refusal exits 2 naming the value and the
+limit. `--wait` blocks until the trainer acknowledges and prints what it actually did (from the
+action row and its typed ack: supervisor.outcome), exiting 1 if it failed; `--json` prints the
+same as one object.
 """
 
 from __future__ import annotations
@@ -11,44 +17,11 @@ import argparse
 import getpass
 import json
 import sys
+import time
 from typing import Any, Callable
 
 from supervisor.errors import UserError
-
-
-def _int(name: str, v: Any, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise UserError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return v
-
-
-def validate_args(kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The one check for manual command arguments (CLI and HTTP API alike)."""
-    out = dict(args)
-    if kind == "rollback":
-        if "to_step" not in out and "checkpoint" not in out:
-            raise UserError("rollback needs to_step (a checkpoint's step) or checkpoint (its path)")
-        if "to_step" in out:
-            _int("to_step", out["to_step"])
-    if kind in ("rollback", "skip"):
-        ranges = out.get("skip_ranges", [])
-        if kind == "skip" and not ranges:
-            raise UserError("skip needs skip_ranges: [[lo, hi], ...] absolute sample indices, lo < hi")
-        for r in ranges:
-            if not (isinstance(r, (list, tuple)) and len(r) == 2):
-                raise UserError(f"each skip range must be [lo, hi], got {r!r}")
-            lo, hi = _int("skip range lo", r[0]), _int("skip range hi", r[1])
-            if lo >= hi:
-                raise UserError(f"skip range [{lo}, {hi}) is empty; lo must be < hi")
-    if kind == "set_lr" or "lr_multiplier" in out:
-        m = out.get("lr_multiplier")
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 10:
-            raise UserError(f"lr_multiplier must be a number in (0, 10], got {m!r}")
-        if out.get("lr_steps") is not None:
-            _int("lr_steps", out["lr_steps"], 1)
-    if kind == "profile":
-        _int("steps", out.setdefault("steps", 5), 1)
-    return out
+from supervisor.outcome import outcome, render
 
 
 def _parse_range(text: str) -> list[int]:
@@ -76,13 +49,22 @@ def add_manual_commands(sub, add_db_flags: Callable, handler: Callable) -> None:
         p.add_argument("run_id")
         p.add_argument("--who", default=None, help="your name for the audit trail (default: login name)")
         p.add_argument("--reason", default="", help="why, for the audit trail and the alert")
+        p.add_argument("--wait", action="store_true",
+                       help="block until the trainer acknowledges; print what it did; exit 1 if it failed")
+        p.add_argument("--timeout", type=float, default=600.0, help="--wait gives up after this many seconds")
+        p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
         if name == "rollback":
-            p.add_argument("--to-step", type=int, required=True)
+            p.add_argument("--to-step", type=int, required=True,
+                           help="load the newest healthy checkpoint at or before this step")
+            p.add_argument("--exact", action="store_true", help="refuse unless the checkpoint at --to-step itself exists")
         if name in ("rollback", "skip"):
             p.add_argument("--skip", action="append", default=[], metavar="LO:HI",
                            help="absolute sample index range to skip (repeatable)")
         if name in ("rollback", "lr"):
-            p.add_argument("--multiplier", type=float, required=name == "lr")
+            g = p.add_mutually_exclusive_group(required=name == "lr")
+            g.add_argument("--multiplier", type=float, help="the LR multiplier on the schedule (absolute: 0.5 = half "
+                                                            "the schedule, whatever was set before)")
+            g.add_argument("--factor", type=float, help="relative: multiply the multiplier in force now (0.5 halves it)")
             p.add_argument("--for-steps", type=int, default=None, help="only for this many steps")
         if name == "profile":
             p.add_argument("--steps", type=int, default=5)
@@ -130,19 +112,31 @@ def run_manual(args: argparse.Namespace, cfg) -> int:
                 if runs_store.get_run(s, args.run_id) is None:
                     raise UserError(f"no run {args.run_id!r}; `thermowatch runs` lists the known runs")
                 rows = [{"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
-                         "ack_step": a.ack_step, "args": a.args, "reason": a.reason}
+                         "ack_step": a.ack_step, "args": a.args, "reason": a.reason,
+                         "did": (a.result or {}).get("detail") or a.error, "ack": a.result}
                         for a in actions_store.actions(s, args.run_id)]
-            _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}")
+            _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}"
+                                    "\n      {did}")
             return 0
         if name in ("approve", "cancel"):
             (ex.approve if name == "approve" else ex.cancel)(args.action_id, who)
             print(f"action {args.action_id} {({'approve': 'approved', 'cancel': 'cancelled'})[name]} by {who}")
             return 0
         kind, payload = _command(name, args)
-        action_id = ex.submit(args.run_id, kind, validate_args(kind, payload), who, args.reason)
-        print(f"action {action_id}: {kind} {json.dumps(payload)} queued for run {args.run_id}; "
-              f"the run controller applies it between steps")
-        return 0
+        action_id = ex.submit(args.run_id, kind, payload, who, args.reason)
+        if not args.wait:
+            with sessions() as s:
+                out = outcome(actions_store.get_action(s, action_id))
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"action {action_id}: {kind} {json.dumps(out['args'])} queued for run {args.run_id}; "
+                      f"the run controller applies it between steps (--wait to see what it did)")
+            return 0
+        row = _wait(sessions, actions_store, action_id, args.timeout)
+        out = outcome(row)
+        print(json.dumps(out) if args.json else render(out))
+        return 0 if out["state"] == "done" else 1
     finally:
         if ex is not None:
             ex.close()  # delivers this command's alert before the process exits
@@ -153,14 +147,28 @@ def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     payload: dict[str, Any] = {}
     if name == "rollback":
         payload["to_step"] = args.to_step
+        if args.exact:
+            payload["exact"] = True
     if name in ("rollback", "skip") and args.skip:
         payload["skip_ranges"] = [_parse_range(t) for t in args.skip]
-    if name in ("rollback", "lr") and args.multiplier is not None:
-        payload["lr_multiplier"] = args.multiplier
+    if name in ("rollback", "lr") and (args.multiplier is not None or args.factor is not None):
+        payload["lr_multiplier" if args.multiplier is not None else "lr_factor"] = (
+            args.multiplier if args.multiplier is not None else args.factor)
         payload["lr_steps"] = args.for_steps
     if name == "profile":
         payload["steps"] = args.steps
     return {"lr": "set_lr"}.get(name, name), payload
+
+
+def _wait(sessions, actions_store, action_id: int, timeout_s: float):
+    """Poll the action row until it is final (done, failed, cancelled) or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with sessions() as s:
+            row = actions_store.get_action(s, action_id)
+        if row.state in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
+            return row
+        time.sleep(0.5)
 
 
 def _print(rows: list[dict], as_json: bool, fmt: str) -> None:

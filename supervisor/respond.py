@@ -206,13 +206,15 @@ class Responder:
                 target_step=a.args.get("to_step") if a.kind == "rollback" else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
             ))
-        changes = lr_store.lr_changes(s, run_id)
+        # The multiplier in force at the step the trainer trains next (absolute, newest change
+        # wins: contract.multiplier_at), not the last row's: a temporary change may have ended.
+        current = lr_store.multiplier_in_force(s, run_id, max(finding.detect_step, 0) + 1)
         return PolicyInput(
             finding=finding,
             now=self._clock(),
             checkpoints=cks,
             history=history,
-            current_lr_multiplier=changes[-1].multiplier if changes else 1.0,
+            current_lr_multiplier=current,
             failed_action_pending=_failed_and_unattended(rows),
             action_in_flight=in_flight,
             paused=_paused(rows),

@@ -40,7 +40,35 @@ def build_app(sup: Supervisor) -> FastAPI:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
 
-    return app
+    return _KeepAlive500(app)
+
+
+class _KeepAlive500:
+    """Answer an unhandled error with a 500 and *keep the connection*. Starlette's outer error
+    middleware re-raises after sending its 500, and uvicorn then closes the keep-alive
+    connection; a client (the trainer's command channel) saw every later request on it fail."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str):  # routes, state, dependency_overrides ... of the FastAPI app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:  # noqa: BLE001 - already logged and answered by the handler above
+            if not started:
+                await JSONResponse({"detail": "internal error; see the supervisor log"}, 500)(scope, receive, send)
 
 
 def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:

@@ -18,8 +18,9 @@ from typing import Callable, Sequence
 
 from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
-from supervisor import db
+from supervisor import db, jobs
 from supervisor.config import SupervisorConfig
+from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
 from supervisor.ingest import Ingestor
 from supervisor.notify.base import FanOut, Notifier
@@ -60,7 +61,8 @@ class Supervisor:
         self.responder = Responder(self.sessions, self.executor, policy,
                                    BankConfig.from_dict(cfg.detectors),
                                    clock=clock)
-        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records)
+        self.consistency = ConsistencyCheck(self.sessions, self.executor)
+        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records, check_state=self.consistency)
 
     # --- RecordSink ---------------------------------------------------------------------------
 
@@ -80,6 +82,9 @@ class Supervisor:
                 ckpt = dataclasses.replace(ckpt, healthy=False)
         self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
 
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason)
+
     # --- CommandChannel -----------------------------------------------------------------------
 
     def poll(self, run_id: str) -> list[Command]:
@@ -95,8 +100,6 @@ class Supervisor:
 
     def jobs(self) -> list[Job]:
         """The daemon's periodic work (supervisor.jobs holds the longer ones)."""
-        from supervisor import jobs
-
         return jobs.default_jobs(self)
 
     def close(self) -> None:

@@ -112,6 +112,9 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike[str], retention: Retention | None = None) -> None:
         self.root = Path(root)
         self.retention = retention or Retention()
+        # Called with the steps retention deleted, right after it deleted them (the run
+        # controller tells the supervisor, so its list never offers a gone checkpoint).
+        self.on_deleted: Callable[[list[int]], None] | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._finish_deletes()
 
@@ -335,6 +338,8 @@ class CheckpointStore:
             shutil.rmtree(gone, ignore_errors=True)
             log.info("retention deleted checkpoint step %d", s)
         _fsync_dir(self.root)
+        if self.on_deleted is not None:
+            self.on_deleted(doomed)
         return doomed
 
     def clean_staging(self) -> list[Path]:

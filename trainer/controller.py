@@ -28,20 +28,37 @@ import numpy as np
 from monitors.contract import (
     GRAD_NORM,
     LOSS,
+    LR_MULTIPLIER,
     Ack,
     CheckpointInfo,
     Command,
     CommandChannel,
     RecordSink,
-    Reduce,
     RunInfo,
     StepRecord,
-    reduction,
+    multiplier_at,
 )
 from trainer.checkpoint import CheckpointStore, Retention, make_manifest
 from trainer.config import TrainConfig
 from trainer.data import SkipLedger
-from trainer.lr import LRChange, change_from_args, changes_to_json, lr_at
+from trainer.lifecycle import (
+    ControllerState,
+    Errored,
+    FailureDecision,
+    FailureStatus,
+    Finished,
+    Initializing,
+    Paused,
+    Restarting,
+    Running,
+    make_decision,
+)
+from trainer.lr import LRChange, changes_to_json
+from trainer.obey import ABANDONED as _ABANDONED
+from trainer.obey import CommandState, Obey
+from trainer.reduce import Reducer
+
+__all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
 log = logging.getLogger(__name__)
 
@@ -67,34 +84,6 @@ class RunResult:
     wall_s: float = 0.0
 
 
-class Reducer:
-    """Rank values (W, M) -> one row (M,) by contract.reduction, plus the extreme's rank."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        kinds = [reduction(n) for n in names]
-        self.idx = {k: np.array([i for i, r in enumerate(kinds) if r is k], dtype=np.int64) for k in Reduce}
-        self.max_names = [names[i] for i in self.idx[Reduce.MAX]]
-        self.min_names = [names[i] for i in self.idx[Reduce.MIN]]
-
-    def __call__(self, values: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
-        out = np.empty(values.shape[1], dtype=np.float64)
-        mx, mn = values[:, self.idx[Reduce.MAX]], values[:, self.idx[Reduce.MIN]]
-        with np.errstate(invalid="ignore"):  # NaN and Inf are data: max/min propagate NaN
-            out[self.idx[Reduce.MAX]] = mx.max(axis=0) if mx.size else mx.sum(axis=0)
-            out[self.idx[Reduce.MIN]] = mn.min(axis=0) if mn.size else mn.sum(axis=0)
-            out[self.idx[Reduce.MEAN]] = values[:, self.idx[Reduce.MEAN]].mean(axis=0)
-            out[self.idx[Reduce.SUM]] = values[:, self.idx[Reduce.SUM]].sum(axis=0)
-        # Name the rank that held an extreme only where the ranks disagree: a value every rank
-        # shares (the global grad norm, the LR) has no outlier, and argmax would always say 0.
-        ranks: dict[str, int] = {}
-        for names, vals, pick in ((self.max_names, mx, np.argmax), (self.min_names, mn, np.argmin)):
-            if vals.size:
-                differ = (vals != vals[:1]).any(axis=0)
-                ranks.update((names[i], int(r)) for i, r in enumerate(pick(vals, axis=0).tolist()) if differ[i])
-        return out, ranks
-
-
 class RunController:
     def __init__(
         self,
@@ -103,12 +92,21 @@ class RunController:
         commands: CommandChannel,
         progress: Callable[[StepRecord, int], None] | None = None,
         store: CheckpointStore | None = None,
+        gang_factory: Callable[..., Any] | None = None,
     ) -> None:
         self.cfg = config
         self.sink, self.commands, self.progress = sink, commands, progress
+        # Builds a gang: (config, attempt, data_state, lr_changes) -> Gang-like. Default: Ray
+        # actors (trainer.worker.Gang); trainer.local.InProcessGang runs one rank in-process.
+        self._gang_factory = gang_factory
         root = Path(config.checkpoint.dir) / config.run_id
         c = config.checkpoint
         self.store = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
+        self.deleted_steps: set[int] = set()  # what retention removed, reported as it happens
+        self.store.on_deleted = self._deleted
+        self.commands_state = CommandState(self.store.root)
+        self.obey = Obey(self)
+        self.loaded_checkpoint: CheckpointInfo | None = None
         self.schedule = config.lr_schedule()
         self.ledger = SkipLedger()
         self.lr_changes: list[LRChange] = []
@@ -116,6 +114,8 @@ class RunController:
         self.attempt = -1
         self.gang = None
         self.paused = self.stopped = False
+        self.state: ControllerState = Initializing()
+        self.states: list[ControllerState] = [self.state]  # every state entered, in order
         self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
         self._buffer: list[tuple[int, StepRecord]] = []  # (attempt, record): a retry keeps its attempt
         self._last_flush = time.monotonic()
@@ -131,9 +131,14 @@ class RunController:
         if resume is not None:
             self.ledger = SkipLedger.from_json(resume.manifest["data"].get("skip_ranges"))
             self.lr_changes = [LRChange.from_json(c) for c in resume.manifest.get("lr", {}).get("changes", [])]
+        if self.commands_state.loaded:
+            # Commands acknowledged after the newest checkpoint live in commands.json, not in
+            # its manifest: the supervisor booked them, so the relaunch keeps them too.
+            self.lr_changes = list(self.commands_state.lr_changes)
+            self.ledger.add_many([r.to_json() for r in self.commands_state.skip_ranges])
         self.step = 0 if resume is None else resume.step  # where a failed bring-up restarts from
         try:
-            self._start_attempt(resume, reason="start" if resume is None else f"resume from step {resume.step}")
+            self.start_attempt(resume, reason="start" if resume is None else f"resume from step {resume.step}")
         except _GANG_FAILURES as exc:
             self._restart(exc)
         try:
@@ -162,6 +167,7 @@ class RunController:
                     pass
                 self.gang.kill()
                 self.gang = None
+        self._enter(Finished(self.step, self.stopped))
         r = self.result
         r.final_step, r.attempt, r.stopped, r.wall_s = self.step, self.attempt, self.stopped, time.monotonic() - t0
         return r
@@ -173,12 +179,13 @@ class RunController:
         meta = outs[0][1]
         rec = StepRecord(
             step=step,
-            values=dict(zip(self.gang.names, values.tolist())),
+            values={**dict(zip(self.gang.names, values.tolist())), LR_MULTIPLIER: meta["lr_multiplier"]},
             sample_lo=meta["sample_lo"],
             sample_hi=meta["sample_hi"],
             tokens=meta["tokens"],
             wall_time=time.time(),
             ranks=ranks,
+            ledger_digest=meta["ledger_digest"],
         )
         self.step = step
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
@@ -206,7 +213,7 @@ class RunController:
         tmp.replace(path)
         return nxt
 
-    def _start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None:
+    def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None:
         """New attempt number; state from `ckpt` (None = step 0) loaded into a new gang, or into
         the live one (`reuse_gang`, a rollback: saves the ~10 s of a gang bring-up; load_checkpoint
         restores weights, fp32 masters and optimizer state, and the data state and LR changes
@@ -237,10 +244,12 @@ class RunController:
                 self.gang = None
                 ckpt = self._resume_point(ckpt.step - 1)
         self.step = 0 if ckpt is None else ckpt.step
+        self.loaded_checkpoint = ckpt
         self._healthy = True
         self._last_ckpt_step = self.step if ckpt is not None else -1
         self.reducer = Reducer(self.gang.names)
         log.info("run %s attempt %d from step %d (%s)", self.cfg.run_id, self.attempt, self.step, reason)
+        self._enter(Running(self.attempt, self.step))
         self._tell(
             self.sink.open_run,
             RunInfo(
@@ -253,6 +262,11 @@ class RunController:
             ),
         )
 
+    def _enter(self, state: ControllerState) -> None:
+        self.state = state
+        self.states.append(state)
+        log.debug("controller state %s", state)
+
     def _tell(self, fn: Callable[..., None], *args: Any) -> None:
         """Report to the sink; a sink failure is logged, never fatal (the run keeps training
         while the supervisor is down, DESIGN.md; HttpSink spools to disk on its own)."""
@@ -262,6 +276,8 @@ class RunController:
             log.error("%s failed: %r", getattr(fn, "__name__", fn), exc)
 
     def _build_gang(self, data_state: dict[str, Any]):
+        if self._gang_factory is not None:
+            return self._gang_factory(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
         from trainer.worker import Gang
 
         return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
@@ -272,10 +288,13 @@ class RunController:
         while True:
             self.result.restarts += 1
             log.error("gang failed at step %d (attempt %d): %r", self.step + 1, self.attempt, exc)
+            self._enter(Restarting(self.attempt, self.step, repr(exc), self.result.restarts))
             if self.gang is not None:
                 self.gang.kill()
                 self.gang = None
-            if self.result.restarts > self.cfg.max_restarts:
+            decision = make_decision(FailureStatus(self.result.restarts, self.cfg.max_restarts, exc))
+            if decision is FailureDecision.RAISE:
+                self._enter(Errored(f"{self.result.restarts} gang failures; last {exc!r}"))
                 raise RunFailed(
                     f"run {self.cfg.run_id}: {self.result.restarts} gang failures exceed max_restarts="
                     f"{self.cfg.max_restarts}; last error {exc!r}. Check the failing node, then relaunch "
@@ -283,18 +302,27 @@ class RunController:
                 ) from exc
             ckpt = self._resume_point(self.step)
             try:
-                self._start_attempt(ckpt, reason=f"restart after {type(exc).__name__} at step {self.step + 1}")
+                self.start_attempt(ckpt, reason=f"restart after {type(exc).__name__} at step {self.step + 1}")
                 return
             except _GANG_FAILURES as again:
                 exc = again
 
-    def _resume_point(self, max_step: int | None) -> CheckpointInfo | None:
-        """Newest intact checkpoint <= max_step that no rollback abandoned."""
+    def _resume_point(self, max_step: int | None, healthy_only: bool = False) -> CheckpointInfo | None:
+        """Newest intact checkpoint <= max_step that no rollback abandoned (and healthy when
+        saved, if asked)."""
         while True:
-            info = self.store.latest_valid(max_step=max_step)
+            info = self.store.latest_valid(max_step=max_step, healthy_only=healthy_only)
             if info is None or not str(info.manifest.get("unhealthy_reason", "")).startswith(_ABANDONED):
                 return info
             max_step = info.step - 1
+
+    def rollback_target(self, max_step: int) -> CheckpointInfo | None:
+        """A rollback's checkpoint: the newest valid, healthy one at or before max_step."""
+        return self._resume_point(max_step, healthy_only=True)
+
+    def _deleted(self, steps: list[int]) -> None:
+        self.deleted_steps.update(steps)
+        self._tell(self.sink.checkpoints_deleted, self.cfg.run_id, self.attempt, list(steps), "retention")
 
     def _data_state(self, ckpt: CheckpointInfo | None) -> dict[str, Any]:
         """The checkpoint's data state (or a fresh one) with the controller's whole ledger."""
@@ -312,9 +340,7 @@ class RunController:
         states = self.gang.call("save", str(staging), timeout_s=self.cfg.step_timeout_s)
         manifest = make_manifest(
             states[0],
-            lr_multiplier=lr_at(self.step + 1, self.schedule, self.lr_changes) / self.schedule.at(self.step + 1)
-            if self.step < self.cfg.steps
-            else 1.0,
+            lr_multiplier=multiplier_at(self.step + 1, self.lr_changes),
             lr_changes=changes_to_json(self.lr_changes),
             attempt=self.attempt,
             healthy=self._healthy,
@@ -364,101 +390,21 @@ class RunController:
             for cmd in cmds:
                 self._apply(cmd)
             if not self.paused or self.stopped:
+                if isinstance(self.state, Paused):
+                    self._enter(Running(self.attempt, self.step))
                 return
+            if not isinstance(self.state, Paused):
+                self._enter(Paused(self.attempt, self.step))
             self._flush(force=True)
             time.sleep(self.cfg.poll_every_s)
 
     def _apply(self, cmd: Command) -> None:
-        handler = getattr(self, f"_cmd_{cmd.kind.value}", None)
-        try:
-            if handler is None:
-                raise ValueError(f"unknown command kind {cmd.kind!r}")
-            ok, detail = True, handler(cmd.args) or ""
-        except _GANG_FAILURES as exc:
-            self._restart(exc)
-            ok, detail = False, f"the gang failed while applying it ({exc!r}); restarted"
-        except Exception as exc:  # a bad argument, a missing checkpoint: refuse, keep training
-            log.exception("command %s failed", cmd)
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        ack = Ack(command_id=cmd.id, ok=ok, step=self.step + 1, detail=detail)
+        ack = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
         self.result.acks.append(ack)
         try:
             self.commands.ack(self.cfg.run_id, ack)
-        except Exception as exc:
+        except Exception as exc:  # the supervisor re-sends it after its ack timeout; we answer again
             log.error("could not ack command %d: %r", cmd.id, exc)
-
-    def _cmd_pause(self, args: dict[str, Any]) -> str:
-        self.paused = True
-        return f"paused before step {self.step + 1}"
-
-    def _cmd_resume(self, args: dict[str, Any]) -> str:
-        was, self.paused = self.paused, False
-        return "resumed" if was else "was not paused"
-
-    def _cmd_stop(self, args: dict[str, Any]) -> str:
-        self.stopped = True
-        return f"stopping after step {self.step}"
-
-    def _cmd_skip(self, args: dict[str, Any]) -> str:
-        ranges = _skip_ranges(args)
-        if not ranges:
-            raise ValueError("SKIP needs skip_ranges [[lo, hi], ...] (absolute sample ids)")
-        self.ledger.add_many(ranges)
-        self.gang.call("skip", ranges, timeout_s=self.cfg.step_timeout_s)
-        return f"skipping {ranges}; ledger {self.ledger.to_json()}"
-
-    def _cmd_set_lr(self, args: dict[str, Any]) -> str:
-        change = change_from_args(args, start_step=self.step + 1)
-        if change is None:
-            raise ValueError("SET_LR needs lr_multiplier (a float > 0 multiplying the schedule)")
-        self.lr_changes.append(change)
-        self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=self.cfg.step_timeout_s)
-        return f"lr x{change.multiplier} from step {change.start_step} for {change.steps or 'all remaining'} steps"
-
-    def _cmd_profile(self, args: dict[str, Any]) -> str:
-        steps = int(args.get("steps", 5))
-        if steps < 1:
-            raise ValueError(f"PROFILE steps must be >= 1, got {steps}")
-        out = args.get("out_dir") or str(self.store.root / "profiles" / f"step_{self.step + 1:08d}")
-        self.gang.call("profile", steps, out, timeout_s=self.cfg.step_timeout_s)
-        return f"tracing steps {self.step + 1}..{self.step + steps} into {out}"
-
-    def _cmd_rollback(self, args: dict[str, Any]) -> str:
-        """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
-        if args.get("exclude_rank") is not None or args.get("exclude_node"):
-            # Restarting without a node needs a gang of world_size - 1 (or a spare node) and a data
-            # split that still divides the batch; until then refuse loudly instead of rolling back
-            # with the bad node still in the gang.
-            raise ValueError(f"restarting without rank {args.get('exclude_rank')} / node {args.get('exclude_node')!r} "
-                             "is not supported by this controller; drain the node and relaunch by hand")
-        target = args.get("to_step", args.get("checkpoint"))
-        if isinstance(target, str) and not target.lstrip("-").isdigit():
-            target = int(Path(target).name.removeprefix("step_"))  # a checkpoint path
-        target = self.step if target is None else int(target)
-        ranges = _skip_ranges(args)
-        ckpt = self._resume_point(min(target, self.step))
-        if ckpt is None:
-            raise ValueError(f"no valid checkpoint at or before step {target}; nothing to roll back to")
-        self.ledger.add_many(ranges)
-        change = change_from_args(args, start_step=ckpt.step + 1)
-        if change is not None:
-            self.lr_changes.append(change)
-        prev_attempt = self.attempt
-        # Mark the left trajectory before anything else: a crash from here on must not let a
-        # relaunch resume from a checkpoint this rollback walked away from.
-        self.store.abandon_after(ckpt.step, f"{_ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
-        self._start_attempt(ckpt, reason=f"rollback to step {ckpt.step} (command)", reuse_gang=True)
-        return (
-            f"attempt {prev_attempt} -> {self.attempt}: rolled back to checkpoint step {ckpt.step}"
-            + (f", skipping {ranges}" if ranges else "")
-            + (f", lr x{change.multiplier}" if change else "")
-        )
-
-
-def _skip_ranges(args: dict[str, Any]) -> list[list[int]]:
-    raw = args.get("skip_ranges") or []
-    SkipLedger(raw)  # validates: pairs of ints, 0 <= lo <= hi
-    return [[int(lo), int(hi)] for lo, hi in raw]
 
 
 def _gang_failures() -> tuple[type[BaseException], ...]:

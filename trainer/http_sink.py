@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 import httpx
 
-from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
+from monitors.contract import INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunInfo, StepRecord, dumps, loads
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,7 @@ class HttpSink:
     # --- RecordSink (called from the training loop: never blocks on the network) -------------------
 
     def open_run(self, info: RunInfo) -> None:
-        self._submit("/api/runs", lambda: {
-            "run_id": info.run_id, "attempt": info.attempt, "world_size": info.world_size, "config": info.config,
-            "start_step": info.start_step, "hosts": {str(k): v for k, v in info.hosts.items()}})
+        self._submit("/api/runs", info.to_json)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if records:
@@ -100,9 +98,12 @@ class HttpSink:
                          lambda: {"records": [r.to_json() for r in records]})
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
-        self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", lambda: {
-            "step": ckpt.step, "path": ckpt.path, "sample_cursor": ckpt.sample_cursor, "healthy": ckpt.healthy,
-            "manifest": ckpt.manifest})
+        self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", ckpt.to_json)
+
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        steps = [int(x) for x in steps]
+        self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints/deleted",
+                     lambda: {"steps": steps, "reason": reason})
 
     def close(self) -> None:
         with self._cv:
@@ -329,11 +330,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 class HttpCommandChannel:
-    """contract.CommandChannel over HTTP. Acks that cannot be delivered are kept and resent."""
+    """contract.CommandChannel over HTTP. Acks are sent in order; one the supervisor cannot reach
+    (connection error, 5xx) is kept and re-sent before the next poll, while one it refuses (4xx:
+    it failed the command and says why) is dropped with a log line, so one bad ack never holds
+    back the ones behind it. A poll that fails returns no commands; training goes on."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0,
+                 max_unsent: int = 10_000) -> None:
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout)
         self._unsent: list[tuple[str, Ack]] = []
+        self._max_unsent = max_unsent
+        self.refused: list[tuple[Ack, str]] = []  # (ack, the supervisor's reason), newest last
 
     def poll(self, run_id: str) -> list[Command]:
         self._resend_acks()
@@ -345,28 +352,47 @@ class HttpCommandChannel:
         if r.status_code >= 400:
             # Never fatal: a 404 means the daemon has not stored this run yet (open_run is sent
             # by HttpSink's background thread and may still be on its way); training goes on.
-            log.warning("command poll failed: HTTP %s %s", r.status_code, r.text[:200])
+            log.warning("command poll failed: HTTP %s %s", r.status_code, r.text[:300])
             return []
-        obj = r.json()
-        items = obj.get("commands", []) if isinstance(obj, dict) else obj
-        return [Command.from_json(c) for c in items]
+        try:
+            obj = loads(r.content)
+            items = obj.get("commands", []) if isinstance(obj, dict) else obj
+        except ContractError as exc:
+            log.error("unreadable command poll answer (%s)", exc)
+            return []
+        out = []
+        for c in items:  # one command this trainer cannot read must not hide the others
+            try:
+                out.append(Command.from_json(c))
+            except ContractError as exc:
+                log.error("command %r refused: %s", c, exc)
+                cid = c.get("id") if isinstance(c, dict) else None
+                if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
+                    self.ack(run_id, Ack(command_id=cid, ok=False, step=0, detail=f"unreadable command: {exc}"))
+        return out
 
     def ack(self, run_id: str, ack: Ack) -> None:
         self._unsent.append((run_id, ack))
+        if len(self._unsent) > self._max_unsent:
+            log.error("dropping the oldest unsent ack (command %s)", self._unsent[0][1].command_id)
+            del self._unsent[0]
         self._resend_acks()
 
     def _resend_acks(self) -> None:
         while self._unsent:
             run_id, ack = self._unsent[0]
             try:
-                r = self._client.post(f"{_run_path(run_id)}/acks", json=ack.to_json())
+                r = self._client.post(f"{_run_path(run_id)}/acks", content=dumps(ack.to_json()),
+                                      headers={"content-type": "application/json"})
             except httpx.TransportError as exc:
                 log.warning("cannot deliver ack for command %s (%s); will retry", ack.command_id, exc)
                 return
             if r.status_code >= 500:
+                log.warning("ack for command %s: HTTP %s; will retry", ack.command_id, r.status_code)
                 return
             if r.status_code >= 400:
                 log.error("ack for command %s refused: HTTP %s %s", ack.command_id, r.status_code, r.text[:300])
+                self.refused.append((ack, r.text[:300]))
             self._unsent.pop(0)
 
     def close(self) -> None:

@@ -1,15 +1,16 @@
-"""In-process implementations of the controller's two seams (monitors.contract), for tests,
-benchmarks and scripts: `ListSink` keeps what the controller reports, `QueueCommands` is a
-thread-safe queue of commands that records the acknowledgements. The supervisor provides the
-real ones (ingest into the database, its action queue)."""
+"""In-process implementations of the controller's seams, for tests, benchmarks and scripts:
+`ListSink` keeps what the controller reports, `QueueCommands` is a thread-safe queue of typed
+commands that records the acknowledgements, and `InProcessGang` runs one rank (world size 1,
+real DeepSpeed on gloo) in this process instead of Ray actors. The supervisor provides the
+real sink and channel (ingest into the database, its action queue)."""
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Sequence
 
-from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord
+from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord, parse_command
 
 
 class ListSink:
@@ -20,6 +21,7 @@ class ListSink:
         self.runs: list[RunInfo] = []
         self.records: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
         self.checkpoints: list[tuple[int, CheckpointInfo]] = []  # (attempt, info)
+        self.deleted: list[int] = []  # checkpoint steps the controller reported deleted
         self.writes = 0
         self.closed = False
 
@@ -35,6 +37,10 @@ class ListSink:
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         with self._lock:
             self.checkpoints.append((attempt, ckpt))
+
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+        with self._lock:
+            self.deleted.extend(steps)
 
     def close(self) -> None:
         self.closed = True
@@ -70,7 +76,7 @@ class QueueCommands:
 
     def push(self, run_id: str, kind: CommandKind | str, **args) -> Command:
         with self._lock:
-            cmd = Command(id=self._next_id, kind=CommandKind(kind), args=dict(args))
+            cmd = Command(id=self._next_id, body=parse_command(CommandKind(kind), args))
             self._next_id += 1
             self._queue[run_id].append(cmd)
         return cmd
@@ -88,3 +94,35 @@ class QueueCommands:
         cid = command.id if isinstance(command, Command) else int(command)
         with self._lock:
             return next((a for a in self.acks if a.command_id == cid), None)
+
+
+class InProcessGang:
+    """The gang seam (call / names / hosts / kill) with one rank in this process: no Ray, so a
+    test can drive a real RunController on a tiny model in seconds (RunController's
+    `gang_factory`). The process group stays up across gangs (torch.distributed cannot be torn
+    down and rebuilt cheaply in one process); kill() drops the engine, as a dead rank would."""
+
+    def __init__(self, config: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list) -> None:
+        from trainer.worker import TrainWorker, _free_port
+
+        if config.world_size != 1:
+            raise ValueError(f"InProcessGang runs one rank; set world_size=1 (got {config.world_size})")
+        self.worker = TrainWorker(0, 1)
+        info = self.worker.setup(config.to_dict(), attempt, data_state, lr_changes, "127.0.0.1", _free_port(), 0, 1)
+        self.names: list[str] = info["names"]
+        self.hosts = {0: info["host"]}
+        self.workers = [self.worker]
+        self.flops_per_token = info["flops_per_token"]
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
+        if self.worker is None:
+            from trainer.worker import GangTimeout
+
+            raise GangTimeout("the in-process rank was killed")
+        return [getattr(self.worker, method)(*args)]
+
+    def kill(self) -> None:
+        if self.worker is not None and self.worker._engine is not None:
+            self.worker.thermo.detach()
+            self.worker._engine = None
+        self.worker = None

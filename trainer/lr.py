@@ -1,9 +1,11 @@
-"""Learning rate as a pure function of the step: base schedule x the product of LR changes.
+"""Learning rate as a pure function of the step: base schedule x the multiplier in force.
 
 Nothing here is stateful, so a resumed or rolled-back run gets exactly the LR it had (or was
 told to have) at every step; the list of `LRChange`s rides in every checkpoint manifest, like
 the skip ledger (DESIGN.md, "Rollback semantics": "The LR change is a multiplier on the
-schedule, recorded with the step it starts at").
+schedule, recorded with the step it starts at"). The multiplier is absolute: the newest change
+covering a step replaces the older ones (contract.multiplier_at, the supervisor's function too),
+so a second cut to 0.25 trains at x0.25, not 0.5 x 0.25.
 
 Steps are 1-based: step k is the k-th optimizer update; a checkpoint at step s holds the state
 after s updates, and resuming from it trains step s + 1 next.
@@ -12,8 +14,12 @@ after s updates, and resuming from it trains step s + 1 next.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from monitors.contract import ContractError, LRChange, multiplier_at
+
+__all__ = ["LRSchedule", "LRChange", "lr_at", "multiplier_at", "changes_to_json", "changes_from_json"]
 
 SCHEDULES = ("cosine", "constant", "linear")
 
@@ -59,56 +65,9 @@ class LRSchedule:
         return self.base_lr * (self.min_ratio + (1.0 - self.min_ratio) * shape)
 
 
-@dataclass(frozen=True)
-class LRChange:
-    """Multiply the schedule by `multiplier` from `start_step` on, for `steps` steps (None =
-    for the rest of the run). `rewarmup_steps` ramps the change in linearly from 0: after a
-    rollback the optimizer moments are those of the checkpoint, and OPT-175B's logbook restarts
-    with a short warmup rather than jumping straight back to the full LR."""
-
-    start_step: int
-    multiplier: float
-    steps: int | None = None
-    rewarmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.start_step < 1:
-            raise ValueError(f"LRChange.start_step must be >= 1 (steps are 1-based), got {self.start_step}")
-        if not (self.multiplier >= 0 and math.isfinite(self.multiplier)):
-            raise ValueError(f"LRChange.multiplier must be a finite float >= 0, got {self.multiplier!r}")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"LRChange.steps must be >= 1 or None (permanent), got {self.steps}")
-        if self.rewarmup_steps < 0:
-            raise ValueError(f"LRChange.rewarmup_steps must be >= 0, got {self.rewarmup_steps}")
-
-    def factor(self, step: int) -> float:
-        k = step - self.start_step
-        if k < 0 or (self.steps is not None and k >= self.steps):
-            return 1.0
-        if k < self.rewarmup_steps:
-            return self.multiplier * (k + 1) / self.rewarmup_steps
-        return self.multiplier
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "LRChange":
-        steps = obj.get("steps")
-        return cls(
-            start_step=int(obj["start_step"]),
-            multiplier=float(obj["multiplier"]),
-            steps=None if steps is None else int(steps),
-            rewarmup_steps=int(obj.get("rewarmup_steps", 0)),
-        )
-
-
-def lr_at(step: int, schedule: LRSchedule, changes: Iterable[LRChange] = ()) -> float:
-    """The LR for (1-based) `step`: the schedule times every change active at that step."""
-    lr = schedule.at(step)
-    for change in changes:
-        lr *= change.factor(step)
-    return lr
+def lr_at(step: int, schedule: LRSchedule, changes: Sequence[LRChange] = ()) -> float:
+    """The LR for (1-based) `step`: the schedule times the multiplier in force at that step."""
+    return schedule.at(step) * multiplier_at(step, changes)
 
 
 def changes_to_json(changes: Sequence[LRChange]) -> list[dict[str, Any]]:
@@ -119,20 +78,5 @@ def changes_from_json(obj: Any) -> list[LRChange]:
     if not obj:
         return []
     if not isinstance(obj, (list, tuple)):
-        raise ValueError(f"LR changes must be a JSON list of objects, got {type(obj).__name__}")
+        raise ContractError(f"LR changes must be a JSON list of objects, got {type(obj).__name__}")
     return [LRChange.from_json(o) for o in obj]
-
-
-def change_from_args(args: Mapping[str, Any], start_step: int) -> LRChange | None:
-    """The LR change a ROLLBACK / SET_LR command asks for (contract.CommandKind), or None when
-    it names no `lr_multiplier`. `lr_steps` None = permanent."""
-    mult = args.get("lr_multiplier")
-    if mult is None:
-        return None
-    steps = args.get("lr_steps")
-    return LRChange(
-        start_step=start_step,
-        multiplier=float(mult),
-        steps=None if steps is None else int(steps),
-        rewarmup_steps=int(args.get("rewarmup_steps") or 0),
-    )

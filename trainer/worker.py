@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import LOSS, TOKENS_PER_S
+from monitors.contract import LOSS, TOKENS_PER_S, ledger_digest, multiplier_at
 
 
 def _free_port() -> int:
@@ -100,6 +100,7 @@ class TrainWorker:
         self.lr_changes = changes_from_json(lr_changes)
         state = DataState.from_json(data_state) if data_state else None
         self.loader = DataLoader.from_config(cfg.data, self.rank, self.world_size, state=state)
+        self._note_ledger()
         return {"names": self.names, "host": socket.gethostname(), "flops_per_token": self.flops_per_token}
 
     # --- training -----------------------------------------------------------------------------
@@ -124,6 +125,9 @@ class TrainWorker:
         batch = self.loader.next_batch()
         # Dropout (if any) becomes a pure function of the step: replay after rollback is exact.
         torch.manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.rank)
+        # What this rank really trains with goes into the record (DESIGN.md, "Trust"): the
+        # supervisor compares it with the commands it booked.
+        multiplier = multiplier_at(step, self.lr_changes)
         lr = lr_at(step, self.schedule, self.lr_changes)
         self._engine.set_lr(lr)
         self.thermo.begin_step(step)
@@ -142,6 +146,8 @@ class TrainWorker:
             "global_batch": batch.global_batch,
             "seq_len": batch.seq_len,
             "time_s": dt,
+            "lr_multiplier": multiplier,
+            "ledger_digest": self._ledger_digest,
         }
         return values, meta
 
@@ -154,12 +160,18 @@ class TrainWorker:
         from trainer.data import DataState
 
         self.loader.load_state(DataState.from_json(state))
+        self._note_ledger()
         if attempt is not None:
             self.attempt = attempt
 
     def skip(self, ranges: list[list[int]]) -> None:
         for lo, hi in ranges:
             self.loader.skip(int(lo), int(hi))
+        self._note_ledger()
+
+    def _note_ledger(self) -> None:
+        # Hashed when the ledger changes, not per step.
+        self._ledger_digest = ledger_digest(self.loader.state.ledger.ranges)
 
     def set_lr_changes(self, changes: list[dict[str, Any]]) -> None:
         from trainer.lr import changes_from_json

@@ -4,14 +4,14 @@ Rows written before this revision were sent (or recorded as failed) at once: the
 or `failed` accordingly, never pending, so an upgrade does not replay old alerts.
 
 Revision ID: 0005
-Revises: 0002
+Revises: 0004
 """
 
 from alembic import op
 import sqlalchemy as sa
 
 revision = "0005"
-down_revision = "0002"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 

@@ -2,6 +2,7 @@
 
     GET  /api/runs/{run_id}/commands            -> {"commands": [Command...]}   (pending -> sent)
     POST /api/runs/{run_id}/acks                {Ack}                          -> {"ok": true}
+         (an ack that cannot be accepted: 422 with the reason, and its action goes `failed`)
     POST /api/runs/{run_id}/actions             {"kind", "args", "who", "reason"} -> 201 {"action_id"}
     POST /api/actions/{action_id}/approve       {"who"}                        -> {"ok": true}
     POST /api/actions/{action_id}/cancel        {"who"}                        -> {"ok": true}
@@ -14,10 +15,9 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from monitors.contract import Ack, ContractError
+from monitors.contract import INT32_MAX, Ack, ContractError
 from supervisor.api import call
 from supervisor.api.ingest import _check_token, read_json
-from supervisor.errors import UserError
 
 
 class ManualAction(BaseModel):
@@ -45,8 +45,6 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
-    from supervisor.manual import validate_args
-
     router = APIRouter(prefix="/api", tags=["commands"])
 
     @router.get("/runs/{run_id}/commands")
@@ -58,9 +56,15 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
     @router.post("/runs/{run_id}/acks")
     async def ack(run_id: str, request: Request) -> dict:
         _check_token(request, token)
+        obj = await read_json(request, 1 << 20)
         try:
-            a = Ack.from_json(await read_json(request, 1 << 20))
+            a = Ack.from_json(obj)
         except ContractError as exc:
+            # The trainer will not send it differently: fail its action now (with an alert)
+            # rather than leave it `sent` until the ack watchdog gives up.
+            cid = obj.get("command_id") if isinstance(obj, dict) else None
+            if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
+                await call(sup.executor.fail, run_id, cid, f"unacceptable acknowledgement: {exc}")
             raise HTTPException(422, str(exc)) from None
         await call(sup.ack, run_id, a)
         return {"ok": True}
@@ -69,11 +73,8 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
     async def submit(run_id: str, request: Request) -> dict:
         _check_token(request, token)
         body = await _parse(request, ManualAction)
-        try:
-            args = validate_args(body.kind, body.args)
-        except UserError as exc:
-            raise HTTPException(422, str(exc)) from None
-        action_id = await call(sup.executor.submit, run_id, body.kind, args, body.who, body.reason)
+        # The contract's constructors and the run's limits (supervisor.feasibility) decide: 422.
+        action_id = await call(sup.executor.submit, run_id, body.kind, body.args, body.who, body.reason)
         return {"action_id": action_id}
 
     @router.post("/actions/{action_id}/approve")

@@ -3,6 +3,7 @@
     POST /api/runs                                       RunInfo JSON          -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/steps       {"records": [...]}    -> 200 {"ok": true, "records": n, "values": m}
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints CheckpointInfo JSON   -> 201 {"ok": true}
+    POST /api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted {"steps", "reason"} -> {"ok": true}
 
 Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401 bad token,
 404 unknown run/attempt, 413 body or batch too large, 422 wrong types. Bodies are read as raw
@@ -22,6 +23,7 @@ from supervisor.api import call
 from supervisor.ingest import (
     Ingestor,
     checkpoint_from_json,
+    deleted_from_json,
     records_from_json,
     run_info_from_json,
 )
@@ -108,6 +110,14 @@ def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
+        return {"ok": True}
+
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted")
+    async def checkpoints_deleted(run_id: str, attempt: str, request: Request) -> dict:
+        _check_token(request, token)
+        att = _attempt(attempt)
+        body = await read_body(request, max_body_bytes)
+        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body))))
         return {"ok": True}
 
     return router

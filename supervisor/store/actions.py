@@ -52,11 +52,13 @@ class ActionRow:
     incident_id: int | None = None
     requires_approval: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] | None = None  # the trainer's ack (contract.Ack JSON)
 
 
 def _row(a: Action) -> ActionRow:
     return ActionRow(a.id, a.run_id, a.kind, dict(a.args or {}), a.state, a.origin, a.who, a.reason, a.created_at,
-                     a.updated_at, a.ack_step, a.attempts, a.error, a.incident_id, a.requires_approval)
+                     a.updated_at, a.ack_step, a.attempts, a.error, a.incident_id, a.requires_approval,
+                     result=dict(a.result) if a.result is not None else None)
 
 
 def enqueue_action(session: Session, run_id: str, kind: str, args: dict[str, Any], reason: str, origin: str,
@@ -77,7 +79,7 @@ def get_action(session: Session, action_id: int) -> ActionRow | None:
 
 
 def set_action_state(session: Session, action_id: int, state: str, *, ack_step: int | None = None,
-                     error: str | None = None) -> ActionRow:
+                     error: str | None = None, result: dict[str, Any] | None = None) -> ActionRow:
     """Move an action along its state machine; raises ActionStateError on an illegal move.
     Moving to `sent` counts a delivery attempt. Uses a compare-and-set on the old state, so two
     writers cannot both move the same action."""
@@ -97,6 +99,8 @@ def set_action_state(session: Session, action_id: int, state: str, *, ack_step: 
         values["ack_step"] = ack_step
     if error is not None:
         values["error"] = error
+    if result is not None:
+        values["result"] = jsonable(result)
     res = session.execute(update(Action).where(Action.id == action_id, Action.state == old).values(**values))
     if res.rowcount != 1:
         raise ActionStateError(f"action {action_id} changed state concurrently (was {old!r})")

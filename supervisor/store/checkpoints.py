@@ -29,7 +29,11 @@ class CheckpointRow:
 
 
 def record_checkpoint(session: Session, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
-    """Idempotent on (run, attempt, step): a retried report stores nothing new."""
+    """Idempotent on (run, attempt, step): a retried report stores nothing new. An older
+    attempt's checkpoint at the same path was replaced on disk by this one: it is gone."""
+    session.execute(
+        update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == ckpt.step,
+                                 Checkpoint.attempt < attempt, Checkpoint.path == ckpt.path).values(deleted=True))
     session.execute(
         insert_ignore(session, Checkpoint.__table__),
         [
@@ -39,6 +43,16 @@ def record_checkpoint(session: Session, run_id: str, attempt: int, ckpt: Checkpo
             }
         ],
     )
+
+
+def mark_deleted(session: Session, run_id: str, steps: list[int]) -> int:
+    """The trainer deleted these checkpoint steps (every attempt's row at that step shares the
+    step's directory). Returns how many rows changed."""
+    if not steps:
+        return 0
+    res = session.execute(update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step.in_(list(steps)),
+                                                   Checkpoint.deleted.is_(False)).values(deleted=True))
+    return res.rowcount
 
 
 def _row(c: Checkpoint) -> CheckpointRow:

@@ -212,6 +212,8 @@ class Action(Base):
     error: Mapped[str] = mapped_column(Text, default="")
     incident_id: Mapped[int | None] = mapped_column(ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True)
     requires_approval: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The trainer's acknowledgement (contract.Ack JSON): what really happened.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     __table_args__ = (Index(None, "run_id", "state"),)
 
 
@@ -234,6 +236,8 @@ class LrChange(Base):
     multiplier: Mapped[float] = mapped_column(Float)
     start_step: Mapped[int] = mapped_column(BigInteger)
     steps: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # None = permanent
+    rewarmup_steps: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # position in the trainer's list
     action_id: Mapped[int | None] = mapped_column(ForeignKey("actions.id", ondelete="SET NULL"), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 

@@ -89,7 +89,12 @@ def test_ack_ok_must_be_a_boolean(client, sup):
     r = client.post(f"/api/runs/{RUN}/acks", json={"command_id": aid, "ok": "false", "step": 12})
     assert r.status_code == 422, (r.status_code, r.text)
     assert "ok" in r.json()["detail"]
-    assert stored(sup) == before
+    # Nothing booked, and the command does not hang in `sent`: it failed, saying why.
+    acts, skips, _ = stored(sup)
+    assert skips == before[1] == []
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, aid)
+    assert row.state == "failed" and "ok must be true or false" in row.error
 
 
 def test_poll_for_an_unknown_run_is_404(client, sup):
@@ -148,7 +153,7 @@ def test_approve_happy_path_and_twice_is_409(db, tmp_path):
     ("post", f"/api/runs/{RUN}/actions", {"kind": "set_lr", "args": {"lr_multiplier": 0}, "who": "bob"}, 422,
      "lr_multiplier"),
     ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": ""}, 422, "who"),
-    ("post", f"/api/runs/{RUN}/acks", {"command_id": "x", "ok": True, "step": 1}, 422, "bad ack"),
+    ("post", f"/api/runs/{RUN}/acks", {"command_id": "x", "ok": True, "step": 1}, 422, "command_id"),
     ("post", f"/api/runs/{RUN}/acks", {"ok": True, "step": 1}, 422, "command_id"),
 ])
 def test_bad_requests_are_4xx_with_a_message_and_change_nothing(client, sup, method, path, body, status, words):
@@ -237,7 +242,8 @@ def test_real_uvicorn_server(sup):
                                                             "who": "bob"}).status_code == 422
             assert c.post(f"/api/runs/{RUN}/acks", content=b"not json").status_code == 400
             cmds = c.get(f"/api/runs/{RUN}/commands").json()["commands"]
-            assert cmds == [{"id": aid, "kind": "set_lr", "args": {"lr_multiplier": 0.5}}]
+            assert cmds == [{"id": aid, "kind": "set_lr", "args": {"lr_multiplier": 0.5, "lr_steps": None,
+                                                                   "rewarmup_steps": 0}}]
             assert c.post(f"/api/runs/{RUN}/acks", json={"command_id": aid, "ok": True, "step": 40}).json() == {"ok": True}
     finally:
         server.should_exit = True

@@ -82,7 +82,7 @@ def test_rollback_writes_a_manual_action(db, run, capsys):
     assert (row.kind, row.state, row.origin, row.who, row.reason, row.requires_approval) == (
         "rollback", "pending", "manual", "x", "spike at 25", False)
     assert row.args == {"to_step": 20, "skip_ranges": [[160, 320], [400, 416]], "lr_multiplier": 0.5,
-                        "lr_steps": None}
+                        "lr_steps": None, "rewarmup_steps": 0}
     with db.sessions() as s:
         assert [e.event for e in audit_store.audit_log(s, RUN)].count("enqueued") == 1
     assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
@@ -105,9 +105,9 @@ def test_cancel_from_the_cli(db, run, capsys):
     (["rollback", RUN, "--to-step", "20", "--skip", "9:3"], "lo must be < hi"),
     (["rollback", "no-such-run", "--to-step", "20"], "no run 'no-such-run'"),
     (["actions", "no-such-run"], "no run 'no-such-run'"),
-    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a number in (0, 10]"),
+    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a finite number in (0, 10]"),
     (["lr", RUN, "--multiplier", "0"], "lr_multiplier"),
-    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer >= 0"),
+    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer in [0, 2**63-1]"),
     (["approve", "12345"], "no action 12345"),
 ])
 def test_bad_input_exits_2_with_a_message(db, run, capsys, argv, words):
@@ -183,3 +183,61 @@ def test_replay_missing_file_exits_2(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "x.jsonl"), "--policy", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml: no such file" in capsys.readouterr().err
+
+
+def _answer(db, tmp_path, make_ack):
+    """Play the run controller: poll the supervisor's real command channel once a command is
+    there and acknowledge it with make_ack(command)."""
+    import time
+
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "trainer-side", db_url=db.url),
+                     notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            cmds = sup.poll(RUN)
+            if cmds:
+                for c in cmds:
+                    sup.ack(RUN, make_ack(c))
+                return cmds
+            time.sleep(0.05)
+        raise AssertionError("the CLI never submitted its command")
+    finally:
+        sup.close()
+
+
+def _in_thread(argv):
+    import threading
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("code", main(argv)))
+    t.start()
+    return t, out
+
+
+def test_wait_and_json_print_what_the_trainer_did(db, run, tmp_path, capsys):
+    from monitors.contract import Ack, LRChange
+
+    t, out = _in_thread(["lr", RUN, "--factor", "0.5", "--wait", "--json", "--who", "x", "--db", db.url])
+    (cmd,) = _answer(db, tmp_path, lambda c: Ack(c.id, True, 31, "lr x0.5 from step 31", lr_multiplier=0.5,
+                                                 lr_change=LRChange(31, 0.5), lr_seq=0))
+    t.join(30)
+    assert cmd.args["lr_multiplier"] == 0.5 and cmd.args["lr_base"] == 1.0  # relative -> absolute
+    got = json.loads(capsys.readouterr().out)
+    assert out["code"] == 0
+    assert {k: got[k] for k in ("state", "first_step", "effective_lr_multiplier", "checkpoint_step",
+                                "skipped_ranges", "action_id")} == {
+        "state": "done", "first_step": 31, "effective_lr_multiplier": 0.5, "checkpoint_step": None,
+        "skipped_ranges": [], "action_id": cmd.id}
+    assert got["requested_lr"] == "x0.5 (= x1 in force, times 0.5)"
+
+
+def test_wait_exits_1_when_the_trainer_refuses(db, run, tmp_path, capsys):
+    from monitors.contract import Ack
+
+    t, out = _in_thread(["rollback", RUN, "--to-step", "20", "--wait", "--who", "x", "--db", db.url])
+    _answer(db, tmp_path, lambda c: Ack(c.id, False, 31, "no valid healthy checkpoint at or before step 20"))
+    t.join(30)
+    text = capsys.readouterr().out
+    assert out["code"] == 1
+    assert "rollback failed" in text and "no valid healthy checkpoint at or before step 20" in text

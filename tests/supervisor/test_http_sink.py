@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord
+from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
 from supervisor.api.ingest import make_router
 from supervisor.db import make_engine, make_sessionmaker
 from supervisor.ingest import Ingestor
@@ -170,7 +170,7 @@ def test_nan_and_inf_travel_over_http(db, server, tmp_path):
 def test_command_channel(tmp_path):
     """Client side only: the shapes are Command.to_json() / Ack.to_json(); the server here is a
     stand-in for the supervisor's command routes (owned elsewhere)."""
-    queue = [Command(7, CommandKind.ROLLBACK, {"to_step": 1100, "skip_ranges": [[10, 20]]})]
+    queue = [Command(7, Rollback(to_step=1100, skip=(SampleRange(10, 20),)))]
     acks: list[dict] = []
     app = FastAPI()
 
@@ -187,7 +187,7 @@ def test_command_channel(tmp_path):
     ch = HttpCommandChannel(srv.url)
     assert ch.poll("run 1#x") == queue  # run ids are URL-quoted
     ch.ack("run 1#x", Ack(7, True, 1101, "rolled back"))
-    assert acks == [{"run_id": "run 1#x", "command_id": 7, "ok": True, "step": 1101, "detail": "rolled back"}]
+    assert acks == [{"run_id": "run 1#x", **Ack(7, True, 1101, "rolled back").to_json()}]
     srv.stop()
     assert ch.poll("run 1#x") == []  # down: training goes on
     ch.ack("run 1#x", Ack(8, False, 1200, "no checkpoint"))  # kept for later
@@ -277,4 +277,20 @@ def test_spool_is_replayed_by_the_sender_on_its_own(db, server, tmp_path):
         assert time.monotonic() < deadline, "the spool was not replayed without a new write"
         time.sleep(0.05)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
+
+
+def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
+    """Retention deletes are reported as they happen, so the list never offers a gone checkpoint."""
+    from supervisor.store import checkpoints as ckpt_store
+
+    sink = HttpSink(server.url, tmp_path / "spool")
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    for step in (10, 20, 30):
+        sink.checkpoint_saved("r", 0, CheckpointInfo(step=step, path=f"/c/step_{step}", sample_cursor=step, healthy=True))
+    sink.checkpoints_deleted("r", 0, [10, 20], "retention")
+    assert sink.drain(30)
+    with db.sessions() as s:
+        assert [c.step for c in ckpt_store.checkpoints(s, "r")] == [30]
+        assert [c.step for c in ckpt_store.checkpoints(s, "r", include_deleted=True) if c.deleted] == [10, 20]
+    assert sink.spooled == 0
     sink.close()

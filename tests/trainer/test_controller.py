@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitors.contract import CommandKind
+from monitors.contract import CommandKind, ContractError
 from tests.trainer.conftest import tiny_config
 
 def test_reducer_follows_the_contract_and_keeps_non_finite_values():
@@ -159,7 +159,8 @@ def test_corrupt_checkpoint_is_passed_over(ray_session, tmp_path):
 
     result, sink, q = _run(cfg, on_step)
     ack = q.ack_for(cmd["rb"])
-    assert ack.ok and ack.step == 9 and "step 8" in ack.detail, ack
+    assert ack.ok and ack.step == 9 and ack.checkpoint_step == 8, ack
+    assert "rolled back to checkpoint 8; asked <= 12; 12 is not intact" in ack.detail, ack.detail
     assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
     assert result.final_step == 14 and result.attempts == [0, 1]
 
@@ -182,7 +183,9 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
             cmds["resume"] = q.push("cmd", CommandKind.RESUME)
             cmds["prof"] = q.push("cmd", CommandKind.PROFILE, steps=2, out_dir=str(prof))
             cmds["skip"] = q.push("cmd", CommandKind.SKIP, skip_ranges=[[rec.sample_hi + 4, rec.sample_hi + 20]])
-            cmds["bad"] = q.push("cmd", CommandKind.SET_LR)  # no multiplier: refused, run goes on
+            # No multiplier: the contract refuses to build it, so it can never be delivered.
+            with pytest.raises(ContractError, match="lr_multiplier"):
+                q.push("cmd", CommandKind.SET_LR)
             # A restart without a rank is not supported yet: refused loudly, never a plain rollback.
             cmds["exclude"] = q.push("cmd", CommandKind.ROLLBACK, to_step=2, exclude_rank=1)
         if rec.step == 14:
@@ -207,8 +210,6 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
         want = sched.at(k) * (0.5 if 4 <= k < 8 else 1.0)
         assert r.values["lr"] == pytest.approx(want, rel=1e-6), k
     assert all(q.ack_for(cmds[c]).ok and q.ack_for(cmds[c]).step == 4 for c in ("pause", "resume", "prof", "skip"))
-    bad = q.ack_for(cmds["bad"])
-    assert not bad.ok and "lr_multiplier" in bad.detail
     exclude = q.ack_for(cmds["exclude"])
     assert not exclude.ok and "rank 1" in exclude.detail and "not supported" in exclude.detail
     # Skip: the ids never reach any rank, and the step ranges jump over them.

@@ -62,6 +62,21 @@ def test_lr_is_a_pure_function_of_step():
         s.at(0)
 
 
+def test_lr_changes_are_absolute_a_newer_one_replaces_the_older():
+    """Issue 9: the policy cuts to 0.5, then to 0.25 (absolute); the trainer multiplied them and
+    trained at x0.125 while the database said x0.25."""
+    s = LRSchedule(1e-3, total_steps=100, warmup_steps=0, kind="constant")
+    cuts = [LRChange(start_step=10, multiplier=0.5), LRChange(start_step=20, multiplier=0.25)]
+    assert lr_at(15, s, cuts) == pytest.approx(0.5e-3)
+    assert lr_at(25, s, cuts) == pytest.approx(0.25e-3)  # not 0.125e-3
+    # A rollback's change starts before an older one: it wins from its own start on.
+    after_rollback = [*cuts, LRChange(start_step=5, multiplier=0.2)]
+    assert [lr_at(k, s, after_rollback) / 1e-3 for k in (4, 5, 15, 25)] == pytest.approx([1.0, 0.2, 0.2, 0.2])
+    # A temporary change over a permanent one: the permanent one is back when it ends.
+    temp = [LRChange(start_step=10, multiplier=0.5), LRChange(start_step=20, multiplier=0.1, steps=5)]
+    assert [lr_at(k, s, temp) / 1e-3 for k in (19, 20, 24, 25)] == pytest.approx([0.5, 0.1, 0.1, 0.5])
+
+
 def _shm_buffers() -> set[str]:
     import glob
 

@@ -1,0 +1,469 @@
+"""Commands, acknowledgements and the values they carry across the trainer <-> supervisor
+boundary: one typed vocabulary (DESIGN.md, "Trust"; STYLE.md rule 13).
+
+Each command kind is a frozen dataclass validated in its constructor, so the HTTP API, the CLI,
+the policy's executor and the run controller cannot disagree on what is valid: they all build
+these. Integer fields are bounded by what the supervisor's columns hold, so a command whose
+acknowledgement could not be stored is refused when it is built. `monitors.contract`
+re-exports every name here; import them from there.
+
+Plain Python only (no torch, no numpy): the supervisor imports this.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Mapping, Sequence, Union
+
+
+class ContractError(ValueError):
+    """A record, command or ack that does not match the contract. The message names the field."""
+
+
+# --- values that cross the boundary: limits, sample ranges, LR changes, one JSON codec ---------
+
+# Integer limits the supervisor's columns hold (BIGINT on PostgreSQL; SQLite's INTEGER is the same
+# 64 bits), so a command whose acknowledgement could not be stored is refused when it is built,
+# not after the trainer has carried it out. Action ids are INTEGER (32 bits) on PostgreSQL.
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+# An LR multiplier above this is a typo (10x the schedule diverges any tuned run).
+MAX_LR_MULTIPLIER = 10.0
+
+
+def dumps(obj: Any) -> str:
+    """The one JSON encoder for what crosses a process: NaN and +-Infinity are data and travel
+    as the literals Python's json writes and reads (a finding's evidence, a step's values)."""
+    return json.dumps(obj, allow_nan=True, separators=(",", ":"))
+
+
+def loads(text: str | bytes) -> Any:
+    """The decoder matching `dumps` (accepts NaN, Infinity, -Infinity). ContractError if unreadable."""
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ContractError(f"not valid JSON: {exc}") from None
+
+
+def _int(owner: str, name: str, v: Any, lo: int = 0, hi: int = INT64_MAX) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        limit = "2**63-1" if hi == INT64_MAX else ("2**31-1" if hi == INT32_MAX else str(hi))
+        raise ContractError(f"{owner}: {name} must be an integer in [{lo}, {limit}], got {v!r}")
+    return int(v)
+
+
+def _opt_int(owner: str, name: str, v: Any, lo: int = 0, hi: int = INT64_MAX) -> int | None:
+    return None if v is None else _int(owner, name, v, lo, hi)
+
+
+def _float(owner: str, name: str, v: Any, lo: float, hi: float, *, lo_open: bool = True) -> float:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if ok:
+        ok = (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        raise ContractError(f"{owner}: {name} must be a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
+                            f"got {v!r}")
+    return float(v)
+
+
+def _only(owner: str, obj: Any, known: set[str]) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise ContractError(f"{owner} must be a JSON object, got {type(obj).__name__}")
+    extra = sorted(set(obj) - known)
+    if extra:
+        raise ContractError(f"{owner}: unknown field(s) {extra}; expected some of {sorted(known)}")
+    return obj
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRange:
+    """Half-open [lo, hi) of absolute sample ids (DESIGN.md, "Rollback semantics")."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        _int("skip range", "lo", self.lo)
+        _int("skip range", "hi", self.hi)
+        if self.lo >= self.hi:
+            raise ContractError(f"skip range [{self.lo}, {self.hi}) is empty: lo must be < hi")
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def to_json(self) -> list[int]:
+        return [self.lo, self.hi]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "SampleRange":
+        if not isinstance(obj, (list, tuple)) or len(obj) != 2:
+            raise ContractError(f"a skip range is a pair [lo, hi] of absolute sample ids, got {obj!r}")
+        return cls(obj[0], obj[1])
+
+    def __str__(self) -> str:
+        return f"[{self.lo}, {self.hi})"
+
+
+def ranges_from_json(obj: Any) -> tuple[SampleRange, ...]:
+    if obj is None:
+        return ()
+    if not isinstance(obj, (list, tuple)):
+        raise ContractError(f"skip ranges must be a list of [lo, hi] pairs, got {obj!r}")
+    return tuple(SampleRange.from_json(r) for r in obj)
+
+
+def merge_ranges(ranges: Iterable[SampleRange | Sequence[int]]) -> tuple[SampleRange, ...]:
+    """The one range merge: sorted, overlapping and touching ranges fused (the ledger's form)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((r.lo, r.hi) if isinstance(r, SampleRange) else (int(r[0]), int(r[1])) for r in ranges):
+        if lo >= hi:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple(SampleRange(lo, hi) for lo, hi in out)
+
+
+def ledger_digest(ranges: Iterable[SampleRange | Sequence[int]]) -> str:
+    """A short digest of a skip ledger (merged first, so equal ledgers digest equally). The
+    trainer puts it in every step record; the supervisor compares it with its own ledger."""
+    canon = dumps([r.to_json() for r in merge_ranges(ranges)])
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class LRChange:
+    """The LR multiplier on the schedule is `multiplier` from `start_step` on, for `steps` steps
+    (None = for the rest of the run). Absolute, never relative: a newer change replaces the
+    older ones for the steps it covers (`multiplier_at`), so 0.5 then 0.25 trains at x0.25.
+    `rewarmup_steps` ramps it in linearly from 0: after a rollback the optimizer moments are
+    those of the checkpoint, and OPT-175B's logbook restarts with a short warm-up."""
+
+    start_step: int
+    multiplier: float
+    steps: int | None = None
+    rewarmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _int("LRChange", "start_step (1-based)", self.start_step, 1)
+        object.__setattr__(self, "multiplier", _float("LRChange", "multiplier", self.multiplier, 0.0,
+                                                      MAX_LR_MULTIPLIER))
+        _opt_int("LRChange", "steps", self.steps, 1)
+        _int("LRChange", "rewarmup_steps", self.rewarmup_steps, 0)
+
+    def covers(self, step: int) -> bool:
+        k = step - self.start_step
+        return k >= 0 and (self.steps is None or k < self.steps)
+
+    def factor(self, step: int) -> float:
+        """The multiplier at `step` (this change alone); 1.0 outside its window."""
+        if not self.covers(step):
+            return 1.0
+        k = step - self.start_step
+        if k < self.rewarmup_steps:
+            return self.multiplier * (k + 1) / self.rewarmup_steps
+        return self.multiplier
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start_step": self.start_step, "multiplier": self.multiplier, "steps": self.steps,
+                "rewarmup_steps": self.rewarmup_steps}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "LRChange":
+        o = _only("LR change", obj, {"start_step", "multiplier", "steps", "rewarmup_steps"})
+        if "start_step" not in o or "multiplier" not in o:
+            raise ContractError(f"LR change needs start_step and multiplier, got {dict(o)!r}")
+        return cls(o["start_step"], o["multiplier"], o.get("steps"), o.get("rewarmup_steps", 0))
+
+
+def multiplier_at(step: int, changes: Sequence[LRChange]) -> float:
+    """The multiplier in force at `step`: the newest change (in the order they were applied)
+    whose window covers it, else 1.0. Trainer and supervisor both call this one function."""
+    for change in reversed(changes):
+        if change.covers(step):
+            return change.factor(step)
+    return 1.0
+
+
+# --- commands (supervisor -> run controller) ---------------------------------------------------
+
+
+class CommandKind(str, enum.Enum):
+    PAUSE = "pause"
+    RESUME = "resume"
+    ROLLBACK = "rollback"
+    SKIP = "skip"
+    SET_LR = "set_lr"
+    STOP = "stop"
+    PROFILE = "profile"
+
+
+@dataclass(frozen=True, slots=True)
+class SetLR:
+    """Set the LR multiplier (absolute, on the schedule) from the step it takes effect.
+    `factor`/`base` record the relative request it came from ("halve it": factor 0.5 of base
+    0.5 -> multiplier 0.25), for people; the trainer reads only the absolute fields."""
+
+    kind: ClassVar[CommandKind] = CommandKind.SET_LR
+    multiplier: float
+    steps: int | None = None
+    rewarmup_steps: int = 0
+    factor: float | None = None
+    base: float | None = None
+
+    def __post_init__(self) -> None:
+        # The change's rules, under the names people type (the CLI's and the API's field names).
+        object.__setattr__(self, "multiplier", _float("set_lr", "lr_multiplier", self.multiplier, 0.0,
+                                                      MAX_LR_MULTIPLIER))
+        _opt_int("set_lr", "lr_steps", self.steps, 1)
+        _int("set_lr", "rewarmup_steps", self.rewarmup_steps, 0)
+        if self.factor is not None:
+            _float("set_lr", "factor", self.factor, 0.0, MAX_LR_MULTIPLIER)
+        if self.base is not None:
+            _float("set_lr", "base", self.base, 0.0, MAX_LR_MULTIPLIER)
+
+    def change(self, start_step: int) -> LRChange:
+        return LRChange(start_step, self.multiplier, self.steps, self.rewarmup_steps)
+
+    def describe(self) -> str:
+        rel = f" (x{self.factor:g} of x{self.base:g})" if self.factor is not None and self.base is not None else ""
+        span = f" for {self.steps} steps" if self.steps else ""
+        return f"lr x{self.multiplier:g}{rel}{span}"
+
+    _KEYS: ClassVar[dict[str, str]] = {"lr_multiplier": "multiplier", "lr_steps": "steps",
+                                       "rewarmup_steps": "rewarmup_steps", "lr_factor": "factor",
+                                       "lr_base": "base"}
+
+    def to_args(self) -> dict[str, Any]:
+        out = {"lr_multiplier": self.multiplier, "lr_steps": self.steps, "rewarmup_steps": self.rewarmup_steps}
+        if self.factor is not None:
+            out.update(lr_factor=self.factor, lr_base=self.base)
+        return out
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "SetLR":
+        o = _only("set_lr", args, set(cls._KEYS))
+        if o.get("lr_multiplier") is None:
+            raise ContractError("set_lr needs lr_multiplier: the absolute multiplier on the schedule, "
+                                f"in (0, {MAX_LR_MULTIPLIER:g}]")
+        return cls(**{cls._KEYS[k]: (v if k != "rewarmup_steps" else (v or 0)) for k, v in o.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Load the newest valid, healthy checkpoint at or before `to_step` (exactly `to_step` with
+    `exact`), add `skip` to the ledger, set `lr` from the step after the checkpoint: one restart."""
+
+    kind: ClassVar[CommandKind] = CommandKind.ROLLBACK
+    to_step: int
+    exact: bool = False
+    skip: tuple[SampleRange, ...] = ()
+    lr: SetLR | None = None
+    checkpoint: str | None = None  # the path the policy chose (informational; to_step decides)
+    exclude_rank: int | None = None
+    exclude_node: str | None = None
+
+    def __post_init__(self) -> None:
+        _int("rollback", "to_step", self.to_step)
+        if not isinstance(self.exact, bool):
+            raise ContractError(f"rollback: exact must be true or false, got {self.exact!r}")
+        object.__setattr__(self, "skip", tuple(self.skip))
+        _opt_int("rollback", "exclude_rank", self.exclude_rank, 0, INT32_MAX)
+
+    def to_args(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"to_step": self.to_step}
+        if self.exact:
+            out["exact"] = True
+        if self.checkpoint:
+            out["checkpoint"] = self.checkpoint
+        if self.skip:
+            out["skip_ranges"] = [r.to_json() for r in self.skip]
+        if self.lr is not None:
+            out.update(self.lr.to_args())
+        if self.exclude_rank is not None or self.exclude_node:
+            out.update(exclude_rank=self.exclude_rank, exclude_node=self.exclude_node)
+        return out
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "Rollback":
+        o = _only("rollback", args, {"to_step", "exact", "checkpoint", "skip_ranges", "exclude_rank", "exclude_node",
+                                     *SetLR._KEYS})
+        if o.get("to_step") is None:
+            raise ContractError("rollback needs to_step: roll back to the newest healthy checkpoint at or before it")
+        lr_args = {k: v for k, v in o.items() if k in SetLR._KEYS and v is not None}
+        node = o.get("exclude_node")
+        return cls(to_step=o["to_step"], exact=o.get("exact", False), skip=ranges_from_json(o.get("skip_ranges")),
+                   lr=SetLR.from_args(lr_args) if lr_args.get("lr_multiplier") is not None else None,
+                   checkpoint=None if o.get("checkpoint") is None else str(o["checkpoint"]),
+                   exclude_rank=o.get("exclude_rank"), exclude_node=None if node is None else str(node))
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """Never train the samples in `ranges` (absolute ids), from now on."""
+
+    kind: ClassVar[CommandKind] = CommandKind.SKIP
+    ranges: tuple[SampleRange, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranges", tuple(self.ranges))
+        if not self.ranges:
+            raise ContractError("skip needs skip_ranges: [[lo, hi], ...] absolute sample ids, lo < hi")
+
+    def to_args(self) -> dict[str, Any]:
+        return {"skip_ranges": [r.to_json() for r in self.ranges]}
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "Skip":
+        o = _only("skip", args, {"skip_ranges"})
+        return cls(ranges_from_json(o.get("skip_ranges")))
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Trace the next `steps` steps with torch.profiler (into `out_dir`, or the run's profiles/)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.PROFILE
+    steps: int = 5
+    out_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _int("profile", "steps", self.steps, 1, 100_000)
+
+    def to_args(self) -> dict[str, Any]:
+        return {"steps": self.steps, **({"out_dir": self.out_dir} if self.out_dir else {})}
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "Profile":
+        o = _only("profile", args, {"steps", "out_dir"})
+        return cls(o.get("steps", 5), None if o.get("out_dir") is None else str(o["out_dir"]))
+
+
+def _no_args(kind: CommandKind):
+    @dataclass(frozen=True, slots=True)
+    class NoArgs:
+        def to_args(self) -> dict[str, Any]:
+            return {}
+
+        @classmethod
+        def from_args(cls, args: Mapping[str, Any]):
+            _only(kind.value, args or {}, set())
+            return cls()
+
+    NoArgs.kind = kind  # type: ignore[attr-defined]
+    NoArgs.__name__ = NoArgs.__qualname__ = kind.value.capitalize()
+    return NoArgs
+
+
+Pause = _no_args(CommandKind.PAUSE)
+Resume = _no_args(CommandKind.RESUME)
+Stop = _no_args(CommandKind.STOP)
+
+CommandBody = Union[Rollback, Skip, SetLR, Profile, Any]  # Pause, Resume, Stop: built by _no_args
+COMMAND_TYPES: dict[CommandKind, Any] = {c.kind: c for c in (Rollback, Skip, SetLR, Profile, Pause, Resume, Stop)}
+
+
+def parse_command(kind: CommandKind | str, args: Mapping[str, Any] | None) -> CommandBody:
+    """A command body from its kind and JSON args; ContractError names the bad field."""
+    try:
+        k = CommandKind(kind)
+    except ValueError:
+        raise ContractError(f"unknown command {kind!r}; expected one of {[c.value for c in CommandKind]}") from None
+    return COMMAND_TYPES[k].from_args(args or {})
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One command from the supervisor's action queue. `id` is the action row's id."""
+
+    id: int
+    body: CommandBody
+
+    def __post_init__(self) -> None:
+        _int("command", "id", self.id, 0, INT32_MAX)
+        if type(self.body) not in COMMAND_TYPES.values():
+            raise ContractError(f"command {self.id}: body must be one of the command types, got {self.body!r}")
+
+    @property
+    def kind(self) -> CommandKind:
+        return self.body.kind
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.body.to_args()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind.value, "args": self.args}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Command":
+        o = _only("command", obj, {"id", "kind", "args"})
+        return cls(id=_int("command", "id", o.get("id"), 0, INT32_MAX), body=parse_command(o.get("kind"), o.get("args")))
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The run controller's answer, carrying what really happened. `step` is the first step
+    trained after the command took effect; the rest say what it did: the checkpoint loaded
+    (rollback), the effective LR multiplier at `step`, the LR change it applied and that
+    change's position in the trainer's list (`lr_seq`, the order changes are applied in), the
+    ranges it added to the skip ledger, and the ledger's digest afterwards."""
+
+    command_id: int
+    ok: bool
+    step: int
+    detail: str = ""
+    checkpoint_step: int | None = None
+    checkpoint_path: str | None = None
+    lr_multiplier: float | None = None
+    lr_change: LRChange | None = None
+    lr_seq: int | None = None
+    skipped: tuple[SampleRange, ...] = ()
+    ledger_digest: str = ""
+
+    def __post_init__(self) -> None:
+        _int("ack", "command_id", self.command_id, 0, INT32_MAX)
+        if not isinstance(self.ok, bool):  # bool("false") is True: a refused rollback read as done
+            raise ContractError(f"ack: ok must be true or false, got {self.ok!r}")
+        _int("ack", "step", self.step)
+        _opt_int("ack", "checkpoint_step", self.checkpoint_step)
+        _opt_int("ack", "lr_seq", self.lr_seq, 0, INT32_MAX)
+        if self.lr_multiplier is not None:
+            object.__setattr__(self, "lr_multiplier", _float("ack", "lr_multiplier", self.lr_multiplier, 0.0,
+                                                             MAX_LR_MULTIPLIER, lo_open=False))
+        if (self.lr_change is None) != (self.lr_seq is None):
+            raise ContractError("ack: lr_change and lr_seq go together (the change and its place in the list)")
+        object.__setattr__(self, "skipped", tuple(self.skipped))
+        if not isinstance(self.detail, str) or not isinstance(self.ledger_digest, str):
+            raise ContractError("ack: detail and ledger_digest must be strings")
+
+    @property
+    def first_step(self) -> int:
+        return self.step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"command_id": self.command_id, "ok": self.ok, "step": self.step, "detail": self.detail,
+                "checkpoint_step": self.checkpoint_step, "checkpoint_path": self.checkpoint_path,
+                "lr_multiplier": self.lr_multiplier,
+                "lr_change": None if self.lr_change is None else self.lr_change.to_json(), "lr_seq": self.lr_seq,
+                "skipped": [r.to_json() for r in self.skipped], "ledger_digest": self.ledger_digest}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Ack":
+        o = _only("ack", obj, {"command_id", "ok", "step", "detail", "checkpoint_step", "checkpoint_path",
+                               "lr_multiplier", "lr_change", "lr_seq", "skipped", "ledger_digest"})
+        for name in ("command_id", "ok", "step"):
+            if name not in o:
+                raise ContractError(f"ack: missing field {name!r}")
+        path = o.get("checkpoint_path")
+        return cls(o["command_id"], o["ok"], o["step"], o.get("detail", ""), o.get("checkpoint_step"),
+                   None if path is None else str(path), o.get("lr_multiplier"),
+                   None if o.get("lr_change") is None else LRChange.from_json(o["lr_change"]), o.get("lr_seq"),
+                   ranges_from_json(o.get("skipped")), o.get("ledger_digest", ""))
+
+

@@ -1,0 +1,67 @@
+"""What an action did, from its row and the trainer's typed ack: the one shape the CLI's
+`--wait`/`--json` print (and the HTTP API can serve unchanged when the CLI becomes its client).
+
+Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled), args (as asked),
+checkpoint_step and checkpoint_path (what a rollback loaded), first_step (the first step trained
+after it), effective_lr_multiplier (in force at first_step), lr_change, skipped_ranges (what the
+trainer added to its ledger), ledger_digest, detail (the trainer's words), error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monitors.contract import Ack, ContractError
+
+
+def outcome(row) -> dict[str, Any]:
+    ack = None
+    if row.result:
+        try:
+            ack = Ack.from_json(row.result)
+        except ContractError:
+            ack = None
+    args = dict(row.args)
+    return {
+        "action_id": row.id, "kind": row.kind, "state": row.state, "args": args,
+        "checkpoint_step": ack.checkpoint_step if ack else None,
+        "checkpoint_path": ack.checkpoint_path if ack else None,
+        "first_step": ack.step if ack else row.ack_step,
+        "effective_lr_multiplier": ack.lr_multiplier if ack else None,
+        "lr_change": ack.lr_change.to_json() if ack and ack.lr_change else None,
+        "requested_lr": _requested_lr(args),
+        "skipped_ranges": [r.to_json() for r in ack.skipped] if ack else [],
+        "ledger_digest": ack.ledger_digest if ack else "",
+        "detail": ack.detail if ack else "",
+        "error": row.error or "",
+    }
+
+
+def _requested_lr(args: dict[str, Any]) -> str | None:
+    m = args.get("lr_multiplier")
+    if m is None:
+        return None
+    if args.get("lr_factor") is not None and args.get("lr_base") is not None:
+        return f"x{m:g} (= x{args['lr_base']:g} in force, times {args['lr_factor']:g})"
+    return f"x{m:g}"
+
+
+def render(o: dict[str, Any]) -> str:
+    """Human lines for one outcome."""
+    head = f"action {o['action_id']}: {o['kind']} {o['state']}"
+    if o["state"] not in ("done", "failed"):
+        return head + " (no acknowledgement yet; `thermowatch actions RUN` shows it later)"
+    lines = [head + (f": {o['detail']}" if o["detail"] else "")]
+    if o["state"] == "failed":
+        lines.append(f"  error: {o['error'] or o['detail']}")
+        return "\n".join(lines)
+    if o["checkpoint_step"] is not None:
+        lines.append(f"  checkpoint loaded: step {o['checkpoint_step']} ({o['checkpoint_path']})")
+    if o["first_step"] is not None and o["kind"] != "stop":
+        lines.append(f"  first step trained: {o['first_step']}")
+    if o["effective_lr_multiplier"] is not None:
+        asked = f" (asked {o['requested_lr']})" if o["requested_lr"] else ""
+        lines.append(f"  effective LR multiplier: x{o['effective_lr_multiplier']:g}{asked}")
+    if o["skipped_ranges"]:
+        lines.append("  ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    return "\n".join(lines)

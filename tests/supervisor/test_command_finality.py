@@ -1,0 +1,144 @@
+"""Every command reaches a final state on its own, and one bad command never blocks the next
+(issue 9): over real HTTP (uvicorn on a free port, the trainer's HttpCommandChannel), on
+SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from monitors.contract import Ack, RunInfo
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.server import build_app
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import alerts as alerts_store
+from trainer.http_sink import HttpCommandChannel
+
+RUN = "fin"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(db, tmp_path):
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url),
+                     notifier=ConsoleNotifier(io.StringIO()))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1, config={"steps": 100, "data": {"global_batch": 8}}))
+    app = build_app(sup)
+
+    @app.get("/test-boom")
+    def boom() -> dict:
+        raise RuntimeError("a bug in a route")
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield sup, f"http://127.0.0.1:{port}", port
+    server.should_exit = True
+    thread.join(20)
+    sup.close()
+
+
+def _row(sup, aid):
+    with sup.sessions() as s:
+        return actions_store.get_action(s, aid)
+
+
+def test_unstorable_commands_are_refused_at_submit(served):
+    sup, url, _ = served
+    with httpx.Client(base_url=url) as c:
+        for args, kind, words in (({"skip_ranges": [[0, 2**63]]}, "skip", "2**63-1"),
+                                  ({"lr_multiplier": 0.5, "lr_steps": 2**63}, "set_lr", "lr_steps"),
+                                  ({"skip_ranges": [[5_200_000, 5_400_000]]}, "skip", "ids stop at 800")):
+            r = c.post(f"/api/runs/{RUN}/actions", json={"kind": kind, "args": args, "who": "bob"})
+            assert r.status_code == 422, r.text
+            assert words in r.json()["detail"]
+    with sup.sessions() as s:
+        assert actions_store.actions(s, RUN) == []
+
+
+def test_a_bad_command_and_a_bad_ack_do_not_block_a_pause(served):
+    sup, url, _ = served
+    # A row no valid command can be built from (written by an older version, before the
+    # contract bounded its fields): it must fail, loudly, not block the queue or the channel.
+    with sup.sessions.begin() as s:
+        bad = actions_store.enqueue_action(s, RUN, "skip", {"skip_ranges": [[0, 2**63]]}, "legacy", "manual", "old")
+    with httpx.Client(base_url=url) as c:
+        pause = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "bob"}).json()["action_id"]
+    ch = HttpCommandChannel(url)
+    try:
+        ch.ack(RUN, Ack(command_id=123456, ok=True, step=3))  # an ack the supervisor refuses (404)
+        cmds = ch.poll(RUN)
+        assert [c.id for c in cmds] == [pause]  # the pause arrives
+        ch.ack(RUN, Ack(command_id=pause, ok=True, step=4, detail="paused before step 4"))
+        assert not ch._unsent, "an ack stayed behind a refused one"
+        assert [a.command_id for a, _ in ch.refused] == [123456]
+    finally:
+        ch.close()
+    assert _row(sup, pause).state == "done"
+    row = _row(sup, bad)
+    assert row.state == "failed" and "2**63-1" in row.error
+    with sup.sessions() as s:
+        assert any("FAILED" in a.text and f"action {bad}" in a.text for a in alerts_store.alerts(s, RUN))
+
+
+def test_an_ack_that_cannot_be_booked_fails_its_command_with_a_4xx(served):
+    sup, url, _ = served
+    with httpx.Client(base_url=url) as c:
+        aid = c.post(f"/api/runs/{RUN}/actions", json={"kind": "set_lr", "args": {"lr_multiplier": 0.5},
+                                                        "who": "bob"}).json()["action_id"]
+        c.get(f"/api/runs/{RUN}/commands")
+        # The trainer claims an LR change the contract does not allow: refused, and the action fails.
+        bad = {**Ack(aid, True, 7).to_json(), "lr_change": {"start_step": 7, "multiplier": 50.0}, "lr_seq": 0}
+        r = c.post(f"/api/runs/{RUN}/acks", json=bad)
+        assert r.status_code == 422 and "multiplier" in r.json()["detail"], r.text
+    row = _row(sup, aid)
+    assert row.state == "failed" and "multiplier" in row.error
+
+
+def test_a_500_keeps_the_keep_alive_connection(served):
+    """uvicorn closed the connection after Starlette re-raised a route's error; the command
+    channel's next request on it then failed too."""
+    _, _, port = served
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        req = "GET {} HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(req.format("/test-boom").encode())
+        first = _read_response(sock)
+        assert first.startswith(b"HTTP/1.1 500"), first[:100]
+        sock.sendall(req.format("/healthz").encode())  # same connection
+        second = _read_response(sock)
+        assert second.startswith(b"HTTP/1.1 200") and b'"ok":true' in second, second[:200]
+
+
+def _read_response(sock) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body

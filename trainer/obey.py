@@ -1,0 +1,227 @@
+"""How the run controller carries out the typed commands (monitors.commands): a handler table,
+one function per command type, and the state the commands leave behind.
+
+Every handler returns an `Outcome` saying what really happened (the checkpoint loaded, the LR
+change applied, the ranges skipped); `Obey.apply` turns it into the `Ack` the supervisor books,
+so what is recorded is what the trainer did (DESIGN.md, "Trust").
+
+Commands are applied at most once: the ack of every applied command id is kept, and a command
+delivered again (a lost ack, a supervisor restart) is answered with the same ack, unchanged.
+That memory, the LR changes and the skip ledger are written to `commands.json` in the run's
+checkpoint root before the ack leaves, so a relaunched controller keeps what it acknowledged
+even when no checkpoint was saved since (the manifest alone would forget it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from monitors.contract import (
+    Ack,
+    CheckpointInfo,
+    Command,
+    ContractError,
+    LRChange,
+    Pause,
+    Profile,
+    Resume,
+    Rollback,
+    SampleRange,
+    SetLR,
+    Skip,
+    Stop,
+    ledger_digest,
+    merge_ranges,
+    multiplier_at,
+)
+
+if TYPE_CHECKING:
+    from trainer.controller import RunController
+
+log = logging.getLogger(__name__)
+
+_KEEP_ACKS = 10_000  # acks remembered for duplicate deliveries (commands are rare: hours of them)
+ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
+
+
+class Refused(Exception):
+    """A command that cannot be carried out as asked; the message says why and what to do."""
+
+
+@dataclass
+class Outcome:
+    detail: str
+    checkpoint: CheckpointInfo | None = None
+    lr_change: LRChange | None = None
+    lr_seq: int | None = None
+    skipped: tuple[SampleRange, ...] = ()
+
+
+class CommandState:
+    """What the applied commands left behind, persisted next to the checkpoints."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / "commands.json"
+        self.acks: dict[int, Ack] = {}
+        self.lr_changes: list[LRChange] = []
+        self.skip_ranges: tuple[SampleRange, ...] = ()
+        self.loaded = False
+        if self.path.exists():
+            try:
+                obj = json.loads(self.path.read_text())
+                self.acks = {int(a["command_id"]): Ack.from_json(a) for a in obj.get("acks", [])}
+                self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
+                self.skip_ranges = merge_ranges(tuple(r) for r in obj.get("skip_ranges", []))
+                self.loaded = True
+            except (OSError, ValueError, KeyError, TypeError, ContractError) as exc:
+                log.error("unreadable %s (%s); commands acknowledged since the last checkpoint may be lost, "
+                          "and the supervisor will page on the difference", self.path, exc)
+
+    def save(self, lr_changes: list[LRChange], skip_ranges) -> None:
+        self.lr_changes, self.skip_ranges = list(lr_changes), merge_ranges(skip_ranges)
+        if len(self.acks) > _KEEP_ACKS:
+            for cid in sorted(self.acks)[: len(self.acks) - _KEEP_ACKS]:
+                del self.acks[cid]
+        body = {"acks": [a.to_json() for a in self.acks.values()],
+                "lr_changes": [c.to_json() for c in self.lr_changes],
+                "skip_ranges": [r.to_json() for r in self.skip_ranges], "time": time.time()}
+        tmp = self.path.with_name(self.path.name + ".partial")
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class Obey:
+    """The handler table: command type -> handler(controller, body) -> Outcome."""
+
+    def __init__(self, ctl: "RunController") -> None:
+        self.ctl = ctl
+        self.handlers: dict[type, Callable[[Any], Outcome]] = {
+            Pause: self._pause, Resume: self._resume, Stop: self._stop, Skip: self._skip,
+            SetLR: self._set_lr, Profile: self._profile, Rollback: self._rollback,
+        }
+
+    def apply(self, cmd: Command, on_gang_failure: Callable[[BaseException], None],
+              gang_failures: tuple[type[BaseException], ...]) -> Ack:
+        ctl = self.ctl
+        done = ctl.commands_state.acks.get(cmd.id)
+        if done is not None:
+            log.info("command %d delivered again; answering with its ack (not applied twice)", cmd.id)
+            return done
+        out: Outcome | None = None
+        try:
+            out = self.handlers[type(cmd.body)](cmd.body)
+            ok, detail = True, out.detail
+        except gang_failures as exc:
+            on_gang_failure(exc)
+            ok, detail = False, f"the gang failed while applying it ({exc!r}); restarted"
+        except (Refused, ContractError) as exc:  # cannot be done as asked: refuse, keep training
+            log.warning("command %s refused: %s", cmd, exc)
+            ok, detail = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug or a bad file: refuse, keep training
+            log.exception("command %s failed", cmd)
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        first = ctl.step + 1
+        ack = Ack(command_id=cmd.id, ok=ok, step=first, detail=detail,
+                  checkpoint_step=out.checkpoint.step if out and out.checkpoint else None,
+                  checkpoint_path=out.checkpoint.path if out and out.checkpoint else None,
+                  lr_multiplier=multiplier_at(first, ctl.lr_changes),
+                  lr_change=out.lr_change if out else None, lr_seq=out.lr_seq if out else None,
+                  skipped=out.skipped if out else (), ledger_digest=ledger_digest(ctl.ledger.ranges))
+        ctl.commands_state.acks[cmd.id] = ack
+        # Bookkeeping before the ack leaves: a crash after acking must not forget what was done.
+        ctl.commands_state.save(ctl.lr_changes, ctl.ledger.ranges)
+        return ack
+
+    # --- handlers --------------------------------------------------------------------------
+
+    def _pause(self, cmd) -> Outcome:
+        self.ctl.paused = True
+        return Outcome(f"paused before step {self.ctl.step + 1}")
+
+    def _resume(self, cmd) -> Outcome:
+        was, self.ctl.paused = self.ctl.paused, False
+        return Outcome("resumed" if was else "was not paused")
+
+    def _stop(self, cmd) -> Outcome:
+        self.ctl.stopped = True
+        return Outcome(f"stopping after step {self.ctl.step}")
+
+    def _skip(self, cmd: Skip) -> Outcome:
+        ctl = self.ctl
+        ranges = [r.to_json() for r in cmd.ranges]
+        ctl.ledger.add_many(ranges)
+        ctl.gang.call("skip", ranges, timeout_s=ctl.cfg.step_timeout_s)
+        return Outcome(f"skipping {', '.join(map(str, cmd.ranges))}", skipped=cmd.ranges)
+
+    def _add_lr(self, lr: SetLR, start: int) -> tuple[LRChange, int]:
+        change = lr.change(start)
+        self.ctl.lr_changes.append(change)
+        return change, len(self.ctl.lr_changes) - 1
+
+    def _set_lr(self, cmd: SetLR) -> Outcome:
+        ctl = self.ctl
+        change, seq = self._add_lr(cmd, ctl.step + 1)
+        ctl.gang.call("set_lr_changes", [c.to_json() for c in ctl.lr_changes], timeout_s=ctl.cfg.step_timeout_s)
+        return Outcome(f"{cmd.describe()} from step {change.start_step}", lr_change=change, lr_seq=seq)
+
+    def _profile(self, cmd: Profile) -> Outcome:
+        ctl = self.ctl
+        out = cmd.out_dir or str(ctl.store.root / "profiles" / f"step_{ctl.step + 1:08d}")
+        ctl.gang.call("profile", cmd.steps, out, timeout_s=ctl.cfg.step_timeout_s)
+        return Outcome(f"tracing steps {ctl.step + 1}..{ctl.step + cmd.steps} into {out}")
+
+    def _rollback(self, cmd: Rollback) -> Outcome:
+        """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
+        ctl = self.ctl
+        if cmd.exclude_rank is not None or cmd.exclude_node:
+            # Restarting without a node needs a gang of world_size - 1 (or a spare node) and a data
+            # split that still divides the batch; until then refuse loudly instead of rolling back
+            # with the bad node still in the gang.
+            raise Refused(f"restarting without rank {cmd.exclude_rank} / node {cmd.exclude_node!r} is not "
+                          "supported by this controller; drain the node and relaunch by hand")
+        ckpt = ctl.rollback_target(min(cmd.to_step, ctl.step))
+        why = "" if ckpt is not None and ckpt.step == cmd.to_step else self.why_not(cmd.to_step)
+        if cmd.exact and (ckpt is None or ckpt.step != cmd.to_step):
+            raise Refused(f"--exact: checkpoint {cmd.to_step} cannot be loaded ({why}); "
+                          f"{'the newest usable one at or before it is ' + str(ckpt.step) if ckpt else 'none is usable'}")
+        if ckpt is None:
+            raise Refused(f"no valid healthy checkpoint at or before step {cmd.to_step} ({why}); nothing to roll back to")
+        ctl.ledger.add_many([r.to_json() for r in cmd.skip])
+        change = seq = None
+        if cmd.lr is not None:
+            change, seq = self._add_lr(cmd.lr, ckpt.step + 1)
+        prev_attempt = ctl.attempt
+        # Mark the left trajectory before anything else: a crash from here on must not let a
+        # relaunch resume from a checkpoint this rollback walked away from.
+        ctl.store.abandon_after(ckpt.step, f"{ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
+        ctl.start_attempt(ckpt, reason=f"rollback to step {ckpt.step} (command)", reuse_gang=True)
+        loaded = ctl.loaded_checkpoint or ckpt  # an unreadable one falls back to an older one
+        asked = f"asked <= {cmd.to_step}" + (f"; {cmd.to_step} {why}" if loaded.step != cmd.to_step else "")
+        detail = (f"rolled back to checkpoint {loaded.step}; {asked}; attempt {prev_attempt} -> {ctl.attempt}"
+                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
+                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
+        return Outcome(detail, checkpoint=loaded, lr_change=change, lr_seq=seq, skipped=cmd.skip)
+
+    def why_not(self, step: int) -> str:
+        """Why checkpoint `step` is not the one loaded, in words for the ack."""
+        ctl = self.ctl
+        if step > ctl.step:
+            return f"is in the future (the run is at step {ctl.step})"
+        if step in ctl.deleted_steps:
+            return "was removed by retention"
+        if step not in ctl.store.steps():
+            return "was never saved"
+        problem = ctl.store.problem(step)
+        if problem:
+            return f"is not intact ({problem})"
+        reason = ctl.store.load_manifest(step).get("unhealthy_reason", "")
+        return f"is marked unhealthy ({reason or 'non-finite loss or gradient before it was saved'})"

@@ -1,0 +1,35 @@
+"""Rank values -> one step record row, by the contract's per-metric reduction."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from monitors.contract import Reduce, reduction
+
+
+class Reducer:
+    """Rank values (W, M) -> one row (M,) by contract.reduction, plus the extreme's rank."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        kinds = [reduction(n) for n in names]
+        self.idx = {k: np.array([i for i, r in enumerate(kinds) if r is k], dtype=np.int64) for k in Reduce}
+        self.max_names = [names[i] for i in self.idx[Reduce.MAX]]
+        self.min_names = [names[i] for i in self.idx[Reduce.MIN]]
+
+    def __call__(self, values: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        out = np.empty(values.shape[1], dtype=np.float64)
+        mx, mn = values[:, self.idx[Reduce.MAX]], values[:, self.idx[Reduce.MIN]]
+        with np.errstate(invalid="ignore"):  # NaN and Inf are data: max/min propagate NaN
+            out[self.idx[Reduce.MAX]] = mx.max(axis=0) if mx.size else mx.sum(axis=0)
+            out[self.idx[Reduce.MIN]] = mn.min(axis=0) if mn.size else mn.sum(axis=0)
+            out[self.idx[Reduce.MEAN]] = values[:, self.idx[Reduce.MEAN]].mean(axis=0)
+            out[self.idx[Reduce.SUM]] = values[:, self.idx[Reduce.SUM]].sum(axis=0)
+        # Name the rank that held an extreme only where the ranks disagree: a value every rank
+        # shares (the global grad norm, the LR) has no outlier, and argmax would always say 0.
+        ranks: dict[str, int] = {}
+        for names, vals, pick in ((self.max_names, mx, np.argmax), (self.min_names, mn, np.argmin)):
+            if vals.size:
+                differ = (vals != vals[:1]).any(axis=0)
+                ranks.update((names[i], int(r)) for i, r in enumerate(pick(vals, axis=0).tolist()) if differ[i])
+        return out, ranks
