@@ -1,11 +1,12 @@
-"""Ingest throughput: thermometer values/s from HTTP request to committed row, next to the raw
+"""Ingest throughput of the daemon as deployed: thermometer values/s from HTTP request to the
+value committed and judged by the detectors, next to the write-only ingest router and the raw
 driver doing the same inserts, on SQLite and PostgreSQL; plus a 10^6-step history read.
 
-    python bench/ingest.py                       # 2,000 steps x 1,000 values, both databases
+    python bench/ingest.py                       # 2,000 steps x 781 values, both databases
     python bench/ingest.py --steps 5000 --json   # ... ends with one JSON line of figures
     python bench/ingest.py --layouts             # narrow vs wide vs chunk rows, raw drivers
 
-The supervisor runs in a subprocess (real uvicorn + the ingest router), the client posts
+The daemon runs in a subprocess (real uvicorn + thermowatch serve's app), the client posts
 pre-encoded batches of --batch steps x --values values with httpx, one at a time like the run
 controller does. The raw-driver rows are the same chunk + step rows (sqlite3 executemany with
 ON CONFLICT DO NOTHING; psycopg COPY, which has no ON CONFLICT). The history read is seeded with
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -32,18 +34,34 @@ import numpy as np
 PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
-def serve(url: str, port: int) -> None:
-    """Subprocess entry: the supervisor's ingest API on `url`."""
+def serve(url: str, port: int, mode: str = "daemon") -> None:
+    """Subprocess entry. mode "daemon": the daemon as deployed (supervisor.server.build_app over a
+    Supervisor: detectors, policy and alerts on; it answers, then judges). mode "write_only": the
+    ingest router over a bare Ingestor, no detectors (last round's figure, kept beside it)."""
+    import tempfile
+
     import uvicorn
     from fastapi import FastAPI
 
-    from supervisor.api.ingest import make_router
     from supervisor.db import make_engine, make_sessionmaker, upgrade
-    from supervisor.ingest import Ingestor
 
     upgrade(url)
-    app = FastAPI()
-    app.include_router(make_router(Ingestor(make_sessionmaker(make_engine(url)))))
+    if mode == "daemon":
+        import io
+
+        from supervisor.config import SupervisorConfig
+        from supervisor.notify.console import ConsoleNotifier
+        from supervisor.server import build_app
+        from supervisor.service import Supervisor
+
+        cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url)
+        app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
+    else:
+        from supervisor.api.ingest import make_router
+        from supervisor.ingest import Ingestor
+
+        app = FastAPI()
+        app.include_router(make_router(Ingestor(make_sessionmaker(make_engine(url)))))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -72,13 +90,15 @@ def _bodies(steps: int, batch: int, keys: list[str], rng) -> list[bytes]:
     return out
 
 
-def bench_http(url: str, bodies: list[bytes], n_values: int) -> float:
+def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple[float, float, float]:
+    """(values/s from the first request to the last value stored *and judged*, p99 ms per batch
+    request, values/s until the last answer). Without detectors the two rates are the same."""
     port = _port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port)], env=env)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port), mode], env=env)
     try:
         base = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=base, timeout=120) as c:
+        with httpx.Client(base_url=base, timeout=600) as c:
             deadline = time.monotonic() + 60
             while True:
                 try:
@@ -90,15 +110,28 @@ def bench_http(url: str, bodies: list[bytes], n_values: int) -> float:
                     time.sleep(0.1)
             hdr = {"content-type": "application/json"}
             c.post("/api/runs/bench/attempts/0/steps", content=bodies[0], headers=hdr).raise_for_status()  # warm-up
+            _settle(c, mode)
+            lat = []
             t = time.perf_counter()
             for b in bodies[1:]:
+                t1 = time.perf_counter()
                 r = c.post("/api/runs/bench/attempts/0/steps", content=b, headers=hdr)
                 r.raise_for_status()
-            dt = time.perf_counter() - t
-        return n_values * (len(bodies) - 1) / len(bodies) / dt
+                lat.append(time.perf_counter() - t1)
+            answered = time.perf_counter() - t
+            _settle(c, mode)
+            judged = time.perf_counter() - t
+        n = n_values * (len(bodies) - 1) / len(bodies)
+        return n / judged, 1e3 * float(np.percentile(lat, 99)), n / answered
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _settle(c: httpx.Client, mode: str) -> None:
+    """Wait until the daemon has judged everything it answered (commit, answer, then judge)."""
+    while mode == "daemon" and c.get("/healthz").json().get("judge_backlog"):
+        time.sleep(0.02)
 
 
 def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
@@ -318,15 +351,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="steps posted per database (default 2000)")
     ap.add_argument("--batch", type=int, default=50, help="steps per HTTP batch")
-    ap.add_argument("--values", type=int, default=1000, help="thermometer values per step")
+    ap.add_argument("--values", type=int, default=781, help="thermometer values per step (a 48-layer model's 781 series)")
     ap.add_argument("--history-steps", type=int, default=1_000_000)
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     ap.add_argument("--layouts", action="store_true", help="compare storage layouts with the raw drivers instead")
-    ap.add_argument("--serve", nargs=2, metavar=("URL", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", nargs=3, metavar=("URL", "PORT", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        serve(a.serve[0], int(a.serve[1]))
+        serve(a.serve[0], int(a.serve[1]), a.serve[2])
         return
     import psycopg
 
@@ -347,7 +380,8 @@ def main() -> None:
         for name in dbs:
             if name == "sqlite":
                 http_url, raw = f"sqlite:///{tmp}/http.db", None
-                http = bench_http(http_url, bodies, n_values)
+                http = bench_http(http_url, bodies, n_values, "daemon")
+                wo = bench_http(f"sqlite:///{tmp}/write_only.db", bodies, n_values, "write_only")
                 inproc = bench_inprocess(f"sqlite:///{tmp}/inproc.db", bodies, n_values)
                 raw_db = f"{tmp}/raw.db"
                 from supervisor.db import upgrade
@@ -358,12 +392,13 @@ def main() -> None:
             else:
                 from supervisor.db import upgrade
 
-                schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(3)]
+                schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(4)]
                 admin = psycopg.connect(_pg_conninfo("public"), autocommit=True)
                 for s in schemas:
                     admin.execute(f'CREATE SCHEMA "{s}"')
                 try:
-                    http = bench_http(_pg_url(schemas[0]), bodies, n_values)
+                    http = bench_http(_pg_url(schemas[0]), bodies, n_values, "daemon")
+                    wo = bench_http(_pg_url(schemas[3]), bodies, n_values, "write_only")
                     inproc = bench_inprocess(_pg_url(schemas[2]), bodies, n_values)
                     upgrade(_pg_url(schemas[1]))
                     raw = bench_raw_pg(schemas[1], a.steps, a.batch, a.values, rng)
@@ -372,9 +407,13 @@ def main() -> None:
                     for s in schemas:
                         admin.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
                     admin.close()
-            results[name] = {"http_values_per_s": round(http), "inprocess_values_per_s": round(inproc),
-                             "raw_values_per_s": round(raw),
-                             "http_over_raw": round(http / raw, 3), "history_ms": round(hist_ms, 1), "history_points": n}
+            results[name] = {
+                "detectors_on": {"values_per_s": round(http[0]), "p99_batch_ms": round(http[1], 1),
+                                 "answered_values_per_s": round(http[2])},
+                "write_only": {"values_per_s": round(wo[0]), "p99_batch_ms": round(wo[1], 1)},
+                "inprocess_write_only_values_per_s": round(inproc), "raw_values_per_s": round(raw),
+                "detectors_on_over_raw": round(http[0] / raw, 4), "write_only_over_raw": round(wo[0] / raw, 3),
+                "history_ms": round(hist_ms, 1), "history_points": n}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -382,17 +421,20 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"load average at the end: {load:.1f} (shared machine: compare the ratios)")
-    print(f"{'database':10} {'HTTP values/s':>14} {'in-process':>11} {'raw driver':>11} {'HTTP/raw':>9} "
-          f"{'history ms':>11} {'points':>10}")
+    print(f"{'database':10} {'daemon values/s':>16} {'p99 ms':>8} {'/raw':>7} {'write-only':>11} {'p99 ms':>8} "
+          f"{'/raw':>6} {'raw driver':>11} {'history ms':>11}")
     for name, r in results.items():
-        print(f"{name:10} {r['http_values_per_s']:>14,} {r['inprocess_values_per_s']:>11,} {r['raw_values_per_s']:>11,} "
-              f"{r['http_over_raw']:>9.3f} {r['history_ms']:>11.1f} {r['history_points']:>10,}")
-    print("HTTP: uvicorn subprocess, request to committed row. in-process: json.loads + records_from_json +")
-    print("Ingestor.write, no HTTP. raw driver: sqlite3 executemany (ON CONFLICT DO NOTHING) / psycopg COPY")
-    print("of the same chunk + step rows. history: one metric, 10^6 steps in 50-step chunks, best of 5.")
+        d, w = r["detectors_on"], r["write_only"]
+        print(f"{name:10} {d['values_per_s']:>16,} {d['p99_batch_ms']:>8.1f} {r['detectors_on_over_raw']:>7.4f} "
+              f"{w['values_per_s']:>11,} {w['p99_batch_ms']:>8.1f} {r['write_only_over_raw']:>6.3f} "
+              f"{r['raw_values_per_s']:>11,} {r['history_ms']:>11.1f}")
+    print("daemon: `thermowatch serve`'s app (detectors, policy, alerts on) in a uvicorn subprocess, from the first")
+    print("request to the last value committed AND judged (it answers, then judges). write-only: the ingest router")
+    print("over a bare Ingestor, no detectors (last round's headline). raw driver: sqlite3 executemany / psycopg")
+    print("COPY of the same chunk + step rows. history: one metric, 10^6 steps in 50-step chunks, best of 5.")
     if a.json:
         print(json.dumps({"bench": "ingest", "steps": a.steps, "batch": a.batch, "values": a.values, "load": load,
-                          "results": results}))
+                          **results}))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def build_app(sup: Supervisor) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"ok": True}
+        # judge_backlog: ingested batches not judged yet (commit, answer, then judge).
+        return {"ok": True, "judge_backlog": sup.judge.backlog}
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -77,7 +78,7 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     from supervisor.scheduler import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sup = Supervisor(cfg, auto_upgrade=auto_upgrade)
+    sup = Supervisor(cfg, auto_upgrade=auto_upgrade, judge_inline=False)  # answer, then judge
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
     server = uvicorn.Server(uvicorn.Config(build_app(sup), host=cfg.host, port=cfg.port, log_level="info"))

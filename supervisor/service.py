@@ -23,6 +23,7 @@ from supervisor.config import SupervisorConfig
 from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
 from supervisor.ingest import Ingestor
+from supervisor.judge import Judge
 from supervisor.notify.base import FanOut, Notifier
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.policy import PolicyConfig
@@ -44,7 +45,7 @@ def build_notifier(cfg: SupervisorConfig) -> Notifier:
 
 class Supervisor:
     def __init__(self, cfg: SupervisorConfig, notifier: Notifier | None = None, *, auto_upgrade: bool = True,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, judge_inline: bool = True):
         self.cfg = cfg
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.engine = db.make_engine(cfg.db_url)
@@ -62,7 +63,11 @@ class Supervisor:
                                    BankConfig.from_dict(cfg.detectors),
                                    clock=clock)
         self.consistency = ConsistencyCheck(self.sessions, self.executor)
-        self.ingestor = Ingestor(self.sessions, on_records=self.responder.on_records, check_state=self.consistency)
+        # Commit, answer, then judge (supervisor.judge). judge_inline: write() returns after the
+        # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
+        self.judge = Judge(self.sessions, self.responder.on_records).start()
+        self._judge_inline = judge_inline
+        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self.consistency)
 
     # --- RecordSink ---------------------------------------------------------------------------
 
@@ -71,11 +76,16 @@ class Supervisor:
         self.responder.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
-        return self.ingestor.write(run_id, attempt, records)
+        n = self.ingestor.write(run_id, attempt, records)
+        if self._judge_inline:
+            self.judge.wait()
+        return n
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         # The trainer reports a checkpoint after the steps before it, so one saved at or after a
-        # divergence's onset can arrive after the finding: it was saved while unhealthy.
+        # divergence's onset can arrive after the finding: it was saved while unhealthy. The steps
+        # before it are judged first (they were sent first), so a finding among them counts.
+        self.judge.wait(timeout=30.0)
         if ckpt.healthy:
             onset = self.responder.diverging_since(run_id)
             if onset is not None and ckpt.step >= onset:
@@ -104,7 +114,8 @@ class Supervisor:
 
     def close(self) -> None:
         """Survives any one part failing (STYLE.md rule 9)."""
-        for name, closer in (("detector state", self.responder.save_states), ("ingestor", self.ingestor.close),
+        for name, closer in (("judge", self.judge.close), ("detector state", self.responder.save_states),
+                             ("ingestor", self.ingestor.close),
                              ("alert outbox", self.executor.close), ("notifier", self.notifier.close),
                              ("engine", self.engine.dispose)):
             try:

@@ -263,6 +263,17 @@ class Alert(Base):
     payload: Mapped[dict[str, Any] | None] = mapped_column(nullable=True)  # the Alert, to send it again
 
 
+class JudgeMark(Base):
+    """How far the detectors have judged each attempt (supervisor.judge): the durable marker of
+    "commit, answer, then judge". Steps stored beyond it are judged again after a crash."""
+
+    __tablename__ = "judge_marks"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    through_step: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class AuditEntry(Base):
     __tablename__ = "audit"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -194,20 +194,43 @@ _PG_TYPES = ("text", "int4", "int4", "int8", "int8", "int4", "bytea", "bytea", "
 _COL_LIST = ", ".join(f'"{c}"' for c in _COLS)
 
 
-def stored_points(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[str, dict[int, float]]:
-    """Every series' stored points of one attempt in [step_lo, step_hi]: key -> {step: value}.
-    For comparing a re-sent batch with what is stored (rare and small: not the ingest hot path)."""
+def stored_points(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int,
+                  ranks: dict[str, dict[int, int]] | None = None) -> dict[str, dict[int, float]]:
+    """Every series' stored points of one attempt in [step_lo, step_hi]: key -> {step: value};
+    with `ranks`, also fills key -> {step: rank} for points that name one. For comparing a
+    re-sent batch and for the judge's catch-up (rare and bounded: not the ingest hot path)."""
     c = ThermometerChunk
-    stmt = (select(Series.metric, Series.module, c.first_step, c.n, c.steps, c.values)
+    stmt = (select(Series.metric, Series.module, c.first_step, c.n, c.steps, c.values, c.ranks)
             .join(Series, Series.id == c.series_id)
             .where(c.run_id == run_id, c.attempt == attempt, c.last_step >= step_lo, c.first_step <= step_hi))
     out: dict[str, dict[int, float]] = {}
-    for metric, module, first, n, blob, vals in _fetch(session, stmt):
+    for metric, module, first, n, blob, vals, rk in _fetch(session, stmt):
         steps = _decode_steps(np.array([first], np.int64), np.array([n], np.int64), [blob])
-        values = np.frombuffer(vals, np.float64)
         keep = (steps >= step_lo) & (steps <= step_hi)
-        out.setdefault(metric_key(metric, module), {}).update(zip(steps[keep].tolist(), values[keep].tolist()))
+        key = metric_key(metric, module)
+        kept = steps[keep].tolist()
+        out.setdefault(key, {}).update(zip(kept, np.frombuffer(vals, np.float64)[keep].tolist()))
+        if ranks is not None and rk is not None:
+            r = np.frombuffer(rk, np.int32)[keep]
+            ranks.setdefault(key, {}).update((s_, int(v)) for s_, v in zip(kept, r.tolist()) if v >= 0)
     return out
+
+
+def records_after(session: Session, run_id: str, attempt: int, after_step: int, limit: int) -> list[StepRecord]:
+    """Up to `limit` stored steps of one attempt after `after_step`, rebuilt as StepRecords (the
+    judge's catch-up after a crash between commit and judgement)."""
+    rows = session.execute(
+        select(Step.step, Step.sample_lo, Step.sample_hi, Step.tokens, Step.wall_time)
+        .where(Step.run_id == run_id, Step.attempt == attempt, Step.step > after_step)
+        .order_by(Step.step).limit(limit)).all()
+    if not rows:
+        return []
+    ranks: dict[str, dict[int, int]] = {}
+    points = stored_points(session, run_id, attempt, rows[0][0], rows[-1][0], ranks)
+    return [StepRecord(step=st, values={k: p[st] for k, p in points.items() if st in p}, sample_lo=lo,
+                       sample_hi=hi, tokens=tok, wall_time=wt,
+                       ranks={k: r[st] for k, r in ranks.items() if st in r})
+            for st, lo, hi, tok, wt in rows]
 
 
 def _insert_chunks(session: Session, rows: list[dict]) -> None:

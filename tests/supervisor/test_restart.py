@@ -64,6 +64,13 @@ class Daemon:
         assert r.status_code in (200, 201), (path, r.status_code, r.text)
         return r
 
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until the daemon has judged what it acknowledged (it answers, then judges)."""
+        deadline = time.monotonic() + timeout
+        while self.get("/healthz")["judge_backlog"]:
+            assert time.monotonic() < deadline, "the daemon's judge did not catch up"
+            time.sleep(0.05)
+
     def get(self, path: str):
         r = self.http.get(path)
         assert r.status_code == 200, (path, r.status_code, r.text)
@@ -101,6 +108,7 @@ def test_restart_resumes_pending_action_incident_and_detector_state(db, tmp_path
         for batch in batches:
             _send_batch(d, batch, ckpt_root)
             sent += 1
+            d.settle()
             acts = d.get(f"/api/runs/{RUN}/actions")["actions"]
             if acts:
                 break
@@ -128,6 +136,7 @@ def test_restart_resumes_pending_action_incident_and_detector_state(db, tmp_path
         # logits are still past the ceiling; a restored detector knows it already reported that
         # excursion, a fresh one would report it again as soon as it saw it.
         _send_batch(d2, batches[sent], ckpt_root)
+        d2.settle()
         with db.sessions() as s:
             after_findings = [(f.finding.signal.value, f.finding.module, f.finding.detect_step)
                               for f in findings_store.findings(s, RUN)]
