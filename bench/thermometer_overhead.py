@@ -1,13 +1,26 @@
-"""Thermometer overhead: the same GPT trained with and without every thermometer on every step.
+"""Thermometer overhead: the same GPT trained plain, with each thermometer group alone, and with
+all of them, side by side in one run.
 
-Two identical models train side by side in one process, in alternating blocks of steps
-(plain, instrumented, instrumented, plain, ...), so machine noise hits both alike. Each step
-is forward + backward + AdamW (+ begin_step/end_step/collect when instrumented). Per block we
-take the process CPU time (robust to the other jobs on a shared machine, with one torch
-thread) and the wall time; the headline figure is the median over block pairs of
-instrumented / plain CPU time.
+Identical copies of one model train in one process, in blocks of steps whose order rotates
+every round (plain, act, z, ..., then act, z, ..., plain, ...), so machine noise hits every
+variant alike. Each step is forward + backward + AdamW (+ begin_step / measure_update /
+end_step / collect when instrumented). Per block we take the process CPU time (robust to the
+other jobs on a shared machine, with one torch thread) and the wall time; a variant's figure is
+the median over rounds of its block's CPU time / the plain block's CPU time in that round.
 
-    python bench/thermometer_overhead.py [--steps 400] [--json]
+Variants (a group "alone" means every other group is off):
+  act             act_max / act_min per module
+  z_hook          z/head the old way: a forward hook's logsumexp over an fp32 copy of the logits
+  z               z/head from the loss's own log-softmax (what trainer.model does now)
+  attn_logit      the attention-logit LSE probe (per layer)
+  attn_entropy    the LSE probe + attn_entropy_min, default: the extra fused attention forward
+                  over the first sequence of the batch
+  attn_entropy_all  the same over every sequence (attn_entropy_batch=None, exact)
+  grad_norm       grad_norm per module and global
+  update_ratio    update_ratio per module and global, every step (the default)
+  all             ThermometerConfig() defaults: every group every step
+
+    python bench/thermometer_overhead.py [--vocab 256 32768] [--steps 100] [--json]
 """
 
 from __future__ import annotations
@@ -27,92 +40,133 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
 from trainer.model import GPT, GPTConfig  # noqa: E402
 
+OFF = 10**9  # an interval never reached after step 0 (which falls in the warm-up)
+_NONE = dict(act_patterns=(), act_types=(), z_patterns=(), attn_every=OFF, attn_entropy=False,
+             grad_every=OFF, update_ratio=False)
+
+
+def variants() -> dict[str, dict | None]:
+    return {
+        "plain": None,
+        "act": {**_NONE, "act_patterns": ThermometerConfig().act_patterns, "act_types": ThermometerConfig().act_types},
+        "z_hook": {**_NONE, "z_patterns": ThermometerConfig().z_patterns},
+        "z": {**_NONE, "z_patterns": ThermometerConfig().z_patterns},
+        "attn_logit": {**_NONE, "attn_every": 1},
+        "attn_entropy": {**_NONE, "attn_every": 1, "attn_entropy": True},
+        "attn_entropy_all": {**_NONE, "attn_every": 1, "attn_entropy": True, "attn_entropy_batch": None},
+        "grad_norm": {**_NONE, "grad_every": 1},
+        "update_ratio": {**_NONE, "update_ratio": True},
+        "all": {},
+    }
+
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400, help="measured steps per variant")
-    ap.add_argument("--block", type=int, default=10, help="steps per alternating block")
-    ap.add_argument("--warmup", type=int, default=10, help="unmeasured steps per variant first")
+    ap.add_argument("--vocab", type=int, nargs="+", default=[256, 32768], help="one case per vocabulary size")
+    ap.add_argument("--steps", type=int, default=100, help="measured steps per variant and case")
+    ap.add_argument("--block", type=int, default=5, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per variant first")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--attn-mode", default="lse", choices=["lse", "exact"])
+    ap.add_argument("--big-vocab-batch", type=int, default=4, help="batch for vocab >= 32768 (CPU time)")
+    ap.add_argument("--big-vocab-seq-len", type=int, default=64)
+    # fp32 by default: on CPUs without AVX-512 BF16 (this project's AMD EPYC runners) bf16
+    # matmuls run 12-25x slower than fp32 and would hide every thermometer behind them.
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is then a clean measure)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     return ap.parse_args()
 
 
+def run_case(args: argparse.Namespace, vocab: int) -> dict:
+    big = vocab >= 32768
+    batch = args.big_vocab_batch if big else args.batch
+    seq_len = args.big_vocab_seq_len if big else args.seq_len
+    dtype = args.dtype
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, dtype=dtype)
+    base = GPT(cfg)
+    models, thermos, opts = {}, {}, {}
+    for name, over in variants().items():
+        model = copy.deepcopy(base)
+        if over is not None:
+            if name == "z_hook":  # without the probe attribute the thermometers fall back to a hook
+                del model.head.thermo_z_probe
+            thermos[name] = instrument(model, ThermometerConfig(**over))
+        models[name] = model
+        opts[name] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, vocab, (64, seq_len + 1))
+    counter = dict.fromkeys(models, 0)
+
+    def run(name: str, n: int) -> tuple[float, float]:
+        model, opt, th = models[name], opts[name], thermos.get(name)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            s = counter[name]
+            counter[name] += 1
+            rows = torch.arange(s * batch, (s + 1) * batch) % len(data)
+            x, y = data[rows, :-1], data[rows, 1:]
+            if th is None:
+                _, loss = model(x, y)
+                loss.backward()
+                opt.step()
+            else:
+                th.begin_step(s)
+                _, loss = model(x, y)
+                loss.backward()
+                with th.measure_update():
+                    opt.step()
+                th.end_step(loss=loss, lr=1e-3)
+                th.collect()
+            opt.zero_grad(set_to_none=True)
+        return (time.process_time() - c0) / n * 1e3, (time.perf_counter() - t0) / n * 1e3
+
+    names = list(models)
+    for name in names:
+        run(name, args.warmup)
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(max(1, args.steps // args.block)):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:  # rotate the order every round
+            c, w = run(name, args.block)
+            cpu[name].append(c)
+            wall[name].append(w)
+    ratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
+    wratio = {k: statistics.median(a / p for a, p in zip(wall[k], wall["plain"])) for k in names}
+    return {
+        "model": f"GPT {args.layers}L d{args.d_model} h{args.heads} T{seq_len} B{batch} V{vocab} {dtype}",
+        "params": base.num_params(),
+        "n_thermometers_all": len(thermos["all"].names),
+        "step_ms": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
+        "overhead_pct": {k: round(100 * (ratio[k] - 1), 2) for k in names if k != "plain"},
+        "wall_overhead_pct": {k: round(100 * (wratio[k] - 1), 2) for k in names if k != "plain"},
+        "rounds": len(cpu["plain"]),
+    }
+
+
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model, dtype=args.dtype)
-    plain = GPT(cfg)
-    inst = copy.deepcopy(plain)
-    th = instrument(inst, ThermometerConfig(attn_mode=args.attn_mode))
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, inst)}
-    data = torch.randint(0, cfg.vocab_size, (64, args.seq_len + 1))
-    counter = {"plain": 0, "instrumented": 0}
-
-    def run(kind: str, n: int) -> tuple[float, float]:
-        model = inst if kind == "instrumented" else plain
-        opt = opts[model]
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(n):
-            s = counter[kind]
-            counter[kind] += 1
-            rows = torch.arange(s * args.batch, (s + 1) * args.batch) % len(data)
-            x, y = data[rows, :-1], data[rows, 1:]
-            if model is inst:
-                th.begin_step(s)
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if model is inst:
-                th.end_step(loss=loss, lr=1e-3)
-                th.collect()
-        return (time.process_time() - c0) / n * 1e3, (time.perf_counter() - t0) / n * 1e3
-
-    run("plain", args.warmup)
-    run("instrumented", args.warmup)
-    cpu: dict[str, list[float]] = {"plain": [], "instrumented": []}
-    wall: dict[str, list[float]] = {"plain": [], "instrumented": []}
-    for b in range(max(1, args.steps // args.block)):
-        order = ("plain", "instrumented") if b % 2 == 0 else ("instrumented", "plain")
-        for kind in order:
-            c, w = run(kind, args.block)
-            cpu[kind].append(c)
-            wall[kind].append(w)
-
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    wmed = {k: statistics.median(v) for k, v in wall.items()}
-    # Paired per block pair: the two variants ran back to back, so this cancels slow drifts.
-    paired = statistics.median(i / p for i, p in zip(cpu["instrumented"], cpu["plain"]))
-    wall_paired = statistics.median(i / p for i, p in zip(wall["instrumented"], wall["plain"]))
-    n_params = plain.num_params()
-    print(f"GPT {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} {args.dtype}, "
-          f"{n_params / 1e6:.2f}M params, {len(th.names)} thermometers every step (attn: {args.attn_mode}), "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'variant':<14}{'CPU ms/step':>12}{'min':>9}{'max':>9}{'wall ms/step':>14}{'blocks':>8}")
-    for k, v in cpu.items():
-        print(f"{k:<14}{med[k]:>12.2f}{min(v):>9.2f}{max(v):>9.2f}{wmed[k]:>14.2f}{len(v):>8}")
-    print(f"overhead (median of paired block ratios): CPU time {100 * (paired - 1):+.2f}%, "
-          f"wall time {100 * (wall_paired - 1):+.2f}% (wall is at the mercy of other jobs)")
+    cases = []
+    for vocab in args.vocab:
+        case = run_case(args, vocab)
+        cases.append(case)
+        print(f"{case['model']}, {case['params'] / 1e6:.2f}M params, {case['n_thermometers_all']} thermometers "
+              f"in 'all', {case['rounds']} rounds of {args.block} steps, torch threads {torch.get_num_threads()}")
+        print(f"  {'variant':<18}{'CPU ms/step':>12}{'overhead CPU':>14}{'(wall)':>10}")
+        for k, ms in case["step_ms"].items():
+            ov = case["overhead_pct"].get(k)
+            wov = case["wall_overhead_pct"].get(k)
+            print(f"  {k:<18}{ms:>12.2f}" + ("" if ov is None else f"{ov:>+13.2f}%{wov:>+9.2f}%"))
     if args.json:
         print(json.dumps({
             "bench": "thermometer_overhead",
-            "step_ms_plain": round(med["plain"], 3),
-            "step_ms_instrumented": round(med["instrumented"], 3),
-            "overhead_ratio": round(paired, 4),
-            "wall_step_ms_plain": round(wmed["plain"], 3),
-            "wall_step_ms_instrumented": round(wmed["instrumented"], 3),
-            "wall_overhead_ratio": round(wall_paired, 4),
-            "n_thermometers": len(th.names),
-            "params": n_params,
+            "cases": cases,
             "config": {k: v for k, v in vars(args).items() if k != "json"},
         }))
 

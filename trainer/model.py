@@ -25,7 +25,8 @@ what to measure and the module calls it back with detached tensors, never a host
 - "flex":  FlexAttention with AuxRequest(max_scores=True), exact, CUDA only;
            `probe.put_scores_max(max[H])`.
 With `probe.entropy` the module also calls `probe.put_entropy(mean_entropy[H])`
-(`attention_entropy`: one more fused forward pass; in "exact" mode from the explicit softmax).
+(`attention_entropy` over the first `probe.entropy_batch` sequences, None = all: one more fused
+forward pass; in "exact" mode from the explicit softmax, all sequences).
 
 z probe: `head.thermo_z_probe` (None by default). When set and `on`, the model hands it the
 per-token log-sum-exp of the head's logits, `probe.put_lse(lse[...])`: from the loss's own
@@ -231,8 +232,9 @@ class CausalSelfAttention(nn.Module):
         if mode == "lse" and drop == 0.0:
             y, lse = attention_with_lse(q, k, v, self.scale)
             probe.put_lse(lse.detach())
-            if probe.entropy:
-                probe.put_entropy(attention_entropy(q.detach(), k.detach(), self.scale))
+            if probe.entropy:  # over the first entropy_batch sequences (None = all)
+                n = probe.entropy_batch
+                probe.put_entropy(attention_entropy(q[:n].detach(), k[:n].detach(), self.scale))
             return y
         if mode == "flex":  # untested here (CPU only); compile the model for a fused kernel
             from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
@@ -246,7 +248,8 @@ class CausalSelfAttention(nn.Module):
             )
             probe.put_scores_max(aux.max_scores.detach().amax(dim=(0, 2)))
             if probe.entropy:
-                probe.put_entropy(attention_entropy(q.detach(), k.detach(), self.scale))
+                n = probe.entropy_batch
+                probe.put_entropy(attention_entropy(q[:n].detach(), k[:n].detach(), self.scale))
             return y
         if mode == "exact" or mode == "lse":  # "lse" with dropout: the exact max (within the bound)
             heads = probe.heads
@@ -324,7 +327,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, values)
         logits = self.head(self.final_norm(x)).float()  # fp32 softmax / cross-entropy (YaLM)
-        zp = self.head.thermo_z_probe
+        zp = getattr(self.head, "thermo_z_probe", None)  # a head without the slot: no probe
         z_from_loss = targets is not None and self.cfg.logit_softcap is None
         if zp is not None and zp.on and not z_from_loss:  # on the fp32 logits we hold anyway
             zp.put_lse(torch.logsumexp(logits.detach(), dim=-1))

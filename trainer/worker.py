@@ -11,6 +11,7 @@ torch RNG is reseeded from (seed, step, rank) every step, so a rollback replays 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -93,7 +94,10 @@ class TrainWorker:
         model = GPT(cfg.gpt_config())
         self.flops_per_token = model.flops_per_token()
         self._engine = Engine(cfg, model, on_gpu=cfg.use_gpu)
-        self.thermo = instrument(self._engine.module, cfg.thermometer_config())
+        tcfg = cfg.thermometer_config()
+        if cfg.zero_stage < 3:  # ZeRO 1/2 ranks hold identical weights: each copies 1/world for update_ratio
+            tcfg = dataclasses.replace(tcfg, update_split=True)
+        self.thermo = instrument(self._engine.module, tcfg)
         self.names = list(self.thermo.names) + [TOKENS_PER_S]
         self._loss_slot = self.names.index(LOSS)
         self.schedule = cfg.lr_schedule()

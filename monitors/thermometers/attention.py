@@ -9,9 +9,11 @@ also calls `probe.put_entropy(mean_entropy[heads])` (mean over batch and query p
 trainer.model implements it.
 
 What the entropy figure is: attn_entropy_min = min over heads of that mean. Exact (to the
-kernel's precision) when every head is computed: the "lse"/"flex" probes and `attn_heads=None`;
-with `attn_heads=k` the explicit path sees k heads a step, so the min over them is a sampled
-upper bound of the true min.
+kernel's precision) when every head and sequence is computed. Samples otherwise: the
+"lse"/"flex" probes cover the first `probe.entropy_batch` sequences of the micro-batch
+(ThermometerConfig.attn_entropy_batch, 1 by default), so the mean is over those sequences;
+with `attn_heads=k` the explicit path sees k heads a step, so the min over them is an upper
+bound of the true min.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class AttnProbe:
         self.slots, self.slot, self.n_head, self.per_head = slots, slot, n_head, per_head
         self.entropy_slot = entropy_slot
         self.entropy = entropy_slot is not None  # the model computes the entropy when True
+        self.entropy_batch: int | None = None  # sequences the extra entropy pass covers (None = all)
         self.mode: str | None = None  # set by Thermometers.begin_step on sampled steps
         self.heads: torch.Tensor | None = None
 

@@ -42,10 +42,16 @@ class ThermometerConfig:
     per_head: bool = False  # also one key per head: `<metric>/<module>.heads.<h>`
     # attn_entropy_min/<module>: min over heads of the mean (over batch and query positions)
     # attention entropy in nats (ViT-22B: entropy collapse witnesses harmful logit growth).
-    # Sampled with the attention group. "lse"/"flex" probes: exact, one extra fused forward
-    # attention pass without gradient (see trainer.model.attention_entropy); "exact" mode and
-    # nn.MultiheadAttention: from the explicit softmax of the heads computed that step.
+    # Sampled with the attention group. "lse"/"flex" probes: one extra fused forward attention
+    # pass without gradient (trainer.model.attention_entropy), exact for the sequences it sees;
+    # "exact" mode and nn.MultiheadAttention: from the explicit softmax of the heads computed
+    # that step, over the whole batch (no extra cost: the T x T scores exist already).
     attn_entropy: bool = True
+    # Sequences of each micro-batch the extra pass covers (the first n); None = all (exact).
+    # 1: the pass costs 1/B of an attention forward, and the mean over one sequence's T query
+    # positions is a sample that still shows a collapse (measured: bench/thermometer_overhead.py,
+    # +9% of a CPU step for the whole batch of 8 at T 128).
+    attn_entropy_batch: int | None = 1
     # Modules whose parameters get grad_norm/<module> (a parameter counts in every match).
     grad_patterns: tuple[str, ...] = (BLOCK_PATTERN, r"(^|\.)(embed|head|lm_head)$")
     # Sampling intervals per group, in steps (step % every == 0 is sampled). 1 = every step:
@@ -55,12 +61,17 @@ class ThermometerConfig:
     grad_every: int = 1
     # update_ratio/<module> = ||W_after - W_before|| / ||W_before|| over the module's parameters
     # (same modules as grad_patterns; plain `update_ratio` = the whole model), measured around
-    # the optimizer step by Thermometers.measure_update(). Exact, but it needs a copy of the
-    # weights (this rank's shard under ZeRO-3) held across the step, so only every
-    # `update_every` steps: 10 keeps the copy's memory traffic off 9 steps in 10 while a
-    # divergence (tens of steps, PaLM) still gets several readings. 1 = every step.
+    # the optimizer step by Thermometers.measure_update(). Exact, from a copy of the weights
+    # held across the step (update.py): this rank's ZeRO-3 shard, or with update_split its
+    # 1/world slice, so 2 bytes per parameter / world in bf16. Every step by default: measured
+    # at +2% of a CPU step (bench/thermometer_overhead.py), and an unsampled step would carry
+    # NaN, which today's non_finite detector reads as a (WARN) finding. k > 1 measures every
+    # k-th step only.
     update_ratio: bool = True
-    update_every: int = 10
+    update_every: int = 1
+    # Ranks hold identical weights (DDP, ZeRO 1/2): each copies 1/world of every tensor and the
+    # sums are all-reduced. The trainer's worker sets it for ZeRO 1/2; wrong for tensor parallel.
+    update_split: bool = False
 
     def __post_init__(self) -> None:
         for name in ("act_patterns", "z_patterns", "grad_patterns"):
@@ -75,8 +86,10 @@ class ThermometerConfig:
                     raise ValueError(f"ThermometerConfig.{name} must hold nn.Module classes, got {t!r}")
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"ThermometerConfig.attn_mode={self.attn_mode!r} is not one of {ATTN_MODES}")
-        if self.attn_heads is not None and (isinstance(self.attn_heads, bool) or self.attn_heads < 1):
-            raise ValueError(f"ThermometerConfig.attn_heads must be >= 1 or None, got {self.attn_heads!r}")
+        for name in ("attn_heads", "attn_entropy_batch"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1 or None, got {val!r}")
         for name in ("act_every", "attn_every", "grad_every", "update_every"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:

@@ -170,6 +170,7 @@ class Thermometers:
         self._head_index: dict[tuple[int, int], torch.Tensor] = {}
         for name, mod, slot, n_head, explicit, mode, ent_slot in attn_slots:
             probe = AttnProbe(self._slots, slot, n_head, cfg.per_head, ent_slot)
+            probe.entropy_batch = cfg.attn_entropy_batch
             if explicit:
                 self._handles.append(mod.register_forward_pre_hook(self._mha_hook(probe), with_kwargs=True))
             else:
@@ -196,7 +197,8 @@ class Thermometers:
             self._handles.append(p.register_hook(self._grad_hook(j)))
         self._update = None
         if cfg.update_ratio:
-            self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start)
+            self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start,
+                                       split=cfg.update_split)
 
         self._host: list[torch.Tensor] = []
         if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's

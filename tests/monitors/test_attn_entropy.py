@@ -35,11 +35,13 @@ def split_qk(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor
 def test_entropy_min_equals_explicit_softmax(mode, dtype):
     model = gpt(dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)  # train a little: heads stop being uniform
-    th = instrument(model, ThermometerConfig(attn_mode=mode))
+    th = instrument(model, ThermometerConfig(attn_mode=mode, attn_entropy_batch=None))  # every sequence
     for s in range(4):
         step(model, th, s, opt)
     vals = step(model, th, 4)
     th.detach()
+    with instrument(model, ThermometerConfig(attn_mode=mode)) as th1:  # default: the first sequence
+        first = step(model, th1, 4)
     ref = qkv_outputs(model, 4)
     tol = 1e-4 if dtype == "float32" else 2e-3  # bf16: the kernel's bf16 output in the second pass
     spread = []
@@ -49,6 +51,10 @@ def test_entropy_min_equals_explicit_softmax(mode, dtype):
         got = vals[f"attn_entropy_min/blocks.{i}.attn"]
         assert got == pytest.approx(per_head.min().item(), abs=tol), (i, per_head)
         assert 0.0 < got < math.log(T)
+        q, k = split_qk(ref[i], 4)
+        # lse: the extra pass covers sequence 0 only; exact: the T x T scores cover the batch
+        seq0 = eager_entropy(q[:1], k[:1]).min().item() if mode == "lse" else per_head.min().item()
+        assert first[f"attn_entropy_min/blocks.{i}.attn"] == pytest.approx(seq0, abs=tol), i
     assert max(spread) > 10 * tol  # the heads differ: taking the min (not the mean) is tested
 
 

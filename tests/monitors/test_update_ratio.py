@@ -85,7 +85,10 @@ model = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=32))
 ds = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-th = instrument(model, ThermometerConfig(update_every=1))
+# ZeRO 2 ranks hold identical weights: each measures half of every tensor (as the worker sets it).
+th = instrument(model, ThermometerConfig(update_every=1, update_split=stage < 3))
+upd = th._update
+part = sum(t.numel() for t in upd._parts())
 name_of = {id(p): n for n, p in model.named_parameters()}
 mods = dict(model.named_modules())
 groups = {g: [name_of[id(p)] for p in mods[g].parameters()] for g in ("embed", "blocks.0", "blocks.1")}
@@ -115,15 +118,17 @@ for s in range(2):
         key = "update_ratio/" + g if g else "update_ratio"
         out.append([key, got[key], math.sqrt(d / w)])
 sharded = any(getattr(p, "ds_tensor", None) is not None for p in model.parameters())
-print("RESULT " + json.dumps({"rank": rank, "sharded": sharded, "rows": out}))
+total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+print("RESULT " + json.dumps({"rank": rank, "sharded": sharded, "rows": out, "part": part, "total": total}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_update_ratio_under_deepspeed_zero_two_ranks(stage, tmp_path):
-    """Two CPU ranks (gloo). ZeRO-3 shards every weight: each rank sees half, and the
-    all-reduced sums must give the ratio of the whole weights, the same on both ranks."""
+    """Two CPU ranks (gloo). ZeRO-3 shards every weight, and under ZeRO 2 update_split has each
+    rank copy half of every tensor: either way the all-reduced sums must give the ratio of the
+    whole weights, the same on both ranks."""
     import json
     import os
     import socket
@@ -146,6 +151,7 @@ def test_update_ratio_under_deepspeed_zero_two_ranks(stage, tmp_path):
         assert p.returncode == 0 and lines, err[-3000:]
         results.append(json.loads(lines[-1][len("RESULT "):]))
     assert all(r["sharded"] == (stage == 3) for r in results)
+    assert all(r["part"] < 0.6 * r["total"] for r in results)  # each rank copied about half
     for r in results:
         for key, got, want in r["rows"]:
             assert 1e-4 < want < 1.0, (key, want)
