@@ -58,7 +58,12 @@ DEMO_POLICY: dict[str, Any] = {
 # The ceiling: QK-clip's 100 is for the exact max; this model reports the LSE bound (up to
 # ln 64 = 4.2 above it), and its healthy runs reach ~100-140 within 150 steps at lr 5e-3, while
 # the diverging one passes 150 at step ~53 and 300 by step 90 (replays in docs/demo.md).
-DEMO_DETECTORS: dict[str, Any] = {"attn": {"warmup": 20, "min_level": 80.0, "ceiling": 150.0},
+# extreme 300: attention growth acts only with a witness of harm (the loss behind its trend,
+# gradient/z/update-ratio growth) or at an extreme logit (default 1,000 for runs of any length).
+# This run diverges inside its LR warm-up, where the loss trend is not judged yet, so the demo
+# sets "extreme" for its model: healthy runs stay under ~140, the diverging one passes 300 by
+# step ~60-90 (docs/demo.md).
+DEMO_DETECTORS: dict[str, Any] = {"attn": {"warmup": 20, "min_level": 80.0, "ceiling": 150.0, "extreme": 300.0},
                                   "disabled": ["outlier_rank"]}
 
 

@@ -80,11 +80,11 @@ class AttnLogitConfig:
     # it softmax still spreads over several keys. A level, not a step count, so it holds for
     # runs of any length.
     act_level: float = 50.0
-    # At or above this the logit is acted on without a witness: bf16 spaces representable values
-    # 4 apart from 512 on (neighbouring logits differ by e^4 ~ 55x in attention weight), so the
-    # softmax is one-hot and cannot train its way back. A healthy rise-and-fall reported in
-    # issue 8 peaked at ~345.
-    extreme: float = 512.0
+    # At or above this the logit is acted on without a witness: ten times QK-clip's tau. Healthy
+    # runs do get far past 100: a rise-and-fall reported in issue 8 peaked at ~345, and the bench
+    # grid's healthy RMSNorm + ReLU^2 runs at LR 3e-2 peaked at ~700 while their loss improved;
+    # its damaged runs went on to 2,600-10,000.
+    extreme: float = 1000.0
     # Points seen before any growth finding (0: only the baseline window must be half full).
     # Not a run length: the watch band above does the early-training work a long warm-up did.
     warmup: int = 0
@@ -234,4 +234,6 @@ def _judge(value: float, c: AttnLogitConfig, witnesses: Witnesses | None, what: 
     harm = witnesses.harm() if witnesses is not None else {}
     if harm:
         return Outcome.ACT, f"{what}, and " + "; ".join(harm.values()), harm
-    return Outcome.ALERT, f"{what}, but no witness of harm (loss on trend, no grad/z/entropy signal)", {}
+    seen = witnesses.context() if witnesses is not None else {}
+    also = f" (seen, not counted: {'; '.join(seen.values())})" if seen else ""
+    return Outcome.ALERT, f"{what}, but no witness of harm (loss on trend, no grad/z/update growth){also}", {}
