@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from monitors.contract import LR, LR_MULTIPLIER, Finding, RunInfo, Severity, Signal
+from monitors.contract import LR, LR_MULTIPLIER, Finding, Outcome, RunInfo, Severity, Signal
 from supervisor.config import SupervisorConfig
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.service import Supervisor
@@ -43,7 +43,8 @@ def tiny(tmp_path, **over):
 
 
 def spike(step: int) -> Finding:
-    return Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, onset_step=step - 1, detect_step=step, metric="loss")
+    return Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, onset_step=step - 1, detect_step=step, metric="loss",
+                   outcome=Outcome.ACT)
 
 
 def test_trained_lr_equals_recorded_multiplier_across_two_cuts_and_a_rollback(db, tmp_path):

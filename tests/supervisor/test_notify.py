@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from monitors.contract import CheckpointInfo, Finding, Severity, Signal
+from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
 from supervisor.notify import Alert, ConsoleNotifier, FanOut, NotifyConfigError, NotifyError, NullNotifier
 from supervisor.notify.slack import SlackNotifier, resolve_token
 from supervisor.policy import PolicyInput, make_decision
@@ -20,7 +20,8 @@ NOW = 1_800_000_000.0
 
 
 def spike_alert(**kw) -> Alert:
-    finding = Finding(Signal.ATTN_LOGIT_GROWTH, "blocks.3.attn", Severity.CRITICAL, onset_step=990, detect_step=1000)
+    finding = Finding(Signal.ATTN_LOGIT_GROWTH, "blocks.3.attn", Severity.CRITICAL, onset_step=990, detect_step=1000,
+                      outcome=Outcome.ACT)  # corroborated growth: the policy may act
     ckpts = [CheckpointInfo(800, "/c/800", 800 * 64, True), CheckpointInfo(880, "/c/880", 880 * 64, False)]
     decision = make_decision(PolicyInput(finding=finding, now=NOW, checkpoints=ckpts))
     return Alert.from_decision("run-7", finding, decision, incident_id=42, **kw)

@@ -29,7 +29,7 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from monitors.contract import LR, Finding, Severity, Signal, multiplier_at
+from monitors.contract import LR, Finding, Outcome, Severity, Signal, multiplier_at
 from supervisor.config import SupervisorConfig
 from supervisor.errors import UserError
 from supervisor.notify.console import ConsoleNotifier
@@ -136,7 +136,8 @@ def _event(h: Harness, ctl, rec, what: str, arg) -> None:
     try:
         if what == "finding":
             sup.responder.handle(run, Finding(arg, "blocks.0.attn" if arg is Signal.ATTN_LOGIT_GROWTH else "",
-                                              Severity.CRITICAL, rec.step - 1, rec.step, metric="loss"))
+                                              Severity.CRITICAL, rec.step - 1, rec.step, metric="loss",
+                                              outcome=Outcome.ACT))  # a corroborated finding: the policy acts
         elif what == "set_lr":
             sup.executor.submit(run, "set_lr", {"lr_multiplier": arg}, "alice", "prop")
         elif what == "lr_factor":
