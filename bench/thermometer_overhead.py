@@ -19,6 +19,7 @@ Variants (a group "alone" means every other group is off):
   grad_norm       grad_norm per module and global
   update_ratio    update_ratio per module and global, every step (the default)
   all             ThermometerConfig() defaults: every group every step
+  all_before      what "all" was before issue 8: no entropy, no update ratio, z by the hook
 
     python bench/thermometer_overhead.py [--vocab 256 32768] [--steps 100] [--json]
 """
@@ -57,6 +58,7 @@ def variants() -> dict[str, dict | None]:
         "grad_norm": {**_NONE, "grad_every": 1},
         "update_ratio": {**_NONE, "update_ratio": True},
         "all": {},
+        "all_before": {"attn_entropy": False, "update_ratio": False},
     }
 
 
@@ -94,7 +96,7 @@ def run_case(args: argparse.Namespace, vocab: int) -> dict:
     for name, over in variants().items():
         model = copy.deepcopy(base)
         if over is not None:
-            if name == "z_hook":  # without the probe attribute the thermometers fall back to a hook
+            if name in ("z_hook", "all_before"):  # without the probe attribute the thermometers fall back to a hook
                 del model.head.thermo_z_probe
             thermos[name] = instrument(model, ThermometerConfig(**over))
         models[name] = model

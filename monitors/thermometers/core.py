@@ -307,7 +307,7 @@ class Thermometers:
             with th.measure_update():
                 opt.step()          # or engine.step() under DeepSpeed
 
-        Under ZeRO-3 every rank must enter it on the same steps (it all-reduces)."""
+        Under ZeRO-3 or update_split every rank must enter it on the same steps (it all-reduces)."""
         if not self._update_on:
             yield
             return
