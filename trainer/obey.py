@@ -69,6 +69,7 @@ class CommandState:
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / "commands.json"
         self.acks: dict[int, Ack] = {}
+        self.commands: dict[int, dict[str, Any]] = {}  # id -> the command as applied (JSON)
         self.lr_changes: list[LRChange] = []
         self.skip_ranges: tuple[SampleRange, ...] = ()
         self.loaded = False
@@ -76,6 +77,7 @@ class CommandState:
             try:
                 obj = json.loads(self.path.read_text())
                 self.acks = {int(a["command_id"]): Ack.from_json(a) for a in obj.get("acks", [])}
+                self.commands = {int(c["id"]): c for c in obj.get("commands", [])}
                 self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
                 self.skip_ranges = merge_ranges(tuple(r) for r in obj.get("skip_ranges", []))
                 self.loaded = True
@@ -88,7 +90,8 @@ class CommandState:
         if len(self.acks) > _KEEP_ACKS:
             for cid in sorted(self.acks)[: len(self.acks) - _KEEP_ACKS]:
                 del self.acks[cid]
-        body = {"acks": [a.to_json() for a in self.acks.values()],
+                self.commands.pop(cid, None)
+        body = {"acks": [a.to_json() for a in self.acks.values()], "commands": list(self.commands.values()),
                 "lr_changes": [c.to_json() for c in self.lr_changes],
                 "skip_ranges": [r.to_json() for r in self.skip_ranges], "time": time.time()}
         tmp = self.path.with_name(self.path.name + ".partial")
@@ -112,10 +115,14 @@ class Obey:
     def apply(self, cmd: Command, on_gang_failure: Callable[[BaseException], None],
               gang_failures: tuple[type[BaseException], ...]) -> Ack:
         ctl = self.ctl
-        done = ctl.commands_state.acks.get(cmd.id)
-        if done is not None:
+        state = ctl.commands_state
+        done = state.acks.get(cmd.id)
+        if done is not None and state.commands.get(cmd.id) == cmd.to_json():
             log.info("command %d delivered again; answering with its ack (not applied twice)", cmd.id)
             return done
+        if done is not None:  # the same id for another command: a new queue (a reset database)
+            log.warning("command id %d was %s, now %s: applying the new one", cmd.id, state.commands.get(cmd.id),
+                        cmd.to_json())
         out: Outcome | None = None
         try:
             out = self.handlers[type(cmd.body)](cmd.body)
@@ -136,9 +143,9 @@ class Obey:
                   lr_multiplier=multiplier_at(first, ctl.lr_changes),
                   lr_change=out.lr_change if out else None, lr_seq=out.lr_seq if out else None,
                   skipped=out.skipped if out else (), ledger_digest=ledger_digest(ctl.ledger.ranges))
-        ctl.commands_state.acks[cmd.id] = ack
+        state.acks[cmd.id], state.commands[cmd.id] = ack, cmd.to_json()
         # Bookkeeping before the ack leaves: a crash after acking must not forget what was done.
-        ctl.commands_state.save(ctl.lr_changes, ctl.ledger.ranges)
+        state.save(ctl.lr_changes, ctl.ledger.ranges)
         return ack
 
     # --- handlers --------------------------------------------------------------------------

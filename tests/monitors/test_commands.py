@@ -1,0 +1,92 @@
+"""The typed command vocabulary (monitors.commands via monitors.contract): one set of rules,
+enforced where a value is built, with JSON that round-trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from monitors.contract import (
+    INT64_MAX,
+    Ack,
+    Command,
+    ContractError,
+    LRChange,
+    Pause,
+    Profile,
+    Rollback,
+    SampleRange,
+    SetLR,
+    Skip,
+    Stop,
+    dumps,
+    ledger_digest,
+    loads,
+    merge_ranges,
+    multiplier_at,
+    parse_command,
+)
+
+BODIES = [Pause(), Stop(), Profile(3, "/tmp/p"), Skip((SampleRange(0, 10), SampleRange(20, 30))),
+          SetLR(0.25, 100, 10, factor=0.5, base=0.5),
+          Rollback(30, exact=True, skip=(SampleRange(5, 9),), lr=SetLR(0.5), checkpoint="/c/step_30")]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: type(b).__name__)
+def test_commands_round_trip_through_json(body):
+    cmd = Command(7, body)
+    assert Command.from_json(loads(dumps(cmd.to_json()))) == cmd
+    assert parse_command(cmd.kind, cmd.args) == body
+
+
+@pytest.mark.parametrize("kind, args, words", [
+    ("skip", {"skip_ranges": [[0, 2**63]]}, "2**63-1"),
+    ("skip", {"skip_ranges": [[5, 5]]}, "lo must be < hi"),
+    ("skip", {}, "skip needs skip_ranges"),
+    ("set_lr", {"lr_multiplier": 0.5, "lr_steps": 2**63}, "lr_steps"),
+    ("set_lr", {"lr_multiplier": math.nan}, "lr_multiplier"),
+    ("set_lr", {"lr_multiplier": math.inf}, "lr_multiplier"),
+    ("set_lr", {"lr_multiplier": True}, "lr_multiplier"),
+    ("set_lr", {"lr_multiplier": 0.5, "lr_mutliplier": 0.4}, "unknown field"),
+    ("rollback", {"to_step": 2**63}, "to_step"),
+    ("rollback", {"to_step": 3, "exact": "yes"}, "exact"),
+    ("pause", {"now": True}, "unknown field"),
+    ("profile", {"steps": 0}, "steps"),
+    ("explode", {}, "unknown command"),
+])
+def test_invalid_commands_cannot_be_built(kind, args, words):
+    with pytest.raises(ContractError) as exc:
+        parse_command(kind, args)
+    assert words in str(exc.value)
+
+
+def test_acks_are_strict_and_bounded():
+    ack = Ack(3, True, 31, "rolled back", checkpoint_step=30, checkpoint_path="/c", lr_multiplier=0.5,
+              lr_change=LRChange(31, 0.5), lr_seq=1, skipped=(SampleRange(1, 2),), ledger_digest="ab")
+    assert Ack.from_json(loads(dumps(ack.to_json()))) == ack
+    for bad, words in (({"ok": "false"}, "ok must be true or false"), ({"command_id": 2**31}, "command_id"),
+                       ({"step": -1}, "step"), ({"lr_multiplier": math.nan}, "lr_multiplier"),
+                       ({"lr_seq": 0}, "go together"), ({"extra": 1}, "unknown field")):
+        with pytest.raises(ContractError) as exc:
+            Ack.from_json({**Ack(3, True, 31).to_json(), **bad})
+        assert words in str(exc.value), (bad, exc.value)
+
+
+def test_one_merge_and_one_digest():
+    assert merge_ranges([(10, 20), (0, 5), (5, 8), (15, 30)]) == (SampleRange(0, 8), SampleRange(10, 30))
+    assert ledger_digest([(0, 5), (5, 8)]) == ledger_digest([SampleRange(0, 8)]) != ledger_digest([(0, 9)])
+    assert ledger_digest([]) == ledger_digest(())
+
+
+def test_the_multiplier_is_absolute_newest_change_wins():
+    changes = [LRChange(10, 0.5), LRChange(20, 0.25), LRChange(30, 0.1, steps=5)]
+    assert [multiplier_at(k, changes) for k in (9, 10, 20, 30, 34, 35)] == [1.0, 0.5, 0.25, 0.1, 0.1, 0.25]
+    assert multiplier_at(INT64_MAX, changes) == 0.25
+    assert LRChange.from_json(changes[2].to_json()) == changes[2]
+
+
+def test_nan_travels_as_data():
+    assert math.isnan(loads(dumps({"v": math.nan}))["v"]) and loads(dumps([math.inf]))[0] == math.inf
+    with pytest.raises(ContractError, match="not valid JSON"):
+        loads(b"{nope")
