@@ -222,8 +222,10 @@ def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, slack):
         act = _diverge(sup, tmp_path)
         assert sup.executor.outbox.drain(30)
         posted = slack.posted()
-        assert len(posted) == 1
-        msg = posted[0]
+        # Alert-only findings (growth with no witness yet) may be posted before the one that acts.
+        acting = [m for m in posted if f"rollback to step {act.args['to_step']}" in m["text"]]
+        assert len(acting) == 1, [m["text"] for m in posted]
+        msg = acting[0]
         assert msg["channel"] == "#training-alerts"
         blocks = msg["blocks"] if isinstance(msg["blocks"], list) else json.loads(msg["blocks"])
         text = "\n".join(str(b) for b in blocks)
@@ -250,8 +252,11 @@ def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, slack):
         with sup.sessions() as s:
             assert incidents_store.get_incident(s, act.incident_id).state == "open"
         got = alerts(sup)
-        assert got and not got[-1].ok and "invalid_auth" in got[-1].error
-        assert got[-1].state == "pending" and got[-1].sent_at is None  # kept for a retry once the token is fixed
+        # Nothing delivered, nothing lost: the oldest alert holds the error and every row stays
+        # pending (in order) for a retry once the token is fixed.
+        assert got and not got[0].ok and "invalid_auth" in got[0].error
+        assert all(a.state == "pending" and not a.ok and a.sent_at is None for a in got)
+        assert any("rollback to step" in a.text for a in got)
         assert slack.posted() == [] and slack.calls("chat.postMessage")
         # the run controller still gets its command
         assert [c.id for c in sup.poll(RUN)] == [act.id]

@@ -22,7 +22,7 @@ data_dir: {data}
 port: {port}
 policy: {{rollback_margin_steps: 5, recurrence_window_steps: 60, lr_multiplier: 0.2, min_lr_multiplier: 0.01,
           cooldown_steps: 5, cooldown_s: 0.0, max_interventions: 6}}
-detectors: {{attn: {{warmup: 20, min_level: 80.0, ceiling: 150.0}}, disabled: [outlier_rank]}}
+detectors: {{attn: {{warmup: 20, min_level: 80.0, ceiling: 150.0, extreme: 300.0}}, disabled: [outlier_rank]}}
 """
 TRAIN = """
 run_id: cluster-1
@@ -90,14 +90,15 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
 
 def test_train_with_an_embedded_supervisor(tmp_path):
     """No daemon given: `thermowatch train` runs the supervisor in its own process on the data
-    dir's SQLite, and the same repair happens without any HTTP."""
-    (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt").replace("steps: 100", "steps: 70"))
+    dir's SQLite, and the same repair happens without any HTTP (the demo's settings act at step
+    ~72, once the loss witnesses the logit growth: docs/demo.md)."""
+    (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt").replace("steps: 100", "steps: 85"))
     (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=_free_port()))
     cli = [sys.executable, "-m", "supervisor.cli"]
     train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--config", str(tmp_path / "sup.yaml")],
                            capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert train.returncode == 0, train.stderr[-4000:]
-    assert "run cluster-1: step 70" in train.stderr
+    assert "run cluster-1: step 85" in train.stderr
     db = f"sqlite:///{tmp_path / 'srv' / 'thermowatch.db'}"
     out = subprocess.run([*cli, "actions", "cluster-1", "--db", db, "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
