@@ -174,7 +174,7 @@ class CheckpointStore:
             trash = final.with_name(f"{final.name}.{time.time_ns()}{DELETING_SUFFIX}")
             os.replace(final, trash)
         os.replace(staging, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         info = self._info(step, body)
@@ -337,7 +337,7 @@ class CheckpointStore:
             os.replace(self.path(s), gone)
             shutil.rmtree(gone, ignore_errors=True)
             log.info("retention deleted checkpoint step %d", s)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if self.on_deleted is not None:
             self.on_deleted(doomed)
         return doomed
@@ -367,7 +367,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a new or renamed file's name) durable. Shared with HttpSink's spool."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -388,4 +389,4 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)

@@ -32,6 +32,7 @@ from urllib.parse import quote
 import httpx
 
 from monitors.contract import INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunInfo, StepRecord, dumps, loads
+from trainer.checkpoint import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class HttpSink:
                 self._close_file()
                 self._seq += 1
                 os.replace(self.spool_dir / "overflow.jsonl", self.spool_dir / f"spool-{self._seq:08d}.jsonl")
-                _fsync_dir(self.spool_dir)
+                fsync_dir(self.spool_dir)
             self._cv.notify_all()
 
     # --- spool -----------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class HttpSink:
         if self._file is None:
             self._seq += 1
             self._file = open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab")
-            _fsync_dir(self.spool_dir)  # make the new file's name durable too
+            fsync_dir(self.spool_dir)  # make the new file's name durable too
         self._file.write(_spool_line(path, data))
         self._file.flush()
         os.fsync(self._file.fileno())  # a crash of the controller must not lose spooled steps
@@ -319,14 +320,6 @@ class _Unreachable(Exception):
 
 def _spool_line(path: str, data: bytes) -> bytes:
     return b'{"path": ' + json.dumps(path).encode() + b', "body": ' + data + b"}\n"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class HttpCommandChannel:
