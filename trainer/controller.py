@@ -152,6 +152,7 @@ class RunController:
                         self._checkpoint()
                 except _GANG_FAILURES as exc:
                     self._restart(exc)
+            self._drain()
             self._flush(force=True)
             if self.cfg.checkpoint.every and self._last_ckpt_step != self.step and self.step > 0:
                 try:
@@ -175,10 +176,28 @@ class RunController:
     def _train_step(self) -> None:
         step = self.step + 1
         outs = self.gang.call("step", step, timeout_s=self.cfg.step_timeout_s)
+        self.step = step
+        self._record(outs)  # the step before: the ranks hand their values out a step late
+
+    def _drain(self) -> None:
+        """Take the step the ranks still hold back (before a checkpoint, a command, a new
+        attempt, the end): the supervisor must see every trained step first."""
+        if self.gang is None or self.step == 0:
+            return
+        try:
+            outs = self.gang.call("drain", timeout_s=self.cfg.step_timeout_s)
+        except _GANG_FAILURES as exc:  # the step's values died with a rank; the next call restarts the gang
+            log.error("could not collect step %d's thermometers: %r", self.step, exc)
+            return
+        self._record(outs)
+
+    def _record(self, outs: list) -> None:
+        if outs[0] is None:
+            return
         values, ranks = self.reducer(np.stack([v for v, _ in outs]))
         meta = outs[0][1]
         rec = StepRecord(
-            step=step,
+            step=meta["step"],
             values={**dict(zip(self.gang.names, values.tolist())), LR_MULTIPLIER: meta["lr_multiplier"]},
             sample_lo=meta["sample_lo"],
             sample_hi=meta["sample_hi"],
@@ -187,7 +206,6 @@ class RunController:
             ranks=ranks,
             ledger_digest=meta["ledger_digest"],
         )
-        self.step = step
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
         self.result.final_loss = loss
@@ -220,6 +238,7 @@ class RunController:
         are set explicitly, so nothing of the abandoned trajectory survives); then open_run."""
         import ray
 
+        self._drain()  # a live gang's held-back step belongs to the old attempt
         self._flush(force=True)  # the old attempt's records go out under the old number
         self.attempt = self._next_attempt()
         self.result.attempts.append(self.attempt)
@@ -336,6 +355,7 @@ class RunController:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def _checkpoint(self) -> CheckpointInfo:
+        self._drain()  # `healthy` covers every step the checkpoint holds
         staging = self.store.begin(self.step)
         states = self.gang.call("save", str(staging), timeout_s=self.cfg.step_timeout_s)
         manifest = make_manifest(
@@ -386,6 +406,7 @@ class RunController:
             if cmds:
                 # The supervisor judges what happened before a command took effect: send it
                 # everything the current attempt trained before a rollback starts the next one.
+                self._drain()
                 self._flush(force=True)
             for cmd in cmds:
                 self._apply(cmd)

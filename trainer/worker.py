@@ -12,6 +12,7 @@ torch RNG is reseeded from (seed, step, rank) every step, so a rollback replays 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from monitors.contract import LOSS, TOKENS_PER_S, ledger_digest, multiplier_at
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -40,6 +43,7 @@ class TrainWorker:
         # (attempt, step, sample ids) of the latest steps, for tests and forensics; bounded so a
         # long run does not grow it without limit.
         self._seen: deque[tuple[int, int, np.ndarray]] = deque(maxlen=4096)
+        self._held: dict[int, dict[str, Any]] = {}  # meta of ended steps not yet handed out
         self._profiler = None
         self._profile_left = 0
 
@@ -98,6 +102,7 @@ class TrainWorker:
         if cfg.zero_stage < 3:  # ZeRO 1/2 ranks hold identical weights: each copies 1/world for update_ratio
             tcfg = dataclasses.replace(tcfg, update_split=True)
         self.thermo = instrument(self._engine.module, tcfg)
+        self._read_late = cfg.read_late if cfg.read_late is not None else self.thermo.device.type == "cuda"
         self.names = list(self.thermo.names) + [TOKENS_PER_S]
         self._loss_slot = self.names.index(LOSS)
         self.schedule = cfg.lr_schedule()
@@ -113,8 +118,12 @@ class TrainWorker:
     def next_step(self) -> int:
         return self.loader.state.step + 1
 
-    def step(self, step: int) -> tuple[np.ndarray, dict[str, Any]]:
-        """Train (1-based) `step`. Returns (values aligned with `names`, meta)."""
+    def step(self, step: int) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """Train (1-based) `step`. Returns the *previous* step's (values aligned with `names`,
+        meta), read a step late so that training never waits for the thermometers' host copy
+        (DESIGN.md, "Nothing blocks training"; `TrainConfig.read_late`, on by default on a GPU);
+        None on the first step after a (re)start or a `drain()`. `drain()` hands out the step
+        still held back. With read_late off it returns this step's own values."""
         import torch
 
         from trainer.lr import lr_at
@@ -137,23 +146,41 @@ class TrainWorker:
         self.thermo.begin_step(step)
         loss, norm = self._engine.train_step(batch.inputs, batch.targets, self.thermo.measure_update)
         self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
-        values = self.thermo.collect()  # the one host copy of the step
         dt = time.perf_counter() - t0
-        local_tokens = batch.inputs.numel()
-        values = np.append(values, local_tokens / dt)
         self._seen.append((self.attempt, step, batch.sample_ids))
-        meta = {
-            "loss": float(values[self._loss_slot]),  # this rank's; already on the host
+        self._held[step] = {
             "sample_lo": batch.sample_lo,
             "sample_hi": batch.sample_hi,
             "tokens": batch.tokens,
             "global_batch": batch.global_batch,
             "seq_len": batch.seq_len,
             "time_s": dt,
+            "tokens_per_s": batch.inputs.numel() / dt,
             "lr_multiplier": multiplier,
             "ledger_digest": self._ledger_digest,
         }
+        return self._take() if len(self.thermo.pending_steps) > (1 if self._read_late else 0) else None
+
+    def drain(self) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """The step held back by `step()`, if any (before a checkpoint, a command, the end)."""
+        return self._take()
+
+    def _take(self) -> tuple[np.ndarray, dict[str, Any]] | None:
+        values = self.thermo.collect()  # the oldest ended step: its copy finished a step ago
+        if values is None:
+            return None
+        meta = self._held.pop(self.thermo.last_step)
+        values = np.append(values, meta.pop("tokens_per_s"))
+        meta["step"] = self.thermo.last_step
+        meta["loss"] = float(values[self._loss_slot])  # this rank's; already on the host
         return values, meta
+
+    def _forget_held(self) -> None:
+        """A new data state abandons steps not handed out (the controller drains first)."""
+        n = self.thermo.discard_pending() if self._engine is not None else 0
+        if n:
+            log.warning("rank %d: %d ended step(s) %s never collected were discarded", self.rank, n, sorted(self._held))
+        self._held.clear()
 
     # --- state the controller sets ------------------------------------------------------------
 
@@ -163,6 +190,7 @@ class TrainWorker:
     def set_data_state(self, state: dict[str, Any], attempt: int | None = None) -> None:
         from trainer.data import DataState
 
+        self._forget_held()
         self.loader.load_state(DataState.from_json(state))
         self._note_ledger()
         if attempt is not None:

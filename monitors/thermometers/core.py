@@ -9,6 +9,10 @@ Per step (the order the trainer calls things):
     th.end_step(loss=loss, lr=lr, grad_norm=gn)   # finish grad norms, start ONE host copy
     values = th.collect()        # float64 [len(th.names)], NaN where a group was not sampled
 
+Read a step late so the step never waits (the trainer's worker does): end step k, then collect
+step k-1, whose copy finished while step k ran. Ended steps wait in a first-in first-out queue
+of two (one per pinned host buffer); `collect()` hands out the oldest.
+
 Cost (Composer's activation monitor reads `.item()` per module; we do not): every hook issues
 a few small device ops into preallocated slots, nothing waits for the device until the
 single copy in end_step, which is `non_blocking` into pinned memory on CUDA (collect() waits
@@ -29,6 +33,7 @@ update.py.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -204,7 +209,9 @@ class Thermometers:
         if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's
             self._host = [torch.empty(len(names), dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self._ring = 0
-        self._pending: tuple[int, torch.Tensor, object] | None = None
+        # Ended steps not yet collected, oldest first: at most one per host buffer.
+        self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
+        self.dropped = 0  # ended steps overwritten before anyone collected them
         self.step: int | None = None
         self.last_step: int | None = None  # the step the latest collect() returned
 
@@ -336,29 +343,45 @@ class Thermometers:
             a.probe.mode = None
         for _, zp in self._z_probes:
             zp.on = False
+        if len(self._pending) == _MAX_PENDING:  # its host buffer is about to be reused
+            self._pending.popleft()
+            self.dropped += 1
         if self._host:
             host = self._host[self._ring]
             self._ring ^= 1
             host.copy_(buf, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending = (self.step, host, event)
+            self._pending.append((self.step, host, event))
         else:
-            self._pending = (self.step, buf.clone(), None)
+            self._pending.append((self.step, buf.clone(), None))
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps ended and not yet collected, oldest first."""
+        return [p[0] for p in self._pending]
 
     def collect(self, block: bool = True) -> np.ndarray | None:
-        """Values of the latest ended step (float64, aligned with `names`), each step at most
-        once; None when nothing new. On CUDA with block=False, None while the copy runs."""
-        if self._pending is None:
+        """Values of the oldest ended step not yet collected (float64, aligned with `names`),
+        each step at most once; None when nothing is waiting. On CUDA with block=False, None
+        while its copy still runs (a step later it has long finished). `last_step` names the
+        step returned."""
+        if not self._pending:
             return None
-        step, host, event = self._pending
+        step, host, event = self._pending[0]
         if event is not None:
             if not block and not event.query():
                 return None
             event.synchronize()
-        self._pending = None
+        self._pending.popleft()
         self.last_step = step
         return host.numpy().astype(np.float64)
+
+    def discard_pending(self) -> int:
+        """Forget ended steps not collected (a rollback abandons their trajectory). Returns how many."""
+        n = len(self._pending)
+        self._pending.clear()
+        return n
 
     def as_dict(self, values: np.ndarray) -> dict[str, float]:
         return dict(zip(self.names, values.tolist()))
@@ -381,6 +404,9 @@ class Thermometers:
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+
+_MAX_PENDING = 2  # one per pinned host buffer
 
 
 def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None) -> Thermometers:

@@ -211,6 +211,33 @@ def test_sampling_intervals_leave_nan():
     assert th.collect() is None
 
 
+def test_read_a_step_late_hands_out_the_oldest_ended_step_once():
+    """The trainer ends step k, then collects step k-1 (its copy finished while k ran): ended
+    steps wait oldest first, at most two (one per pinned host buffer on a GPU)."""
+    model = gpt()
+    th = instrument(model, ThermometerConfig())
+    on_time = {s: step(model, th, s)["loss"] for s in (1, 2)}  # no optimizer: the weights stay
+    late_model = gpt()  # the same weights (seeded)
+    th2 = instrument(late_model, ThermometerConfig())
+    for s in (1, 2):
+        th2.begin_step(s)
+        x, y = batch(s)
+        _, loss = late_model(x, y)
+        loss.backward()
+        th2.end_step(loss=loss)
+        late_model.zero_grad(set_to_none=True)
+    assert th2.pending_steps == [1, 2]
+    late = th2.as_dict(th2.collect())
+    assert th2.last_step == 1 and th2.pending_steps == [2] and late["loss"] == on_time[1]
+    assert th2.as_dict(th2.collect())["loss"] == on_time[2] and th2.pending_steps == []
+    for s, loss in ((3, 0.5), (4, 0.25), (5, 0.125)):
+        th2.begin_step(s)
+        th2.end_step(loss=loss)  # the third ended step overwrites the oldest buffer: counted, not silent
+    assert th2.pending_steps == [4, 5] and th2.dropped == 1
+    assert th2.as_dict(th2.collect())["loss"] == 0.25 and th2.last_step == 4
+    assert th2.discard_pending() == 1 and th2.collect() is None
+
+
 def test_micro_batches_combine_and_nonfinite_is_data():
     model = gpt(dtype="float32")
     th = instrument(model)
