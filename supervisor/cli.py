@@ -1,8 +1,11 @@
 """`thermowatch` command line.
 
 Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
-and `replay` never starts Ray. Exit codes: 0 ok, 1 the job ran and failed, 2 bad usage or
-bad input (the message says which value and how to fix it).
+and `replay` never starts Ray. The manual commands and `login` talk to the daemon over HTTP
+(supervisor.client); only `serve`, `train`, `demo` and `db` open a database. Exit codes: 0 ok,
+1 the job ran and failed, 2 bad usage or bad input, or a request the daemon refused (the
+message says which value and how to fix it), 3 no daemon answered at the address (the message
+names it and how to point elsewhere).
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from supervisor.errors import UserError
+from supervisor.errors import DaemonUnreachable, UserError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def _supervisor_config(args: argparse.Namespace):
@@ -84,17 +87,43 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_manual(args: argparse.Namespace) -> int:
-    """rollback / skip / lr / pause / resume / stop / approve / actions / runs: the same action
-    rows the automatic policy writes, so one executor and one audit trail serve both."""
+    """rollback / skip / lr / pause / resume / stop / approve / actions / runs: through the
+    daemon's API, which writes the same action rows the automatic policy writes, so one
+    executor and one audit trail serve both."""
     from supervisor.manual import run_manual
 
-    return run_manual(args, _supervisor_config(args))
+    return run_manual(args)
+
+
+def cmd_login(args: argparse.Namespace) -> int:
+    """Check an address and token against the daemon, then remember them for this user."""
+    import getpass
+
+    from supervisor.client import Client, resolve, save_login
+
+    token = args.token
+    if token is None and not args.no_token:
+        token = getpass.getpass("token (input hidden; empty for none): ").strip() or None
+    ep = resolve(args.server, token)
+    with Client(ep) as api:
+        n = len(api.get("/api/runs")["runs"])  # proves the address and that the token may read
+    path = save_login(ep.server, ep.token)
+    print(f"logged in to {ep.server} ({n} run(s) visible); saved to {path} (readable by you only)")
+    return EXIT_OK
 
 
 def _load_mapping(path: str | None) -> dict:
     from supervisor.config import read_mapping
 
     return read_mapping(Path(path)) if path else {}
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    from supervisor.client import SERVER_ENV, TOKEN_ENV
+
+    p.add_argument("--server", help=f"the daemon's URL (default: ${SERVER_ENV}, then `thermowatch login`'s, "
+                                    "then http://127.0.0.1:8765)")
+    p.add_argument("--token", help=f"API token (default: ${TOKEN_ENV}, then `thermowatch login`'s)")
 
 
 def _add_db_flags(p: argparse.ArgumentParser) -> None:
@@ -144,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from supervisor.manual import add_manual_commands
 
-    add_manual_commands(sub, _add_db_flags, cmd_manual)
+    add_manual_commands(sub, _add_client_flags, cmd_manual)
+
+    p = sub.add_parser("login", help="check a daemon's address and token and remember them for the CLI")
+    _add_client_flags(p)
+    p.add_argument("--no-token", action="store_true", help="a daemon that needs none (loopback development)")
+    p.set_defaults(func=cmd_login)
     return parser
 
 
@@ -158,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:  # a person's mistake: its message names the value and the fix
         print(f"thermowatch: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except DaemonUnreachable as exc:
+        print(f"thermowatch: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
 
 
 if __name__ == "__main__":

@@ -16,3 +16,8 @@ class NotFound(UserError):
 
 class Conflict(UserError):
     """A request that is valid but not now (e.g. approving an action that already ran)."""
+
+
+class DaemonUnreachable(RuntimeError):
+    """The CLI found no thermowatch daemon at the address; the message names it and how to point
+    elsewhere (exit 3)."""

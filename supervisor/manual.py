@@ -1,12 +1,13 @@
 """Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|runs|actions`.
 
-They write the same action rows as the automatic policy (origin `manual`, with who and why),
-so the run controller, the executor and the audit trail treat both alike. They work against
-the database directly (`--db`, or the data dir's SQLite), so they need no running daemon.
+They are clients of the daemon's HTTP API (supervisor.client: address and token from flags,
+the environment or `thermowatch login`; no database access), and the daemon writes the same
+action rows as the automatic policy (origin `manual`, with who and why), so the run
+controller, the executor and the audit trail treat both alike.
 
 What is valid is decided once: the contract's command types and the run's limits
-(supervisor.feasibility), through Executor.submit; a refusal exits 2 naming the value and the
-limit. `--wait` blocks until the trainer acknowledges and prints what it actually did (from the
+(supervisor.feasibility), through Executor.submit in the daemon; its 422 exits 2 naming the
+value and the limit. `--wait` blocks until the trainer acknowledges and prints what it actually did (from the
 action row and its typed ack: supervisor.outcome), exiting 1 if it failed; `--json` prints the
 same as one object.
 """
@@ -16,12 +17,11 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import sys
 import time
 from typing import Any, Callable
 
 from supervisor.errors import UserError
-from supervisor.outcome import outcome, render
+from supervisor.outcome import render
 
 
 def _parse_range(text: str) -> list[int]:
@@ -32,10 +32,10 @@ def _parse_range(text: str) -> list[int]:
     return [lo, hi]
 
 
-def add_manual_commands(sub, add_db_flags: Callable, handler: Callable) -> None:
+def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> None:
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        add_db_flags(p)
+        add_client_flags(p)
         p.set_defaults(func=handler, manual=name)
         return p
 
@@ -79,68 +79,40 @@ def add_manual_commands(sub, add_db_flags: Callable, handler: Callable) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def run_manual(args: argparse.Namespace, cfg) -> int:
-    from supervisor import db
-    from supervisor.executor import Executor
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.store import actions as actions_store
-    from supervisor.store import incidents as incidents_store
-    from supervisor.store import runs as runs_store
-    from supervisor.store import thermometers as thermo_store
+def run_manual(args: argparse.Namespace) -> int:
+    from supervisor.client import Client, resolve, run_path
 
-    engine = db.make_engine(cfg.db_url)
-    ex = None
-    try:
-        try:
-            db.check_current(engine)
-        except db.DatabaseError as exc:
-            print(f"thermowatch: {exc}", file=sys.stderr)
-            return 1
-        sessions = db.make_sessionmaker(engine)
+    with Client(resolve(args.server, args.token)) as api:
         who = getattr(args, "who", None) or getpass.getuser()
-        ex = Executor(sessions, ConsoleNotifier(sys.stderr))
         name = args.manual
         if name == "runs":
-            with sessions() as s:
-                rows = [{"run_id": r.run_id, "last_step": thermo_store.latest_step(s, r.run_id),
-                         "open_incidents": len(incidents_store.open_incidents(s, r.run_id))}
-                        for r in runs_store.list_runs(s)]
-            _print(rows, args.json, "{run_id}  last step {last_step}  open incidents {open_incidents}")
+            rows = api.get("/api/runs")["runs"]
+            _print(rows, args.json, "{run_id}  last step {last_step}  attempts {attempts}  open incidents {open_incidents}")
             return 0
         if name == "actions":
-            with sessions() as s:
-                if runs_store.get_run(s, args.run_id) is None:
-                    raise UserError(f"no run {args.run_id!r}; `thermowatch runs` lists the known runs")
-                rows = [{"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
-                         "ack_step": a.ack_step, "args": a.args, "reason": a.reason,
-                         "did": (a.result or {}).get("detail") or a.error, "ack": a.result}
-                        for a in actions_store.actions(s, args.run_id)]
+            rows = [{**a, "did": (a.get("result") or {}).get("detail") or a.get("error")}
+                    for a in api.get(f"{run_path(args.run_id)}/actions")["actions"]]
             _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}"
                                     "\n      {did}")
             return 0
         if name in ("approve", "cancel"):
-            (ex.approve if name == "approve" else ex.cancel)(args.action_id, who)
+            api.post(f"/api/actions/{args.action_id}/{name}", {"who": who})
             print(f"action {args.action_id} {({'approve': 'approved', 'cancel': 'cancelled'})[name]} by {who}")
             return 0
         kind, payload = _command(name, args)
-        action_id = ex.submit(args.run_id, kind, payload, who, args.reason)
+        action_id = api.post(f"{run_path(args.run_id)}/actions",
+                             {"kind": kind, "args": payload, "who": who, "reason": args.reason})["action_id"]
+        out = api.get(f"/api/actions/{action_id}")
         if not args.wait:
-            with sessions() as s:
-                out = outcome(actions_store.get_action(s, action_id))
             if args.json:
                 print(json.dumps(out))
             else:
                 print(f"action {action_id}: {kind} {json.dumps(out['args'])} queued for run {args.run_id}; "
                       f"the run controller applies it between steps (--wait to see what it did)")
             return 0
-        row = _wait(sessions, actions_store, action_id, args.timeout)
-        out = outcome(row)
+        out = _wait(api, action_id, args.timeout)
         print(json.dumps(out) if args.json else render(out))
         return 0 if out["state"] == "done" else 1
-    finally:
-        if ex is not None:
-            ex.close()  # delivers this command's alert before the process exits
-        engine.dispose()
 
 
 def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -160,14 +132,13 @@ def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return {"lr": "set_lr"}.get(name, name), payload
 
 
-def _wait(sessions, actions_store, action_id: int, timeout_s: float):
-    """Poll the action row until it is final (done, failed, cancelled) or the timeout passes."""
+def _wait(api, action_id: int, timeout_s: float) -> dict[str, Any]:
+    """Poll the action until it is final (done, failed, cancelled) or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with sessions() as s:
-            row = actions_store.get_action(s, action_id)
-        if row.state in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
-            return row
+        out = api.get(f"/api/actions/{action_id}")
+        if out["state"] in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
+            return out
         time.sleep(0.5)
 
 

@@ -13,6 +13,7 @@ over supervisor.store; each request is one read-only session).
     GET /api/runs/{run_id}/incidents                -> incidents, each with its findings
     GET /api/runs/{run_id}/actions?limit=           -> newest first
     GET /api/runs/{run_id}/audit?limit=             -> newest first
+    GET /api/actions/{action_id}                    -> its state and what the trainer did (supervisor.outcome)
 
 Non-finite values are data (DESIGN.md). JSON has no NaN/Infinity, so they travel as the
 strings "NaN", "Infinity" and "-Infinity": both Python's float() and JavaScript's Number()
@@ -30,9 +31,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, HTTPException, Query
+from fastapi import Path as FPath
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
+from monitors.contract import INT32_MAX
+from supervisor.outcome import outcome
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
 from supervisor.store import checkpoints as ckpt_store
@@ -266,6 +270,15 @@ def make_router(sup) -> APIRouter:
         with sup.sessions() as s:
             require_run(s, run_id)
             return json_response({"run_id": run_id, "actions": jsonable(actions_store.actions(s, run_id, limit))})
+
+    @router.get("/actions/{action_id}")
+    def action(action_id: int = FPath(ge=0, le=INT32_MAX)) -> Response:
+        """One action as `thermowatch ... --json` prints it: state, what the trainer did (its ack)."""
+        with sup.sessions() as s:
+            row = actions_store.get_action(s, action_id)
+        if row is None:
+            raise HTTPException(404, f"no action {action_id}; GET /api/runs/{{run_id}}/actions lists a run's actions")
+        return json_response(outcome(row))
 
     @router.get("/runs/{run_id}/audit")
     def audit(run_id: str, limit: int = Query(200, ge=1, le=10_000)) -> Response:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -38,6 +39,36 @@ def run(db, tmp_path):
     return RUN
 
 
+@dataclass
+class Daemon:
+    url: str
+    token: str | None
+
+    @property
+    def token_flags(self) -> list[str]:
+        return ["--token", self.token] if self.token else []
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--server", self.url, *self.token_flags]
+
+
+@pytest.fixture
+def daemon(db, run, tmp_path):
+    """`thermowatch serve`'s app on the test database, over real HTTP: the manual commands are
+    its clients and never open the database themselves."""
+    from supervisor.server import build_app
+    from tests.live_server import running
+
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url),
+                     notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
+    try:
+        with running(build_app(sup)) as url:
+            yield Daemon(url, sup.cfg.api_token or None)
+    finally:
+        sup.close()
+
+
 def actions(db, run_id=RUN):
     with db.sessions() as s:
         return actions_store.actions(s, run_id)
@@ -60,21 +91,22 @@ def test_db_current_on_the_test_databases(db, capsys):
     assert "database is current" in capsys.readouterr().out
 
 
-def test_runs_and_actions_json(db, run, capsys):
-    assert main(["runs", "--db", db.url, "--json"]) == 0
+def test_runs_and_actions_json(daemon, capsys):
+    assert main(["runs", *daemon.flags, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [{"run_id": RUN, "last_step": 30, "open_incidents": 0}]
-    assert main(["runs", "--db", db.url]) == 0
+    assert [{k: r[k] for k in ("run_id", "last_step", "attempts", "open_incidents")} for r in rows] == [
+        {"run_id": RUN, "last_step": 30, "attempts": 1, "open_incidents": 0}]
+    assert main(["runs", *daemon.flags]) == 0
     assert f"{RUN}  last step 30" in capsys.readouterr().out
-    assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
+    assert main(["actions", RUN, *daemon.flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == []
-    assert main(["actions", RUN, "--db", db.url]) == 0
+    assert main(["actions", RUN, *daemon.flags]) == 0
     assert "(none)" in capsys.readouterr().out
 
 
-def test_rollback_writes_a_manual_action(db, run, capsys):
+def test_rollback_writes_a_manual_action(db, daemon, capsys):
     code = main(["rollback", RUN, "--to-step", "20", "--skip", "160:320", "--skip", "400:416", "--multiplier", "0.5",
-                 "--who", "x", "--reason", "spike at 25", "--db", db.url])
+                 "--who", "x", "--reason", "spike at 25", *daemon.flags])
     out = capsys.readouterr().out
     assert code == 0, out
     (row,) = actions(db)
@@ -85,18 +117,18 @@ def test_rollback_writes_a_manual_action(db, run, capsys):
                         "lr_steps": None, "rewarmup_steps": 0}
     with db.sessions() as s:
         assert [e.event for e in audit_store.audit_log(s, RUN)].count("enqueued") == 1
-    assert main(["actions", RUN, "--db", db.url, "--json"]) == 0
+    assert main(["actions", RUN, *daemon.flags, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [(a["id"], a["kind"], a["state"], a["who"]) for a in listed] == [(row.id, "rollback", "pending", "x")]
 
 
-def test_cancel_from_the_cli(db, run, capsys):
-    assert main(["pause", RUN, "--who", "x", "--db", db.url]) == 0
+def test_cancel_from_the_cli(db, daemon, capsys):
+    assert main(["pause", RUN, "--who", "x", *daemon.flags]) == 0
     (row,) = actions(db)
-    assert main(["cancel", str(row.id), "--who", "y", "--db", db.url]) == 0
+    assert main(["cancel", str(row.id), "--who", "y", *daemon.flags]) == 0
     assert "cancelled by y" in capsys.readouterr().out
     assert actions(db)[0].state == "cancelled"
-    assert main(["cancel", str(row.id), "--who", "y", "--db", db.url]) == 2
+    assert main(["cancel", str(row.id), "--who", "y", *daemon.flags]) == 2
     assert "cannot go from 'cancelled'" in capsys.readouterr().err
 
 
@@ -110,21 +142,38 @@ def test_cancel_from_the_cli(db, run, capsys):
     (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer in [0, 2**63-1]"),
     (["approve", "12345"], "no action 12345"),
 ])
-def test_bad_input_exits_2_with_a_message(db, run, capsys, argv, words):
-    code = main([*argv, "--who", "x", "--db", db.url] if argv[0] not in ("actions",) else [*argv, "--db", db.url])
+def test_bad_input_exits_2_with_the_daemons_message(db, daemon, capsys, argv, words):
+    code = main([*argv, "--who", "x", *daemon.flags] if argv[0] not in ("actions",) else [*argv, *daemon.flags])
     err = capsys.readouterr().err
     assert code == 2
     assert words in err and "Traceback" not in err
     assert actions(db) == []
 
 
-def test_manual_commands_refuse_an_old_schema(tmp_path, capsys):
-    """A database that is not migrated is a fixable mistake: a message that says how (as
-    `db current` prints), not a traceback."""
-    url = f"sqlite:///{tmp_path / 'empty.db'}"
-    code = main(["runs", "--db", url])
-    assert code in (1, 2)
-    assert "thermowatch db upgrade" in capsys.readouterr().err
+def test_no_daemon_names_the_address_and_how_to_point_elsewhere(tmp_path, capsys, monkeypatch):
+    from tests.live_server import free_port
+
+    monkeypatch.setenv("THERMOWATCH_CLIENT_CONFIG", str(tmp_path / "none.json"))
+    monkeypatch.delenv("THERMOWATCH_SERVER", raising=False)
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("THERMOWATCH_SERVER", f"http://127.0.0.1:{port}")
+    assert main(["runs"]) == 3
+    err = capsys.readouterr().err
+    assert f"http://127.0.0.1:{port} (from THERMOWATCH_SERVER)" in err and "--server URL" in err
+    assert "Traceback" not in err
+
+
+def test_login_remembers_the_server_for_this_user_only(db, daemon, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "cfg" / "client.json"
+    monkeypatch.setenv("THERMOWATCH_CLIENT_CONFIG", str(path))
+    monkeypatch.delenv("THERMOWATCH_SERVER", raising=False)
+    monkeypatch.delenv("THERMOWATCH_TOKEN", raising=False)
+    assert main(["login", "--server", daemon.url, *daemon.token_flags, *([] if daemon.token else ["--no-token"])]) == 0
+    assert "1 run(s) visible" in capsys.readouterr().out
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert json.loads(path.read_text())["server"] == daemon.url
+    assert main(["runs", "--json"]) == 0  # no flags: the saved address (and token) are used
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [RUN]
 
 
 def _write_log(path, recs, replace=None, torn_at=None):
@@ -185,25 +234,26 @@ def test_replay_missing_file_exits_2(tmp_path, capsys):
     assert "nope.yaml: no such file" in capsys.readouterr().err
 
 
-def _answer(db, tmp_path, make_ack):
-    """Play the run controller: poll the supervisor's real command channel once a command is
-    there and acknowledge it with make_ack(command)."""
+def _answer(daemon, make_ack):
+    """Play the run controller through its real HTTP command channel: poll the daemon until the
+    CLI's command is there and acknowledge it with make_ack(command)."""
     import time
 
-    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "trainer-side", db_url=db.url),
-                     notifier=ConsoleNotifier(io.StringIO()))
+    from trainer.http_sink import HttpCommandChannel
+
+    channel = HttpCommandChannel(daemon.url, token=daemon.token)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            cmds = sup.poll(RUN)
+            cmds = channel.poll(RUN)
             if cmds:
                 for c in cmds:
-                    sup.ack(RUN, make_ack(c))
+                    channel.ack(RUN, make_ack(c))
                 return cmds
             time.sleep(0.05)
         raise AssertionError("the CLI never submitted its command")
     finally:
-        sup.close()
+        channel.close()
 
 
 def _in_thread(argv):
@@ -215,11 +265,11 @@ def _in_thread(argv):
     return t, out
 
 
-def test_wait_and_json_print_what_the_trainer_did(db, run, tmp_path, capsys):
+def test_wait_and_json_print_what_the_trainer_did(daemon, capsys):
     from monitors.contract import Ack, LRChange
 
-    t, out = _in_thread(["lr", RUN, "--factor", "0.5", "--wait", "--json", "--who", "x", "--db", db.url])
-    (cmd,) = _answer(db, tmp_path, lambda c: Ack(c.id, True, 31, "lr x0.5 from step 31", lr_multiplier=0.5,
+    t, out = _in_thread(["lr", RUN, "--factor", "0.5", "--wait", "--json", "--who", "x", *daemon.flags])
+    (cmd,) = _answer(daemon, lambda c: Ack(c.id, True, 31, "lr x0.5 from step 31", lr_multiplier=0.5,
                                                  lr_change=LRChange(31, 0.5), lr_seq=0))
     t.join(30)
     assert cmd.args["lr_multiplier"] == 0.5 and cmd.args["lr_base"] == 1.0  # relative -> absolute
@@ -232,11 +282,11 @@ def test_wait_and_json_print_what_the_trainer_did(db, run, tmp_path, capsys):
     assert got["requested_lr"] == "x0.5 (= x1 in force, times 0.5)"
 
 
-def test_wait_exits_1_when_the_trainer_refuses(db, run, tmp_path, capsys):
+def test_wait_exits_1_when_the_trainer_refuses(daemon, capsys):
     from monitors.contract import Ack
 
-    t, out = _in_thread(["rollback", RUN, "--to-step", "20", "--wait", "--who", "x", "--db", db.url])
-    _answer(db, tmp_path, lambda c: Ack(c.id, False, 31, "no valid healthy checkpoint at or before step 20"))
+    t, out = _in_thread(["rollback", RUN, "--to-step", "20", "--wait", "--who", "x", *daemon.flags])
+    _answer(daemon, lambda c: Ack(c.id, False, 31, "no valid healthy checkpoint at or before step 20"))
     t.join(30)
     text = capsys.readouterr().out
     assert out["code"] == 1

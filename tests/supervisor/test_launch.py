@@ -68,8 +68,11 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
         assert train.returncode == 0, train.stderr[-4000:]
         assert "run cluster-1: step 100" in train.stderr
 
-        actions = httpx.get(f"{url}/api/runs/cluster-1/actions").json()
-        actions = actions["actions"] if isinstance(actions, dict) else actions
+        # Another shell on the cluster: the CLI asks the daemon over HTTP, no database access.
+        out = subprocess.run([*cli, "actions", "cluster-1", "--server", url, "--json"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        actions = json.loads(out.stdout)
         rollbacks = [a for a in actions if a["kind"] == "rollback" and a["origin"] == "auto"]
         assert rollbacks and all(a["state"] == "done" for a in rollbacks), actions
         assert all(a["ack_step"] == a["args"]["to_step"] + 1 for a in rollbacks)
@@ -99,11 +102,17 @@ def test_train_with_an_embedded_supervisor(tmp_path):
                            capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert train.returncode == 0, train.stderr[-4000:]
     assert "run cluster-1: step 85" in train.stderr
-    db = f"sqlite:///{tmp_path / 'srv' / 'thermowatch.db'}"
-    out = subprocess.run([*cli, "actions", "cluster-1", "--db", db, "--json"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    rollbacks = [a for a in json.loads(out.stdout) if a["kind"] == "rollback"]
-    assert rollbacks and all(a["state"] == "done" and a["origin"] == "auto" for a in rollbacks)
+    # The embedded supervisor's database (no daemon here for the CLI to ask).
+    from supervisor import db
+    from supervisor.store import actions as actions_store
+
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'srv' / 'thermowatch.db'}")
+    try:
+        with db.make_sessionmaker(engine)() as s:
+            rollbacks = [a for a in actions_store.actions(s, "cluster-1") if a.kind == "rollback"]
+    finally:
+        engine.dispose()
+    assert rollbacks and all(a.state == "done" and a.origin == "auto" for a in rollbacks)
 
 
 def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
