@@ -205,7 +205,7 @@ def summarize(sup, run_id: str, result) -> dict[str, Any]:
                          for f in found if f.incident_id == i.id],
         } for i in incs],
         "actions": [{"id": a.id, "kind": a.kind, "state": a.state, "ack_step": a.ack_step, "args": a.args,
-                     "origin": a.origin, "reason": a.reason} for a in acts],
+                     "origin": a.origin, "reason": a.reason, "incident_id": a.incident_id} for a in acts],
         "skipped_sample_ranges": [[int(lo), int(hi)] for lo, hi in skips],
     }
 
