@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from supervisor.api import runs as runs_api
-from supervisor.web import pages
+from supervisor.web import login, pages
+from tests.supervisor.auth_helpers import AUTH, guard
 from tests.supervisor.test_runs_api import RUN, Sup, seed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -29,9 +30,11 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 def _app(db, requests: list | None = None, public_url: str = "") -> FastAPI:
     sup = Sup(db.sessions)
+    g = guard(db.sessions)
     app = FastAPI()
-    app.include_router(runs_api.make_router(sup))
-    app.include_router(pages.make_router(sup, public_url=public_url))
+    app.include_router(runs_api.make_router(sup, guard=g))
+    app.include_router(pages.make_router(sup, guard=g, public_url=public_url))
+    login.install(app, g, public_url=public_url)
     if requests is not None:
         @app.middleware("http")
         async def log_requests(request: Request, call_next):
@@ -48,7 +51,7 @@ def seeded(db):
 
 @pytest.fixture
 def client(db):
-    with TestClient(_app(db)) as c:
+    with TestClient(_app(db), headers=AUTH) as c:
         yield c
 
 
@@ -215,7 +218,7 @@ def test_user_strings_are_escaped(client, seeded):
 
 
 def test_public_url_prefixes_links(db, seeded):
-    with TestClient(_app(db, public_url="https://ops.example/thermowatch/")) as c:
+    with TestClient(_app(db, public_url="https://ops.example/thermowatch/"), headers=AUTH) as c:
         page = c.get(f"/runs/{RUN}").text
     assert f"src='/thermowatch/runs/{RUN}/plot.png?" in page
     assert "href='/thermowatch'" in page
