@@ -3,7 +3,7 @@
 A YAML file lists only what differs from these defaults. Environment variables win over the
 file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
 `THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
-`THERMOWATCH_API_TOKEN_FILE`), so a systemd unit or a Kubernetes
+`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
@@ -88,6 +88,13 @@ class SupervisorConfig:
                           ("api_token", "THERMOWATCH_API_TOKEN"), ("api_token_file", "THERMOWATCH_API_TOKEN_FILE")):
             if env.get(key):
                 values[name] = env[key]
+        if env.get("THERMOWATCH_DB_URL_FILE") and not env.get("THERMOWATCH_DB_URL"):
+            # A URL with a password is a secret: systemd's LoadCredential= hands it over as a file.
+            path = env["THERMOWATCH_DB_URL_FILE"]
+            try:
+                values["db_url"] = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
         if env.get("THERMOWATCH_ADVISE_ONLY"):
             values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
         if env.get("THERMOWATCH_SLACK_CHANNEL"):
