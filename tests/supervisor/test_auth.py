@@ -268,6 +268,9 @@ def test_configured_admin_token_from_env_or_file(tmp_path):
     f.write_text(ADMIN_TOKEN + "\n")
     assert SupervisorConfig.load(env={"THERMOWATCH_API_TOKEN_FILE": str(f)}).api_token == ADMIN_TOKEN
     assert SupervisorConfig.load(env={"THERMOWATCH_API_TOKEN": "tw_abc"}).api_token == "tw_abc"
+    (tmp_path / "db-url").write_text("sqlite:////var/lib/thermowatch/x.db\n")
+    assert SupervisorConfig.load(env={"THERMOWATCH_DB_URL_FILE": str(tmp_path / "db-url")}).db_url == \
+        "sqlite:////var/lib/thermowatch/x.db"
     with pytest.raises(ConfigError, match="cannot read"):
         SupervisorConfig(api_token_file=str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("\n")
