@@ -61,7 +61,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         return {"commands": [c.to_json() for c in cmds]}
 
     @router.post("/runs/{run_id}/acks")
-    async def ack(run_id: str, request: Request, _: Principal = trainer) -> dict:
+    async def ack(run_id: str, request: Request, who: Principal = trainer) -> dict:
         obj = await read_json(request, 1 << 20)
         try:
             a = Ack.from_json(obj)
@@ -72,7 +72,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
             if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
                 await call(sup.executor.fail, run_id, cid, f"unacceptable acknowledgement: {exc}")
             raise HTTPException(422, str(exc)) from None
-        await call(sup.ack, run_id, a)
+        await call(sup.ack, run_id, a, who.name)
         return {"ok": True}
 
     @router.post("/runs/{run_id}/actions", status_code=201)

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 
 from supervisor.api import call
 from supervisor.api.auth import Guard
+from supervisor.auth import Principal
 from supervisor.ingest import (
     Ingestor,
     checkpoint_from_json,
@@ -76,16 +77,17 @@ def _attempt(raw: str) -> int:
 
 def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
     # The token is checked before the body is read: a caller without one learns nothing.
-    router = APIRouter(prefix="/api", tags=["ingest"], dependencies=[Depends(guard.require("ingest"))])
+    router = APIRouter(prefix="/api", tags=["ingest"])
+    trainer = Depends(guard.require("ingest"))
 
     @router.post("/runs", status_code=201)
-    async def open_run(request: Request) -> dict:
+    async def open_run(request: Request, who: Principal = trainer) -> dict:
         body = await read_body(request, max_body_bytes)
-        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
+        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body)), who.name))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/steps")
-    async def write_steps(run_id: str, attempt: str, request: Request) -> dict:
+    async def write_steps(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
 
@@ -97,17 +99,18 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
         return await call(work)
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
-    async def checkpoint_saved(run_id: str, attempt: str, request: Request) -> dict:
+    async def checkpoint_saved(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted")
-    async def checkpoints_deleted(run_id: str, attempt: str, request: Request) -> dict:
+    async def checkpoints_deleted(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
-        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body))))
+        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body)),
+                                                             actor=who.name))
         return {"ok": True}
 
     return router

@@ -181,6 +181,21 @@ def test_operate_implies_read_and_admin_everything(sup):
         assert c.get(f"/api/runs/{RUN}/commands", headers=AUTH).status_code == 200
 
 
+def test_every_audit_row_of_a_request_names_its_token(sup):
+    trainer = bearer(make_token(sup.sessions, "trainer-run7", "ingest"))
+    oncall = bearer(make_token(sup.sessions, "oncall", "operate"))
+    with TestClient(build_app(sup)) as c:
+        assert c.post("/api/runs", json={"run_id": "r7", "attempt": 0, "world_size": 1,
+                                         "config": {"steps": 50, "data": {"global_batch": 8}}},
+                      headers=trainer).status_code == 201
+        aid = c.post("/api/runs/r7/actions", json={"kind": "pause"}, headers=oncall).json()["action_id"]
+        assert [x["id"] for x in c.get("/api/runs/r7/commands", headers=trainer).json()["commands"]] == [aid]
+        assert c.post("/api/runs/r7/acks", json={"command_id": aid, "ok": True, "step": 3},
+                      headers=trainer).status_code == 200
+        audit = [(a["actor"], a["event"]) for a in c.get("/api/runs/r7/audit", headers=oncall).json()["audit"]]
+    assert sorted(audit) == [("oncall", "enqueued"), ("trainer-run7", "attempt_opened"), ("trainer-run7", "done")]
+
+
 def test_tokens_over_http_secret_once_hashed_at_rest_revocable(sup):
     with TestClient(build_app(sup), headers=AUTH) as c:
         r = c.post("/api/tokens", json={"name": "ci-bot", "scopes": ["operate", "read"]})
