@@ -15,7 +15,6 @@ runs' history or issue commands.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import logging
@@ -74,8 +73,7 @@ class Authenticator:
     def authenticate(self, secret: str) -> Principal | None:
         if not secret:
             return None
-        if self._config_digest is not None and hmac.compare_digest(
-                hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest(), self._config_digest):
+        if self._config_digest is not None and hmac.compare_digest(tokens_store.digest(secret), self._config_digest):
             return Principal(CONFIG_TOKEN_NAME, effective(["admin"]))
         with self.sessions() as s:
             row = tokens_store.find(s, secret)
@@ -115,7 +113,7 @@ def bootstrap_admin(cfg: SupervisorConfig, sessions: sessionmaker) -> Path | Non
         return None
     path = cfg.data_dir / BOOTSTRAP_FILE
     with sessions.begin() as s:
-        if tokens_store.count(s):
+        if tokens_store.any_token(s):
             return None
         _, secret = tokens_store.create_token(s, BOOTSTRAP_TOKEN_NAME, ["admin"])
         audit_store.audit(s, None, "supervisor", "token_created", {"name": BOOTSTRAP_TOKEN_NAME, "scopes": ["admin"],

@@ -101,8 +101,9 @@ def list_tokens(session: Session) -> list[TokenRow]:
     return [_row(t) for t in session.execute(select(ApiToken).order_by(ApiToken.id)).scalars()]
 
 
-def count(session: Session) -> int:
-    return len(session.execute(select(ApiToken.id).limit(1)).all())
+def any_token(session: Session) -> bool:
+    """Whether any token was ever made (revoked ones count)."""
+    return session.execute(select(ApiToken.id).limit(1)).first() is not None
 
 
 def revoke(session: Session, name: str) -> TokenRow:

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, quote, urlparse
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from supervisor.api.auth import COOKIE, Guard, SignInRequired, same_origin
 from supervisor.web.pages import _page, e
@@ -75,8 +76,6 @@ def install(app: FastAPI, guard: Guard, *, public_url: str = "") -> None:
         target = _safe_next((form.get("next") or [""])[0], base)
         principal = None
         if token and guard.authn is not None:
-            from starlette.concurrency import run_in_threadpool
-
             principal = await run_in_threadpool(guard.authn.authenticate, token)
         if principal is None:
             return sign_in_page(base, target, "unknown or revoked token" if token else "enter a token", 401)

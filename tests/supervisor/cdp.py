@@ -17,7 +17,8 @@ class Browser:
         to_chrome_r, self._w = os.pipe()
         self._r, from_chrome_w = os.pipe()
         # Chromium reads commands from fd 3 and writes answers to fd 4 (via high numbers first, so
-        # neither dup2 overwrites the other pipe's end; pass_fds keeps 3 and 4 open past close_fds).
+        # neither dup2 overwrites the other pipe's end). close_fds=False keeps them: pass_fds would
+        # need fds 3 and 4 to exist in this process too. os.pipe()'s own fds close on exec.
         def _fds() -> None:
             os.dup2(to_chrome_r, 200)
             os.dup2(from_chrome_w, 201)
@@ -28,7 +29,7 @@ class Browser:
             [chromium, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--disable-dev-shm-usage", f"--user-data-dir={profile}", *flags, "about:blank"],
-            preexec_fn=_fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
+            preexec_fn=_fds, close_fds=False, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
         os.close(to_chrome_r)
         os.close(from_chrome_w)
