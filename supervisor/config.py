@@ -3,7 +3,7 @@
 A YAML file lists only what differs from these defaults. Environment variables win over the
 file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
 `THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
-`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`), so a systemd unit or a Kubernetes
+`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
@@ -97,9 +97,9 @@ class SupervisorConfig:
                 raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
         if env.get("THERMOWATCH_ADVISE_ONLY"):
             values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
-        if env.get("THERMOWATCH_SLACK_CHANNEL"):
-            values.setdefault("slack", {})
-            values["slack"] = {**dict(values["slack"]), "channel": env["THERMOWATCH_SLACK_CHANNEL"]}
+        for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE")):
+            if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
+                values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -286,6 +286,10 @@ def test_configured_admin_token_from_env_or_file(tmp_path):
     (tmp_path / "db-url").write_text("sqlite:////var/lib/thermowatch/x.db\n")
     assert SupervisorConfig.load(env={"THERMOWATCH_DB_URL_FILE": str(tmp_path / "db-url")}).db_url == \
         "sqlite:////var/lib/thermowatch/x.db"
+    cfg = SupervisorConfig.load(Path(__file__).parents[2] / "deploy" / "supervisor.example.yaml",
+                                env={"THERMOWATCH_SLACK_TOKEN_FILE": "/run/credentials/x/slack"})
+    assert (cfg.slack.channel, cfg.slack.token_file) == ("#training-oncall", "/run/credentials/x/slack")
+    assert cfg.auth and is_loopback(cfg.host) and not cfg.public_read  # the shipped example: closed, loopback
     with pytest.raises(ConfigError, match="cannot read"):
         SupervisorConfig(api_token_file=str(tmp_path / "missing"))
     (tmp_path / "empty").write_text("\n")
