@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import socket
 import sqlite3
@@ -54,14 +55,19 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
         from supervisor.server import build_app
         from supervisor.service import Supervisor
 
-        cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url)
+        cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url,
+                               api_token=os.environ["THERMOWATCH_API_TOKEN"])  # auth on, as deployed
         app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
     else:
+        from supervisor.api.auth import Guard
         from supervisor.api.ingest import make_router
+        from supervisor.auth import Authenticator
         from supervisor.ingest import Ingestor
 
+        sessions = make_sessionmaker(make_engine(url))
         app = FastAPI()
-        app.include_router(make_router(Ingestor(make_sessionmaker(make_engine(url)))))
+        guard = Guard(Authenticator(sessions, config_token=os.environ["THERMOWATCH_API_TOKEN"]))
+        app.include_router(make_router(Ingestor(sessions), guard=guard))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -94,11 +100,13 @@ def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple
     """(values/s from the first request to the last value stored *and judged*, p99 ms per batch
     request, values/s until the last answer). Without detectors the two rates are the same."""
     port = _port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    token = "tw_" + secrets.token_urlsafe(32)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+               THERMOWATCH_API_TOKEN=token)
     proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port), mode], env=env)
     try:
         base = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=base, timeout=600) as c:
+        with httpx.Client(base_url=base, timeout=600, headers={"Authorization": f"Bearer {token}"}) as c:
             deadline = time.monotonic() + 60
             while True:
                 try:

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -74,7 +75,9 @@ def main() -> None:
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tw-slack-outage-"))
     port = _port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           # auth on, as deployed: the daemon's admin token, which `train --supervisor` also sends
+           "THERMOWATCH_API_TOKEN": "tw_" + secrets.token_urlsafe(32)}
     cli = [sys.executable, "-m", "supervisor.cli"]
     with FakeSlack() as slack:
         env["SLACK_BOT_TOKEN"] = slack.token

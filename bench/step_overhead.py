@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import socket
+import secrets
 import statistics
 import subprocess
 import sys
@@ -70,8 +71,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+TOKEN = "tw_" + secrets.token_urlsafe(32)  # the daemon's admin token for this run (auth on, as deployed)
+
+
 def start_daemon(data_dir: Path, port: int, cpu: int | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               THERMOWATCH_API_TOKEN=TOKEN)
     cmd = [sys.executable, "-c", "import sys; from supervisor.cli import main; sys.exit(main(sys.argv[1:]))",
            "serve", "--data-dir", str(data_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(data_dir / "daemon.log", "ab"),
@@ -106,7 +111,7 @@ def main() -> None:
     port = _port()
     (tmp / "daemon").mkdir()
     daemon = start_daemon(tmp / "daemon", port, daemon_cpu)
-    http = HttpSink(f"http://127.0.0.1:{port}", tmp / "spool", retry_interval=1.0)
+    http = HttpSink(f"http://127.0.0.1:{port}", tmp / "spool", TOKEN, retry_interval=1.0)
     null = NullSink()
     run = "step-overhead"
     http.open_run(RunInfo(run, 0, world_size=1, config={"bench": "step_overhead"}))

@@ -86,6 +86,42 @@ def cmd_db(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    """Token administration, straight on the database like `db`: it is how the first scoped
+    tokens are made and how an operator recovers after losing every admin token, so it must work
+    with the daemon down or locked; whoever holds the database URL is an admin anyway. Remote
+    admins use POST /api/tokens with an admin token."""
+    from supervisor import db
+    from supervisor.api import tokens as tokens_api
+
+    cfg = _supervisor_config(args)
+    engine = db.make_engine(cfg.db_url)
+    try:
+        db.check_current(engine)
+        sessions = db.make_sessionmaker(engine)
+        if args.token_command == "create":
+            row, secret = tokens_api.create(sessions, args.name, args.scope or [], "cli")
+            print(f"created token {row.name!r} with scopes {', '.join(row.scopes)}; its secret, shown only now "
+                  f"(only its SHA-256 digest is stored):", file=sys.stderr)
+            print(secret)
+        elif args.token_command == "revoke":
+            tokens_api.revoke(sessions, args.name, "cli")
+            print(f"revoked token {args.name!r}; requests carrying it are refused from now on")
+        else:
+            rows = tokens_api.listing(sessions)
+            for t in rows:
+                state = f"revoked {t['revoked_at'][:19]}Z" if t["revoked_at"] else "active"
+                print(f"{t['name']:<30} {','.join(t['scopes']):<28} created {t['created_at'][:19]}Z  {state}")
+            if not rows:
+                print("(no tokens)")
+    except db.SchemaOutOfDate as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        engine.dispose()
+    return EXIT_OK
+
+
 def cmd_manual(args: argparse.Namespace) -> int:
     """rollback / skip / lr / pause / resume / stop / approve / actions / runs: through the
     daemon's API, which writes the same action rows the automatic policy writes, so one
@@ -170,6 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("db_command", choices=["upgrade", "current"])
     _add_db_flags(p)
     p.set_defaults(func=cmd_db)
+
+    p = sub.add_parser("token", help="API tokens: create (the secret is printed once), list, revoke")
+    tsub = p.add_subparsers(dest="token_command", required=True)
+    tp = tsub.add_parser("create", help="a new token; prints its secret on stdout, once")
+    tp.add_argument("name", help="who or what holds it (the actor name in the audit trail): trainer-run42, alice")
+    tp.add_argument("--scope", action="append", choices=["ingest", "read", "operate", "admin"], required=True,
+                    help="repeat for several; operate implies read, admin implies all")
+    _add_db_flags(tp)
+    tp = tsub.add_parser("list", help="names, scopes, created and revoked times (never secrets)")
+    _add_db_flags(tp)
+    tp = tsub.add_parser("revoke", help="refuse the token from now on (the row stays, for the audit trail)")
+    tp.add_argument("name")
+    _add_db_flags(tp)
+    p.set_defaults(func=cmd_token)
 
     from supervisor.manual import add_manual_commands
 

@@ -2,7 +2,8 @@
 
 A YAML file lists only what differs from these defaults. Environment variables win over the
 file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
-`THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`), so a systemd unit or a Kubernetes
+`THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
+`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
@@ -36,7 +37,14 @@ class SupervisorConfig:
     db_url: str = ""
     host: str = "127.0.0.1"  # never listen on all interfaces by default: the API can roll runs back
     port: int = 8765
-    api_token: str = ""  # when set, mutating API calls need `Authorization: Bearer <token>`
+    # Auth is on by default (supervisor.auth): every route but /healthz needs a scoped token.
+    # `auth: false` is a loopback-only escape hatch for a laptop; serve refuses it on any other host.
+    auth: bool = True
+    public_read: bool = False  # true: read routes and the web page need no token (operate/ingest still do)
+    # An admin token provided up front (scripts, tests, a Kubernetes secret), accepted as the actor
+    # "config-admin" and never stored. Prefer the file (systemd LoadCredential=) over the env var.
+    api_token: str = ""
+    api_token_file: str = ""
     public_url: str = ""  # where the web page is reachable, for links in alerts
     advise_only: bool = False  # every action waits for a human's approval
     ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
@@ -54,6 +62,17 @@ class SupervisorConfig:
             raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
         if self.ack_timeout_s <= 0:
             raise ConfigError(f"ack_timeout_s must be > 0, got {self.ack_timeout_s!r}")
+        if self.api_token_file and not self.api_token:
+            try:
+                self.api_token = Path(self.api_token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"api_token_file: cannot read {self.api_token_file} ({exc.strerror}); check the path "
+                                  f"and that the daemon's user may read it") from None
+            if not self.api_token:
+                raise ConfigError(f"api_token_file: {self.api_token_file} is empty; write the admin token into it")
+        for name in ("auth", "public_read"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.slack, Mapping):
             self.slack = SlackConfig(**self.slack)
 
@@ -66,14 +85,21 @@ class SupervisorConfig:
         env = os.environ if env is None else env
         for name, key in (("db_url", "THERMOWATCH_DB_URL"), ("data_dir", "THERMOWATCH_DATA_DIR"),
                           ("host", "THERMOWATCH_HOST"), ("port", "THERMOWATCH_PORT"),
-                          ("api_token", "THERMOWATCH_API_TOKEN")):
+                          ("api_token", "THERMOWATCH_API_TOKEN"), ("api_token_file", "THERMOWATCH_API_TOKEN_FILE")):
             if env.get(key):
                 values[name] = env[key]
+        if env.get("THERMOWATCH_DB_URL_FILE") and not env.get("THERMOWATCH_DB_URL"):
+            # A URL with a password is a secret: systemd's LoadCredential= hands it over as a file.
+            path = env["THERMOWATCH_DB_URL_FILE"]
+            try:
+                values["db_url"] = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
         if env.get("THERMOWATCH_ADVISE_ONLY"):
             values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
-        if env.get("THERMOWATCH_SLACK_CHANNEL"):
-            values.setdefault("slack", {})
-            values["slack"] = {**dict(values["slack"]), "channel": env["THERMOWATCH_SLACK_CHANNEL"]}
+        for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE")):
+            if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
+                values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -194,7 +194,7 @@ class Executor:
             self.fail(run_id, a.id, f"not a valid command: {why}")
         return out
 
-    def acknowledge(self, run_id: str, ack: Ack) -> None:
+    def acknowledge(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
         """The run controller says what the command did (or that it failed). An ack that cannot
         be booked fails the action with an alert and raises UserError (a 4xx) with the reason."""
         rollback_to = None
@@ -213,7 +213,7 @@ class Executor:
                 if not ack.ok:
                     actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it",
                                                    result=result)
-                    audit_store.audit(s, run_id, "trainer", "failed", {"action_id": row.id, "detail": ack.detail})
+                    audit_store.audit(s, run_id, actor, "failed", {"action_id": row.id, "detail": ack.detail})
                     self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                             title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
                                             text=ack.detail or "the run controller refused the command",
@@ -224,8 +224,8 @@ class Executor:
                     actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step, result=result)
                     rollback_to = self._book(s, run_id, row, ack)
                     actions_store.set_action_state(s, row.id, "done")
-                    audit_store.audit(s, run_id, "trainer", "done", {"action_id": row.id, "step": ack.step,
-                                                                     "detail": ack.detail})
+                    audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
+                                                               "detail": ack.detail})
         except (ContractError, DataError, IntegrityError, actions_store.ActionStateError) as exc:
             why = f"the acknowledgement could not be booked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             self.fail(run_id, ack.command_id, why, result=ack.to_json())

@@ -68,13 +68,14 @@ class Ingestor:
 
     # --- RecordSink ----------------------------------------------------------------------------
 
-    def open_run(self, info: RunInfo) -> None:
+    def open_run(self, info: RunInfo, actor: str = "run-controller") -> None:
+        """`actor`: the audit trail's name for the caller (over HTTP, its token's name)."""
         validate_run_info(info)
         with self._sessions.begin() as s:
             new = not runs_store.attempt_exists(s, info.run_id, info.attempt)
             runs_store.open_attempt(s, info)
             if new:
-                audit_store.audit(s, info.run_id, "run-controller", "attempt_opened",
+                audit_store.audit(s, info.run_id, actor, "attempt_opened",
                                   {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step})
         self._attempts.add((info.run_id, info.attempt))
 
@@ -107,14 +108,15 @@ class Ingestor:
             self._check_attempt(s, run_id, attempt)
             checkpoints_store.record_checkpoint(s, run_id, attempt, ckpt)
 
-    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str,
+                            actor: str = "run-controller") -> None:
         """The trainer deleted these checkpoints: never offer them again (list, page, policy)."""
         steps = [int(x) for x in steps]
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
             n = checkpoints_store.mark_deleted(s, run_id, steps)
             if n:
-                audit_store.audit(s, run_id, "run-controller", "checkpoints_deleted",
+                audit_store.audit(s, run_id, actor, "checkpoints_deleted",
                                   {"steps": steps, "reason": reason, "attempt": attempt})
 
     def close(self) -> None:

@@ -1,13 +1,14 @@
 """`thermowatch train CONFIG`: one supervised run.
 
-Against a running daemon (`--supervisor URL`) the controller talks HTTP, spooling to disk while
-the daemon is away; without one, an embedded supervisor runs in this process (the same code,
+Against a running daemon (`--supervisor URL`) the controller talks HTTP with an `ingest` token
+(THERMOWATCH_TOKEN), spooling to disk while the daemon is away; without one, an embedded supervisor runs in this process (the same code,
 no HTTP) on the data dir's SQLite.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,13 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
     if supervisor_url:
         from trainer.http_sink import HttpCommandChannel, HttpSink
 
-        token = sup_config.api_token or None
+        # The daemon's auth is on by default: the trainer needs a token with the `ingest` scope
+        # (`thermowatch token create trainer --scope ingest`), from THERMOWATCH_TOKEN, else the
+        # admin token of THERMOWATCH_API_TOKEN / api_token_file.
+        token = os.environ.get("THERMOWATCH_TOKEN") or sup_config.api_token
+        if not token:
+            raise UserError(f"--supervisor {supervisor_url}: no token to send; set THERMOWATCH_TOKEN to a token with "
+                            f"the `ingest` scope (thermowatch token create trainer --scope ingest)")
         sink = HttpSink(supervisor_url, sup_config.data_dir / "spool" / tcfg.run_id, token=token)
         commands = HttpCommandChannel(supervisor_url, token=token)
         closer = sink.close

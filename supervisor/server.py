@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -16,23 +17,42 @@ from supervisor import db
 from supervisor.config import SupervisorConfig
 from supervisor.service import Supervisor
 
+if TYPE_CHECKING:
+    from supervisor.api.auth import Guard
+
 log = logging.getLogger(__name__)
 
 
-def build_app(sup: Supervisor) -> FastAPI:
-    from supervisor.api import commands, ingest, runs
-    from supervisor.web import pages
+def build_guard(sup: Supervisor) -> "Guard":
+    from supervisor.api.auth import Guard
+    from supervisor.auth import Authenticator
 
-    token = sup.cfg.api_token or None
+    if not sup.cfg.auth:
+        return Guard(None)
+    return Guard(Authenticator(sup.sessions, config_token=sup.cfg.api_token), public_read=sup.cfg.public_read)
+
+
+def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: str = "") -> None:
+    """Every router, each behind its scope (supervisor.api.auth); /healthz is added by build_app."""
+    from supervisor.api import commands, ingest, runs, tokens
+    from supervisor.web import login, pages
+
+    app.include_router(ingest.make_router(sup, guard=guard, max_body_bytes=sup.cfg.max_body_bytes))
+    app.include_router(commands.make_router(sup, guard=guard))
+    app.include_router(tokens.make_router(sup, guard=guard))
+    app.include_router(runs.make_router(sup, guard=guard))
+    app.include_router(pages.make_router(sup, guard=guard, public_url=public_url))
+    login.install(app, guard, public_url=public_url)
+
+
+def build_app(sup: Supervisor, guard: "Guard | None" = None) -> FastAPI:
     app = FastAPI(title="thermowatch", version="0.1.0")
-    app.include_router(ingest.make_router(sup, token=token, max_body_bytes=sup.cfg.max_body_bytes))
-    app.include_router(commands.make_router(sup, token=token))
-    app.include_router(runs.make_router(sup))
-    app.include_router(pages.make_router(sup, public_url=sup.cfg.public_url))
+    mount_routes(app, sup, guard or build_guard(sup), public_url=sup.cfg.public_url)
 
     @app.get("/healthz")
     def healthz() -> dict:
-        # judge_backlog: ingested batches not judged yet (commit, answer, then judge).
+        # Open on purpose: the liveness probe (systemd, Kubernetes) holds no token, and the answer
+        # says nothing about any run. judge_backlog: ingested batches not judged yet.
         return {"ok": True, "judge_backlog": sup.judge.backlog}
 
     @app.exception_handler(Exception)
@@ -77,8 +97,18 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
 
     from supervisor.scheduler import Scheduler
 
+    from supervisor.auth import bootstrap_admin, check_bind
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_bind(cfg)  # before anything is opened: an open daemon on a network never starts
     sup = Supervisor(cfg, auto_upgrade=auto_upgrade, judge_inline=False)  # answer, then judge
+    try:
+        bootstrap_admin(cfg, sup.sessions)
+    except BaseException:
+        sup.close()
+        raise
+    if not cfg.auth:
+        log.warning("auth: false -- every route is open to anyone who can reach %s (loopback only)", cfg.host)
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
     server = uvicorn.Server(uvicorn.Config(build_app(sup), host=cfg.host, port=cfg.port, log_level="info"))

@@ -71,8 +71,8 @@ class Supervisor:
 
     # --- RecordSink ---------------------------------------------------------------------------
 
-    def open_run(self, info: RunInfo) -> None:
-        self.ingestor.open_run(info)
+    def open_run(self, info: RunInfo, actor: str = "run-controller") -> None:
+        self.ingestor.open_run(info, actor)
         self.responder.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
@@ -92,16 +92,17 @@ class Supervisor:
                 ckpt = dataclasses.replace(ckpt, healthy=False)
         self.ingestor.checkpoint_saved(run_id, attempt, ckpt)
 
-    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
-        self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason)
+    def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str,
+                            actor: str = "run-controller") -> None:
+        self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason, actor)
 
     # --- CommandChannel -----------------------------------------------------------------------
 
     def poll(self, run_id: str) -> list[Command]:
         return self.executor.deliver(run_id)
 
-    def ack(self, run_id: str, ack: Ack) -> None:
-        self.executor.acknowledge(run_id, ack)
+    def ack(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
+        self.executor.acknowledge(run_id, ack, actor)
 
     # --- internals ------------------------------------------------------------------------------
 

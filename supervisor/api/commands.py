@@ -3,32 +3,38 @@
     GET  /api/runs/{run_id}/commands            -> {"commands": [Command...]}   (pending -> sent)
     POST /api/runs/{run_id}/acks                {Ack}                          -> {"ok": true}
          (an ack that cannot be accepted: 422 with the reason, and its action goes `failed`)
-    POST /api/runs/{run_id}/actions             {"kind", "args", "who", "reason"} -> 201 {"action_id"}
-    POST /api/actions/{action_id}/approve       {"who"}                        -> {"ok": true}
-    POST /api/actions/{action_id}/cancel        {"who"}                        -> {"ok": true}
+    POST /api/runs/{run_id}/actions             {"kind", "args", "who"?, "reason"} -> 201 {"action_id"}
+    POST /api/actions/{action_id}/approve       {"who"?}                       -> {"ok": true}
+    POST /api/actions/{action_id}/cancel        {"who"?}                       -> {"ok": true}
+
+Scopes (supervisor.api.auth): polling and acknowledging are the trainer's (`ingest`); submitting,
+approving and cancelling are a person's (`operate`). The actor recorded in the action and audit
+rows is the token's name; an optional `who` is kept beside it as a claim ("ci-bot (alice)").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from monitors.contract import INT32_MAX, Ack, ContractError
 from supervisor.api import call
-from supervisor.api.ingest import _check_token, read_json
+from supervisor.api.auth import Guard, actor
+from supervisor.api.ingest import read_json
+from supervisor.auth import Principal
 
 
 class ManualAction(BaseModel):
     kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile")
     args: dict[str, Any] = Field(default_factory=dict)
-    who: str = Field(min_length=1, description="your name, for the audit trail")
+    who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
     reason: str = ""
 
 
 class Approval(BaseModel):
-    who: str = Field(min_length=1)
+    who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -44,18 +50,18 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
                                  f"in the request body)") from None
 
 
-def make_router(sup, *, token: str | None = None) -> APIRouter:
+def make_router(sup, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
+    trainer = Depends(guard.require("ingest"))
+    operator = Depends(guard.require("operate"))
 
     @router.get("/runs/{run_id}/commands")
-    async def poll(run_id: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def poll(run_id: str, request: Request, _: Principal = trainer) -> dict:
         cmds = await call(sup.poll, run_id)
         return {"commands": [c.to_json() for c in cmds]}
 
     @router.post("/runs/{run_id}/acks")
-    async def ack(run_id: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def ack(run_id: str, request: Request, who: Principal = trainer) -> dict:
         obj = await read_json(request, 1 << 20)
         try:
             a = Ack.from_json(obj)
@@ -66,29 +72,27 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
             if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
                 await call(sup.executor.fail, run_id, cid, f"unacceptable acknowledgement: {exc}")
             raise HTTPException(422, str(exc)) from None
-        await call(sup.ack, run_id, a)
+        await call(sup.ack, run_id, a, who.name)
         return {"ok": True}
 
     @router.post("/runs/{run_id}/actions", status_code=201)
-    async def submit(run_id: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def submit(run_id: str, request: Request, who: Principal = operator) -> dict:
         body = await _parse(request, ManualAction)
         # The contract's constructors and the run's limits (supervisor.feasibility) decide: 422.
-        action_id = await call(sup.executor.submit, run_id, body.kind, body.args, body.who, body.reason)
+        action_id = await call(sup.executor.submit, run_id, body.kind, body.args,
+                               actor(who, body.who), body.reason)
         return {"action_id": action_id}
 
     @router.post("/actions/{action_id}/approve")
-    async def approve(action_id: int, request: Request) -> dict:
-        _check_token(request, token)
+    async def approve(action_id: int, request: Request, who: Principal = operator) -> dict:
         body = await _parse(request, Approval)
-        await call(sup.executor.approve, action_id, body.who)
+        await call(sup.executor.approve, action_id, actor(who, body.who))
         return {"ok": True}
 
     @router.post("/actions/{action_id}/cancel")
-    async def cancel(action_id: int, request: Request) -> dict:
-        _check_token(request, token)
+    async def cancel(action_id: int, request: Request, who: Principal = operator) -> dict:
         body = await _parse(request, Approval)
-        await call(sup.executor.cancel, action_id, body.who)
+        await call(sup.executor.cancel, action_id, actor(who, body.who))
         return {"ok": True}
 
     return router

@@ -5,7 +5,8 @@
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints CheckpointInfo JSON   -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted {"steps", "reason"} -> {"ok": true}
 
-Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401 bad token,
+Every route needs a token with the `ingest` scope (supervisor.api.auth).
+Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401/403 token,
 404 unknown run/attempt, 413 body or batch too large, 422 wrong types. Bodies are read as raw
 bytes and parsed with json.loads (accepts NaN/Infinity, which Python's json emits) in a worker
 thread; pydantic models per record would cost more than the database insert.
@@ -13,13 +14,14 @@ thread; pydantic models per record would cost more than the database insert.
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 
 from supervisor.api import call
+from supervisor.api.auth import Guard
+from supervisor.auth import Principal
 from supervisor.ingest import (
     Ingestor,
     checkpoint_from_json,
@@ -62,14 +64,6 @@ def parse_json(body: bytes) -> Any:
         raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
 
 
-def _check_token(request: Request, token: str | None) -> None:
-    if token is None:
-        return
-    got = request.headers.get("authorization", "")
-    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-        raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-
-
 def _attempt(raw: str) -> int:
     # Parsed here, not by FastAPI, so the 422 detail is one sentence like every other error.
     try:
@@ -81,19 +75,19 @@ def _attempt(raw: str) -> int:
     return value
 
 
-def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
+def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
+    # The token is checked before the body is read: a caller without one learns nothing.
     router = APIRouter(prefix="/api", tags=["ingest"])
+    trainer = Depends(guard.require("ingest"))
 
     @router.post("/runs", status_code=201)
-    async def open_run(request: Request) -> dict:
-        _check_token(request, token)
+    async def open_run(request: Request, who: Principal = trainer) -> dict:
         body = await read_body(request, max_body_bytes)
-        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
+        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body)), who.name))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/steps")
-    async def write_steps(run_id: str, attempt: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def write_steps(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
 
@@ -105,19 +99,18 @@ def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes:
         return await call(work)
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
-    async def checkpoint_saved(run_id: str, attempt: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def checkpoint_saved(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted")
-    async def checkpoints_deleted(run_id: str, attempt: str, request: Request) -> dict:
-        _check_token(request, token)
+    async def checkpoints_deleted(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
-        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body))))
+        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body)),
+                                                             actor=who.name))
         return {"ok": True}
 
     return router

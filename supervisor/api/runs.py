@@ -1,5 +1,6 @@
 """The read API: runs, their thermometer history, incidents, actions and audit (thin routers
-over supervisor.store; each request is one read-only session).
+over supervisor.store; each request is one read-only session). Every route needs the `read`
+scope unless the config says `public_read: true` (supervisor.api.auth).
 
     GET /api/runs                                   -> {"runs": [{run_id, last_step, attempts, open_incidents}]}
     GET /api/runs/{run_id}                          -> attempts, checkpoints, skip ranges, LR changes
@@ -30,12 +31,13 @@ import math
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi import Path as FPath
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from monitors.contract import INT32_MAX
+from supervisor.api.auth import Guard
 from supervisor.outcome import outcome
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
@@ -212,8 +214,8 @@ def incidents_with_findings(s: Session, run_id: str) -> list[dict[str, Any]]:
 # --- the router --------------------------------------------------------------------------------
 
 
-def make_router(sup) -> APIRouter:
-    router = APIRouter(prefix="/api", tags=["runs"])
+def make_router(sup, *, guard: Guard) -> APIRouter:
+    router = APIRouter(prefix="/api", tags=["runs"], dependencies=[Depends(guard.require("read"))])
     # Plain `def` handlers: FastAPI runs them in its threadpool, off the event loop.
 
     @router.get("/runs")

@@ -11,7 +11,8 @@ With ?incident=N the page zooms every chart to the steps around that incident (o
 and the rollback target), highlights its row and puts a summary banner above the charts (linking to the row) rather than
 scrolling away from the zoomed charts. Charts draw older attempts' re-trained points faded and
 dashed (the trajectory a rollback abandoned), with a note saying so. Every string that came from a
-run (ids, module names, reasons, audit details) is HTML-escaped.
+run (ids, module names, reasons, audit details) is HTML-escaped. Every page needs the `read`
+scope (or `public_read: true`): a bearer token, or the cookie of the sign-in form (web/login.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 from sqlalchemy.orm import Session
 
+from supervisor.api.auth import Guard
 from supervisor.api.runs import check_window, incidents_with_findings, require_run, resolve_keys, run_summaries
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
@@ -127,8 +129,9 @@ def collect_marks(s: Session, run_id: str, selected: int | None):
     return marks
 
 
-def make_router(sup, *, public_url: str = "") -> APIRouter:
-    router = APIRouter(tags=["web"], include_in_schema=False)
+def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
+    router = APIRouter(tags=["web"], include_in_schema=False,
+                       dependencies=[Depends(guard.require("read", cookie=True))])
     # Behind an ingress that serves us under a path (https://host/thermowatch), links carry it.
     base = urlparse(public_url).path.rstrip("/") if public_url else ""
 
@@ -147,7 +150,9 @@ def make_router(sup, *, public_url: str = "") -> APIRouter:
                 f"<a href='{e(run_url(r['run_id']))}'>{e(r['run_id'])}</a>", e(r["created_at"][:19].replace("T", " ") + "Z"),
                 e(r["last_step"] if r["last_step"] is not None else "-"), e(r["attempts"]),
                 f"<span class='bad'>{n_open}</span>" if n_open else "0") + "</tr>")
-        body = ("<h1>thermowatch: runs</h1>"
+        body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
+                "<button type='submit' id='sign-out'>sign out</button></form>"
+                "<h1>thermowatch: runs</h1>"
                 + _table(["run", "created (UTC)", "last step", "attempts", "open incidents"], rows,
                          "no runs yet: a run appears when its run controller first reports"))
         return _page("thermowatch: runs", body)

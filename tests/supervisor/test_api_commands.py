@@ -23,13 +23,14 @@ from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
 from supervisor.store import skips as skips_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
 
 RUN = "api"
 
 
 def make_sup(db, tmp_path, **over) -> Supervisor:
     cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
-                           detectors=dict(DETECTORS), **over)
+                           detectors=dict(DETECTORS), **{"api_token": ADMIN_TOKEN, **over})
     sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
     return sup
@@ -44,7 +45,7 @@ def sup(db, tmp_path):
 
 @pytest.fixture
 def client(sup):
-    with TestClient(build_app(sup)) as c:
+    with TestClient(build_app(sup), headers=AUTH) as c:
         yield c
 
 
@@ -73,7 +74,7 @@ def test_submit_poll_ack_happy_path(client, sup):
     assert r.status_code == 200 and r.json() == {"ok": True}
     with sup.sessions() as s:
         row = actions_store.get_action(s, aid)
-        assert (row.state, row.ack_step, row.origin, row.who, row.reason) == ("done", 12, "manual", "bob", "bad shard")
+        assert (row.state, row.ack_step, row.origin, row.who, row.reason) == ("done", 12, "manual", "config-admin (bob)", "bad shard")
         assert skips_store.skip_ranges(s, RUN) == [(10, 20)]
     # the read API shows the same row
     acts = client.get(f"/api/runs/{RUN}/actions").json()["actions"]
@@ -122,7 +123,7 @@ def test_approve_happy_path_and_twice_is_409(db, tmp_path):
              stop=lambda: bool(stored(sup)[0]))
         (aid, kind, state, args, *_), = stored(sup)[0]
         assert (kind, state) == ("rollback", "pending")
-        with TestClient(build_app(sup)) as c:
+        with TestClient(build_app(sup), headers=AUTH) as c:
             assert c.get(f"/api/runs/{RUN}/commands").json() == {"commands": []}
             r = c.post(f"/api/actions/{aid}/approve", json={"who": "alice"})
             assert r.status_code == 200, r.text
@@ -152,7 +153,7 @@ def test_approve_happy_path_and_twice_is_409(db, tmp_path):
      "lo must be < hi"),
     ("post", f"/api/runs/{RUN}/actions", {"kind": "set_lr", "args": {"lr_multiplier": 0}, "who": "bob"}, 422,
      "lr_multiplier"),
-    ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": ""}, 422, "who"),
+    ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": "x" * 91}, 422, "who"),
     ("post", f"/api/runs/{RUN}/acks", {"command_id": "x", "ok": True, "step": 1}, 422, "command_id"),
     ("post", f"/api/runs/{RUN}/acks", {"ok": True, "step": 1}, 422, "command_id"),
 ])
@@ -179,39 +180,62 @@ def test_malformed_json_is_400(client, sup, path):
 
 
 def test_token_auth(db, tmp_path):
-    sup = make_sup(db, tmp_path, api_token="s3cret")
+    """The command routes' scopes: the trainer's (`ingest`) polls and acks, a person's
+    (`operate`) submits, approves and cancels; neither can do the other's."""
+    sup = make_sup(db, tmp_path, api_token="")
     try:
+        trainer = bearer(make_token(sup.sessions, "trainer-1", "ingest"))
+        alice = bearer(make_token(sup.sessions, "alice", "operate"))
         with TestClient(build_app(sup)) as c:
-            auth = {"Authorization": "Bearer s3cret"}
-            for method, path, body in (("get", f"/api/runs/{RUN}/commands", None),
-                                       ("post", f"/api/runs/{RUN}/actions", {"kind": "pause", "who": "bob"}),
-                                       ("post", f"/api/runs/{RUN}/acks", {"command_id": 1, "ok": True, "step": 1}),
-                                       ("post", "/api/actions/1/cancel", {"who": "bob"}),
-                                       ("post", "/api/actions/1/approve", {"who": "bob"})):
+            for method, path, body, scope in (("get", f"/api/runs/{RUN}/commands", None, "ingest"),
+                                              ("post", f"/api/runs/{RUN}/actions", {"kind": "pause"}, "operate"),
+                                              ("post", f"/api/runs/{RUN}/acks", {"command_id": 1, "ok": True, "step": 1},
+                                               "ingest"),
+                                              ("post", "/api/actions/1/cancel", {}, "operate"),
+                                              ("post", "/api/actions/1/approve", {}, "operate")):
                 kw = {"json": body} if body is not None else {}
-                for headers in ({}, {"Authorization": "Bearer wrong"}):
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic YTpi"}):
                     r = getattr(c, method)(path, headers=headers, **kw)
                     assert r.status_code == 401, (path, r.status_code)
-                    assert "bearer token" in r.json()["detail"]
+                    assert r.headers["www-authenticate"].startswith("Bearer")
+                wrong = alice if scope == "ingest" else trainer
+                r = getattr(c, method)(path, headers=wrong, **kw)
+                assert r.status_code == 403 and f"`{scope}` scope" in r.json()["detail"], (path, r.text)
             assert stored(sup)[0] == []
-            r = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "bob"}, headers=auth)
-            assert r.status_code == 201
-            cmds = c.get(f"/api/runs/{RUN}/commands", headers=auth).json()["commands"]
+            r = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause"}, headers={"authorization": "bEaReR " +
+                                                                                   alice["Authorization"][7:]})
+            assert r.status_code == 201, r.text  # the scheme in any case (RFC 7235)
+            cmds = c.get(f"/api/runs/{RUN}/commands", headers=trainer).json()["commands"]
             assert [x["kind"] for x in cmds] == ["pause"]
+        with sup.sessions() as s:
+            (act,) = actions_store.actions(s, RUN)
+            assert act.who == "alice"  # the token's name, not a name the body claims
+            assert [a.actor for a in audit_store.audit_log(s, RUN) if a.event == "enqueued"] == ["alice"]
     finally:
         sup.close()
+
+
+def test_claimed_who_is_recorded_beside_the_token_name(client, sup):
+    aid = submit(client, who="bob").json()["action_id"]
+    assert client.post(f"/api/actions/{aid}/cancel", json={"who": "carol"}).status_code == 200
+    with sup.sessions() as s:
+        assert actions_store.get_action(s, aid).who == "config-admin (bob)"
+        assert {a.event: a.actor for a in audit_store.audit_log(s, RUN) if a.event in ("enqueued", "cancelled")} == {
+            "enqueued": "config-admin (bob)", "cancelled": "config-admin (carol)"}
 
 
 def test_auth_is_checked_before_the_body(db, tmp_path):
     """Without the token every mutating call is 401, whatever the body: a client without the
     token learns nothing about what a valid request looks like."""
-    sup = make_sup(db, tmp_path, api_token="s3cret")
+    sup = make_sup(db, tmp_path)
     try:
         with TestClient(build_app(sup)) as c:
             for path, body in ((f"/api/runs/{RUN}/actions", {"kind": "pause"}),
                                ("/api/actions/1/approve", {}), ("/api/actions/1/cancel", {"who": ""}),
-                               (f"/api/runs/{RUN}/acks", {"ok": True})):
-                r = c.post(path, json=body)
+                               (f"/api/runs/{RUN}/acks", {"ok": True}), ("/api/actions/x/approve", b"{"),
+                               (f"/api/runs/{RUN}/attempts/-1/steps", b"nope")):
+                kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                r = c.post(path, **kw)
                 assert r.status_code == 401, (path, r.status_code, r.text)
     finally:
         sup.close()
@@ -233,7 +257,7 @@ def test_real_uvicorn_server(sup):
         while not server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH) as c:
             r = c.post(f"/api/runs/{RUN}/actions", json={"kind": "set_lr", "args": {"lr_multiplier": 0.5},
                                                          "who": "bob", "reason": "loss noisy"})
             assert r.status_code == 201, r.text

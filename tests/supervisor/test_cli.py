@@ -17,6 +17,7 @@ from supervisor.notify.console import ConsoleNotifier
 from supervisor.service import Supervisor
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
 from tests.fixtures.diverging import (
     DETECTORS,
     POLICY,
@@ -42,7 +43,8 @@ def run(db, tmp_path):
 @dataclass
 class Daemon:
     url: str
-    token: str | None
+    token: str | None  # the on-call engineer's: read + operate
+    trainer_token: str  # the run controller's: ingest
 
     @property
     def token_flags(self) -> list[str]:
@@ -60,11 +62,12 @@ def daemon(db, run, tmp_path):
     from supervisor.server import build_app
     from tests.live_server import running
 
-    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url),
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
                      notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
     try:
         with running(build_app(sup)) as url:
-            yield Daemon(url, sup.cfg.api_token or None)
+            yield Daemon(url, make_token(db.sessions, "oncall", "read", "operate"),
+                         make_token(db.sessions, "trainer", "ingest"))
     finally:
         sup.close()
 
@@ -241,7 +244,7 @@ def _answer(daemon, make_ack):
 
     from trainer.http_sink import HttpCommandChannel
 
-    channel = HttpCommandChannel(daemon.url, token=daemon.token)
+    channel = HttpCommandChannel(daemon.url, token=daemon.trainer_token)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

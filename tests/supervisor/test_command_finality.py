@@ -21,6 +21,7 @@ from supervisor.service import Supervisor
 from supervisor.store import actions as actions_store
 from supervisor.store import alerts as alerts_store
 from trainer.http_sink import HttpCommandChannel
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 
 RUN = "fin"
 
@@ -33,7 +34,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 def served(db, tmp_path):
-    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url),
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
                      notifier=ConsoleNotifier(io.StringIO()))
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1, config={"steps": 100, "data": {"global_batch": 8}}))
     app = build_app(sup)
@@ -63,7 +64,7 @@ def _row(sup, aid):
 
 def test_unstorable_commands_are_refused_at_submit(served):
     sup, url, _ = served
-    with httpx.Client(base_url=url) as c:
+    with httpx.Client(base_url=url, headers=AUTH) as c:
         for args, kind, words in (({"skip_ranges": [[0, 2**63]]}, "skip", "2**63-1"),
                                   ({"lr_multiplier": 0.5, "lr_steps": 2**63}, "set_lr", "lr_steps"),
                                   ({"skip_ranges": [[5_200_000, 5_400_000]]}, "skip", "ids stop at 800")):
@@ -80,9 +81,9 @@ def test_a_bad_command_and_a_bad_ack_do_not_block_a_pause(served):
     # contract bounded its fields): it must fail, loudly, not block the queue or the channel.
     with sup.sessions.begin() as s:
         bad = actions_store.enqueue_action(s, RUN, "skip", {"skip_ranges": [[0, 2**63]]}, "legacy", "manual", "old")
-    with httpx.Client(base_url=url) as c:
+    with httpx.Client(base_url=url, headers=AUTH) as c:
         pause = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "bob"}).json()["action_id"]
-    ch = HttpCommandChannel(url)
+    ch = HttpCommandChannel(url, ADMIN_TOKEN)
     try:
         ch.ack(RUN, Ack(command_id=123456, ok=True, step=3))  # an ack the supervisor refuses (404)
         cmds = ch.poll(RUN)
@@ -101,7 +102,7 @@ def test_a_bad_command_and_a_bad_ack_do_not_block_a_pause(served):
 
 def test_an_ack_that_cannot_be_booked_fails_its_command_with_a_4xx(served):
     sup, url, _ = served
-    with httpx.Client(base_url=url) as c:
+    with httpx.Client(base_url=url, headers=AUTH) as c:
         aid = c.post(f"/api/runs/{RUN}/actions", json={"kind": "set_lr", "args": {"lr_multiplier": 0.5},
                                                         "who": "bob"}).json()["action_id"]
         c.get(f"/api/runs/{RUN}/commands")

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import sqlalchemy as sa
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -18,6 +19,10 @@ from supervisor.db import make_engine, make_sessionmaker
 from supervisor.ingest import Ingestor
 from supervisor.store import checkpoints, runs, thermometers
 from trainer.http_sink import HttpCommandChannel, HttpSink
+from tests.supervisor.auth_helpers import guard
+from supervisor.store import tokens as tokens_store
+
+INGEST_TOKEN = "tw_test-trainer-ingest-token-0123456789"  # the trainer's token: `ingest` scope only
 
 
 def _free_port() -> int:
@@ -55,8 +60,16 @@ class Server:
 
 
 def _app(ingestor: Ingestor) -> FastAPI:
+    """The ingest routes behind their real auth; the sinks below send the trainer's token."""
+    sessions = ingestor._sessions
+    try:
+        with sessions.begin() as s:
+            if not tokens_store.find(s, INGEST_TOKEN):
+                tokens_store.create_token(s, "trainer", ["ingest"], secret=INGEST_TOKEN)
+    except sa.exc.OperationalError:
+        pass  # the test of a supervisor whose database is down: every request is a 500
     app = FastAPI()
-    app.include_router(make_router(ingestor))
+    app.include_router(make_router(ingestor, guard=guard(sessions)))
     return app
 
 
@@ -80,7 +93,7 @@ def _loss(db, run_id="r"):
 
 
 def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0)
     sink.open_run(RunInfo("r", 0, world_size=2))
     for lo in range(0, 100, 10):
         sink.write("r", 0, _batch(lo))
@@ -105,14 +118,14 @@ def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
 
 def test_spool_survives_a_controller_restart(db, server, tmp_path):
     server.stop()
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
     sink.open_run(RunInfo("r", 0, world_size=1))  # spooled: the run does not exist yet on the server
     for lo in range(0, 50, 10):
         sink.write("r", 0, _batch(lo))
     sink.close()  # controller exits while the supervisor is down; the spool stays on disk
     assert len(list((tmp_path / "spool").glob("spool-*.jsonl"))) == 1
     server.start()
-    sink2 = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    sink2 = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
     sink2.write("r", 0, _batch(50))  # a fresh process replays first (open_run comes first: no 404)
     assert sink2.drain(30) and sink2.spooled == 0
     np.testing.assert_array_equal(_loss(db)[0], np.arange(60))
@@ -120,7 +133,7 @@ def test_spool_survives_a_controller_restart(db, server, tmp_path):
 
 
 def test_database_down_is_spooled_then_replayed(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
     sink.write("r", 0, _batch(0))
     assert sink.drain(30) and sink.spooled == 0
@@ -139,7 +152,7 @@ def test_database_down_is_spooled_then_replayed(db, server, tmp_path):
 
 
 def test_rejected_message_is_set_aside_and_does_not_block_the_spool(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0)
     sink.write("never-opened", 0, _batch(0))  # 404: a bug in what was sent, not an outage
     assert sink.drain(30) and sink.spooled == 0 and sink.rejected == 1
     server.stop()
@@ -156,7 +169,7 @@ def test_rejected_message_is_set_aside_and_does_not_block_the_spool(db, server, 
 
 
 def test_nan_and_inf_travel_over_http(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool")
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN)
     sink.open_run(RunInfo("r", 0, world_size=1))
     sink.write("r", 0, [StepRecord(step=i, values={"loss": v}) for i, v in enumerate([np.nan, np.inf, -np.inf])])
     assert sink.drain(30)
@@ -199,7 +212,7 @@ def test_command_channel(tmp_path):
 
 
 def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=30.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=30.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
     assert sink.drain(30) and sink.spooled == 0
     server.stop()
@@ -216,7 +229,7 @@ def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
 
 def test_torn_spool_line_from_a_crash_is_set_aside(db, server, tmp_path):
     server.stop()
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=3600)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
     sink.open_run(RunInfo("r", 0, world_size=1))
     sink.write("r", 0, _batch(0))
     sink.close()
@@ -224,7 +237,7 @@ def test_torn_spool_line_from_a_crash_is_set_aside(db, server, tmp_path):
     with open(spool, "ab") as f:
         f.write(b'{"path": "/api/runs/r/attempts/0/steps", "body": {"records": [{"st')  # killed mid-append
     server.start()
-    sink = HttpSink(server.url, tmp_path / "spool")
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN)
     assert sink.flush(force=True)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
     assert (tmp_path / "spool" / "rejected.jsonl").read_bytes().count(b"\n") == 1
@@ -246,7 +259,7 @@ def test_write_never_waits_for_a_stuck_supervisor(db, tmp_path):
         return await call_next(request)
 
     srv = Server(app, _free_port()).start()
-    sink = HttpSink(srv.url, tmp_path / "spool", queue_size=8, timeout=60.0)
+    sink = HttpSink(srv.url, tmp_path / "spool", INGEST_TOKEN, queue_size=8, timeout=60.0)
     trainer = threading.Thread(target=lambda: [sink.open_run(RunInfo("r", 0, world_size=1)),
                                                *(sink.write("r", 0, _batch(lo, 2)) for lo in range(0, 100, 2))])
     trainer.start()
@@ -265,7 +278,7 @@ def test_write_never_waits_for_a_stuck_supervisor(db, tmp_path):
 def test_spool_is_replayed_by_the_sender_on_its_own(db, server, tmp_path):
     """After an outage the spool drains without another write (a run that is paused, or between
     batches, still catches the supervisor up)."""
-    sink = HttpSink(server.url, tmp_path / "spool", retry_interval=0.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0)
     sink.open_run(RunInfo("r", 0, world_size=1))
     assert sink.drain(30) and sink.spooled == 0
     server.stop()
@@ -283,7 +296,7 @@ def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
     """Retention deletes are reported as they happen, so the list never offers a gone checkpoint."""
     from supervisor.store import checkpoints as ckpt_store
 
-    sink = HttpSink(server.url, tmp_path / "spool")
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN)
     sink.open_run(RunInfo("r", 0, world_size=1))
     for step in (10, 20, 30):
         sink.checkpoint_saved("r", 0, CheckpointInfo(step=step, path=f"/c/step_{step}", sample_cursor=step, healthy=True))

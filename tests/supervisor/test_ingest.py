@@ -16,6 +16,7 @@ from supervisor.api.ingest import make_router
 from supervisor.ingest import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
 from supervisor.store import checkpoints, thermometers
 from supervisor.store import steps as steps_store
+from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
 
 KEYS = ["loss", "attn_logit_max/blocks.0.attn", "act_max/blocks.0.mlp"]
 
@@ -121,10 +122,11 @@ def test_checkpoint_saved(db, ingestor):
 
 
 @pytest.fixture
-def client(ingestor):
+def client(ingestor, db):
     app = FastAPI()
-    app.include_router(make_router(ingestor, max_body_bytes=20_000))
-    with TestClient(app, raise_server_exceptions=False) as c:
+    app.include_router(make_router(ingestor, guard=guard(db.sessions), max_body_bytes=20_000))
+    trainer = make_token(db.sessions, "trainer", "ingest")
+    with TestClient(app, raise_server_exceptions=False, headers=bearer(trainer)) as c:
         yield c
 
 
@@ -205,13 +207,18 @@ def test_http_chunked_oversized_body_and_bad_attempt(db, client):
     assert _counts(db) == (0, 0)
 
 
-def test_http_token(ingestor):
+def test_http_token(ingestor, db):
     app = FastAPI()
-    app.include_router(make_router(ingestor, token="s3cret"))
+    app.include_router(make_router(ingestor, guard=guard(db.sessions)))
+    reader = make_token(db.sessions, "reader", "read")
     with TestClient(app) as c:
         assert c.post("/api/runs", json=RUN).status_code == 401
         assert c.post("/api/runs", json=RUN, headers={"authorization": "Bearer nope"}).status_code == 401
-        assert c.post("/api/runs", json=RUN, headers={"authorization": "Bearer s3cret"}).status_code == 201
+        r = c.post("/api/runs", json=RUN, headers=bearer(reader))
+        assert r.status_code == 403 and "`ingest` scope" in r.json()["detail"]
+        with db.sessions() as s:
+            assert s.execute(sa.text("select count(*) from runs")).scalar() == 0
+        assert c.post("/api/runs", json=RUN, headers=AUTH).status_code == 201
 
 
 def test_values_the_database_would_choke_on_are_4xx(db, client):

@@ -48,7 +48,8 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
     (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=port))
     (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt"))
     cli = [sys.executable, "-m", "supervisor.cli"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # No token anywhere: the daemon starts closed and writes its first admin token to a file.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}, "PYTHONUNBUFFERED": "1"}
     daemon = subprocess.Popen([*cli, "serve", "--config", str(tmp_path / "sup.yaml")], env=env,
                               stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
     try:
@@ -62,26 +63,40 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
         else:
             pytest.fail("the daemon never answered /healthz:\n" + (tmp_path / "serve.log").read_text())
 
+        admin = {"Authorization": "Bearer " + (tmp_path / "srv" / "admin-token").read_text().strip()}
+        made = subprocess.run([*cli, "token", "create", "trainer", "--scope", "ingest", "--config",
+                               str(tmp_path / "sup.yaml")], env=env, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
         train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--supervisor", url,
                                 "--data-dir", str(tmp_path / "trainer")],
-                               env=env, capture_output=True, text=True, timeout=1500)
+                               env={**env, "THERMOWATCH_TOKEN": made.stdout.strip()},
+                               capture_output=True, text=True, timeout=1500)
         assert train.returncode == 0, train.stderr[-4000:]
         assert "run cluster-1: step 100" in train.stderr
 
-        # Another shell on the cluster: the CLI asks the daemon over HTTP, no database access.
-        out = subprocess.run([*cli, "actions", "cluster-1", "--server", url, "--json"], env=env,
-                             capture_output=True, text=True, timeout=60)
+        # Another shell on the cluster: the CLI asks the daemon over HTTP with an on-call token
+        # (read + operate), no database access.
+        oncall = subprocess.run([*cli, "token", "create", "oncall", "--scope", "read", "--scope", "operate",
+                                 "--config", str(tmp_path / "sup.yaml")], env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert oncall.returncode == 0, oncall.stderr
+        shell = {**env, "THERMOWATCH_SERVER": url, "THERMOWATCH_TOKEN": oncall.stdout.strip(),
+                 "THERMOWATCH_CLIENT_CONFIG": str(tmp_path / "client.json")}
+        out = subprocess.run([*cli, "actions", "cluster-1", "--json"], env=shell, capture_output=True, text=True,
+                             timeout=60)
         assert out.returncode == 0, out.stderr
         actions = json.loads(out.stdout)
+        runs = subprocess.run([*cli, "runs", "--json"], env=shell, capture_output=True, text=True, timeout=60)
+        assert runs.returncode == 0 and [r["run_id"] for r in json.loads(runs.stdout)] == ["cluster-1"], runs.stderr
         rollbacks = [a for a in actions if a["kind"] == "rollback" and a["origin"] == "auto"]
         assert rollbacks and all(a["state"] == "done" for a in rollbacks), actions
         assert all(a["ack_step"] == a["args"]["to_step"] + 1 for a in rollbacks)
         assert any(a["args"].get("lr_multiplier") for a in rollbacks), "the recurrence never lowered the LR"
-        incidents = httpx.get(f"{url}/api/runs/cluster-1/incidents").json()
+        incidents = httpx.get(f"{url}/api/runs/cluster-1/incidents", headers=admin).json()
         incidents = incidents["incidents"] if isinstance(incidents, dict) else incidents
         assert incidents and incidents[0]["signal"].startswith("attn_logit")
         # Everything the trainer measured arrived: the daemon has all 100 steps, no spool left.
-        run = httpx.get(f"{url}/api/runs/cluster-1").json()
+        run = httpx.get(f"{url}/api/runs/cluster-1", headers=admin).json()
         assert run["last_step"] == 100
         spool = tmp_path / "trainer" / "spool" / "cluster-1"
         assert not any(p.stat().st_size for p in spool.rglob("*.jsonl") if p.name != "rejected.jsonl")
@@ -123,3 +138,8 @@ def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
     assert bad.returncode == 2 and "zero_stage must be 1, 2 or 3, got 4" in bad.stderr
     missing = subprocess.run([*cli, "train", str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    (tmp_path / "ok.yaml").write_text("steps: 20\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}
+    tokenless = subprocess.run([*cli, "train", str(tmp_path / "ok.yaml"), "--supervisor", "http://127.0.0.1:9",
+                                "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120, env=env)
+    assert tokenless.returncode == 2 and "set THERMOWATCH_TOKEN" in tokenless.stderr

@@ -26,6 +26,7 @@ from tests.fixtures.diverging import (
     checkpoint_for,
     diverging_records,
 )
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 
 RUN = "restart"
 THERMOWATCH = str(Path(sys.executable).with_name("thermowatch"))
@@ -46,7 +47,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             [THERMOWATCH, "serve", "--config", str(config), "--db", db_url, "--data-dir", str(data_dir),
              "--port", str(self.port)],
-            stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                   "THERMOWATCH_API_TOKEN": ADMIN_TOKEN})
         deadline = time.monotonic() + 45
         while True:
             assert self.proc.poll() is None, f"the daemon exited:\n{log.read_text()[-3000:]}"
@@ -57,7 +59,7 @@ class Daemon:
                 pass
             assert time.monotonic() < deadline, f"the daemon did not come up:\n{log.read_text()[-3000:]}"
             time.sleep(0.1)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.http = httpx.Client(base_url=self.url, timeout=30, headers=AUTH)
 
     def post(self, path: str, body) -> httpx.Response:
         r = self.http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})

@@ -16,6 +16,7 @@ from supervisor.api import runs as runs_api
 from supervisor.api.runs import envelope
 from supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
 from supervisor.store import steps as steps_store
+from tests.supervisor.auth_helpers import AUTH, guard
 
 RUN = "gpt-350m"
 LAYERS = 3
@@ -101,8 +102,8 @@ def seeded(db):
 @pytest.fixture
 def client(db):
     app = FastAPI()
-    app.include_router(runs_api.make_router(Sup(db.sessions)))
-    with TestClient(app) as c:
+    app.include_router(runs_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
+    with TestClient(app, headers=AUTH) as c:
         yield c
 
 

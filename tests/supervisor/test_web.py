@@ -4,12 +4,12 @@ Chromium against a real uvicorn server. Needs /usr/bin/chromium (CI installs it 
 from __future__ import annotations
 
 import html
+import json
 import io
 import os
 import re
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from urllib.parse import quote
@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from supervisor.api import runs as runs_api
-from supervisor.web import pages
+from supervisor.web import login, pages
+from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
 from tests.supervisor.test_runs_api import RUN, Sup, seed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -29,9 +30,11 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 def _app(db, requests: list | None = None, public_url: str = "") -> FastAPI:
     sup = Sup(db.sessions)
+    g = guard(db.sessions)
     app = FastAPI()
-    app.include_router(runs_api.make_router(sup))
-    app.include_router(pages.make_router(sup, public_url=public_url))
+    app.include_router(runs_api.make_router(sup, guard=g))
+    app.include_router(pages.make_router(sup, guard=g, public_url=public_url))
+    login.install(app, g, public_url=public_url)
     if requests is not None:
         @app.middleware("http")
         async def log_requests(request: Request, call_next):
@@ -48,7 +51,7 @@ def seeded(db):
 
 @pytest.fixture
 def client(db):
-    with TestClient(_app(db)) as c:
+    with TestClient(_app(db), headers=AUTH) as c:
         yield c
 
 
@@ -215,7 +218,7 @@ def test_user_strings_are_escaped(client, seeded):
 
 
 def test_public_url_prefixes_links(db, seeded):
-    with TestClient(_app(db, public_url="https://ops.example/thermowatch/")) as c:
+    with TestClient(_app(db, public_url="https://ops.example/thermowatch/"), headers=AUTH) as c:
         page = c.get(f"/runs/{RUN}").text
     assert f"src='/thermowatch/runs/{RUN}/plot.png?" in page
     assert "href='/thermowatch'" in page
@@ -248,35 +251,102 @@ def server(db, seeded):
     t.join(10)
 
 
-def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def test_browser_signs_in_and_opens_the_slack_link(db, tmp_path, server, seeded):
+    """The Slack link in real Chromium: first the sign-in page (no cookie yet), then the form
+    with a read-only token, then the incident's page with every chart loaded by the cookie."""
+    from tests.supervisor.cdp import Browser
+
+    base, requests = server
     if not os.path.exists(CHROMIUM) and not os.environ.get("CI"):
         pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}"]
-    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, timeout=120, text=False)
-
-
-def test_browser_opens_the_slack_link(tmp_path, server, seeded):
-    base, requests = server
-    url = f"{base}/runs/{RUN}?incident={seeded.incident}"
-    dom = _chromium(tmp_path, "--virtual-time-budget=15000", "--dump-dom", url)
-    text = dom.stdout.decode()
-    assert dom.returncode == 0, dom.stderr.decode()[-2000:]
-    assert re.search(rf"<tr id=\"incident-{seeded.incident}\" class=\"selected\"", text), text[:2000]
-    imgs = re.findall(r"<img [^>]*data-metric[^>]*>", text)
-    assert len(imgs) == 5
-    # onerror adds class 'broken' to an image that failed to load
-    assert all(re.search(r'class="plot"', i) for i in imgs), imgs
-    plots = [(q, code) for path, q, code in requests if path.endswith("/plot.png")]
-    assert len(plots) >= 5 and all(code == 200 for _, code in plots)
-    assert all(f"incident={seeded.incident}" in q for q, _ in plots)
-
-    shot = tmp_path / "page.png"
-    r = _chromium(tmp_path, "--window-size=1280,1600", "--virtual-time-budget=15000", f"--screenshot={shot}", url)
-    assert r.returncode == 0 and shot.exists(), r.stderr.decode()[-2000:]
-    png = shot.read_bytes()
+    alice = make_token(db.sessions, "alice", "read")
+    path = f"/runs/{RUN}?incident={seeded.incident}"
+    b = Browser(CHROMIUM, tmp_path / "chromium-profile", "--disable-quic")
+    try:
+        b.goto(base + path)
+        assert b.js("document.title") == "thermowatch: sign in"
+        assert (f"/runs/{RUN}", f"incident={seeded.incident}", 401) in requests
+        b.js(f"document.getElementById('token').value = {json.dumps(alice)};"
+             "document.getElementById('sign-in').click()")
+        b.wait_for(f"location.pathname === '/runs/{RUN}' && document.readyState === 'complete' && "
+                   "!!document.querySelector('tr.selected')")
+        assert b.js("location.search") == f"?incident={seeded.incident}"
+        assert b.js("document.cookie") == ""  # HttpOnly: no script on the page can read the token
+        b.wait_for("[...document.images].every(i => i.complete)")
+        text = b.js("document.documentElement.outerHTML")
+        assert re.search(rf"<tr id=\"incident-{seeded.incident}\" class=\"selected\"", text), text[:2000]
+        imgs = re.findall(r"<img [^>]*data-metric[^>]*>", text)
+        assert len(imgs) == 5
+        # onerror adds class 'broken' to an image that failed to load
+        assert all(re.search(r'class="plot"', i) for i in imgs), imgs
+        plots = [(q, code) for p, q, code in requests if p.endswith("/plot.png")]
+        assert len(plots) >= 5 and all(code == 200 for _, code in plots)
+        assert all(f"incident={seeded.incident}" in q for q, _ in plots)
+        png = b.screenshot(1280, 1600)
+    finally:
+        b.close()
     assert png[:8] == PNG_SIGNATURE and len(png) > 20_000
     px = _pixels(png)
     assert px.shape[:2] == (1600, 1280)
     assert len(np.unique(px.reshape(-1, px.shape[-1])[::7], axis=0)) > 50  # charts, not a blank page
+
+
+SAME_ORIGIN = {"origin": "http://testserver"}
+
+
+def test_sign_in_sets_a_strict_httponly_cookie_that_opens_the_pages(db, seeded):
+    alice = make_token(db.sessions, "alice", "read")
+    trainer = make_token(db.sessions, "trainer", "ingest")
+    with TestClient(_app(db), follow_redirects=False) as c:
+        r = c.get(f"/runs/{RUN}")
+        assert r.status_code == 401 and "sign in" in r.text and "`read` scope" in r.text
+        r = c.post("/login", data={"token": alice, "next": f"/runs/{RUN}"}, headers=SAME_ORIGIN)
+        assert r.status_code == 303 and r.headers["location"] == f"/runs/{RUN}"
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie and "Secure" not in cookie
+        assert c.get(f"/runs/{RUN}").status_code == 200
+        assert c.get(f"/runs/{RUN}/plot.png", params={"metric": "loss"}).status_code == 200
+        # The cookie opens the web page only: the API takes bearer tokens, so no browser's
+        # ambient credentials can reach a route that changes anything.
+        assert c.get("/api/runs").status_code == 401
+        r = c.post("/logout", headers=SAME_ORIGIN)
+        assert r.status_code == 303 and 'thermowatch_token=""' in r.headers["set-cookie"]
+        c.cookies.clear()
+        assert c.get("/").status_code == 401
+        # behind an https ingress the cookie is Secure; an off-site `next` is not followed
+        r = c.post("/login", data={"token": alice, "next": "//evil.example/x"},
+                   headers={**SAME_ORIGIN, "x-forwarded-proto": "https"})
+        assert r.status_code == 303 and r.headers["location"] == "/" and "Secure" in r.headers["set-cookie"]
+        c.cookies.clear()
+        for token, status, words in (("tw_nope", 401, "unknown or revoked"), (trainer, 403, "lacks the `read` scope")):
+            r = c.post("/login", data={"token": token, "next": "/"}, headers=SAME_ORIGIN)
+            assert r.status_code == status and words in r.text and "set-cookie" not in r.headers
+
+
+@pytest.mark.parametrize("headers", [{}, {"origin": "https://evil.example"}, {"origin": "null"},
+                                     {"sec-fetch-site": "cross-site", "origin": "http://testserver"},
+                                     {"sec-fetch-site": "same-site"}])
+def test_sign_in_and_out_forms_refuse_cross_site_posts(db, headers):
+    alice = make_token(db.sessions, "alice", "read")
+    with TestClient(_app(db), follow_redirects=False) as c:
+        r = c.post("/login", data={"token": alice, "next": "/"}, headers=headers)
+        assert r.status_code == 403 and "another site" in r.text and "set-cookie" not in r.headers
+        r = c.post("/logout", headers=headers)
+        assert r.status_code == 403 and "set-cookie" not in r.headers
+    with TestClient(_app(db), follow_redirects=False) as c:
+        r = c.post("/login", data={"token": alice, "next": "/"}, headers={"sec-fetch-site": "same-origin"})
+        assert r.status_code == 303
+
+
+def test_pages_with_a_bearer_token_and_public_read(db, seeded):
+    reader = make_token(db.sessions, "reader", "read")
+    with TestClient(_app(db)) as c:
+        assert c.get("/", headers=bearer(reader)).status_code == 200
+    sup = Sup(db.sessions)
+    g = guard(db.sessions, public_read=True)
+    app = FastAPI()
+    app.include_router(runs_api.make_router(sup, guard=g))
+    app.include_router(pages.make_router(sup, guard=g))
+    with TestClient(app) as c:
+        assert c.get("/").status_code == 200 and c.get(f"/api/runs/{RUN}").status_code == 200
+        assert c.get("/", headers={"authorization": "Bearer tw_wrong"}).status_code == 401
