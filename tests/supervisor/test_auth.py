@@ -60,6 +60,7 @@ SCOPE = {
     ("GET", "/api/runs/{run_id}/incidents"): "read",
     ("GET", "/api/runs/{run_id}/actions"): "read",
     ("GET", "/api/runs/{run_id}/audit"): "read",
+    ("GET", "/api/actions/{action_id}"): "read",
     ("GET", "/"): "read",
     ("GET", "/runs/{run_id}/plot.png"): "read",
     ("GET", "/runs/{run_id}"): "read",

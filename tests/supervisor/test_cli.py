@@ -114,15 +114,16 @@ def test_rollback_writes_a_manual_action(db, daemon, capsys):
     assert code == 0, out
     (row,) = actions(db)
     assert f"action {row.id}: rollback" in out
+    # Recorded under the token's name; --who rides along as the person's own claim.
     assert (row.kind, row.state, row.origin, row.who, row.reason, row.requires_approval) == (
-        "rollback", "pending", "manual", "x", "spike at 25", False)
+        "rollback", "pending", "manual", "oncall (x)", "spike at 25", False)
     assert row.args == {"to_step": 20, "skip_ranges": [[160, 320], [400, 416]], "lr_multiplier": 0.5,
                         "lr_steps": None, "rewarmup_steps": 0}
     with db.sessions() as s:
         assert [e.event for e in audit_store.audit_log(s, RUN)].count("enqueued") == 1
     assert main(["actions", RUN, *daemon.flags, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [(a["id"], a["kind"], a["state"], a["who"]) for a in listed] == [(row.id, "rollback", "pending", "x")]
+    assert [(a["id"], a["kind"], a["state"], a["who"]) for a in listed] == [(row.id, "rollback", "pending", "oncall (x)")]
 
 
 def test_cancel_from_the_cli(db, daemon, capsys):
