@@ -10,9 +10,18 @@
 Routing (ROUTES): every key -> non_finite; attn_logit_max/* and attn_logit_lse/* -> attention
 growth + ceiling; loss -> loss spike + loss degradation; grad_norm and grad_norm/* -> grad spike;
 act_max/* and act_min/* -> activation overflow; record.ranks -> outlier rank; record.wall_time ->
-stall. One detector instance per (route, key), created on first sight of the key. Before them,
+stall. One bank per route (series.py): every key of the route is a row in it, added on first
+sight of the key, and a record is judged with a few numpy operations per route across all its
+keys (issue 10 item 4); `Route.build(key)` gives one series alone (a bank of one row). Before them,
 the run's witnesses of harm (witness.py) read the whole record: the attention detectors ask
 them whether a growth may act.
+
+Per-series Python stays where it is rare or sequential: the loss degradation trend (one `loss`
+row, a sequential fit), the outlier-rank and stall detectors (record-level already), and the
+decision of a row that may fire (latch, onset search, evidence).
+
+State: `state_parts(dirty_only=True)` gives what changed since `mark_saved()` (the counters and
+the ring chunks written since) as named parts, which the supervisor upserts as rows.
 
 Judged once: `observe(record, attempt=...)` skips a step this bank has already judged for the
 same attempt (a batch the sink delivered twice), so a re-sent batch gives no second finding.

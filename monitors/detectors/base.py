@@ -4,7 +4,8 @@ a severity latch, robust window statistics and a strict-JSON helper for evidence
 Every detector is pure (no clock, no I/O), O(1) amortised per point (bounded buffers only) and
 restartable: `state_dict()` returns strict JSON (no NaN, so it fits PostgreSQL JSONB) and
 `load_state_dict()` restores it exactly, so findings after a supervisor restart are the same
-as if it had never stopped.
+as if it had never stopped. The detectors keep their series as rows of arrays (arrays.py,
+series.py); History remains for the loss trend, a single sequential series.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from monitors.contract import Finding, Outcome, Severity, Signal, split_key
-
-from .onset import estimate_onset
+from monitors.contract import Finding, Outcome, Severity
 
 _RANK = {Severity.INFO: 0, Severity.WARN: 1, Severity.CRITICAL: 2}
 
@@ -54,18 +53,6 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return x
-
-
-def robust_stats(values: np.ndarray) -> tuple[float, float]:
-    """(median, sigma) with sigma = 1.4826 * MAD: half the window may be outliers and the
-    baseline still holds, unlike mean/std where one spike inflates the threshold."""
-    med = float(np.median(values))
-    return med, MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
-
-
-def slog(v: float) -> float:
-    """Signed log1p: a log scale for values that may be negative or zero (act_min, loss)."""
-    return math.copysign(math.log1p(abs(v)), v)
 
 
 class History:

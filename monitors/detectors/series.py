@@ -17,7 +17,7 @@ import numpy as np
 from monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
 from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json
-from .base import MAD_TO_SIGMA, jsonable, slog
+from .base import MAD_TO_SIGMA, jsonable
 from .onset import estimate_onset
 
 Found = list[tuple[int, Finding]]  # (index into the rows given to observe, finding)
@@ -30,12 +30,15 @@ def logs(v: np.ndarray) -> np.ndarray:
 
 
 def slogs(v: np.ndarray) -> np.ndarray:
-    """base.slog per element (libm, as `logs`)."""
-    return np.fromiter(map(slog, v.tolist()), np.float64, v.size)
+    """Signed log1p per element, a log scale for values that may be negative or zero (act_min):
+    libm's log1p, as `logs`; abs and copysign are exact in numpy."""
+    return np.copysign(np.fromiter(map(math.log1p, np.abs(v).tolist()), np.float64, v.size), v)
 
 
 def robust_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """base.robust_stats per row over the window History.tail(n, skip_last) gave."""
+    """(median, sigma) per row over the window tail(n, skip_last), sigma = 1.4826 * MAD: half the
+    window may be outliers and the baseline still holds, unlike mean/std where one spike inflates
+    the threshold."""
     med, sigma = np.full(idx.size, np.nan), np.full(idx.size, np.nan)
     for at, block in rows.blocks(idx, n, skip_last):
         if block.shape[1]:

@@ -8,7 +8,6 @@ one (OLMo-core's mean + 6 sigma does, see baselines.py). One-sided: falling loss
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
