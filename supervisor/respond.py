@@ -8,8 +8,9 @@ per-run detector banks and the incident bookkeeping.
 Detector state survives a supervisor restart: each bank's state is saved in the DB whenever a
 batch raised a finding (latches must survive), else at most every `state_save_every_s`, and on
 close. A save writes only what changed since the last one (the counters, and the ring-buffer
-chunks written since: store/detector_state.py); a bank that started fresh replaces every part. After a rollback to step s the bank forgets what it saw after s but keeps the healthy
-baseline before it (steps after s are re-trained in a new attempt and must not be judged
+chunks written since: store/detector_state.py); a bank that started fresh replaces every part.
+After a rollback to step s the bank forgets what it saw after s but keeps the healthy baseline
+before it (steps after s are re-trained in a new attempt and must not be judged
 against their own diverged past, nor wait through a fresh warm-up).
 """
 
@@ -54,7 +55,6 @@ class Responder:
         self._state_every = state_save_every_s
         self._state_saved: dict[str, float] = {}  # run -> monotonic time of the last state save
         self._state_whole: set[str] = set()  # runs whose next save replaces every stored part
-        self.state_bytes = 0  # detector state bytes written, all runs (for the benchmarks)
         self._lock = threading.RLock()  # ingest (HTTP threads) and the scheduler both reach here
 
     # --- detectors --------------------------------------------------------------------------
@@ -66,15 +66,15 @@ class Responder:
                 bank = DetectorBank(self._detector_cfg)
                 with self._session() as s:
                     saved = detector_state.load_parts(s, run_id)
-                try:
-                    if not saved:
-                        raise KeyError("none saved")
-                    bank.load_state_parts(saved)
-                except (ValueError, KeyError) as exc:  # an older state format: start fresh, say so
-                    if saved:
-                        log.warning("run %s: detector state not restored (%s); starting fresh", run_id, exc)
-                    bank = DetectorBank(self._detector_cfg)
+                if not saved:
                     self._state_whole.add(run_id)
+                else:
+                    try:
+                        bank.load_state_parts(saved)
+                    except (ValueError, KeyError) as exc:  # an older state format: start fresh, say so
+                        log.warning("run %s: detector state not restored (%s); starting fresh", run_id, exc)
+                        bank = DetectorBank(self._detector_cfg)
+                        self._state_whole.add(run_id)  # its first save replaces the unreadable parts
                 self._banks[run_id] = bank
             return bank
 
@@ -122,13 +122,12 @@ class Responder:
         whole = run_id in self._state_whole
         with self._session.begin() as s:
             if whole:
-                n = detector_state.replace_parts(s, run_id, bank.state_parts())
+                detector_state.replace_parts(s, run_id, bank.state_parts())
             else:
-                n = detector_state.save_parts(s, run_id, bank.state_parts(dirty_only=True))
+                detector_state.save_parts(s, run_id, bank.state_parts(dirty_only=True))
         # After the commit: a failed save leaves the chunks dirty for the next one.
         bank.mark_saved()
         self._state_whole.discard(run_id)
-        self.state_bytes += n
         self._state_saved[run_id] = time.monotonic()
 
     def diverging_since(self, run_id: str) -> int | None:
