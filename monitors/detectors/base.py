@@ -109,7 +109,9 @@ class History:
 class Latch:
     """Raise a finding once per excursion. Re-raise only to escalate, in severity (WARN ->
     CRITICAL) or in outcome (watch -> alert -> act: a growth that gains a witness of harm);
-    clear after `clear_steps` consecutive points back inside the baseline band."""
+    clear after `clear_steps` consecutive points back inside the baseline band (that rule runs
+    across all series at once: arrays.Rows.observe; a Latch is materialised only for a row that
+    may fire)."""
 
     def __init__(self, clear_steps: int) -> None:
         self.clear_steps = clear_steps
