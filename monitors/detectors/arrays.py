@@ -111,7 +111,11 @@ class Rows:
         self.vals[rows, p] = ys
         self.pos[rows] = (p + 1) % self.H
         self.length[rows] = np.minimum(self.length[rows] + 1, self.H)
-        self.dirty.update((np.unique(p) // CHUNK).tolist())
+        lo, hi = int(p.min()), int(p.max())
+        if lo == hi:  # the usual case: every row of the type appended at every step
+            self.dirty.add(lo // CHUNK)
+        else:
+            self.dirty.update((np.unique(p) // CHUNK).tolist())
 
     def _slots(self, rows: np.ndarray, k: int, skip_last: int) -> np.ndarray:
         return (self.pos[rows, None] - skip_last - k + np.arange(k)[None, :]) % self.H
@@ -171,6 +175,8 @@ class Rows:
     def observe(self, rows: np.ndarray, inside_band: np.ndarray) -> None:
         """The latch's clear rule: `clear_steps` consecutive in-band points drop an active latch."""
         active = self.lsev[rows] >= 0
+        if not active.any():
+            return  # an inactive latch's clear count is 0 already (reset_latch, Latch.fire)
         clear = np.where(active & inside_band, self.lclear[rows] + 1, 0)
         self.lclear[rows] = clear
         done = rows[active & (clear >= self.clear_steps)]
