@@ -33,12 +33,11 @@ def save_parts(session: Session, run_id: str, parts: dict[str, bytes]) -> int:
     """Upsert these parts, leave the others; returns the bytes written."""
     now = utcnow()
     have = set(session.execute(select(DetectorStatePart.part).where(DetectorStatePart.run_id == run_id)).scalars())
-    fresh = [{"run_id": run_id, "part": k, "data": v, "updated_at": now} for k, v in parts.items() if k not in have]
-    for k, v in parts.items():
-        if k in have:
-            session.execute(update(DetectorStatePart)
-                            .where(DetectorStatePart.run_id == run_id, DetectorStatePart.part == k)
-                            .values(data=v, updated_at=now))
+    rows = [{"run_id": run_id, "part": k, "data": v, "updated_at": now} for k, v in parts.items()]
+    fresh = [r for r in rows if r["part"] not in have]
+    old = [r for r in rows if r["part"] in have]
+    if old:  # one executemany by primary key, not a statement per part
+        session.execute(update(DetectorStatePart), old)
     if fresh:
         session.execute(DetectorStatePart.__table__.insert(), fresh)
     return sum(len(v) for v in parts.values())
