@@ -6,10 +6,11 @@ before anything is carried out (STYLE.md rule 2). This module only glues them: i
 per-run detector banks and the incident bookkeeping.
 
 Detector state survives a supervisor restart: each bank's state is saved in the DB whenever a
-batch raised a finding (latches must survive), else at most every `state_save_every_s` (the
-state is ~6 kB per series: rewriting it per batch would cost a 1,000-series run megabytes per
-batch), and on close. After a rollback to step s the bank forgets what it saw after s but keeps the healthy
-baseline before it (steps after s are re-trained in a new attempt and must not be judged
+batch raised a finding (latches must survive), else at most every `state_save_every_s`, and on
+close. A save writes only what changed since the last one (the counters, and the ring-buffer
+chunks written since: store/detector_state.py); a bank that started fresh replaces every part.
+After a rollback to step s the bank forgets what it saw after s but keeps the healthy baseline
+before it (steps after s are re-trained in a new attempt and must not be judged
 against their own diverged past, nor wait through a fresh warm-up).
 """
 
@@ -53,6 +54,7 @@ class Responder:
         self._attempts: dict[str, int] = {}  # newest attempt per run: older ones are not judged
         self._state_every = state_save_every_s
         self._state_saved: dict[str, float] = {}  # run -> monotonic time of the last state save
+        self._state_whole: set[str] = set()  # runs whose next save replaces every stored part
         self._lock = threading.RLock()  # ingest (HTTP threads) and the scheduler both reach here
 
     # --- detectors --------------------------------------------------------------------------
@@ -63,12 +65,16 @@ class Responder:
             if bank is None:
                 bank = DetectorBank(self._detector_cfg)
                 with self._session() as s:
-                    saved = detector_state.load(s, run_id)
-                if saved is not None:
+                    saved = detector_state.load_parts(s, run_id)
+                if not saved:
+                    self._state_whole.add(run_id)
+                else:
                     try:
-                        bank.load_state_dict(saved)
+                        bank.load_state_parts(saved)
                     except (ValueError, KeyError) as exc:  # an older state format: start fresh, say so
                         log.warning("run %s: detector state not restored (%s); starting fresh", run_id, exc)
+                        bank = DetectorBank(self._detector_cfg)
+                        self._state_whole.add(run_id)  # its first save replaces the unreadable parts
                 self._banks[run_id] = bank
             return bank
 
@@ -112,8 +118,16 @@ class Responder:
                 self._save_state(run_id)
 
     def _save_state(self, run_id: str) -> None:
+        bank = self._banks[run_id]
+        whole = run_id in self._state_whole
         with self._session.begin() as s:
-            detector_state.save(s, run_id, self._banks[run_id].state_dict())
+            if whole:
+                detector_state.replace_parts(s, run_id, bank.state_parts())
+            else:
+                detector_state.save_parts(s, run_id, bank.state_parts(dirty_only=True))
+        # After the commit: a failed save leaves the chunks dirty for the next one.
+        bank.mark_saved()
+        self._state_whole.discard(run_id)
         self._state_saved[run_id] = time.monotonic()
 
     def diverging_since(self, run_id: str) -> int | None:

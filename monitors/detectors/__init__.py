@@ -10,9 +10,18 @@
 Routing (ROUTES): every key -> non_finite; attn_logit_max/* and attn_logit_lse/* -> attention
 growth + ceiling; loss -> loss spike + loss degradation; grad_norm and grad_norm/* -> grad spike;
 act_max/* and act_min/* -> activation overflow; record.ranks -> outlier rank; record.wall_time ->
-stall. One detector instance per (route, key), created on first sight of the key. Before them,
+stall. One bank per route (series.py): every key of the route is a row in it, added on first
+sight of the key, and a record is judged with a few numpy operations per route across all its
+keys (issue 10 item 4); `Route.build(key)` gives one series alone (a bank of one row). Before them,
 the run's witnesses of harm (witness.py) read the whole record: the attention detectors ask
 them whether a growth may act.
+
+Per-series Python stays where it is rare or sequential: the loss degradation trend (one `loss`
+row, a sequential fit), the outlier-rank and stall detectors (record-level already), and the
+decision of a row that may fire (latch, onset search, evidence).
+
+State: `state_parts(dirty_only=True)` gives what changed since `mark_saved()` (the counters and
+the ring chunks written since) as named parts, which the supervisor upserts as rows.
 
 Judged once: `observe(record, attempt=...)` skips a step this bank has already judged for the
 same attempt (a batch the sink delivered twice), so a re-sent batch gives no second finding.
@@ -26,25 +35,31 @@ is needed here; outlier_rank.py names the rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS
 from monitors.contract import Finding, StepRecord, split_key
 
-from .act_overflow import ActOverflowConfig, ActOverflowDetector
-from .attn_logit import AttnLogitCeilingDetector, AttnLogitConfig, AttnLogitGrowthDetector
+from .act_overflow import ActOverflowBank, ActOverflowConfig, ActOverflowDetector
+from .arrays import as_rows, parts_from_json, parts_to_json
+from .attn_logit import AttnLogitCeilingBank, AttnLogitCeilingDetector, AttnLogitConfig, AttnLogitGrowthBank
+from .attn_logit import AttnLogitGrowthDetector
 from .base import SeriesDetector
-from .degradation import DegradationConfig, DegradationDetector
-from .grad_spike import GradSpikeConfig, GradSpikeDetector
-from .loss_spike import LossSpikeConfig, LossSpikeDetector
-from .non_finite import NonFiniteConfig, NonFiniteDetector
+from .degradation import DegradationBank, DegradationConfig, DegradationDetector
+from .grad_spike import GradSpikeBank, GradSpikeConfig, GradSpikeDetector
+from .loss_spike import LossSpikeBank, LossSpikeConfig, LossSpikeDetector
+from .non_finite import NonFiniteBank, NonFiniteConfig, NonFiniteDetector
+from .series import SeriesBank, Single
 from .outlier_rank import OutlierRankConfig, OutlierRankDetector
 from .stall import StallConfig, StallDetector
 from .witness import WitnessConfig, Witnesses
 
-STATE_VERSION = 2  # 2: witnesses, degradation, the judged (attempt, step)
+STATE_VERSION = 3  # 2: witnesses, degradation, the judged (attempt, step); 3: rows in arrays, saved as parts
 
 
 @dataclass
@@ -93,48 +108,56 @@ class BankConfig:
 class Route:
     name: str
     metrics: frozenset[str] | None  # metric names (key before "/"); None = every key
-    build: Callable[[str, BankConfig, Witnesses], SeriesDetector]
+    make: Callable[[BankConfig, Witnesses], SeriesBank]  # the detector over all the route's series
+
+    def build(self, key: str, config: BankConfig, witnesses: Witnesses) -> SeriesDetector:
+        """One series alone (replay of one key, tests): a bank of one row."""
+        return Single(self.make(config, witnesses), key)
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("non_finite", None, lambda k, c, w: NonFiniteDetector(k, c.non_finite)),
-    Route("attn_growth", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}),
-          lambda k, c, w: AttnLogitGrowthDetector(k, c.attn, w)),
-    Route("attn_ceiling", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}),
-          lambda k, c, w: AttnLogitCeilingDetector(k, c.attn, w)),
-    Route("loss_spike", frozenset({LOSS}), lambda k, c, w: LossSpikeDetector(k, c.loss)),
-    Route("loss_degradation", frozenset({LOSS}), lambda k, c, w: DegradationDetector(k, c.degradation, w)),
-    Route("grad_spike", frozenset({GRAD_NORM}), lambda k, c, w: GradSpikeDetector(k, c.grad)),
-    Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda k, c, w: ActOverflowDetector(k, c.act)),
+    Route("non_finite", None, lambda c, w: NonFiniteBank(c.non_finite)),
+    Route("attn_growth", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}), lambda c, w: AttnLogitGrowthBank(c.attn, w)),
+    Route("attn_ceiling", frozenset({ATTN_LOGIT_MAX, ATTN_LOGIT_LSE}), lambda c, w: AttnLogitCeilingBank(c.attn, w)),
+    Route("loss_spike", frozenset({LOSS}), lambda c, w: LossSpikeBank(c.loss)),
+    Route("loss_degradation", frozenset({LOSS}), lambda c, w: DegradationBank(c.degradation, w)),
+    Route("grad_spike", frozenset({GRAD_NORM}), lambda c, w: GradSpikeBank(c.grad)),
+    Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda c, w: ActOverflowBank(c.act)),
 )
+
+# A record's keys -> per route, (positions in the record, rows in the route's bank). Records of
+# one run carry the same keys step after step, so the routing is worked out once per key set.
+Plan = list[tuple[int, SeriesBank, np.ndarray, np.ndarray]]
 
 
 class DetectorBank:
     def __init__(self, config: BankConfig | None = None) -> None:
         self.config = config or BankConfig()
         self._routes = [r for r in ROUTES if r.name not in self.config.disabled]
-        self._by_metric: dict[str, list[Route]] = {}
-        self.series: dict[str, dict[str, SeriesDetector]] = {r.name: {} for r in self._routes}
         self.outlier = OutlierRankDetector(self.config.outlier)
         self.stall = StallDetector(self.config.stall)
         self.witnesses = Witnesses(self.config.witness)
+        # One bank per route: every series of that route is a row in it.
+        self.series: dict[str, SeriesBank] = {r.name: r.make(self.config, self.witnesses) for r in self._routes}
+        self._plans: dict[tuple[str, ...], Plan] = {}
         # The newest (attempt, step) judged: a step at or before it in the same attempt is a
         # re-delivery and is not judged again.
         self.judged: tuple[int, int] | None = None
 
-    def _routes_for(self, metric: str) -> list[Route]:
-        routes = self._by_metric.get(metric)
-        if routes is None:
-            routes = [r for r in self._routes if r.metrics is None or metric in r.metrics]
-            self._by_metric[metric] = routes
-        return routes
-
-    def _detector(self, route: Route, key: str) -> SeriesDetector:
-        per_key = self.series[route.name]
-        det = per_key.get(key)
-        if det is None:
-            det = per_key[key] = route.build(key, self.config, self.witnesses)
-        return det
+    def _plan(self, keys: tuple[str, ...]) -> Plan:
+        plan = self._plans.get(keys)
+        if plan is None:
+            if len(self._plans) > 16:
+                self._plans.clear()
+            plan = []
+            metrics = [split_key(k)[0] for k in keys]
+            for i, route in enumerate(self._routes):
+                pos = [p for p, m in enumerate(metrics) if route.metrics is None or m in route.metrics]
+                if pos:
+                    bank = self.series[route.name]
+                    plan.append((i, bank, as_rows(pos), as_rows([bank.row(keys[p]) for p in pos])))
+            self._plans[keys] = plan
+        return plan
 
     def already_judged(self, record: StepRecord, attempt: int | None) -> bool:
         return (attempt is not None and self.judged is not None and attempt == self.judged[0]
@@ -156,11 +179,14 @@ class DetectorBank:
             stalled = self.stall.check(wall)
             if stalled is not None:
                 findings.append(stalled)
-        for key, value in record.values.items():
-            for route in self._routes_for(split_key(key)[0]):
-                f = self._detector(route, key).update(record.step, value, wall)
-                if f is not None:
-                    findings.append(f)
+        keys = tuple(record.values)
+        values = np.fromiter(record.values.values(), np.float64, len(keys))
+        found: list[tuple[int, int, Finding]] = []
+        for i, bank, pos, rows in self._plan(keys):
+            for j, f in bank.observe(record.step, rows, values[pos]):
+                found.append((int(pos[j]), i, f))
+        # In record order, then route order: the order one object per series gave.
+        findings.extend(f for _, _, f in sorted(found, key=lambda t: t[:2]))
         if "outlier_rank" not in self.config.disabled:
             findings.extend(self.outlier.observe(record))
         self.stall.update(record.step, math.nan, wall)
@@ -182,9 +208,8 @@ class DetectorBank:
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback to `to_step`: forget buffered points at/after it and all latches,
         keep the healthy history before it (no new warm-up). None forgets everything."""
-        for per_key in self.series.values():
-            for det in per_key.values():
-                det.reset(to_step)
+        for bank in self.series.values():
+            bank.reset(to_step)
         self.outlier.reset(to_step)
         self.stall.reset(to_step)
         self.witnesses.reset(to_step)
@@ -192,30 +217,49 @@ class DetectorBank:
             # The steps from to_step on are trained again (in a new attempt, or this one).
             self.judged = None if to_step is None else (self.judged[0], min(self.judged[1], to_step - 1))
 
+    # --- state: named parts, saved incrementally ------------------------------------------
+
+    def state_parts(self, dirty_only: bool = False) -> dict[str, bytes]:
+        """The state as named parts. With `dirty_only`, the ring chunks not written since the
+        last `mark_saved()` are left out (the store keeps their previous rows): a save after k
+        steps writes O(k x series) bytes plus the per-row counters, not the whole history."""
+        meta = {"version": STATE_VERSION, "outlier": self.outlier.state_dict(), "stall": self.stall.state_dict(),
+                "judged": list(self.judged) if self.judged is not None else None,
+                "routes": [r.name for r in self._routes]}
+        parts = {"meta": json.dumps(meta, separators=(",", ":")).encode()}
+        parts.update(self.witnesses.parts("witnesses", dirty_only))
+        for name, bank in self.series.items():
+            parts.update(bank.parts(name, dirty_only))
+        return parts
+
+    def mark_saved(self) -> None:
+        self.witnesses.mark_saved()
+        for bank in self.series.values():
+            bank.mark_saved()
+
+    def load_state_parts(self, parts: dict[str, bytes]) -> None:
+        meta = json.loads(parts["meta"]) if "meta" in parts else {}
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"detector state version {meta.get('version')!r} != {STATE_VERSION}; start with a fresh bank")
+        self._plans.clear()
+        self.witnesses.load("witnesses", parts)
+        for route in self._routes:
+            bank = self.series[route.name] = route.make(self.config, self.witnesses)
+            if f"{route.name}.rows" in parts:  # else: a route enabled since the state was saved
+                bank.load(route.name, parts)
+        self.outlier.load_state_dict(meta["outlier"])
+        self.stall.load_state_dict(meta["stall"])
+        self.judged = (int(meta["judged"][0]), int(meta["judged"][1])) if meta.get("judged") else None
+        self.mark_saved()
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "series": {name: {k: d.state_dict() for k, d in per_key.items()} for name, per_key in self.series.items()},
-            "outlier": self.outlier.state_dict(),
-            "stall": self.stall.state_dict(),
-            "witnesses": self.witnesses.state_dict(),
-            "judged": list(self.judged) if self.judged is not None else None,
-        }
+        """Strict JSON: the same parts, base64."""
+        return {"version": STATE_VERSION, "parts": parts_to_json(self.state_parts())}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"detector state version {d.get('version')!r} != {STATE_VERSION}; start with a fresh bank")
-        routes = {r.name: r for r in self._routes}
-        for name, per_key in d["series"].items():
-            if name not in routes:
-                continue  # a route disabled since the state was saved
-            self.series[name] = {}
-            for key, state in per_key.items():
-                self._detector(routes[name], key).load_state_dict(state)
-        self.outlier.load_state_dict(d["outlier"])
-        self.stall.load_state_dict(d["stall"])
-        self.witnesses.load_state_dict(d["witnesses"])
-        self.judged = (int(d["judged"][0]), int(d["judged"][1])) if d.get("judged") else None
+        self.load_state_parts(parts_from_json(d["parts"]))
 
 
 __all__ = [

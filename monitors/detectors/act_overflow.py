@@ -10,12 +10,14 @@ reduced by max and act_min by min across ranks (contract.reduction), so one rank
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from monitors.contract import Finding, Severity, Signal
+import numpy as np
 
-from .base import SeriesBase, at_least, slog
+from monitors.contract import Severity, Signal
+
+from .base import at_least
+from .series import Found, SeriesBank, Single, slogs
 
 # torch.finfo(dtype).max, written out so the detectors import without torch.
 DTYPE_MAX = {
@@ -56,30 +58,36 @@ class ActOverflowConfig:
         return DTYPE_MAX[self.dtype]
 
 
-class ActOverflowDetector(SeriesBase):
+class ActOverflowBank(SeriesBank):
     signal = Signal.ACT_OVERFLOW
 
-    def __init__(self, key: str, config: ActOverflowConfig | None = None) -> None:
+    def __init__(self, config: ActOverflowConfig | None = None) -> None:
         self.config = config or ActOverflowConfig()
-        super().__init__(key, self.config.history, self.config.clear_steps)
+        super().__init__(self.config.history, self.config.clear_steps)
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        c = self.config
-        if not math.isfinite(value):
-            return None  # non_finite.py reports Inf
-        mag = abs(value)
-        self.history.append(step, slog(mag))
-        self.seen += 1
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        c, R = self.config, self.rows
+        idx = np.flatnonzero(np.isfinite(values))  # non_finite.py reports Inf
+        rows, vals = rows[idx], values[idx]
+        mag = np.abs(vals)
+        R.append(rows, step, slogs(mag))
+        R.seen[rows] += 1
         warn_at, crit_at = c.fraction * c.limit, c.critical_fraction * c.limit
-        self.latch.observe(mag <= warn_at)
-        self._count_exceed(step, mag > warn_at)
-        if mag <= warn_at:
-            return None
-        severity = Severity.CRITICAL if mag > crit_at else Severity.WARN
-        if not self.latch.should_fire(severity):
-            return None
-        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
-        self.latch.fire(severity, onset)
-        evidence = {"value": value, "threshold": warn_at, "dtype": c.dtype, "dtype_max": c.limit,
-                    "fraction_of_max": mag / c.limit, "onset_method": method}
-        return self._finding(severity, onset, step, evidence)
+        R.observe(rows, mag <= warn_at)
+        R.count_exceed(rows, step, mag > warn_at)
+        out: Found = []
+        for j in np.flatnonzero(mag > warn_at):
+            row, m = int(rows[j]), float(mag[j])
+            severity = Severity.CRITICAL if m > crit_at else Severity.WARN
+            fired = self._fire(row, severity, c.onset_lookback)
+            if fired is None:
+                continue
+            evidence = {"value": float(vals[j]), "threshold": warn_at, "dtype": c.dtype, "dtype_max": c.limit,
+                        "fraction_of_max": m / c.limit, "onset_method": fired[1]}
+            out.append((int(idx[j]), self._finding(row, severity, fired[0], step, evidence)))
+        return out
+
+
+class ActOverflowDetector(Single):
+    def __init__(self, key: str, config: ActOverflowConfig | None = None) -> None:
+        super().__init__(ActOverflowBank(config), key)

@@ -41,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import ATTN_LOGIT_LSE, Finding, Outcome, Severity, Signal
+from monitors.contract import ATTN_LOGIT_LSE, Outcome, Severity, Signal
 
-from .base import SeriesBase, at_least, positive, robust_stats
+from .base import at_least, positive
+from .series import Found, SeriesBank, Single, logs, median_rows, robust_rows
 from .witness import Witnesses
 
 
@@ -129,51 +130,55 @@ def theil_sen_slope(steps: np.ndarray, values: np.ndarray) -> float:
     return float(np.median((values[j] - values[i])[good] / dt[good]))
 
 
-class AttnLogitGrowthDetector(SeriesBase):
-    """Sustained multiplicative growth of one attention-logit series."""
+class AttnLogitGrowthBank(SeriesBank):
+    """Sustained multiplicative growth of attention-logit series."""
 
     signal = Signal.ATTN_LOGIT_GROWTH
 
-    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
+    def __init__(self, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
         self.config = config or AttnLogitConfig()
         self.witnesses = witnesses  # shared with the bank: the same run's other series
-        super().__init__(key, self.config.history, self.config.clear_steps)
+        super().__init__(self.config.history, self.config.clear_steps)
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        c = self.config
-        if not math.isfinite(value) or value <= 0.0:
-            return None  # non_finite.py reports NaN/Inf; log space needs a positive value
-        self.history.append(step, math.log(value))
-        self.seen += 1
-        base = self.history.tail(c.window, skip_last=c.slope_window)
-        if self.seen <= c.warmup or base.size < c.window // 2:
-            return None
-        med, sigma = robust_stats(base)
-        level = float(np.median(self.history.tail(c.level_points)))
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        c, R = self.config, self.rows
+        idx = np.flatnonzero(np.isfinite(values) & (values > 0.0))  # non_finite.py reports NaN/Inf;
+        rows, vals = rows[idx], values[idx]  # log space needs a positive value
+        R.append(rows, step, logs(vals))
+        R.seen[rows] += 1
+        live = np.flatnonzero((R.seen[rows] > c.warmup) & (R.sizes(rows, c.window, c.slope_window) >= c.window // 2))
+        lrows = rows[live]
+        med, sigma = robust_rows(R, lrows, c.window, c.slope_window)
+        level = median_rows(R, lrows, c.level_points)
         rise = level - med
-        thr = max(c.z * sigma, math.log(c.min_ratio))
-        self.latch.observe(rise <= thr / 2)
-        slope = math.nan
-        exceeded = rise > thr and (c.min_level <= 0 or level >= math.log(c.min_level))
-        if exceeded:  # the slope costs O(slope_window^2); only pay it when the level is up
-            slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
-            exceeded = slope >= math.log1p(c.min_growth)
-        self._count_exceed(step, exceeded)
-        if self.run < c.confirm:
-            return None
-        severity = Severity.CRITICAL if rise >= math.log(c.critical_ratio) else Severity.WARN
-        outcome, why, harm = _judge(math.exp(level), c, self.witnesses, "growing")
-        if outcome is Outcome.ACT:
-            severity = Severity.CRITICAL
-        if not self.latch.should_fire(severity, outcome):
-            return None
-        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
-        self.latch.fire(severity, onset, outcome)
-        ev = self._evidence(value, med, rise, thr, slope, method)
-        ev.update(outcome_why=why, witnesses=harm)
-        return self._finding(severity, onset, step, ev, outcome)
+        thr = np.maximum(c.z * sigma, math.log(c.min_ratio))
+        R.observe(lrows, rise <= thr / 2)
+        exceeded = rise > thr
+        if c.min_level > 0:
+            exceeded &= level >= math.log(c.min_level)
+        slope = np.full(lrows.size, math.nan)
+        for j in np.flatnonzero(exceeded):  # the slope costs O(slope_window^2); only where the level is up
+            row = int(lrows[j])
+            slope[j] = theil_sen_slope(R.tail_steps(row, c.slope_window), R.tail(row, c.slope_window))
+            exceeded[j] = slope[j] >= math.log1p(c.min_growth)
+        R.count_exceed(lrows, step, exceeded)
+        out: Found = []
+        for j in np.flatnonzero(R.run[lrows] >= c.confirm):
+            row, rj = int(lrows[j]), float(rise[j])
+            severity = Severity.CRITICAL if rj >= math.log(c.critical_ratio) else Severity.WARN
+            outcome, why, harm = _judge(math.exp(float(level[j])), c, self.witnesses, "growing")
+            if outcome is Outcome.ACT:
+                severity = Severity.CRITICAL
+            fired = self._fire(row, severity, c.onset_lookback, outcome)
+            if fired is None:
+                continue
+            ev = self._evidence(row, float(vals[live[j]]), float(med[j]), rj, float(thr[j]), float(slope[j]), fired[1])
+            ev.update(outcome_why=why, witnesses=harm)
+            out.append((int(idx[live[j]]), self._finding(row, severity, fired[0], step, ev, outcome)))
+        return out
 
-    def _evidence(self, value: float, med: float, rise: float, thr: float, slope: float, method: str) -> dict[str, Any]:
+    def _evidence(self, row: int, value: float, med: float, rise: float, thr: float, slope: float,
+                  method: str) -> dict[str, Any]:
         return {
             "value": value,
             "baseline": math.exp(med),
@@ -182,47 +187,68 @@ class AttnLogitGrowthDetector(SeriesBase):
             "threshold_ratio": math.exp(thr),
             "growth_per_step": math.expm1(slope),
             "min_growth_per_step": self.config.min_growth,
-            "recent": [math.exp(v) for v in self.history.tail(8)],
+            "recent": [math.exp(v) for v in self.recent(row)],
             "onset_method": method,
         }
 
 
-class AttnLogitCeilingDetector(SeriesBase):
-    """Absolute ceiling on one attention-logit series (latched; clears below 90 % of it)."""
+class AttnLogitCeilingBank(SeriesBank):
+    """Absolute ceiling on attention-logit series (latched; clears below 90 % of it)."""
 
     signal = Signal.ATTN_LOGIT_CEILING
 
-    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
+    def __init__(self, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
         self.config = config or AttnLogitConfig()
         self.witnesses = witnesses
-        super().__init__(key, self.config.history, self.config.clear_steps)
-        offset = self.config.lse_ceiling_offset if self.metric == ATTN_LOGIT_LSE else 0.0
-        self.ceiling = self.config.ceiling + offset
+        self.ceilings: list[float] = []
+        super().__init__(self.config.history, self.config.clear_steps)
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        c = self.config
-        if not math.isfinite(value) or value <= 0.0:
-            return None
-        self.history.append(step, math.log(value))
-        self.seen += 1
-        over = value >= self.ceiling
-        self.latch.observe(value < 0.9 * self.ceiling)
-        self._count_exceed(step, over)
-        if not over:
-            return None
-        # Still going: the log values of the last slope_window points trend up. Only an
-        # escalation to act needs it; the first crossing alerts whatever the trend.
-        slope = theil_sen_slope(self.history.tail_steps(c.slope_window), self.history.tail(c.slope_window))
-        going = slope >= math.log1p(c.min_growth)  # the growth detector's own bar: real growth
-        outcome, why, harm = _judge(value, c, self.witnesses if going else None,
-                                    "above the ceiling and rising" if going else "above the ceiling, not rising")
-        if not self.latch.should_fire(Severity.CRITICAL, outcome):
-            return None
-        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
-        self.latch.fire(Severity.CRITICAL, onset, outcome)
-        evidence = {"value": value, "threshold": self.ceiling, "onset_method": method,
-                    "recent": [math.exp(v) for v in self.history.tail(8)], "outcome_why": why, "witnesses": harm}
-        return self._finding(Severity.CRITICAL, onset, step, evidence, outcome)
+    def _describe(self, row: int, key: str) -> None:
+        super()._describe(row, key)
+        offset = self.config.lse_ceiling_offset if self.metric[row] == ATTN_LOGIT_LSE else 0.0
+        self.ceilings.append(self.config.ceiling + offset)
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        self.ceilings = []
+        super().load(prefix, parts)
+
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        c, R = self.config, self.rows
+        idx = np.flatnonzero(np.isfinite(values) & (values > 0.0))
+        rows, vals = rows[idx], values[idx]
+        R.append(rows, step, logs(vals))
+        R.seen[rows] += 1
+        ceiling = np.asarray(self.ceilings)[rows]
+        over = vals >= ceiling
+        R.observe(rows, vals < 0.9 * ceiling)
+        R.count_exceed(rows, step, over)
+        out: Found = []
+        for j in np.flatnonzero(over):
+            row, value = int(rows[j]), float(vals[j])
+            # Still going: the log values of the last slope_window points trend up. Only an
+            # escalation to act needs it; the first crossing alerts whatever the trend.
+            slope = theil_sen_slope(R.tail_steps(row, c.slope_window), R.tail(row, c.slope_window))
+            going = slope >= math.log1p(c.min_growth)  # the growth detector's own bar: real growth
+            outcome, why, harm = _judge(value, c, self.witnesses if going else None,
+                                        "above the ceiling and rising" if going else "above the ceiling, not rising")
+            fired = self._fire(row, Severity.CRITICAL, c.onset_lookback, outcome)
+            if fired is None:
+                continue
+            evidence = {"value": value, "threshold": self.ceilings[row], "onset_method": fired[1],
+                        "recent": [math.exp(v) for v in self.recent(row)], "outcome_why": why, "witnesses": harm}
+            out.append((int(idx[j]), self._finding(row, Severity.CRITICAL, fired[0], step, evidence, outcome)))
+        return out
+
+
+class AttnLogitGrowthDetector(Single):
+    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
+        super().__init__(AttnLogitGrowthBank(config, witnesses), key)
+
+
+class AttnLogitCeilingDetector(Single):
+    def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
+        super().__init__(AttnLogitCeilingBank(config, witnesses), key)
+        self.ceiling = self.bank.ceilings[0]
 
 
 def _judge(value: float, c: AttnLogitConfig, witnesses: Witnesses | None, what: str) -> tuple[Outcome, str, dict]:

@@ -4,7 +4,8 @@ a severity latch, robust window statistics and a strict-JSON helper for evidence
 Every detector is pure (no clock, no I/O), O(1) amortised per point (bounded buffers only) and
 restartable: `state_dict()` returns strict JSON (no NaN, so it fits PostgreSQL JSONB) and
 `load_state_dict()` restores it exactly, so findings after a supervisor restart are the same
-as if it had never stopped.
+as if it had never stopped. The detectors keep their series as rows of arrays (arrays.py,
+series.py); History remains for the loss trend, a single sequential series.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from monitors.contract import Finding, Outcome, Severity, Signal, split_key
-
-from .onset import estimate_onset
+from monitors.contract import Finding, Outcome, Severity
 
 _RANK = {Severity.INFO: 0, Severity.WARN: 1, Severity.CRITICAL: 2}
 
@@ -54,18 +53,6 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return x
-
-
-def robust_stats(values: np.ndarray) -> tuple[float, float]:
-    """(median, sigma) with sigma = 1.4826 * MAD: half the window may be outliers and the
-    baseline still holds, unlike mean/std where one spike inflates the threshold."""
-    med = float(np.median(values))
-    return med, MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
-
-
-def slog(v: float) -> float:
-    """Signed log1p: a log scale for values that may be negative or zero (act_min, loss)."""
-    return math.copysign(math.log1p(abs(v)), v)
 
 
 class History:
@@ -122,7 +109,9 @@ class History:
 class Latch:
     """Raise a finding once per excursion. Re-raise only to escalate, in severity (WARN ->
     CRITICAL) or in outcome (watch -> alert -> act: a growth that gains a witness of harm);
-    clear after `clear_steps` consecutive points back inside the baseline band."""
+    clear after `clear_steps` consecutive points back inside the baseline band (that rule runs
+    across all series at once: arrays.Rows.observe; a Latch is materialised only for a row that
+    may fire)."""
 
     def __init__(self, clear_steps: int) -> None:
         self.clear_steps = clear_steps
@@ -152,13 +141,6 @@ class Latch:
             self.outcome = outcome
         self._clear_run = 0
 
-    def observe(self, inside_band: bool) -> None:
-        if self.severity is None:
-            return
-        self._clear_run = self._clear_run + 1 if inside_band else 0
-        if self._clear_run >= self.clear_steps:
-            self.reset()
-
     def reset(self) -> None:
         self.severity = None
         self.outcome = None
@@ -179,106 +161,6 @@ class Latch:
         self.onset_step = int(d["onset_step"])
         self._clear_run = int(d["clear_run"])
 
-
-class SeriesBase:
-    """Common bookkeeping for one-series detectors: key split, history, latch, the count of
-    points seen (for warm-up), implicit rewind when steps go backwards, and state."""
-
-    signal: Signal
-
-    def __init__(self, key: str, history: int, clear_steps: int) -> None:
-        self.key = key
-        self.metric, self.module = split_key(key)
-        self.history = History(history)
-        self.latch = Latch(clear_steps)
-        self.seen = 0  # finite points seen since the last full reset (drives warm-up)
-        self.last_step: int | None = None
-        self.run = 0  # consecutive points past the threshold
-        self.first_exceed = -1  # first step of that run
-
-    def update(self, step: int, value: float, wall_time: float | None = None) -> Finding | None:
-        if self.last_step is not None and step <= self.last_step:
-            # Steps went back without reset(): an unannounced rollback, or a re-sent record.
-            # Keep a latch whose excursion began before `step`, so a duplicate does not
-            # raise the same finding twice.
-            keep = self.latch.state_dict() if self.latch.active and self.latch.onset_step < step else None
-            self.reset(step)
-            if keep is not None:
-                self.latch.load_state_dict(keep)
-        self.last_step = step
-        return self._update(int(step), float(value))
-
-    def _update(self, step: int, value: float) -> Finding | None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def reset(self, to_step: int | None = None) -> None:
-        """After a rollback to `to_step`: forget points at or after it, drop the latch. With
-        None, forget everything (warm-up starts again)."""
-        dropped = self.history.rewind(to_step)
-        self.latch.reset()
-        self.run, self.first_exceed = 0, -1
-        if to_step is None:
-            self.seen = 0
-            self.last_step = None
-        else:
-            # Warm-up is about the run's age, which the rollback only shortens by what it
-            # dropped; a rollback deeper than the buffer still waits for a refilled window.
-            self.seen = max(0, self.seen - dropped)
-            self.last_step = self.history.steps[-1] if len(self.history) else None
-
-    def _count_exceed(self, step: int, exceeded: bool) -> None:
-        if exceeded:
-            if self.run == 0:
-                self.first_exceed = step
-            self.run += 1
-        else:
-            self.run, self.first_exceed = 0, -1
-
-    def _onset(self, lookback: int) -> tuple[int, str]:
-        """Onset from the buffered history (which already holds the detection point)."""
-        steps = self.history.tail_steps(lookback)
-        values = self.history.tail(lookback)
-        return estimate_onset(steps, values, self.first_exceed)
-
-    def outcome_for(self, severity: Severity) -> Outcome:
-        """What a finding of this severity may lead to. A critical excursion is strong enough
-        evidence to act on by itself (the policy's rollback_signals still decide whether it
-        does); a warning tells a human. Detectors whose evidence needs corroboration override."""
-        return Outcome.ACT if severity is Severity.CRITICAL else Outcome.ALERT
-
-    def _finding(self, severity: Severity, onset: int, step: int, evidence: dict[str, Any],
-                 outcome: Outcome | None = None) -> Finding:
-        return Finding(
-            signal=self.signal,
-            module=self.module,
-            severity=severity,
-            onset_step=onset,
-            detect_step=step,
-            metric=self.key,
-            evidence=jsonable(evidence),
-            outcome=outcome if outcome is not None else self.outcome_for(severity),
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "history": self.history.state_dict(),
-            "latch": self.latch.state_dict(),
-            "seen": self.seen,
-            "last_step": self.last_step,
-            "run": self.run,
-            "first_exceed": self.first_exceed,
-        }
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        if d["key"] != self.key:
-            raise ValueError(f"state is for series {d['key']!r}, not {self.key!r}")
-        self.history.load_state_dict(d["history"])
-        self.latch.load_state_dict(d["latch"])
-        self.seen = int(d["seen"])
-        self.last_step = None if d["last_step"] is None else int(d["last_step"])
-        self.run = int(d["run"])
-        self.first_exceed = int(d["first_exceed"])
 
 
 def positive(name: str, value: float) -> None:

@@ -14,13 +14,18 @@ rollback replays the same LR, and a slow-down is a human's call).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from monitors.contract import Finding, Outcome, Severity, Signal
+import numpy as np
 
-from .base import SeriesBase, at_least, positive
+from monitors.contract import Outcome, Severity, Signal
+
+from .arrays import as_rows
+from .base import at_least, positive
+from .series import Found, SeriesBank, Single
 from .witness import LossTrend, WitnessConfig, Witnesses
 
 
@@ -58,57 +63,79 @@ class DegradationConfig:
         at_least("onset_lookback", self.onset_lookback, 8)
 
 
-class DegradationDetector(SeriesBase):
+class DegradationBank(SeriesBank):
+    """Judged row by row in Python: the trend fit is sequential per series, and only `loss`
+    takes this route (one row per run)."""
+
     signal = Signal.LOSS_DEGRADATION
 
-    def __init__(self, key: str = "loss", config: DegradationConfig | None = None,
-                 witnesses: Witnesses | None = None) -> None:
+    def __init__(self, config: DegradationConfig | None = None, witnesses: Witnesses | None = None) -> None:
         self.config = config or DegradationConfig()
         self.witnesses = witnesses  # for the step's LR: the trend starts after the LR warm-up
-        super().__init__(key, self.config.history, self.config.clear_steps)
-        self.trend = LossTrend(self.config.trend)
-        self.worst = 0.0  # smallest excess over the current run of behind points (log ratio)
+        self.trends: list[LossTrend] = []
+        self.worst: list[float] = []  # smallest excess over the current run of behind points (log ratio)
+        super().__init__(self.config.history, self.config.clear_steps)
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        c = self.config
-        got = self.trend.update(step, value, self.witnesses.lr if self.witnesses is not None else None)
-        if not math.isfinite(value) or value <= 0.0:
-            return None
-        self.history.append(step, math.log(value))
-        self.seen += 1
-        if got is None or self.seen <= c.warmup:
-            return None
-        excess, margin = got
-        behind = excess > margin
-        self.latch.observe(not behind)
-        self._count_exceed(step, behind)
-        self.worst = min(self.worst, excess) if self.run > 1 else excess
-        confirm = max(c.confirm_min, int(c.confirm_fraction * self.seen))
-        if self.run < confirm:
-            return None
-        critical = self.worst >= math.log1p(c.critical_margin)
-        severity = Severity.CRITICAL if critical else Severity.WARN
-        outcome = Outcome.ACT if critical else Outcome.ALERT
-        if not self.latch.should_fire(severity, outcome):
-            return None
-        onset = self.latch.onset_step if self.latch.active else self.first_exceed
-        self.latch.fire(severity, onset, outcome)
-        evidence: dict[str, Any] = {
-            "value": value, "above_trend": math.expm1(excess), "margin": math.expm1(margin),
-            "min_above_trend": math.expm1(self.worst), "points_behind": self.run, "confirm": confirm,
-            "onset_method": "first_behind",
-        }
-        return self._finding(severity, onset, step, evidence, outcome)
+    def _describe(self, row: int, key: str) -> None:
+        super()._describe(row, key)
+        self.trends.append(LossTrend(self.config.trend))
+        self.worst.append(0.0)
 
-    def reset(self, to_step: int | None = None) -> None:
-        super().reset(to_step)
-        self.trend.reset(to_step)
-        self.worst = 0.0
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        c, R = self.config, self.rows
+        out: Found = []
+        for i, (row, value) in enumerate(zip(rows.tolist(), values.tolist())):
+            got = self.trends[row].update(step, value, self.witnesses.lr if self.witnesses is not None else None)
+            if not math.isfinite(value) or value <= 0.0:
+                continue
+            one = as_rows([row])
+            R.append(one, step, np.array([math.log(value)]))
+            R.seen[row] += 1
+            if got is None or R.seen[row] <= c.warmup:
+                continue
+            excess, margin = got
+            behind = excess > margin
+            R.observe(one, np.array([not behind]))
+            R.count_exceed(one, step, np.array([behind]))
+            run = int(R.run[row])
+            self.worst[row] = min(self.worst[row], excess) if run > 1 else excess
+            confirm = max(c.confirm_min, int(c.confirm_fraction * int(R.seen[row])))
+            if run < confirm:
+                continue
+            critical = self.worst[row] >= math.log1p(c.critical_margin)
+            severity = Severity.CRITICAL if critical else Severity.WARN
+            outcome = Outcome.ACT if critical else Outcome.ALERT
+            fired = self._fire(row, severity, None, outcome)
+            if fired is None:
+                continue
+            evidence: dict[str, Any] = {
+                "value": value, "above_trend": math.expm1(excess), "margin": math.expm1(margin),
+                "min_above_trend": math.expm1(self.worst[row]), "points_behind": run, "confirm": confirm,
+                "onset_method": "first_behind",
+            }
+            out.append((i, self._finding(row, severity, fired[0], step, evidence, outcome)))
+        return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "trend": self.trend.state_dict(), "worst": self.worst}
+    def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
+        super().reset_rows(rows, to_step)
+        for row in rows.tolist():
+            self.trends[row].reset(to_step)
+            self.worst[row] = 0.0
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        super().load_state_dict(d)
-        self.trend.load_state_dict(d["trend"])
-        self.worst = float(d["worst"])
+    def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:
+        extra = {"trends": [t.state_dict() for t in self.trends], "worst": self.worst}
+        return {**super().parts(prefix, dirty_only), f"{prefix}.trends": json.dumps(extra).encode()}
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        self.trends, self.worst = [], []
+        super().load(prefix, parts)
+        extra = json.loads(parts[f"{prefix}.trends"])
+        for t, d in zip(self.trends, extra["trends"]):
+            t.load_state_dict(d)
+        self.worst = [float(w) for w in extra["worst"]]
+
+
+class DegradationDetector(Single):
+    def __init__(self, key: str = "loss", config: DegradationConfig | None = None,
+                 witnesses: Witnesses | None = None) -> None:
+        super().__init__(DegradationBank(config, witnesses), key)

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from monitors.contract import Signal
 
-from .spike import SpikeConfig, SpikeDetector
+import numpy as np
+
+from .series import Single, logs
+from .spike import SpikeBank, SpikeConfig
 
 
 @dataclass
@@ -31,21 +34,27 @@ class GradSpikeConfig(SpikeConfig):
                 raise ValueError(f"{name} must be > 1 (a ratio over baseline), got {getattr(self, name)!r}")
 
 
-class GradSpikeDetector(SpikeDetector):
+class GradSpikeBank(SpikeBank):
     signal = Signal.GRAD_SPIKE
     config: GradSpikeConfig
 
-    def __init__(self, key: str = "grad_norm", config: GradSpikeConfig | None = None) -> None:
-        super().__init__(key, config or GradSpikeConfig())
+    def __init__(self, config: GradSpikeConfig | None = None) -> None:
+        super().__init__(config or GradSpikeConfig())
 
-    def transform(self, value: float) -> float | None:
-        return math.log(value) if value > 0.0 else None
+    def transform(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ok = np.isfinite(values) & (values > 0.0)
+        return ok, logs(values[ok])
 
-    def min_excess(self, median: float) -> float:
-        return math.log(self.config.min_ratio)
+    def min_excess(self, median: np.ndarray) -> np.ndarray:
+        return np.full(median.shape, math.log(self.config.min_ratio))
 
     def is_critical(self, y: float, median: float) -> bool:
         return y - median >= math.log(self.config.critical_ratio)
 
     def describe(self, y: float) -> float:
         return math.exp(y)
+
+
+class GradSpikeDetector(Single):
+    def __init__(self, key: str = "grad_norm", config: GradSpikeConfig | None = None) -> None:
+        super().__init__(GradSpikeBank(config), key)

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 from monitors.contract import Signal
 
+import numpy as np
+
 from .base import positive
-from .spike import SpikeConfig, SpikeDetector
+from .series import Single
+from .spike import SpikeBank, SpikeConfig
 
 
 @dataclass
@@ -31,18 +34,24 @@ class LossSpikeConfig(SpikeConfig):
             raise ValueError(f"critical_ratio must be > 1, got {self.critical_ratio!r}")
 
 
-class LossSpikeDetector(SpikeDetector):
+class LossSpikeBank(SpikeBank):
     signal = Signal.LOSS_SPIKE
     config: LossSpikeConfig
 
-    def __init__(self, key: str = "loss", config: LossSpikeConfig | None = None) -> None:
-        super().__init__(key, config or LossSpikeConfig())
+    def __init__(self, config: LossSpikeConfig | None = None) -> None:
+        super().__init__(config or LossSpikeConfig())
 
-    def transform(self, value: float) -> float | None:
-        return value
+    def transform(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ok = np.isfinite(values)
+        return ok, values[ok]
 
-    def min_excess(self, median: float) -> float:
-        return self.config.min_rel_excess * abs(median)
+    def min_excess(self, median: np.ndarray) -> np.ndarray:
+        return self.config.min_rel_excess * np.abs(median)
 
     def is_critical(self, y: float, median: float) -> bool:
         return median > 0 and y >= self.config.critical_ratio * median
+
+
+class LossSpikeDetector(Single):
+    def __init__(self, key: str = "loss", config: LossSpikeConfig | None = None) -> None:
+        super().__init__(LossSpikeBank(config), key)

@@ -18,9 +18,12 @@ import math
 from dataclasses import dataclass
 
 from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, UPDATE_RATIO, Z
-from monitors.contract import Finding, Outcome, Severity, Signal
+import numpy as np
 
-from .base import SeriesBase, at_least, slog
+from monitors.contract import Outcome, Severity, Signal
+
+from .base import at_least
+from .series import Found, SeriesBank, Single, slogs
 
 
 @dataclass
@@ -48,32 +51,50 @@ class NonFiniteConfig:
             raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
 
 
-class NonFiniteDetector(SeriesBase):
+class NonFiniteBank(SeriesBank):
     signal = Signal.NON_FINITE
 
-    def __init__(self, key: str, config: NonFiniteConfig | None = None) -> None:
+    def __init__(self, config: NonFiniteConfig | None = None) -> None:
         self.config = config or NonFiniteConfig()
-        super().__init__(key, self.config.history, self.config.clear_steps)
-        critical = self.metric in self.config.critical_metrics
-        self.severity = Severity.CRITICAL if critical else Severity.WARN
-        self.outcome = Outcome.ACT if critical else Outcome.WATCH
-        self.skip_nan = self.metric in self.config.unmeasured_nan
+        self.critical: list[bool] = []
+        self.skip_nan: list[bool] = []
+        super().__init__(self.config.history, self.config.clear_steps)
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        if self.skip_nan and math.isnan(value):
-            return None
-        finite = math.isfinite(value)
-        self.latch.observe(finite)
-        if finite:
-            self.history.append(step, slog(value))  # signed log: act_min is negative
-            self.seen += 1
-            self.run, self.first_exceed = 0, -1
-            return None
-        self._count_exceed(step, True)
-        if self.latch.active:
-            return None
-        onset, method = self._onset(self.config.onset_lookback)
-        self.latch.fire(self.severity, onset)
-        last = [math.copysign(math.expm1(abs(v)), v) for v in self.history.tail(8)]
-        evidence = {"value": value, "last_finite": last, "onset_method": method}
-        return self._finding(self.severity, onset, step, evidence, self.outcome)
+    def _describe(self, row: int, key: str) -> None:
+        super()._describe(row, key)
+        self.critical.append(self.metric[row] in self.config.critical_metrics)
+        self.skip_nan.append(self.metric[row] in self.config.unmeasured_nan)
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        self.critical, self.skip_nan = [], []
+        super().load(prefix, parts)
+
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        R = self.rows
+        idx = np.flatnonzero(~(np.asarray(self.skip_nan, bool)[rows] & np.isnan(values)))
+        rows, vals = rows[idx], values[idx]
+        finite = np.isfinite(vals)
+        R.observe(rows, finite)
+        good = rows[finite]
+        R.append(good, step, slogs(vals[finite]))  # signed log: act_min is negative
+        R.seen[good] += 1
+        R.count_exceed(rows, step, ~finite)
+        out: Found = []
+        for j in np.flatnonzero(~finite):
+            row = int(rows[j])
+            if R.lsev[row] >= 0:
+                continue  # one finding per burst
+            critical = self.critical[row]
+            severity = Severity.CRITICAL if critical else Severity.WARN
+            fired = self._fire(row, severity, self.config.onset_lookback)
+            last = [math.copysign(math.expm1(abs(v)), v) for v in self.recent(row)]
+            evidence = {"value": float(vals[j]), "last_finite": last, "onset_method": fired[1]}
+            outcome = Outcome.ACT if critical else Outcome.WATCH
+            out.append((int(idx[j]), self._finding(row, severity, fired[0], step, evidence, outcome)))
+        return out
+
+
+class NonFiniteDetector(Single):
+    def __init__(self, key: str, config: NonFiniteConfig | None = None) -> None:
+        super().__init__(NonFiniteBank(config), key)
+        self.severity = Severity.CRITICAL if self.bank.critical[0] else Severity.WARN

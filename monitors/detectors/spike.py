@@ -8,13 +8,15 @@ one (OLMo-core's mean + 6 sigma does, see baselines.py). One-sided: falling loss
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.contract import Finding, Severity
+import numpy as np
 
-from .base import SeriesBase, at_least, positive, robust_stats
+from monitors.contract import Severity
+
+from .base import at_least, positive
+from .series import Found, SeriesBank, robust_rows
 
 
 @dataclass
@@ -41,19 +43,20 @@ class SpikeConfig:
             raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
 
 
-class SpikeDetector(SeriesBase):
+class SpikeBank(SeriesBank):
     """Subclasses set `signal` and define `transform`, `min_excess`, `is_critical`."""
 
     config: SpikeConfig
 
-    def __init__(self, key: str, config: SpikeConfig) -> None:
+    def __init__(self, config: SpikeConfig) -> None:
         self.config = config
-        super().__init__(key, config.history, config.clear_steps)
+        super().__init__(config.history, config.clear_steps)
 
-    def transform(self, value: float) -> float | None:  # pragma: no cover - abstract
+    def transform(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - abstract
+        """(mask of the values judged, their transform); NaN/Inf are never judged."""
         raise NotImplementedError
 
-    def min_excess(self, median: float) -> float:  # pragma: no cover - abstract
+    def min_excess(self, median: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def is_critical(self, y: float, median: float) -> bool:  # pragma: no cover - abstract
@@ -63,38 +66,39 @@ class SpikeDetector(SeriesBase):
         """Back to the metric's own units for evidence."""
         return y
 
-    def _update(self, step: int, value: float) -> Finding | None:
-        c = self.config
-        if not math.isfinite(value):
-            return None  # non_finite.py owns NaN/Inf; keep them out of the median
-        y = self.transform(value)
-        if y is None:
-            return None
-        base = self.history.tail(c.window)  # the window *before* this point
-        self.history.append(step, y)
-        self.seen += 1
-        if self.seen <= c.warmup or base.size < c.window // 4:
-            return None
-        med, sigma = robust_stats(base)
-        thr = max(c.z * sigma, self.min_excess(med))
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
+        c, R = self.config, self.rows
+        ok, ys = self.transform(values)  # non_finite.py owns NaN/Inf; keep them out of the median
+        idx = np.flatnonzero(ok)
+        rows, vals = rows[idx], values[idx]
+        # The window *before* this point, for the rows past warm-up with enough of it.
+        live = (R.seen[rows] + 1 > c.warmup) & (R.sizes(rows, c.window) >= c.window // 4)
+        lrows = rows[live]
+        med, sigma = robust_rows(R, lrows, c.window)
+        R.append(rows, step, ys)
+        R.seen[rows] += 1
+        y = ys[live]
+        thr = np.maximum(c.z * sigma, self.min_excess(med))
         excess = y - med
-        self.latch.observe(excess <= thr / 2)
-        self._count_exceed(step, excess > thr)
-        if self.run < c.confirm:
-            return None
-        severity = Severity.CRITICAL if self.is_critical(y, med) else Severity.WARN
-        if not self.latch.should_fire(severity):
-            return None
-        onset, method = (self.latch.onset_step, "latched") if self.latch.active else self._onset(c.onset_lookback)
-        self.latch.fire(severity, onset)
-        return self._finding(severity, onset, step, self._evidence(value, med, thr, method))
+        R.observe(lrows, excess <= thr / 2)
+        R.count_exceed(lrows, step, excess > thr)
+        out: Found = []
+        at = np.flatnonzero(live)
+        for j in np.flatnonzero(R.run[lrows] >= c.confirm):
+            row, yj, mj = int(lrows[j]), float(y[j]), float(med[j])
+            severity = Severity.CRITICAL if self.is_critical(yj, mj) else Severity.WARN
+            fired = self._fire(row, severity, c.onset_lookback)
+            if fired is not None:
+                ev = self._evidence(row, float(vals[at[j]]), mj, float(thr[j]), fired[1])
+                out.append((int(idx[at[j]]), self._finding(row, severity, fired[0], step, ev)))
+        return out
 
-    def _evidence(self, value: float, med: float, thr: float, method: str) -> dict[str, Any]:
+    def _evidence(self, row: int, value: float, med: float, thr: float, method: str) -> dict[str, Any]:
         return {
             "value": value,
             "baseline": self.describe(med),
             "threshold": self.describe(med + thr),
             "robust_z": self.config.z,
-            "recent": [self.describe(v) for v in self.history.tail(8)],
+            "recent": [self.describe(v) for v in self.recent(row)],
             "onset_method": method,
         }

@@ -21,6 +21,7 @@ step s. Pure, bounded, restartable (state_dict / load_state_dict), like every de
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ import numpy as np
 
 from monitors.contract import GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord, split_key
 
+from .arrays import Rows, as_rows, parts_from_json, parts_to_json
 from .base import History, at_least, positive
+from .series import median_rows
 
 # The entropy thermometer's metric name (monitors/thermometers, issue 8 item 3). Spelled here so
 # the witness works whether or not this trainer records it.
@@ -162,20 +165,32 @@ class LossTrend:
         self.settled = int(d["settled"])
 
 
-class _Shift:
-    """Recent median against a baseline median of one series, in the series' own transform."""
+class _Shifts:
+    """Recent median against a baseline median, per series (one row each), in each series'
+    own transform, for a whole record at once."""
 
     def __init__(self, cfg: WitnessConfig) -> None:
         self.cfg = cfg
-        self.history = History(cfg.recent + cfg.baseline)
+        self.rows = Rows(cfg.recent + cfg.baseline, 1)
 
-    def update(self, step: int, y: float) -> float | None:
-        """recent median - baseline median, or None before the baseline has half its points."""
-        self.history.append(step, y)
-        base = self.history.tail(self.cfg.baseline, skip_last=self.cfg.recent)
-        if base.size < self.cfg.baseline // 2:
-            return None
-        return float(np.median(self.history.tail(self.cfg.recent)) - np.median(base))
+    def update(self, keys: list[str], step: int, ys: np.ndarray) -> np.ndarray:
+        """recent median - baseline median per key, NaN before the baseline has half its points."""
+        c, R = self.cfg, self.rows
+        rows = as_rows([R.add(k) for k in keys])
+        R.append(rows, step, ys)
+        ok = R.sizes(rows, c.baseline, c.recent) >= c.baseline // 2
+        d = np.full(rows.size, np.nan)
+        d[ok] = median_rows(R, rows[ok], c.recent) - median_rows(R, rows[ok], c.baseline, c.recent)
+        return d
+
+
+
+
+def _kind(key: str) -> int:
+    name = split_key(key)[0]
+    if key == GRAD_NORM:
+        return 1
+    return {Z: 2, ATTN_ENTROPY_MIN: 3, UPDATE_RATIO: 4}.get(name, 0)
 
 
 class Witnesses:
@@ -184,11 +199,12 @@ class Witnesses:
     def __init__(self, cfg: WitnessConfig | None = None) -> None:
         self.cfg = cfg or WitnessConfig()
         self.loss = LossTrend(self.cfg)
-        self.shifts: dict[str, _Shift] = {}
+        self.shifts = _Shifts(self.cfg)
         self.active: dict[str, str] = {}  # witness name -> why, at the newest step
         self.step = -1
         self.behind = 0  # consecutive points with the loss behind its trend
         self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
+        self._kinds: dict[tuple[str, ...], np.ndarray] = {}
 
     def observe(self, record: StepRecord) -> None:
         c = self.cfg
@@ -205,33 +221,37 @@ class Witnesses:
             if got is not None and self.behind >= c.loss_confirm:
                 active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
                                          f"(margin {math.expm1(got[1]):.1%})")
-        for key, v in vals.items():
-            if not math.isfinite(v):
-                continue
-            name = split_key(key)[0]
-            if key == GRAD_NORM and v > 0:
-                d = self._shift(key, record.step, math.log(v))
-                if d is not None and d >= math.log(c.grad_ratio):
-                    active["grad_growth"] = f"grad norm x{math.exp(d):.1f} over its baseline"
-            elif name == Z:
-                d = self._shift(key, record.step, v)
-                if d is not None and d >= c.z_rise:
-                    active["z_growth"] = f"{key} +{d:.1f} nats over its baseline"
-            elif name == ATTN_ENTROPY_MIN and v > 0:
-                d = self._shift(key, record.step, math.log(v))
-                if d is not None and d <= math.log(c.entropy_fraction):
-                    active["entropy_collapse"] = f"{key} at {math.exp(d):.0%} of its baseline"
-            elif name == UPDATE_RATIO and v > 0:
-                d = self._shift(key, record.step, math.log(v))
-                if d is not None and d >= math.log(c.update_ratio):
-                    active["update_growth"] = f"{key} x{math.exp(d):.1f} over its baseline"
+        keys = tuple(vals)
+        kinds = self._kinds.get(keys)
+        if kinds is None:
+            if len(self._kinds) > 16:
+                self._kinds.clear()
+            kinds = self._kinds[keys] = np.array([_kind(k) for k in keys], np.int64)
+        v = np.fromiter(vals.values(), np.float64, len(keys))
+        pos = np.flatnonzero((kinds > 0) & np.isfinite(v) & ((kinds == 2) | (v > 0)))
+        if pos.size:
+            k, y = kinds[pos], v[pos]
+            logged = k != 2
+            y[logged] = np.fromiter(map(math.log, y[logged].tolist()), np.float64, int(logged.sum()))
+            d = self.shifts.update([keys[p] for p in pos.tolist()], record.step, y)
+            speaks = {
+                "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
+                "z_growth": (k == 2) & (d >= c.z_rise),
+                "entropy_collapse": (k == 3) & (d <= math.log(c.entropy_fraction)),
+                "update_growth": (k == 4) & (d >= math.log(c.update_ratio)),
+            }
+            # In record order: a witness keeps the place of its first key and the words of its last.
+            order = sorted((int(np.flatnonzero(m)[0]), name) for name, m in speaks.items() if m.any())
+            for _, name in order:
+                j = int(np.flatnonzero(speaks[name])[-1])
+                dj, key = float(d[j]), keys[int(pos[j])]
+                active[name] = {
+                    "grad_growth": lambda: f"grad norm x{math.exp(dj):.1f} over its baseline",
+                    "z_growth": lambda: f"{key} +{dj:.1f} nats over its baseline",
+                    "entropy_collapse": lambda: f"{key} at {math.exp(dj):.0%} of its baseline",
+                    "update_growth": lambda: f"{key} x{math.exp(dj):.1f} over its baseline",
+                }[name]()
         self.active = active
-
-    def _shift(self, key: str, step: int, y: float) -> float | None:
-        sh = self.shifts.get(key)
-        if sh is None:
-            sh = self.shifts[key] = _Shift(self.cfg)
-        return sh.update(step, y)
 
     def harm(self) -> dict[str, str]:
         """The witnesses speaking now that count for `act` (WitnessConfig.act_witnesses)."""
@@ -243,22 +263,29 @@ class Witnesses:
 
     def reset(self, to_step: int | None = None) -> None:
         self.loss.reset(to_step)
-        for sh in self.shifts.values():
-            sh.history.rewind(to_step)
+        self.shifts.rows.rewind(as_rows(range(len(self.shifts.rows))), to_step)
         self.active = {}
         self.behind = 0
         self.step = -1 if to_step is None else to_step - 1
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss.state_dict(), "shifts": {k: s.history.state_dict() for k, s in self.shifts.items()},
-                "active": dict(self.active), "step": self.step, "behind": self.behind}
+    def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:
+        meta = {"loss": self.loss.state_dict(), "active": dict(self.active), "step": self.step, "behind": self.behind}
+        return {**self.shifts.rows.parts(f"{prefix}.shifts", dirty_only), prefix: json.dumps(meta).encode()}
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        d = json.loads(parts[prefix])
         self.loss.load_state_dict(d["loss"])
-        self.shifts = {}
-        for key, h in d["shifts"].items():
-            self.shifts[key] = _Shift(self.cfg)
-            self.shifts[key].history.load_state_dict(h)
+        self.shifts = _Shifts(self.cfg)
+        self.shifts.rows.load(f"{prefix}.shifts", parts)
         self.active = {str(k): str(v) for k, v in d["active"].items()}
         self.step = int(d["step"])
         self.behind = int(d["behind"])
+
+    def mark_saved(self) -> None:
+        self.shifts.rows.dirty = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": parts_to_json(self.parts("witnesses"))}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.load("witnesses", parts_from_json(d["parts"]))

@@ -1,0 +1,235 @@
+"""Series state as arrays (issue 10 item 4): one `Rows` holds every series of one detector type,
+one row per series, so a step's values are judged with a few numpy operations across all of
+them instead of one Python object per series.
+
+Per row: a ring buffer of the last `history` (step, value) points (the bounded History of the
+per-series design), the count of points seen, the last step, the run of points past the
+threshold and its first step, and the severity latch (Latch, base.py, materialised for the
+few rows that may fire). Steps in a row only ever increase (a step going back rewinds first),
+so a rewind is a count of trailing points, not a search.
+
+Saved incrementally: the ring is stored in column chunks of `CHUNK` slots; a save writes the
+per-row scalars (small) and only the chunks written since the last save (`dirty`), so a save
+after k steps costs O(k x series), not the whole history. `parts()` is the one serialisation:
+the database stores the parts as rows, `state_dict()` wraps the same bytes as strict JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from monitors.contract import Outcome, Severity
+
+from .base import Latch
+
+CHUNK = 8  # ring slots per saved chunk: one step dirties 1/16 of a 128-slot ring, a 50-step batch 7
+NO_STEP = np.iinfo(np.int64).min  # "no last step" (None in the per-series design)
+SEVERITIES = (Severity.INFO, Severity.WARN, Severity.CRITICAL)
+OUTCOMES = tuple(Outcome)
+_SCALARS = ("pos", "length", "seen", "last_step", "run", "first_exceed", "lsev", "lout", "lonset", "lclear")
+
+
+def pack(arrays: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> bytes:
+    """A JSON header line (names, dtypes, shapes, extra) and the raw bytes, zlib level 1 (steps,
+    counters and positions are nearly the same in every row): exact and deterministic."""
+    items = [(k, np.ascontiguousarray(a)) for k, a in arrays.items()]
+    head = {"arrays": [[k, a.dtype.str, list(a.shape)] for k, a in items], "extra": extra or {}}
+    raw = json.dumps(head, separators=(",", ":")).encode() + b"\n" + b"".join(a.tobytes() for _, a in items)
+    return zlib.compress(raw, 1)
+
+
+def unpack(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    data = zlib.decompress(data)
+    nl = data.index(b"\n")
+    head = json.loads(data[:nl])
+    out, at = {}, nl + 1
+    for name, dtype, shape in head["arrays"]:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        out[name] = np.frombuffer(data[at:at + n], dtype=dt).reshape(shape).copy()
+        at += n
+    return out, head["extra"]
+
+
+def parts_to_json(parts: dict[str, bytes]) -> dict[str, str]:
+    return {k: base64.b64encode(v).decode() for k, v in parts.items()}
+
+
+def parts_from_json(d: dict[str, str]) -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in d.items()}
+
+
+class Rows:
+    def __init__(self, history: int, clear_steps: int) -> None:
+        self.H = history
+        self.clear_steps = clear_steps
+        self.keys: list[str] = []
+        self.index: dict[str, int] = {}
+        self._alloc(8)
+        self.dirty: set[int] = set()  # ring chunks written since the last save
+
+    def _alloc(self, cap: int) -> None:
+        old = getattr(self, "steps", None)
+        steps = np.zeros((cap, self.H), np.int64)
+        vals = np.zeros((cap, self.H), np.float64)
+        fill = {"last_step": NO_STEP, "first_exceed": -1, "lsev": -1, "lout": -1, "lonset": -1}
+        scal = {k: np.full(cap, fill.get(k, 0), np.int64) for k in _SCALARS}
+        if old is not None:
+            n = old.shape[0]
+            steps[:n], vals[:n] = self.steps, self.vals
+            for k in _SCALARS:
+                scal[k][:n] = getattr(self, k)
+        self.steps, self.vals = steps, vals
+        for k, a in scal.items():
+            setattr(self, k, a)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, key: str) -> int:
+        row = self.index.get(key)
+        if row is None:
+            row = self.index[key] = len(self.keys)
+            self.keys.append(key)
+            if row >= self.steps.shape[0]:
+                self._alloc(2 * self.steps.shape[0])
+        return row
+
+    # --- the ring -------------------------------------------------------------------------
+
+    def append(self, rows: np.ndarray, step: int, ys: np.ndarray) -> None:
+        """Append (step, ys[i]) to each row; a full ring drops its oldest point."""
+        if rows.size == 0:
+            return
+        p = self.pos[rows]
+        self.steps[rows, p] = step
+        self.vals[rows, p] = ys
+        self.pos[rows] = (p + 1) % self.H
+        self.length[rows] = np.minimum(self.length[rows] + 1, self.H)
+        lo, hi = int(p.min()), int(p.max())
+        if lo == hi:  # the usual case: every row of the type appended at every step
+            self.dirty.add(lo // CHUNK)
+        else:
+            self.dirty.update((np.unique(p) // CHUNK).tolist())
+
+    def _slots(self, rows: np.ndarray, k: int, skip_last: int) -> np.ndarray:
+        return (self.pos[rows, None] - skip_last - k + np.arange(k)[None, :]) % self.H
+
+    def tail(self, row: int, n: int, skip_last: int = 0) -> np.ndarray:
+        """History.tail for one row: the `n` values before the last `skip_last`, oldest first."""
+        k = max(0, min(n, int(self.length[row]) - skip_last))
+        return self.vals[row, self._slots(np.array([row]), k, skip_last)[0]]
+
+    def tail_steps(self, row: int, n: int) -> np.ndarray:
+        k = max(0, min(n, int(self.length[row])))
+        return self.steps[row, self._slots(np.array([row]), k, 0)[0]].astype(np.float64)
+
+    def last(self, row: int) -> tuple[int, float] | None:
+        if self.length[row] == 0:
+            return None
+        p = (self.pos[row] - 1) % self.H
+        return int(self.steps[row, p]), float(self.vals[row, p])
+
+    def blocks(self, rows: np.ndarray, n: int, skip_last: int = 0) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        """(indices into `rows`, values block) grouped by the window size each row has, so a
+        median over axis 1 sees exactly the values History.tail gave the per-series design."""
+        k = np.clip(np.minimum(n, self.length[rows] - skip_last), 0, None)
+        for size in np.unique(k):
+            at = np.flatnonzero(k == size)
+            if size == 0:
+                yield at, np.empty((at.size, 0))
+            else:
+                r = rows[at]
+                yield at, self.vals[r[:, None], self._slots(r, int(size), skip_last)]
+
+    def sizes(self, rows: np.ndarray, n: int, skip_last: int = 0) -> np.ndarray:
+        return np.clip(np.minimum(n, self.length[rows] - skip_last), 0, None)
+
+    def rewind(self, rows: np.ndarray, to_step: int | None) -> np.ndarray:
+        """History.rewind per row; returns how many points each row dropped."""
+        if rows.size == 0:
+            return np.zeros(0, np.int64)
+        if to_step is None:
+            dropped = self.length[rows].copy()
+            self.length[rows] = 0
+            return dropped
+        order = self._slots(rows, self.H, 0)
+        valid = np.arange(self.H)[None, :] >= (self.H - self.length[rows])[:, None]
+        dropped = ((self.steps[rows[:, None], order] >= to_step) & valid).sum(axis=1)
+        self.length[rows] -= dropped
+        self.pos[rows] = (self.pos[rows] - dropped) % self.H
+        return dropped
+
+    # --- counters and the latch -----------------------------------------------------------
+
+    def count_exceed(self, rows: np.ndarray, step: int, exceeded: np.ndarray) -> None:
+        run = self.run[rows]
+        self.first_exceed[rows] = np.where(exceeded, np.where(run == 0, step, self.first_exceed[rows]), -1)
+        self.run[rows] = np.where(exceeded, run + 1, 0)
+
+    def observe(self, rows: np.ndarray, inside_band: np.ndarray) -> None:
+        """The latch's clear rule: `clear_steps` consecutive in-band points drop an active latch."""
+        active = self.lsev[rows] >= 0
+        if not active.any():
+            return  # an inactive latch's clear count is 0 already (reset_latch, Latch.fire)
+        clear = np.where(active & inside_band, self.lclear[rows] + 1, 0)
+        self.lclear[rows] = clear
+        done = rows[active & (clear >= self.clear_steps)]
+        self.reset_latch(done)
+
+    def reset_latch(self, rows: np.ndarray) -> None:
+        self.lsev[rows], self.lout[rows], self.lonset[rows], self.lclear[rows] = -1, -1, -1, 0
+
+    def latch(self, row: int) -> Latch:
+        lt = Latch(self.clear_steps)
+        if self.lsev[row] >= 0:
+            lt.severity = SEVERITIES[self.lsev[row]]
+        if self.lout[row] >= 0:
+            lt.outcome = OUTCOMES[self.lout[row]]
+        lt.onset_step, lt._clear_run = int(self.lonset[row]), int(self.lclear[row])
+        return lt
+
+    def store_latch(self, row: int, lt: Latch) -> None:
+        self.lsev[row] = -1 if lt.severity is None else SEVERITIES.index(lt.severity)
+        self.lout[row] = -1 if lt.outcome is None else OUTCOMES.index(lt.outcome)
+        self.lonset[row], self.lclear[row] = lt.onset_step, lt._clear_run
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def parts(self, prefix: str, dirty_only: bool) -> dict[str, bytes]:
+        n = len(self.keys)
+        out = {f"{prefix}.rows": pack({k: getattr(self, k)[:n] for k in _SCALARS}, {"keys": self.keys, "H": self.H})}
+        chunks = sorted(self.dirty) if dirty_only else range((self.H + CHUNK - 1) // CHUNK)
+        for c in chunks:
+            sl = slice(c * CHUNK, (c + 1) * CHUNK)
+            out[f"{prefix}.ring.{c}"] = pack({"steps": self.steps[:n, sl], "vals": self.vals[:n, sl]})
+        return out
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        arrays, extra = unpack(parts[f"{prefix}.rows"])
+        if extra["H"] != self.H:
+            raise ValueError(f"{prefix}: saved history {extra['H']} != configured {self.H}")
+        self.keys, self.index = [], {}
+        self._alloc(max(8, len(extra["keys"])))
+        for key in extra["keys"]:
+            self.add(key)
+        n = len(self.keys)
+        for k in _SCALARS:
+            getattr(self, k)[:n] = arrays[k]
+        for c in range((self.H + CHUNK - 1) // CHUNK):
+            data = parts.get(f"{prefix}.ring.{c}")
+            if data is None:
+                continue  # never written: nothing in those slots is inside any row's length
+            a, _ = unpack(data)
+            m, sl = min(a["steps"].shape[0], n), slice(c * CHUNK, c * CHUNK + a["steps"].shape[1])
+            self.steps[:m, sl], self.vals[:m, sl] = a["steps"][:m], a["vals"][:m]
+        self.dirty = set()
+
+
+def as_rows(idx: Sequence[int]) -> np.ndarray:
+    return np.asarray(idx, dtype=np.int64)

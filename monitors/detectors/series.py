@@ -1,0 +1,236 @@
+"""A detector type over many series at once (`SeriesBank`), and the one-series view of it
+(`Single`) that keeps the per-series interface (SeriesDetector) for tests, tools and routes.
+
+A bank's `observe(step, rows, values)` judges one step of every series it is given with numpy
+operations across them (arrays.Rows holds their state); only rows that may raise a finding are
+decided one by one in Python (latch, onset search, evidence), which is rare by construction.
+A `Single` is a bank of one row, so there is one implementation of each detector's rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+from monitors.contract import Finding, Outcome, Severity, Signal, split_key
+
+from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json
+from .base import MAD_TO_SIGMA, jsonable
+from .onset import estimate_onset
+
+Found = list[tuple[int, Finding]]  # (index into the rows given to observe, finding)
+
+
+def logs(v: np.ndarray) -> np.ndarray:
+    """math.log per element: numpy's SIMD log differs from libm in the last bit on some
+    machines, and the per-series design (and its saved state) used libm."""
+    return np.fromiter(map(math.log, v.tolist()), np.float64, v.size)
+
+
+def slogs(v: np.ndarray) -> np.ndarray:
+    """Signed log1p per element, a log scale for values that may be negative or zero (act_min):
+    libm's log1p, as `logs`; abs and copysign are exact in numpy."""
+    return np.copysign(np.fromiter(map(math.log1p, np.abs(v).tolist()), np.float64, v.size), v)
+
+
+def robust_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(median, sigma) per row over the window tail(n, skip_last), sigma = 1.4826 * MAD: half the
+    window may be outliers and the baseline still holds, unlike mean/std where one spike inflates
+    the threshold."""
+    med, sigma = np.full(idx.size, np.nan), np.full(idx.size, np.nan)
+    for at, block in rows.blocks(idx, n, skip_last):
+        if block.shape[1]:
+            m = np.median(block, axis=1)
+            med[at] = m
+            sigma[at] = MAD_TO_SIGMA * np.median(np.abs(block - m[:, None]), axis=1)
+    return med, sigma
+
+
+def median_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> np.ndarray:
+    out = np.full(idx.size, np.nan)
+    for at, block in rows.blocks(idx, n, skip_last):
+        if block.shape[1]:
+            out[at] = np.median(block, axis=1)
+    return out
+
+
+class SeriesBank:
+    """Common bookkeeping: rows by key, implicit rewind when steps go back, reset, findings,
+    onset, state. Subclasses set `signal` and define `_update(rows, step, values) -> Found`."""
+
+    signal: Signal
+
+    def __init__(self, history: int, clear_steps: int) -> None:
+        self.rows = Rows(history, clear_steps)
+        self.metric: list[str] = []
+        self.module: list[str] = []
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rows.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.rows.index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, key: str) -> int:
+        r = self.rows.index.get(key)
+        if r is None:
+            r = self.rows.add(key)
+            self._describe(r, key)
+        return r
+
+    def _describe(self, row: int, key: str) -> None:
+        """Per-row constants from the key (subclasses add theirs)."""
+        m, mod = split_key(key)
+        self.metric.append(m)
+        self.module.append(mod)
+
+    def observe(self, step: int, rows: np.ndarray, values: np.ndarray) -> Found:
+        R = self.rows
+        back = rows[R.last_step[rows] >= step]
+        if back.size:
+            # Steps went back without reset(): an unannounced rollback, or a re-sent record.
+            # Keep a latch whose excursion began before `step`, so a duplicate does not
+            # raise the same finding twice.
+            keep = back[(R.lsev[back] >= 0) & (R.lonset[back] < step)]
+            saved = [R.lsev[keep], R.lout[keep], R.lonset[keep], R.lclear[keep]]
+            self.reset_rows(back, step)
+            R.lsev[keep], R.lout[keep], R.lonset[keep], R.lclear[keep] = saved
+        R.last_step[rows] = step
+        return self._update(rows, step, values)
+
+    def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:  # pragma: no cover
+        raise NotImplementedError
+
+    def reset(self, to_step: int | None = None) -> None:
+        """After a rollback to `to_step`: forget points at or after it, drop the latches. With
+        None, forget everything (warm-up starts again)."""
+        self.reset_rows(as_rows(range(len(self.rows))), to_step)
+
+    def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
+        R = self.rows
+        dropped = R.rewind(rows, to_step)
+        R.reset_latch(rows)
+        R.run[rows], R.first_exceed[rows] = 0, -1
+        if to_step is None:
+            R.seen[rows], R.last_step[rows] = 0, NO_STEP
+        else:
+            # Warm-up is about the run's age, which the rollback only shortens by what it
+            # dropped; a rollback deeper than the buffer still waits for a refilled window.
+            R.seen[rows] = np.maximum(0, R.seen[rows] - dropped)
+            last = R.steps[rows, (R.pos[rows] - 1) % R.H]
+            R.last_step[rows] = np.where(R.length[rows] > 0, last, NO_STEP)
+
+    def _onset(self, row: int, lookback: int) -> tuple[int, str]:
+        """Onset from the buffered history (which already holds the detection point)."""
+        R = self.rows
+        return estimate_onset(R.tail_steps(row, lookback), R.tail(row, lookback), int(R.first_exceed[row]))
+
+    def _fire(self, row: int, severity: Severity, lookback: int | None, outcome: Outcome | None = None
+              ) -> tuple[int, str] | None:
+        """The latch's decision for one row: None if it holds, else (onset, method), latched."""
+        lt = self.rows.latch(row)
+        if not lt.should_fire(severity, outcome):
+            return None
+        if lt.active:
+            onset, method = lt.onset_step, "latched"
+        elif lookback is None:
+            onset, method = int(self.rows.first_exceed[row]), "first_exceed"
+        else:
+            onset, method = self._onset(row, lookback)
+        lt.fire(severity, onset, outcome)
+        self.rows.store_latch(row, lt)
+        return onset, method
+
+    def outcome_for(self, severity: Severity) -> Outcome:
+        """What a finding of this severity may lead to. A critical excursion is strong enough
+        evidence to act on by itself (the policy's rollback_signals still decide whether it
+        does); a warning tells a human. Detectors whose evidence needs corroboration override."""
+        return Outcome.ACT if severity is Severity.CRITICAL else Outcome.ALERT
+
+    def _finding(self, row: int, severity: Severity, onset: int, step: int, evidence: dict[str, Any],
+                 outcome: Outcome | None = None) -> Finding:
+        return Finding(
+            signal=self.signal,
+            module=self.module[row],
+            severity=severity,
+            onset_step=onset,
+            detect_step=step,
+            metric=self.rows.keys[row],
+            evidence=jsonable(evidence),
+            outcome=outcome if outcome is not None else self.outcome_for(severity),
+        )
+
+    def recent(self, row: int, n: int = 8) -> np.ndarray:
+        return self.rows.tail(row, n)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:
+        return self.rows.parts(prefix, dirty_only)
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        self.rows.load(prefix, parts)
+        self.metric, self.module = [], []
+        for r, key in enumerate(self.rows.keys):
+            self._describe(r, key)
+
+    def mark_saved(self) -> None:
+        self.rows.dirty = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": parts_to_json(self.parts("bank"))}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.load("bank", parts_from_json(d["parts"]))
+
+
+class HistoryView:
+    """`len(det.history)` and History's read API for a Single."""
+
+    def __init__(self, rows: Rows, row: int) -> None:
+        self._rows, self._row = rows, row
+
+    def __len__(self) -> int:
+        return int(self._rows.length[self._row])
+
+    def tail(self, n: int, skip_last: int = 0) -> np.ndarray:
+        return self._rows.tail(self._row, n, skip_last)
+
+    def tail_steps(self, n: int) -> np.ndarray:
+        return self._rows.tail_steps(self._row, n)
+
+
+class Single:
+    """One series through a bank of one row: the SeriesDetector interface."""
+
+    def __init__(self, bank: SeriesBank, key: str) -> None:
+        self.bank = bank
+        self.key = key
+        self.metric, self.module = split_key(key)
+        self._rows = as_rows([bank.row(key)])
+        self.config = getattr(bank, "config", None)
+
+    @property
+    def history(self) -> HistoryView:
+        return HistoryView(self.bank.rows, int(self._rows[0]))
+
+    def update(self, step: int, value: float, wall_time: float | None = None) -> Finding | None:
+        found = self.bank.observe(int(step), self._rows, np.array([float(value)]))
+        return found[0][1] if found else None
+
+    def reset(self, to_step: int | None = None) -> None:
+        self.bank.reset(to_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"key": self.key, **self.bank.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d["key"] != self.key:
+            raise ValueError(f"state is for series {d['key']!r}, not {self.key!r}")
+        self.bank.load_state_dict(d)
+        self._rows = as_rows([self.bank.row(self.key)])
