@@ -4,15 +4,15 @@ The one-row-per-run JSON state (0002) is dropped: it was a version-2 state, whic
 banks do not read (a bank without readable state starts fresh and says so), so nothing is lost
 that would have been used. Downgrade brings back the empty table.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 """
 
 from alembic import op
 import sqlalchemy as sa
 
-revision = "0007"
-down_revision = "0006"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
