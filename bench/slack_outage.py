@@ -10,7 +10,8 @@ Retry-After 10 from the start, then HTTP 500, then recovers:
     phase 2  [.., + --server-error-s)   every Slack call: 500
     phase 3  afterwards                 Slack works
 
-Reported: step times (from the steps' wall times in the daemon's database) during the outage
+Reported: step times (from the steps' wall times in the daemon's database) during the outage against
+the same steps of the same run with Slack healthy (run first, side by side) and
 against after it, the alerts Slack received, and whether they arrived complete and in the order
 the supervisor decided them (the alert rows' ids).
 
@@ -66,13 +67,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--rate-limited-s", type=float, default=30.0)
-    ap.add_argument("--server-error-s", type=float, default=20.0)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+def run_once(a: argparse.Namespace, outage: bool) -> dict:
+    """One supervised run; with `outage`, Slack misbehaves from the start as the docstring says.
+    Returns the steps' wall times, the alert rows and what the fake Slack received."""
     tmp = Path(tempfile.mkdtemp(prefix="tw-slack-outage-"))
     port = _port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -93,22 +90,23 @@ def main() -> None:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.2)
-            slack.rate_limit(10**9, retry_after=10)
             t0 = time.time()
+            outage_end = t0 + (a.rate_limited_s + a.server_error_s if outage else 0.0)
+            if outage:
+                slack.rate_limit(10**9, retry_after=10)
 
-            def phases() -> None:
-                time.sleep(a.rate_limited_s)
-                slack.rate_limit(0)
-                slack.server_error(10**9)
-                time.sleep(a.server_error_s)
-                slack.server_error(0)
+                def phases() -> None:
+                    time.sleep(a.rate_limited_s)
+                    slack.rate_limit(0)
+                    slack.server_error(10**9)
+                    time.sleep(a.server_error_s)
+                    slack.server_error(0)
 
-            threading.Thread(target=phases, daemon=True).start()
+                threading.Thread(target=phases, daemon=True).start()
             train = subprocess.run([*cli, "train", str(tmp / "train.yaml"), "--supervisor", url,
                                     "--data-dir", str(tmp / "trainer")], env=env, capture_output=True, text=True)
             if train.returncode != 0:
                 raise SystemExit(f"training failed:\n{train.stderr[-3000:]}")
-            outage_end = t0 + a.rate_limited_s + a.server_error_s
             while time.time() < outage_end + 5:  # let Slack recover, then the outbox deliver
                 time.sleep(1)
             from supervisor.db import make_engine, make_sessionmaker
@@ -136,26 +134,48 @@ def main() -> None:
         posted = [m["text"] for m in slack.posted()]
         calls = len(slack.calls("chat.postMessage"))
     walls.sort(key=lambda x: x[1])
+    # Step durations in the order the steps were trained (a rollback's replays included).
     durs = [(w2, w2 - w1) for (_, w1), (_, w2) in zip(walls, walls[1:]) if 0 < w2 - w1 < 60]
-    during = [d for w, d in durs if w <= outage_end]
-    after = [d for w, d in durs if w > outage_end]
     expected = [f"[{r.payload['severity'].upper()}] {r.payload['title']}" + (f": {r.payload['text']}" if r.payload["text"] else "")
                 for r in rows]
-    in_order = posted == expected
+    final = [ln for ln in train.stderr.splitlines() if ln.startswith("run slack-outage")]
+    return {"durs": durs, "outage_end": outage_end, "rows": rows, "in_order": posted == expected, "calls": calls,
+            "final": final[-1] if final else "?"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rate-limited-s", type=float, default=30.0)
+    ap.add_argument("--server-error-s", type=float, default=20.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    base = run_once(a, outage=False)  # the same run with Slack healthy: the step times to compare with
+    hit = run_once(a, outage=True)
+    during = [d for w, d in hit["durs"] if w <= hit["outage_end"]]
+    after = [d for w, d in hit["durs"] if w > hit["outage_end"]]
+    # The baseline's steps at the same positions in the run as the outage's steps.
+    base_same = [d for _, d in base["durs"][:len(during)]]
+    rows = hit["rows"]
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
     out = {
-        "alerts": len(rows), "alerts_sent": sum(r.state == "sent" for r in rows), "delivered_in_order": in_order,
-        "slack_calls": calls, "max_attempts": max((r.attempts for r in rows), default=0),
-        "step_s_during_outage": round(statistics.median(during), 4) if during else None,
-        "step_s_after_outage": round(statistics.median(after), 4) if after else None,
-        "steps_during_outage": len(during), "steps_after_outage": len(after),
-        "final_loss_line": train.stderr.strip().splitlines()[-1],
+        "alerts": len(rows), "alerts_sent": sum(r.state == "sent" for r in rows),
+        "delivered_in_order": hit["in_order"], "slack_calls": hit["calls"],
+        "max_attempts": max((r.attempts for r in rows), default=0),
+        "step_s_during_outage": med(during), "step_s_same_steps_slack_healthy": med(base_same),
+        "step_s_after_outage": med(after), "steps_during_outage": len(during), "steps_after_outage": len(after),
+        "outage_slowdown_pct": round(100 * (statistics.median(during) / statistics.median(base_same) - 1), 2)
+        if during and base_same else None,
+        "baseline_alerts_sent": sum(r.state == "sent" for r in base["rows"]),
+        "final_line": hit["final"], "baseline_final_line": base["final"], "load_avg": round(os.getloadavg()[0], 2),
     }
     print(f"Slack: 429 (Retry-After 10) for {a.rate_limited_s:.0f} s, then 500 for {a.server_error_s:.0f} s, then up")
-    print(f"alerts decided {out['alerts']}, sent {out['alerts_sent']}, in order: {in_order}; "
-          f"{calls} chat.postMessage calls, up to {out['max_attempts']} attempts per alert")
-    print(f"median step time during the outage {out['step_s_during_outage']} s over {len(during)} steps, "
-          f"after it {out['step_s_after_outage']} s over {len(after)} steps")
-    print(out["final_loss_line"])
+    print(f"alerts decided {out['alerts']}, sent {out['alerts_sent']}, in order: {out['delivered_in_order']}; "
+          f"{out['slack_calls']} chat.postMessage calls, up to {out['max_attempts']} attempts per alert")
+    print(f"median step time during the outage {out['step_s_during_outage']} s over {len(during)} steps; the same "
+          f"steps with Slack healthy {out['step_s_same_steps_slack_healthy']} s ({out['outage_slowdown_pct']:+}%); "
+          f"after the outage {out['step_s_after_outage']} s over {len(after)} steps")
+    print(f"outage run:   {out['final_line']}\nhealthy run:  {out['baseline_final_line']}")
     if a.json:
         print(json.dumps(out))
 
