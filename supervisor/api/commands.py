@@ -13,35 +13,32 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel
 
 from monitors.contract import INT32_MAX, Ack, ContractError
 from supervisor.api import call
 from supervisor.api.ingest import _check_token, read_json
+from supervisor.api.schemas import AckBody, Approval, ManualAction, body_doc, validate_body
+from supervisor.limits import Limits, check_json
+
+_LIMITS = Limits()  # these bodies are small; only the JSON depth budget applies to them
 
 
-class ManualAction(BaseModel):
-    kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile")
-    args: dict[str, Any] = Field(default_factory=dict)
-    who: str = Field(min_length=1, description="your name, for the audit trail")
-    reason: str = ""
-
-
-class Approval(BaseModel):
-    who: str = Field(min_length=1)
+def _check_small(obj: Any) -> None:
+    """Any small body: bounded nesting, and no string a column cannot hold (NUL on PostgreSQL,
+    lone surrogates anywhere), wherever in the body it sits (who, reason, args, an ack's detail)."""
+    try:
+        check_json("body", obj, max_depth=_LIMITS.max_json_depth, finite=False)
+    except ContractError as exc:
+        raise HTTPException(422, str(exc)) from None
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     """The body as `model`, read only after the token check: unreadable JSON is a 400 and a field
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
-    obj = await read_json(request, 1 << 20)
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise HTTPException(422, f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) "
-                                 f"in the request body)") from None
+    obj = await read_json(request, _LIMITS.max_small_body_bytes)
+    _check_small(obj)
+    return validate_body(model, obj)
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
@@ -53,11 +50,12 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         cmds = await call(sup.poll, run_id)
         return {"commands": [c.to_json() for c in cmds]}
 
-    @router.post("/runs/{run_id}/acks")
+    @router.post("/runs/{run_id}/acks", openapi_extra=body_doc(AckBody, "validated by monitors.commands.Ack"))
     async def ack(run_id: str, request: Request) -> dict:
         _check_token(request, token)
-        obj = await read_json(request, 1 << 20)
+        obj = await read_json(request, _LIMITS.max_small_body_bytes)
         try:
+            check_json("ack", obj, max_depth=_LIMITS.max_json_depth, finite=False)
             a = Ack.from_json(obj)
         except ContractError as exc:
             # The trainer will not send it differently: fail its action now (with an alert)
@@ -69,7 +67,7 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         await call(sup.ack, run_id, a)
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/actions", status_code=201)
+    @router.post("/runs/{run_id}/actions", status_code=201, openapi_extra=body_doc(ManualAction))
     async def submit(run_id: str, request: Request) -> dict:
         _check_token(request, token)
         body = await _parse(request, ManualAction)
@@ -77,14 +75,14 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         action_id = await call(sup.executor.submit, run_id, body.kind, body.args, body.who, body.reason)
         return {"action_id": action_id}
 
-    @router.post("/actions/{action_id}/approve")
+    @router.post("/actions/{action_id}/approve", openapi_extra=body_doc(Approval))
     async def approve(action_id: int, request: Request) -> dict:
         _check_token(request, token)
         body = await _parse(request, Approval)
         await call(sup.executor.approve, action_id, body.who)
         return {"ok": True}
 
-    @router.post("/actions/{action_id}/cancel")
+    @router.post("/actions/{action_id}/cancel", openapi_extra=body_doc(Approval))
     async def cancel(action_id: int, request: Request) -> dict:
         _check_token(request, token)
         body = await _parse(request, Approval)

@@ -6,9 +6,11 @@
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted {"steps", "reason"} -> {"ok": true}
 
 Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401 bad token,
-404 unknown run/attempt, 413 body or batch too large, 422 wrong types. Bodies are read as raw
-bytes and parsed with json.loads (accepts NaN/Infinity, which Python's json emits) in a worker
-thread; pydantic models per record would cost more than the database insert.
+404 unknown run/attempt, 413 body, batch or a budget too large (supervisor.limits), 422 wrong
+types or values. Bodies are read as raw bytes and parsed with json.loads (accepts NaN/Infinity,
+which Python's json emits) in a worker thread, after the token check. Each body's schema is in
+the OpenAPI document (supervisor.api.schemas); the contract's from_json and supervisor.limits
+validate them: pydantic models per record would cost more than the database insert.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 
+from monitors.contract import INT32_MAX
+
 from supervisor.api import call
+from supervisor.api.schemas import CheckpointBody, CheckpointsDeleted, RunInfoBody, StepsBody, body_doc, validate_body
 from supervisor.ingest import (
     Ingestor,
     checkpoint_from_json,
-    deleted_from_json,
     records_from_json,
     run_info_from_json,
 )
@@ -60,6 +64,9 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the C decoder gives up near Python's recursion limit (~1000 levels)
+        raise HTTPException(400, "request body is nested too deeply to parse; JSON values may nest at most "
+                                 "32 levels (limits.max_json_depth)") from None
 
 
 def _check_token(request: Request, token: str | None) -> None:
@@ -76,35 +83,36 @@ def _attempt(raw: str) -> int:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < 0:
-        raise HTTPException(422, f"attempt must be a non-negative integer, got {raw!r}")
+    if not 0 <= value <= INT32_MAX:  # attempts.attempt is an Integer column
+        raise HTTPException(422, f"attempt must be a non-negative integer of at most 2**31-1, got {raw[:40]!r}")
     return value
 
 
 def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["ingest"])
 
-    @router.post("/runs", status_code=201)
+    @router.post("/runs", status_code=201, openapi_extra=body_doc(RunInfoBody))
     async def open_run(request: Request) -> dict:
         _check_token(request, token)
         body = await read_body(request, max_body_bytes)
         await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body))))
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/steps")
+    @router.post("/runs/{run_id}/attempts/{attempt}/steps", openapi_extra=body_doc(StepsBody))
     async def write_steps(run_id: str, attempt: str, request: Request) -> dict:
         _check_token(request, token)
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
 
         def work() -> dict:
-            records = records_from_json(parse_json(body))
+            records = records_from_json(parse_json(body), ingestor.limits)
             n = ingestor.write(run_id, att, records)
             return {"ok": True, "records": len(records), "values": n}
 
         return await call(work)
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201,
+                 openapi_extra=body_doc(CheckpointBody))
     async def checkpoint_saved(run_id: str, attempt: str, request: Request) -> dict:
         _check_token(request, token)
         att = _attempt(attempt)
@@ -112,12 +120,13 @@ def make_router(ingestor: Ingestor, *, token: str | None = None, max_body_bytes:
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted")
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted", openapi_extra=body_doc(CheckpointsDeleted))
     async def checkpoints_deleted(run_id: str, attempt: str, request: Request) -> dict:
         _check_token(request, token)
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
-        await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body))))
+        d = validate_body(CheckpointsDeleted, parse_json(body))
+        await call(lambda: ingestor.checkpoints_deleted(run_id, att, d.steps, d.reason))
         return {"ok": True}
 
     return router

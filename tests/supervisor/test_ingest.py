@@ -201,7 +201,7 @@ def test_http_chunked_oversized_body_and_bad_attempt(db, client):
     r = client.post(STEPS, content=chunks())
     assert r.status_code == 413 and "exceeds the limit" in r.json()["detail"]
     r = client.post("/api/runs/r/attempts/first/steps", json={"records": []})
-    assert r.status_code == 422 and r.json()["detail"] == "attempt must be a non-negative integer, got 'first'"
+    assert r.status_code == 422 and r.json()["detail"] == "attempt must be a non-negative integer of at most 2**31-1, got 'first'"
     assert _counts(db) == (0, 0)
 
 
