@@ -70,6 +70,7 @@ class Supervisor:
         self._judge_inline = judge_inline
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self.consistency,
                                  limits=Limits.from_dict(cfg.limits))
+        self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- RecordSink ---------------------------------------------------------------------------
 
