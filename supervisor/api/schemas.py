@@ -58,7 +58,7 @@ class CheckpointsDeleted(BaseModel):
 
     model_config = ConfigDict(strict=True)
     steps: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(max_length=100_000, description="checkpoint steps")
-    reason: str = Field("", max_length=200)
+    reason: str = Field("", max_length=10_000, description="kept to its first 200 characters in the audit trail")
 
 
 # --- bodies the contract validates (documentation of their JSON) ------------------------------
