@@ -277,3 +277,57 @@ def test_openapi_describes_every_post_body(client):
     record = steps["schema"]["properties"]["records"]["items"]
     assert record["properties"]["step"]["maximum"] == 2**63 - 1 and "additionalProperties" in record
     assert "#/$defs/" not in json.dumps(posts)  # inlined: complete in whichever app includes the router
+
+
+def _http(sock, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
+    """One request on an open socket (HTTP/1.1 keep-alive); the status and headers of its answer."""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {method} {path}"
+        buf += chunk
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in lines[1:])}
+    while len(rest) < int(headers.get("content-length", 0)):
+        rest += sock.recv(65536)
+    return int(lines[0].split()[1]), headers
+
+
+def test_refusals_keep_the_connection(sup):
+    """Issue 11: each 500 also closed the keep-alive connection. Every refusal is an ordinary 4xx
+    answer now, and the next request on the same connection is served."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(sup), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            for method, path, body, status in [
+                ("POST", STEPS, raw(f'{{"records": {deep(100_000)}}}'), 400),
+                ("POST", f"/api/actions/{2**31}/approve", raw('{"who": "a"}'), 422),
+                ("GET", "/api/runs/a%00b", b"", 422),
+                ("POST", STEPS, raw('{"records": [{"step": 50, "wall_time": NaN}]}'), 422),
+                ("POST", RUNS, raw('{"run_id": "n", "attempt": 0, "world_size": 1, "config": {"a": NaN}}'), 422),
+                ("GET", "/healthz", b"", 200),
+            ]:
+                got, headers = _http(sock, method, path, body)
+                assert got == status, (method, path, got)
+                assert headers.get("connection", "").lower() != "close", (method, path, headers)
+    finally:
+        server.should_exit = True
+        thread.join(20)
