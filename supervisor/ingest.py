@@ -17,7 +17,7 @@ from sqlalchemy.orm import sessionmaker
 from monitors.contract import INT32_MAX, INT64_MAX, RECORD_FIELDS, CheckpointInfo, ContractError, RunInfo, StepRecord
 from supervisor.errors import Conflict
 from supervisor.limits import (
-    DIGEST_CHARS, METRIC_CHARS, MODULE_CHARS, PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
+    DIGEST_CHARS, PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
     check_metric_key, check_run_id, check_text,
 )
 from supervisor.store import audit as audit_store
@@ -29,7 +29,6 @@ from supervisor.store import thermometers
 log = logging.getLogger(__name__)
 
 _INT64 = 2**63
-MAX_METRIC_LEN, MAX_MODULE_LEN = METRIC_CHARS, MODULE_CHARS  # store/orm.py Series columns (supervisor.limits)
 OnRecords = Callable[[str, int, Sequence[StepRecord]], Any]
 
 
@@ -161,8 +160,9 @@ class Ingestor:
                 if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < _INT64:
                     raise ContractError(f"records[{i}]: {name!r} must be an integer in [-1, 2**63), got {v!r}")
             # A column holds it: SQLite stores a NaN REAL as NULL (a NOT NULL failure, i.e. a 500).
-            if isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float)) or not math.isfinite(r.wall_time):
-                raise ContractError(f"step {r.step}: 'wall_time' must be a finite number, got {r.wall_time!r}")
+            if (isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float))
+                    or not -1e300 < r.wall_time < 1e300):  # NaN fails both; no float() of a huge int
+                raise ContractError(f"step {r.step}: 'wall_time' must be a finite number, got {str(r.wall_time)[:40]}")
             if not isinstance(r.values, dict):
                 raise ContractError(f"step {r.step}: 'values' must be a dict of metric -> float")
             if len(r.values) > lim.max_keys_per_step:
