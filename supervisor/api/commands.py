@@ -21,28 +21,27 @@ from supervisor.api.ingest import _check_token, read_json
 from supervisor.api.schemas import AckBody, Approval, ManualAction, body_doc, validate_body
 from supervisor.limits import Limits, check_json
 
-_LIMITS = Limits()  # these bodies are small; only the JSON depth budget applies to them
-
-
-def _check_small(obj: Any) -> None:
+def _check_small(obj: Any, limits: Limits, where: str = "body") -> None:
     """Any small body: bounded nesting, and no string a column cannot hold (NUL on PostgreSQL,
-    lone surrogates anywhere), wherever in the body it sits (who, reason, args, an ack's detail)."""
-    try:
-        check_json("body", obj, max_depth=_LIMITS.max_json_depth, finite=False)
-    except ContractError as exc:
-        raise HTTPException(422, str(exc)) from None
+    lone surrogates anywhere), wherever in the body it sits (who, reason, args, an ack's detail).
+    Raises ContractError."""
+    check_json(where, obj, max_depth=limits.max_json_depth, finite=False)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _parse(request: Request, model: type[BaseModel], limits: Limits) -> BaseModel:
     """The body as `model`, read only after the token check: unreadable JSON is a 400 and a field
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
-    obj = await read_json(request, _LIMITS.max_small_body_bytes)
-    _check_small(obj)
+    obj = await read_json(request, limits.max_small_body_bytes)
+    try:
+        _check_small(obj, limits)
+    except ContractError as exc:
+        raise HTTPException(422, str(exc)) from None
     return validate_body(model, obj)
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
+    limits = getattr(sup, "limits", None) or Limits()  # the Supervisor's (config `limits:`)
 
     @router.get("/runs/{run_id}/commands")
     async def poll(run_id: str, request: Request) -> dict:
@@ -53,9 +52,9 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
     @router.post("/runs/{run_id}/acks", openapi_extra=body_doc(AckBody, "validated by monitors.commands.Ack"))
     async def ack(run_id: str, request: Request) -> dict:
         _check_token(request, token)
-        obj = await read_json(request, _LIMITS.max_small_body_bytes)
+        obj = await read_json(request, limits.max_small_body_bytes)
         try:
-            check_json("ack", obj, max_depth=_LIMITS.max_json_depth, finite=False)
+            _check_small(obj, limits, "ack")
             a = Ack.from_json(obj)
         except ContractError as exc:
             # The trainer will not send it differently: fail its action now (with an alert)
@@ -70,7 +69,7 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
     @router.post("/runs/{run_id}/actions", status_code=201, openapi_extra=body_doc(ManualAction))
     async def submit(run_id: str, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, ManualAction)
+        body = await _parse(request, ManualAction, limits)
         # The contract's constructors and the run's limits (supervisor.feasibility) decide: 422.
         action_id = await call(sup.executor.submit, run_id, body.kind, body.args, body.who, body.reason)
         return {"action_id": action_id}
@@ -78,14 +77,14 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
     @router.post("/actions/{action_id}/approve", openapi_extra=body_doc(Approval))
     async def approve(action_id: int, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, Approval)
+        body = await _parse(request, Approval, limits)
         await call(sup.executor.approve, action_id, body.who)
         return {"ok": True}
 
     @router.post("/actions/{action_id}/cancel", openapi_extra=body_doc(Approval))
     async def cancel(action_id: int, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, Approval)
+        body = await _parse(request, Approval, limits)
         await call(sup.executor.cancel, action_id, body.who)
         return {"ok": True}
 
