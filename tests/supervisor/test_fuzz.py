@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
@@ -226,5 +227,47 @@ def test_hostile_ingest_payloads_no_5xx(client, db):
     n = sum(seen.values())
     print(f"\nhostile ingest on {db.dialect}: {n} cases, status counts {dict(sorted(seen.items()))}")
     assert n >= HOSTILE_EXAMPLES and not any(s >= 500 for s in seen)
+    still_serving(client)
+    assert baseline(client) == before
+
+
+# --- (c) hostile path and query parameters, including the web pages (not in the OpenAPI) ----------
+
+_PARAM = st.one_of(
+    st.sampled_from(["0", "-1", "3", str(2**31 - 1), str(2**31), str(2**63 - 1), str(2**63), str(-2**63 - 1),
+                     "1" + "0" * 30, "9" * 5000, "1e3", "NaN", "", "loss", "all", "true", BASE, TARGET]),
+    st.integers(min_value=-2**70, max_value=2**70).map(str),
+    _TEXT.map(lambda t: t.encode("utf-8", "surrogatepass").decode("utf-8", "replace")),
+)
+_URL = st.builds(
+    lambda template, run, a, b, c: template.format(run=quote(run, safe=""), a=quote(a, safe=""),
+                                                   b=quote(b, safe=""), c=quote(c, safe="")),
+    st.sampled_from([
+        "/api/runs/{run}", "/api/runs/{run}/series", "/api/runs/{run}/history?key={a}&step_lo={b}&step_hi={c}",
+        "/api/runs/{run}/history?key=loss&attempts={a}&max_points={b}", "/api/runs/{run}/actions?limit={a}",
+        "/api/runs/{run}/audit?limit={a}", "/api/runs/{run}/incidents", "/api/runs/{run}/commands",
+        "/runs/{run}?incident={a}&step_lo={b}&step_hi={c}", "/runs/{run}/plot.png?metric={a}&step_lo={b}&width={c}",
+        "/runs/{run}/plot.png?metric=loss&incident={a}&height={b}&step_hi={c}",
+        "/api/actions/{a}/approve", "/api/actions/{a}/cancel", "/api/runs/{run}/attempts/{a}/steps",
+    ]),
+    st.one_of(st.sampled_from([BASE, TARGET]), _PARAM), _PARAM, _PARAM, _PARAM,
+)
+URL_EXAMPLES = 150 * SCALE
+
+
+def test_hostile_urls_no_5xx(client, db):
+    before = baseline(client)
+    seen: dict[int, int] = {}
+
+    @settings(FUZZ, max_examples=URL_EXAMPLES)
+    @given(url=_URL)
+    def one(url):
+        method = "post" if url.startswith("/api/actions") or url.endswith("/steps") else "get"
+        send(client, method, url, b'{"who": "fuzz"}' if method == "post" else None, seen)
+
+    one()
+    n = sum(seen.values())
+    print(f"\nhostile URLs on {db.dialect}: {n} cases, status counts {dict(sorted(seen.items()))}")
+    assert n >= URL_EXAMPLES and not any(s >= 500 for s in seen)
     still_serving(client)
     assert baseline(client) == before
