@@ -245,6 +245,8 @@ def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> lis
     if not old:
         return records
     resent = [r for r in records if r.step in old]
+    if not resent:  # stored steps between the batch's own (e.g. it holds 3 and 10, 5 is stored): nothing re-sent
+        return records
     points = thermometers.stored_points(s, run_id, attempt, min(r.step for r in resent), max(r.step for r in resent))
     for r in resent:
         if (r.sample_lo, r.sample_hi) != old[r.step]:
@@ -307,6 +309,19 @@ def _bad(want: str, got: Any) -> None:
 MAX_DELETED_STEPS = 100_000
 
 
+def deleted_from_json(obj: Any) -> tuple[list[int], str]:
+    """{"steps": [..], "reason": ".."} of a checkpoints-deleted report."""
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("steps"), list):
+        raise ContractError('body must be {"steps": [checkpoint steps], "reason": "..."}')
+    steps = obj["steps"]
+    if len(steps) > MAX_DELETED_STEPS or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _INT64
+                                             for x in steps):
+        raise ContractError(f"'steps' must be a list of at most {MAX_DELETED_STEPS} checkpoint steps in [0, 2**63), "
+                            f"got {str(steps[:10])[:200]}")
+    reason = obj.get("reason", "")
+    return steps, check_text("reason", reason if isinstance(reason, str) else str(reason))[:200]
+
+
 def records_from_json(obj: Any, limits: Limits | None = None) -> list[StepRecord]:
     """{"records": [flat step records]} -> StepRecords (ContractError names the bad field).
     With `limits`, a batch of too many records, or a record of too many keys, is refused before
@@ -333,4 +348,5 @@ def records_from_json(obj: Any, limits: Limits | None = None) -> list[StepRecord
 
 
 __all__ = ["Ingestor", "IngestLimits", "Limits", "LimitExceeded", "IngestError", "UnknownRun", "BatchTooLarge", "ContractError",
-           "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json"]
+           "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json",
+           "deleted_from_json"]

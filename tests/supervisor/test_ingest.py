@@ -282,3 +282,12 @@ def test_http_conflicting_resend_is_409(db, client):
     assert r.status_code == 409 and "step 1, series 'loss'" in r.text
     with db.sessions() as s:
         np.testing.assert_array_equal(thermometers.history(s, "r", "loss")[1], [0.0, 1.0, 2.0])
+
+
+def test_batch_around_a_stored_step_is_not_a_resend(db, ingestor):
+    """Found by tests/supervisor/test_fuzz.py: a batch of steps 3 and 10 after step 5 was stored
+    asked the store for steps 3..10, found 5, re-sent nothing, and took min() of nothing (a 500)."""
+    ingestor.open_run(RunInfo("r", 0, world_size=1))
+    ingestor.write("r", 0, _recs(5, 6))
+    assert ingestor.write("r", 0, _recs(3, 4) + _recs(10, 11)) == 6
+    assert _counts(db)[0] == 3
