@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from supervisor import db
@@ -20,13 +20,11 @@ log = logging.getLogger(__name__)
 
 
 def build_app(sup: Supervisor) -> FastAPI:
-    from supervisor.api import add_input_error_handlers, check_params, commands, ingest, runs
+    from supervisor.api import commands, ingest, runs
     from supervisor.web import pages
 
     token = sup.cfg.api_token or None
-    # check_params: every path and query parameter within its column's range (supervisor.limits)
-    app = FastAPI(title="thermowatch", version="0.1.0", dependencies=[Depends(check_params)])
-    add_input_error_handlers(app)
+    app = FastAPI(title="thermowatch", version="0.1.0")
     app.include_router(ingest.make_router(sup, token=token, max_body_bytes=sup.cfg.max_body_bytes))
     app.include_router(commands.make_router(sup, token=token))
     app.include_router(runs.make_router(sup))
@@ -43,6 +41,9 @@ def build_app(sup: Supervisor) -> FastAPI:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
 
+    from supervisor.api import install_input_limits  # every path/query bounded; input errors are 4xx (issue 11)
+
+    install_input_limits(app)
     return _KeepAlive500(app)
 
 

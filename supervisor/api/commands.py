@@ -13,35 +13,55 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
+from monitors.commands import CommandKind
 from monitors.contract import INT32_MAX, Ack, ContractError
+from supervisor.limits import WHO_CHARS, Limits, check_json  # (before supervisor.api: merges beside the auth branch)
 from supervisor.api import call
 from supervisor.api.ingest import _check_token, read_json
-from supervisor.api.schemas import AckBody, Approval, ManualAction, body_doc, validate_body
-from supervisor.limits import Limits, check_json
-
-def _check_small(obj: Any, limits: Limits, where: str = "body") -> None:
-    """Any small body: bounded nesting, and no string a column cannot hold (NUL on PostgreSQL,
-    lone surrogates anywhere), wherever in the body it sits (who, reason, args, an ack's detail).
-    Raises ContractError."""
-    check_json(where, obj, max_depth=limits.max_json_depth, finite=False)
 
 
-async def _parse(request: Request, model: type[BaseModel], limits: Limits) -> BaseModel:
+class ManualAction(BaseModel):
+    # str, not CommandKind: the executor names an unknown kind with the list of manual ones
+    kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile",
+                      json_schema_extra={"enum": [k.value for k in CommandKind]})
+    args: dict[str, Any] = Field(default_factory=dict)
+    who: str = Field(min_length=1, max_length=WHO_CHARS, description="your name, for the audit trail")
+    reason: str = ""
+
+
+class Approval(BaseModel):
+    who: str = Field(min_length=1, max_length=WHO_CHARS)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     """The body as `model`, read only after the token check: unreadable JSON is a 400 and a field
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
-    obj = await read_json(request, limits.max_small_body_bytes)
+    obj = await read_json(request, 1 << 20)
     try:
-        _check_small(obj, limits)
+        _check_small(obj)
+        return model.model_validate(obj)
     except ContractError as exc:
         raise HTTPException(422, str(exc)) from None
-    return validate_body(model, obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise HTTPException(422, f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) "
+                                 f"in the request body)") from None
+
+
+_SMALL = Limits()  # command bodies are small: the default JSON depth budget applies to them
+
+
+def _check_small(obj: Any, where: str = "body") -> None:
+    """Any command body: bounded nesting, and no string a column cannot hold (NUL on PostgreSQL,
+    lone surrogates anywhere), wherever it sits (who, reason, args, an ack's detail)."""
+    check_json(where, obj, max_depth=_SMALL.max_json_depth, finite=False)
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
-    limits = getattr(sup, "limits", None) or Limits()  # the Supervisor's (config `limits:`)
 
     @router.get("/runs/{run_id}/commands")
     async def poll(run_id: str, request: Request) -> dict:
@@ -49,12 +69,12 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         cmds = await call(sup.poll, run_id)
         return {"commands": [c.to_json() for c in cmds]}
 
-    @router.post("/runs/{run_id}/acks", openapi_extra=body_doc(AckBody, "validated by monitors.commands.Ack"))
+    @router.post("/runs/{run_id}/acks")
     async def ack(run_id: str, request: Request) -> dict:
         _check_token(request, token)
-        obj = await read_json(request, limits.max_small_body_bytes)
+        obj = await read_json(request, 1 << 20)
         try:
-            _check_small(obj, limits, "ack")
+            _check_small(obj, "ack")
             a = Ack.from_json(obj)
         except ContractError as exc:
             # The trainer will not send it differently: fail its action now (with an alert)
@@ -66,26 +86,33 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         await call(sup.ack, run_id, a)
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/actions", status_code=201, openapi_extra=body_doc(ManualAction))
+    @router.post("/runs/{run_id}/actions", status_code=201)
     async def submit(run_id: str, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, ManualAction, limits)
+        body = await _parse(request, ManualAction)
         # The contract's constructors and the run's limits (supervisor.feasibility) decide: 422.
         action_id = await call(sup.executor.submit, run_id, body.kind, body.args, body.who, body.reason)
         return {"action_id": action_id}
 
-    @router.post("/actions/{action_id}/approve", openapi_extra=body_doc(Approval))
+    @router.post("/actions/{action_id}/approve")
     async def approve(action_id: int, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, Approval, limits)
+        body = await _parse(request, Approval)
         await call(sup.executor.approve, action_id, body.who)
         return {"ok": True}
 
-    @router.post("/actions/{action_id}/cancel", openapi_extra=body_doc(Approval))
+    @router.post("/actions/{action_id}/cancel")
     async def cancel(action_id: int, request: Request) -> dict:
         _check_token(request, token)
-        body = await _parse(request, Approval, limits)
+        body = await _parse(request, Approval)
         await call(sup.executor.cancel, action_id, body.who)
         return {"ok": True}
 
+    from supervisor.api import document_bodies
+    from supervisor.api.schemas import AckBody
+
+    document_bodies(router, {("POST", "/api/runs/{run_id}/acks"): AckBody,
+                             ("POST", "/api/runs/{run_id}/actions"): ManualAction,
+                             ("POST", "/api/actions/{action_id}/approve"): Approval,
+                             ("POST", "/api/actions/{action_id}/cancel"): Approval})
     return router

@@ -1,18 +1,21 @@
 """The request bodies of the HTTP API as pydantic models, so the OpenAPI document describes them
 (and schema-driven fuzzers such as schemathesis can send them).
 
-Bodies are read by the routes themselves, after the token check and under a byte limit
-(supervisor.api.ingest.read_body), so a model is attached to its route with `body_doc(model)`
-(openapi_extra) rather than as a FastAPI body parameter, which would parse the body before auth.
+Routes read their bodies themselves, after the token check and under a byte limit
+(supervisor.api.ingest.read_body), so a model is attached to its route's OpenAPI entry
+(`supervisor.api.document_bodies`, openapi_extra) rather than declared as a FastAPI body
+parameter, which would parse the body before auth.
 
 Which code validates what:
-- bodies with no contract type (ManualAction, Approval, CheckpointsDeleted) are validated by
-  their model here (`validate_body`);
-- bodies that *are* contract types (RunInfo, CheckpointInfo, Ack, and StepRecord inside the
-  steps batch) are validated by the contract's `from_json` (monitors.contract / monitors.commands:
-  the one validator the trainer's side uses too) plus supervisor.limits; their models here only
-  document that JSON. The steps batch is never run through pydantic: 50 steps x ~800 values per
-  request, and per-value model validation would cost more than the database insert.
+- the manual-action bodies (supervisor.api.commands.ManualAction, Approval) are validated by
+  their models (`validate_body`);
+- bodies that are contract types (RunInfo, CheckpointInfo, Ack, and StepRecord inside the
+  steps batch) are validated by the contract's `from_json` (monitors.contract, monitors.commands:
+  the one validator the trainer's side uses too) plus supervisor.limits, and the deleted-
+  checkpoints report by supervisor.ingest.deleted_from_json; their models here document that
+  JSON. The steps batch is never run through pydantic: reading it already costs ~30 ms of CPU
+  per 50 x 781-value batch, and the model would add ~15% (bench/ingest.py --validation) to
+  check again what the contract checks.
 """
 
 from __future__ import annotations
@@ -22,46 +25,22 @@ from typing import Annotated, Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from monitors.commands import INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, CommandKind
-from supervisor.limits import PATH_CHARS, RUN_ID_CHARS, WHO_CHARS, Limits
+from monitors.commands import INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
+from supervisor.limits import PATH_CHARS, RUN_ID_CHARS, Limits
 
 _DEFAULTS = Limits()
-# JSON-schema spelling of supervisor.limits' name rule (the code also refuses lone surrogates)
-NAME_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+# JSON-schema spelling of supervisor.limits' run-id rule (the code also refuses lone surrogates)
 RUN_ID_PATTERN = r"^[^/\x00-\x1f\x7f]+$"
 
 
-# --- bodies validated by their model -------------------------------------------------------------
-
-
-class ManualAction(BaseModel):
-    """A command by hand: the same action rows as the policy's (origin `manual`)."""
-
-    # str, not the enum: the executor names an unknown kind with the list of manual ones
-    kind: str = Field(description="the command (monitors.commands.CommandKind)",
-                      json_schema_extra={"enum": [k.value for k in CommandKind]})
-    args: dict[str, Any] = Field(default_factory=dict, description=(
-        "the command's arguments, as monitors.commands parses them: rollback {to_step, exact, skip_ranges, "
-        "lr_multiplier | lr_factor, lr_steps, rewarmup_steps, exclude_rank, exclude_node}; skip {skip_ranges: "
-        "[[lo, hi], ...]}; set_lr {lr_multiplier | lr_factor, lr_steps, rewarmup_steps}; profile {steps, out_dir}; "
-        "pause, resume, stop {}"))
-    who: str = Field(min_length=1, max_length=WHO_CHARS, pattern=NAME_PATTERN, description="your name, for the audit trail")
-    reason: str = Field("", max_length=10_000)
-
-
-class Approval(BaseModel):
-    who: str = Field(min_length=1, max_length=WHO_CHARS, pattern=NAME_PATTERN)
+# --- bodies validated elsewhere (documentation of their JSON) ---------------------------------------
 
 
 class CheckpointsDeleted(BaseModel):
     """The trainer deleted these checkpoints (retention): never offer them again."""
 
-    model_config = ConfigDict(strict=True)
     steps: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(max_length=100_000, description="checkpoint steps")
     reason: str = Field("", max_length=10_000, description="kept to its first 200 characters in the audit trail")
-
-
-# --- bodies the contract validates (documentation of their JSON) ------------------------------
 
 
 class RunInfoBody(BaseModel):
