@@ -207,6 +207,16 @@ def check_json(where: str, obj: Any, *, max_depth: int, max_keys: int | None = N
             raise LimitExceeded(f"{where} is {size} bytes as JSON; the limit is {max_bytes}")
 
 
+def check_small_body(obj: Any, where: str = "body") -> None:
+    """A command, ack or approval body: bounded nesting (the default budget: these bodies are
+    small), and no string a column cannot hold (NUL, lone surrogates) wherever it sits (who,
+    reason, args, an ack's detail)."""
+    check_json(where, obj, max_depth=_DEFAULTS_DEPTH, finite=False)
+
+
+_DEFAULTS_DEPTH = Limits().max_json_depth
+
 __all__ = ["Limits", "LimitExceeded", "ContractError", "INT32_MAX", "INT64_MAX", "RUN_ID_CHARS", "WHO_CHARS",
            "METRIC_CHARS", "MODULE_CHARS", "PATH_CHARS", "DIGEST_CHARS", "check_text", "check_name", "check_run_id",
-           "check_metric_key", "check_int", "check_json"]
+           "check_metric_key", "check_int", "check_json",
+           "check_small_body"]

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from monitors.commands import CommandKind
 from monitors.contract import INT32_MAX, Ack, ContractError
-from supervisor.limits import WHO_CHARS, Limits, check_json  # (before supervisor.api: merges beside the auth branch)
+from supervisor.limits import WHO_CHARS, check_small_body  # (before supervisor.api: merges beside the auth branch)
 from supervisor.api import call
 from supervisor.api.ingest import _check_token, read_json
 
@@ -40,7 +40,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
     obj = await read_json(request, 1 << 20)
     try:
-        _check_small(obj)
+        check_small_body(obj)
         return model.model_validate(obj)
     except ContractError as exc:
         raise HTTPException(422, str(exc)) from None
@@ -49,15 +49,6 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         raise HTTPException(422, f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) "
                                  f"in the request body)") from None
-
-
-_SMALL = Limits()  # command bodies are small: the default JSON depth budget applies to them
-
-
-def _check_small(obj: Any, where: str = "body") -> None:
-    """Any command body: bounded nesting, and no string a column cannot hold (NUL on PostgreSQL,
-    lone surrogates anywhere), wherever it sits (who, reason, args, an ack's detail)."""
-    check_json(where, obj, max_depth=_SMALL.max_json_depth, finite=False)
 
 
 def make_router(sup, *, token: str | None = None) -> APIRouter:
@@ -74,7 +65,7 @@ def make_router(sup, *, token: str | None = None) -> APIRouter:
         _check_token(request, token)
         obj = await read_json(request, 1 << 20)
         try:
-            _check_small(obj, "ack")
+            check_small_body(obj, "ack")
             a = Ack.from_json(obj)
         except ContractError as exc:
             # The trainer will not send it differently: fail its action now (with an alert)
