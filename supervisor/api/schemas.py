@@ -8,7 +8,7 @@ parameter, which would parse the body before auth.
 
 Which code validates what:
 - the manual-action bodies (supervisor.api.commands.ManualAction, Approval) are validated by
-  their models (`validate_body`);
+  their models (supervisor.api.commands._parse);
 - bodies that are contract types (RunInfo, CheckpointInfo, Ack, and StepRecord inside the
   steps batch) are validated by the contract's `from_json` (monitors.contract, monitors.commands:
   the one validator the trainer's side uses too) plus supervisor.limits, and the deleted-
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from monitors.commands import INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
 from supervisor.limits import PATH_CHARS, RUN_ID_CHARS, Limits
@@ -136,17 +135,3 @@ def body_doc(model: type[BaseModel], description: str = "") -> dict[str, Any]:
     if description:
         body["description"] = description
     return {"requestBody": body}
-
-
-def validate_body(model: type[BaseModel], obj: Any) -> Any:
-    """`obj` (parsed JSON) as `model`; a 422 of one sentence naming the first bad field."""
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        raise HTTPException(422, validation_message(exc)) from None
-
-
-def validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-    return (f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) in the request body)")[:1000]
