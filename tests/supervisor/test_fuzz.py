@@ -34,6 +34,9 @@ from supervisor.config import SupervisorConfig
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.server import build_app
 from supervisor.service import Supervisor
+from supervisor.store import checkpoints as checkpoints_store
+from supervisor.store import steps as steps_store
+from supervisor.store import thermometers
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -55,8 +58,13 @@ def sup(db, tmp_path):
                        sample_hi=8 * i + 8, tokens=4096, wall_time=0.25, ranks={KEYS[-1]: i % 2}) for i in range(40)]
     recs[30].values["loss"] = math.nan
     recs[31].values["grad_norm"] = math.inf
-    s.write(BASE, 0, recs)
-    s.checkpoint_saved(BASE, 0, CheckpointInfo(10, "/ckpt/10", 88, True, {"files": {"a.pt": {"size": 1}}}))
+    # Stored through the store, not judged: a finding would queue an action, and a *valid* request
+    # (a poll, a cancel of action 1) may change an action's state; the baseline is data only.
+    with s.sessions.begin() as ss:
+        steps_store.record_steps(ss, BASE, 0, recs)
+        thermometers.append(ss, BASE, 0, recs)
+        checkpoints_store.record_checkpoint(ss, BASE, 0, CheckpointInfo(10, "/ckpt/10", 88, True,
+                                                                       {"files": {"a.pt": {"size": 1}}}))
     s.open_run(RunInfo(run_id=TARGET, attempt=0, world_size=1))
     yield s
     s.close()
@@ -69,6 +77,7 @@ def client(sup):
 
 
 def baseline(c: TestClient) -> bytes:
+    assert c.get(f"/api/runs/{BASE}/actions").json()["actions"] == []  # see sup(): nothing may act on it
     parts = [c.get(f"/api/runs/{BASE}{suffix}").content
              for suffix in ("", "/series", "/incidents", "/actions", "/audit")]
     for key in c.get(f"/api/runs/{BASE}/series").json()["keys"]:
