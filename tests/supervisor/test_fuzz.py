@@ -35,6 +35,7 @@ from supervisor.notify.console import ConsoleNotifier
 from supervisor.server import build_app
 from supervisor.service import Supervisor
 from supervisor.store import checkpoints as checkpoints_store
+from supervisor.store import judged
 from supervisor.store import steps as steps_store
 from supervisor.store import thermometers
 
@@ -58,11 +59,13 @@ def sup(db, tmp_path):
                        sample_hi=8 * i + 8, tokens=4096, wall_time=0.25, ranks={KEYS[-1]: i % 2}) for i in range(40)]
     recs[30].values["loss"] = math.nan
     recs[31].values["grad_norm"] = math.inf
-    # Stored through the store, not judged: a finding would queue an action, and a *valid* request
-    # (a poll, a cancel of action 1) may change an action's state; the baseline is data only.
+    # Stored through the store and marked judged, never judged: a finding would queue an action,
+    # and a *valid* request (a poll, a cancel of action 1) may change an action's state; the
+    # baseline is data only. (Unmarked, the judge's catch-up would find and judge it.)
     with s.sessions.begin() as ss:
         steps_store.record_steps(ss, BASE, 0, recs)
         thermometers.append(ss, BASE, 0, recs)
+        judged.mark(ss, BASE, 0, recs[-1].step)
         checkpoints_store.record_checkpoint(ss, BASE, 0, CheckpointInfo(10, "/ckpt/10", 88, True,
                                                                        {"files": {"a.pt": {"size": 1}}}))
     s.open_run(RunInfo(run_id=TARGET, attempt=0, world_size=1))
