@@ -5,6 +5,7 @@ driver doing the same inserts, on SQLite and PostgreSQL; plus a 10^6-step histor
     python bench/ingest.py                       # 2,000 steps x 781 values, both databases
     python bench/ingest.py --steps 5000 --json   # ... ends with one JSON line of figures
     python bench/ingest.py --layouts             # narrow vs wide vs chunk rows, raw drivers
+    python bench/ingest.py --validation          # what checking a batch costs (no database)
 
 The daemon runs in a subprocess (real uvicorn + thermowatch serve's app), the client posts
 pre-encoded batches of --batch steps x --values values with httpx, one at a time like the run
@@ -355,6 +356,42 @@ def bench_layouts(steps: int, n_series: int, batch: int) -> dict:
     return {f"{d}/{layout}": {"write_values_per_s": round(w), "read_ms": round(r, 1)} for (d, layout), (w, r, _) in out.items()}
 
 
+def bench_validation(steps: int, batch: int, n_values: int, reps: int = 7) -> dict:
+    """CPU time per batch of reading it (json.loads + records_from_json), of the checks ingest
+    runs on it (Ingestor._validate_batch: types, ranges, metric keys, supervisor.limits), and, for
+    comparison, of validating the same JSON with the documented pydantic model (StepsBody), which
+    ingest does not do. Process CPU time, best of `reps`: less disturbed by a shared machine."""
+    from pydantic import TypeAdapter
+
+    from supervisor.api.schemas import StepsBody
+    from supervisor.ingest import Ingestor, records_from_json
+
+    bodies = _bodies(steps, batch, _keys(n_values), np.random.default_rng(0))
+    objs = [json.loads(b) for b in bodies]
+    ing = Ingestor(None)
+    recs = [records_from_json(o, ing.limits) for o in objs]
+    model = TypeAdapter(StepsBody)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.process_time()
+            for i in range(len(bodies)):
+                fn(i)
+            times.append((time.process_time() - t) / len(bodies) * 1e3)
+        return min(times)
+
+    out = {"parse_ms": best(lambda i: records_from_json(json.loads(bodies[i]), ing.limits)),
+           "checks_ms": best(lambda i: ing._validate_batch("bench", 0, recs[i])),
+           "pydantic_model_ms": best(lambda i: model.validate_python(objs[i]))}
+    print(f"validation: {len(bodies)} batches of {batch} steps x {n_values} values, CPU ms per batch (best of {reps})")
+    print(f"  read (json.loads + records_from_json)  {out['parse_ms']:8.2f}")
+    print(f"  ingest's checks (_validate_batch)      {out['checks_ms']:8.2f}  ({out['checks_ms'] / out['parse_ms']:.3f}x read)")
+    print(f"  pydantic StepsBody (not used)          {out['pydantic_model_ms']:8.2f}  "
+          f"({out['pydantic_model_ms'] / out['parse_ms']:.2f}x read)")
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000, help="steps posted per database (default 2000)")
@@ -364,10 +401,17 @@ def main() -> None:
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     ap.add_argument("--layouts", action="store_true", help="compare storage layouts with the raw drivers instead")
+    ap.add_argument("--validation", action="store_true", help="time reading and checking a batch (no database)")
     ap.add_argument("--serve", nargs=3, metavar=("URL", "PORT", "MODE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
         serve(a.serve[0], int(a.serve[1]), a.serve[2])
+        return
+    if a.validation:
+        res = bench_validation(a.steps, a.batch, a.values)
+        if a.json:
+            print(json.dumps({"bench": "ingest-validation", "steps": a.steps, "batch": a.batch, "values": a.values,
+                              **res}))
         return
     import psycopg
 

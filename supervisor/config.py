@@ -53,6 +53,7 @@ class SupervisorConfig:
     slack: SlackConfig = field(default_factory=SlackConfig)
     policy: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields that differ
     detectors: dict[str, Any] = field(default_factory=dict)  # DetectorBank config that differs
+    limits: dict[str, Any] = field(default_factory=dict)  # supervisor.limits.Limits fields that differ
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -75,6 +76,12 @@ class SupervisorConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.slack, Mapping):
             self.slack = SlackConfig(**self.slack)
+        from supervisor.limits import Limits
+
+        try:
+            Limits.from_dict(self.limits)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"limits: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> "SupervisorConfig":

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable, Mapping, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord, split_key
+from monitors.contract import INT32_MAX, INT64_MAX, RECORD_FIELDS, CheckpointInfo, ContractError, RunInfo, StepRecord
 from supervisor.errors import Conflict
+from supervisor.limits import (
+    DIGEST_CHARS, PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
+    check_metric_key, check_run_id, check_text,
+)
 from supervisor.store import audit as audit_store
 from supervisor.store import checkpoints as checkpoints_store
 from supervisor.store import runs as runs_store
@@ -26,7 +29,6 @@ from supervisor.store import thermometers
 log = logging.getLogger(__name__)
 
 _INT64 = 2**63
-MAX_METRIC_LEN, MAX_MODULE_LEN = 100, 300  # store/orm.py Series columns
 OnRecords = Callable[[str, int, Sequence[StepRecord]], Any]
 
 
@@ -38,7 +40,7 @@ class UnknownRun(IngestError, LookupError):
     """The run (or this attempt of it) was never opened."""
 
 
-class BatchTooLarge(IngestError):
+class BatchTooLarge(IngestError, LimitExceeded):
     """More records or values in one batch than the supervisor accepts."""
 
 
@@ -46,10 +48,7 @@ class HistoryConflict(Conflict):
     """A re-sent step whose values differ from the stored ones: stored history is immutable."""
 
 
-@dataclass(slots=True)
-class IngestLimits:
-    max_records: int = 10_000  # steps per batch; the controller sends ~50
-    max_values: int = 5_000_000  # values per batch (~40 MB of float64 once unpacked)
+IngestLimits = Limits  # the older name; every limit now lives in supervisor.limits
 
 
 class Ingestor:
@@ -71,6 +70,7 @@ class Ingestor:
     def open_run(self, info: RunInfo, actor: str = "run-controller") -> None:
         """`actor`: the audit trail's name for the caller (over HTTP, its token's name)."""
         validate_run_info(info)
+        check_run_info(info, self.limits)
         with self._sessions.begin() as s:
             new = not runs_store.attempt_exists(s, info.run_id, info.attempt)
             runs_store.open_attempt(s, info)
@@ -82,7 +82,7 @@ class Ingestor:
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
         """Store a batch; returns the number of values it carried. Idempotent on retries."""
         records = list(records)
-        n_values = self._validate_batch(run_id, attempt, records)
+        n_values, keys = self._validate_batch(run_id, attempt, records)
         if not records:
             return 0
         view = self._cache.view()
@@ -90,6 +90,7 @@ class Ingestor:
             self._check_attempt(s, run_id, attempt)
             records = _new_records(s, run_id, attempt, records)
             if records:
+                thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
                 steps_store.record_steps(s, run_id, attempt, records)
                 thermometers.append(s, run_id, attempt, records, view)
         self._cache.merge(view)  # only after the commit
@@ -104,6 +105,7 @@ class Ingestor:
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         validate_checkpoint(ckpt)
+        check_checkpoint(ckpt, self.limits)
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
             checkpoints_store.record_checkpoint(s, run_id, attempt, ckpt)
@@ -111,7 +113,12 @@ class Ingestor:
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str,
                             actor: str = "run-controller") -> None:
         """The trainer deleted these checkpoints: never offer them again (list, page, policy)."""
-        steps = [int(x) for x in steps]
+        steps = list(steps)
+        if len(steps) > MAX_DELETED_STEPS:
+            raise LimitExceeded(f"{len(steps)} deleted checkpoint steps in one report; the limit is {MAX_DELETED_STEPS}")
+        for i, x in enumerate(steps):
+            check_int(f"steps[{i}]", x, 0, INT64_MAX)
+        reason = check_text("reason", reason)[:200]  # the audit keeps a short note, as it always did
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
             n = checkpoints_store.mark_deleted(s, run_id, steps)
@@ -127,17 +134,20 @@ class Ingestor:
     def _check_attempt(self, s, run_id: str, attempt: int) -> None:
         if (run_id, attempt) in self._attempts:
             return
+        check_run_id(run_id)
+        check_int("attempt", attempt, 0, INT32_MAX)
         if not runs_store.attempt_exists(s, run_id, attempt):
             if not runs_store.run_exists(s, run_id):
                 raise UnknownRun(f"unknown run {run_id!r}: open it first (POST /api/runs or Ingestor.open_run)")
             raise UnknownRun(f"run {run_id!r} has no attempt {attempt}: open it first (POST /api/runs)")
         self._attempts.add((run_id, attempt))
 
-    def _validate_batch(self, run_id: Any, attempt: Any, records: list) -> int:
-        if not isinstance(run_id, str) or not run_id:
-            raise ContractError(f"'run_id' must be a non-empty string, got {run_id!r}")
-        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-            raise ContractError(f"'attempt' must be a non-negative integer, got {attempt!r}")
+    def _validate_batch(self, run_id: Any, attempt: Any, records: list) -> tuple[int, set[str]]:
+        """(values in the batch, its distinct metric keys), or ContractError/LimitExceeded naming
+        the field and the limit. Per record, not per value, except where a check fails."""
+        check_run_id(run_id)
+        check_int("attempt", attempt, 0, INT32_MAX)
+        lim = self.limits
         if len(records) > self.limits.max_records:
             raise BatchTooLarge(f"batch of {len(records)} records exceeds the limit of {self.limits.max_records}; "
                                 "send smaller batches")
@@ -151,17 +161,27 @@ class Ingestor:
                 v = getattr(r, name)
                 if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < _INT64:
                     raise ContractError(f"records[{i}]: {name!r} must be an integer in [-1, 2**63), got {v!r}")
-            if isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float)):
-                raise ContractError(f"step {r.step}: 'wall_time' must be a number, got {r.wall_time!r}")
+            # A column holds it: SQLite stores a NaN REAL as NULL (a NOT NULL failure, i.e. a 500).
+            if (isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float))
+                    or not -1e300 < r.wall_time < 1e300):  # NaN fails both; no float() of a huge int
+                raise ContractError(f"step {r.step}: 'wall_time' must be a finite number, got {str(r.wall_time)[:40]}")
             if not isinstance(r.values, dict):
                 raise ContractError(f"step {r.step}: 'values' must be a dict of metric -> float")
+            if len(r.values) > lim.max_keys_per_step:
+                raise LimitExceeded(f"step {r.step} has {len(r.values)} metric keys; the limit is {lim.max_keys_per_step} "
+                                    "per step")
+            if r.ledger_digest:
+                check_text(f"step {r.step}: 'ledger_digest'", r.ledger_digest, DIGEST_CHARS)
             n_values += len(r.values)
         if n_values > self.limits.max_values:
             raise BatchTooLarge(f"batch of {n_values} values exceeds the limit of {self.limits.max_values}; "
                                 "send fewer steps per batch")
         _check_numbers(records)
-        _check_keys(records)
-        return n_values
+        keys = _check_keys(records)
+        if len(keys) > lim.max_series_per_run:
+            raise LimitExceeded(f"batch names {len(keys)} distinct series; a run may hold at most "
+                                f"{lim.max_series_per_run} (limits.max_series_per_run)")
+        return n_values, keys
 
     def _notify(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if self._on_records is None:
@@ -193,21 +213,17 @@ def _check_numbers(records: Sequence[StepRecord]) -> None:
                 raise ContractError(f"step {r.step}: ranks[{key!r}] must be an integer rank, got {rank!r}")
 
 
-def _check_keys(records: Sequence[StepRecord]) -> None:
-    """Metric keys: strings, `metric[/module]` within the series columns' lengths (a longer one
-    would be a database error, i.e. a 500, on PostgreSQL). Checked once per distinct key."""
+def _check_keys(records: Sequence[StepRecord]) -> set[str]:
+    """Metric keys (supervisor.limits.check_metric_key: lengths of the series columns, no control
+    characters or lone surrogates, no empty module after '/'). Checked once per distinct key."""
     keys = set(chain.from_iterable(r.values for r in records))
     for key in keys:
-        if not isinstance(key, str):
-            raise ContractError(f"metric keys must be strings, got {key!r}")
-        metric, module = split_key(key)
-        if not metric or len(metric) > MAX_METRIC_LEN or len(module) > MAX_MODULE_LEN:
-            raise ContractError(f"metric key {key[:80]!r}: expected 'metric' or 'metric/module' with a non-empty metric "
-                                f"of at most {MAX_METRIC_LEN} chars and a module of at most {MAX_MODULE_LEN}")
+        check_metric_key(key)
     for r in records:
         for key, rank in r.ranks.items():
             if not 0 <= rank < 2**31:
                 raise ContractError(f"step {r.step}: ranks[{key!r}] must be a rank in [0, 2**31), got {rank!r}")
+    return keys
 
 
 # --- parsing and validating the other two messages (their JSON lives in the contract) -------
@@ -231,6 +247,8 @@ def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> lis
     if not old:
         return records
     resent = [r for r in records if r.step in old]
+    if not resent:  # stored steps between the batch's own (e.g. it holds 3 and 10, 5 is stored): nothing re-sent
+        return records
     points = thermometers.stored_points(s, run_id, attempt, min(r.step for r in resent), max(r.step for r in resent))
     for r in resent:
         if (r.sample_lo, r.sample_hi) != old[r.step]:
@@ -255,6 +273,25 @@ def validate_run_info(info: RunInfo) -> None:
     RunInfo.from_json(info.to_json()) if isinstance(info, RunInfo) else _bad("RunInfo", info)
 
 
+def check_run_info(info: RunInfo, limits: Limits) -> None:
+    """The limits a run report must keep beyond the contract's types (supervisor.limits): a run
+    id every column and URL can hold, a config and host map of bounded size with finite
+    numbers and clean strings (they are JSON columns, and GET /api/runs reads every config)."""
+    check_run_id(info.run_id)
+    check_json("config", info.config, max_depth=limits.max_json_depth, max_keys=limits.max_config_keys,
+               max_bytes=limits.max_config_bytes)
+    check_json("hosts", {str(k): v for k, v in info.hosts.items()}, max_depth=2, max_keys=limits.max_manifest_keys,
+               max_bytes=limits.max_manifest_bytes)
+    for rank in info.hosts:
+        check_int("hosts: a rank", rank, 0, INT32_MAX)
+
+
+def check_checkpoint(ckpt: CheckpointInfo, limits: Limits) -> None:
+    check_text("path", ckpt.path, PATH_CHARS)
+    check_json("manifest", ckpt.manifest, max_depth=limits.max_json_depth, max_keys=limits.max_manifest_keys,
+               max_bytes=limits.max_manifest_bytes)
+
+
 def checkpoint_from_json(obj: Any) -> CheckpointInfo:
     return CheckpointInfo.from_json(obj)
 
@@ -271,22 +308,37 @@ def _bad(want: str, got: Any) -> None:
     raise ContractError(f"expected a {want}, got {type(got).__name__}")
 
 
+MAX_DELETED_STEPS = 100_000
+
+
 def deleted_from_json(obj: Any) -> tuple[list[int], str]:
     """{"steps": [..], "reason": ".."} of a checkpoints-deleted report."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("steps"), list):
         raise ContractError('body must be {"steps": [checkpoint steps], "reason": "..."}')
     steps = obj["steps"]
-    if len(steps) > 100_000 or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _INT64 for x in steps):
-        raise ContractError(f"'steps' must be a list of checkpoint steps in [0, 2**63), got {steps[:10]!r}")
-    return steps, str(obj.get("reason", ""))[:200]
+    if len(steps) > MAX_DELETED_STEPS or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _INT64
+                                             for x in steps):
+        raise ContractError(f"'steps' must be a list of at most {MAX_DELETED_STEPS} checkpoint steps in [0, 2**63), "
+                            f"got {str(steps[:10])[:200]}")
+    reason = obj.get("reason", "")
+    return steps, check_text("reason", reason if isinstance(reason, str) else str(reason))[:200]
 
 
-def records_from_json(obj: Any) -> list[StepRecord]:
-    """{"records": [flat step records]} -> StepRecords (ContractError names the bad field)."""
+def records_from_json(obj: Any, limits: Limits | None = None) -> list[StepRecord]:
+    """{"records": [flat step records]} -> StepRecords (ContractError names the bad field).
+    With `limits`, a batch of too many records, or a record of too many keys, is refused before
+    it is parsed (10^6 metric names in one step took 25 s to reach the check after parsing)."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("records"), list):
         raise ContractError('body must be a JSON object {"records": [...]}')
+    if limits is not None and len(obj["records"]) > limits.max_records:
+        raise BatchTooLarge(f"batch of {len(obj['records'])} records exceeds the limit of {limits.max_records}; "
+                            "send smaller batches")
+    max_fields = None if limits is None else limits.max_keys_per_step + len(RECORD_FIELDS)
     out = []
     for i, r in enumerate(obj["records"]):
+        if max_fields is not None and isinstance(r, Mapping) and len(r) > max_fields:
+            raise LimitExceeded(f"records[{i}] has {len(r)} keys; the limit is {limits.max_keys_per_step} metric keys "
+                                "per step")
         try:
             out.append(StepRecord.from_json(r))
         except ContractError:
@@ -297,6 +349,6 @@ def records_from_json(obj: Any) -> list[StepRecord]:
     return out
 
 
-__all__ = ["Ingestor", "IngestLimits", "IngestError", "UnknownRun", "BatchTooLarge", "ContractError",
+__all__ = ["Ingestor", "IngestLimits", "Limits", "LimitExceeded", "IngestError", "UnknownRun", "BatchTooLarge", "ContractError",
            "run_info_from_json", "run_info_to_json", "checkpoint_from_json", "checkpoint_to_json", "records_from_json",
            "deleted_from_json"]

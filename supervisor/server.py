@@ -61,6 +61,9 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None) -> FastAPI:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
 
+    from supervisor.api import install_input_limits  # every path/query bounded; input errors are 4xx (issue 11)
+
+    install_input_limits(app)
     return _KeepAlive500(app)
 
 

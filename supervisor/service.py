@@ -24,6 +24,7 @@ from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
 from supervisor.ingest import Ingestor
 from supervisor.judge import Judge
+from supervisor.limits import Limits
 from supervisor.notify.base import FanOut, Notifier
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.policy import PolicyConfig
@@ -67,7 +68,9 @@ class Supervisor:
         # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
         self.judge = Judge(self.sessions, self.responder.on_records).start()
         self._judge_inline = judge_inline
-        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self.consistency)
+        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self.consistency,
+                                 limits=Limits.from_dict(cfg.limits))
+        self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- RecordSink ---------------------------------------------------------------------------
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import HTTPException
+import logging
+import re
+from typing import Iterable, Mapping
+from urllib.parse import parse_qsl
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from monitors.contract import ContractError
 from supervisor.errors import Conflict, NotFound, UserError
 from supervisor.ingest import BatchTooLarge, UnknownRun
+from supervisor.limits import INT32_MAX, INT64_MAX, LimitExceeded, check_int, check_run_id, check_text
+
+log = logging.getLogger(__name__)
 
 
 async def call(fn, *args):
@@ -17,9 +26,117 @@ async def call(fn, *args):
         return await run_in_threadpool(fn, *args)
     except (UnknownRun, NotFound) as exc:
         raise HTTPException(404, str(exc)) from None
-    except BatchTooLarge as exc:
+    except (BatchTooLarge, LimitExceeded) as exc:
         raise HTTPException(413, str(exc)) from None
     except Conflict as exc:
         raise HTTPException(409, str(exc)) from None
     except (ContractError, UserError) as exc:
         raise HTTPException(422, str(exc)) from None
+
+
+# --- limits on every route's path and query (supervisor.limits) ----------------------------------
+
+# Path parameters by name, with the column each one is compared with.
+_INT_PARAMS = {"action_id": INT32_MAX, "attempt": INT32_MAX}
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def check_params(path_params: Mapping[str, str], query: Iterable[tuple[str, str]]) -> None:
+    """Path and query parameters within what the columns they are compared with hold, so a
+    hostile URL is a 422 naming the parameter on both databases rather than a driver error
+    (2**31 in an Integer column on PostgreSQL, 2**63 on SQLite, NUL in a run id on PostgreSQL).
+    Each route's own declared types and bounds apply after this. Raises ContractError."""
+    for name, value in path_params.items():
+        if name == "run_id":
+            check_run_id(value)
+        elif name in _INT_PARAMS and _DECIMAL.fullmatch(value.strip()):
+            if len(value) > 30:
+                raise ContractError(f"{name} has {len(value)} digits; it is at most 2**31-1")
+            check_int(name, int(value), 0, _INT_PARAMS[name])
+    for name, value in query:
+        check_text(f"query parameter {name!r}", value, 10_000)
+        if _DECIMAL.fullmatch(value.strip()):
+            if len(value) > 30:
+                raise ContractError(f"query parameter {name!r} has {len(value)} digits; integers are at most 2**63-1")
+            check_int(f"query parameter {name!r}", int(value), -INT64_MAX - 1, INT64_MAX)
+
+
+def path_params(path: str) -> dict[str, str]:
+    """The id segments of this API's paths, by the segment before each: /api/runs/{run_id}/...,
+    /runs/{run_id}/... (web), .../attempts/{attempt}/..., /api/actions/{action_id}/...
+    Read from the path itself, not from the router: it runs before routing."""
+    segs = path.split("/")
+    out: dict[str, str] = {}
+    for i in range(1, len(segs) - 1):
+        seg, value = segs[i], segs[i + 1]
+        if seg == "runs" and "run_id" not in out:
+            out["run_id"] = value
+        elif seg == "attempts" and "run_id" in out:
+            out["attempt"] = value
+        elif seg == "actions" and i == 2 and segs[1] == "api":
+            out["action_id"] = value
+    return out
+
+
+class ParamLimits:
+    """ASGI middleware: check_params on every request, before routing and auth (it reads only the
+    URL). A middleware rather than a route dependency so it covers every router, present and
+    future, without touching their signatures."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            try:
+                check_params(path_params(scope["path"]), parse_qsl(scope.get("query_string", b"").decode("latin-1"),
+                                                    keep_blank_values=True))
+            except ContractError as exc:
+                return await JSONResponse({"detail": str(exc)}, 422)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def install_input_limits(app: FastAPI) -> None:
+    """ParamLimits, and the last net under the explicit checks: errors that can only come from
+    what a client sent become a 4xx (and keep the connection), every other exception stays a
+    500. Each is logged, since reaching the net means a check upstream is missing."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import DataError
+
+    app.add_middleware(ParamLimits)
+
+    def handler(status: int, what: str):
+        async def answer(request: Request, exc: Exception) -> JSONResponse:
+            log.warning("%s on %s %s answered %d: %s: %s", what, request.method, request.url.path, status,
+                        type(exc).__name__, str(exc)[:300])
+            text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            return JSONResponse({"detail": f"{what}: {text}"}, status)
+        return answer
+
+    # json.loads and any recursive walk of a deeply nested body
+    app.add_exception_handler(RecursionError, handler(400, "request nested too deeply"))
+    # an integer too large for a float or a column (SQLite: "Python int too large to convert")
+    app.add_exception_handler(OverflowError, handler(422, "a number in the request is out of range"))
+    # a str that is not valid Unicode (a lone surrogate) meeting a driver that encodes UTF-8
+    app.add_exception_handler(UnicodeEncodeError, handler(422, "a string in the request is not valid Unicode"))
+    app.add_exception_handler(ValidationError, handler(422, "invalid request"))
+    # PostgreSQL: out-of-range integer, too long a string, NUL in text ("data exception" class 22)
+    app.add_exception_handler(DataError, handler(422, "a value in the request does not fit its column"))
+
+
+def document_bodies(router: APIRouter, bodies: Mapping[tuple[str, str], type]) -> None:
+    """Attach each route's request-body model to the OpenAPI document ((method, path) -> model,
+    path as declared on the router). The routes read their bodies themselves, after the token
+    check and under a byte limit, so the model is documentation here (supervisor.api.schemas)."""
+    from supervisor.api.schemas import body_doc
+
+    found = set()
+    for route in router.routes:
+        for method in getattr(route, "methods", ()):
+            model = bodies.get((method, route.path))
+            if model is not None:
+                route.openapi_extra = {**(route.openapi_extra or {}), **body_doc(model)}
+                found.add((method, route.path))
+    missing = set(bodies) - found
+    if missing:
+        raise RuntimeError(f"document_bodies: no route for {sorted(missing)}")

@@ -19,15 +19,19 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
+from monitors.commands import CommandKind
 from monitors.contract import INT32_MAX, Ack, ContractError
 from supervisor.api import call
 from supervisor.api.auth import Guard, actor
 from supervisor.api.ingest import read_json
 from supervisor.auth import Principal
+from supervisor.limits import check_small_body
 
 
 class ManualAction(BaseModel):
-    kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile")
+    # str, not CommandKind: the executor names an unknown kind with the list of manual ones
+    kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile",
+                      json_schema_extra={"enum": [k.value for k in CommandKind]})
     args: dict[str, Any] = Field(default_factory=dict)
     who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
     reason: str = ""
@@ -42,7 +46,10 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
     obj = await read_json(request, 1 << 20)
     try:
+        check_small_body(obj)
         return model.model_validate(obj)
+    except ContractError as exc:
+        raise HTTPException(422, str(exc)) from None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
@@ -64,6 +71,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     async def ack(run_id: str, request: Request, who: Principal = trainer) -> dict:
         obj = await read_json(request, 1 << 20)
         try:
+            check_small_body(obj, "ack")
             a = Ack.from_json(obj)
         except ContractError as exc:
             # The trainer will not send it differently: fail its action now (with an alert)
@@ -95,4 +103,11 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         await call(sup.executor.cancel, action_id, actor(who, body.who))
         return {"ok": True}
 
+    from supervisor.api import document_bodies
+    from supervisor.api.schemas import AckBody
+
+    document_bodies(router, {("POST", "/api/runs/{run_id}/acks"): AckBody,
+                             ("POST", "/api/runs/{run_id}/actions"): ManualAction,
+                             ("POST", "/api/actions/{action_id}/approve"): Approval,
+                             ("POST", "/api/actions/{action_id}/cancel"): Approval})
     return router

@@ -29,6 +29,7 @@ from supervisor.ingest import (
     records_from_json,
     run_info_from_json,
 )
+from supervisor.limits import INT32_MAX
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a 50-step x 10k-value batch is ~15 MB of JSON
 
@@ -62,6 +63,9 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the C decoder gives up near Python's recursion limit (~1000 levels)
+        raise HTTPException(400, "request body is nested too deeply to parse; JSON values may nest at most "
+                                 "32 levels (limits.max_json_depth)") from None
 
 
 def _attempt(raw: str) -> int:
@@ -70,8 +74,8 @@ def _attempt(raw: str) -> int:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < 0:
-        raise HTTPException(422, f"attempt must be a non-negative integer, got {raw!r}")
+    if not 0 <= value <= INT32_MAX:  # attempts.attempt is an Integer column
+        raise HTTPException(422, f"attempt must be a non-negative integer of at most 2**31-1, got {raw[:40]!r}")
     return value
 
 
@@ -92,7 +96,7 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
         body = await read_body(request, max_body_bytes)
 
         def work() -> dict:
-            records = records_from_json(parse_json(body))
+            records = records_from_json(parse_json(body), ingestor.limits)
             n = ingestor.write(run_id, att, records)
             return {"ok": True, "records": len(records), "values": n}
 
@@ -113,4 +117,14 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
                                                              actor=who.name))
         return {"ok": True}
 
+    # The bodies' schemas in the OpenAPI (supervisor.api.schemas). They document what the
+    # contract's from_json and supervisor.limits check; no pydantic pass over the records
+    # (bench/ingest.py --validation: it would add ~15% to reading a batch, for no new check).
+    from supervisor.api import document_bodies
+    from supervisor.api.schemas import CheckpointBody, CheckpointsDeleted, RunInfoBody, StepsBody
+
+    document_bodies(router, {("POST", "/api/runs"): RunInfoBody,
+                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/steps"): StepsBody,
+                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints"): CheckpointBody,
+                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted"): CheckpointsDeleted})
     return router

@@ -41,11 +41,13 @@ from sqlalchemy import and_, delete, func, select
 from sqlalchemy.orm import Session
 
 from monitors.contract import ContractError, Reduce, StepRecord, metric_key, reduction, split_key
+from supervisor.limits import LimitExceeded
 from supervisor.store._sql import insert_ignore
 from supervisor.store.orm import RunSeries, Series, Step, ThermometerChunk
 
 _CHUNK = ThermometerChunk.__table__
 MERGED_CHUNK_POINTS = 4096  # downsample() rewrites old points into chunks of this many
+_IN_CHUNK = 10_000  # names per IN (...) lookup
 
 
 @dataclass(slots=True)
@@ -95,9 +97,12 @@ def series_ids(session: Session, keys: Iterable[str], cache: SeriesCache | None 
     if missing:
         pairs = [split_key(k) for k in missing]
         session.execute(insert_ignore(session, Series.__table__), [{"metric": m, "module": mod} for m, mod in pairs])
-        rows = session.execute(
-            select(Series.metric, Series.module, Series.id).where(Series.metric.in_({m for m, _ in pairs}))
-        ).all()
+        metrics = sorted({m for m, _ in pairs})
+        rows = []
+        for i in range(0, len(metrics), _IN_CHUNK):  # SQLite binds at most 32,766 variables per statement
+            rows += session.execute(
+                select(Series.metric, Series.module, Series.id).where(Series.metric.in_(metrics[i:i + _IN_CHUNK]))
+            ).all()
         want = set(missing)
         for metric, module, sid in rows:
             key = metric_key(metric, module)
@@ -106,6 +111,24 @@ def series_ids(session: Session, keys: Iterable[str], cache: SeriesCache | None 
         if cache is not None:
             cache.new_ids.update((k, out[k]) for k in missing)
     return out
+
+
+def check_series_budget(session: Session, run_id: str, keys: Iterable[str], cache: SeriesCache, limit: int) -> None:
+    """Refuse a batch that would give the run more than `limit` distinct series
+    (supervisor.limits.Limits.max_series_per_run), before anything of it is written. Free when
+    every key is a series the cache knows the run has (every batch but a run's first few); else
+    one read of the run's series names."""
+    ids, registered = cache.ids, cache.registered
+    unknown = [k for k in keys if k not in ids or (run_id, ids[k]) not in registered]
+    if not unknown:
+        return
+    have = {metric_key(m, mod) for m, mod in session.execute(
+        select(Series.metric, Series.module).join(RunSeries, RunSeries.series_id == Series.id)
+        .where(RunSeries.run_id == run_id)).all()}
+    new = sum(1 for k in unknown if k not in have)
+    if len(have) + new > limit:
+        raise LimitExceeded(f"run {run_id!r} has {len(have)} series and this batch adds {new}: a run may hold at most "
+                            f"{limit} distinct series (limits.max_series_per_run); nothing of the batch was stored")
 
 
 def _matrix(records: Sequence[StepRecord], first_keys: list[str]):
