@@ -79,15 +79,17 @@ def path_params(path: str) -> dict[str, str]:
 
 
 class ParamLimits:
-    """ASGI middleware: check_params on every request, before routing and auth (it reads only the
-    URL). A middleware rather than a route dependency so it covers every router, present and
-    future, without touching their signatures."""
+    """ASGI middleware: check_params on every request that carries credentials, before routing (it
+    reads only the URL). A middleware rather than a route dependency so it covers every router,
+    present and future, without touching their signatures. A request with no credentials at all
+    goes on unchecked to its route, whose token check answers 401 before any parameter is used:
+    a client without a token learns nothing from the daemon but that it needs one."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and any(k in (b"authorization", b"cookie") for k, _ in scope.get("headers", ())):
             try:
                 check_params(path_params(scope["path"]), parse_qsl(scope.get("query_string", b"").decode("latin-1"),
                                                     keep_blank_values=True))

@@ -65,4 +65,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         row = await call(revoke, sup.sessions, name, who.name)
         return {"name": row.name, "revoked_at": row.revoked_at.isoformat() if row.revoked_at else None}
 
+    from supervisor.api import document_bodies
+
+    document_bodies(router, {("POST", "/api/tokens"): NewToken})  # read by _parse after the token check
     return router

@@ -16,6 +16,7 @@ from supervisor.config import ConfigError, SupervisorConfig
 from supervisor.limits import Limits, check_json
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.server import build_app
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 from supervisor.service import Supervisor
 
 RUN = "base"
@@ -25,7 +26,8 @@ LIMITS = {"max_config_keys": 50, "max_config_bytes": 4000, "max_manifest_keys": 
 
 
 def make_sup(db, tmp_path, **limits) -> Supervisor:
-    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, limits={**LIMITS, **limits})
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, limits={**LIMITS, **limits},
+                           api_token=ADMIN_TOKEN)
     sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=2, config={"lr": 3e-4, "layers": [1, 2]}))
     sup.write(RUN, 0, [StepRecord(step=s, values={k: s + i / 10 for i, k in enumerate(KEYS)}, sample_lo=8 * s,
@@ -42,7 +44,7 @@ def sup(db, tmp_path):
 
 @pytest.fixture
 def client(sup):
-    with TestClient(build_app(sup), raise_server_exceptions=False) as c:
+    with TestClient(build_app(sup), raise_server_exceptions=False, headers=AUTH) as c:
         yield c
 
 
@@ -204,12 +206,12 @@ def test_a_million_metric_names_are_refused_fast(db, tmp_path):
     variables). With the default limits the record is refused before it is parsed."""
     import time
 
-    cfg = SupervisorConfig(data_dir=tmp_path / "d", db_url=db.url)
+    cfg = SupervisorConfig(data_dir=tmp_path / "d", db_url=db.url, api_token=ADMIN_TOKEN)
     sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     try:
         sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
         body = steps_body({"step": 0, **{f"m{i}/x": 1.0 for i in range(1_000_000)}})
-        with TestClient(build_app(sup), raise_server_exceptions=False) as c:
+        with TestClient(build_app(sup), raise_server_exceptions=False, headers=AUTH) as c:
             t = time.perf_counter()
             r = c.post(STEPS, content=body)
             took = time.perf_counter() - t
@@ -269,7 +271,8 @@ def test_input_errors_left_to_the_net_are_4xx_and_internal_errors_stay_500(db, s
 def test_openapi_describes_every_post_body(client):
     doc = client.get("/openapi.json").json()
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
-    assert len(posts) == 8, sorted(posts)  # 4 ingest, 4 commands
+    assert len(posts) == 10, sorted(posts)  # 4 ingest, 4 commands, 2 tokens
+    assert "requestBody" not in posts.pop("/api/tokens/{name}/revoke")  # the only POST with no body
     for path, op in posts.items():
         schema = op["requestBody"]["content"]["application/json"]["schema"]
         assert schema["type"] == "object" and schema["properties"], path
@@ -282,6 +285,7 @@ def test_openapi_describes_every_post_body(client):
 def _http(sock, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str]]:
     """One request on an open socket (HTTP/1.1 keep-alive); the status and headers of its answer."""
     sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {ADMIN_TOKEN}\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     buf = b""
     while b"\r\n\r\n" not in buf:
