@@ -290,6 +290,7 @@ def test_spool_is_replayed_by_the_sender_on_its_own(db, server, tmp_path):
         assert time.monotonic() < deadline, "the spool was not replayed without a new write"
         time.sleep(0.05)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(10))
+    sink.close()  # its sender thread would outlive the test
 
 
 def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):

@@ -65,7 +65,8 @@ def test_a_crash_between_commit_and_judgement_loses_no_finding(db, tmp_path, ref
     with sup.sessions() as s:
         assert judged_store.through(s, RUN, 0) == bs[half - 1][-1].step
     sup.engine.dispose()  # "SIGKILL": no close(), no detector-state save, the queue is lost
-
+    sup.executor.outbox._stop.set()  # a killed daemon's alert senders die with it, unlike this
+    sup.executor.outbox.wake()        # test process's threads, which would outlive the test
     sup2 = make_sup(db.url, tmp_path / "a")  # a new daemon on the same database catches up
     try:
         assert sup2.judge.wait(120)
