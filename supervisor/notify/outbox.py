@@ -10,12 +10,19 @@ the database. A message the channel refuses for good (malformed blocks, too long
 `failed` and the channel goes on with the next one. The row tells the truth: `sent` only after
 the channel took it.
 
+Threads (issue 12): each row carries its story's key (`Alert.thread_key`: "incident:42"). The
+first row of a story in a channel goes top-level and its message id (Slack's ts) is stored on
+the row; every later row of the story is sent as a reply to it. Order per channel makes that
+safe: a reply is only sent once its parent is `sent` (it has a ts) or `failed` for good, and in
+that case the reply goes top-level and says so, becoming the parent of the rest.
+
 Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
 recorded on its own: the console taking an alert no longer hides that Slack refused it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -64,7 +71,7 @@ class Outbox:
     def enqueue(self, s: Session, alert: Alert) -> None:
         """Write `alert` as pending rows; delivered after the caller commits and calls `wake()`."""
         if self._channels:
-            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json())
+            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json(), alert.thread_key)
 
     def wake(self) -> None:
         for ev in self._wakes.values():
@@ -134,7 +141,8 @@ class Outbox:
     def _send_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
         """Deliver one row; False when the channel is down (stop it for now, keep the order)."""
         try:
-            part.send(Alert.from_json(row.payload or {"run_id": row.run_id, "title": row.text}))
+            alert = self._threaded(name, row, Alert.from_json(row.payload or {"run_id": row.run_id, "title": row.text}))
+            ts = part.send(alert)
         except NotifyError as exc:
             if not exc.retryable:
                 log.error("alert %s to %s refused for good: %s", row.id, name, exc)
@@ -145,8 +153,21 @@ class Outbox:
         except Exception as exc:  # noqa: BLE001 - an unknown failure is treated as an outage
             return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
         with self._sessions.begin() as s:
-            alerts_store.mark_sent(s, row.id)
+            alerts_store.mark_sent(s, row.id, ts)
         return True
+
+    def _threaded(self, name: str, row: alerts_store.AlertRow, alert: Alert) -> Alert:
+        """`alert` as a reply under its story's first delivered message in this channel."""
+        if row.thread_key is None or alert.thread_ts:
+            return alert
+        with self._sessions() as s:
+            parent = alerts_store.thread_parent(s, name, row.thread_key, row.id)
+        if parent is None:
+            return alert
+        if parent.ts:
+            return dataclasses.replace(alert, thread_ts=parent.ts)
+        note = f"(posted on its own: this {row.thread_key.split(':')[0]}'s first message was refused: {parent.lost})"
+        return dataclasses.replace(alert, text=f"{alert.text}\n{note}" if alert.text else note)
 
     def _retry_later(self, name: str, row: alerts_store.AlertRow, error: str) -> bool:
         wait = self._backoff(row.attempts + 1)

@@ -138,12 +138,30 @@ class SlackNotifier:
                    web_base_url=web_base_url, token_source=source)
 
     def check(self) -> dict[str, Any]:
-        """auth.test: who the bot is. For `thermowatch doctor` and start-up checks."""
-        return dict(self._call("auth.test", self.client.auth_test).data)
+        """auth.test at start-up: who the bot is. A refused token raises NotifyConfigError (the
+        daemon must not start and discover it at the first real alert, issue 12); an outage
+        raises NotifyError (the daemon may start: alerts wait in the outbox).
+
+        The channel is not checked here: conversations.info takes a channel id, not the
+        '#name' a config usually holds, and needs the channels:read scope a bot that only posts
+        lacks; a channel the bot is not in is named by the first post's error instead."""
+        try:
+            return dict(self._call("auth.test", self.client.auth_test).data)
+        except NotifyError as exc:
+            cause = exc.__cause__
+            error = (cause.response.get("error") if isinstance(cause, SlackApiError)
+                     and isinstance(cause.response.data, dict) else None)
+            if error in _AUTH_ERRORS:
+                raise NotifyConfigError(f"Slack refused the bot token at start-up (auth.test: {error}); the token "
+                                        f"came from {self.token_source}: put a valid bot token (xoxb-...) there, "
+                                        "or empty slack.channel to run without Slack") from exc
+            raise
 
     def send(self, alert: Alert) -> str | None:
+        # reply_broadcast: a failure or a page in a thread is also shown in the channel.
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
                           text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
+                          reply_broadcast=True if alert.thread_ts and alert.broadcast else None,
                           unfurl_links=False)
         return resp.get("ts")
 
@@ -189,6 +207,8 @@ class SlackNotifier:
                   for k, v in list(alert.fields.items())[:_FIELDS_MAX]]
         if fields:
             blocks.append({"type": "section", "fields": fields})
+        if alert.commands:  # the exact commands, copyable from a phone
+            blocks.append(_section("\n".join(f"`{_esc(c)}`" for c in alert.commands)))
         context = [f"run `{_esc(alert.run_id)}`", f"severity {alert.severity.value}"]
         if alert.incident_id is not None:
             context.append(f"incident {alert.incident_id}")

@@ -34,7 +34,8 @@ class RecordedRequest:
 
 
 class FakeSlack:
-    """`auth.test`, `chat.postMessage` and `chat.update`, with switches for failures."""
+    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`) and `chat.update`,
+    with switches for failures."""
 
     def __init__(self, token: str = "xoxb-fake-token", channels: set[str] | None = None):
         self.token = token
@@ -124,6 +125,16 @@ class FakeSlack:
         """Bodies of chat.postMessage calls that succeeded, oldest first."""
         return [r.body for r in self.calls("chat.postMessage") if r.answer.get("ok")]
 
+    def top_level(self) -> list[dict[str, Any]]:
+        """Messages in the channel itself (not replies), oldest first."""
+        with self._lock:
+            return [m for ts, m in sorted(self.messages.items()) if m.get("thread_ts") in (None, ts)]
+
+    def thread(self, ts: str) -> list[dict[str, Any]]:
+        """A thread as conversations.replies gives it: the parent, then its replies, oldest first."""
+        with self._lock:
+            return [m for t, m in sorted(self.messages.items()) if t == ts or m.get("thread_ts") == ts]
+
     # --- the wire format ---------------------------------------------------------------------
 
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
@@ -191,9 +202,16 @@ class FakeSlack:
         if body.get("blocks"):
             message["blocks"] = body["blocks"]
         if body.get("thread_ts"):
-            if body["thread_ts"] not in self.messages:
+            parent = self.messages.get(body["thread_ts"])
+            if parent is None:
                 return 200, {"ok": False, "error": "thread_not_found"}, {}
-            message["thread_ts"] = body["thread_ts"]
+            # A reply to a reply joins the parent's thread, as in Slack.
+            root = parent.get("thread_ts", parent["ts"])
+            message["thread_ts"] = root
+            if body.get("reply_broadcast") in (True, "true", "1", 1):
+                message["subtype"] = "thread_broadcast"  # also shown in the channel
+            top = self.messages[root]
+            top.update(thread_ts=root, reply_count=top.get("reply_count", 0) + 1, latest_reply=ts)
         self.messages[ts] = message
         return 200, {"ok": True, "channel": body["channel"], "ts": ts, "message": message}, {}
 
