@@ -100,11 +100,11 @@ class Executor:
             "requires_approval": needs_ok})
         if decision.kind is not DecisionKind.NOOP:
             alert = Alert.from_decision(run_id, finding, decision, incident_id)
-            if needs_ok and not decision.requires_approval:
-                alert = dataclasses.replace(alert, title=f"approval needed: {alert.title}")
             if needs_ok and ids:  # what the reader types: the id and the exact commands
+                # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
+                title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
                 alert = dataclasses.replace(
-                    alert, title=f"{alert.title} [action {ids[0]}]",
+                    alert, title=f"{title} [action {ids[0]}]",
                     fields={"action": ids[0], **alert.fields},
                     commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"))
             self._queue_alert(s, alert)

@@ -146,6 +146,12 @@ class Notifier(Protocol):
     def close(self) -> None: ...
 
 
+def channel_name(part: Notifier) -> str:
+    """A stable name per notifier: the outbox stores it on each row, so it must survive a restart."""
+    name = getattr(part, "channel_name", None)
+    return str(name) if name else type(part).__name__.removesuffix("Notifier").lower() or "notifier"
+
+
 class NullNotifier:
     """Sends nothing. For runs nobody watches and for tests of other parts."""
 
@@ -194,7 +200,7 @@ class FanOut:
             check = getattr(part, "check", None)  # test doubles may have only send/close
             if check is None:
                 continue
-            name = str(getattr(part, "channel_name", type(part).__name__))
+            name = channel_name(part)
             try:
                 out[name] = check()
             except NotifyConfigError:

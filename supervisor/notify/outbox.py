@@ -31,16 +31,10 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError
+from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError, channel_name  # noqa: F401 - re-exported
 from supervisor.store import alerts as alerts_store
 
 log = logging.getLogger(__name__)
-
-
-def channel_name(part: Notifier) -> str:
-    """A stable name per notifier: it is stored on each row and must survive a restart."""
-    name = getattr(part, "channel_name", None)
-    return str(name) if name else type(part).__name__.removesuffix("Notifier").lower() or "notifier"
 
 
 class Outbox:
