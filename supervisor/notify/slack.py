@@ -8,6 +8,7 @@ after the last retry a NotifyError says what to check.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -148,9 +149,7 @@ class SlackNotifier:
         try:
             return dict(self._call("auth.test", self.client.auth_test).data)
         except NotifyError as exc:
-            cause = exc.__cause__
-            error = (cause.response.get("error") if isinstance(cause, SlackApiError)
-                     and isinstance(cause.response.data, dict) else None)
+            error = _slack_error(exc)
             if error in _AUTH_ERRORS:
                 raise NotifyConfigError(f"Slack refused the bot token at start-up (auth.test: {error}); the token "
                                         f"came from {self.token_source}: put a valid bot token (xoxb-...) there, "
@@ -158,6 +157,18 @@ class SlackNotifier:
             raise
 
     def send(self, alert: Alert) -> str | None:
+        try:
+            return self._post(alert)
+        except NotifyError as exc:
+            if not alert.thread_ts or _slack_error(exc) != "thread_not_found":
+                raise
+            # The parent was deleted in Slack: retrying cannot help, and the story must not stop.
+            log.warning("Slack thread %s is gone; posting %r on its own", alert.thread_ts, alert.title)
+            note = "(posted on its own: the thread it belongs to was deleted in Slack)"
+            return self._post(dataclasses.replace(alert, thread_ts=None,
+                                                  text=f"{alert.text}\n{note}" if alert.text else note))
+
+    def _post(self, alert: Alert) -> str | None:
         # reply_broadcast: a failure or a page in a thread is also shown in the channel.
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
                           text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
@@ -223,6 +234,14 @@ class SlackNotifier:
             return None
         url = f"{self.web_base_url}/runs/{quote(alert.run_id, safe='')}"
         return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
+
+
+def _slack_error(exc: NotifyError) -> str | None:
+    """Slack's error code behind a NotifyError from `_call` ("invalid_auth"), if Slack answered."""
+    cause = exc.__cause__
+    if isinstance(cause, SlackApiError) and isinstance(cause.response.data, dict):
+        return cause.response.get("error")
+    return None
 
 
 def _fallback_text(alert: Alert) -> str:
