@@ -106,7 +106,8 @@ class Executor:
                 alert = dataclasses.replace(
                     alert, title=f"{title} [action {ids[0]}]",
                     fields={"action": ids[0], **alert.fields},
-                    commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"))
+                    commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
+                    status=f"awaiting approval (action {ids[0]})")
             self._queue_alert(s, alert)
         return ids
 
@@ -169,6 +170,11 @@ class Executor:
             except actions_store.ActionStateError as exc:
                 raise Conflict(str(exc)) from exc
             audit_store.audit(s, row.run_id, who, event, {"action_id": action_id})
+            self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
+                                       title=f"{row.run_id}: {who} {event} {row.kind} (action {action_id})",
+                                       incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
+                                       status=f"{row.kind} (action {action_id}) {event} by {who}"))
+        self.flush_alerts()
 
     def _enqueue(self, s: Session, run_id: str, body: CommandBody, reason: str, origin: str,
                  who: str, incident_id: int | None, needs_ok: bool) -> int:
@@ -224,7 +230,7 @@ class Executor:
                                             title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
                                             text=ack.detail or "the run controller refused the command",
                                             incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
-                                            broadcast=True))
+                                            broadcast=True, status=f"{row.kind} (action {row.id}) FAILED"))
                 else:
                     if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
                         actions_store.set_action_state(s, row.id, "sent")
@@ -254,7 +260,7 @@ class Executor:
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                     title=f"{run_id}: {row.kind} (action {action_id}) FAILED", text=why,
                                     incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
-                                    broadcast=True))
+                                    broadcast=True, status=f"{row.kind} (action {action_id}) FAILED"))
         self.flush_alerts()
         return True
 
@@ -302,7 +308,7 @@ class Executor:
                                             title=f"{a.run_id}: {a.kind} (action {a.id}) was never acknowledged",
                                             text=f"sent {a.attempts} times; is the run controller alive?",
                                             incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
-                                            broadcast=True))
+                                            broadcast=True, status=f"{a.kind} (action {a.id}) never acknowledged"))
         self.flush_alerts()
         return failed
 
@@ -341,4 +347,5 @@ def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dic
     return Alert(run_id=run_id, severity=Severity.INFO,
                  title=f"{run_id}: {row.kind} (action {row.id}) done: {summary(o)}",
                  text="\n".join(line.strip() for line in lines) or (ack.detail or ""),
-                 incident_id=row.incident_id, thread=_thread(row.id, row.incident_id))
+                 incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
+                 status=f"{'resolved' if resolved else 'done'}: {summary(o)}")

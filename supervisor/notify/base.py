@@ -53,6 +53,9 @@ class Alert:
     thread: str | None = None
     broadcast: bool = False  # a reply that must also show in the channel (failures, pages)
     commands: Sequence[str] = ()  # exact commands for the reader (approve/cancel), shown as code
+    # The story's state after this event ("resolved: rolled back to checkpoint 20"). A reply with
+    # a status also updates its thread's top message, so the channel shows where things stand.
+    status: str = ""
 
     @property
     def thread_key(self) -> str | None:
@@ -65,7 +68,8 @@ class Alert:
         return {"run_id": self.run_id, "severity": self.severity.value, "title": self.title, "text": self.text,
                 "fields": {str(k): _plain(v) for k, v in self.fields.items()},
                 "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts,
-                "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands)}
+                "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands),
+                "status": self.status}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
@@ -74,7 +78,7 @@ class Alert:
                    fields=dict(obj.get("fields") or {}), incident_id=obj.get("incident_id"),
                    reasons=tuple(obj.get("reasons") or ()), thread_ts=obj.get("thread_ts"),
                    thread=obj.get("thread"), broadcast=bool(obj.get("broadcast", False)),
-                   commands=tuple(obj.get("commands") or ()))
+                   commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""))
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",

@@ -135,7 +135,8 @@ class Outbox:
     def _send_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
         """Deliver one row; False when the channel is down (stop it for now, keep the order)."""
         try:
-            alert = self._threaded(name, row, Alert.from_json(row.payload or {"run_id": row.run_id, "title": row.text}))
+            alert, parent = self._threaded(name, row, Alert.from_json(row.payload or {"run_id": row.run_id,
+                                                                                        "title": row.text}))
             ts = part.send(alert)
         except NotifyError as exc:
             if not exc.retryable:
@@ -148,20 +149,34 @@ class Outbox:
             return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
         with self._sessions.begin() as s:
             alerts_store.mark_sent(s, row.id, ts)
+        if parent is not None and parent.ts and alert.status:
+            self._restate(name, part, parent, alert.status)
         return True
 
-    def _threaded(self, name: str, row: alerts_store.AlertRow, alert: Alert) -> Alert:
+    def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str) -> None:
+        """Best effort: the thread's top message shows the story's state. The reply already says
+        it, so a failed update is logged and never holds up the channel."""
+        update = getattr(part, "update", None)  # channels without message ids (console) have none
+        if update is None or not parent.payload:
+            return
+        try:
+            update(parent.ts, dataclasses.replace(Alert.from_json(parent.payload), status=status))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("alert channel %s: could not update thread %s with %r: %s", name, parent.ts, status, exc)
+
+    def _threaded(self, name: str, row: alerts_store.AlertRow,
+                  alert: Alert) -> tuple[Alert, alerts_store.ThreadParent | None]:
         """`alert` as a reply under its story's first delivered message in this channel."""
         if row.thread_key is None or alert.thread_ts:
-            return alert
+            return alert, None
         with self._sessions() as s:
             parent = alerts_store.thread_parent(s, name, row.thread_key, row.id)
         if parent is None:
-            return alert
+            return alert, None
         if parent.ts:
-            return dataclasses.replace(alert, thread_ts=parent.ts)
+            return dataclasses.replace(alert, thread_ts=parent.ts), parent
         note = f"(posted on its own: this {row.thread_key.split(':')[0]}'s first message was refused: {parent.lost})"
-        return dataclasses.replace(alert, text=f"{alert.text}\n{note}" if alert.text else note)
+        return dataclasses.replace(alert, text=f"{alert.text}\n{note}" if alert.text else note), None
 
     def _retry_later(self, name: str, row: alerts_store.AlertRow, error: str) -> bool:
         wait = self._backoff(row.attempts + 1)

@@ -116,6 +116,7 @@ class SlackNotifier:
             raise NotifyConfigError(f"Slack base_url={base_url!r} must end with '/api/' (slack-sdk appends the "
                                     "method name to it), e.g. 'http://127.0.0.1:8080/api/'")
         self.channel = channel
+        self._channel_id: str | None = None  # chat.update takes the id chat.postMessage answers with
         self.channel_name = f"slack:{channel}"  # the outbox's channel key (supervisor.notify.outbox)
         self.retries = retries
         self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
@@ -168,12 +169,19 @@ class SlackNotifier:
             return self._post(dataclasses.replace(alert, thread_ts=None,
                                                   text=f"{alert.text}\n{note}" if alert.text else note))
 
+    def update(self, ts: str, alert: Alert) -> None:
+        """Rewrite the message `ts` (a thread's top message) as `alert`, e.g. with its new status.
+        chat.update needs the channel's id, which the last chat.postMessage answered with."""
+        self._call("chat.update", self.client.chat_update, channel=self._channel_id or self.channel, ts=ts,
+                   text=_fallback_text(alert), blocks=self.blocks(alert))
+
     def _post(self, alert: Alert) -> str | None:
         # reply_broadcast: a failure or a page in a thread is also shown in the channel.
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
                           text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
                           reply_broadcast=True if alert.thread_ts and alert.broadcast else None,
                           unfurl_links=False)
+        self._channel_id = resp.get("channel") or self._channel_id
         return resp.get("ts")
 
     def close(self) -> None:
@@ -210,6 +218,8 @@ class SlackNotifier:
             "text": {"type": "plain_text", "text": _cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX),
                      "emoji": True},
         }]
+        if alert.status:
+            blocks.append(_section(f"*now:* {_esc(alert.status)}"))
         if alert.text:
             blocks.append(_section(_esc(alert.text)))
         if alert.reasons:

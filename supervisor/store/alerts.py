@@ -44,6 +44,7 @@ class ThreadParent:
 
     ts: str | None
     lost: str = ""  # the refusal of the thread's first message, when it never got a ts
+    payload: dict[str, Any] | None = None  # the parent's Alert, to rewrite it with a new status
 
 
 def _row(r: Alert) -> AlertRow:
@@ -67,13 +68,13 @@ def thread_parent(session: Session, channel: str, thread_key: str, before_id: in
     thread that got a ts. None when the row is the thread's first (or the channel gives no ids,
     like the console). The outbox sends a channel's rows in id order, so every earlier row is
     already `sent` or `failed` here."""
-    earlier = (select(Alert.state, Alert.ts, Alert.error)
+    earlier = (select(Alert.state, Alert.ts, Alert.error, Alert.payload)
                .where(Alert.channel == channel, Alert.thread_key == thread_key, Alert.id < before_id)
                .order_by(Alert.id))
     lost = ""
-    for state, ts, error in session.execute(earlier):
+    for state, ts, error, payload in session.execute(earlier):
         if ts:
-            return ThreadParent(ts)
+            return ThreadParent(ts, payload=payload)
         if state == "failed" and not lost:
             lost = error or "refused"
     return ThreadParent(None, lost) if lost else None

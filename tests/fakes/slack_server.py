@@ -42,6 +42,7 @@ class FakeSlack:
         self.channels = channels  # None: every channel exists and the bot is in it
         self.requests: list[RecordedRequest] = []
         self.messages: dict[str, dict[str, Any]] = {}  # ts -> message
+        self.channel_ids: dict[str, str] = {}  # "#name" -> "C..." (Slack answers with the id)
         self._lock = threading.Lock()
         self._rate_limited = 0
         self._retry_after = "0"
@@ -197,8 +198,9 @@ class FakeSlack:
         if not body.get("text") and not body.get("blocks"):
             return 200, {"ok": False, "error": "no_text"}, {}
         ts = f"1700000000.{next(self._ts):06d}"
+        channel_id = self._id_of(body["channel"])
         message = {"type": "message", "text": body.get("text", ""), "ts": ts, "user": BOT["user_id"],
-                   "bot_id": BOT["bot_id"]}
+                   "bot_id": BOT["bot_id"], "channel": channel_id}
         if body.get("blocks"):
             message["blocks"] = body["blocks"]
         if body.get("thread_ts"):
@@ -213,14 +215,20 @@ class FakeSlack:
             top = self.messages[root]
             top.update(thread_ts=root, reply_count=top.get("reply_count", 0) + 1, latest_reply=ts)
         self.messages[ts] = message
-        return 200, {"ok": True, "channel": body["channel"], "ts": ts, "message": message}, {}
+        return 200, {"ok": True, "channel": channel_id, "ts": ts, "message": message}, {}
+
+    def _id_of(self, channel: str) -> str:
+        """chat.postMessage takes a name or an id and answers with the id, as Slack does."""
+        if channel in self.channel_ids.values():
+            return channel
+        return self.channel_ids.setdefault(channel, f"C{len(self.channel_ids) + 1:08d}")
 
     def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
-        error = self._channel_error(body)
-        if error:
-            return 200, {"ok": False, "error": error}, {}
+        # chat.update, unlike chat.postMessage, takes only the channel's id, not its name.
+        if body.get("channel") not in self.channel_ids.values():
+            return 200, {"ok": False, "error": "channel_not_found"}, {}
         message = self.messages.get(body.get("ts", ""))
-        if message is None:
+        if message is None or message["channel"] != body["channel"]:
             return 200, {"ok": False, "error": "message_not_found"}, {}
         message.update({k: body[k] for k in ("text", "blocks") if k in body})
         return 200, {"ok": True, "channel": body["channel"], "ts": message["ts"], "text": message["text"],

@@ -184,6 +184,12 @@ def test_an_incident_is_one_thread_and_the_rollback_ack_is_its_last_reply(db, tm
         assert f"action {act.id}) done: rolled back to checkpoint {to}, first step trained {to + 1}, LR x0.5" in done
         assert f"incident {act.incident_id} resolved" in json.dumps(thread[-1]["blocks"])
         assert "subtype" not in thread[-1]  # good news is not broadcast to the channel
+        # The top message now says where things stand, rewritten in place by its channel id.
+        top = json.dumps(thread[0]["blocks"])
+        assert f"*now:* resolved: rolled back to checkpoint {to}, first step trained {to + 1}" in top
+        assert f"rollback to step {to}" in top  # still the original alert underneath
+        (update,) = slack.calls("chat.update")
+        assert update.answer["ok"] and update.body["channel"].startswith("C") and update.body["ts"] == thread[0]["ts"]
     finally:
         sup.close()
 
@@ -209,6 +215,7 @@ def test_a_slack_outage_mid_incident_still_ends_with_one_ordered_thread(db, tmp_
         manual = threads[f"action:{aid}"]
         assert [m["text"].split(":")[0] for m in manual] == ["[INFO] ob", "[CRITICAL] ob"]
         assert "FAILED" in manual[1]["text"] and manual[1]["subtype"] == "thread_broadcast"
+        assert "*now:* pause (action" in json.dumps(manual[0]["blocks"]) and "FAILED" in json.dumps(manual[0]["blocks"])
         assert not [r for r in slack.calls("chat.postMessage") if r.answer.get("error") == "thread_not_found"]
     finally:
         slack.release()
