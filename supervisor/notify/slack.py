@@ -218,7 +218,7 @@ class SlackNotifier:
             "text": {"type": "plain_text", "text": _cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX),
                      "emoji": True},
         }]
-        if alert.status:
+        if alert.status and not alert.thread_ts:  # a reply says it in its own words
             blocks.append(_section(f"*now:* {_esc(alert.status)}"))
         if alert.text:
             blocks.append(_section(_esc(alert.text)))

@@ -302,9 +302,9 @@ def test_approval_alert_carries_the_action_id_the_commands_and_the_run_page(db, 
         assert f"*now:* awaiting approval (action {act.id})" in blocks
         sup.executor.approve(act.id, "alice")  # the decision is a reply, and the top message says so
         assert sup.executor.outbox.drain(30)
-        reply = slack.thread(msg_ts := [ts for ts, m in slack.messages.items() if m["text"] == msg["text"]][0])[-1]
-        assert reply["text"] == f"[INFO] {RUN}: alice approved rollback (action {act.id})"
-        assert f"*now:* rollback (action {act.id}) approved by alice" in json.dumps(slack.messages[msg_ts]["blocks"])
+        (top,) = [m for m in slack.top_level() if m["text"] == msg["text"]]
+        assert slack.thread(top["ts"])[-1]["text"] == f"[INFO] {RUN}: alice approved rollback (action {act.id})"
+        assert f"*now:* rollback (action {act.id}) approved by alice" in json.dumps(top["blocks"])
     finally:
         sup.close()
 
