@@ -47,6 +47,7 @@ from supervisor import feasibility
 from supervisor.errors import Conflict, NotFound, UserError
 from supervisor.notify.base import Alert, Notifier
 from supervisor.notify.outbox import Outbox
+from supervisor.outcome import outcome, render, summary
 from supervisor.policy import Decision, DecisionKind
 from supervisor.store import actions as actions_store
 from supervisor.store import audit as audit_store
@@ -99,8 +100,14 @@ class Executor:
             "requires_approval": needs_ok})
         if decision.kind is not DecisionKind.NOOP:
             alert = Alert.from_decision(run_id, finding, decision, incident_id)
-            if needs_ok and not decision.requires_approval:
-                alert = dataclasses.replace(alert, title=f"approval needed: {alert.title}")
+            if needs_ok and ids:  # what the reader types: the id and the exact commands
+                # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
+                title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
+                alert = dataclasses.replace(
+                    alert, title=f"{title} [action {ids[0]}]",
+                    fields={"action": ids[0], **alert.fields},
+                    commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
+                    status=f"awaiting approval (action {ids[0]})")
             self._queue_alert(s, alert)
         return ids
 
@@ -141,7 +148,7 @@ class Executor:
             action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
                                        title=f"{run_id}: {who} asked for {kind} {body.to_args() or ''}".strip(),
-                                       text=reason))
+                                       text=reason, thread=_thread(action_id, None)))
         self.flush_alerts()
         return action_id
 
@@ -163,6 +170,11 @@ class Executor:
             except actions_store.ActionStateError as exc:
                 raise Conflict(str(exc)) from exc
             audit_store.audit(s, row.run_id, who, event, {"action_id": action_id})
+            self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
+                                       title=f"{row.run_id}: {who} {event} {row.kind} (action {action_id})",
+                                       incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
+                                       status=f"{row.kind} (action {action_id}) {event} by {who}"))
+        self.flush_alerts()
 
     def _enqueue(self, s: Session, run_id: str, body: CommandBody, reason: str, origin: str,
                  who: str, incident_id: int | None, needs_ok: bool) -> int:
@@ -217,13 +229,15 @@ class Executor:
                     self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                             title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
                                             text=ack.detail or "the run controller refused the command",
-                                            incident_id=row.incident_id))
+                                            incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
+                                            broadcast=True, status=f"{row.kind} (action {row.id}) FAILED"))
                 else:
                     if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
                         actions_store.set_action_state(s, row.id, "sent")
                     actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step, result=result)
-                    rollback_to = self._book(s, run_id, row, ack)
+                    rollback_to, resolved = self._book(s, run_id, row, ack)
                     actions_store.set_action_state(s, row.id, "done")
+                    self._queue_alert(s, _done_alert(run_id, row, ack, result, resolved))
                     audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
                                                                "detail": ack.detail})
         except (ContractError, DataError, IntegrityError, actions_store.ActionStateError) as exc:
@@ -245,13 +259,15 @@ class Executor:
             audit_store.audit(s, run_id, "supervisor", "failed", {"action_id": action_id, "detail": why})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                     title=f"{run_id}: {row.kind} (action {action_id}) FAILED", text=why,
-                                    incident_id=row.incident_id))
+                                    incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
+                                    broadcast=True, status=f"{row.kind} (action {action_id}) FAILED"))
         self.flush_alerts()
         return True
 
-    def _book(self, s: Session, run_id: str, row: actions_store.ActionRow, ack: Ack) -> int | None:
+    def _book(self, s: Session, run_id: str, row: actions_store.ActionRow, ack: Ack) -> tuple[int | None, bool]:
         """The lasting effects of an acknowledged command, as the trainer reports them (a bare
-        ack, from an older trainer, books what the command asked for)."""
+        ack, from an older trainer, books what the command asked for). Returns the step a
+        rollback went back to (or None) and whether it resolved the action's incident."""
         body = parse_command(row.kind, row.args)
         asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
         for r in ack.skipped or asked_ranges:
@@ -263,14 +279,15 @@ class Executor:
         if change is not None:
             lr_store.add_lr_change(s, run_id, change.multiplier, change.start_step, change.steps, action_id=row.id,
                                    rewarmup_steps=change.rewarmup_steps, seq=seq)
+        resolved = False
         if row.incident_id is not None and row.kind in ("rollback", "set_lr", "skip"):
-            incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
+            resolved = incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
         if row.kind == "rollback":
             # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
             # they belong to the trajectory left behind and are never a target again.
             ckpt_store.distrust_from(s, run_id, ack.step)
-            return ack.step
-        return None
+            return ack.step, resolved
+        return None, resolved
 
     def expire(self, now: dt.datetime | None = None) -> list[int]:
         """Scheduler job: sent actions with no ack after the timeout are re-sent, then failed."""
@@ -290,7 +307,8 @@ class Executor:
                     self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.CRITICAL,
                                             title=f"{a.run_id}: {a.kind} (action {a.id}) was never acknowledged",
                                             text=f"sent {a.attempts} times; is the run controller alive?",
-                                            incident_id=a.incident_id))
+                                            incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
+                                            broadcast=True, status=f"{a.kind} (action {a.id}) never acknowledged"))
         self.flush_alerts()
         return failed
 
@@ -312,3 +330,22 @@ class Executor:
 
     def close(self) -> None:
         self.outbox.close()
+
+
+def _thread(action_id: int, incident_id: int | None) -> str | None:
+    """An action's story: its incident's thread, or (a manual command) a thread of its own."""
+    return None if incident_id is not None else f"action:{action_id}"
+
+
+def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dict[str, Any],
+                resolved: bool) -> Alert:
+    """The reply that says what the trainer really did, from its typed ack (supervisor.outcome)."""
+    o = outcome(dataclasses.replace(row, state="done", result=result, ack_step=ack.step))
+    lines = render(o).splitlines()[1:]
+    if resolved:
+        lines.append(f"incident {row.incident_id} resolved")
+    return Alert(run_id=run_id, severity=Severity.INFO,
+                 title=f"{run_id}: {row.kind} (action {row.id}) done: {summary(o)}",
+                 text="\n".join(line.strip() for line in lines) or (ack.detail or ""),
+                 incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
+                 status=f"{'resolved' if resolved else 'done'}: {summary(o)}")

@@ -65,3 +65,22 @@ def render(o: dict[str, Any]) -> str:
     if o["skipped_ranges"]:
         lines.append("  ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
     return "\n".join(lines)
+
+
+def summary(o: dict[str, Any]) -> str:
+    """One line of what the trainer really did, for a Slack reply or a status line:
+    "rolled back to checkpoint 20, first step trained 21, LR x0.5, skipped [1280, 1344)"."""
+    if o["state"] == "failed":
+        return f"{o['kind']} failed: {o['error'] or o['detail'] or 'no reason given'}"
+    parts = []
+    if o["checkpoint_step"] is not None:
+        parts.append(f"rolled back to checkpoint {o['checkpoint_step']}")
+    elif o["kind"] != "rollback":
+        parts.append(o["kind"].replace("_", " ") + " applied")
+    if o["first_step"] is not None and o["kind"] != "stop":
+        parts.append(f"first step trained {o['first_step']}")
+    if o["effective_lr_multiplier"] is not None:
+        parts.append(f"LR x{o['effective_lr_multiplier']:g}")
+    if o["skipped_ranges"]:
+        parts.append("skipped " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    return ", ".join(parts) or f"{o['kind']} done"

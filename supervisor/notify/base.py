@@ -48,19 +48,37 @@ class Alert:
     incident_id: int | str | None = None
     reasons: Sequence[str] = ()  # the policy's reasons, one bullet each
     thread_ts: str | None = None  # reply in the thread of an earlier message (its id from send)
+    # The story this alert belongs to; the outbox threads it under the story's first message.
+    # None: the incident's ("incident:42") when there is one, else a message of its own.
+    thread: str | None = None
+    broadcast: bool = False  # a reply that must also show in the channel (failures, pages)
+    commands: Sequence[str] = ()  # exact commands for the reader (approve/cancel), shown as code
+    # The story's state after this event ("resolved: rolled back to checkpoint 20"). A reply with
+    # a status also updates its thread's top message, so the channel shows where things stand.
+    status: str = ""
+
+    @property
+    def thread_key(self) -> str | None:
+        if self.thread:
+            return self.thread
+        return f"incident:{self.incident_id}" if self.incident_id is not None else None
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON (the outbox stores it): values of `fields` that JSON lacks become strings."""
         return {"run_id": self.run_id, "severity": self.severity.value, "title": self.title, "text": self.text,
                 "fields": {str(k): _plain(v) for k, v in self.fields.items()},
-                "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts}
+                "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts,
+                "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands),
+                "status": self.status}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
         return cls(run_id=str(obj.get("run_id") or ""), severity=Severity(obj.get("severity", "info")),
                    title=str(obj.get("title", "")), text=str(obj.get("text", "")),
                    fields=dict(obj.get("fields") or {}), incident_id=obj.get("incident_id"),
-                   reasons=tuple(obj.get("reasons") or ()), thread_ts=obj.get("thread_ts"))
+                   reasons=tuple(obj.get("reasons") or ()), thread_ts=obj.get("thread_ts"),
+                   thread=obj.get("thread"), broadcast=bool(obj.get("broadcast", False)),
+                   commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""))
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
@@ -106,6 +124,7 @@ class Alert:
             text=decision.reasons[0] if decision.reasons else "",
             fields={k: v for k, v in facts.items() if v is not None},
             incident_id=incident_id, reasons=tuple(decision.reasons[1:]), thread_ts=thread_ts,
+            broadcast=severity is Severity.CRITICAL,  # a page stays visible when it is a reply
         )
 
 
@@ -123,7 +142,18 @@ class Notifier(Protocol):
         Raise NotifyError when it could not be delivered."""
         ...
 
+    def check(self) -> dict[str, Any]:
+        """At start-up: can this channel deliver at all? Raise NotifyConfigError when it never
+        will as configured (a refused token), NotifyError when it cannot right now (an outage)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def channel_name(part: Notifier) -> str:
+    """A stable name per notifier: the outbox stores it on each row, so it must survive a restart."""
+    name = getattr(part, "channel_name", None)
+    return str(name) if name else type(part).__name__.removesuffix("Notifier").lower() or "notifier"
 
 
 class NullNotifier:
@@ -131,6 +161,9 @@ class NullNotifier:
 
     def send(self, alert: Alert) -> str | None:
         return None
+
+    def check(self) -> dict[str, Any]:
+        return {}
 
     def close(self) -> None:
         pass
@@ -162,6 +195,25 @@ class FanOut:
         if self.parts and len(failures) == len(self.parts):
             raise NotifyError(f"every notifier failed for {alert.title!r}: " + "; ".join(failures))
         return first
+
+    def check(self) -> dict[str, Any]:
+        """Check every part that can be checked: {part name: its answer, or "unreachable: why"}.
+        A part that refuses its configuration (NotifyConfigError) stops the start-up."""
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            check = getattr(part, "check", None)  # test doubles may have only send/close
+            if check is None:
+                continue
+            name = channel_name(part)
+            try:
+                out[name] = check()
+            except NotifyConfigError:
+                raise
+            except NotifyError as exc:
+                log.critical("notifier %s cannot deliver now (%s); alerts wait in the outbox until it can",
+                             name, exc)
+                out[name] = f"unreachable: {exc}"
+        return out
 
     def close(self) -> None:
         for part in self.parts:

@@ -30,12 +30,16 @@ class ConsoleNotifier:
         lines += [f"  - {reason}" for reason in alert.reasons]
         if alert.fields:
             lines.append("  " + ", ".join(f"{k}: {v}" for k, v in alert.fields.items()))
+        lines += [f"  $ {command}" for command in alert.commands]
         if alert.incident_id is not None:
             lines.append(f"  run {alert.run_id}, incident {alert.incident_id}")
         with self._lock:
             self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()
         return None
+
+    def check(self) -> dict:
+        return {}  # a stream is always there
 
     def close(self) -> None:
         self.closed = True

@@ -10,12 +10,19 @@ the database. A message the channel refuses for good (malformed blocks, too long
 `failed` and the channel goes on with the next one. The row tells the truth: `sent` only after
 the channel took it.
 
+Threads (issue 12): each row carries its story's key (`Alert.thread_key`: "incident:42"). The
+first row of a story in a channel goes top-level and its message id (Slack's ts) is stored on
+the row; every later row of the story is sent as a reply to it. Order per channel makes that
+safe: a reply is only sent once its parent is `sent` (it has a ts) or `failed` for good, and in
+that case the reply goes top-level and says so, becoming the parent of the rest.
+
 Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
 recorded on its own: the console taking an alert no longer hides that Slack refused it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -24,16 +31,10 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError
+from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError, channel_name  # noqa: F401 - re-exported
 from supervisor.store import alerts as alerts_store
 
 log = logging.getLogger(__name__)
-
-
-def channel_name(part: Notifier) -> str:
-    """A stable name per notifier: it is stored on each row and must survive a restart."""
-    name = getattr(part, "channel_name", None)
-    return str(name) if name else type(part).__name__.removesuffix("Notifier").lower() or "notifier"
 
 
 class Outbox:
@@ -64,7 +65,7 @@ class Outbox:
     def enqueue(self, s: Session, alert: Alert) -> None:
         """Write `alert` as pending rows; delivered after the caller commits and calls `wake()`."""
         if self._channels:
-            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json())
+            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json(), alert.thread_key)
 
     def wake(self) -> None:
         for ev in self._wakes.values():
@@ -134,7 +135,9 @@ class Outbox:
     def _send_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
         """Deliver one row; False when the channel is down (stop it for now, keep the order)."""
         try:
-            part.send(Alert.from_json(row.payload or {"run_id": row.run_id, "title": row.text}))
+            alert, parent = self._threaded(name, row, Alert.from_json(row.payload or {"run_id": row.run_id,
+                                                                                        "title": row.text}))
+            ts = part.send(alert)
         except NotifyError as exc:
             if not exc.retryable:
                 log.error("alert %s to %s refused for good: %s", row.id, name, exc)
@@ -145,8 +148,35 @@ class Outbox:
         except Exception as exc:  # noqa: BLE001 - an unknown failure is treated as an outage
             return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
         with self._sessions.begin() as s:
-            alerts_store.mark_sent(s, row.id)
+            alerts_store.mark_sent(s, row.id, ts)
+        if parent is not None and parent.ts and alert.status:
+            self._restate(name, part, parent, alert.status)
         return True
+
+    def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str) -> None:
+        """Best effort: the thread's top message shows the story's state. The reply already says
+        it, so a failed update is logged and never holds up the channel."""
+        update = getattr(part, "update", None)  # channels without message ids (console) have none
+        if update is None or not parent.payload:
+            return
+        try:
+            update(parent.ts, dataclasses.replace(Alert.from_json(parent.payload), status=status))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("alert channel %s: could not update thread %s with %r: %s", name, parent.ts, status, exc)
+
+    def _threaded(self, name: str, row: alerts_store.AlertRow,
+                  alert: Alert) -> tuple[Alert, alerts_store.ThreadParent | None]:
+        """`alert` as a reply under its story's first delivered message in this channel."""
+        if row.thread_key is None or alert.thread_ts:
+            return alert, None
+        with self._sessions() as s:
+            parent = alerts_store.thread_parent(s, name, row.thread_key, row.id)
+        if parent is None:
+            return alert, None
+        if parent.ts:
+            return dataclasses.replace(alert, thread_ts=parent.ts), parent
+        note = f"(posted on its own: this {row.thread_key.split(':')[0]}'s first message was refused: {parent.lost})"
+        return dataclasses.replace(alert, text=f"{alert.text}\n{note}" if alert.text else note), None
 
     def _retry_later(self, name: str, row: alerts_store.AlertRow, error: str) -> bool:
         wait = self._backoff(row.attempts + 1)

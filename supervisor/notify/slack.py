@@ -8,6 +8,7 @@ after the last retry a NotifyError says what to check.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -115,6 +116,7 @@ class SlackNotifier:
             raise NotifyConfigError(f"Slack base_url={base_url!r} must end with '/api/' (slack-sdk appends the "
                                     "method name to it), e.g. 'http://127.0.0.1:8080/api/'")
         self.channel = channel
+        self._channel_id: str | None = None  # chat.update takes the id chat.postMessage answers with
         self.channel_name = f"slack:{channel}"  # the outbox's channel key (supervisor.notify.outbox)
         self.retries = retries
         self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
@@ -138,13 +140,48 @@ class SlackNotifier:
                    web_base_url=web_base_url, token_source=source)
 
     def check(self) -> dict[str, Any]:
-        """auth.test: who the bot is. For `thermowatch doctor` and start-up checks."""
-        return dict(self._call("auth.test", self.client.auth_test).data)
+        """auth.test at start-up: who the bot is. A refused token raises NotifyConfigError (the
+        daemon must not start and discover it at the first real alert, issue 12); an outage
+        raises NotifyError (the daemon may start: alerts wait in the outbox).
+
+        The channel is not checked here: conversations.info takes a channel id, not the
+        '#name' a config usually holds, and needs the channels:read scope a bot that only posts
+        lacks; a channel the bot is not in is named by the first post's error instead."""
+        try:
+            return dict(self._call("auth.test", self.client.auth_test).data)
+        except NotifyError as exc:
+            error = _slack_error(exc)
+            if error in _AUTH_ERRORS:
+                raise NotifyConfigError(f"Slack refused the bot token at start-up (auth.test: {error}); the token "
+                                        f"came from {self.token_source}: put a valid bot token (xoxb-...) there, "
+                                        "or empty slack.channel to run without Slack") from exc
+            raise
 
     def send(self, alert: Alert) -> str | None:
+        try:
+            return self._post(alert)
+        except NotifyError as exc:
+            if not alert.thread_ts or _slack_error(exc) != "thread_not_found":
+                raise
+            # The parent was deleted in Slack: retrying cannot help, and the story must not stop.
+            log.warning("Slack thread %s is gone; posting %r on its own", alert.thread_ts, alert.title)
+            note = "(posted on its own: the thread it belongs to was deleted in Slack)"
+            return self._post(dataclasses.replace(alert, thread_ts=None,
+                                                  text=f"{alert.text}\n{note}" if alert.text else note))
+
+    def update(self, ts: str, alert: Alert) -> None:
+        """Rewrite the message `ts` (a thread's top message) as `alert`, e.g. with its new status.
+        chat.update needs the channel's id, which the last chat.postMessage answered with."""
+        self._call("chat.update", self.client.chat_update, channel=self._channel_id or self.channel, ts=ts,
+                   text=_fallback_text(alert), blocks=self.blocks(alert))
+
+    def _post(self, alert: Alert) -> str | None:
+        # reply_broadcast: a failure or a page in a thread is also shown in the channel.
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
                           text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
+                          reply_broadcast=True if alert.thread_ts and alert.broadcast else None,
                           unfurl_links=False)
+        self._channel_id = resp.get("channel") or self._channel_id
         return resp.get("ts")
 
     def close(self) -> None:
@@ -181,6 +218,8 @@ class SlackNotifier:
             "text": {"type": "plain_text", "text": _cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX),
                      "emoji": True},
         }]
+        if alert.status and not alert.thread_ts:  # a reply says it in its own words
+            blocks.append(_section(f"*now:* {_esc(alert.status)}"))
         if alert.text:
             blocks.append(_section(_esc(alert.text)))
         if alert.reasons:
@@ -189,6 +228,8 @@ class SlackNotifier:
                   for k, v in list(alert.fields.items())[:_FIELDS_MAX]]
         if fields:
             blocks.append({"type": "section", "fields": fields})
+        if alert.commands:  # the exact commands, copyable from a phone
+            blocks.append(_section("\n".join(f"`{_esc(c)}`" for c in alert.commands)))
         context = [f"run `{_esc(alert.run_id)}`", f"severity {alert.severity.value}"]
         if alert.incident_id is not None:
             context.append(f"incident {alert.incident_id}")
@@ -203,6 +244,14 @@ class SlackNotifier:
             return None
         url = f"{self.web_base_url}/runs/{quote(alert.run_id, safe='')}"
         return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
+
+
+def _slack_error(exc: NotifyError) -> str | None:
+    """Slack's error code behind a NotifyError from `_call` ("invalid_auth"), if Slack answered."""
+    cause = exc.__cause__
+    if isinstance(cause, SlackApiError) and isinstance(cause.response.data, dict):
+        return cause.response.get("error")
+    return None
 
 
 def _fallback_text(alert: Alert) -> str:

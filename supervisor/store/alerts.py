@@ -33,21 +33,51 @@ class AlertRow:
     next_attempt_at: dt.datetime | None = None
     created_at: dt.datetime | None = None
     payload: dict[str, Any] | None = None
+    thread_key: str | None = None  # the story it belongs to ("incident:42"); None: on its own
+    ts: str | None = None  # the channel's id for the delivered message (Slack's ts)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadParent:
+    """Where a reply goes: `ts` of the thread's first delivered message in this channel, or None
+    with `lost` set when the earlier messages of the thread were all refused for good."""
+
+    ts: str | None
+    lost: str = ""  # the refusal of the thread's first message, when it never got a ts
+    payload: dict[str, Any] | None = None  # the parent's Alert, to rewrite it with a new status
 
 
 def _row(r: Alert) -> AlertRow:
     return AlertRow(r.id, r.run_id, r.channel, r.text, r.sent_at, r.ok, r.error, r.state, r.attempts,
-                    r.next_attempt_at, r.created_at, r.payload)
+                    r.next_attempt_at, r.created_at, r.payload, r.thread_key, r.ts)
 
 
 def enqueue(session: Session, run_id: str | None, channels: Sequence[str], title: str,
-            payload: dict[str, Any]) -> None:
+            payload: dict[str, Any], thread_key: str | None = None) -> None:
     """One pending row per channel, in the caller's transaction (never commits)."""
     now = utcnow()
     session.execute(insert(Alert), [
         {"run_id": run_id, "channel": ch, "text": title, "created_at": now, "sent_at": None, "ok": False,
-         "error": "", "state": "pending", "attempts": 0, "next_attempt_at": None, "payload": payload}
+         "error": "", "state": "pending", "attempts": 0, "next_attempt_at": None, "payload": payload,
+         "thread_key": thread_key, "ts": None}
         for ch in channels])
+
+
+def thread_parent(session: Session, channel: str, thread_key: str, before_id: int) -> ThreadParent | None:
+    """The message a row of `thread_key` replies to in `channel`: the oldest earlier row of the
+    thread that got a ts. None when the row is the thread's first (or the channel gives no ids,
+    like the console). The outbox sends a channel's rows in id order, so every earlier row is
+    already `sent` or `failed` here."""
+    earlier = (select(Alert.state, Alert.ts, Alert.error, Alert.payload)
+               .where(Alert.channel == channel, Alert.thread_key == thread_key, Alert.id < before_id)
+               .order_by(Alert.id))
+    lost = ""
+    for state, ts, error, payload in session.execute(earlier):
+        if ts:
+            return ThreadParent(ts, payload=payload)
+        if state == "failed" and not lost:
+            lost = error or "refused"
+    return ThreadParent(None, lost) if lost else None
 
 
 def pending(session: Session, channel: str, limit: int = 50) -> list[AlertRow]:
@@ -62,9 +92,9 @@ def pending_channels(session: Session) -> list[str]:
     return list(session.execute(q).scalars())
 
 
-def mark_sent(session: Session, alert_id: int) -> None:
+def mark_sent(session: Session, alert_id: int, ts: str | None = None) -> None:
     session.execute(update(Alert).where(Alert.id == alert_id).values(
-        state="sent", ok=True, sent_at=utcnow(), attempts=Alert.attempts + 1, next_attempt_at=None))
+        state="sent", ok=True, sent_at=utcnow(), attempts=Alert.attempts + 1, next_attempt_at=None, ts=ts))
 
 
 def mark_retry(session: Session, alert_id: int, error: str, next_attempt_at: dt.datetime) -> None:

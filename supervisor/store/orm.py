@@ -248,7 +248,8 @@ class Alert(Base):
     error and the time of the next try, or failed when the channel refuses this message for good."""
 
     __tablename__ = "alerts"
-    __table_args__ = (Index("ix_alerts_state_channel_id", "state", "channel", "id"),)
+    __table_args__ = (Index("ix_alerts_state_channel_id", "state", "channel", "id"),
+                      Index("ix_alerts_channel_thread_key_id", "channel", "thread_key", "id"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str | None] = mapped_column(_run_fk("SET NULL"), nullable=True)
     channel: Mapped[str] = mapped_column(String(200))
@@ -261,6 +262,10 @@ class Alert(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     next_attempt_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     payload: Mapped[dict[str, Any] | None] = mapped_column(nullable=True)  # the Alert, to send it again
+    # The story this row belongs to ("incident:42", "action:7"): later rows of it reply in the
+    # thread of the first one that got a `ts` (the channel's message id, Slack's ts) (0009).
+    thread_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    ts: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class JudgeMark(Base):

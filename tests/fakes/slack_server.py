@@ -34,13 +34,15 @@ class RecordedRequest:
 
 
 class FakeSlack:
-    """`auth.test`, `chat.postMessage` and `chat.update`, with switches for failures."""
+    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`) and `chat.update`,
+    with switches for failures."""
 
     def __init__(self, token: str = "xoxb-fake-token", channels: set[str] | None = None):
         self.token = token
         self.channels = channels  # None: every channel exists and the bot is in it
         self.requests: list[RecordedRequest] = []
         self.messages: dict[str, dict[str, Any]] = {}  # ts -> message
+        self.channel_ids: dict[str, str] = {}  # "#name" -> "C..." (Slack answers with the id)
         self._lock = threading.Lock()
         self._rate_limited = 0
         self._retry_after = "0"
@@ -124,6 +126,16 @@ class FakeSlack:
         """Bodies of chat.postMessage calls that succeeded, oldest first."""
         return [r.body for r in self.calls("chat.postMessage") if r.answer.get("ok")]
 
+    def top_level(self) -> list[dict[str, Any]]:
+        """Messages in the channel itself (not replies), oldest first."""
+        with self._lock:
+            return [m for ts, m in sorted(self.messages.items()) if m.get("thread_ts") in (None, ts)]
+
+    def thread(self, ts: str) -> list[dict[str, Any]]:
+        """A thread as conversations.replies gives it: the parent, then its replies, oldest first."""
+        with self._lock:
+            return [m for t, m in sorted(self.messages.items()) if t == ts or m.get("thread_ts") == ts]
+
     # --- the wire format ---------------------------------------------------------------------
 
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
@@ -186,23 +198,37 @@ class FakeSlack:
         if not body.get("text") and not body.get("blocks"):
             return 200, {"ok": False, "error": "no_text"}, {}
         ts = f"1700000000.{next(self._ts):06d}"
+        channel_id = self._id_of(body["channel"])
         message = {"type": "message", "text": body.get("text", ""), "ts": ts, "user": BOT["user_id"],
-                   "bot_id": BOT["bot_id"]}
+                   "bot_id": BOT["bot_id"], "channel": channel_id}
         if body.get("blocks"):
             message["blocks"] = body["blocks"]
         if body.get("thread_ts"):
-            if body["thread_ts"] not in self.messages:
+            parent = self.messages.get(body["thread_ts"])
+            if parent is None:
                 return 200, {"ok": False, "error": "thread_not_found"}, {}
-            message["thread_ts"] = body["thread_ts"]
+            # A reply to a reply joins the parent's thread, as in Slack.
+            root = parent.get("thread_ts", parent["ts"])
+            message["thread_ts"] = root
+            if body.get("reply_broadcast") in (True, "true", "1", 1):
+                message["subtype"] = "thread_broadcast"  # also shown in the channel
+            top = self.messages[root]
+            top.update(thread_ts=root, reply_count=top.get("reply_count", 0) + 1, latest_reply=ts)
         self.messages[ts] = message
-        return 200, {"ok": True, "channel": body["channel"], "ts": ts, "message": message}, {}
+        return 200, {"ok": True, "channel": channel_id, "ts": ts, "message": message}, {}
+
+    def _id_of(self, channel: str) -> str:
+        """chat.postMessage takes a name or an id and answers with the id, as Slack does."""
+        if channel in self.channel_ids.values():
+            return channel
+        return self.channel_ids.setdefault(channel, f"C{len(self.channel_ids) + 1:08d}")
 
     def _update(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
-        error = self._channel_error(body)
-        if error:
-            return 200, {"ok": False, "error": error}, {}
+        # chat.update, unlike chat.postMessage, takes only the channel's id, not its name.
+        if body.get("channel") not in self.channel_ids.values():
+            return 200, {"ok": False, "error": "channel_not_found"}, {}
         message = self.messages.get(body.get("ts", ""))
-        if message is None:
+        if message is None or message["channel"] != body["channel"]:
             return 200, {"ok": False, "error": "message_not_found"}, {}
         message.update({k: body[k] for k in ("text", "blocks") if k in body})
         return 200, {"ok": True, "channel": body["channel"], "ts": message["ts"], "text": message["text"],

@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from monitors.contract import Ack, RunInfo
+from monitors.contract import Ack, RunInfo, SampleRange
 from supervisor.config import SupervisorConfig
 from supervisor.errors import Conflict, NotFound, UserError
+from supervisor.notify.base import FanOut
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.notify.slack import SlackNotifier
 from supervisor.service import Supervisor
@@ -278,5 +279,53 @@ def test_an_ack_cannot_bypass_approval(db, tmp_path):
         with sup.sessions() as s:
             assert skips_store.skip_ranges(s, RUN) == []
             assert incidents_store.get_incident(s, act.incident_id).state == "open"
+    finally:
+        sup.close()
+
+
+def test_approval_alert_carries_the_action_id_the_commands_and_the_run_page(db, tmp_path, slack, stream):
+    """Advise-only (issue 12): the on-call reads what is waiting and exactly what to type."""
+    notifier = SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0,
+                             web_base_url="https://thermowatch.example/")
+    sup = make_sup(db, tmp_path, FanOut([ConsoleNotifier(stream), notifier]), advise_only=True)
+    try:
+        act = _diverge(sup, tmp_path)
+        assert act.requires_approval
+        assert sup.executor.outbox.drain(30)
+        (msg,) = [m for m in slack.posted() if "approval needed" in m["text"]]
+        assert f"[action {act.id}]" in msg["text"]
+        blocks = json.dumps(msg["blocks"] if isinstance(msg["blocks"], list) else json.loads(msg["blocks"]))
+        for expected in (f"`thermowatch approve {act.id}`", f"`thermowatch cancel {act.id}`",
+                         f"*action*\\n{act.id}", f"https://thermowatch.example/runs/{RUN}?incident={act.incident_id}"):
+            assert expected in blocks, expected
+        assert f"$ thermowatch approve {act.id}" in stream.getvalue()
+        assert f"*now:* awaiting approval (action {act.id})" in blocks
+        sup.executor.approve(act.id, "alice")  # the decision is a reply, and the top message says so
+        assert sup.executor.outbox.drain(30)
+        (top,) = [m for m in slack.top_level() if m["text"] == msg["text"]]
+        assert slack.thread(top["ts"])[-1]["text"] == f"[INFO] {RUN}: alice approved rollback (action {act.id})"
+        assert f"*now:* rollback (action {act.id}) approved by alice" in json.dumps(top["blocks"])
+    finally:
+        sup.close()
+
+
+def test_done_and_failed_actions_report_in_their_thread(db, tmp_path, slack):
+    """A manual command's story: asked, then what the trainer did; a failure is broadcast."""
+    notifier = SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0)
+    sup = make_sup(db, tmp_path, notifier)
+    try:
+        ok, bad = skip(sup), skip(sup, 300, 400)
+        sup.poll(RUN)
+        sup.ack(RUN, Ack(ok, ok=True, step=12, skipped=(SampleRange(100, 200),)))
+        sup.ack(RUN, Ack(bad, ok=False, step=12, detail="ledger is read-only"))
+        assert sup.executor.outbox.drain(30)
+        parents = slack.top_level()
+        assert len(parents) == 2 and all(p["reply_count"] == 1 for p in parents)
+        done = slack.thread(parents[0]["ts"])[1]
+        assert f"skip (action {ok}) done: skip applied, first step trained 12, skipped [100, 200)" in done["text"]
+        assert "subtype" not in done
+        failed = slack.thread(parents[1]["ts"])[1]
+        assert "FAILED" in failed["text"] and "read-only" in failed["text"]
+        assert failed["subtype"] == "thread_broadcast"
     finally:
         sup.close()

@@ -79,3 +79,28 @@ def test_upgrade_by_url_is_idempotent(empty_url):
         assert dbmod.current_revision(engine) == dbmod.head_revision()
     finally:
         engine.dispose()
+
+
+def test_0009_alert_threads_keep_older_alerts_and_downgrade_with_data(empty_url):
+    """Alerts written before 0009 keep their text and state and stand alone (no thread); a
+    downgrade to 0008 keeps the rows and drops only the thread columns."""
+    engine = dbmod.make_engine(empty_url)
+    try:
+        dbmod.upgrade(engine, "0008")
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO alerts (channel, text, ok, error, state, attempts) "
+                                 "VALUES ('slack:#a', 'old alert', false, '', 'pending', 0)"))
+        dbmod.upgrade(engine)
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT text, state, thread_key, ts FROM alerts")).one() == (
+                "old alert", "pending", None, None)
+            conn.execute(sa.text("UPDATE alerts SET thread_key = 'incident:1', ts = '1700000000.000001'"))
+        dbmod.downgrade(engine, "0008")
+        cols = {c["name"] for c in sa.inspect(engine).get_columns("alerts")}
+        assert "thread_key" not in cols and "ts" not in cols
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT text, state FROM alerts")).one() == ("old alert", "pending")
+        dbmod.upgrade(engine)
+        dbmod.check_current(engine)
+    finally:
+        engine.dispose()

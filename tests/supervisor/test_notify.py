@@ -197,3 +197,36 @@ def test_fan_out_close_survives_a_failing_part(caplog, tmp_path):
     assert last.closed and "closing notifier ConsoleNotifier failed" in caplog.text
     with pytest.raises(NotifyError, match="closed"):
         last.send(spike_alert())
+
+
+def test_slack_reply_broadcast_and_commands(fake_slack):
+    notifier = slack(fake_slack)
+    first = notifier.send(spike_alert())
+    quiet = notifier.send(Alert("run-7", Severity.INFO, "rollback done", thread_ts=first, broadcast=False))
+    loud = notifier.send(Alert("run-7", Severity.CRITICAL, "rollback FAILED", thread_ts=first, broadcast=True,
+                               commands=("thermowatch approve 7", "thermowatch cancel 7")))
+    bodies = fake_slack.posted()
+    assert "reply_broadcast" not in bodies[1] and bodies[2]["reply_broadcast"] is True
+    assert "subtype" not in fake_slack.messages[quiet]
+    assert fake_slack.messages[loud]["subtype"] == "thread_broadcast"
+    assert fake_slack.messages[first]["reply_count"] == 2
+    assert "`thermowatch approve 7`\\n`thermowatch cancel 7`" in blocks_text(bodies[2])
+    # a top-level message never broadcasts (Slack would refuse reply_broadcast without a thread)
+    notifier.send(Alert("run-7", Severity.CRITICAL, "paused", broadcast=True))
+    assert "reply_broadcast" not in fake_slack.posted()[3]
+
+
+def test_slack_reply_to_a_deleted_thread_goes_top_level_and_says_so(fake_slack):
+    ts = slack(fake_slack).send(Alert("run-7", Severity.INFO, "done", text="ok", thread_ts="1699999999.000001"))
+    assert "thread_ts" not in fake_slack.messages[ts]
+    assert "thread it belongs to was deleted" in blocks_text(fake_slack.posted()[0])
+
+
+def test_slack_check_refuses_a_bad_token_as_configuration(fake_slack):
+    assert slack(fake_slack).check()["user_id"] == "U0THERMO"
+    with pytest.raises(NotifyConfigError, match="auth.test: invalid_auth.*the token argument"):
+        slack(fake_slack, token="xoxb-nope").check()
+    fake_slack.server_error(10)
+    with pytest.raises(NotifyError) as got:  # an outage is not a configuration error
+        slack(fake_slack, retries=0).check()
+    assert not isinstance(got.value, NotifyConfigError)

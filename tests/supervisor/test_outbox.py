@@ -7,12 +7,13 @@ left pending, and each row tells the truth."""
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 
 import pytest
 
-from monitors.contract import RunInfo
+from monitors.contract import Ack, RunInfo
 from supervisor.config import SupervisorConfig
 from supervisor.notify.base import FanOut
 from supervisor.notify.console import ConsoleNotifier
@@ -126,5 +127,113 @@ def test_a_message_slack_refuses_for_good_is_failed_and_the_next_goes_out(db, tm
         assert (first.state, first.ok) == ("failed", False) and "msg_too_long" in first.error
         assert (second.state, second.ok) == ("sent", True)
         assert [m["text"] for m in slack.posted()] == ["[INFO] ob: bob asked for resume: second"]
+    finally:
+        sup.close()
+
+
+# --- threads (issue 12): one Slack thread per incident, in order, through the real outbox ---------
+
+
+def _diverge(sup, tmp_path):
+    feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt", stop=lambda: bool(_open(sup)))
+    (act,) = _open(sup)
+    assert act.kind == "rollback" and act.incident_id is not None
+    return act
+
+
+def _ack_rollback(sup, act):
+    assert [c.id for c in sup.poll(RUN)] == [act.id]
+    to = act.args["to_step"]
+    sup.ack(RUN, Ack(act.id, ok=True, step=to + 1, checkpoint_step=to, checkpoint_path=f"/ckpt/{to}",
+                     lr_multiplier=0.5, detail="reloaded"))
+    return to
+
+
+def _assert_threads(sup, slack):
+    """Every story (thread_key) of the Slack channel is one thread: its first row top-level, the
+    rest replies to it, in the order they were decided (row id). Returns {thread_key: messages}."""
+    rows = [r for r in _rows(sup) if r.state == "sent"]
+    stories: dict[str, list] = {}
+    for r in rows:
+        if r.thread_key:
+            stories.setdefault(r.thread_key, []).append(r)
+    threads = {}
+    for key, story in stories.items():
+        parent = story[0].ts
+        assert parent and all(r.ts for r in story)
+        messages = slack.thread(parent)
+        assert [m["ts"] for m in messages] == [r.ts for r in story], f"{key}: not one thread in order"
+        assert all(m.get("thread_ts") == parent for m in messages[1:])
+        threads[key] = messages
+    top = {m["ts"] for m in slack.top_level()}
+    assert all(story[0].ts in top for story in stories.values())
+    assert not any(r.ts in top for story in stories.values() for r in story[1:]), "a reply went top-level"
+    return threads
+
+
+def test_an_incident_is_one_thread_and_the_rollback_ack_is_its_last_reply(db, tmp_path, slack):
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        act = _diverge(sup, tmp_path)
+        to = _ack_rollback(sup, act)
+        assert sup.executor.outbox.drain(30)
+        threads = _assert_threads(sup, slack)
+        thread = threads[f"incident:{act.incident_id}"]
+        assert len(thread) >= 2 and f"rollback to step {to}" in thread[0]["text"]
+        done = thread[-1]["text"]
+        assert f"action {act.id}) done: rolled back to checkpoint {to}, first step trained {to + 1}, LR x0.5" in done
+        assert f"incident {act.incident_id} resolved" in json.dumps(thread[-1]["blocks"])
+        assert "subtype" not in thread[-1]  # good news is not broadcast to the channel
+        # The top message now says where things stand, rewritten in place by its channel id.
+        top = json.dumps(thread[0]["blocks"])
+        assert f"*now:* resolved: rolled back to checkpoint {to}, first step trained {to + 1}" in top
+        assert f"rollback to step {to}" in top  # still the original alert underneath
+        (update,) = slack.calls("chat.update")
+        assert update.answer["ok"] and update.body["channel"].startswith("C") and update.body["ts"] == thread[0]["ts"]
+    finally:
+        sup.close()
+
+
+def test_a_slack_outage_mid_incident_still_ends_with_one_ordered_thread(db, tmp_path, slack):
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        slack.hold()  # the incident's first message is stuck behind a Slack that hangs
+        act = _diverge(sup, tmp_path)
+        to = _ack_rollback(sup, act)  # its reply is decided while the parent has no ts yet
+        aid = sup.executor.submit(RUN, "pause", {}, "bob", "look at the logits")
+        sup.poll(RUN)
+        sup.ack(RUN, Ack(aid, ok=False, step=to + 3, detail="controller lost rank 1"))
+        slack.rate_limit(calls=4, retry_after=10)  # then 429 with a long Retry-After, then 500s
+        slack.server_error(calls=3)
+        slack.release()
+        assert sup.executor.outbox.drain(60), "alerts were not delivered after the outage"
+        rows = _rows(sup)
+        assert all(r.state == "sent" for r in rows) and rows[0].attempts > 1
+        threads = _assert_threads(sup, slack)
+        incident = threads[f"incident:{act.incident_id}"]
+        assert "rolled back to checkpoint" in incident[-1]["text"]
+        manual = threads[f"action:{aid}"]
+        assert [m["text"].split(":")[0] for m in manual] == ["[INFO] ob", "[CRITICAL] ob"]
+        assert "FAILED" in manual[1]["text"] and manual[1]["subtype"] == "thread_broadcast"
+        assert "*now:* pause (action" in json.dumps(manual[0]["blocks"]) and "FAILED" in json.dumps(manual[0]["blocks"])
+        assert not [r for r in slack.calls("chat.postMessage") if r.answer.get("error") == "thread_not_found"]
+    finally:
+        slack.release()
+        sup.close()
+
+
+def test_a_reply_whose_parent_was_refused_goes_top_level_and_says_so(db, tmp_path, slack):
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        slack.fail_next("msg_too_long")  # the manual command's own message is refused for good
+        aid = sup.executor.submit(RUN, "pause", {}, "bob", "first")
+        sup.poll(RUN)
+        sup.ack(RUN, Ack(aid, ok=False, step=5, detail="no GPU answered"))
+        assert sup.executor.outbox.drain(30)
+        first, second = _rows(sup)
+        assert first.state == "failed" and second.state == "sent"
+        (msg,) = slack.posted()
+        assert "thread_ts" not in msg and "reply_broadcast" not in msg
+        assert "posted on its own" in json.dumps(msg["blocks"]) and "msg_too_long" in json.dumps(msg["blocks"])
     finally:
         sup.close()

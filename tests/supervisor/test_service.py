@@ -9,7 +9,9 @@ import io
 import pytest
 
 from monitors.contract import Ack, CommandKind, RunInfo
-from supervisor.config import SupervisorConfig
+from supervisor import cli
+from supervisor.config import SlackConfig, SupervisorConfig
+from supervisor.notify.base import NotifyConfigError
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.service import Supervisor
 from supervisor.store import actions as actions_store
@@ -18,6 +20,7 @@ from supervisor.store import incidents as incidents_store
 from supervisor.store import lr_changes as lr_store
 from supervisor.store import skips as skips_store
 from supervisor.store import steps as steps_store
+from tests.fakes.slack_server import FakeSlack
 from tests.fixtures.diverging import (
     DETECTORS,
     POLICY,
@@ -298,3 +301,54 @@ def test_detector_state_is_throttled_but_written_on_close(db, tmp_path):
     s1.close()
     with s1.sessions() as s:
         assert detector_state.load(s, RUN)["stall"]["last_step"] == recs[19].step
+
+
+# --- the Slack bot token is checked at start-up (issue 12) ----------------------------------------
+
+
+def slack_cfg(db, tmp_path, fake, **over) -> SupervisorConfig:
+    return SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
+                            detectors=dict(DETECTORS),
+                            slack=SlackConfig(channel="#training-alerts", token_env="TW_TEST_SLACK_TOKEN",
+                                              base_url=fake.base_url), **over)
+
+
+def test_a_refused_slack_token_stops_the_daemon_at_start_naming_the_token_source(db, tmp_path, monkeypatch):
+    with FakeSlack() as fake:
+        monkeypatch.setenv("TW_TEST_SLACK_TOKEN", "xoxb-revoked")
+        with pytest.raises(NotifyConfigError, match=r"auth\.test: invalid_auth.*environment variable "
+                                                    r"TW_TEST_SLACK_TOKEN.*xoxb"):
+            Supervisor(slack_cfg(db, tmp_path, fake))
+        assert [r.api_method for r in fake.requests] == ["auth.test"]  # checked once, nothing posted
+
+
+def test_serve_exits_2_with_the_message_on_a_refused_token(db, tmp_path, monkeypatch, capsys):
+    with FakeSlack() as fake:
+        monkeypatch.setenv("TW_TEST_SLACK_TOKEN", "xoxb-revoked")
+        config = tmp_path / "serve.yaml"
+        config.write_text(f"slack:\n  channel: '#training-alerts'\n  token_env: TW_TEST_SLACK_TOKEN\n"
+                          f"  base_url: '{fake.base_url}'\napi_token: tw-test-admin-token-0123456789\n")
+        assert cli.main(["serve", "--config", str(config), "--db", db.url, "--data-dir", str(tmp_path / "d"),
+                         "--port", "8769"]) == 2  # never bound: the check comes first
+        assert "Slack refused the bot token at start-up" in capsys.readouterr().err
+        assert fake.calls("chat.postMessage") == []
+
+
+def test_a_good_token_starts_and_an_unreachable_slack_starts_degraded(db, tmp_path, monkeypatch):
+    with FakeSlack() as fake:
+        monkeypatch.setenv("TW_TEST_SLACK_TOKEN", fake.token)
+        sup = Supervisor(slack_cfg(db, tmp_path, fake))
+        try:
+            assert sup.notifier_status() == {"ok": True, "channels": {"console": "ok", "slack:#training-alerts": "ok"}}
+            assert len(fake.calls("auth.test")) == 1
+        finally:
+            sup.close()
+        # Slack down at start-up is not the daemon's fault: it starts, alerts wait in the outbox,
+        # and the status says why (for /healthz).
+        fake.server_error(calls=10**6)
+        sup = Supervisor(slack_cfg(db, tmp_path, fake))
+        try:
+            status = sup.notifier_status()
+            assert status["ok"] is False and "HTTP 500" in status["channels"]["slack:#training-alerts"]
+        finally:
+            sup.close()
