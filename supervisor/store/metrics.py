@@ -24,18 +24,22 @@ class RunGauges:
     open_incidents: int
 
 
-def run_gauges(session: Session) -> list[RunGauges]:
-    """One row per run, in four grouped queries (not four per run)."""
-    attempts = dict(session.execute(select(Attempt.run_id, func.count()).group_by(Attempt.run_id)).all())
-    newest = (select(Step.run_id, func.max(Step.attempt).label("attempt")).group_by(Step.run_id).subquery())
+def run_gauges(session: Session, run_id: str | None = None) -> list[RunGauges]:
+    """One row per run (or only `run_id`'s), in four grouped queries (not four per run)."""
+    def only(q, col):
+        return q if run_id is None else q.where(col == run_id)
+
+    attempts = dict(session.execute(only(select(Attempt.run_id, func.count()), Attempt.run_id)
+                                    .group_by(Attempt.run_id)).all())
+    newest = only(select(Step.run_id, func.max(Step.attempt).label("attempt")), Step.run_id).group_by(Step.run_id).subquery()
     last_step = dict(session.execute(
         select(Step.run_id, func.max(Step.step))
         .join(newest, (newest.c.run_id == Step.run_id) & (newest.c.attempt == Step.attempt))
         .group_by(Step.run_id)).all())
-    seen = dict(session.execute(select(JudgeMark.run_id, func.max(JudgeMark.updated_at))
+    seen = dict(session.execute(only(select(JudgeMark.run_id, func.max(JudgeMark.updated_at)), JudgeMark.run_id)
                                 .group_by(JudgeMark.run_id)).all())
-    incidents = dict(session.execute(select(Incident.run_id, func.count()).where(Incident.state == "open")
-                                     .group_by(Incident.run_id)).all())
+    incidents = dict(session.execute(only(select(Incident.run_id, func.count()), Incident.run_id)
+                                     .where(Incident.state == "open").group_by(Incident.run_id)).all())
     return [RunGauges(r, int(attempts.get(r, 0)), last_step.get(r), _utc(seen.get(r)), int(incidents.get(r, 0)))
             for r in sorted(set(attempts) | set(last_step))]
 
