@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from supervisor.store import metrics as metrics_store
 
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from supervisor.scheduler import Scheduler
     from supervisor.service import Supervisor
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The classic text format, which every Prometheus reads (our names need none of 1.0.0's escaping).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 UNMATCHED = "unmatched"  # a path no route matched: one label value, whatever was asked
 
 
