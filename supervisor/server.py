@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from supervisor import db
 from supervisor.config import SupervisorConfig
@@ -63,14 +63,14 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
     health = Health(sup, scheduler)
     registry = metrics.build_registry(sup, counters, scheduler)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "a part cannot do its job; `checks` says which and why"}})
     def healthz() -> JSONResponse:
         # Open on purpose: the liveness probe (systemd, Kubernetes) holds no token, and the answer
         # says nothing about any run (supervisor.health). 503 when a part cannot do its job.
         report = health.report()
         return JSONResponse(report, 200 if report["ok"] else 503)
 
-    @app.get("/metrics", dependencies=[Depends(guard.require("read"))])
+    @app.get("/metrics", dependencies=[Depends(guard.require("read"))], response_class=PlainTextResponse)
     def prometheus() -> Response:
         # The read scope (a scrape config sends `authorization: {credentials: ...}`), or none
         # with public_read; supervisor.metrics says what is in it.
