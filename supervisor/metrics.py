@@ -163,7 +163,7 @@ class DaemonCollector:
         yield from (up, last_run, last_ok, runs, failures)
 
     def _runs(self, runs: list[metrics_store.RunGauges], actions, now: dt.datetime) -> Iterator[Metric]:
-        last_step = GaugeMetricFamily("thermowatch_run_last_step", "Newest step of the run's newest attempt.",
+        last_step = GaugeMetricFamily("thermowatch_run_last_step", "Newest judged step of the run's newest attempt.",
                                       labels=["run_id"])
         age = GaugeMetricFamily("thermowatch_run_last_record_age_seconds",
                                 "Seconds since the daemon last judged a batch of the run (its own clock).",

@@ -12,36 +12,42 @@ from dataclasses import dataclass
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from supervisor.store.orm import Action, Alert, Attempt, Incident, JudgeMark, Step
+from supervisor.store.orm import Action, Alert, Attempt, Incident, JudgeMark
 
 
 @dataclass(frozen=True, slots=True)
 class RunGauges:
     run_id: str
     attempts: int  # attempts opened (the newest is attempts - 1)
-    last_step: int | None  # newest step of the newest attempt that reported one
+    last_step: int | None  # newest judged step of the newest attempt that has one
     last_record_at: dt.datetime | None  # when the daemon last judged a batch of the run (its own clock)
     open_incidents: int
 
 
 def run_gauges(session: Session, run_id: str | None = None) -> list[RunGauges]:
-    """One row per run (or only `run_id`'s), in four grouped queries (not four per run)."""
+    """One row per run (or only `run_id`'s) from the small tables alone. The last step is the
+    judge's marker (store.judged: one row per attempt, trailing the stored steps by the judge's
+    backlog, milliseconds when healthy), not MAX() over the steps table: that read every step of
+    every run, 1.2 s a scrape at 10^6 steps x 2 runs on SQLite."""
     def only(q, col):
         return q if run_id is None else q.where(col == run_id)
 
     attempts = dict(session.execute(only(select(Attempt.run_id, func.count()), Attempt.run_id)
                                     .group_by(Attempt.run_id)).all())
-    newest = only(select(Step.run_id, func.max(Step.attempt).label("attempt")), Step.run_id).group_by(Step.run_id).subquery()
-    last_step = dict(session.execute(
-        select(Step.run_id, func.max(Step.step))
-        .join(newest, (newest.c.run_id == Step.run_id) & (newest.c.attempt == Step.attempt))
-        .group_by(Step.run_id)).all())
-    seen = dict(session.execute(only(select(JudgeMark.run_id, func.max(JudgeMark.updated_at)), JudgeMark.run_id)
-                                .group_by(JudgeMark.run_id)).all())
+    newest: dict[str, tuple[int, int]] = {}  # run -> (its newest marked attempt, that attempt's marker)
+    seen: dict[str, dt.datetime] = {}
+    for r, attempt, through, at in session.execute(
+            only(select(JudgeMark.run_id, JudgeMark.attempt, JudgeMark.through_step, JudgeMark.updated_at),
+                 JudgeMark.run_id)).all():
+        if r not in newest or attempt > newest[r][0]:
+            newest[r] = (attempt, int(through))
+        at = _utc(at)
+        if at is not None and (r not in seen or at > seen[r]):
+            seen[r] = at
     incidents = dict(session.execute(only(select(Incident.run_id, func.count()), Incident.run_id)
                                      .where(Incident.state == "open").group_by(Incident.run_id)).all())
-    return [RunGauges(r, int(attempts.get(r, 0)), last_step.get(r), _utc(seen.get(r)), int(incidents.get(r, 0)))
-            for r in sorted(set(attempts) | set(last_step))]
+    return [RunGauges(r, int(n), newest[r][1] if r in newest else None, seen.get(r), int(incidents.get(r, 0)))
+            for r, n in sorted(attempts.items())]
 
 
 def actions_by_state(session: Session) -> list[tuple[str, str, str, int]]:
