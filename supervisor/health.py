@@ -44,9 +44,8 @@ class Health:
     def __init__(self, sup: "Supervisor", scheduler: "Scheduler | None" = None,
                  cfg: HealthConfig = HealthConfig()) -> None:
         self.sup, self.scheduler, self.cfg = sup, scheduler, cfg
-        # One worker: a hung database holds one thread, and the next probe sees it still busy
-        # instead of starting another.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="thermowatch-health")
+        # At most one ping at a time, on a daemon thread: a hung database holds one thread (the
+        # next probe sees it still busy instead of starting another) and never holds up exit.
         self._inflight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
 
@@ -63,8 +62,8 @@ class Health:
         with self._lock:
             if self._inflight is not None and not self._inflight.done():
                 return {"ok": False, "why": "an earlier SELECT 1 is still waiting for the database"}
-            self._inflight = self._pool.submit(self._ping)
-            fut = self._inflight
+            fut = self._inflight = concurrent.futures.Future()
+            threading.Thread(target=self._ping_into, args=(fut,), name="thermowatch-health-ping", daemon=True).start()
         try:
             fut.result(timeout=self.cfg.db_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -73,6 +72,14 @@ class Health:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             return {"ok": False, "why": f"SELECT 1 failed: {type(exc).__name__}: {first}"}
         return {"ok": True}
+
+    def _ping_into(self, fut: concurrent.futures.Future) -> None:
+        try:
+            self._ping()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting probe
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
 
     def _ping(self) -> None:
         with self.sup.sessions() as s:
@@ -121,6 +128,3 @@ class Health:
                 out.append(f"{n} alert(s) to {channel} undelivered, the oldest for {age:.0f} s "
                            "(the outbox keeps retrying)")
         return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)

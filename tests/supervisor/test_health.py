@@ -79,7 +79,6 @@ def test_a_database_that_hangs_is_503_within_the_timeout(sup, db):
         assert "still waiting" in health.report()["checks"]["database"]["why"]  # no second thread piles up
     finally:
         gate.set()
-        health.close()
 
 
 def test_judge_dead_or_far_behind_is_503(sup):
