@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitors.contract import RunInfo, StepRecord
 from supervisor.config import SupervisorConfig
 from supervisor.notify.console import ConsoleNotifier
 from supervisor.scheduler import Job, Scheduler
