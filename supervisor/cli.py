@@ -1,11 +1,12 @@
 """`thermowatch` command line.
 
 Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
-and `replay` never starts Ray. The manual commands and `login` talk to the daemon over HTTP
-(supervisor.client); only `serve`, `train`, `demo` and `db` open a database. Exit codes: 0 ok,
-1 the job ran and failed, 2 bad usage or bad input, or a request the daemon refused (the
-message says which value and how to fix it), 3 no daemon answered at the address (the message
-names it and how to point elsewhere).
+and `replay` never starts Ray. The manual commands, the read commands (status, incidents,
+export: supervisor.report) and `login` talk to the daemon over HTTP (supervisor.client); only
+`serve`, `train`, `demo`, `db` and `token` open a database. Exit codes: 0 ok, 1 the job ran
+and failed, 2 bad usage or bad input, or a request the daemon refused (the message says which
+value and how to fix it), 3 no daemon answered at the address (the message names it and how
+to point elsewhere).
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ def _add_db_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from supervisor import version
+
     parser = argparse.ArgumentParser(prog="thermowatch", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"thermowatch {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the supervisor daemon (ingest, detectors, policy, API, web, jobs)")
@@ -224,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     from supervisor.manual import add_manual_commands
 
     add_manual_commands(sub, _add_client_flags, cmd_manual)
+
+    from supervisor.report import add_read_commands
+
+    add_read_commands(sub, _add_client_flags)
 
     p = sub.add_parser("login", help="check a daemon's address and token and remember them for the CLI")
     _add_client_flags(p)

@@ -72,6 +72,11 @@ class Judge:
         with self._cv:
             return len(self._queue) + (1 if self._busy or self._catch_up else 0)
 
+    @property
+    def alive(self) -> bool:
+        """The judging thread is running (for /healthz and /metrics)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # --- the thread ---------------------------------------------------------------------------------
 
     def start(self) -> "Judge":

@@ -10,8 +10,8 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from supervisor import db
 from supervisor.config import SupervisorConfig
@@ -19,6 +19,8 @@ from supervisor.service import Supervisor
 
 if TYPE_CHECKING:
     from supervisor.api.auth import Guard
+    from supervisor.metrics import Counters
+    from supervisor.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +34,15 @@ def build_guard(sup: Supervisor) -> "Guard":
     return Guard(Authenticator(sup.sessions, config_token=sup.cfg.api_token), public_read=sup.cfg.public_read)
 
 
-def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: str = "") -> None:
-    """Every router, each behind its scope (supervisor.api.auth); /healthz is added by build_app."""
+def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: str = "",
+                 counters: "Counters | None" = None) -> None:
+    """Every router, each behind its scope (supervisor.api.auth); /healthz and /metrics are added
+    by build_app."""
     from supervisor.api import commands, ingest, runs, tokens
     from supervisor.web import login, pages
 
-    app.include_router(ingest.make_router(sup, guard=guard, max_body_bytes=sup.cfg.max_body_bytes))
+    app.include_router(ingest.make_router(sup, guard=guard, max_body_bytes=sup.cfg.max_body_bytes,
+                                          counters=counters))
     app.include_router(commands.make_router(sup, guard=guard))
     app.include_router(tokens.make_router(sup, guard=guard))
     app.include_router(runs.make_router(sup, guard=guard))
@@ -45,15 +50,31 @@ def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: s
     login.install(app, guard, public_url=public_url)
 
 
-def build_app(sup: Supervisor, guard: "Guard | None" = None) -> FastAPI:
-    app = FastAPI(title="thermowatch", version="0.1.0")
-    mount_routes(app, sup, guard or build_guard(sup), public_url=sup.cfg.public_url)
+def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Scheduler | None" = None) -> FastAPI:
+    """The daemon's app. `scheduler`: the one serve() runs, for /healthz and /metrics (an app
+    built without one, as tests and benchmarks do, reports that it has none)."""
+    from supervisor import metrics, version
+    from supervisor.health import Health
 
-    @app.get("/healthz")
-    def healthz() -> dict:
+    guard = guard or build_guard(sup)
+    counters = metrics.Counters()
+    app = FastAPI(title="thermowatch", version=version())
+    mount_routes(app, sup, guard, public_url=sup.cfg.public_url, counters=counters)
+    health = Health(sup, scheduler)
+    registry = metrics.build_registry(sup, counters, scheduler)
+
+    @app.get("/healthz", responses={503: {"description": "a part cannot do its job; `checks` says which and why"}})
+    def healthz() -> JSONResponse:
         # Open on purpose: the liveness probe (systemd, Kubernetes) holds no token, and the answer
-        # says nothing about any run. judge_backlog: ingested batches not judged yet.
-        return {"ok": True, "judge_backlog": sup.judge.backlog}
+        # says nothing about any run (supervisor.health). 503 when a part cannot do its job.
+        report = health.report()
+        return JSONResponse(report, 200 if report["ok"] else 503)
+
+    @app.get("/metrics", dependencies=[Depends(guard.require("read"))], response_class=PlainTextResponse)
+    def prometheus() -> Response:
+        # The read scope (a scrape config sends `authorization: {credentials: ...}`), or none
+        # with public_read; supervisor.metrics says what is in it.
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -64,6 +85,7 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None) -> FastAPI:
     from supervisor.api import install_input_limits  # every path/query bounded; input errors are 4xx (issue 11)
 
     install_input_limits(app)
+    app.add_middleware(metrics.HttpMetrics, counters=counters)  # outermost: it sees every answer
     return _KeepAlive500(app)
 
 
@@ -114,7 +136,7 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
         log.warning("auth: false -- every route is open to anyone who can reach %s (loopback only)", cfg.host)
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
-    server = uvicorn.Server(uvicorn.Config(build_app(sup), host=cfg.host, port=cfg.port, log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(build_app(sup, scheduler=scheduler), host=cfg.host, port=cfg.port, log_level="info"))
     log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, db.redact(cfg.db_url))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))

@@ -15,7 +15,7 @@ thread; pydantic models per record would cost more than the database insert.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
@@ -30,6 +30,9 @@ from supervisor.ingest import (
     run_info_from_json,
 )
 from supervisor.limits import INT32_MAX
+
+if TYPE_CHECKING:
+    from supervisor.metrics import Counters
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a 50-step x 10k-value batch is ~15 MB of JSON
 
@@ -79,7 +82,10 @@ def _attempt(raw: str) -> int:
     return value
 
 
-def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> APIRouter:
+def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                counters: "Counters | None" = None) -> APIRouter:
+    """`counters`: the app's /metrics counts (supervisor.metrics); refusals are counted by its
+    middleware from the answer, successes here where the batch's size is known."""
     # The token is checked before the body is read: a caller without one learns nothing.
     router = APIRouter(prefix="/api", tags=["ingest"])
     trainer = Depends(guard.require("ingest"))
@@ -98,6 +104,8 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
         def work() -> dict:
             records = records_from_json(parse_json(body), ingestor.limits)
             n = ingestor.write(run_id, att, records)
+            if counters is not None:
+                counters.batch(len(records), n)
             return {"ok": True, "records": len(records), "values": n}
 
         return await call(work)

@@ -11,6 +11,9 @@ scope unless the config says `public_read: true` (supervisor.api.auth).
                                                     -> {"key", "attempts": {"0": {"steps", "values", "points",
                                                         "downsampled"}, ...}}: every attempt's own points,
                                                         including steps a rollback re-trained
+    GET /api/runs/{run_id}/status                   -> state (starting/running/paused/stalled/finished) and
+                                                        why, last step and record age, open incidents,
+                                                        pending approvals, the newest actions
     GET /api/runs/{run_id}/incidents                -> incidents, each with its findings
     GET /api/runs/{run_id}/actions?limit=           -> newest first
     GET /api/runs/{run_id}/audit?limit=             -> newest first
@@ -37,6 +40,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from monitors.contract import INT32_MAX
+from monitors.detectors import BankConfig
 from supervisor.api.auth import Guard
 from supervisor.outcome import outcome
 from supervisor.store import actions as actions_store
@@ -45,6 +49,7 @@ from supervisor.store import checkpoints as ckpt_store
 from supervisor.store import findings as findings_store
 from supervisor.store import incidents as incidents_store
 from supervisor.store import lr_changes as lr_store
+from supervisor.store import metrics as metrics_store
 from supervisor.store import runs as runs_store
 from supervisor.store import skips as skips_store
 from supervisor.store import thermometers
@@ -200,6 +205,60 @@ def run_detail(s: Session, run_id: str) -> dict[str, Any]:
     }
 
 
+RUN_STATES = ("starting", "running", "paused", "stalled", "finished")
+
+
+def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetime | None = None,
+               last_actions: int = 5) -> dict[str, Any]:
+    """What the on-call engineer asks first (issue 12): is it running, where is it, what waits
+    for me. The state follows what the daemon knows, in this order: a done `stop`, or the
+    configured step count reached -> finished; the last done pause/resume a pause -> paused; an
+    open stall incident, or no record for `stall_after_s` (the stall detector's timeout) ->
+    stalled; no step yet -> starting; else running."""
+    run = require_run(s, run_id)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    gauges = next(iter(metrics_store.run_gauges(s, run_id)), None)
+    last_step = thermometers.latest_step(s, run_id)
+    seen = gauges.last_record_at if gauges else None
+    age = (now - seen).total_seconds() if seen is not None else None
+    open_inc = incidents_store.open_incidents(s, run_id)
+    waiting = [a for a in actions_store.pending_actions(s, run_id, include_unapproved=True) if a.requires_approval]
+    planned = run.config.get("steps") if isinstance(run.config, dict) else None
+    stop = actions_store.last_done(s, run_id, ["stop"])
+    toggle = actions_store.last_done(s, run_id, ["pause", "resume"])
+    if stop is not None:
+        state, why = "finished", f"stopped by action {stop.id} at step {stop.ack_step}"
+    elif isinstance(planned, int) and last_step is not None and last_step >= planned:
+        state, why = "finished", f"step {last_step} of {planned} reached"
+    elif toggle is not None and toggle.kind == "pause":
+        state, why = "paused", f"paused by action {toggle.id} ({toggle.who}) at step {toggle.ack_step}"
+    elif any(i.signal == "stall" for i in open_inc):
+        state, why = "stalled", "an open stall incident"
+    elif age is not None and age > stall_after_s:
+        state, why = "stalled", f"no record for {age:.0f} s (stall timeout {stall_after_s:g} s)"
+    elif last_step is None:
+        state, why = "starting", "no step recorded yet"
+    else:
+        state, why = "running", f"last record {age:.0f} s ago" if age is not None else "records arriving"
+    return {
+        "run_id": run_id, "state": state, "why": why, "last_step": last_step,
+        "attempt": (gauges.attempts - 1) if gauges and gauges.attempts else None,
+        "planned_steps": planned if isinstance(planned, int) else None,
+        "last_record_at": seen.isoformat() if seen else None,
+        "last_record_age_s": round(age, 3) if age is not None else None,
+        "open_incidents": [{k: v for k, v in jsonable(i).items() if k not in ("closed_at", "resolution", "run_id")}
+                           for i in open_inc],
+        "pending_approvals": [{"id": a.id, "kind": a.kind, "args": jsonable(a.args), "reason": a.reason,
+                               "created_at": a.created_at.isoformat(),
+                               "approve": f"thermowatch approve {a.id}", "cancel": f"thermowatch cancel {a.id}"}
+                              for a in waiting],
+        "last_actions": [{"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
+                          "updated_at": a.updated_at.isoformat(), "ack_step": a.ack_step,
+                          "did": (a.result or {}).get("detail") or a.error or None}
+                         for a in actions_store.actions(s, run_id, last_actions)],
+    }
+
+
 def incidents_with_findings(s: Session, run_id: str) -> list[dict[str, Any]]:
     by_incident: dict[int | None, list] = {}
     for f in findings_store.findings(s, run_id):
@@ -260,6 +319,12 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
             return json_response({"run_id": run_id, "key": key, "attempts": {
                 str(a): _points_json(st, v, max_points, step_lo, step_hi) for a, (st, v) in by_attempt.items()}})
         return json_response({"run_id": run_id, "key": key, **_points_json(steps, values, max_points, step_lo, step_hi)})
+
+    @router.get("/runs/{run_id}/status")
+    def status(run_id: str) -> Response:
+        stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+        with sup.sessions() as s:
+            return json_response(run_status(s, run_id, stall_after_s=stall_s))
 
     @router.get("/runs/{run_id}/incidents")
     def incidents(run_id: str) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -135,3 +135,12 @@ def open_actions(session: Session, run_id: str | None = None) -> list[ActionRow]
 def actions(session: Session, run_id: str, limit: int = 200) -> list[ActionRow]:
     q = select(Action).where(Action.run_id == run_id).order_by(Action.id.desc()).limit(limit)
     return [_row(a) for a in session.execute(q).scalars()]
+
+
+def last_done(session: Session, run_id: str, kinds: Sequence[str]) -> ActionRow | None:
+    """The newest action of these kinds the trainer carried out (what a run's state follows:
+    the last done pause or resume, a done stop)."""
+    q = (select(Action).where(Action.run_id == run_id, Action.state == "done", Action.kind.in_(list(kinds)))
+         .order_by(Action.id.desc()).limit(1))
+    row = session.execute(q).scalars().first()
+    return _row(row) if row is not None else None

@@ -295,3 +295,99 @@ def test_wait_exits_1_when_the_trainer_refuses(daemon, capsys):
     text = capsys.readouterr().out
     assert out["code"] == 1
     assert "rollback failed" in text and "no valid healthy checkpoint at or before step 20" in text
+
+
+# --- the read commands for 3 a.m. (issue 12): --version, status, incidents, export ----------------
+
+
+def test_version(capsys):
+    from supervisor import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"thermowatch {version()}" and version() != "unknown"
+
+
+def test_status_running_then_awaiting_approval_then_paused(db, daemon, capsys):
+    from monitors.contract import Ack
+
+    assert main(["status", RUN, *daemon.flags, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["state"], st["last_step"], st["attempt"], st["open_incidents"], st["pending_approvals"]) == (
+        "running", 30, 0, [], [])
+    assert 0 <= st["last_record_age_s"] < 120
+    with db.sessions.begin() as s:  # what the policy writes in advise-only mode
+        waiting = actions_store.enqueue_action(s, RUN, "rollback", {"to_step": 20}, "attn blowup", "auto",
+                                               "supervisor", requires_approval=True)
+    t, out = _in_thread(["pause", RUN, "--wait", "--who", "x", *daemon.flags])
+    (cmd,) = _answer(daemon, lambda c: Ack(c.id, True, 31, "paused after step 30"))
+    t.join(30)
+    capsys.readouterr()
+    assert main(["status", RUN, *daemon.flags, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["state"] == "paused" and f"action {cmd.id}" in st["why"]
+    assert [(a["id"], a["kind"], a["approve"]) for a in st["pending_approvals"]] == [
+        (waiting, "rollback", f"thermowatch approve {waiting}")]
+    assert [(a["id"], a["state"], a["did"]) for a in st["last_actions"]][0] == (cmd.id, "done", "paused after step 30")
+    assert main(["status", RUN, *daemon.flags]) == 0
+    text = capsys.readouterr().out
+    assert f"run {RUN}: PAUSED" in text and "step 30" in text
+    assert f"thermowatch approve {waiting}" in text and f"thermowatch cancel {waiting}" in text
+    assert main(["status", "no-such-run", *daemon.flags]) == 2
+    assert "no run 'no-such-run'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def diverging_daemon(db, tmp_path):
+    """A daemon that judged a real diverging run (tests.fixtures.diverging) as the trainer sends it."""
+    from supervisor.server import build_app
+    from tests.live_server import running
+
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "div", db_url=db.url, api_token=ADMIN_TOKEN,
+                                      detectors=dict(DETECTORS), policy=dict(POLICY)),
+                     notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
+    try:
+        sup.open_run(RunInfo(run_id="div", attempt=0, world_size=1))
+        recs = diverging_records()
+        for i in range(0, len(recs), 10):
+            sup.write("div", 0, recs[i:i + 10])
+        assert sup.judge.wait(60)
+        with running(build_app(sup)) as url:
+            yield Daemon(url, make_token(db.sessions, "oncall", "read"), make_token(db.sessions, "trainer", "ingest"))
+    finally:
+        sup.close()
+
+
+def test_incidents_and_export_replays_to_the_daemons_findings(db, diverging_daemon, tmp_path, capsys):
+    from supervisor.store import findings as findings_store
+
+    d = diverging_daemon
+    assert main(["incidents", "div", *d.flags, "--json"]) == 0
+    incidents = json.loads(capsys.readouterr().out)
+    assert incidents and all(i["findings"] for i in incidents)
+    assert any(f["signal"].startswith("attn_logit") for i in incidents for f in i["findings"])
+    assert main(["incidents", "div", *d.flags]) == 0
+    text = capsys.readouterr().out
+    first = incidents[0]
+    assert f"#{first['id']} {first['state']}" in text and first["signal"] in text
+
+    out = tmp_path / "div.jsonl"
+    assert main(["export", "div", *d.flags, "--out", str(out)]) == 0
+    assert f"to {out}" in capsys.readouterr().out
+    lines = out.read_text().splitlines()
+    recs = diverging_records()
+    assert len(lines) == len(recs) and json.loads(lines[0])["step"] == recs[0].step
+    (tmp_path / "det.json").write_text(json.dumps(DETECTORS))
+    code = main(["replay", str(out), "--json", "--no-policy", "--detectors", str(tmp_path / "det.json")])
+    replayed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1 and replayed
+    with db.sessions() as s:
+        stored = [f.finding.to_json() for f in findings_store.findings(s, "div")]
+
+    def key(f):
+        return f["signal"], f["module"], f["metric"], f["onset_step"], f["detect_step"]
+
+    assert sorted(map(key, replayed)) == sorted(map(key, stored))
+    assert main(["export", "no-such-run", *d.flags, "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert not (tmp_path / "x.jsonl").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from sqlalchemy.orm import sessionmaker
 from monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
 from supervisor.api import runs as runs_api
 from supervisor.api.runs import envelope
+from supervisor.config import SupervisorConfig
 from supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
 from supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, guard
@@ -25,6 +26,7 @@ LAYERS = 3
 @dataclass
 class Sup:
     sessions: sessionmaker
+    cfg: SupervisorConfig = field(default_factory=SupervisorConfig)  # detectors.stall for /status
 
 
 @dataclass
@@ -279,3 +281,49 @@ def test_envelope_keeps_extremes_per_bucket():
     # short series pass through untouched
     s2, v2 = envelope(steps[:50], values[:50], 100)
     assert s2 is steps[:50] or np.array_equal(s2, steps[:50])
+
+
+def test_run_status_follows_the_rows(db, client):
+    """GET /api/runs/{run_id}/status's state (issue 12): running while records arrive, stalled
+    after the stall timeout of silence, paused by a done pause until a done resume, finished by a
+    done stop; approvals waiting are listed with the commands that settle them."""
+    import datetime as dt
+
+    from supervisor.store import judged
+
+    seed(db)
+    with db.sessions.begin() as s:
+        judged.mark(s, RUN, 1, 260)
+        waiting = actions.enqueue_action(s, RUN, "rollback", {"to_step": 200}, "logits", "auto", "supervisor",
+                                         requires_approval=True)
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def status(at=now):
+        with db.sessions() as s:
+            return runs_api.run_status(s, RUN, stall_after_s=600, now=at)
+
+    st = status()
+    assert (st["state"], st["last_step"], st["attempt"]) == ("running", 260, 1)
+    assert 0 <= st["last_record_age_s"] < 60
+    assert [(a["id"], a["approve"], a["cancel"]) for a in st["pending_approvals"]] == [
+        (waiting, f"thermowatch approve {waiting}", f"thermowatch cancel {waiting}")]
+    assert [i["signal"] for i in st["open_incidents"]] == []  # the seeded incident was resolved
+    later = status(now + dt.timedelta(seconds=900))
+    assert later["state"] == "stalled" and "no record for 9" in later["why"]
+
+    def done(kind):
+        with db.sessions.begin() as s:
+            aid = actions.enqueue_action(s, RUN, kind, {}, "", "manual", "bob")
+            for state in ("sent", "acked", "done"):
+                actions.set_action_state(s, aid, state, ack_step=261)
+        return aid
+
+    pause = done("pause")
+    assert status()["state"] == "paused" and f"action {pause}" in status()["why"]
+    done("resume")
+    assert status()["state"] == "running"
+    stop = done("stop")
+    assert (status()["state"], status()["why"]) == ("finished", f"stopped by action {stop} at step 261")
+    r = client.get(f"/api/runs/{RUN}/status")
+    assert r.status_code == 200 and r.json()["state"] == "finished" and r.json()["last_step"] == 260
+    assert client.get("/api/runs/nope/status").status_code == 404

@@ -1,0 +1,138 @@
+"""The CLI's read commands for 3 a.m. (issue 12): `thermowatch status RUN`, `incidents RUN`,
+`export RUN --out FILE`. Clients of the daemon's read API (supervisor.client), like the
+manual commands: an address and a `read` token, no database.
+
+`export` writes the JSONL that `thermowatch replay` reads (monitors.replay; DESIGN.md "Metric
+names"): one flat record per step, the newest attempt's value where a rollback re-trained a
+step (what the run's history is now), non-finite values as Python json's NaN / Infinity
+literals. Replaying it with the daemon's detector settings finds what the daemon found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from supervisor.errors import UserError
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def add_read_commands(sub, add_client_flags: Callable) -> None:
+    p = sub.add_parser("status", help="a run's state, last step and record age, open incidents, pending approvals")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="the daemon's answer as one JSON object")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("incidents", help="a run's incidents with their findings")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="one JSON list, findings included")
+    p.add_argument("--open", action="store_true", help="only incidents still open")
+    p.set_defaults(func=cmd_incidents)
+
+    p = sub.add_parser("export", help="write a run's thermometer history as the JSONL `thermowatch replay` reads")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--out", "-o", required=True, help="the JSONL file to write (replaced whole, never torn)")
+    p.set_defaults(func=cmd_export)
+
+
+def _client(args: argparse.Namespace):
+    from supervisor.client import Client, resolve
+
+    return Client(resolve(args.server, args.token))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from supervisor.client import run_path
+
+    with _client(args) as api:
+        st = api.get(f"{run_path(args.run_id)}/status")
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    print(render_status(st))
+    return 0
+
+
+def render_status(st: dict[str, Any]) -> str:
+    age = st["last_record_age_s"]
+    step = "no step yet" if st["last_step"] is None else f"step {st['last_step']}"
+    if st.get("planned_steps"):
+        step += f" of {st['planned_steps']}"
+    lines = [f"run {st['run_id']}: {st['state'].upper()} ({st['why']})",
+             f"  {step}, attempt {st['attempt'] if st['attempt'] is not None else '-'}, last record "
+             + (f"{_ago(age)} ago" if age is not None else "never")]
+    inc = st["open_incidents"]
+    lines.append(f"  open incidents: {len(inc) or 'none'}")
+    for i in inc:
+        lines.append(f"    #{i['id']} {i['severity']:8} {i['signal']} {i['module'] or '-'}  onset step "
+                     f"{i['onset_step']}, detected at {i['detect_step']}")
+    waiting = st["pending_approvals"]
+    lines.append(f"  awaiting your approval: {len(waiting) or 'none'}")
+    for a in waiting:
+        lines.append(f"    #{a['id']} {a['kind']} {json.dumps(a['args'])}  {a['reason']}".rstrip())
+        lines.append(f"        {a['approve']}    or    {a['cancel']}")
+    lines.append("  last actions:" + ("" if st["last_actions"] else " none"))
+    for a in st["last_actions"]:
+        lines.append(f"    #{a['id']} {a['kind']:8} {a['state']:9} {a['origin']:6} by {a['who']}"
+                     + (f"  at step {a['ack_step']}" if a["ack_step"] is not None else "")
+                     + (f": {a['did']}" if a["did"] else ""))
+    return "\n".join(lines)
+
+
+def _ago(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from supervisor.client import run_path
+
+    with _client(args) as api:
+        rows = api.get(f"{run_path(args.run_id)}/incidents")["incidents"]
+    if args.open:
+        rows = [i for i in rows if i["state"] == "open"]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for i in rows:
+        print(f"#{i['id']} {i['state']:8} {i['severity']:8} {i['signal']} {i['module'] or '-'}  onset step "
+              f"{i['onset_step']}, detected at {i['detect_step']}, opened {i['opened_at'][:19]}Z"
+              + (f"; {i['resolution']}" if i.get("resolution") else ""))
+        for f in i["findings"]:
+            print(f"      {f['signal']} {f['metric'] or f['module'] or '-'} onset {f['onset_step']} "
+                  f"detect {f['detect_step']} ({f['severity']}, {f.get('outcome', 'alert')})")
+    if not rows:
+        print("(none)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from supervisor.client import run_path
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name such as {out / (args.run_id + '.jsonl')}")
+    by_step: dict[int, dict[str, Any]] = {}
+    with _client(args) as api:
+        keys = api.get(f"{run_path(args.run_id)}/series")["keys"]
+        for key in keys:  # the newest attempt's point per step (the history endpoint's default)
+            h = api.get(f"{run_path(args.run_id)}/history", key=key)
+            for step, value in zip(h["steps"], h["values"]):
+                by_step.setdefault(step, {})[key] = _NONFINITE.get(value, value) if isinstance(value, str) else value
+    tmp = out.with_name(out.name + ".partial")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for step in sorted(by_step):
+            # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
+            fh.write(json.dumps({"step": step, **by_step[step]}) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {len(by_step)} records ({len(keys)} series) of run {args.run_id} to {out}; "
+          f"`thermowatch replay {out}` runs them through the detectors")
+    return 0

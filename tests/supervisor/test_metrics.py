@@ -1,0 +1,120 @@
+"""`GET /metrics` (issue 12, "Nothing for Grafana") on real SQLite and PostgreSQL, over the real
+app: the read scope (and public_read), per-run gauges, the ingest and HTTP counters, the
+judge, the alert outbox per channel and the scheduler's jobs, parsed with Prometheus' own
+text parser (what a scrape would see)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.scheduler import Job, Scheduler
+from supervisor.server import build_app
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import alerts as alerts_store
+from supervisor.store import incidents as incidents_store
+from supervisor.store.orm import Alert
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
+
+
+@pytest.fixture
+def sup(db, tmp_path):
+    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
+                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
+    yield s
+    s.close()
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def test_metrics_needs_the_read_scope_or_public_read(sup, db, tmp_path):
+    trainer = make_token(sup.sessions, "trainer", "ingest")
+    reader = make_token(sup.sessions, "grafana", "read")
+    with TestClient(build_app(sup)) as c:
+        assert c.get("/metrics").status_code == 401
+        r = c.get("/metrics", headers=bearer(trainer))
+        assert r.status_code == 403 and "`read` scope" in r.json()["detail"]
+        r = c.get("/metrics", headers=bearer(reader))
+        assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert "# TYPE thermowatch_judge_backlog gauge" in r.text
+    sup.cfg.public_read = True
+    with TestClient(build_app(sup)) as c:
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_tell_what_the_daemon_holds_and_counted(sup, db):
+    scheduler = Scheduler([Job("sweep", lambda: None, every_s=3600), Job("broken", lambda: 1 / 0, every_s=3600)])
+    scheduler.start()
+    try:
+        scheduler.run_now("sweep")
+        scheduler.run_now("broken")
+        with TestClient(build_app(sup, scheduler=scheduler), headers=AUTH) as c:
+            for run_id in ("a", "b"):
+                assert c.post("/api/runs", json={"run_id": run_id, "attempt": 0, "world_size": 1}).status_code == 201
+            assert c.post("/api/runs", json={"run_id": "a", "attempt": 1, "world_size": 1}).status_code == 201
+            for lo in (0, 10):
+                r = c.post("/api/runs/a/attempts/1/steps", json={"records": [
+                    {"step": i, "loss": 2.0, "grad_norm": 1.0} for i in range(lo, lo + 10)]})
+                assert r.status_code == 200, r.text
+            assert c.post("/api/runs/a/attempts/1/steps", json={"records": [{"step": "x"}]}).status_code == 422
+            assert c.post("/api/runs/nope/attempts/0/steps", json={"records": [{"step": 1}]}).status_code == 404
+            assert c.get("/api/runs/a/history?key=loss").status_code == 200
+            assert c.get("/no/such/path").status_code == 404
+            assert sup.judge.wait(30)
+            with sup.sessions.begin() as s:
+                incidents_store.open_incident(s, "a", "loss_spike", "", 5, 7, severity="warn")
+                actions_store.enqueue_action(s, "a", "rollback", {"to_step": 0}, "x", "auto", "sup",
+                                             requires_approval=True)
+                actions_store.enqueue_action(s, "a", "pause", {}, "x", "manual", "bob")
+                # a channel nobody sends to (a Slack that was configured before): stays pending
+                alerts_store.enqueue(s, "a", ["slack"], "old alert", {"run_id": "a", "title": "old alert"})
+                s.execute(sa.update(Alert).where(Alert.channel == "slack")
+                          .values(created_at=dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)))
+            text = c.get("/metrics").text
+    finally:
+        scheduler.shutdown()
+    m = samples(text)
+    run = lambda r: (("run_id", r),)  # noqa: E731
+    assert m[("thermowatch_run_last_step", run("a"))] == 19
+    assert ("thermowatch_run_last_step", run("b")) not in m  # no step yet: absent, not 0
+    assert m[("thermowatch_run_attempts", run("a"))] == 2 and m[("thermowatch_run_attempts", run("b"))] == 1
+    assert m[("thermowatch_run_open_incidents", run("a"))] == 1 and m[("thermowatch_run_open_incidents", run("b"))] == 0
+    assert 0 <= m[("thermowatch_run_last_record_age_seconds", run("a"))] < 60
+    assert m[("thermowatch_run_actions", (("kind", "rollback"), ("run_id", "a"), ("state", "pending")))] == 1
+    assert m[("thermowatch_run_actions", (("kind", "pause"), ("run_id", "a"), ("state", "pending")))] == 1
+    assert (m[("thermowatch_ingest_batches_total", ())], m[("thermowatch_ingest_records_total", ())],
+            m[("thermowatch_ingest_values_total", ())]) == (2, 20, 40)
+    assert m[("thermowatch_ingest_refused_total", (("status", "422"),))] == 1
+    assert m[("thermowatch_ingest_refused_total", (("status", "404"),))] == 1
+    http = lambda method, route, status: ("thermowatch_http_requests_total",  # noqa: E731
+                                          (("method", method), ("route", route), ("status", status)))
+    steps = "/api/runs/{run_id}/attempts/{attempt}/steps"
+    assert m[http("POST", steps, "2xx")] == 2 and m[http("POST", steps, "4xx")] == 2
+    assert m[http("GET", "/api/runs/{run_id}/history", "2xx")] == 1
+    assert m[http("GET", "unmatched", "4xx")] == 1  # the raw path never becomes a label
+    assert not any("no/such" in str(k) for k in m)
+    assert m[("thermowatch_judge_backlog", ())] == 0 and m[("thermowatch_judge_up", ())] == 1
+    assert m[("thermowatch_judge_dropped_batches_total", ())] == 0
+    assert m[("thermowatch_outbox_alerts", (("channel", "slack"), ("state", "pending")))] == 1
+    assert m[("thermowatch_outbox_alerts", (("channel", "console"), ("state", "failed")))] == 0
+    assert 290 < m[("thermowatch_outbox_oldest_pending_age_seconds", (("channel", "slack"),))] < 400
+    assert m[("thermowatch_scheduler_up", ())] == 1
+    assert m[("thermowatch_job_runs_total", (("job", "sweep"),))] == 1
+    assert m[("thermowatch_job_failures_total", (("job", "broken"),))] == 1
+    assert m[("thermowatch_job_failures_total", (("job", "sweep"),))] == 0
+    assert ("thermowatch_job_last_success_timestamp_seconds", (("job", "broken"),)) not in m
+    assert m[("thermowatch_job_last_success_timestamp_seconds", (("job", "sweep"),))] > 1.7e9
