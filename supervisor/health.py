@@ -95,13 +95,7 @@ class Health:
         return {"ok": True}
 
     def _senders(self) -> dict[str, Any]:
-        outbox = self.sup.executor.outbox
-        # Outbox keeps its threads privately (supervisor.notify is another change's ground); one
-        # thread per channel, named thermowatch-alerts-<channel>.
-        threads = list(getattr(outbox, "_threads", []))
-        dead = [t.name.removeprefix("thermowatch-alerts-") for t in threads if not t.is_alive()]
-        if outbox.channels and not threads:
-            dead = list(outbox.channels)
+        dead = self.sup.executor.outbox.dead_senders()
         if dead:
             return {"ok": False, "why": f"alert sender thread(s) not running for {', '.join(dead)}: "
                                         "alerts are written but never sent"}
@@ -116,7 +110,8 @@ class Health:
 
     def _warnings(self) -> list[str]:
         now = dt.datetime.now(dt.timezone.utc)
-        out = []
+        out = [f"alert channel {name} was not reachable at start-up ({why}); alerts wait in the outbox"
+               for name, why in self.sup.notifier_status()["channels"].items() if why != "ok"]
         try:
             with self.sup.sessions() as s:
                 rows = metrics_store.alerts_by_state(s)

@@ -83,6 +83,13 @@ class Outbox:
             self.wake()  # rows left pending by an earlier process
         return self
 
+    def dead_senders(self) -> list[str]:
+        """Channels whose sender thread is not running (none started, or one died): their alerts
+        are written and never sent. For /healthz."""
+        if self.channels and not self._threads:
+            return list(self.channels)
+        return [t.name.removeprefix("thermowatch-alerts-") for t in self._threads if not t.is_alive()]
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the senders after a last short pass; what is still pending stays in the database."""
         if self._threads:

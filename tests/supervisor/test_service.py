@@ -350,5 +350,14 @@ def test_a_good_token_starts_and_an_unreachable_slack_starts_degraded(db, tmp_pa
         try:
             status = sup.notifier_status()
             assert status["ok"] is False and "HTTP 500" in status["channels"]["slack:#training-alerts"]
+            # /healthz: still 200 (the daemon works, alerts wait), with a warning that says why.
+            from starlette.testclient import TestClient
+
+            from supervisor.server import build_app
+
+            with TestClient(build_app(sup), raise_server_exceptions=False) as c:
+                r = c.get("/healthz")
+            assert r.status_code == 200, r.text
+            assert any("slack:#training-alerts" in w and "HTTP 500" in w for w in r.json()["warnings"]), r.json()
         finally:
             sup.close()
