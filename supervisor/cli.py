@@ -42,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from supervisor.launch import train
 
-    return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args))
+    return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args),
+                 verbose=args.verbose, progress_every=args.progress_every)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="launch a supervised training run")
     p.add_argument("config_file", help="training config (YAML/JSON; only what differs from defaults)")
     p.add_argument("--supervisor", help="URL of a running daemon; default: an embedded one in this process")
+    p.add_argument("--progress-every", type=int, default=10, metavar="N",
+                   help="a progress line (step, loss, tokens/s, max attention logit, ETA) every N steps")
+    p.add_argument("-v", "--verbose", action="store_true", help="also log every HTTP request (httpx, httpcore)")
     _add_db_flags(p)
     p.set_defaults(func=cmd_train)
 
