@@ -80,8 +80,8 @@ def _check_value(tp: Any, val: Any, where: str) -> None:
                 return _check_value(arm, val, where)
             except ConfigTreeError as exc:
                 errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
+        if len(errors) == 1 and errors[0].path != where:
+            raise errors[0]  # deeper down (a list item, a nested key): that message is the precise one
         raise ConfigTreeError(where, f"expected {_expected(tp)}, got {_show(val)}")
     if origin is typing.Literal:
         if val not in args:

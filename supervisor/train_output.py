@@ -3,7 +3,7 @@
 One progress line every `every` steps and one line per command the controller acknowledged:
 
     cluster-1 step 40/100: loss 2.3142, 61,203 tok/s, max attn logit 12.8, ETA 0:00:21
-    cluster-1 command 7 rollback: done at step 21 (checkpoint 20, skipped 2 range(s), lr x1)
+    cluster-1 command 7 rollback: done at step 21 (checkpoint 20; skipped 2 range(s); lr x1)
 
 They never begin with "run <id>: step", the final line's prefix, which tests and benchmarks grep.
 Before this, 156 of 173 lines were httpx's INFO log of every command poll: `quiet_http_logs`
