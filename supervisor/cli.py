@@ -65,8 +65,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from monitors.replay import replay
     from supervisor.replay_policy import replay_decider
 
-    decide = None if args.no_policy else replay_decider(_load_mapping(args.policy))
-    detector_cfg = BankConfig.from_dict(_load_mapping(args.detectors))
+    from monitors.config_tree import ConfigTreeError, check_tree
+    from supervisor.config import ConfigError
+    from supervisor.policy import PolicyConfig
+
+    policy, detectors = _load_mapping(args.policy), _load_mapping(args.detectors)
+    for path, cls, values in ((args.policy, PolicyConfig, policy), (args.detectors, BankConfig, detectors)):
+        try:
+            check_tree(cls, values)
+        except ConfigTreeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    decide = None if args.no_policy else replay_decider(policy)
+    detector_cfg = BankConfig.from_dict(detectors)
     return replay(args.file, detector_cfg, sys.stdout, json_out=args.json, policy=decide)
 
 

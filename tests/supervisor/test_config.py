@@ -99,3 +99,13 @@ def test_the_local_supervisor_config_is_what_serve_reads(tmp_path, monkeypatch):
     cfg = cli._supervisor_config(args)
     assert cfg.host == "127.0.0.1" and cfg.auth and not cfg.slack.channel
     assert cfg.db_url == f"sqlite:///{tmp_path / '.thermowatch-local' / 'thermowatch.db'}"
+
+
+def test_replay_settings_files_are_checked_the_same_way(tmp_path, capsys):
+    (tmp_path / "det.yaml").write_text("loss: {zz: 3}\n")
+    (tmp_path / "run.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--detectors", str(tmp_path / "det.yaml")]) == 2
+    assert f"{tmp_path / 'det.yaml'}: loss.zz: unknown key" in capsys.readouterr().err
+    (tmp_path / "pol.yaml").write_text("cooldown_steps: soon\n")
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--policy", str(tmp_path / "pol.yaml")]) == 2
+    assert "cooldown_steps: expected an integer, got 'soon'" in capsys.readouterr().err
