@@ -51,7 +51,10 @@ class Progress:
 
     def line(self, rec: StepRecord, now: float) -> str:
         v = rec.values
+        # NaN where a layer was not measured this step (attn_every > 1) or has diverged: max() over
+        # a list holding NaN depends on its order, so NaNs count only when nothing else is there.
         attn = [x for k, x in v.items() if k.split("/")[0] == ATTN_LOGIT_MAX]
+        attn = [x for x in attn if not math.isnan(x)] or attn
         parts = [f"loss {v.get(LOSS, math.nan):.4f}"]
         if TOKENS_PER_S in v:
             parts.append(f"{v[TOKENS_PER_S]:,.0f} tok/s")

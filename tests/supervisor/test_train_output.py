@@ -68,3 +68,12 @@ def test_http_client_logs_are_off_unless_verbose():
     quiet_http_logs(True)
     assert logging.getLogger("httpx").isEnabledFor(logging.INFO)
     quiet_http_logs(False)
+
+
+def test_max_attention_logit_skips_nan_layers():
+    out = io.StringIO()
+    p = Progress("r1", total_steps=5, every=1, out=out)
+    p(_rec(1, **{"attn_logit_max/a": float("nan"), "attn_logit_max/b": 7.0}), 0)
+    p(_rec(2, **{"attn_logit_max/a": float("nan")}), 0)
+    lines = out.getvalue().splitlines()
+    assert "max attn logit 7.0" in lines[0] and "max attn logit nan" in lines[1]
