@@ -68,9 +68,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from monitors.config_tree import ConfigTreeError, check_tree
     from supervisor.config import ConfigError
     from supervisor.policy import PolicyConfig
+    from supervisor.replay_policy import REPLAY_KEYS
 
     policy, detectors = _load_mapping(args.policy), _load_mapping(args.detectors)
-    for path, cls, values in ((args.policy, PolicyConfig, policy), (args.detectors, BankConfig, detectors)):
+    policy_fields = {k: v for k, v in policy.items() if k not in REPLAY_KEYS}  # replay's own keys aside
+    for path, cls, values in ((args.policy, PolicyConfig, policy_fields), (args.detectors, BankConfig, detectors)):
         try:
             check_tree(cls, values)
         except ConfigTreeError as exc:
