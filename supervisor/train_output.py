@@ -2,7 +2,7 @@
 
 One progress line every `every` steps and one line per command the controller acknowledged:
 
-    cluster-1 step 40/100: loss 2.3142, 61,203 tok/s, max attn logit 12.8, ETA 0:00:21
+    cluster-1 step 40/100: loss 2.3142, 61,203 tok/s, max attn logit <= 12.8, ETA 0:00:21
     cluster-1 command 7 rollback: done at step 21 (checkpoint 20; skipped 2 range(s); lr x1)
 
 They never begin with "run <id>: step", the final line's prefix, which tests and benchmarks grep.
@@ -19,7 +19,7 @@ import time
 from typing import IO, Callable
 
 from monitors.commands import Ack, Command
-from monitors.contract import ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, CommandChannel, StepRecord
+from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, CommandChannel, StepRecord
 
 HTTP_LOGGERS = ("httpx", "httpcore")
 
@@ -53,13 +53,17 @@ class Progress:
         v = rec.values
         # NaN where a layer was not measured this step (attn_every > 1) or has diverged: max() over
         # a list holding NaN depends on its order, so NaNs count only when nothing else is there.
+        # The exact max where measured (attn_mode "exact"); else the log-sum-exp bound, the
+        # default mode's thermometer: max <= lse <= max + ln(keys), shown as "<=".
         attn = [x for k, x in v.items() if k.split("/")[0] == ATTN_LOGIT_MAX]
+        bound = "" if attn else "<= "
+        attn = attn or [x for k, x in v.items() if k.split("/")[0] == ATTN_LOGIT_LSE]
         attn = [x for x in attn if not math.isnan(x)] or attn
         parts = [f"loss {v.get(LOSS, math.nan):.4f}"]
         if TOKENS_PER_S in v:
             parts.append(f"{v[TOKENS_PER_S]:,.0f} tok/s")
         if attn:
-            parts.append(f"max attn logit {max(attn):.1f}")
+            parts.append(f"max attn logit {bound}{max(attn):.1f}")
         done = rec.step - self._first_step
         if done > 0 and self._t0 is not None:
             left = (now - self._t0) / done * max(0, self.total - rec.step)

@@ -77,3 +77,9 @@ def test_max_attention_logit_skips_nan_layers():
     p(_rec(2, **{"attn_logit_max/a": float("nan")}), 0)
     lines = out.getvalue().splitlines()
     assert "max attn logit 7.0" in lines[0] and "max attn logit nan" in lines[1]
+
+
+def test_the_lse_bound_stands_in_for_the_max_when_only_it_is_measured():
+    out = io.StringIO()
+    Progress("r1", total_steps=5, every=1, out=out)(_rec(1, **{"attn_logit_lse/blocks.0.attn": 9.25}), 0)
+    assert out.getvalue() == "r1 step 1/5: loss 2.5000, max attn logit <= 9.2\n"
