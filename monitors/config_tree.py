@@ -103,7 +103,7 @@ def _check_value(tp: Any, val: Any, where: str) -> None:
                 hint = " (YAML reads an exponent without a dot as text: write 1.0e-3, not 1e-3)"
             raise ConfigTreeError(where, f"expected a number, got {_show(val)}{hint}")
     elif tp is str:
-        if not isinstance(val, str):
+        if not isinstance(val, (str, PurePath)):  # a Path from code, for a directory kept as text
             raise ConfigTreeError(where, f"expected a string, got {_show(val)}")
     elif isinstance(tp, type) and issubclass(tp, PurePath):
         if not isinstance(val, (str, PurePath)):
