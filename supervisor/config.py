@@ -131,8 +131,6 @@ class SupervisorConfig:
                 values["port"] = int(values["port"])
             except ValueError as exc:
                 raise ConfigError(f"port must be an integer, got {values['port']!r}") from exc
-        if isinstance(values.get("data_dir"), Path):
-            values["data_dir"] = str(values["data_dir"])
         try:
             check_tree(cls, values)
         except ConfigTreeError as exc:

@@ -73,7 +73,6 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
     return 0 if result.final_step >= tcfg.steps or result.stopped else 1
 
 
-
 def require_gpus(config_file: str, world_size: int, gpus: int, who: str) -> None:
     """`use_gpu: true` where there are no GPUs: refuse now (exit 2) instead of hanging on placement.
     Fewer GPUs than ranks is only a warning: an autoscaling cluster may still add nodes."""
