@@ -42,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from supervisor.launch import train
 
-    return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args))
+    return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args),
+                 verbose=args.verbose, progress_every=args.progress_every)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -64,8 +65,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from monitors.replay import replay
     from supervisor.replay_policy import replay_decider
 
-    decide = None if args.no_policy else replay_decider(_load_mapping(args.policy))
-    detector_cfg = BankConfig.from_dict(_load_mapping(args.detectors))
+    from monitors.config_tree import ConfigTreeError, check_tree
+    from supervisor.config import ConfigError
+    from supervisor.policy import PolicyConfig
+    from supervisor.replay_policy import REPLAY_KEYS
+
+    policy, detectors = _load_mapping(args.policy), _load_mapping(args.detectors)
+    policy_fields = {k: v for k, v in policy.items() if k not in REPLAY_KEYS}  # replay's own keys aside
+    for path, cls, values in ((args.policy, PolicyConfig, policy_fields), (args.detectors, BankConfig, detectors)):
+        try:
+            check_tree(cls, values)
+        except ConfigTreeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    decide = None if args.no_policy else replay_decider(policy)
+    detector_cfg = BankConfig.from_dict(detectors)
     return replay(args.file, detector_cfg, sys.stdout, json_out=args.json, policy=decide)
 
 
@@ -186,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="launch a supervised training run")
     p.add_argument("config_file", help="training config (YAML/JSON; only what differs from defaults)")
     p.add_argument("--supervisor", help="URL of a running daemon; default: an embedded one in this process")
+    p.add_argument("--progress-every", type=int, default=10, metavar="N",
+                   help="a progress line (step, loss, tokens/s, max attention logit, ETA) every N steps")
+    p.add_argument("-v", "--verbose", action="store_true", help="also log every HTTP request (httpx, httpcore)")
     _add_db_flags(p)
     p.set_defaults(func=cmd_train)
 

@@ -9,12 +9,12 @@ secret can override one field without a file.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from monitors.config_tree import ConfigTreeError, check_tree, schema
 from supervisor.errors import UserError
 
 
@@ -51,11 +51,22 @@ class SupervisorConfig:
     ack_retries: int = 2
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
     slack: SlackConfig = field(default_factory=SlackConfig)
-    policy: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields that differ
-    detectors: dict[str, Any] = field(default_factory=dict)  # DetectorBank config that differs
-    limits: dict[str, Any] = field(default_factory=dict)  # supervisor.limits.Limits fields that differ
+    # The sections below are checked key by key against the class named in `schema` (config_tree).
+    policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
+                                   metadata=schema("supervisor.policy:PolicyConfig"))
+    detectors: dict[str, Any] = field(default_factory=dict,  # DetectorBank config that differs
+                                      metadata=schema("monitors.detectors:BankConfig"))
+    limits: dict[str, Any] = field(default_factory=dict,  # supervisor.limits.Limits fields that differ
+                                   metadata=schema("supervisor.limits:Limits"))
 
     def __post_init__(self) -> None:
+        # The sections a person writes by hand: one message naming the dotted path of a typo
+        # anywhere under them (issue 12), before any class below sees the value.
+        for name in ("slack", "policy", "detectors", "limits"):
+            try:
+                check_tree(type(self), {name: getattr(self, name)})
+            except ConfigTreeError as exc:
+                raise ConfigError(str(exc)) from None
         self.data_dir = Path(self.data_dir)
         if not self.db_url:
             self.db_url = f"sqlite:///{(self.data_dir / 'thermowatch.db').resolve()}"
@@ -78,10 +89,17 @@ class SupervisorConfig:
             self.slack = SlackConfig(**self.slack)
         from supervisor.limits import Limits
 
-        try:
-            Limits.from_dict(self.limits)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"limits: {exc}") from None
+        from monitors.detectors import BankConfig
+        from supervisor.policy import PolicyConfig
+
+        # Build each section once now, so a value out of range stops `serve` at start-up
+        # with the section's name, not at the first finding.
+        for name, build in (("limits", Limits.from_dict), ("detectors", BankConfig.from_dict),
+                            ("policy", lambda d: PolicyConfig(**d))):
+            try:
+                build(getattr(self, name))
+            except (TypeError, ValueError, UserError) as exc:
+                raise ConfigError(f"{name}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> "SupervisorConfig":
@@ -108,15 +126,16 @@ class SupervisorConfig:
             if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
                 values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown supervisor config keys {unknown}; known keys: {sorted(known)}")
-        if "port" in values:
+        if isinstance(values.get("port"), str):  # THERMOWATCH_PORT is text
             try:
                 values["port"] = int(values["port"])
             except ValueError as exc:
                 raise ConfigError(f"port must be an integer, got {values['port']!r}") from exc
+        try:
+            check_tree(cls, values)
+        except ConfigTreeError as exc:
+            where = f"{path}: " if path else ""
+            raise ConfigError(f"{where}{exc}") from None
         return cls(**values)
 
 

@@ -18,6 +18,10 @@ from monitors.contract import CheckpointInfo, Finding
 from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
 
 
+# The replay's own settings, beside PolicyConfig's fields in its --policy file.
+REPLAY_KEYS = ("checkpoint_every", "seconds_per_step", "in_flight_steps")
+
+
 def replay_decider(settings: dict[str, Any] | None = None) -> Callable[[Finding], dict[str, Any]]:
     settings = dict(settings or {})
     every = int(settings.pop("checkpoint_every", 100))

@@ -262,7 +262,9 @@ class CheckpointStore:
                 continue
             body = self.load_manifest(step)
             if healthy_only and not body.get("healthy", False):
-                log.info("passing over checkpoint step %d: marked unhealthy (%s)", step, body.get("unhealthy_reason", ""))
+                # Expected after every rollback, and asked again at every save: debug, or `train`
+                # prints the same abandoned steps after each checkpoint for the rest of the run.
+                log.debug("passing over checkpoint step %d: marked unhealthy (%s)", step, body.get("unhealthy_reason", ""))
                 continue
             return self._info(step, body)
         return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from monitors.config_tree import ConfigTreeError, check_tree, schema
 from trainer.data import DataConfig
 from trainer.lr import SCHEDULES, LRSchedule
 
@@ -100,13 +101,15 @@ class TrainConfig:
     read_late: bool | None = None
     model: dict[str, Any] = field(
         # A tiny model: trains on 2 CPU cores in seconds. Any trainer.model.GPTConfig field.
-        default_factory=lambda: {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64}
+        default_factory=lambda: {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
+        metadata=schema("trainer.model:GPTConfig"),
     )
     # trainer.data.DataConfig: stdlib bytes, 8 samples of 64 tokens per step (tiny-model scale).
     data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=64, global_batch=8))
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    thermometers: dict[str, Any] = field(default_factory=dict)  # monitors ThermometerConfig fields
+    thermometers: dict[str, Any] = field(default_factory=dict,  # monitors ThermometerConfig fields
+                                         metadata=schema("monitors.thermometers.config:ThermometerConfig"))
     # A user's own DeepSpeed JSON, merged over the one engine.py builds (dicts merge key by key).
     deepspeed_config_override: dict[str, Any] = field(default_factory=dict)
 
@@ -183,7 +186,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any] | None) -> "TrainConfig":
-        """Defaults, overridden by whatever `obj` lists (nested dicts merge)."""
+        """Defaults, overridden by whatever `obj` lists (nested dicts merge). A key or type that
+        does not fit, at any depth, is one ConfigError naming its dotted path (config_tree)."""
+        _check(obj or {})
         return _build(cls, obj or {}, "")
 
     @classmethod
@@ -192,14 +197,26 @@ class TrainConfig:
         if str(path).endswith((".yaml", ".yml")):
             import yaml
 
-            obj = yaml.safe_load(text)
+            try:
+                obj = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"not valid YAML: {exc}") from None
         else:
             obj = json.loads(text)
         return cls.from_dict(obj)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with top-level fields (or nested dicts, merged) changed."""
-        return _build(TrainConfig, _merge(self.to_dict(), changes), "")
+        merged = _merge(self.to_dict(), changes)
+        _check(merged)
+        return _build(TrainConfig, merged, "")
+
+
+def _check(obj: Any) -> None:
+    try:
+        check_tree(TrainConfig, obj)
+    except ConfigTreeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

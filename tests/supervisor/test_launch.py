@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,6 +74,11 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
                                capture_output=True, text=True, timeout=1500)
         assert train.returncode == 0, train.stderr[-4000:]
         assert "run cluster-1: step 100" in train.stderr
+        # Progress every 10 steps, one line per command acknowledged, no HTTP poll log (issue 12.5).
+        assert re.search(r"^cluster-1 step 10/100: loss \d+\.\d+, [\d,]+ tok/s, max attn logit (<= )?[\d.]+, ETA ",
+                         train.stderr, re.M), train.stderr[-4000:]
+        assert re.search(r"^cluster-1 command \d+ rollback: done at step \d+ \(checkpoint \d+", train.stderr, re.M)
+        assert "HTTP Request" not in train.stderr
 
         # Another shell on the cluster: the CLI asks the daemon over HTTP with an on-call token
         # (read + operate), no database access.
@@ -143,3 +149,37 @@ def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
     tokenless = subprocess.run([*cli, "train", str(tmp_path / "ok.yaml"), "--supervisor", "http://127.0.0.1:9",
                                 "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120, env=env)
     assert tokenless.returncode == 2 and "set THERMOWATCH_TOKEN" in tokenless.stderr
+
+
+def test_train_refuses_a_typo_anywhere_with_its_path(tmp_path, capsys):
+    from supervisor.cli import main
+
+    (tmp_path / "bad.yaml").write_text("optim: {lr: 3.0e-3, warmup_step: 10}\n")
+    assert main(["train", str(tmp_path / "bad.yaml"), "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bad.yaml'}: optim.warmup_step: unknown key; did you mean 'warmup_steps'?" in err
+    assert "Traceback" not in err
+
+
+def test_train_asking_for_gpus_without_any_exits_2_at_once(tmp_path, monkeypatch, capsys):
+    """It used to wait forever for Ray to place a GPU actor on this CPU machine."""
+    import ray
+    import torch
+
+    from supervisor.cli import main
+    from supervisor.errors import UserError
+    from supervisor.launch import require_gpus
+
+    if torch.cuda.is_available() or ray.is_initialized():
+        pytest.skip("this machine has a GPU (or Ray already runs in this process)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "gpu.yaml").write_text("use_gpu: true\nsteps: 20\n")
+    t = time.monotonic()
+    assert main(["train", str(tmp_path / "gpu.yaml"), "--data-dir", str(tmp_path / "d")]) == 2
+    assert time.monotonic() - t < 60
+    err = capsys.readouterr().err
+    assert "use_gpu is true but torch sees no GPU" in err and "set `use_gpu: false`" in err
+    assert not (tmp_path / "d").exists()  # refused before the embedded supervisor opened its database
+    with pytest.raises(UserError, match="Ray reports no GPU"):  # the cluster's count, once joined
+        require_gpus("train.yaml", 8, 0, "Ray reports")
+    require_gpus("train.yaml", 8, 4, "Ray reports")  # fewer than ranks: an autoscaler may add nodes

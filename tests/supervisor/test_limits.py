@@ -224,7 +224,7 @@ def test_a_million_metric_names_are_refused_fast(db, tmp_path):
 
 def test_limits_from_the_config():
     assert Limits.from_dict({"max_series_per_run": 5}).max_series_per_run == 5
-    with pytest.raises(ConfigError, match="unknown limits"):
+    with pytest.raises(ConfigError, match="limits.max_serie_per_run: unknown key; did you mean 'max_series_per_run'"):
         SupervisorConfig(limits={"max_serie_per_run": 5})
     with pytest.raises(ConfigError, match="positive integer"):
         SupervisorConfig(limits={"max_json_depth": 0})

@@ -1,0 +1,111 @@
+"""The supervisor's config as one tree (issue 12.6): a typo or a wrong type at any depth is one
+ConfigError naming its dotted path and the known keys, and `serve` exits 2 with it, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.cli import main
+from supervisor.config import ConfigError, SupervisorConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    # depth 1, 2 and 3
+    ("prot: 8765\n", "prot: unknown key; did you mean 'port'? known keys at the top level: data_dir, db_url"),
+    ("policy:\n  lr_multiplir: 0.5\n", "policy.lr_multiplir: unknown key; did you mean 'lr_multiplier'? "
+                                       "known keys at policy: rollback_margin_steps"),
+    ("detectors:\n  attn: {celing: 50}\n", "detectors.attn.celing: unknown key; did you mean 'ceiling'? "
+                                          "known keys at detectors.attn: ceiling,"),
+    ("detectors:\n  atn: {ceiling: 50}\n", "detectors.atn: unknown key; did you mean 'attn'?"),
+    ("slack: {chanel: '#x'}\n", "slack.chanel: unknown key; did you mean 'channel'?"),
+    ("limits: {max_records: many}\n", "limits.max_records: expected an integer, got 'many'"),
+    # wrong types
+    ("policy: {lr_multiplier: half}\n", "policy.lr_multiplier: expected a number, got 'half'"),
+    ("detectors:\n  attn: {ceiling: high}\n", "detectors.attn.ceiling: expected a number, got 'high'"),
+    ("policy: {rollback_signals: [loss_spike, bogus]}\n", "policy.rollback_signals[1]: expected one of"),
+    ("auth: maybe\n", "auth: expected true or false, got 'maybe'"),
+    ("policy: [1, 2]\n", "policy: expected a mapping of keys"),
+    # a value of the right type out of range: the section's own check, prefixed with its name
+    ("policy: {lr_multiplier: 2.0}\n", "policy: lr_multiplier=2.0 must be in (0, 1)"),
+    ("detectors: {disabled: [nope]}\n", "detectors: unknown detector names in disabled: ['nope']"),
+])
+def test_a_bad_key_or_value_at_any_depth_names_its_path(tmp_path, yaml_text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as exc:
+        SupervisorConfig.load(path, env={})
+    assert message in str(exc.value), str(exc.value)
+    assert str(exc.value).startswith(str(path)) or message.startswith(("policy: ", "detectors: "))
+
+
+def test_sections_built_in_code_are_checked_too():
+    with pytest.raises(ConfigError, match=r"detectors\.loss\.z_threshold: unknown key"):
+        SupervisorConfig(detectors={"loss": {"z_threshold": 3}})
+    cfg = SupervisorConfig(policy={"lr_multiplier": 0.25, "rollback_signals": ["loss_spike"]},
+                           detectors={"attn": {"ceiling": 80}, "disabled": ["stall"]})
+    assert cfg.policy["lr_multiplier"] == 0.25
+
+
+def test_environment_overrides_still_apply_and_are_checked(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("policy: {lr_multiplier: 0.25}\nslack: {token_env: MY_TOKEN}\n")
+    cfg = SupervisorConfig.load(path, env={"THERMOWATCH_PORT": "9001", "THERMOWATCH_SLACK_CHANNEL": "#oncall",
+                                           "THERMOWATCH_DATA_DIR": str(tmp_path / "d"),
+                                           "THERMOWATCH_ADVISE_ONLY": "yes"})
+    assert (cfg.port, cfg.slack.channel, cfg.slack.token_env, cfg.advise_only) == (9001, "#oncall", "MY_TOKEN", True)
+    assert cfg.data_dir == tmp_path / "d"
+    with pytest.raises(ConfigError, match="port must be an integer, got 'x'"):
+        SupervisorConfig.load(None, env={"THERMOWATCH_PORT": "x"})
+
+
+def test_serve_exits_2_naming_the_path_without_a_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("detectors:\n  attn: {celing: 50}\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "detectors.attn.celing: unknown key; did you mean 'ceiling'?" in err and "Traceback" not in err
+
+
+def test_serve_as_a_process_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: {lr_multiplier: half}\n")
+    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "serve", "--config", str(bad)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    assert "policy.lr_multiplier: expected a number, got 'half'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_supervisor_config_in_deploy_loads():
+    paths = [p for p in sorted((ROOT / "deploy").rglob("*.yaml")) if "supervisor" in p.name]
+    assert {p.relative_to(ROOT).as_posix() for p in paths} >= {"deploy/supervisor.example.yaml",
+                                                                 "deploy/local/supervisor.yaml"}
+    for p in paths:
+        SupervisorConfig.load(p, env={})
+
+
+def test_the_local_supervisor_config_is_what_serve_reads(tmp_path, monkeypatch):
+    """Through `serve`'s own config path (the CLI's flags), from a fresh directory: loopback, the
+    data dir under it, auth on, SQLite there."""
+    import supervisor.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    args = cli.build_parser().parse_args(["serve", "--config", str(ROOT / "deploy/local/supervisor.yaml")])
+    cfg = cli._supervisor_config(args)
+    assert cfg.host == "127.0.0.1" and cfg.auth and not cfg.slack.channel
+    assert cfg.db_url == f"sqlite:///{tmp_path / '.thermowatch-local' / 'thermowatch.db'}"
+
+
+def test_replay_settings_files_are_checked_the_same_way(tmp_path, capsys):
+    (tmp_path / "det.yaml").write_text("loss: {zz: 3}\n")
+    (tmp_path / "run.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--detectors", str(tmp_path / "det.yaml")]) == 2
+    assert f"{tmp_path / 'det.yaml'}: loss.zz: unknown key" in capsys.readouterr().err
+    (tmp_path / "pol.yaml").write_text("cooldown_steps: soon\n")
+    assert main(["replay", str(tmp_path / "run.jsonl"), "--policy", str(tmp_path / "pol.yaml")]) == 2
+    assert "cooldown_steps: expected an integer, got 'soon'" in capsys.readouterr().err

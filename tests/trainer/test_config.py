@@ -1,0 +1,58 @@
+"""The training config as one tree (issue 12.6): an unknown key or a wrong type at any depth is
+one ConfigError naming its dotted path, the known keys there and the closest one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("obj, message", [
+    # depth 1, 2 and 3 (a list item)
+    ({"stepz": 10}, "stepz: unknown key; did you mean 'steps'? known keys at the top level: run_id, seed"),
+    ({"optim": {"lrr": 1.0}}, "optim.lrr: unknown key; did you mean 'lr'? known keys at optim: lr, warmup_steps"),
+    ({"data": {"global_bach": 8}}, "data.global_bach: unknown key; did you mean 'global_batch'?"),
+    ({"model": {"n_layr": 3}}, "model.n_layr: unknown key; did you mean 'n_layer'? known keys at model:"),
+    ({"thermometers": {"attn_evry": 2}}, "thermometers.attn_evry: unknown key; did you mean 'attn_every'?"),
+    ({"optim": {"betas": [0.9, "high"]}}, "optim.betas[1]: expected a number, got 'high'"),
+    # wrong types
+    ({"use_gpu": "yes"}, "use_gpu: expected true or false, got 'yes'"),
+    ({"checkpoint": {"every": "often"}}, "checkpoint.every: expected an integer, got 'often'"),
+    ({"model": {"d_model": 64.5}}, "model.d_model: expected an integer, got 64.5"),
+    ({"optim": {"lr": "1e-3"}}, "optim.lr: expected a number, got '1e-3' (YAML reads an exponent without a dot"),
+    ({"optim": [1]}, "optim: expected a mapping of keys"),
+    ({"read_late": "auto"}, "read_late: expected true or false or null, got 'auto'"),
+])
+def test_a_bad_key_or_value_at_any_depth_names_its_path(obj, message):
+    with pytest.raises(ConfigError) as exc:
+        TrainConfig.from_dict(obj)
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_load_prefixes_nothing_and_yaml_errors_are_config_errors(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("optim: {lr: 3.0e-3\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.load(path)
+
+
+def test_replace_is_checked_too():
+    with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key"):
+        TrainConfig().replace(optim={"lrr": 1.0})
+    assert TrainConfig().replace(optim={"lr": 1e-3}).optim.lr == 1e-3
+
+
+def test_every_training_config_in_deploy_loads():
+    paths = [p for p in sorted((ROOT / "deploy").rglob("*.yaml")) if "train" in p.name]
+    assert {p.relative_to(ROOT).as_posix() for p in paths} >= {"deploy/train.example.yaml", "deploy/local/train.yaml"}
+    for p in paths:
+        TrainConfig.load(p)
+    local = TrainConfig.load(ROOT / "deploy/local/train.yaml")
+    # runs on one CPU machine as-is: CPU ranks, 2 of them, a tiny model, checkpoints under the cwd
+    assert not local.use_gpu and local.world_size == 2 and local.gpt_config().n_layer <= 2
+    assert not Path(local.checkpoint.dir).is_absolute()
