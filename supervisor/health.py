@@ -1,4 +1,5 @@
 """`GET /healthz`: can this daemon do its job right now? (issue 12: it used to say ok always.)
+`GET /readyz`: the same, plus the database schema at the revision this code needs.
 
 Open on purpose (systemd's watchdog and a Kubernetes probe hold no token), so the answer says
 nothing about any run: only each part's state and, when it fails, why.
@@ -48,6 +49,32 @@ class Health:
         # next probe sees it still busy instead of starting another) and never holds up exit.
         self._inflight: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
+        self._head: str | None = None  # the migration head this code needs, read once
+
+    def readiness(self) -> dict[str, Any]:
+        """`/readyz`: the liveness checks, plus the schema at the revision this code needs (a
+        database migrated by a newer daemon, or rolled back, must not take this one's traffic)."""
+        out = self.report()
+        if not out["checks"]["database"]["ok"]:
+            out["checks"]["schema"] = {"ok": False, "why": "the database does not answer (see database)"}
+        else:
+            out["checks"]["schema"] = self._schema()
+        out["ok"] = all(c["ok"] for c in out["checks"].values())
+        return out
+
+    def _schema(self) -> dict[str, Any]:
+        from supervisor import db
+
+        if self._head is None:
+            self._head = db.head_revision()
+        try:
+            cur = db.current_revision(self.sup.engine)
+        except Exception as exc:  # noqa: BLE001 - an unreadable version table is the finding
+            return {"ok": False, "why": f"cannot read the schema revision: {type(exc).__name__}"}
+        if cur != self._head:
+            return {"ok": False, "why": f"the database schema is at revision {cur}, this daemon needs {self._head} "
+                                        "(`thermowatch db upgrade`, or run the daemon version that matches it)"}
+        return {"ok": True}
 
     def report(self) -> dict[str, Any]:
         checks = {"database": self._database(), "judge": self._judge(), "alert_senders": self._senders(),

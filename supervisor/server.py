@@ -70,6 +70,13 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
         report = health.report()
         return JSONResponse(report, 200 if report["ok"] else 503)
 
+    @app.get("/readyz", responses={503: {"description": "not ready: `checks` says which part and why"}})
+    def readyz() -> JSONResponse:
+        # Readiness (a load balancer's or Kubernetes' readinessProbe): /healthz's checks plus the
+        # schema revision. Open for the same reason; nothing about any run.
+        report = health.readiness()
+        return JSONResponse(report, 200 if report["ok"] else 503)
+
     @app.get("/metrics", dependencies=[Depends(guard.require("read"))], response_class=PlainTextResponse)
     def prometheus() -> Response:
         # The read scope (a scrape config sends `authorization: {credentials: ...}`), or none

@@ -38,7 +38,7 @@ from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
 RUN = "auth"
 # Open on purpose: the liveness probe; the API's schema and its viewers (no run data in them);
 # the sign-in and sign-out forms (which check the Origin themselves: test_web.py).
-OPEN = {("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
+OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
         ("GET", "/redoc"), ("GET", "/login"), ("POST", "/login"), ("POST", "/logout")}
 SCOPE = {
     ("POST", "/api/runs"): "ingest",

@@ -125,3 +125,31 @@ def test_alerts_waiting_on_a_failing_channel_are_a_warning_not_a_503(sup):
     assert code == 200 and body["ok"]
     (warning,) = body["warnings"]
     assert "1 alert(s) to slack undelivered" in warning
+
+
+def test_readyz_adds_the_schema_revision(sup, db):
+    """Liveness is not readiness: a database whose schema is not the revision this code needs
+    (another daemon version migrated it, or it was rolled back) keeps /healthz at 200 and makes
+    /readyz 503, naming both revisions."""
+    import sqlalchemy as sa
+
+    from supervisor import db as dbmod
+
+    head = dbmod.head_revision()
+    with Scheduler([Job("noop", lambda: None, every_s=3600)]) as sched:
+        app = build_app(sup, scheduler=sched)
+        with TestClient(app, raise_server_exceptions=False) as c:
+            r = c.get("/readyz")
+            assert r.status_code == 200 and r.json()["checks"]["schema"] == {"ok": True}, r.json()
+            with db.engine.begin() as conn:  # what an older daemon's `db` would have left
+                conn.execute(sa.text("UPDATE alembic_version SET version_num = '0001'"))
+            try:
+                r = c.get("/readyz")
+                assert r.status_code == 503, r.json()
+                why = failing(r.json())["schema"]
+                assert "revision 0001" in why and head in why and "db upgrade" in why
+                assert c.get("/healthz").status_code == 200  # alive: nothing to restart
+            finally:
+                with db.engine.begin() as conn:
+                    conn.execute(sa.text("UPDATE alembic_version SET version_num = :h"), {"h": head})
+            assert c.get("/readyz").status_code == 200
