@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import io
 import socket
-import threading
-import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import uvicorn
 
 from monitors.contract import Ack, RunInfo
 from supervisor.config import SupervisorConfig
@@ -21,15 +19,10 @@ from supervisor.service import Supervisor
 from supervisor.store import actions as actions_store
 from supervisor.store import alerts as alerts_store
 from trainer.http_sink import HttpCommandChannel
+from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 
 RUN = "fin"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -43,18 +36,11 @@ def served(db, tmp_path):
     def boom() -> dict:
         raise RuntimeError("a bug in a route")
 
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield sup, f"http://127.0.0.1:{port}", port
-    server.should_exit = True
-    thread.join(20)
-    sup.close()
+    try:
+        with running(app) as url:
+            yield sup, url, urlsplit(url).port
+    finally:
+        sup.close()
 
 
 def _row(sup, aid):

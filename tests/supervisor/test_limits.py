@@ -304,23 +304,12 @@ def test_refusals_keep_the_connection(sup):
     """Issue 11: each 500 also closed the keep-alive connection. Every refusal is an ordinary 4xx
     answer now, and the next request on the same connection is served."""
     import socket
-    import threading
-    import time
+    from urllib.parse import urlsplit
 
-    import uvicorn
+    from tests.live_server import running
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(sup), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+    with running(build_app(sup)) as url:
+        with socket.create_connection(("127.0.0.1", urlsplit(url).port), timeout=30) as sock:
             for method, path, body, status in [
                 ("POST", STEPS, raw(f'{{"records": {deep(100_000)}}}'), 400),
                 ("POST", f"/api/actions/{2**31}/approve", raw('{"who": "a"}'), 422),
@@ -332,6 +321,3 @@ def test_refusals_keep_the_connection(sup):
                 got, headers = _http(sock, method, path, body)
                 assert got == status, (method, path, got)
                 assert headers.get("connection", "").lower() != "close", (method, path, headers)
-    finally:
-        server.should_exit = True
-        thread.join(20)
