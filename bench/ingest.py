@@ -9,7 +9,8 @@ driver doing the same inserts, on SQLite and PostgreSQL; plus a 10^6-step histor
 
 The daemon runs in a subprocess (real uvicorn + thermowatch serve's app), the client posts
 pre-encoded batches of --batch steps x --values values with httpx, one at a time like the run
-controller does. The raw-driver rows are the same chunk + step rows (sqlite3 executemany with
+controller does, in the columns body the HttpSink sends (monitors.columns); the write-only
+router is also fed the per-step JSON form, beside it. The raw-driver rows are the same chunk + step rows (sqlite3 executemany with
 ON CONFLICT DO NOTHING; psycopg COPY, which has no ON CONFLICT). The history read is seeded with
 the raw driver: one series of --history-steps steps in 50-step chunks.
 """
@@ -83,18 +84,32 @@ def _keys(n: int) -> list[str]:
     return [f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(n)]
 
 
-def _bodies(steps: int, batch: int, keys: list[str], rng) -> list[bytes]:
+def _bodies(steps: int, batch: int, keys: list[str], rng, form: str = "json", positive: bool = False) -> list[bytes]:
+    """Batches as the trainer's HttpSink sends them: form "columns" is its body today
+    (StepColumns.from_records(records).encode(), monitors.columns); "json" is the per-step JSON
+    form (replays of old spools, older clients), the body before issue 10's columns."""
+    from monitors.columns import StepColumns
+    from monitors.contract import StepRecord
+
     out = []
     for lo in range(0, steps, batch):
         vals = rng.standard_normal((batch, len(keys)))
-        recs = []
-        for i in range(batch):
-            r = {"step": lo + i, "sample_lo": (lo + i) * 64, "sample_hi": (lo + i + 1) * 64, "tokens": 131072,
-                 "wall_time": 1.0, "ranks": {keys[0]: 3}}
-            r.update(zip(keys, vals[i].tolist()))
-            recs.append(r)
-        out.append(json.dumps({"records": recs}).encode())
+        if positive:  # as real norms, logits and ratios are: every point reaches the log-scale detectors
+            vals = np.abs(vals)
+        recs = [StepRecord(step=lo + i, values=dict(zip(keys, vals[i].tolist())), sample_lo=(lo + i) * 64,
+                           sample_hi=(lo + i + 1) * 64, tokens=131072, wall_time=1.0, ranks={keys[0]: 3})
+                for i in range(batch)]
+        if form == "columns":
+            out.append(StepColumns.from_records(recs).encode())
+        else:
+            out.append(json.dumps({"records": [r.to_json() for r in recs]}).encode())
     return out
+
+
+def _content_type(body: bytes) -> str:
+    from monitors.columns import COLUMNS_CONTENT_TYPE, MAGIC
+
+    return COLUMNS_CONTENT_TYPE if body[:4] == MAGIC else "application/json"
 
 
 def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple[float, float, float]:
@@ -117,7 +132,7 @@ def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise RuntimeError("benchmark server did not start")
                     time.sleep(0.1)
-            hdr = {"content-type": "application/json"}
+            hdr = {"content-type": _content_type(bodies[0])}
             c.post("/api/runs/bench/attempts/0/steps", content=bodies[0], headers=hdr).raise_for_status()  # warm-up
             _settle(c, mode)
             lat = []
@@ -144,19 +159,21 @@ def _settle(c: httpx.Client, mode: str) -> None:
 
 
 def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
-    """The server's work without HTTP: json.loads + records_from_json + Ingestor.write."""
+    """The server's work without HTTP: StepColumns.decode + Ingestor.write_columns (the columns
+    body the sink sends)."""
+    from monitors.columns import StepColumns
     from monitors.contract import RunInfo
     from supervisor.db import make_engine, make_sessionmaker, upgrade
-    from supervisor.ingest import Ingestor, records_from_json
+    from supervisor.ingest import Ingestor
 
     upgrade(url)
     eng = make_engine(url)
     ing = Ingestor(make_sessionmaker(eng))
     ing.open_run(RunInfo("inproc", 0, 8))
-    ing.write("inproc", 0, records_from_json(json.loads(bodies[0])))  # warm-up
+    ing.write_columns("inproc", 0, StepColumns.decode(bodies[0]))  # warm-up
     t = time.perf_counter()
     for b in bodies[1:]:
-        ing.write("inproc", 0, records_from_json(json.loads(b)))
+        ing.write_columns("inproc", 0, StepColumns.decode(b))
     dt = time.perf_counter() - t
     eng.dispose()
     return n_values * (len(bodies) - 1) / len(bodies) / dt
@@ -366,7 +383,7 @@ def bench_validation(steps: int, batch: int, n_values: int, reps: int = 7) -> di
     from supervisor.api.schemas import StepsBody
     from supervisor.ingest import Ingestor, records_from_json
 
-    bodies = _bodies(steps, batch, _keys(n_values), np.random.default_rng(0))
+    bodies = _bodies(steps, batch, _keys(n_values), np.random.default_rng(0), "json")
     objs = [json.loads(b) for b in bodies]
     ing = Ingestor(None)
     recs = [records_from_json(o, ing.limits) for o in objs]
@@ -400,6 +417,9 @@ def main() -> None:
     ap.add_argument("--history-steps", type=int, default=1_000_000)
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    ap.add_argument("--positive", action="store_true",
+                    help="|standard normal| values (real norms and logits are positive); default: signed, so the "
+                         "log-scale detectors skip half the points at random")
     ap.add_argument("--layouts", action="store_true", help="compare storage layouts with the raw drivers instead")
     ap.add_argument("--validation", action="store_true", help="time reading and checking a batch (no database)")
     ap.add_argument("--serve", nargs=3, metavar=("URL", "PORT", "MODE"), help=argparse.SUPPRESS)
@@ -422,9 +442,11 @@ def main() -> None:
         return
     rng = np.random.default_rng(0)
     keys = _keys(a.values)
-    bodies = _bodies(a.steps, a.batch, keys, rng)
+    bodies = _bodies(a.steps, a.batch, keys, rng, "columns", a.positive)
+    json_bodies = _bodies(a.steps, a.batch, keys, np.random.default_rng(0), "json", a.positive)
     n_values = a.steps * a.values
     mb = sum(len(b) for b in bodies) / len(bodies) / 1e6
+    mb_json = sum(len(b) for b in json_bodies) / len(json_bodies) / 1e6
     results: dict[str, dict] = {}
     tmp = tempfile.mkdtemp(prefix="tw-bench-")
     dbs = ["sqlite", "postgres"] if a.db == "both" else [a.db]
@@ -434,6 +456,7 @@ def main() -> None:
                 http_url, raw = f"sqlite:///{tmp}/http.db", None
                 http = bench_http(http_url, bodies, n_values, "daemon")
                 wo = bench_http(f"sqlite:///{tmp}/write_only.db", bodies, n_values, "write_only")
+                wo_json = bench_http(f"sqlite:///{tmp}/write_only_json.db", json_bodies, n_values, "write_only")
                 inproc = bench_inprocess(f"sqlite:///{tmp}/inproc.db", bodies, n_values)
                 raw_db = f"{tmp}/raw.db"
                 from supervisor.db import upgrade
@@ -444,13 +467,14 @@ def main() -> None:
             else:
                 from supervisor.db import upgrade
 
-                schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(4)]
+                schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(5)]
                 admin = psycopg.connect(_pg_conninfo("public"), autocommit=True)
                 for s in schemas:
                     admin.execute(f'CREATE SCHEMA "{s}"')
                 try:
                     http = bench_http(_pg_url(schemas[0]), bodies, n_values, "daemon")
                     wo = bench_http(_pg_url(schemas[3]), bodies, n_values, "write_only")
+                    wo_json = bench_http(_pg_url(schemas[4]), json_bodies, n_values, "write_only")
                     inproc = bench_inprocess(_pg_url(schemas[2]), bodies, n_values)
                     upgrade(_pg_url(schemas[1]))
                     raw = bench_raw_pg(schemas[1], a.steps, a.batch, a.values, rng)
@@ -463,29 +487,34 @@ def main() -> None:
                 "detectors_on": {"values_per_s": round(http[0]), "p99_batch_ms": round(http[1], 1),
                                  "answered_values_per_s": round(http[2])},
                 "write_only": {"values_per_s": round(wo[0]), "p99_batch_ms": round(wo[1], 1)},
+                "write_only_json": {"values_per_s": round(wo_json[0]), "p99_batch_ms": round(wo_json[1], 1)},
                 "inprocess_write_only_values_per_s": round(inproc), "raw_values_per_s": round(raw),
                 "detectors_on_over_raw": round(http[0] / raw, 4), "write_only_over_raw": round(wo[0] / raw, 3),
+                "write_only_json_over_raw": round(wo_json[0] / raw, 3),
                 "history_ms": round(hist_ms, 1), "history_points": n}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"ingest: {a.steps} steps x {a.values} values in batches of {a.batch} steps ({mb:.1f} MB JSON per batch), "
-          f"{os.cpu_count()} CPUs")
+    print(f"ingest: {a.steps} steps x {a.values} values in batches of {a.batch} steps ({mb:.2f} MB columns body, "
+          f"{mb_json:.2f} MB as per-step JSON), {os.cpu_count()} CPUs")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"load average at the end: {load:.1f} (shared machine: compare the ratios)")
     print(f"{'database':10} {'daemon values/s':>16} {'p99 ms':>8} {'/raw':>7} {'write-only':>11} {'p99 ms':>8} "
-          f"{'/raw':>6} {'raw driver':>11} {'history ms':>11}")
+          f"{'/raw':>6} {'w-o JSON':>10} {'/raw':>6} {'raw driver':>11} {'history ms':>11}")
     for name, r in results.items():
-        d, w = r["detectors_on"], r["write_only"]
+        d, w, wj = r["detectors_on"], r["write_only"], r["write_only_json"]
         print(f"{name:10} {d['values_per_s']:>16,} {d['p99_batch_ms']:>8.1f} {r['detectors_on_over_raw']:>7.4f} "
               f"{w['values_per_s']:>11,} {w['p99_batch_ms']:>8.1f} {r['write_only_over_raw']:>6.3f} "
+              f"{wj['values_per_s']:>10,} {r['write_only_json_over_raw']:>6.3f} "
               f"{r['raw_values_per_s']:>11,} {r['history_ms']:>11.1f}")
-    print("daemon: `thermowatch serve`'s app (detectors, policy, alerts on) in a uvicorn subprocess, from the first")
-    print("request to the last value committed AND judged (it answers, then judges). write-only: the ingest router")
-    print("over a bare Ingestor, no detectors (last round's headline). raw driver: sqlite3 executemany / psycopg")
-    print("COPY of the same chunk + step rows. history: one metric, 10^6 steps in 50-step chunks, best of 5.")
+    print("daemon: `thermowatch serve`'s app (detectors, policy, alerts on) in a uvicorn subprocess, fed the columns")
+    print("body the trainer's HttpSink sends, from the first request to the last value committed AND judged (it")
+    print("answers, then judges). write-only: the ingest router over a bare Ingestor, no detectors, same body;")
+    print("w-o JSON: the same with the per-step JSON form. raw driver: sqlite3 executemany / psycopg COPY of the")
+    print("same chunk + step rows. history: one metric, --history-steps steps in 50-step chunks, best of 5.")
     if a.json:
         print(json.dumps({"bench": "ingest", "steps": a.steps, "batch": a.batch, "values": a.values, "load": load,
+                          "positive": a.positive,
                           **results}))
 
 

@@ -12,7 +12,10 @@ import math
 from itertools import chain
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 from sqlalchemy.orm import sessionmaker
+
+from monitors.columns import StepColumns
 
 from monitors.contract import INT32_MAX, INT64_MAX, RECORD_FIELDS, CheckpointInfo, ContractError, RunInfo, StepRecord
 from supervisor.errors import Conflict
@@ -25,6 +28,7 @@ from supervisor.store import checkpoints as checkpoints_store
 from supervisor.store import runs as runs_store
 from supervisor.store import steps as steps_store
 from supervisor.store import thermometers
+from supervisor.ingest_columns import check_columns
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +99,37 @@ class Ingestor:
                 thermometers.append(s, run_id, attempt, records, view)
         self._cache.merge(view)  # only after the commit
         if records:  # a re-sent batch was checked and judged when it first came: never twice
-            if self._check_state is not None:
-                try:
-                    self._check_state(run_id, attempt, records)
-                except Exception:  # the batch is committed; a failing check must not bounce it
-                    log.exception("state check failed for run %s attempt %s", run_id, attempt)
-            self._notify(run_id, attempt, records)
+            self._committed(run_id, attempt, records)
         return n_values
+
+    def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
+        """write() for a batch sent as columns (monitors.columns): the same checks, the same
+        immutability and judged-once rules, without a Python object per value on the way in."""
+        n_values, keys = check_columns(run_id, attempt, cols, self.limits, BatchTooLarge)
+        if not len(cols):
+            return 0
+        view = self._cache.view()
+        with self._sessions.begin() as s:
+            self._check_attempt(s, run_id, attempt)
+            cols = _new_columns(s, run_id, attempt, cols)
+            if len(cols):
+                thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
+                steps_store.record_step_columns(s, run_id, attempt, cols)
+                thermometers.append_columns(s, run_id, attempt, cols, view)
+        self._cache.merge(view)
+        if len(cols):
+            # The judge and the consistency check read records; built after the commit, per step
+            # (a dict by zip), on the request's thread.
+            self._committed(run_id, attempt, cols.to_records())
+        return n_values
+
+    def _committed(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+        if self._check_state is not None:
+            try:
+                self._check_state(run_id, attempt, records)
+            except Exception:  # the batch is committed; a failing check must not bounce it
+                log.exception("state check failed for run %s attempt %s", run_id, attempt)
+        self._notify(run_id, attempt, records)
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         validate_checkpoint(ckpt)
@@ -249,6 +277,24 @@ def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> lis
     resent = [r for r in records if r.step in old]
     if not resent:  # stored steps between the batch's own (e.g. it holds 3 and 10, 5 is stored): nothing re-sent
         return records
+    _check_resent(s, run_id, attempt, resent, old)
+    return [r for r in records if r.step not in old]
+
+
+def _new_columns(s, run_id: str, attempt: int, cols: StepColumns) -> StepColumns:
+    """_new_records for a batch of columns: the same answer, the same messages."""
+    old = steps_store.stored(s, run_id, attempt, int(cols.steps.min()), int(cols.steps.max()))
+    if not old:
+        return cols
+    resent = np.isin(cols.steps, np.fromiter(old, np.int64, len(old)))
+    if not resent.any():
+        return cols
+    _check_resent(s, run_id, attempt, cols.select(resent).to_records(), old)  # rare: a retry
+    return cols.select(~resent)
+
+
+def _check_resent(s, run_id: str, attempt: int, resent: list[StepRecord], old: dict[int, tuple[int, int]]) -> None:
+    """HistoryConflict unless every re-sent step carries exactly what is stored."""
     points = thermometers.stored_points(s, run_id, attempt, min(r.step for r in resent), max(r.step for r in resent))
     for r in resent:
         if (r.sample_lo, r.sample_hi) != old[r.step]:
@@ -266,7 +312,6 @@ def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> lis
                     f"{'nothing' if was is None else repr(was)}, this write says {'nothing' if now is None else repr(now)}. "
                     "Stored history is immutable: re-send exactly what was sent, or report a retrained step "
                     "under a new attempt")
-    return [r for r in records if r.step not in old]
 
 
 def validate_run_info(info: RunInfo) -> None:

@@ -19,6 +19,7 @@ HttpCommandChannel implements contract.CommandChannel:
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import logging
@@ -26,15 +27,18 @@ import os
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from urllib.parse import quote
 
 import httpx
 
+from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
 from monitors.contract import INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunInfo, StepRecord, dumps, loads
 from trainer.checkpoint import fsync_dir
 
 log = logging.getLogger(__name__)
+JSON = "application/json"
 
 
 class SinkRejected(RuntimeError):
@@ -95,8 +99,10 @@ class HttpSink:
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if records:
             records = list(records)  # the caller may reuse its list; the records themselves are not mutated
+            # One array per series per batch (monitors.columns), not one JSON key per value per
+            # step: the daemon decodes it with np.frombuffer, and NaN/+-Inf travel bit-exact.
             self._submit(f"{_run_path(run_id)}/attempts/{attempt}/steps",
-                         lambda: {"records": [r.to_json() for r in records]})
+                         lambda: Encoded(StepColumns.from_records(records).encode(), COLUMNS_CONTENT_TYPE))
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", ckpt.to_json)
@@ -147,7 +153,7 @@ class HttpSink:
             # The sender is stuck (a slow supervisor): spill, in order, behind everything queued.
             if self._overflow is None:
                 self._overflow = open(self.spool_dir / "overflow.jsonl", "ab")
-            self._overflow.write(_spool_line(path, json.dumps(body()).encode()))
+            self._overflow.write(_spool_line(path, *_encode(body())))
 
     # --- the sender thread ---------------------------------------------------------------------
 
@@ -165,7 +171,7 @@ class HttpSink:
             try:
                 if item is not None:
                     path, body = item
-                    self._send(path, json.dumps(body()).encode())  # NaN/Infinity literals: ingest accepts them
+                    self._send(path, *_encode(body()))
                 else:
                     self._promote_overflow()
                     with self._lock:
@@ -221,23 +227,23 @@ class HttpSink:
         with self._lock:
             return self._replay(force)
 
-    def _send(self, path: str, data: bytes) -> None:
+    def _send(self, path: str, data: bytes, content_type: str = JSON) -> None:
         with self._lock:
             if self._spool_files() and not self._replay(force=False):
-                self._spool(path, data)  # keep order: queue behind what is already spooled
+                self._spool(path, data, content_type)  # keep order: queue behind what is already spooled
                 return
             try:
-                self._post(path, data)
+                self._post(path, data, content_type)
             except _Unreachable as exc:
                 log.warning("supervisor unreachable (%s); spooling to %s", exc, self.spool_dir)
                 self._failed()
-                self._spool(path, data)
+                self._spool(path, data, content_type)
             except SinkRejected as exc:
-                self._reject(_spool_line(path, data), str(exc))
+                self._reject(_spool_line(path, data, content_type), str(exc))
 
-    def _post(self, path: str, data: bytes) -> None:
+    def _post(self, path: str, data: bytes, content_type: str = JSON) -> None:
         try:
-            r = self._client.post(path, content=data)
+            r = self._client.post(path, content=data, headers={"content-type": content_type})
         except httpx.TransportError as exc:  # connect refused/timeout, reset, read timeout
             raise _Unreachable(f"{type(exc).__name__}: {exc}") from exc
         if r.status_code >= 500:
@@ -252,12 +258,12 @@ class HttpSink:
     def _file_seq(p: Path) -> int:
         return int(p.stem.split("-")[1])
 
-    def _spool(self, path: str, data: bytes) -> None:
+    def _spool(self, path: str, data: bytes, content_type: str = JSON) -> None:
         if self._file is None:
             self._seq += 1
             self._file = open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab")
             fsync_dir(self.spool_dir)  # make the new file's name durable too
-        self._file.write(_spool_line(path, data))
+        self._file.write(_spool_line(path, data, content_type))
         self._file.flush()
         os.fsync(self._file.fileno())  # a crash of the controller must not lose spooled steps
 
@@ -283,7 +289,7 @@ class HttpSink:
                     self._reject(line, "unreadable spool line")
                     continue
                 try:
-                    self._post(msg["path"], json.dumps(msg["body"]).encode())
+                    self._post(msg["path"], *_spooled_body(msg))
                 except _Unreachable as exc:
                     self._failed()
                     if i:  # keep only what is left; atomically, so a crash leaves old or new
@@ -318,8 +324,33 @@ class _Unreachable(Exception):
     pass
 
 
-def _spool_line(path: str, data: bytes) -> bytes:
-    return b'{"path": ' + json.dumps(path).encode() + b', "body": ' + data + b"}\n"
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A body already serialised, with its content type (the steps batch as columns)."""
+
+    data: bytes
+    content_type: str
+
+
+def _encode(body: Any) -> tuple[bytes, str]:
+    if isinstance(body, Encoded):
+        return body.data, body.content_type
+    return json.dumps(body).encode(), JSON  # NaN/Infinity literals: ingest accepts them
+
+
+def _spool_line(path: str, data: bytes, content_type: str = JSON) -> bytes:
+    """One JSONL line per message. A JSON body is kept as it is (readable, and what an older
+    spool holds); any other body as base64 beside its content type."""
+    if content_type == JSON:
+        return b'{"path": ' + json.dumps(path).encode() + b', "body": ' + data + b"}\n"
+    return json.dumps({"path": path, "content_type": content_type,
+                       "body_b64": base64.b64encode(data).decode()}).encode() + b"\n"
+
+
+def _spooled_body(msg: dict) -> tuple[bytes, str]:
+    if "body_b64" in msg:
+        return base64.b64decode(msg["body_b64"]), msg["content_type"]
+    return json.dumps(msg["body"]).encode(), JSON
 
 
 class HttpCommandChannel:

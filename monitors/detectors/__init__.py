@@ -125,6 +125,14 @@ ROUTES: tuple[Route, ...] = (
     Route("act_overflow", frozenset({ACT_MAX, ACT_MIN}), lambda c, w: ActOverflowBank(c.act)),
 )
 
+def run_witnesses(config: BankConfig) -> Witnesses:
+    """One run's witnesses. The attention episode (witness.py) lasts while a logit stays at or
+    above the attention detectors' act_level, one level for "this needs a human" and "the
+    episode goes on", and ends on the attention detectors' clear_steps and window."""
+    return Witnesses(config.witness, episode_level=config.attn.act_level, clear=config.attn.clear_steps,
+                     stale=config.attn.window)
+
+
 # A record's keys -> per route, (positions in the record, rows in the route's bank). Records of
 # one run carry the same keys step after step, so the routing is worked out once per key set.
 Plan = list[tuple[int, SeriesBank, np.ndarray, np.ndarray]]
@@ -136,7 +144,7 @@ class DetectorBank:
         self._routes = [r for r in ROUTES if r.name not in self.config.disabled]
         self.outlier = OutlierRankDetector(self.config.outlier)
         self.stall = StallDetector(self.config.stall)
-        self.witnesses = Witnesses(self.config.witness)
+        self.witnesses = run_witnesses(self.config)
         # One bank per route: every series of that route is a row in it.
         self.series: dict[str, SeriesBank] = {r.name: r.make(self.config, self.witnesses) for r in self._routes}
         self._plans: dict[tuple[str, ...], Plan] = {}
@@ -193,10 +201,36 @@ class DetectorBank:
         return findings
 
     def observe_many(self, records: Iterable[StepRecord], attempt: int | None = None) -> list[Finding]:
+        """observe() each record, in order. A batch of rising steps has its witnesses' shifts
+        judged for all its steps in one numpy pass first (Witnesses.prepare); the findings are
+        those of observing one record at a time (tests/monitors/test_batch_judge.py)."""
+        records = list(records)
+        steps = [r.step for r in records]
+        if len(records) > 1 and all(a < b for a, b in zip(steps, steps[1:])):
+            self._begin_batch([r for r in records if not self.already_judged(r, attempt)])
         out: list[Finding] = []
-        for record in records:
-            out.extend(self.observe(record, attempt))
+        try:
+            for record in records:
+                out.extend(self.observe(record, attempt))
+        finally:
+            self.witnesses.prepare([])  # nothing judged ahead outlives its batch
+            for bank in self.series.values():
+                bank.end_batch()
         return out
+
+    def _begin_batch(self, records: list[StepRecord]) -> None:
+        """Window statistics ahead for a plain batch (rising steps, the same keys in each record):
+        the witnesses' shifts, and each bank's medians over the rows present at every step."""
+        self.witnesses.prepare(records)
+        if len(records) < 2:
+            return
+        keys = tuple(records[0].values)
+        if any(tuple(r.values) != keys for r in records):
+            return
+        values = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
+        steps = np.fromiter((r.step for r in records), np.int64, len(records))
+        for _, bank, pos, rows in self._plan(keys):
+            bank.begin_batch(steps, rows, values[:, pos])
 
     def check(self, now: float) -> list[Finding]:
         """Wall-clock checks (stall). `now` must be on the same clock as record.wall_time."""
@@ -265,7 +299,7 @@ class DetectorBank:
 __all__ = [
     "ActOverflowConfig", "ActOverflowDetector", "AttnLogitCeilingDetector", "AttnLogitConfig",
     "AttnLogitGrowthDetector", "BankConfig", "DegradationConfig", "DegradationDetector", "DetectorBank",
-    "WitnessConfig", "Witnesses", "GradSpikeConfig", "GradSpikeDetector",
+    "WitnessConfig", "Witnesses", "run_witnesses", "GradSpikeConfig", "GradSpikeDetector",
     "LossSpikeConfig", "LossSpikeDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
     "OutlierRankDetector", "ROUTES", "Route", "SeriesDetector", "StallConfig", "StallDetector",
 ]

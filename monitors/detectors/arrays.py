@@ -19,19 +19,29 @@ from __future__ import annotations
 import base64
 import json
 import zlib
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from monitors.contract import Outcome, Severity
 
-from .base import Latch
+from .base import MAD_TO_SIGMA, Latch
 
 CHUNK = 8  # ring slots per saved chunk: one step dirties 1/16 of a 128-slot ring, a 50-step batch 7
 NO_STEP = np.iinfo(np.int64).min  # "no last step" (None in the per-series design)
 SEVERITIES = (Severity.INFO, Severity.WARN, Severity.CRITICAL)
 OUTCOMES = tuple(Outcome)
 _SCALARS = ("pos", "length", "seen", "last_step", "run", "first_exceed", "lsev", "lout", "lonset", "lclear")
+
+
+@dataclass(slots=True)
+class _Batch:
+    rows: np.ndarray  # sorted
+    pos0: np.ndarray  # their ring positions when the batch began
+    x: np.ndarray  # [rows, H + K]: each ring oldest first, then the batch's values
+    steps: np.ndarray  # [K]
+    cache: dict
 
 
 def pack(arrays: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> bytes:
@@ -72,6 +82,7 @@ class Rows:
         self.index: dict[str, int] = {}
         self._alloc(8)
         self.dirty: set[int] = set()  # ring chunks written since the last save
+        self._batch: _Batch | None = None  # begin_batch(): the rows' values of a whole batch, ahead
 
     def _alloc(self, cap: int) -> None:
         old = getattr(self, "steps", None)
@@ -117,6 +128,79 @@ class Rows:
         else:
             self.dirty.update((np.unique(p) // CHUNK).tolist())
 
+    def append_many(self, rows: np.ndarray, steps: np.ndarray, ys: np.ndarray) -> None:
+        """`append` of K steps at once (ys: [len(rows), K]); the same ring, counters and dirty
+        chunks as K calls, in one fancy assignment (only the last H of them can survive)."""
+        K = len(steps)
+        if rows.size == 0 or K == 0:
+            return
+        first = max(0, K - self.H)
+        t = np.arange(first, K)
+        p = self.pos[rows]
+        slots = (p[:, None] + t[None, :]) % self.H
+        self.steps[rows[:, None], slots] = steps[first:][None, :]
+        self.vals[rows[:, None], slots] = ys[:, first:]
+        self.pos[rows] = (p + K) % self.H
+        self.length[rows] = np.minimum(self.length[rows] + K, self.H)
+        self.dirty.update((np.unique((p[:, None] + np.arange(K)[None, :]) % self.H) // CHUNK).tolist())
+
+    # --- a batch of steps ahead (issue 10: one numpy call per window for the whole batch) -------
+
+    def begin_batch(self, rows: np.ndarray, steps: np.ndarray, ys: np.ndarray) -> None:
+        """The caller will append ys[t] (ys: [K, len(rows)]) to `rows` at steps[t], one step at a
+        time, each row at every step. Until end_batch(), window statistics of those rows come
+        from one sliding-window pass over ring + batch (`window_stats`), the same values in the
+        same order as `blocks` gives step by step. Only full rings and K < H (a row's position
+        then tells how many of the batch it holds); otherwise nothing is kept."""
+        self._batch = None
+        K = len(steps)
+        if rows.size == 0 or K == 0 or K >= self.H or (self.length[rows] < self.H).any():
+            return
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        x = np.concatenate([self.ordered(rows), ys[:, order].T], axis=1)  # [P, H + K]
+        self._batch = _Batch(rows, self.pos[rows].copy(), x, np.asarray(steps, np.int64), {})
+
+    def end_batch(self) -> None:
+        self._batch = None
+
+    def window_stats(self, idx: np.ndarray, n: int, skip_last: int, robust: bool):
+        """(covered mask over idx, median, sigma or None) of the window `blocks(idx, n,
+        skip_last)` would give, for the rows begin_batch() holds; None when it holds none."""
+        b = self._batch
+        if b is None or idx.size == 0:
+            return None
+        j = np.minimum(np.searchsorted(b.rows, idx), b.rows.size - 1)
+        covered = b.rows[j] == idx
+        if not covered.any():
+            return None
+        j = j[covered]
+        held = (self.pos[idx[covered]] - b.pos0[j]) % self.H  # batch points each row holds now
+        # A row that missed an append would hold a different batch step last: leave it to blocks.
+        last = self.steps[idx[covered], (self.pos[idx[covered]] - 1) % self.H]
+        ok = (held == 0) | (last == b.steps[np.maximum(held - 1, 0)])
+        covered[np.flatnonzero(covered)[~ok]] = False
+        j, held = j[ok], held[ok]
+        k = min(n, self.H - skip_last)
+        if k <= 0 or not covered.any():
+            return None
+        key = (k, skip_last, robust)
+        got = b.cache.get(key)
+        if got is None:
+            # windows ending `skip_last` before the newest point, after a = 0..K batch points
+            w = np.lib.stride_tricks.sliding_window_view(b.x, k, axis=1)
+            start = self.H - skip_last - k
+            w = w[:, start:start + len(b.steps) + 1]  # [P, K + 1, k]
+            med = np.median(w, axis=-1)
+            sig = MAD_TO_SIGMA * np.median(np.abs(w - med[..., None]), axis=-1) if robust else None
+            got = b.cache[key] = (med, sig)
+        med, sig = got
+        return covered, med[j, held], (sig[j, held] if robust else None)
+
+    def ordered(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's ring, oldest first ([len(rows), H]); meaningful for full rows."""
+        return self.vals[rows[:, None], self._slots(rows, self.H, 0)]
+
     def _slots(self, rows: np.ndarray, k: int, skip_last: int) -> np.ndarray:
         return (self.pos[rows, None] - skip_last - k + np.arange(k)[None, :]) % self.H
 
@@ -152,6 +236,7 @@ class Rows:
 
     def rewind(self, rows: np.ndarray, to_step: int | None) -> np.ndarray:
         """History.rewind per row; returns how many points each row dropped."""
+        self._batch = None  # a batch taken ahead assumed no rewind inside it
         if rows.size == 0:
             return np.zeros(0, np.int64)
         if to_step is None:

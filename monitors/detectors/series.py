@@ -38,21 +38,33 @@ def slogs(v: np.ndarray) -> np.ndarray:
 def robust_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(median, sigma) per row over the window tail(n, skip_last), sigma = 1.4826 * MAD: half the
     window may be outliers and the baseline still holds, unlike mean/std where one spike inflates
-    the threshold."""
+    the threshold. Rows of a batch begun ahead (Rows.begin_batch) are looked up, not recomputed."""
     med, sigma = np.full(idx.size, np.nan), np.full(idx.size, np.nan)
-    for at, block in rows.blocks(idx, n, skip_last):
+    rest = np.arange(idx.size)
+    got = rows.window_stats(idx, n, skip_last, True)
+    if got is not None:
+        covered, m, s = got
+        med[covered], sigma[covered] = m, s
+        rest = np.flatnonzero(~covered)
+    for at, block in rows.blocks(idx[rest], n, skip_last):
         if block.shape[1]:
             m = np.median(block, axis=1)
-            med[at] = m
-            sigma[at] = MAD_TO_SIGMA * np.median(np.abs(block - m[:, None]), axis=1)
+            med[rest[at]] = m
+            sigma[rest[at]] = MAD_TO_SIGMA * np.median(np.abs(block - m[:, None]), axis=1)
     return med, sigma
 
 
 def median_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> np.ndarray:
     out = np.full(idx.size, np.nan)
-    for at, block in rows.blocks(idx, n, skip_last):
+    rest = np.arange(idx.size)
+    got = rows.window_stats(idx, n, skip_last, False)
+    if got is not None:
+        covered, m, _ = got
+        out[covered] = m
+        rest = np.flatnonzero(~covered)
+    for at, block in rows.blocks(idx[rest], n, skip_last):
         if block.shape[1]:
-            out[at] = np.median(block, axis=1)
+            out[rest[at]] = np.median(block, axis=1)
     return out
 
 
@@ -105,6 +117,26 @@ class SeriesBank:
 
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:  # pragma: no cover
         raise NotImplementedError
+
+    def batch_values(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a batch ([K, rows] values): (mask of the rows appended at every step, the values
+        they append [K, that many]), for banks whose windows can be taken ahead; None if not."""
+        return None
+
+    def begin_batch(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        """Before observing a batch of steps one by one: hand the rows that append at every step
+        to Rows.begin_batch, so each window statistic is one numpy call for the whole batch.
+        Only when the batch goes forward for every row (no implicit rewind inside it)."""
+        R = self.rows
+        R.end_batch()
+        if rows.size == 0 or (R.last_step[rows] >= steps[0]).any():
+            return
+        got = self.batch_values(values)
+        if got is not None and got[0].any():
+            R.begin_batch(rows[got[0]], steps, got[1])
+
+    def end_batch(self) -> None:
+        self.rows.end_batch()
 
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback to `to_step`: forget points at or after it, drop the latches. With

@@ -66,6 +66,13 @@ class SpikeBank(SeriesBank):
         """Back to the metric's own units for evidence."""
         return y
 
+    def batch_values(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ok, ys = self.transform(values.ravel())
+        full = np.full(values.size, np.nan)
+        full[ok] = ys
+        every = ok.reshape(values.shape).all(axis=0)
+        return every, full.reshape(values.shape)[:, every]
+
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows
         ok, ys = self.transform(values)  # non_finite.py owns NaN/Inf; keep them out of the median

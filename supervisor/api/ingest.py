@@ -2,6 +2,8 @@
 
     POST /api/runs                                       RunInfo JSON          -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/steps       {"records": [...]}    -> 200 {"ok": true, "records": n, "values": m}
+         or, with content type application/vnd.thermowatch.step-columns, the same batch as columns
+         (monitors.columns: one array per series; what trainer.http_sink sends)
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints CheckpointInfo JSON   -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted {"steps", "reason"} -> {"ok": true}
 
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
+from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
 from supervisor.api import call
 from supervisor.api.auth import Guard
 from supervisor.auth import Principal
@@ -71,6 +74,10 @@ def parse_json(body: bytes) -> Any:
                                  "32 levels (limits.max_json_depth)") from None
 
 
+def _is_columns(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == COLUMNS_CONTENT_TYPE
+
+
 def _attempt(raw: str) -> int:
     # Parsed here, not by FastAPI, so the 422 detail is one sentence like every other error.
     try:
@@ -101,12 +108,18 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
         att = _attempt(attempt)
         body = await read_body(request, max_body_bytes)
 
+        columnar = _is_columns(request.headers.get("content-type", ""))
+
         def work() -> dict:
-            records = records_from_json(parse_json(body), ingestor.limits)
-            n = ingestor.write(run_id, att, records)
+            if columnar:
+                cols = StepColumns.decode(body)
+                n, n_records = ingestor.write_columns(run_id, att, cols), len(cols)
+            else:
+                records = records_from_json(parse_json(body), ingestor.limits)
+                n, n_records = ingestor.write(run_id, att, records), len(records)
             if counters is not None:
-                counters.batch(len(records), n)
-            return {"ok": True, "records": len(records), "values": n}
+                counters.batch(n_records, n)
+            return {"ok": True, "records": n_records, "values": n}
 
         return await call(work)
 
@@ -135,4 +148,26 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
                              ("POST", "/api/runs/{run_id}/attempts/{attempt}/steps"): StepsBody,
                              ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints"): CheckpointBody,
                              ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted"): CheckpointsDeleted})
+    _document_columns(router)
     return router
+
+
+def _document_columns(router: APIRouter) -> None:
+    """The steps route's second body: the batch as columns (monitors.columns, its docstring has
+    the byte layout), beside the per-step JSON form that replays and older clients send."""
+    for route in router.routes:
+        if getattr(route, "path", "") == "/api/runs/{run_id}/attempts/{attempt}/steps":
+            body = route.openapi_extra["requestBody"]
+            body["content"] = {**body["content"], COLUMNS_CONTENT_TYPE: {"schema": {
+                "type": "string", "format": "binary", "description": _COLUMNS_DOC}}}
+            return
+    raise RuntimeError("_document_columns: no steps route")
+
+
+_COLUMNS_DOC = (
+    "The batch as columns, one array per series (what the trainer's HttpSink sends): b'TWC1', a uint32 LE "
+    "header length, a JSON header {\"steps\": n, \"keys\": [...], \"ranked\": [key indices], \"present\": bool, "
+    "\"ledger_digest\": [n strings], optional}, then little-endian arrays: int64[n] step, sample_lo, sample_hi, "
+    "tokens; float64[n] wall_time; float64[keys x n] values, series after series (NaN and +-Inf bit-exact); "
+    "uint8[keys x n] present mask when \"present\"; int32[ranked x n] ranks, -1 for none. The same checks and "
+    "limits as the JSON form apply.")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from monitors.columns import StepColumns
 from monitors.contract import StepRecord
 from supervisor.store._sql import insert_ignore
 from supervisor.store.orm import Step
@@ -25,6 +26,16 @@ def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[
                 for r in records
             ],
         )
+
+
+def record_step_columns(session: Session, run_id: str, attempt: int, cols: StepColumns) -> None:
+    """record_steps for a batch of columns (monitors.columns)."""
+    if len(cols):
+        session.execute(insert_ignore(session, Step.__table__), [
+            {"run_id": run_id, "attempt": attempt, "step": st, "sample_lo": lo, "sample_hi": hi, "tokens": tok,
+             "wall_time": wt}
+            for st, lo, hi, tok, wt in zip(cols.steps.tolist(), cols.sample_lo.tolist(), cols.sample_hi.tolist(),
+                                           cols.tokens.tolist(), cols.wall_time.tolist())])
 
 
 def stored(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[int, tuple[int, int]]:
@@ -58,3 +69,13 @@ def step_wall_times(session: Session, run_id: str, attempt: int, step_lo: int = 
         .order_by(Step.step)
     ).all()
     return [(s, w) for s, w in rows]
+
+
+def steps_of_samples(session: Session, run_id: str, sample_lo: int, sample_hi: int) -> tuple[int, int] | None:
+    """The first and last step (any attempt) that consumed a sample of [sample_lo, sample_hi): where
+    a skip range sits on the step axis. None when no stored step overlaps it."""
+    lo, hi = session.execute(
+        select(func.min(Step.step), func.max(Step.step))
+        .where(Step.run_id == run_id, Step.sample_hi > sample_lo, Step.sample_lo < sample_hi)
+    ).one()
+    return None if lo is None else (int(lo), int(hi))

@@ -12,20 +12,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monitors.contract import StepRecord, split_key
-from monitors.detectors import BankConfig, DetectorBank, Witnesses
+from monitors.detectors import BankConfig, DetectorBank, run_witnesses
 from tests.fixtures import streams
 
 # Findings of the per-series design (one Python object per series, before the banks; commit
 # 0b0409b) on streams.stream(seed, n_steps=150, n_layers=10): (count, sha256 of the JSON of
 # [(step, finding.to_json()), ...] with sorted keys, first 16 hex digits). To regenerate after
 # an intended change of a rule, run `_digest` on the code that is meant to be the reference.
+# Regenerated for the attention episode (issue 8: an acting attention finding carries the onset
+# of the run's first attention alert): the same counts, acting findings' onsets and evidence
+# changed; the per-series design below takes the same witnesses (run_witnesses).
+# Hashed with floats at 9 significant digits (`_rounded`) since 2026-11-24: the exact digests
+# recorded on an AVX-512 Xeon failed on an AMD EPYC without AVX-512 (same counts, last bits of
+# evidence values); regenerated there after checking that the per-series design
+# (`_per_series_run`) gives exactly the banks' findings on these 12 streams.
 PER_SERIES_DESIGN = {
-    "0/small": (203, "cbf65a6c1d7de2fb"), "0/default": (159, "4ed33d18c4cc640d"),
-    "1/small": (218, "d8bf7786614ebe84"), "1/default": (166, "0125bd9b40885e78"),
-    "2/small": (249, "9a9d08b3f167be2a"), "2/default": (176, "14fa2ae3146a8974"),
-    "3/small": (271, "801ed675314233d4"), "3/default": (201, "406327eae38c9d1c"),
-    "4/small": (249, "bfb96c1ca6f1ca3e"), "4/default": (183, "0edfa1e7658279c2"),
-    "5/small": (254, "d567bd3858252ec6"), "5/default": (196, "f8b73ab38c6a7842"),
+    "0/small": (203, "63015ec6ae8cffa0"), "0/default": (159, "2ab1ae8d53533260"),
+    "1/small": (218, "01942875042eea79"), "1/default": (166, "734011150dd20dab"),
+    "2/small": (249, "e17881b7c633578f"), "2/default": (176, "3d86b5816c68af01"),
+    "3/small": (271, "e2f9ffb69e0e2119"), "3/default": (201, "07e15357db60bfff"),
+    "4/small": (249, "69dde61852b72f58"), "4/default": (183, "036c3a40cd383c4a"),
+    "5/small": (254, "ecb4482d7ba08c32"), "5/default": (196, "f630a1cae38db801"),
 }
 CONFIGS = {"small": streams.CFG, "default": {}}
 
@@ -41,8 +48,20 @@ def _bank_run(stream, cfg, bank=None):
     return out
 
 
+def _rounded(x):
+    """Floats to 9 significant digits: numpy's SIMD kernels (AVX-512 or not) differ in the last
+    bits of evidence values between CPUs, which a digest of exact reprs would read as a change."""
+    if isinstance(x, float):
+        return float(f"{x:.9g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def _digest(found) -> tuple[int, str]:
-    return len(found), hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:16]
+    return len(found), hashlib.sha256(json.dumps(_rounded(found), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def test_the_banks_give_the_per_series_designs_findings():
@@ -57,7 +76,7 @@ def _per_series_run(stream, cfg):
     record order as the per-series design did, the run's witnesses first."""
     config = BankConfig.from_dict({**cfg, "disabled": ["stall", "outlier_rank"]})
     bank = DetectorBank(config)  # only for its routes and witnesses config
-    witnesses = Witnesses(config.witness)
+    witnesses = run_witnesses(config)
     dets: dict[tuple[str, str], object] = {}
     out = []
     for ev in stream:

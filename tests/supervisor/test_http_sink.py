@@ -3,6 +3,7 @@ nothing is lost while the supervisor (or its database) is down, and order is kep
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
+from monitors.columns import COLUMNS_CONTENT_TYPE
 from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
 from supervisor.api.ingest import make_router
 from supervisor.db import make_engine, make_sessionmaker
@@ -307,4 +309,27 @@ def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
         assert [c.step for c in ckpt_store.checkpoints(s, "r")] == [30]
         assert [c.step for c in ckpt_store.checkpoints(s, "r", include_deleted=True) if c.deleted] == [10, 20]
     assert sink.spooled == 0
+    sink.close()
+
+
+def test_batches_travel_as_columns_and_an_older_json_spool_still_replays(db, server, tmp_path):
+    """The sink posts steps as columns (monitors.columns); a spool written by an older sink (JSON
+    bodies) replays in order beside the new lines (base64 of the columns body)."""
+    server.stop()
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0))
+    sink.close()
+    spool = next((tmp_path / "spool").glob("spool-*.jsonl"))
+    lines = [json.loads(x) for x in spool.read_bytes().splitlines()]
+    assert lines[1]["content_type"] == COLUMNS_CONTENT_TYPE and "body_b64" in lines[1]
+    old = {"path": "/api/runs/r/attempts/0/steps", "body": {"records": [r.to_json() for r in _batch(10)]}}
+    with open(spool, "ab") as f:
+        f.write(json.dumps(old).encode() + b"\n")
+    server.start()
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN)
+    sink.write("r", 0, _batch(20))
+    assert sink.drain(30) and sink.flush(force=True)
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(30))
+    assert sink.rejected == 0
     sink.close()
