@@ -166,7 +166,8 @@ def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> d
             opt.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)  # pre-clip norm
-            opt.step()
+            with th.measure_update():  # update_ratio on sampled steps, as trainer/worker.py does
+                opt.step()
             th.end_step(loss=loss, lr=lr, grad_norm=norm)
             rec = StepRecord(step=step, values=th.as_dict(th.collect()), sample_lo=batch.sample_lo,
                              sample_hi=batch.sample_hi, tokens=batch.tokens, wall_time=time.time())

@@ -13,7 +13,8 @@ Scored, per detector signal and for the full default policy (DetectorBank(BankCo
 PolicyConfig() through `thermowatch replay`'s decider): damaged runs acted on, acted on before
 the damage, healthy runs acted on (goal 0), false actions per 10k healthy steps, lead against a
 fixed ceiling of 100 on the runs whose logits crossed it before the damage (goal >= 0.9x), and
-the damaged runs missed. Peers (each finding of theirs counts as an action: they stop or flag):
+the damaged runs missed; on those runs also the rollback's reach (how far before the damage the
+first act's rollback goes, against a ceiling action at the crossing). Peers (each finding of theirs counts as an action: they stop or flag):
 
   olmo_core     loss and grad_norm > mean + 6 std of the previous 128 steps
   llm_foundry   loss >= 2 x mean of the previous 100 steps for > 4 steps (or >= 10 persistently)
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _divergence_grid as grid_mod
 import _divergence_runs as runs
 
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, StepRecord
+from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, Severity, StepRecord
 from monitors.detectors import BankConfig, DetectorBank
 from monitors.detectors.baselines import PeerBank
 from monitors.replay import read_records
@@ -167,6 +168,42 @@ def _alerts(r: Run, det: str) -> list[int]:
     if det in PEERS:
         return _acts(r, det)
     return [f.detect_step for f in r.findings["ours"] if f.signal.value == det and f.outcome is not Outcome.WATCH]
+
+
+def rollback_reach(r: Run) -> dict:
+    """How far back the default policy's first action reaches, against a fixed ceiling of 100
+    acting at the crossing: the onset each rolls back before (the policy takes the newest healthy
+    checkpoint at or before onset - rollback_margin_steps), and the checkpoint each would load
+    (the ceiling's first finding decided as `act` by the same policy, alone; None = no checkpoint
+    that old, the policy pauses instead)."""
+    first = next(((f, d) for f, d in r.decisions if d.get("kind") in ACTS), None)
+    ceil = next((f for f in r.findings["ours"] if f.signal.value == "attn_logit_ceiling"), None)
+    out = {"act_onset": first[0].onset_step if first else None, "target": first[1].get("target_step") if first else None,
+           "ceiling_onset": ceil.onset_step if ceil else None, "ceiling_target": None}
+    if ceil is not None:
+        forced = dataclasses.replace(ceil, outcome=Outcome.ACT, severity=Severity.CRITICAL)
+        out["ceiling_target"] = replay_decider({})(forced).get("target_step")
+    return out
+
+
+def target_lead(all_runs: list[Run]) -> list[dict]:
+    """Per damaged run whose logits crossed the ceiling before the damage: the first act's lead
+    and the rollback's reach (damage - act onset over damage - ceiling onset; 1.0 = the rollback
+    goes back as far as a ceiling action at the crossing would have)."""
+    out = []
+    for r in all_runs:
+        if not (r.damaged and r.ceiling_step is not None and r.ceiling_step < r.div_step):
+            continue
+        reach = rollback_reach(r)
+        first = min(_acts(r, "policy"), default=None)
+        a, c = reach["act_onset"], reach["ceiling_onset"]
+        out.append({
+            "run": r.label, "crossing": r.ceiling_step, "damage": r.div_step, "first_act": first,
+            "act_lead": round((r.div_step - first) / (r.div_step - r.ceiling_step), 2) if first is not None else 0.0,
+            **reach,
+            "reach_lead": round((r.div_step - a) / (r.div_step - c), 2) if a is not None and c is not None else None,
+        })
+    return out
 
 
 def score(all_runs: list[Run], det: str) -> dict:
@@ -297,17 +334,33 @@ def main() -> None:
               f"{m['healthy_alerted']:>11}/{m['n_healthy']:<4}{_fmt(m['lead_ratio_min']):>17}"
               f"{_fmt(m['lead_ratio_median']):>7}{m['lead_ratio_ge_0.9']:>4}/{m['lead_vs_ceiling_runs']:<2}")
     print(f"\nmissed by the default policy: {', '.join(rows['policy']['missed']) or 'none'}")
+    tl = target_lead(all_runs)
+    print("\nRuns whose logits crossed 100 before the damage. act lead = (damage - first act) / (damage - "
+          "crossing); reach = (damage - onset the first act rolls back before) / (damage - onset of the ceiling's "
+          "finding at the crossing): 1.00 = the rollback reaches back as far as a ceiling action would. Targets: "
+          "the checkpoint each would load (a checkpoint every 100 steps, margin 100; '-' = none that old: pause)")
+    print(f"{'run':<30}{'cross@':>7}{'damage@':>8}{'act@':>6}{'act lead':>9}{'onset':>6}{'ceil onset':>11}"
+          f"{'reach':>7}{'target':>7}{'ceil target':>12}")
+    for t in tl:
+        print(f"{t['run']:<30}{t['crossing']:>7}{t['damage']:>8}{_fmt(t['first_act']):>6}{t['act_lead']:>9.2f}"
+              f"{_fmt(t['act_onset']):>6}{_fmt(t['ceiling_onset']):>11}{_fmt(t['reach_lead']):>7}"
+              f"{_fmt(t['target']):>7}{_fmt(t['ceiling_target']):>12}")
     print(f"command: {command}\nwall time: {wall_s:.0f} s (training {train_s:.0f} s, replay {replay_s:.1f} s)")
+    summary = json.dumps({
+        "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
+        "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
+        "target_lead": tl,
+        "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
+                  "rise_step": r.rise_step, "behind_step": r.behind_step, "ceiling_step": r.ceiling_step,
+                  "attn_max": float(np.nanmax(r.attn)), "first_act": min(_acts(r, "policy"), default=None),
+                  "path": str(r.path)} for r in all_runs],
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+    })
+    # Cached beside the runs: `thermowatch simulate` reads its false-action rate, miss rate and
+    # detection lag from here (supervisor/simulate/config.py, divergence_json).
+    (out / "divergence.json").write_text(summary + "\n")
     if args.json:
-        print(json.dumps({
-            "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
-            "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
-            "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
-                      "rise_step": r.rise_step, "behind_step": r.behind_step, "ceiling_step": r.ceiling_step,
-                      "attn_max": float(np.nanmax(r.attn)), "first_act": min(_acts(r, "policy"), default=None),
-                      "path": str(r.path)} for r in all_runs],
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
-        }))
+        print(summary)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ Variants (a group "alone" means every other group is off):
                   over the first sequence of the batch
   attn_entropy_all  the same over every sequence (attn_entropy_batch=None, exact)
   grad_norm       grad_norm per module and global
-  update_ratio    update_ratio per module and global, every step (the default)
-  all             ThermometerConfig() defaults: every group every step
+  update_ratio_every1  update_ratio per module and global, every step
+  update_ratio    the same every 10th step (the default, update_every=10; NaN in between)
+  all             ThermometerConfig() defaults: every group every step, update ratio every 10th
   all_before      what "all" was before issue 8: no entropy, no update ratio, z by the hook
 
     python bench/thermometer_overhead.py [--vocab 256 32768] [--steps 100] [--json]
@@ -56,6 +57,7 @@ def variants() -> dict[str, dict | None]:
         "attn_entropy": {**_NONE, "attn_every": 1, "attn_entropy": True},
         "attn_entropy_all": {**_NONE, "attn_every": 1, "attn_entropy": True, "attn_entropy_batch": None},
         "grad_norm": {**_NONE, "grad_every": 1},
+        "update_ratio_every1": {**_NONE, "update_ratio": True, "update_every": 1},
         "update_ratio": {**_NONE, "update_ratio": True},
         "all": {},
         "all_before": {"attn_entropy": False, "update_ratio": False},
@@ -66,7 +68,10 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, nargs="+", default=[256, 32768], help="one case per vocabulary size")
     ap.add_argument("--steps", type=int, default=100, help="measured steps per variant and case")
-    ap.add_argument("--block", type=int, default=5, help="steps per block")
+    # 10: a multiple of update_every's default (10), so every block of a sampled thermometer
+    # holds the same number of sampled steps (with 5, half the blocks would hold none and the
+    # median over rounds would pick one of two modes, not the average cost).
+    ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per variant first")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)

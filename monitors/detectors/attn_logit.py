@@ -140,6 +140,11 @@ class AttnLogitGrowthBank(SeriesBank):
         self.witnesses = witnesses  # shared with the bank: the same run's other series
         super().__init__(self.config.history, self.config.clear_steps)
 
+    def batch_values(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        every = (np.isfinite(values) & (values > 0.0)).all(axis=0)
+        v = values[:, every]
+        return every, logs(v.ravel()).reshape(v.shape)
+
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows
         idx = np.flatnonzero(np.isfinite(values) & (values > 0.0))  # non_finite.py reports NaN/Inf;
@@ -174,7 +179,8 @@ class AttnLogitGrowthBank(SeriesBank):
                 continue
             ev = self._evidence(row, float(vals[live[j]]), float(med[j]), rj, float(thr[j]), float(slope[j]), fired[1])
             ev.update(outcome_why=why, witnesses=harm)
-            out.append((int(idx[live[j]]), self._finding(row, severity, fired[0], step, ev, outcome)))
+            onset = _episode(self.witnesses, outcome, fired[0], ev)
+            out.append((int(idx[live[j]]), self._finding(row, severity, onset, step, ev, outcome)))
         return out
 
     def _evidence(self, row: int, value: float, med: float, rise: float, thr: float, slope: float,
@@ -236,7 +242,8 @@ class AttnLogitCeilingBank(SeriesBank):
                 continue
             evidence = {"value": value, "threshold": self.ceilings[row], "onset_method": fired[1],
                         "recent": [math.exp(v) for v in self.recent(row)], "outcome_why": why, "witnesses": harm}
-            out.append((int(idx[j]), self._finding(row, Severity.CRITICAL, fired[0], step, evidence, outcome)))
+            onset = _episode(self.witnesses, outcome, fired[0], evidence)
+            out.append((int(idx[j]), self._finding(row, Severity.CRITICAL, onset, step, evidence, outcome)))
         return out
 
 
@@ -249,6 +256,20 @@ class AttnLogitCeilingDetector(Single):
     def __init__(self, key: str, config: AttnLogitConfig | None = None, witnesses: Witnesses | None = None) -> None:
         super().__init__(AttnLogitCeilingBank(config, witnesses), key)
         self.ceiling = self.bank.ceilings[0]
+
+
+def _episode(witnesses: Witnesses | None, outcome: Outcome, onset: int, evidence: dict[str, Any]) -> int:
+    """The onset a finding carries. An alert opens the run's attention episode; an act reaches
+    back to the episode's first alert (witness.py), so its rollback lands before the logits
+    first crossed act_level, not before the latest layer's own rise. Watch findings neither."""
+    if outcome is Outcome.WATCH or witnesses is None:
+        return onset
+    episode = witnesses.note_attention(onset)
+    if outcome is Outcome.ACT and episode < onset:
+        evidence.update(own_onset=onset, episode_onset=episode)
+        evidence["outcome_why"] += f"; onset moved back to the attention episode's first alert (step {episode})"
+        return episode
+    return onset
 
 
 def _judge(value: float, c: AttnLogitConfig, witnesses: Witnesses | None, what: str) -> tuple[Outcome, str, dict]:

@@ -13,6 +13,17 @@ corroboration").
     update_growth     a layer's update-to-weight ratio (update_ratio/<module>) is a multiple of
                       its baseline
 
+The attention episode. Witnesses also keep, for the run, the onset of the current attention
+episode: set by the first attention finding that alerts (a logit at or above the attention
+detectors' act_level, or over the ceiling), and ends after `clear` records in a row with every
+layer below that level, or after `stale` records without a new high of the largest logit (a
+plateau, however high, is not a rise still going: a divergence that comes out of it later is a
+new episode, and its rollback must not reach back across the plateau). An attention
+finding that acts carries the episode's onset, so the rollback reaches back before the first
+alert, as a fixed ceiling acting at its crossing would have, even when the witness of harm
+speaks hundreds of steps later (issue 8: no thermometer tells, at the crossing, a run that will
+be damaged from one that will not; bench/lead_analysis.py).
+
 Each witness only speaks when its series is there: a trainer without the entropy or
 update-ratio thermometers is judged on the others. The bank updates one Witnesses per run from
 each record before the per-series detectors run, so a detector at step s sees the witnesses of
@@ -24,11 +35,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from monitors.contract import GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord, split_key
+from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord
+from monitors.contract import split_key
 
 from .arrays import Rows, as_rows, parts_from_json, parts_to_json
 from .base import History, at_least, positive
@@ -183,21 +195,52 @@ class _Shifts:
         d[ok] = median_rows(R, rows[ok], c.recent) - median_rows(R, rows[ok], c.baseline, c.recent)
         return d
 
+    def update_many(self, keys: list[str], steps: np.ndarray, ys: np.ndarray) -> np.ndarray | None:
+        """`update` for K steps of the same keys at once (ys: [K, len(keys)]) -> d [K, len(keys)],
+        with one median call per window over all K steps (sliding windows over the ring plus the
+        batch). Only for rows whose ring is full, the steady state; None (nothing changed)
+        otherwise, and the caller goes step by step. The medians are of the same values in the
+        same order as `update` takes them, so d is bit-identical."""
+        c, R = self.cfg, self.rows
+        rows = as_rows([R.add(k) for k in keys])
+        K = len(steps)
+        if rows.size == 0 or (R.length[rows] < R.H).any():
+            return None
+        x = np.concatenate([R.ordered(rows), ys.T], axis=1)  # [P, H + K]
+        w = np.lib.stride_tricks.sliding_window_view(x, R.H, axis=1)[:, 1:K + 1]  # [P, K, H] after each append
+        d = np.median(w[..., c.baseline:], axis=-1) - np.median(w[..., :c.baseline], axis=-1)
+        R.append_many(rows, steps, ys.T)
+        return np.ascontiguousarray(d.T)
 
+
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _kind(key: str) -> int:
     name = split_key(key)[0]
     if key == GRAD_NORM:
         return 1
-    return {Z: 2, ATTN_ENTROPY_MIN: 3, UPDATE_RATIO: 4}.get(name, 0)
+    return {Z: 2, ATTN_ENTROPY_MIN: 3, UPDATE_RATIO: 4, ATTN_LOGIT_MAX: 5, ATTN_LOGIT_LSE: 5}.get(name, 0)
 
 
 class Witnesses:
     """All witnesses of one run. `harm()` names those speaking at the newest step."""
 
-    def __init__(self, cfg: WitnessConfig | None = None) -> None:
+    def __init__(self, cfg: WitnessConfig | None = None, episode_level: float | None = None, clear: int = 5,
+                 stale: int = 64) -> None:
         self.cfg = cfg or WitnessConfig()
+        # The attention episode (module docstring): None = not tracked (a Witnesses alone).
+        self.episode_level = episode_level
+        self.episode_clear = clear
+        self.episode_stale = stale
+        self.episode: int | None = None  # onset step of the current episode's first alert
+        self.quiet = 0  # records in a row with every attention logit below episode_level
+        self.top = math.nan  # the newest record's largest attention logit
+        self.peak = -math.inf  # the episode's largest logit so far, and records since it rose
+        self.since_peak = 0
         self.loss = LossTrend(self.cfg)
         self.shifts = _Shifts(self.cfg)
         self.active: dict[str, str] = {}  # witness name -> why, at the newest step
@@ -205,6 +248,42 @@ class Witnesses:
         self.behind = 0  # consecutive points with the loss behind its trend
         self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
         self._kinds: dict[tuple[str, ...], np.ndarray] = {}
+        self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, np.ndarray]] = {}  # prepare(): step -> (keys, pos, d)
+
+    def prepare(self, records: Sequence[StepRecord]) -> None:
+        """Judge a batch's shifts in one go before its records are observed one by one (issue 10:
+        a batch of steps per numpy call): the series judged at every step of the batch (finite,
+        and positive where a log is taken) go in one pass; a series that sits out some steps
+        goes step by step in observe(), as every series did before. Only for the plain batch:
+        steps rising past the newest seen, the same keys in every record, every series known."""
+        self._ahead = {}
+        if len(records) < 2 or records[0].step <= self.step:
+            return
+        keys = tuple(records[0].values)
+        steps = np.fromiter((r.step for r in records), np.int64, len(records))
+        if (np.diff(steps) <= 0).any() or any(tuple(r.values) != keys for r in records):
+            return
+        kinds = self._kinds_of(keys)
+        v = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
+        use = (kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0))  # 5: attention, not a shift
+        every = np.flatnonzero(use.all(axis=0))
+        if not every.size or any(k not in self.shifts.rows.index for k in (keys[p] for p in np.flatnonzero(use.any(axis=0)))):
+            return  # a series seen for the first time: its row is made step by step, in order
+        y = v[:, every]
+        logged = kinds[every] != 2
+        y[:, logged] = np.fromiter(map(math.log, y[:, logged].ravel().tolist()), np.float64,
+                                   int(logged.sum()) * len(records)).reshape(len(records), -1)
+        d = self.shifts.update_many([keys[p] for p in every.tolist()], steps, y)
+        if d is not None:
+            self._ahead = {int(st): (keys, every, d[i]) for i, st in enumerate(steps.tolist())}
+
+    def _kinds_of(self, keys: tuple[str, ...]) -> np.ndarray:
+        kinds = self._kinds.get(keys)
+        if kinds is None:
+            if len(self._kinds) > 16:
+                self._kinds.clear()
+            kinds = self._kinds[keys] = np.array([_kind(k) for k in keys], np.int64)
+        return kinds
 
     def observe(self, record: StepRecord) -> None:
         c = self.cfg
@@ -222,18 +301,40 @@ class Witnesses:
                 active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
                                          f"(margin {math.expm1(got[1]):.1%})")
         keys = tuple(vals)
-        kinds = self._kinds.get(keys)
-        if kinds is None:
-            if len(self._kinds) > 16:
-                self._kinds.clear()
-            kinds = self._kinds[keys] = np.array([_kind(k) for k in keys], np.int64)
+        kinds = self._kinds_of(keys)
+        ahead = self._ahead.pop(record.step, None)
+        if ahead is not None and ahead[0] != keys:
+            ahead = None
         v = np.fromiter(vals.values(), np.float64, len(keys))
-        pos = np.flatnonzero((kinds > 0) & np.isfinite(v) & ((kinds == 2) | (v > 0)))
+        if self.episode_level is not None:
+            attn = v[(kinds == 5) & np.isfinite(v)]
+            if attn.size:  # a record without a measured logit says nothing about the episode
+                self.top = float(attn.max())
+                self.quiet = 0 if self.top >= self.episode_level else self.quiet + 1
+                if self.top > self.peak:
+                    self.peak, self.since_peak = self.top, 0
+                else:
+                    self.since_peak += 1
+                if self.quiet >= self.episode_clear or self.since_peak >= self.episode_stale:
+                    self.episode = None
+        pos = np.flatnonzero((kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0)))
+        d = None
         if pos.size:
-            k, y = kinds[pos], v[pos]
-            logged = k != 2
+            # prepare() judged the series present at every step of the batch; the rest go now.
+            rest = pos if ahead is None else pos[~np.isin(pos, ahead[1])]
+            y = v[rest]
+            logged = kinds[rest] != 2
             y[logged] = np.fromiter(map(math.log, y[logged].tolist()), np.float64, int(logged.sum()))
-            d = self.shifts.update([keys[p] for p in pos.tolist()], record.step, y)
+            d_rest = self.shifts.update([keys[p] for p in rest.tolist()], record.step, y) if rest.size else None
+            if ahead is None:
+                d = d_rest
+            else:
+                d = np.empty(pos.size)
+                d[np.isin(pos, ahead[1])] = ahead[2]  # ahead[1] is a subset of pos, both ascending
+                if rest.size:
+                    d[~np.isin(pos, ahead[1])] = d_rest
+        if pos.size:
+            k = kinds[pos]
             speaks = {
                 "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
                 "z_growth": (k == 2) & (d >= c.z_rise),
@@ -253,6 +354,17 @@ class Witnesses:
                 }[name]()
         self.active = active
 
+    def note_attention(self, onset: int) -> int:
+        """An attention finding alerts or acts with `onset`: it opens the episode if none is open.
+        Returns the onset an acting finding should carry (the episode's, when earlier)."""
+        if self.episode_level is None:
+            return onset
+        if self.episode is None:
+            self.episode, self.peak, self.since_peak = onset, self.top if math.isfinite(self.top) else -math.inf, 0
+        elif onset < self.episode:
+            self.episode = onset
+        return self.episode
+
     def harm(self) -> dict[str, str]:
         """The witnesses speaking now that count for `act` (WitnessConfig.act_witnesses)."""
         return {k: v for k, v in self.active.items() if k in self.cfg.act_witnesses}
@@ -262,14 +374,19 @@ class Witnesses:
         return dict(self.active)
 
     def reset(self, to_step: int | None = None) -> None:
+        self._ahead = {}
         self.loss.reset(to_step)
         self.shifts.rows.rewind(as_rows(range(len(self.shifts.rows))), to_step)
         self.active = {}
         self.behind = 0
         self.step = -1 if to_step is None else to_step - 1
+        if to_step is None or (self.episode is not None and self.episode >= to_step):
+            self.episode, self.quiet, self.peak, self.since_peak = None, 0, -math.inf, 0  # rolled back before it
 
     def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:
-        meta = {"loss": self.loss.state_dict(), "active": dict(self.active), "step": self.step, "behind": self.behind}
+        meta = {"loss": self.loss.state_dict(), "active": dict(self.active), "step": self.step, "behind": self.behind,
+                "episode": self.episode, "quiet": self.quiet, "top": _finite_or_none(self.top),
+                "peak": _finite_or_none(self.peak), "since_peak": self.since_peak}
         return {**self.shifts.rows.parts(f"{prefix}.shifts", dirty_only), prefix: json.dumps(meta).encode()}
 
     def load(self, prefix: str, parts: dict[str, bytes]) -> None:
@@ -280,6 +397,12 @@ class Witnesses:
         self.active = {str(k): str(v) for k, v in d["active"].items()}
         self.step = int(d["step"])
         self.behind = int(d["behind"])
+        # States saved before the episode existed have none open.
+        self.episode = None if d.get("episode") is None else int(d["episode"])
+        self.quiet = int(d.get("quiet", 0))
+        self.top = math.nan if d.get("top") is None else float(d["top"])
+        self.peak = -math.inf if d.get("peak") is None else float(d["peak"])
+        self.since_peak = int(d.get("since_peak", 0))
 
     def mark_saved(self) -> None:
         self.shifts.rows.dirty = set()

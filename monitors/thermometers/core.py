@@ -205,6 +205,11 @@ class Thermometers:
             self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start,
                                        split=cfg.update_split)
 
+        # Maps the step's slot buffer to what is copied to the host, on the device and before
+        # the one copy (the trainer's cross-rank reduction, trainer.collective); None = the
+        # buffer itself. `finish_args` are host values for it, set before end_step.
+        self.finish = None
+        self.finish_args: tuple = ()
         self._host: list[torch.Tensor] = []
         if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's
             self._host = [torch.empty(len(names), dtype=torch.float32, pin_memory=True) for _ in range(2)]
@@ -346,15 +351,19 @@ class Thermometers:
         if len(self._pending) == _MAX_PENDING:  # its host buffer is about to be reused
             self._pending.popleft()
             self.dropped += 1
+        out = buf if self.finish is None else self.finish(buf, self.finish_args)
         if self._host:
+            if self._host[0].shape != out.shape or self._host[0].dtype != out.dtype:
+                # Once, on the first step with a finish of another shape (nothing is pending yet).
+                self._host = [torch.empty(out.shape, dtype=out.dtype, pin_memory=True) for _ in range(2)]
             host = self._host[self._ring]
             self._ring ^= 1
-            host.copy_(buf, non_blocking=True)
+            host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._pending.append((self.step, host, event))
         else:
-            self._pending.append((self.step, buf.clone(), None))
+            self._pending.append((self.step, out.clone() if out is buf else out, None))
 
     @property
     def pending_steps(self) -> list[int]:

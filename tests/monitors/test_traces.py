@@ -90,3 +90,38 @@ def test_replay_prints_outcome_and_decision_for_every_finding(tmp_path):
     text = io.StringIO()
     replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), text, policy=replay_decider({}))
     assert " act " in text.getvalue() and "kind=rollback" in text.getvalue()
+
+
+def test_a_late_act_rolls_back_before_the_first_alert_of_the_attention_episode():
+    """Issue 8's late divergence: the logits pass 100 at step 71 (blocks.2), then at 96 (blocks.1),
+    and the act only comes with a witness of harm a hundred steps later. The acting finding
+    carries the onset of the run's first attention alert, so its rollback reaches back as far as
+    a fixed ceiling acting at the crossing would have, not only to its own layer's rise."""
+    recs, out = _replay("late")
+    first_alert = next(f for f, _ in out if f.outcome is not Outcome.WATCH)
+    assert first_alert.signal is Signal.ATTN_LOGIT_CEILING and first_alert.detect_step == 71
+    act = next(f for f, _ in out if f.outcome is Outcome.ACT)
+    assert act.detect_step > 150  # late: no witness spoke at the crossing
+    assert act.onset_step == first_alert.onset_step <= 71
+    assert act.evidence["own_onset"] > act.onset_step and act.evidence["episode_onset"] == act.onset_step
+    assert "attention episode" in act.evidence["outcome_why"]
+    # The update ratio is sampled every 10th step (NaN in between, the thermometers' default): not
+    # a finding, and the witnesses read the sampled points only.
+    assert sum(r.values["update_ratio/blocks.0"] == r.values["update_ratio/blocks.0"] for r in recs) == len(recs) // 10
+    assert [f for f, _ in out if f.signal is Signal.NON_FINITE] == []
+
+
+def test_a_plateau_ends_the_attention_episode():
+    """A rise that stops (no new high for the attention detectors' window) closes the episode:
+    a later divergence must not roll back across the plateau to the old rise."""
+    bank = DetectorBank(BankConfig())
+    opened = closed = None
+    for r in traces.load("rise_and_fall"):
+        bank.observe(r)
+        w = bank.witnesses
+        if opened is None and w.episode is not None:
+            opened = r.step
+        if opened is not None and closed is None and w.episode is None:
+            closed = r.step
+            assert w.since_peak >= BankConfig().attn.window or w.quiet >= BankConfig().attn.clear_steps
+    assert opened is not None and closed is not None and closed > opened
