@@ -139,6 +139,25 @@ class ThermometerChunk(Base):
     ranks: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
 
 
+class ThermometerRollup(Base):
+    """Min/max/last/count buckets of one series within one attempt at one bucket width, for
+    one aligned span of `width * SPAN_BUCKETS` steps, as packed arrays (supervisor/store/rollups.py).
+
+    `buckets` int64 (first step of each bucket that holds data), `stats` float64 [4 x n]: min,
+    max, last, count. Written at ingest when a span completes; retention never thins them.
+    """
+
+    __tablename__ = "thermometer_rollups"
+    run_id: Mapped[str] = mapped_column(_run_fk(), primary_key=True)
+    series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # the span's first step
+    n: Mapped[int] = mapped_column(Integer)
+    buckets: Mapped[bytes] = mapped_column(LargeBinary)
+    stats: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -1,4 +1,6 @@
-"""The web page: plain server-rendered HTML (pages.py) with thermometer charts as PNGs
-(plots.py, the only module that imports matplotlib). No build step, no JavaScript framework:
-the page an on-call engineer opens from the Slack link must work from any browser.
+"""The web page: server-rendered HTML (pages.py: the runs list and the PNG route; run_page.py: the
+run page) whose charts are drawn in the browser by one plain script (static/run.js) with the
+vendored uPlot, from the JSON API (api/chart.py, api/events.py). No build step, no framework, no
+CDN (assets.py). matplotlib PNGs (plots.py, the only module that imports matplotlib) stay for the
+no-script fallback, Slack and `thermowatch plot`.
 """

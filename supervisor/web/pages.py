@@ -1,18 +1,19 @@
-"""HTML pages: the runs list and the run page the Slack alert links to (`/runs/{run_id}?incident=N`).
+"""HTML pages: the runs list, the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
+rendered by run_page.py) and one chart as a PNG.
 
     GET /                                  runs table
     GET /runs/{run_id}?incident=&step_lo=&step_hi=
-                                           charts + incidents, actions, skips, checkpoints, audit
+                                           state, what waits (incidents, approvals), charts, tables
+    GET /runs/{run_id}/attention?incident= the page's open incidents and approvals alone (its refresh)
     GET /runs/{run_id}/plot.png?metric=&step_lo=&step_hi=&incident=&logy=
-                                           one chart; metric is a full key or a metric prefix
-                                           (attn_logit_max = every layer on one chart)
+                                           one chart (matplotlib): the <noscript> fallback; metric is a
+                                           full key or a metric prefix (attn_logit_max = every layer)
 
 With ?incident=N the page zooms every chart to the steps around that incident (onset, detection
-and the rollback target), highlights its row and puts a summary banner above the charts (linking to the row) rather than
-scrolling away from the zoomed charts. Charts draw older attempts' re-trained points faded and
-dashed (the trajectory a rollback abandoned), with a note saying so. Every string that came from a
-run (ids, module names, reasons, audit details) is HTML-escaped. Every page needs the `read`
-scope (or `public_read: true`): a bearer token, or the cookie of the sign-in form (web/login.py).
+and the rollback target), highlights its row and puts a summary banner above the charts.
+Every string that came from a run (ids, module names, reasons, audit details) is HTML-escaped.
+Every page needs the `read` scope (or `public_read: true`): a bearer token, or the cookie of the
+sign-in form (web/login.py).
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import HTMLResponse, Response
 from sqlalchemy.orm import Session
 
 from supervisor.api.auth import Guard
-from supervisor.api.runs import check_window, incidents_with_findings, require_run, resolve_keys, run_summaries
+from supervisor.api.runs import (
+    check_window,
+    incidents_with_findings,
+    require_run,
+    resolve_keys,
+    run_summaries,
+)
 from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import checkpoints as ckpt_store
 from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
 from supervisor.store import thermometers
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
@@ -45,6 +48,7 @@ CHARTS = [
     ("attn_logit_max", "max attention logit, every layer", True),
     ("attn_logit_lse", "attention logit log-sum-exp bound, every layer", True),
     ("act_max", "activation max, per module", True),
+    ("act_min", "activation min, per module (layers ranked by their lowest value)", False),
 ]
 LOG_METRICS = {"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"}
 AUDIT_TAIL = 50
@@ -75,10 +79,13 @@ def _args(obj: Any) -> str:
     return f"<code>{e(json.dumps(obj, sort_keys=True, default=str))}</code>" if obj else ""
 
 
-def _page(title: str, body: str) -> HTMLResponse:
+def _page(title: str, body: str, head_or_body: str | None = None) -> HTMLResponse:
+    """_page(title, body) or _page(title, extra head elements, body)."""
+    head, body = (body, head_or_body) if head_or_body is not None else ("", body)
     return HTMLResponse(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
-        f"<meta name='viewport' content='width=device-width'><style>{CSS}</style></head>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>"
+        f"<style>{CSS}</style>{head}</head>"
         f"<body>{body}</body></html>")
 
 
@@ -168,25 +175,16 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         width: int = Query(1100, ge=200, le=4000),
         height: int = Query(320, ge=120, le=2000),
     ) -> Response:
-        from supervisor.web.plots import Chart, render
+        from supervisor.web.chart_png import chart_png
 
         check_window(step_lo, step_hi)
         with sup.sessions() as s:
             require_run(s, run_id)
-            keys = resolve_keys(s, run_id, metric)
-            series, superseded = [], []
-            for i, k in enumerate(keys):
-                # one read per key: the current line (what history() returns) and what it hides
-                (steps, values), old = thermometers.split_superseded(
-                    thermometers.history_by_attempt(s, run_id, k, step_lo, step_hi))
-                series.append((k.split("/", 1)[1] if "/" in k and len(keys) > 1 else k, steps, values))
-                superseded.extend((i, attempt, st, v) for attempt, (st, v) in old.items())
+            resolve_keys(s, run_id, metric)  # the 404 with close matches
             marks = collect_marks(s, run_id, incident)
-        prefix = metric.split("/", 1)[0]
-        title = f"{run_id}: {metric}" + (f" ({len(keys)} series)" if len(keys) > 1 else "")
-        chart = Chart(title, series, superseded, logy=(prefix in LOG_METRICS) if logy is None else logy,
-                      step_lo=step_lo, step_hi=step_hi, width_px=width, height_px=height)
-        png = render(chart, marks)
+            # through the rollups (store/chart.py): one bucket per pixel column at any history length
+            png = chart_png(s, run_id, metric, step_lo, step_hi, marks=marks, width_px=width, height_px=height,
+                            logy=(metric.split("/", 1)[0] in LOG_METRICS) if logy is None else logy)
         return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -196,114 +194,18 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         step_lo: int | None = Query(None, ge=0),
         step_hi: int | None = Query(None, ge=0),
     ) -> HTMLResponse:
+        from supervisor.web import run_page as rp
+
         check_window(step_lo, step_hi)
-        with sup.sessions() as s:
-            run = require_run(s, run_id)
-            incs = incidents_with_findings(s, run_id)
-            selected = None
-            if incident is not None:
-                selected = next((i for i in incs if i["id"] == incident), None)
-                if selected is None:
-                    ids = ", ".join(str(i["id"]) for i in incs[-10:]) or "none"
-                    raise HTTPException(404, f"run {run_id!r} has no incident {incident}; its incidents: {ids}")
-                if step_lo is None and step_hi is None:
-                    step_lo, step_hi = zoom_window(s, run_id, incident, selected["onset_step"], selected["detect_step"])
-            keys = thermometers.series_keys(s, run_id)
-            last_step = thermometers.latest_step(s, run_id)
-            attempts = runs_store.attempts(s, run_id)
-            acts = actions_store.actions(s, run_id, limit=500)
-            ckpts = ckpt_store.checkpoints(s, run_id, include_deleted=True)
-            skips = skips_store.skip_ranges(s, run_id)
-            lrs = lr_store.lr_changes(s, run_id)
-            audit = audit_store.audit_log(s, run_id, limit=AUDIT_TAIL)
+        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, step_lo, step_hi)
 
-        parts = [f"<p><a href='{e(base or '/')}'>&larr; all runs</a></p>",
-                 f"<h1>run {e(run.run_id)}</h1>",
-                 f"<p>last step <b>{e(last_step if last_step is not None else '-')}</b> &middot; "
-                 f"{len(attempts)} attempt(s) &middot; "
-                 f"{sum(1 for i in incs if i['state'] == 'open')} open incident(s) &middot; created {_ts(run.created_at)}</p>"]
-        if selected is not None:
-            parts.append(
-                f"<div class='banner'>incident <a href='#incident-{selected['id']}'>#{selected['id']}</a>: "
-                f"<b>{e(selected['signal'])}</b> {e(selected['module'])} &middot; onset {selected['onset_step']}, "
-                f"detected {selected['detect_step']} &middot; {e(selected['state'])}"
-                f"{' &middot; ' + e(selected['resolution']) if selected['resolution'] else ''}</div>")
-        if step_lo is not None or step_hi is not None:
-            parts.append(f"<p>showing steps {e(step_lo if step_lo is not None else 0)}&ndash;"
-                         f"{e(step_hi if step_hi is not None else 'end')} &middot; "
-                         f"<a href='{e(run_url(run_id))}'>full history</a></p>")
-        parts.append("<h2>thermometers</h2>")
-        note_at = len(parts)
-        shown = []
-        for metric, title, _ in CHARTS:
-            if metric in keys or any(k.startswith(metric + "/") for k in keys):
-                shown.append(metric)
-                src = run_url(run_id, "/plot.png", metric=metric, step_lo=step_lo, step_hi=step_hi, incident=incident)
-                parts.append(f"<img class='plot' data-metric='{e(metric)}' alt='{e(title)}' src='{e(src)}' "
-                             f"width='1100' height='320' onerror=\"this.classList.add('broken')\">")
-        if not shown:
-            parts.append("<p class='muted'>no thermometers reported yet</p>")
-        elif len(attempts) > 1:  # above the charts: the first thing to read before the lines
-            parts.insert(note_at, "<p class='muted' id='superseded-note'>Faded dashed lines: trajectories abandoned by a "
-                         "rollback (or a restart from an earlier checkpoint), i.e. an older attempt's points at steps a "
-                         "newer attempt re-trained, in the same color as their series. Solid lines: the newest "
-                         "attempt at each step.</p>")
-        others = sorted({k.split("/", 1)[0] for k in keys} - set(shown))
-        if others:
-            links = " ".join(f"<a href='{e(run_url(run_id, '/plot.png', metric=m, step_lo=step_lo, step_hi=step_hi))}'>"
-                             f"{e(m)}</a>" for m in others)
-            parts.append(f"<p>other series: {links}</p>")
+    @router.get("/runs/{run_id}/attention", response_class=HTMLResponse)
+    def attention(run_id: str, incident: int | None = Query(None)) -> HTMLResponse:
+        """The page's #attention section alone (open incidents, approvals): the script swaps it in
+        when /status says what waits has changed."""
+        from supervisor.web import run_page as rp
 
-        parts.append("<h2>incidents</h2>")
-        rows = []
-        for i in reversed(incs):
-            cls = " ".join(c for c in ("open" if i["state"] == "open" else "", "selected" if i is selected else "") if c)
-            finds = "".join(
-                f"<li>{e(f['signal'])} {e(f['metric'] or f['module'])} ({e(f['severity'])}) onset {f['onset_step']} "
-                f"detect {f['detect_step']} {_args(f['evidence'])}</li>" for f in i["findings"])
-            rows.append(f"<tr id='incident-{i['id']}' class='{cls}'>" + _cells(
-                f"<a href='{e(run_url(run_id, incident=i['id']))}'>#{i['id']}</a>", e(i["signal"]), e(i["module"]),
-                e(i["severity"]), str(i["onset_step"]), str(i["detect_step"]), e(i["state"]), e(i["resolution"]),
-                f"<ul class='findings'>{finds}</ul>" if finds else "") + "</tr>")
-        parts.append(_table(["id", "signal", "module", "severity", "onset", "detect", "state", "resolution", "findings"],
-                            rows, "no incidents"))
-
-        parts.append("<h2>actions</h2>")
-        rows = []
-        for a in acts:
-            cls = "selected" if incident is not None and a.incident_id == incident else ""
-            state = e(a.state) + (" <span class='muted'>(awaiting approval)</span>" if a.requires_approval else "")
-            if a.error:
-                state += f"<br><span class='bad'>{e(a.error)}</span>"
-            inc_link = (f"<a href='{e(run_url(run_id, incident=a.incident_id))}'>#{a.incident_id}</a>"
-                        if a.incident_id is not None else "")
-            rows.append(f"<tr id='action-{a.id}' class='{cls}'>" + _cells(
-                str(a.id), e(a.kind), _args(a.args), state, e(a.origin), e(a.who), e(a.reason),
-                e(a.ack_step if a.ack_step is not None else ""), inc_link, _ts(a.created_at)) + "</tr>")
-        parts.append(_table(["id", "kind", "args", "state", "origin", "who", "reason", "ack step", "incident",
-                             "created (UTC)"], rows, "no actions"))
-
-        parts.append("<h2>skip ranges <span class='muted'>(absolute sample indices, [lo, hi))</span></h2>")
-        parts.append(_table(["lo", "hi", "samples"], ["<tr>" + _cells(str(lo), str(hi), str(hi - lo)) + "</tr>"
-                                                      for lo, hi in skips], "nothing skipped"))
-        parts.append("<h2>LR changes</h2>")
-        parts.append(_table(["from step", "multiplier", "for steps", "action"], [
-            "<tr>" + _cells(str(c.start_step), f"{c.multiplier:g}", e(c.steps if c.steps is not None else "for good"),
-                            e(c.action_id if c.action_id is not None else "")) + "</tr>" for c in lrs], "none"))
-        parts.append("<h2>checkpoints</h2>")
-        parts.append(_table(["step", "attempt", "healthy", "path", "sample cursor", "saved (UTC)"], [
-            f"<tr class='{'muted' if c.deleted else ''}'>" + _cells(
-                str(c.step), str(c.attempt), "yes" if c.healthy else "<span class='bad'>no</span>",
-                e(c.path) + (" (deleted)" if c.deleted else ""), str(c.sample_cursor), _ts(c.created_at)) + "</tr>"
-            for c in reversed(ckpts)], "no checkpoints reported"))
-        parts.append("<h2>attempts</h2>")
-        parts.append(_table(["attempt", "started (UTC)", "start step", "world size"], [
-            "<tr>" + _cells(str(a.attempt), _ts(a.started_at), str(a.start_step), str(a.world_size)) + "</tr>"
-            for a in reversed(attempts)], "none"))
-        parts.append(f"<h2>audit (last {AUDIT_TAIL})</h2>")
-        parts.append(_table(["at (UTC)", "actor", "event", "detail"], [
-            "<tr>" + _cells(_ts(a.at), e(a.actor), e(a.event), _args(a.detail)) + "</tr>" for a in audit], "empty"))
-
-        return _page(f"{run.run_id}: thermowatch", "".join(parts))
+        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, None, None,
+                         only_attention=True)
 
     return router

@@ -35,6 +35,7 @@ class Browser:
         os.close(from_chrome_w)
         self._buf = b""
         self._id = 0
+        self.events: list[dict] = []  # every message that is not a reply (Network.*, Runtime.*), in order
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
 
@@ -53,7 +54,9 @@ class Browser:
                 self._buf += chunk
             raw, self._buf = self._buf.split(b"\0", 1)
             reply = json.loads(raw)
-            if reply.get("id") == self._id:
+            if "method" in reply and "id" not in reply:
+                self.events.append(reply)
+            elif reply.get("id") == self._id:
                 assert "error" not in reply, (method, reply["error"])
                 return reply["result"]
 

@@ -19,8 +19,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from supervisor.api import chart as chart_api
+from supervisor.api import events as events_api
 from supervisor.api import runs as runs_api
-from supervisor.web import login, pages
+from supervisor.web import assets, login, pages
 from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
 from tests.supervisor.test_runs_api import RUN, Sup, seed
 
@@ -31,10 +33,13 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 def _app(db, requests: list | None = None, public_url: str = "") -> FastAPI:
     sup = Sup(db.sessions)
     g = guard(db.sessions)
-    app = FastAPI()
+    app = FastAPI(docs_url=None, redoc_url=None)
     app.include_router(runs_api.make_router(sup, guard=g))
+    app.include_router(chart_api.make_router(sup, guard=g))
+    app.include_router(events_api.make_router(sup, guard=g))
     app.include_router(pages.make_router(sup, guard=g, public_url=public_url))
     login.install(app, g, public_url=public_url)
+    assets.install(app, public_url=public_url)
     if requests is not None:
         @app.middleware("http")
         async def log_requests(request: Request, call_next):
@@ -179,6 +184,9 @@ def test_run_page_has_plots_incidents_and_actions(client, seeded):
     page = r.text
     metrics = re.findall(r"<img class='plot' data-metric='([^']+)'", page)
     assert metrics == ["loss", "grad_norm", "lr", "attn_logit_max", "act_max"]
+    # the PNGs are the no-script fallback; the script draws into each figure's plot area
+    assert re.findall(r"<noscript><img class='plot' data-metric='([^']+)'", page) == metrics
+    assert re.findall(r"<figure class='chart' data-metric='([^']+)'", page) == metrics
     for src in re.findall(r"<img class='plot'[^>]* src='([^']+)'", page):
         _png(client.get(html.unescape(src)))
     row = re.search(rf"<tr id='incident-{seeded.incident}'.*?</tr>", page, re.S).group(0)
@@ -214,7 +222,10 @@ def test_user_strings_are_escaped(client, seeded):
     for raw in ("<img src=x onerror=alert(1)>", "<b>bold</b>", "mallory<script>", "<img src=x onerror=alert('run')>"):
         assert raw not in page
         assert html.escape(raw, quote=True) in page
-    assert "<script" not in page.lower()
+    # the only scripts are our two static files; run data reaches them through escaped attributes
+    assert re.findall(r"<script[^>]*>", page.lower()) == ["<script src='/static/uplot/uplot.iife.min.js'>",
+                                                          "<script src='/static/run.js'>"]
+    assert "onerror=" not in page.replace("onerror=alert", "")  # no inline handlers of ours either
 
 
 def test_public_url_prefixes_links(db, seeded):
@@ -272,16 +283,17 @@ def test_browser_signs_in_and_opens_the_slack_link(db, tmp_path, server, seeded)
                    "!!document.querySelector('tr.selected')")
         assert b.js("location.search") == f"?incident={seeded.incident}"
         assert b.js("document.cookie") == ""  # HttpOnly: no script on the page can read the token
-        b.wait_for("[...document.images].every(i => i.complete)")
+        b.wait_for("!!window.thermowatch && thermowatch.loads >= 1")
         text = b.js("document.documentElement.outerHTML")
         assert re.search(rf"<tr id=\"incident-{seeded.incident}\" class=\"selected\"", text), text[:2000]
-        imgs = re.findall(r"<img [^>]*data-metric[^>]*>", text)
-        assert len(imgs) == 5
-        # onerror adds class 'broken' to an image that failed to load
-        assert all(re.search(r'class="plot"', i) for i in imgs), imgs
-        plots = [(q, code) for p, q, code in requests if p.endswith("/plot.png")]
-        assert len(plots) >= 5 and all(code == 200 for _, code in plots)
-        assert all(f"incident={seeded.incident}" in q for q, _ in plots)
+        # the charts are drawn by the page's script from the chart JSON, read with the cookie, zoomed
+        # to the incident's window (rollback target 100 .. detect 205, padded)
+        assert sorted(b.js("Object.keys(thermowatch.charts)")) == sorted(["loss", "grad_norm", "lr", "attn_logit_max",
+                                                                          "act_max"])
+        charts = [(q, code) for p, q, code in requests if p == f"/api/runs/{RUN}/chart"]
+        assert len(charts) >= 5 and all(code == 200 for _, code in charts)
+        assert all("step_lo=48" in q and "step_hi=257" in q for q, _ in charts), charts
+        assert not [p for p, _, _ in requests if p.endswith("/plot.png")]  # the PNGs are the <noscript> fallback
         png = b.screenshot(1280, 1600)
     finally:
         b.close()
@@ -306,9 +318,9 @@ def test_sign_in_sets_a_strict_httponly_cookie_that_opens_the_pages(db, seeded):
         assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie and "Secure" not in cookie
         assert c.get(f"/runs/{RUN}").status_code == 200
         assert c.get(f"/runs/{RUN}/plot.png", params={"metric": "loss"}).status_code == 200
-        # The cookie opens the web page only: the API takes bearer tokens, so no browser's
-        # ambient credentials can reach a route that changes anything.
-        assert c.get("/api/runs").status_code == 401
+        # The cookie opens the page and the API's reads (GET: the page's script fetches its charts);
+        # a route that changes anything takes a bearer token (approve/cancel: test_web_page.py).
+        assert c.get("/api/runs").status_code == 200
         r = c.post("/logout", headers=SAME_ORIGIN)
         assert r.status_code == 303 and 'thermowatch_token=""' in r.headers["set-cookie"]
         c.cookies.clear()

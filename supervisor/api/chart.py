@@ -1,0 +1,111 @@
+"""The chart endpoints: a metric's series in a step window as min/max/last/count buckets read
+from the rollups (supervisor/store/chart.py), as JSON for the interactive page and as a PNG
+for `thermowatch plot` (and anything else that wants a picture). Scope `read`.
+
+    GET /api/runs/{run_id}/chart?metric=&step_lo=&step_hi=&buckets=1000&attempts=all|current
+        -> {"run_id", "metric", "step_lo", "step_hi", "bucket_steps",
+            "series": [{"key", "module", "attempt", "current", "step", "min", "max", "last", "count"}]}
+    GET /api/runs/{run_id}/chart.png?metric=&step_lo=&step_hi=&attempts=&onset=&incident=&logy=&width=&height=
+
+`metric` is a full key (loss, attn_logit_max/blocks.3.attn) or a family prefix (attn_logit_max:
+every key equal to it or starting with "attn_logit_max/"). Series are ordered by key, then
+attempt; an attempt that a rollback cut short comes as its live part (`current` true) and its
+abandoned part (`current` false). bucket_steps 1 is full zoom: every point, min = max = last.
+Non-finite values travel as the strings "NaN", "Infinity", "-Infinity" (JSON has no NaN).
+Unknown run or metric: 404 naming it (and the known families); step_lo > step_hi: 422.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi.responses import Response
+
+from supervisor.api.auth import Guard
+from supervisor.api.runs import check_window, require_run, values_json
+from supervisor.errors import NotFound, UserError
+from supervisor.store import chart as chart_store
+
+
+def _values(values: np.ndarray) -> np.ndarray | list:
+    """A float64 array as orjson writes it natively (C, shortest round-trip repr: exact at full
+    zoom), or, where it holds a non-finite value (orjson would write null), the list with the
+    contract's strings in those places only (values_json)."""
+    if np.isfinite(values).all():
+        return np.ascontiguousarray(values, np.float64)
+    return values_json(values)
+
+
+def series_json(s: chart_store.ChartSeries) -> dict:
+    return {"key": s.key, "module": s.module, "attempt": s.attempt, "current": s.current,
+            "step": np.ascontiguousarray(s.step, np.int64), "min": _values(s.min), "max": _values(s.max),
+            "last": _values(s.last), "count": np.ascontiguousarray(s.count, np.int64)}
+
+
+def chart_json(data: chart_store.ChartData) -> dict:
+    return {"run_id": data.run_id, "metric": data.metric, "step_lo": data.step_lo, "step_hi": data.step_hi,
+            "bucket_steps": data.bucket_steps, "series": [series_json(s) for s in data.series]}
+
+
+def chart_body(data: chart_store.ChartData) -> bytes:
+    """chart_json(data) as JSON bytes. orjson writes the numpy arrays straight from their
+    buffers: no Python float per value (the stdlib encoder built and repr'd ~400k of them for a
+    100-layer chart, ~0.4 s of its ~0.8 s; bench/plot.py)."""
+    return orjson.dumps(chart_json(data), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _http(exc: Exception) -> HTTPException:
+    return HTTPException(404 if isinstance(exc, NotFound) else 422, str(exc))
+
+
+def make_router(sup, *, guard: Guard) -> APIRouter:
+    router = APIRouter(prefix="/api", tags=["runs"], dependencies=[Depends(guard.require("read"))])
+
+    @router.get("/runs/{run_id}/chart")
+    def chart(
+        run_id: str,
+        metric: str = Query(min_length=1, description="a full key (loss) or a family prefix (attn_logit_max)"),
+        step_lo: int | None = Query(None, ge=0, description="first step of the window (default: the run's first)"),
+        step_hi: int | None = Query(None, ge=0, description="last step of the window, inclusive (default: the last)"),
+        buckets: int = Query(chart_store.DEFAULT_BUCKETS, ge=chart_store.MIN_BUCKETS, le=chart_store.MAX_BUCKETS,
+                             description="at most this many buckets per series"),
+        attempts: str = Query("all", pattern="^(all|current)$",
+                              description="all: abandoned trajectories too; current: only the live path"),
+    ) -> Response:
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            try:
+                data = chart_store.chart(s, run_id, metric, step_lo, step_hi, buckets, attempts)
+            except UserError as exc:
+                raise _http(exc) from None
+        return Response(chart_body(data), media_type="application/json")
+
+    @router.get("/runs/{run_id}/chart.png")
+    def chart_png(
+        run_id: str,
+        metric: str = Query(min_length=1, description="a full key (loss) or a family prefix (attn_logit_max)"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+        attempts: str = Query("all", pattern="^(all|current)$"),
+        onset: int | None = Query(None, ge=0, description="draw a finding's onset at this step"),
+        incident: int | None = Query(None, ge=0, description="incident to draw heavier"),
+        logy: bool | None = Query(None, description="log y axis (default: by metric)"),
+        width: int = Query(1100, ge=200, le=4000),
+        height: int = Query(320, ge=120, le=2000),
+    ) -> Response:
+        from supervisor.web.chart_png import chart_png as render_png
+        from supervisor.web.pages import collect_marks
+
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            try:
+                png = render_png(s, run_id, metric, step_lo, step_hi, onset=onset, marks=collect_marks(s, run_id, incident),
+                                 logy=logy, width_px=width, height_px=height, attempts=attempts)
+            except UserError as exc:
+                raise _http(exc) from None
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
+
+    return router

@@ -1,0 +1,297 @@
+"""The interactive run page (issue 12) in real headless Chromium against the real daemon app
+(build_app: every router, the vendored static files) on real SQLite and PostgreSQL.
+
+The run is a real one: the recorded trace of a tiny GPT whose loss jumps at step 301
+(tests/fixtures/traces/jump_qkln.jsonl) fed through the real Supervisor in advise-only mode, so
+its detectors open a loss-spike incident and its policy leaves a rollback awaiting approval.
+Beside it, test_runs_api's seeded run with a rollback (two attempts, skip range, LR change) for
+the abandoned trajectory and the annotations. Screenshots go to $THERMOWATCH_SCREENSHOTS when set.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from monitors.contract import CheckpointInfo, RunInfo, StepRecord
+from supervisor.config import SupervisorConfig
+from supervisor.notify.console import ConsoleNotifier
+from supervisor.server import build_app
+from supervisor.service import Supervisor
+from supervisor.store import actions as actions_store
+from supervisor.store import audit as audit_store
+from supervisor.store import thermometers
+from tests.fixtures import traces
+from tests.live_server import running
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
+from tests.supervisor.test_runs_api import RUN as SEEDED
+from tests.supervisor.test_runs_api import seed
+
+JUMP = "jump-qkln"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture
+def daemon(db, tmp_path):
+    """The real Supervisor over the recorded trace, plus the seeded rollback run; yields (sup, action id)."""
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN, advise_only=True),
+                     notifier=ConsoleNotifier(io.StringIO()))
+    recs = traces.load("jump_qkln")
+    sup.open_run(RunInfo(JUMP, 0, world_size=1, config={"steps": 1000}))
+    for i in range(0, len(recs), 25):  # the run controller's batches, a checkpoint after each
+        batch = recs[i:i + 25]
+        sup.write(JUMP, 0, batch)
+        sup.checkpoint_saved(JUMP, 0, CheckpointInfo(batch[-1].step, f"/ckpt/{batch[-1].step}", batch[-1].sample_hi, True))
+    seeded = seed(type("DB", (), {"sessions": sup.sessions})())
+    with sup.sessions() as s:
+        waiting = [a for a in actions_store.actions(s, JUMP) if a.requires_approval and a.state == "pending"]
+    assert len(waiting) == 1 and waiting[0].kind == "rollback", waiting  # what the page must offer
+    sup.seeded = seeded  # the rolled-back run's ids
+    yield sup, waiting[0].id
+    sup.close()
+
+
+# --- the HTTP side, without a browser ---------------------------------------------------------
+
+
+def test_events_hold_incidents_rollbacks_skips_lr_and_the_ceiling(daemon):
+    sup, _ = daemon
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        ev = c.get(f"/api/runs/{SEEDED}/events").json()
+        jump = c.get(f"/api/runs/{JUMP}/events").json()
+        assert c.get("/api/runs/nope/events").status_code == 404
+    inc = ev["incidents"][0]
+    assert (inc["signal"], inc["onset_step"], inc["detect_step"], inc["state"]) == ("attn_logit_growth", 185, 205, "resolved")
+    assert inc["outcome"] == "rollback done at step 100"
+    assert float(inc["findings"][0]["evidence"]["ratio"]) == math.inf  # a string: JSON has no Infinity
+    rb = next(a for a in ev["actions"] if a["kind"] == "rollback")
+    assert (rb["from_step"], rb["to_step"], rb["state"]) == (205, 100, "done")
+    # samples [1440, 1648) were consumed by steps 180..205 (8 samples a step in the seeded run)
+    assert ev["skips"] == [{"sample_lo": 1440, "sample_hi": 1648, "step_lo": 180, "step_hi": 205}]
+    assert ev["lr_changes"] == [{"start_step": 100, "multiplier": 0.5, "steps": 200, "action_id": rb["id"]}]
+    assert {"metric": "attn_logit_max", "value": 100.0, "label": "attention ceiling"} in ev["thresholds"]
+    assert [a["attempt"] for a in ev["attempts"]] == [0, 1]
+    pending = [a for a in jump["actions"] if a["awaiting_approval"]]
+    assert len(pending) == 1 and jump["incidents"][0]["outcome"] == "rollback pending"
+
+
+def test_the_cookie_approves_only_from_our_own_page(db, daemon):
+    """The page's Approve / Cancel buttons send the sign-in cookie; the API takes it on those two
+    routes only, only same-origin, and only with the token's own scopes."""
+    sup, action = daemon
+    operator = make_token(sup.sessions, "olga", "operate")
+    reader = make_token(sup.sessions, "rita", "read")
+    app = build_app(sup)
+
+    def state():
+        with sup.sessions() as s:
+            a = actions_store.get_action(s, action)
+            return a.state, a.requires_approval
+
+    with TestClient(app, cookies={"thermowatch_token": operator}) as c:
+        url = f"/api/actions/{action}/approve"
+        for headers in ({}, {"origin": "https://evil.example"}, {"sec-fetch-site": "cross-site"},
+                        {"sec-fetch-site": "same-site", "origin": "http://testserver"}):
+            r = c.post(url, json={}, headers=headers)
+            assert r.status_code == 403 and "another site" in r.json()["detail"], (headers, r.text)
+        assert state() == ("pending", True)
+        # every other state-changing route ignores the cookie
+        r = c.post(f"/api/runs/{JUMP}/actions", json={"kind": "pause", "args": {}, "reason": "x"},
+                   headers={"sec-fetch-site": "same-origin"})
+        assert r.status_code == 401
+        assert c.get(f"/api/runs/{JUMP}/status").status_code == 200  # reads: yes
+    with TestClient(app, cookies={"thermowatch_token": reader}) as c:
+        r = c.post(f"/api/actions/{action}/approve", json={}, headers={"sec-fetch-site": "same-origin"})
+        assert r.status_code == 403 and "`operate`" in r.json()["detail"]
+    assert state() == ("pending", True)
+    with TestClient(app, cookies={"thermowatch_token": operator}) as c:
+        r = c.post(f"/api/actions/{action}/approve", json={}, headers={"origin": "http://testserver"})
+        assert r.status_code == 200, r.text
+    assert state() == ("pending", False)  # approved: the trainer's next poll takes it
+
+
+def test_docs_and_page_assets_are_served_by_the_daemon(daemon):
+    sup, _ = daemon
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        docs = c.get("/docs").text
+        assert "/static/swagger-ui/swagger-ui-bundle.js" in docs and "/static/swagger-ui/swagger-ui.css" in docs
+        assert "cdn" not in docs and "https://" not in docs
+        for path, kind in (("/static/uplot/uPlot.iife.min.js", "javascript"), ("/static/uplot/uPlot.min.css", "css"),
+                           ("/static/run.js", "javascript"), ("/static/run.css", "css"),
+                           ("/static/swagger-ui/swagger-ui-bundle.js", "javascript")):
+            r = c.get(path)
+            assert r.status_code == 200 and kind in r.headers["content-type"], path
+        assert "MIT License" in c.get("/static/uplot/LICENSE").text
+        assert c.get("/redoc").status_code == 404  # ReDoc would load from a CDN
+        page = c.get(f"/runs/{SEEDED}").text
+    # readable evidence, not raw JSON with 16-digit floats
+    assert "<span class='k'>slope</span> 0.18" in page and "<span class='k'>ratio</span> ∞" in page
+    assert '{"ratio"' not in page
+
+
+# --- the browser ---------------------------------------------------------------------------------
+
+
+def _shot(b, name: str, width: int, height: int, tmp_path: Path, mobile: bool = False, full: bool = True) -> np.ndarray:
+    import base64
+
+    from matplotlib.image import imread
+
+    b.page("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=mobile)
+    png = base64.b64decode(b.page("Page.captureScreenshot", format="png",
+                                  captureBeyondViewport=full)["data"])
+    (tmp_path / name).write_bytes(png)
+    out = os.environ.get("THERMOWATCH_SCREENSHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_bytes(png)
+    return imread(io.BytesIO(png), format="png")
+
+
+def _drag(b, selector: str, x0: float, x1: float) -> None:
+    """A real mouse drag across an element, from fraction x0 to x1 of its width."""
+    box = b.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+               "return [r.left, r.top, r.width, r.height]; })()")
+    y = box[1] + box[3] / 2
+    xa, xb = box[0] + box[2] * x0, box[0] + box[2] * x1
+    b.page("Input.dispatchMouseEvent", type="mouseMoved", x=xa, y=y)
+    b.page("Input.dispatchMouseEvent", type="mousePressed", x=xa, y=y, button="left", clickCount=1)
+    for f in (0.25, 0.5, 0.75, 1.0):
+        b.page("Input.dispatchMouseEvent", type="mouseMoved", x=xa + (xb - xa) * f, y=y, button="left", buttons=1)
+    b.page("Input.dispatchMouseEvent", type="mouseReleased", x=xb, y=y, button="left", clickCount=1)
+
+
+@pytest.mark.timeout(120)
+def test_run_page_in_chromium(db, daemon, tmp_path):
+    from tests.supervisor.cdp import Browser
+
+    if not os.path.exists(CHROMIUM) and not os.environ.get("CI"):
+        pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
+    sup, action = daemon
+    olga = make_token(sup.sessions, "olga", "operate")  # operate implies read: signs in and approves
+    with running(build_app(sup)) as base:
+        b = Browser(CHROMIUM, tmp_path / "profile", "--disable-quic", "--window-size=1280,1000")
+        try:
+            for domain in ("Network.enable", "Runtime.enable", "Log.enable"):
+                b.page(domain)
+            b.goto(f"{base}/login?next=/runs/{JUMP}")
+            b.js(f"document.getElementById('token').value = {json.dumps(olga)}; document.getElementById('sign-in').click()")
+            b.wait_for(f"location.pathname === '/runs/{JUMP}' && !!window.thermowatch && thermowatch.loads >= 1")
+            tw = "window.thermowatch"
+
+            # the top of the page: the state badge, then what waits (the approval before any chart)
+            assert b.js("document.getElementById('badge').textContent") in ("running", "stalled")
+            assert b.js(f"document.getElementById('approval-{action}').getBoundingClientRect().top < "
+                        "document.getElementById('charts').getBoundingClientRect().top")
+            assert b.js("document.getElementById('age').textContent").startswith("last record")
+
+            # the chart holds the run's data: at this width every step is its own bucket
+            with sup.sessions() as s:
+                steps, loss = thermometers.history(s, JUMP, "loss")
+            got = b.js(f"(() => {{ const c = {tw}.charts.loss; return [c.bucketSteps, c.data[0], c.data[1]]; }})()")
+            assert got[0] == 1 and got[1] == steps.tolist()
+            assert np.allclose(np.array(got[2], float), loss, rtol=1e-12)
+            # hover: the legend shows the value under the cursor
+            box = b.js("(() => { const r = document.querySelector(\"figure[data-metric='loss'] .u-over\")"
+                       ".getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2]; })()")
+            b.page("Input.dispatchMouseEvent", type="mouseMoved", x=box[0], y=box[1])
+            hovered = b.wait_for("(() => { const v = document.querySelectorAll(\"figure[data-metric='loss'] "
+                                 ".u-legend .u-value\"); return v.length === 2 && v[1].textContent !== '–' && "
+                                 "[v[0].textContent, v[1].textContent]; })()")
+            step = int(hovered[0])
+            assert float(hovered[1]) == pytest.approx(loss[list(steps).index(step)], rel=1e-3)
+            lse = b.js(f"(() => {{ const c = {tw}.charts.attn_logit_lse; return [c.keys, c.shown, c.heatmap]; }})()")
+            assert lse[0] == [f"attn_logit_lse/blocks.{i}.attn" for i in range(3)] and len(lse[1]) == 3
+            assert lse[2]["rows"] == 3 and lse[2]["cols"] == len(steps) and lse[2]["drawn"]
+            colours = b.js("(() => { const c = document.querySelector(\"figure[data-metric='attn_logit_lse'] canvas\");"
+                           "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; const s = new Set();"
+                           "for (let i = 0; i < d.length; i += 40) s.add(d[i] + ',' + d[i+1] + ',' + d[i+2]); return s.size; })()")
+            assert colours > 20  # a gradient of layers x steps, not a blank canvas
+            shot = _shot(b, "run_page.png", 1280, 1000, tmp_path)
+            assert len(np.unique(shot.reshape(-1, shot.shape[-1])[::11], axis=0)) > 50
+
+            # drag across the loss chart: a re-bucketed request for the dragged window; refresh pauses
+            before = b.js(f"{tw}.requests.length")
+            _drag(b, "figure[data-metric='loss'] .u-over", 0.6, 0.8)
+            b.wait_for(f"{tw}.window !== null && {tw}.charts.loss.response.step_lo === {tw}.window.lo")
+            lo, hi = b.js(f"[{tw}.window.lo, {tw}.window.hi]")
+            assert 200 < lo < hi < 400, (lo, hi)
+            new = b.js(f"{tw}.requests.slice({before})")
+            assert any("metric=loss" in u and f"step_lo={lo}" in u and f"step_hi={hi}" in u for u in new), new
+            zoomed = b.js(f"(() => {{ const c = {tw}.charts.loss; return [c.response.step_lo, c.response.step_hi, c.data[0]]; }})()")
+            assert zoomed[:2] == [lo, hi] and zoomed[2][0] >= lo and zoomed[2][-1] <= hi
+            assert b.js("!document.getElementById('reset').hidden")
+            # new records arrive: a refresh round while zoomed leaves the charts alone ...
+            more = [StepRecord(step=r.step + 20, values=r.values, sample_lo=r.sample_lo + 320,  # the last 20 again
+                               sample_hi=r.sample_hi + 320) for r in traces.load("jump_qkln")[-20:]]
+            sup.write(JUMP, 0, more)
+            before = b.js(f"{tw}.requests.length")
+            b.js(f"{tw}.tick()")
+            new = b.js(f"{tw}.requests.slice({before})")
+            assert any(u.endswith("/status") for u in new) and not any("/chart?" in u for u in new), new
+            assert b.js("document.getElementById('last-step').textContent") == "420"
+            b.js("document.getElementById('reset').click()")
+            b.wait_for(f"{tw}.window === null && {tw}.charts.loss.response.step_lo === 1")
+            # ... and after a reset the next round redraws them with the new steps
+            b.js(f"{tw}.tick()")
+            assert b.js(f"{tw}.charts.loss.response.step_hi") == 420
+
+            # the incident view of the rolled-back run: the abandoned trajectory faded beneath
+            b.goto(f"{base}/runs/{SEEDED}?incident={sup.seeded.incident}")
+            b.wait_for(f"!!window.thermowatch && ({tw}.loads >= 1 || {tw}.errors.length > 0)")
+            assert b.js(f"{tw}.errors") == []
+            labels = b.js(f"{tw}.charts.attn_logit_max.labels")
+            assert any("(abandoned)" in x for x in labels) and labels[-1] == "blocks.2.attn"
+            assert b.js(f"{tw}.charts.attn_logit_max.response.step_lo") == 48  # the incident's window
+            _shot(b, "incident_view.png", 1280, 1000, tmp_path)
+
+            # phone width: nothing wider than the screen, the charts resized to fit
+            b.goto(f"{base}/runs/{JUMP}")
+            b.page("Emulation.setDeviceMetricsOverride", width=375, height=800, deviceScaleFactor=2, mobile=True)
+            # every chart, not just the first to answer: a chart drawn before the resize event is redrawn by
+            # the page's debounced resize handler, ~150 ms after the charts that loaded at the new width
+            b.wait_for(f"!!window.thermowatch && {tw}.loads >= 1 && "
+                       f"Object.keys({tw}.charts).length === document.querySelectorAll('figure.chart').length && "
+                       f"Math.max(...Object.values({tw}.charts).map(c => c.uplot.width)) <= 375")
+            wide = b.js("[...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 376)"
+                        ".slice(0, 8).map(e => e.tagName + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))")
+            assert b.js("document.documentElement.scrollWidth") <= 375, wide
+            assert b.js(f"Math.max(...Object.values({tw}.charts).map(c => c.uplot.width))") <= 375
+            b.wait_for(f"!!document.getElementById('approval-{action}')")
+            _shot(b, "phone.png", 375, 800, tmp_path, mobile=True, full=False)
+            _shot(b, "phone_full.png", 375, 800, tmp_path, mobile=True)
+
+            # the API docs render from the daemon's own copy of Swagger UI
+            b.goto(f"{base}/docs")
+            b.wait_for("!!document.querySelector('.swagger-ui .info')")
+
+            # Approve: the existing API, with the cookie, from the page (desktop again)
+            b.goto(f"{base}/runs/{JUMP}")
+            b.page("Emulation.setDeviceMetricsOverride", width=1280, height=1000, deviceScaleFactor=1, mobile=False)
+            b.wait_for(f"!!window.thermowatch && {tw}.loads >= 1")
+            b.js(f"document.querySelector(\"#approval-{action} button.approve\").click()")
+            b.wait_for(f"{tw}.lastAction && {tw}.lastAction.status === 200")
+            b.wait_for(f"!document.getElementById('approval-{action}')", timeout=20)  # refreshed: nothing waits
+            with sup.sessions() as s:
+                row = actions_store.get_action(s, action)
+                assert (row.state, row.requires_approval, row.who) == ("pending", False, "olga")
+                assert any(a.event == "approved" and a.actor == "olga" for a in audit_store.audit_log(s, JUMP))
+
+        finally:
+            b.close()
+    errors = [ev for ev in b.events if ev["method"] == "Runtime.exceptionThrown"
+              or (ev["method"] == "Runtime.consoleAPICalled" and ev["params"]["type"] == "error")
+              or (ev["method"] == "Log.entryAdded" and ev["params"]["entry"]["level"] == "error")]
+    assert not errors, errors
+    urls = [ev["params"]["request"]["url"] for ev in b.events if ev["method"] == "Network.requestWillBeSent"]
+    assert len(urls) > 10
+    outside = [u for u in urls if not u.startswith(base) and not u.startswith("data:")]
+    assert not outside, outside  # no CDN, no font, nothing leaves the daemon
