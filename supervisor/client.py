@@ -115,7 +115,11 @@ class Client:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._call("POST", path, json=body)
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def get_bytes(self, path: str, **params: Any) -> bytes:
+        """A GET whose answer is not JSON (a PNG); errors as for get()."""
+        return self._call("GET", path, params={k: v for k, v in params.items() if v is not None}, raw=True)
+
+    def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
         ep = self.endpoint
         try:
             r = self._http.request(method, path, **kw)
@@ -125,7 +129,7 @@ class Client:
                 f"Point the CLI elsewhere with --server URL, {SERVER_ENV}=URL, or `thermowatch login --server URL`"
             ) from None
         if r.status_code < 400:
-            return r.json()
+            return r.content if raw else r.json()
         detail = _detail(r)
         if r.status_code in (401, 403):
             where = f"the token from {ep.token_from}" if ep.token else "no token"

@@ -3,7 +3,8 @@
 A YAML file lists only what differs from these defaults. Environment variables win over the
 file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
 `THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
-`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`), so a systemd unit or a Kubernetes
+`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`,
+`THERMOWATCH_SLACK_SIGNING_SECRET_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
@@ -12,10 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from monitors.config_tree import ConfigTreeError, check_tree, schema
 from supervisor.errors import UserError
+
+if TYPE_CHECKING:
+    from supervisor.notify.flap import FlapConfig
 
 
 class ConfigError(UserError):
@@ -28,6 +32,19 @@ class SlackConfig:
     token_env: str = "SLACK_BOT_TOKEN"  # a bot token never lives in a config file
     token_file: str = ""  # or a mounted secret file (Kubernetes)
     base_url: str | None = None  # only tests point this at a local fake of the Slack API
+    # Interactivity (Approve / Cancel buttons): the Slack app's signing secret, from the
+    # environment or a mounted file; unset means no buttons and POST /api/slack/interactions 404s.
+    signing_secret_env: str = "SLACK_SIGNING_SECRET"
+    signing_secret_file: str = ""
+    # Flap damping (supervisor.notify.flap), for every channel: after this many threads for one
+    # (run, signal, module) within flap_window_s, later incidents of it are counted replies there.
+    flap_max_alerts: int = 3
+    flap_window_s: float = 1800.0
+
+    def flap(self) -> "FlapConfig":
+        from supervisor.notify.flap import FlapConfig
+
+        return FlapConfig(self.flap_max_alerts, self.flap_window_s)
 
 
 @dataclass
@@ -87,6 +104,10 @@ class SupervisorConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.slack, Mapping):
             self.slack = SlackConfig(**self.slack)
+        try:
+            self.slack.flap()
+        except UserError as exc:
+            raise ConfigError(str(exc)) from None
         from supervisor.limits import Limits
 
         from monitors.detectors import BankConfig
@@ -122,7 +143,8 @@ class SupervisorConfig:
                 raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
         if env.get("THERMOWATCH_ADVISE_ONLY"):
             values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
-        for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE")):
+        for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE"),
+                                   ("signing_secret_file", "THERMOWATCH_SLACK_SIGNING_SECRET_FILE")):
             if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
                 values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})

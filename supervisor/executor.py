@@ -45,7 +45,9 @@ from monitors.contract import (
 )
 from supervisor import feasibility
 from supervisor.errors import Conflict, NotFound, UserError
-from supervisor.notify.base import Alert, Notifier
+from supervisor.notify import flap as flaps
+from supervisor.notify.base import Alert, ChartRequest, Notifier
+from supervisor.notify.flap import FlapConfig
 from supervisor.notify.outbox import Outbox
 from supervisor.outcome import outcome, render, summary
 from supervisor.policy import Decision, DecisionKind
@@ -67,8 +69,9 @@ FINAL_STATES = ("done", "failed", "cancelled")
 class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
                  ack_timeout_s: float = 120.0, ack_retries: int = 2,
-                 on_rollback_done: Callable[[str, int], None] | None = None):
+                 on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None):
         self._session = session_factory
+        self._flap = flap or FlapConfig()
         self._notifier = notifier
         self._advise_only = advise_only
         self._ack_timeout = dt.timedelta(seconds=ack_timeout_s)
@@ -107,8 +110,20 @@ class Executor:
                     alert, title=f"{title} [action {ids[0]}]",
                     fields={"action": ids[0], **alert.fields},
                     commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
-                    status=f"awaiting approval (action {ids[0]})")
+                    status=f"awaiting approval (action {ids[0]})", approve_action=ids[0])
+            # A pause stops the run and is never folded: a human must see that one at once.
+            fold = None if decision.kind is DecisionKind.PAUSE else flaps.decide_fold(
+                s, self._flap, run_id, finding.signal.value, finding.module, incident_id)
+            if fold is not None:  # a repeat of a flapping signal: a counted reply, no page, no chart
+                alert = dataclasses.replace(
+                    alert, title=f"{alert.title} (repeat {fold.count} in {fold.minutes} min)",
+                    thread=f"incident:{fold.into}", broadcast=False, fold_count=fold.count, status=fold.status)
             self._queue_alert(s, alert)
+            if fold is None and finding.metric:
+                self._queue_alert(s, Alert(
+                    run_id=run_id, severity=Severity.INFO, incident_id=incident_id,
+                    title=f"{run_id}: {finding.metric} around the onset (incident {incident_id})",
+                    chart=ChartRequest.around(finding)))
         return ids
 
     def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
@@ -156,9 +171,19 @@ class Executor:
         """Advise-only mode: a human lets a pending action go to the trainer."""
         self._human_decides(action_id, who, "approved", lambda s: actions_store.approve_action(s, action_id, who))
 
-    def cancel(self, action_id: int, who: str) -> None:
-        self._human_decides(action_id, who, "cancelled",
-                            lambda s: actions_store.set_action_state(s, action_id, "cancelled"))
+    def cancel(self, action_id: int, who: str, *, only_awaiting_approval: bool = False) -> None:
+        """`only_awaiting_approval`: refuse (Conflict) unless the action still waits for a human,
+        for a Slack button clicked on a question someone else already answered."""
+        def change(s: Session) -> None:
+            row = actions_store.get_action(s, action_id)
+            if only_awaiting_approval and row is not None and not (row.state == "pending" and row.requires_approval):
+                raise actions_store.ActionStateError(
+                    f"action {action_id} no longer awaits approval (it is {row.state}"
+                    f"{', approved by ' + row.who if row.state == 'pending' else ''}); "
+                    f"`thermowatch cancel {action_id}` cancels it anyway")
+            actions_store.set_action_state(s, action_id, "cancelled")
+
+        self._human_decides(action_id, who, "cancelled", change)
 
     def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], Any]) -> None:
         with self._session.begin() as s:
@@ -321,7 +346,12 @@ class Executor:
         self.flush_alerts()
 
     def _queue_alert(self, s: Session, alert: Alert) -> None:
-        """Write `alert` to the outbox in the caller's transaction (sent once it commits)."""
+        """Write `alert` to the outbox in the caller's transaction (sent once it commits). An
+        incident folded into a flapping signal's thread has every later alert there too."""
+        if alert.incident_id is not None and alert.thread is None and not alert.fold_count:
+            into = flaps.thread_of(s, alert.run_id, int(alert.incident_id))
+            if into is not None:
+                alert = dataclasses.replace(alert, thread=f"incident:{into}")
         self.outbox.enqueue(s, alert)
 
     def flush_alerts(self) -> None:

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
+from monitors.columns import StepColumns
 from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
 from supervisor import db, jobs
@@ -58,6 +59,11 @@ class Supervisor:
     def __init__(self, cfg: SupervisorConfig, notifier: Notifier | None = None, *, auto_upgrade: bool = True,
                  clock: Callable[[], float] = time.time, judge_inline: bool = True):
         self.cfg = cfg
+        # Slack's signing secret, for the Approve / Cancel callbacks (supervisor.api.slack); None:
+        # no buttons. An unreadable secret file stops the start here, like a refused token.
+        from supervisor.notify.slack import resolve_signing_secret
+
+        self.slack_signing_secret = resolve_signing_secret(cfg.slack.signing_secret_env, cfg.slack.signing_secret_file)
         # A configured notifier is checked before anything starts (issue 12): Slack refusing the
         # bot token stops the daemon here (NotifyConfigError, a UserError: `serve` exits 2 with
         # the message) instead of at the first real alert. Slack merely unreachable does not stop
@@ -78,7 +84,7 @@ class Supervisor:
         policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
-                                 on_rollback_done=self._rewind)
+                                 on_rollback_done=self._rewind, flap=cfg.slack.flap())
         self.responder = Responder(self.sessions, self.executor, policy,
                                    BankConfig.from_dict(cfg.detectors),
                                    clock=clock)
@@ -99,6 +105,13 @@ class Supervisor:
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
         n = self.ingestor.write(run_id, attempt, records)
+        if self._judge_inline:
+            self.judge.wait()
+        return n
+
+    def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
+        """write() for a batch sent as columns (monitors.columns; the HTTP sink's form)."""
+        n = self.ingestor.write_columns(run_id, attempt, cols)
         if self._judge_inline:
             self.judge.wait()
         return n

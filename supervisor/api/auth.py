@@ -2,16 +2,26 @@
 
     guard.require("read")                     Authorization: Bearer <token> (scheme in any case)
     guard.require("read", cookie=True)        ... or the web page's sign-in cookie (supervisor.web.login)
+    guard.require("operate", browser=True)    ... or the cookie on a same-origin browser request
 
 401: no token, an unknown or a revoked one. 403: a valid token without the scope. Each message
-names the scope the route needs and how to get a token. Only the web routes accept the cookie,
-and they are all GETs; the API takes bearer tokens only, so a browser's ambient credentials can
-never drive a command (no cross-site request forgery on the API by construction).
+names the scope the route needs and how to get a token.
+
+Where the sign-in cookie (SameSite=Strict, HttpOnly) opens what (issue 12, the interactive page):
+  - the web pages (GETs; a 401 answers with the sign-in page);
+  - the API's `read` routes, for GET and HEAD only: the page's own scripts fetch its JSON. Reads
+    change nothing, no other site's request carries the cookie, and no CORS header lets another
+    site read an answer;
+  - the routes marked `browser=True` (approve / cancel an action): only when the request is
+    same-origin (Sec-Fetch-Site, else Origin against Host; same_origin below), so another site
+    can never drive them (no cross-site request forgery), and only with the scope the cookie's
+    token holds (a `read`-only sign-in gets a 403).
+Every other route takes bearer tokens only.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 from fastapi import HTTPException, Request
@@ -31,25 +41,33 @@ class Guard:
     """Turns a request into a Principal for a scope, or refuses it. `authn=None` is `auth: false`
     (serve allows that on loopback only: supervisor.auth.check_bind)."""
 
-    def __init__(self, authn: Authenticator | None, *, public_read: bool = False) -> None:
+    def __init__(self, authn: Authenticator | None, *, public_read: bool = False, public_url: str = "") -> None:
         self.authn = authn
         self.public_read = public_read
+        self.public_url = public_url  # the page's origin behind an ingress, for same_origin()
 
-    def require(self, scope: str, *, cookie: bool = False) -> Callable[[Request], Principal]:
+    def require(self, scope: str, *, cookie: bool = False, browser: bool = False) -> Callable[[Request], Principal]:
+        """cookie: a web page (the cookie opens it; a 401 is the sign-in page). browser: an API
+        route a same-origin page script may call with the cookie (see the module docstring)."""
         # A plain `def`: FastAPI runs it in its threadpool (it may query the token table).
         def dependency(request: Request) -> Principal:
-            return self.check(request, scope, cookie=cookie)
+            return self.check(request, scope, cookie=cookie, browser=browser)
 
         dependency.__name__ = f"require_{scope}"
         return dependency
 
-    def check(self, request: Request, scope: str, *, cookie: bool = False) -> Principal:
+    def check(self, request: Request, scope: str, *, cookie: bool = False, browser: bool = False) -> Principal:
         if self.authn is None:
             return ANONYMOUS_LOCAL
         refuse = SignInRequired if cookie else HTTPException
         secret = bearer(request)
-        if secret is None and cookie:
+        if secret is None and (cookie or (scope == "read" and request.method in ("GET", "HEAD"))):
             secret = request.cookies.get(COOKIE) or None
+        elif secret is None and browser and request.cookies.get(COOKIE):
+            if not same_origin(request, self.public_url):
+                raise HTTPException(403, "refused: a request with the sign-in cookie from another site (or without "
+                                         "Origin/Sec-Fetch-Site); send Authorization: Bearer <token> instead")
+            secret = request.cookies.get(COOKIE)
         if secret is None:
             if scope == "read" and self.public_read:
                 return PUBLIC_READER

@@ -61,6 +61,9 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
     trainer = Depends(guard.require("ingest"))
     operator = Depends(guard.require("operate"))
+    # The run page's Approve / Cancel buttons call these two with the sign-in cookie, same-origin
+    # only (supervisor.api.auth); every other command route takes bearer tokens only.
+    page_operator = Depends(guard.require("operate", browser=True))
 
     @router.get("/runs/{run_id}/commands")
     async def poll(run_id: str, request: Request, _: Principal = trainer) -> dict:
@@ -92,13 +95,13 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         return {"action_id": action_id}
 
     @router.post("/actions/{action_id}/approve")
-    async def approve(action_id: int, request: Request, who: Principal = operator) -> dict:
+    async def approve(action_id: int, request: Request, who: Principal = page_operator) -> dict:
         body = await _parse(request, Approval)
         await call(sup.executor.approve, action_id, actor(who, body.who))
         return {"ok": True}
 
     @router.post("/actions/{action_id}/cancel")
-    async def cancel(action_id: int, request: Request, who: Principal = operator) -> dict:
+    async def cancel(action_id: int, request: Request, who: Principal = page_operator) -> dict:
         body = await _parse(request, Approval)
         await call(sup.executor.cancel, action_id, actor(who, body.who))
         return {"ok": True}

@@ -37,6 +37,42 @@ class NotifyConfigError(UserError):
 
 
 @dataclass(frozen=True)
+class ChartRequest:
+    """A chart to upload into an incident's thread: one metric key, steps [step_lo, step_hi],
+    the onset and detection marked. Rendered by the outbox's sender (supervisor.notify.chart)
+    when the row's turn comes, never on the ingest path."""
+
+    metric: str
+    step_lo: int
+    step_hi: int
+    onset_step: int
+    detect_step: int
+    label: str = ""  # what fired (the signal), written beside the detection line
+
+    def __post_init__(self) -> None:
+        if not self.metric or not (0 <= self.step_lo <= self.step_hi):
+            raise ValueError(f"ChartRequest needs a metric and 0 <= step_lo <= step_hi, got {self!r}")
+
+    @classmethod
+    def around(cls, finding: Finding, pad_min: int = 50) -> "ChartRequest":
+        """The steps around a finding: as many before the onset as onset-to-detection took, at
+        least `pad_min`, and a quarter of that after detection (what came next, if already in)."""
+        pad = max(pad_min, finding.detect_step - finding.onset_step)
+        lo = max(0, finding.onset_step - pad)
+        return cls(finding.metric, lo, max(lo, finding.detect_step + max(10, pad // 4)),
+                   finding.onset_step, finding.detect_step, finding.signal.value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"metric": self.metric, "step_lo": self.step_lo, "step_hi": self.step_hi,
+                "onset_step": self.onset_step, "detect_step": self.detect_step, "label": self.label}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "ChartRequest":
+        return cls(str(obj["metric"]), int(obj["step_lo"]), int(obj["step_hi"]), int(obj["onset_step"]),
+                   int(obj["detect_step"]), str(obj.get("label") or ""))
+
+
+@dataclass(frozen=True)
 class Alert:
     """One message to humans. `fields` are short key/value facts (onset/detect step, target)."""
 
@@ -56,6 +92,13 @@ class Alert:
     # The story's state after this event ("resolved: rolled back to checkpoint 20"). A reply with
     # a status also updates its thread's top message, so the channel shows where things stand.
     status: str = ""
+    # An action awaiting approval: Approve / Cancel buttons where the channel has them (Slack
+    # with interactivity configured); the `commands` say the same for everyone else.
+    approve_action: int | None = None
+    # A repeat of a flapping signal folded into an earlier incident's thread: how many times it
+    # fired in the window (supervisor.notify.flap). 0: not folded.
+    fold_count: int = 0
+    chart: ChartRequest | None = None  # upload this chart into the thread instead of a message
 
     @property
     def thread_key(self) -> str | None:
@@ -69,7 +112,8 @@ class Alert:
                 "fields": {str(k): _plain(v) for k, v in self.fields.items()},
                 "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts,
                 "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands),
-                "status": self.status}
+                "status": self.status, "approve_action": self.approve_action, "fold_count": self.fold_count,
+                "chart": self.chart.to_json() if self.chart is not None else None}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
@@ -78,7 +122,9 @@ class Alert:
                    fields=dict(obj.get("fields") or {}), incident_id=obj.get("incident_id"),
                    reasons=tuple(obj.get("reasons") or ()), thread_ts=obj.get("thread_ts"),
                    thread=obj.get("thread"), broadcast=bool(obj.get("broadcast", False)),
-                   commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""))
+                   commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""),
+                   approve_action=obj.get("approve_action"), fold_count=int(obj.get("fold_count") or 0),
+                   chart=ChartRequest.from_json(obj["chart"]) if obj.get("chart") else None)
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",

@@ -16,6 +16,13 @@ the row; every later row of the story is sent as a reply to it. Order per channe
 safe: a reply is only sent once its parent is `sent` (it has a ts) or `failed` for good, and in
 that case the reply goes top-level and says so, becoming the parent of the rest.
 
+Charts (issue 12): an alert with a `chart` is an upload row, written only for channels that can
+upload (Slack's `upload`), after the text it illustrates, in the same thread. The sender renders
+the PNG when the row's turn comes (supervisor.notify.chart) and uploads it. An upload never holds
+up text: one that fails or waits for its next try is stepped over (the text rows behind it go
+out), retried with the same backoff up to `upload_attempts` times, then marked failed; the text
+it illustrates was sent on its own row before it and is never touched.
+
 Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
 recorded on its own: the console taking an alert no longer hides that Slack refused it.
 """
@@ -31,17 +38,28 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.notify.base import Alert, FanOut, Notifier, NotifyError, channel_name  # noqa: F401 - re-exported
+from supervisor.notify.base import Alert, ChartRequest, FanOut, Notifier, NotifyError, channel_name  # noqa: F401
+from supervisor.notify.chart import render_chart
 from supervisor.store import alerts as alerts_store
 
 log = logging.getLogger(__name__)
 
+# (session, run id, incident id, what to draw) -> PNG bytes
+ChartRenderer = Callable[[Session, str, "int | str | None", ChartRequest], bytes]
+
+
+def _is_upload(row: alerts_store.AlertRow) -> bool:
+    return bool((row.payload or {}).get("chart"))
+
 
 class Outbox:
     def __init__(self, sessions: sessionmaker, notifier: Notifier, *, retry_s: float = 2.0,
-                 max_retry_s: float = 600.0, idle_s: float = 10.0, batch: int = 50,
-                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)) -> None:
+                 max_retry_s: float = 600.0, idle_s: float = 10.0, batch: int = 50, upload_attempts: int = 5,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc),
+                 charts: ChartRenderer | None = None) -> None:
         self._sessions = sessions
+        self._charts = charts or render_chart
+        self.upload_attempts = upload_attempts
         parts: Sequence[Notifier] = notifier.parts if isinstance(notifier, FanOut) else [notifier]
         self._channels: dict[str, Notifier] = {}
         for part in parts:
@@ -64,8 +82,11 @@ class Outbox:
 
     def enqueue(self, s: Session, alert: Alert) -> None:
         """Write `alert` as pending rows; delivered after the caller commits and calls `wake()`."""
-        if self._channels:
-            alerts_store.enqueue(s, alert.run_id, self.channels, alert.title, alert.to_json(), alert.thread_key)
+        channels = self.channels
+        if alert.chart is not None:  # a chart goes only where it can be uploaded
+            channels = [name for name in channels if hasattr(self._channels[name], "upload")]
+        if channels:
+            alerts_store.enqueue(s, alert.run_id, channels, alert.title, alert.to_json(), alert.thread_key)
 
     def wake(self) -> None:
         for ev in self._wakes.values():
@@ -129,15 +150,27 @@ class Outbox:
                 rows = alerts_store.pending(s, name, self.batch)
             if not rows:
                 return None
+            soonest: float | None = None  # the next try of an upload stepped over
             for row in rows:
                 now = self._clock()
+                upload = _is_upload(row)
                 if row.next_attempt_at is not None and row.next_attempt_at > now:
-                    # Order per channel: nothing newer goes out before this one.
-                    return (row.next_attempt_at - now).total_seconds()
+                    wait = (row.next_attempt_at - now).total_seconds()
+                    if upload:  # a chart never holds up the text behind it
+                        soonest = wait if soonest is None else min(soonest, wait)
+                        continue
+                    # Order per channel: no newer text goes out before this one.
+                    return wait if soonest is None else min(soonest, wait)
+                if upload:
+                    if not self._upload_one(name, part, row):
+                        wait = self._backoff(row.attempts + 1)
+                        soonest = wait if soonest is None else min(soonest, wait)
+                    continue
                 if not self._send_one(name, part, row):
-                    return self._backoff(row.attempts + 1)
-            if len(rows) < self.batch:
-                return None
+                    wait = self._backoff(row.attempts + 1)
+                    return wait if soonest is None else min(soonest, wait)
+            if len(rows) < self.batch or soonest is not None:
+                return soonest
 
     def _send_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
         """Deliver one row; False when the channel is down (stop it for now, keep the order)."""
@@ -154,20 +187,49 @@ class Outbox:
             return self._retry_later(name, row, f"{exc}")
         except Exception as exc:  # noqa: BLE001 - an unknown failure is treated as an outage
             return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
+        # The top message first, then the row: a row is `sent` once all it does is done, so
+        # drain() (and a reader of the thread) never sees the reply without its new state.
+        if parent is not None and parent.ts and alert.status:
+            self._restate(name, part, parent, alert.status, keep_buttons=alert.fold_count > 0)
         with self._sessions.begin() as s:
             alerts_store.mark_sent(s, row.id, ts)
-        if parent is not None and parent.ts and alert.status:
-            self._restate(name, part, parent, alert.status)
         return True
 
-    def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str) -> None:
+    def _upload_one(self, name: str, part: Notifier, row: alerts_store.AlertRow) -> bool:
+        """Render and upload one chart; False when it is to be tried again later."""
+        try:
+            alert, _ = self._threaded(name, row, Alert.from_json(row.payload or {}))
+            assert alert.chart is not None
+            with self._sessions() as s:
+                png = self._charts(s, alert.run_id, alert.incident_id, alert.chart)
+            file_id = part.upload(alert, png)  # type: ignore[attr-defined] - enqueue() checked it has one
+        except Exception as exc:  # noqa: BLE001 - a chart is never worth stopping the channel for
+            retryable = not isinstance(exc, NotifyError) or exc.retryable
+            if retryable and row.attempts + 1 < self.upload_attempts:
+                self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
+                return False
+            log.error("chart %s to %s not uploaded (attempt %d, giving up): %s", row.id, name, row.attempts + 1, exc)
+            with self._sessions.begin() as s:
+                alerts_store.mark_failed(s, row.id, f"{type(exc).__name__}: {exc}")
+            return True
+        log.info("chart %s uploaded to %s as file %s", row.id, name, file_id)
+        with self._sessions.begin() as s:
+            alerts_store.mark_sent(s, row.id, None)  # a file id is no message to thread under
+        return True
+
+    def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str,
+                 keep_buttons: bool = False) -> None:
         """Best effort: the thread's top message shows the story's state. The reply already says
         it, so a failed update is logged and never holds up the channel."""
         update = getattr(part, "update", None)  # channels without message ids (console) have none
         if update is None or not parent.payload:
             return
         try:
-            update(parent.ts, dataclasses.replace(Alert.from_json(parent.payload), status=status))
+            top = Alert.from_json(parent.payload)
+            # Any later state of the story answers the question the buttons asked; a flapping
+            # repeat does not, so the buttons stay.
+            update(parent.ts, dataclasses.replace(top, status=status,
+                                                  approve_action=top.approve_action if keep_buttons else None))
         except Exception as exc:  # noqa: BLE001
             log.warning("alert channel %s: could not update thread %s with %r: %s", name, parent.ts, status, exc)
 
@@ -200,7 +262,12 @@ class Outbox:
         now = self._clock()
         with self._sessions() as s:
             for name in self._channels:
-                rows = alerts_store.pending(s, name, 1)
-                if rows and (not due_only or rows[0].next_attempt_at is None or rows[0].next_attempt_at <= now):
+                rows = alerts_store.pending(s, name, self.batch if due_only else 1)
+                if rows and not due_only:
                     return True
+                for row in rows:  # as _deliver_channel sees them: uploads waiting are stepped over
+                    if row.next_attempt_at is None or row.next_attempt_at <= now:
+                        return True
+                    if not _is_upload(row):
+                        break
         return False

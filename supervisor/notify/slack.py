@@ -1,6 +1,8 @@
-"""Alerts to Slack with slack-sdk's WebClient (chat.postMessage, Block Kit).
+"""Alerts to Slack with slack-sdk's WebClient (chat.postMessage, chat.update, files_upload_v2,
+Block Kit built with slack_sdk.models.blocks).
 
-The only module that imports slack_sdk (STYLE.md 6). The bot token comes from an environment
+With supervisor.api.slack (the interactivity endpoint), the only module that imports slack_sdk
+(STYLE.md 6). The bot token comes from an environment
 variable or a mounted secret file, never from a config file. Rate limits (HTTP 429 +
 Retry-After), 5xx answers and dropped connections are retried with slack-sdk's RetryHandlers;
 after the last retry a NotifyError says what to check.
@@ -14,13 +16,25 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Protocol
+from urllib.error import HTTPError
 from urllib.parse import quote
 
 from slack_sdk import WebClient
-from slack_sdk.errors import SlackApiError
+from slack_sdk.errors import SlackApiError, SlackRequestError
 from slack_sdk.http_retry import ConnectionErrorRetryHandler, RetryHandler
 from slack_sdk.http_retry.builtin_handlers import ServerErrorRetryHandler
 from slack_sdk.http_retry.builtin_interval_calculators import BackoffRetryIntervalCalculator
+from slack_sdk.models.blocks import (
+    ActionsBlock,
+    Block,
+    ButtonElement,
+    ConfirmObject,
+    ContextBlock,
+    HeaderBlock,
+    MarkdownTextObject,
+    PlainTextObject,
+    SectionBlock,
+)
 
 from monitors.contract import Severity
 from supervisor.notify.base import Alert, NotifyConfigError, NotifyError
@@ -33,6 +47,8 @@ _CHANNEL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived"}
 # Errors about the message itself: sending it again cannot succeed (the outbox marks it failed).
 _MESSAGE_ERRORS = {"invalid_blocks", "invalid_blocks_format", "msg_too_long", "no_text", "invalid_arguments",
                    "too_many_attachments", "invalid_attachments"}
+# The buttons' action ids: what the interactivity endpoint (supervisor.api.slack) accepts.
+APPROVE, CANCEL = "thermowatch_approve", "thermowatch_cancel"
 # Block Kit limits: header text 150 chars, section text 3000, 10 fields of 2000 each.
 _HEADER_MAX, _SECTION_MAX, _FIELDS_MAX = 150, 3000, 10
 
@@ -71,6 +87,26 @@ def resolve_token(token_env: str | None, token_file: str | None,
     raise NotifyConfigError("Slack is configured without a token source; set slack.token_env or slack.token_file")
 
 
+def resolve_signing_secret(secret_env: str | None, secret_file: str | None,
+                           environ: Mapping[str, str] | None = None) -> str | None:
+    """Slack's signing secret for the interactivity endpoint, or None: not configured (no buttons,
+    the endpoint answers 404). A file, when set, wins and must be readable and non-empty."""
+    environ = os.environ if environ is None else environ
+    if secret_file:
+        path = Path(secret_file)
+        try:
+            secret = path.read_text().strip()
+        except OSError as exc:
+            raise NotifyConfigError(f"Slack signing secret file {path} cannot be read ({exc.strerror}); mount the "
+                                    "secret there or set slack.signing_secret_file to the right path") from exc
+        if not secret:
+            raise NotifyConfigError(f"Slack signing secret file {path} is empty; put the app's signing secret in it")
+        return secret
+    if secret_env:
+        return environ.get(secret_env, "").strip() or None
+    return None
+
+
 class _RateLimitRetry(RetryHandler):
     """Retry HTTP 429 after Retry-After seconds, capped, so one alert never blocks for minutes.
 
@@ -105,7 +141,8 @@ class SlackNotifier:
 
     def __init__(self, token: str, channel: str, base_url: str | None = None, retries: int = 3,
                  *, max_retry_wait_s: float = 30.0, timeout_s: float = 10.0,
-                 web_base_url: str | None = None, token_source: str = "the token argument"):
+                 web_base_url: str | None = None, token_source: str = "the token argument",
+                 interactive: bool = False):
         if not token:
             raise NotifyConfigError(f"SlackNotifier needs a bot token; none came from {token_source}")
         if not channel:
@@ -121,6 +158,9 @@ class SlackNotifier:
         self.retries = retries
         self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
         self.token_source = token_source
+        # Buttons only where a click can be verified and acted on: a signing secret is configured
+        # (supervisor.api.slack); without one the commands in the message are the way to answer.
+        self.interactive = interactive
         backoff = BackoffRetryIntervalCalculator(backoff_factor=0.5)
         handlers = [
             ConnectionErrorRetryHandler(max_retry_count=retries, interval_calculator=backoff),
@@ -136,8 +176,10 @@ class SlackNotifier:
     def from_config(cls, cfg: SlackSettings, *, environ: Mapping[str, str] | None = None,
                     web_base_url: str | None = None, retries: int = 3) -> "SlackNotifier":
         token, source = resolve_token(cfg.token_env, cfg.token_file, environ)
+        secret = resolve_signing_secret(getattr(cfg, "signing_secret_env", ""), getattr(cfg, "signing_secret_file", ""),
+                                        environ)
         return cls(token, cfg.channel, base_url=cfg.base_url, retries=retries,
-                   web_base_url=web_base_url, token_source=source)
+                   web_base_url=web_base_url, token_source=source, interactive=secret is not None)
 
     def check(self) -> dict[str, Any]:
         """auth.test at start-up: who the bot is. A refused token raises NotifyConfigError (the
@@ -175,6 +217,20 @@ class SlackNotifier:
         self._call("chat.update", self.client.chat_update, channel=self._channel_id or self.channel, ts=ts,
                    text=_fallback_text(alert), blocks=self.blocks(alert))
 
+    def upload(self, alert: Alert, png: bytes) -> str | None:
+        """files_upload_v2 into the alert's thread: files.getUploadURLExternal, the bytes POSTed
+        to the URL it answers, then files.completeUploadExternal with channel_id and thread_ts.
+        Returns the file's id. completeUploadExternal takes a channel id, which the last
+        chat.postMessage answered with (after a restart, before any post: slack.channel, so
+        configure the channel by id if charts must survive restarts)."""
+        metric = alert.chart.metric if alert.chart is not None else "chart"
+        name = f"{alert.run_id}-{metric.replace('/', '_')}.png"
+        resp = self._call("files.upload_v2", self.client.files_upload_v2, channel=self._channel_id or self.channel,
+                          thread_ts=alert.thread_ts, file=png, filename=name, title=_cut(alert.title, 250),
+                          alt_txt=_cut(alert.title, 1000))
+        files = resp.get("files") or []
+        return files[0].get("id") if files else None
+
     def _post(self, alert: Alert) -> str | None:
         # reply_broadcast: a failure or a page in a thread is also shown in the channel.
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
@@ -193,6 +249,11 @@ class SlackNotifier:
         except SlackApiError as exc:
             error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
             raise NotifyError(self._explain(method, exc), retryable=error not in _MESSAGE_ERRORS) from exc
+        except SlackRequestError as exc:  # files_upload_v2: the upload URL answered other than 200
+            raise NotifyError(f"Slack {method} failed: {exc}") from exc
+        except HTTPError as exc:  # files_upload_v2 POSTs the bytes with urllib, outside the retry handlers
+            raise NotifyError(f"Slack {method}: the upload URL answered HTTP {exc.code}; the upload is "
+                              "tried again later") from exc
         except OSError as exc:  # URLError, ConnectionError, timeouts: after the retries ran out
             raise NotifyError(f"Slack {method} could not reach {self.client.base_url} after {self.retries} "
                               f"retries: {exc}; check the network or slack.base_url") from exc
@@ -212,32 +273,35 @@ class SlackNotifier:
         return f"Slack {method} failed: HTTP {status}, error {error or exc}"
 
     def blocks(self, alert: Alert) -> list[dict[str, Any]]:
-        """Block Kit: header, finding, the reasons, fields, link to the plot, run/incident context."""
-        blocks: list[dict[str, Any]] = [{
-            "type": "header",
-            "text": {"type": "plain_text", "text": _cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX),
-                     "emoji": True},
-        }]
+        """Block Kit (slack_sdk.models.blocks): header, the story's state, finding, reasons,
+        fields, the exact commands, Approve / Cancel buttons when interactivity is configured,
+        and a context line with the run, incident and a link to the plot."""
+        blocks: list[Block] = [HeaderBlock(text=PlainTextObject(
+            text=_cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX), emoji=True))]
         if alert.status and not alert.thread_ts:  # a reply says it in its own words
             blocks.append(_section(f"*now:* {_esc(alert.status)}"))
         if alert.text:
             blocks.append(_section(_esc(alert.text)))
         if alert.reasons:
             blocks.append(_section("\n".join(f"\u2022 {_esc(r)}" for r in alert.reasons)))
-        fields = [{"type": "mrkdwn", "text": _cut(f"*{_esc(str(k))}*\n{_esc(str(v))}", 2000)}
+        fields = [MarkdownTextObject(text=_cut(f"*{_esc(str(k))}*\n{_esc(str(v))}", 2000))
                   for k, v in list(alert.fields.items())[:_FIELDS_MAX]]
         if fields:
-            blocks.append({"type": "section", "fields": fields})
+            blocks.append(SectionBlock(fields=fields))
         if alert.commands:  # the exact commands, copyable from a phone
             blocks.append(_section("\n".join(f"`{_esc(c)}`" for c in alert.commands)))
+        if self.interactive and alert.approve_action is not None:
+            blocks.append(approval_buttons(alert.approve_action))
         context = [f"run `{_esc(alert.run_id)}`", f"severity {alert.severity.value}"]
         if alert.incident_id is not None:
             context.append(f"incident {alert.incident_id}")
+        if alert.fold_count:
+            context.append(f"repeat {alert.fold_count} of a flapping signal")
         url = self.plot_url(alert)
         if url:
             context.append(f"<{url}|thermometer plot>")
-        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": " \u00b7 ".join(context)}]})
-        return blocks
+        blocks.append(ContextBlock(elements=[MarkdownTextObject(text=" \u00b7 ".join(context))]))
+        return [b.to_dict() for b in blocks]
 
     def plot_url(self, alert: Alert) -> str | None:
         if not self.web_base_url:
@@ -259,8 +323,21 @@ def _fallback_text(alert: Alert) -> str:
     return f"[{alert.severity.value.upper()}] {alert.title}" + (f": {alert.text}" if alert.text else "")
 
 
-def _section(text: str) -> dict[str, Any]:
-    return {"type": "section", "text": {"type": "mrkdwn", "text": _cut(text, _SECTION_MAX)}}
+def _section(text: str) -> SectionBlock:
+    return SectionBlock(text=MarkdownTextObject(text=_cut(text, _SECTION_MAX)))
+
+
+def approval_buttons(action_id: int) -> ActionsBlock:
+    """Approve / Cancel for one action. Slack posts a click to the interactivity URL
+    (supervisor.api.slack), which checks the signature and acts as the Slack user."""
+    return ActionsBlock(block_id=f"approval:{action_id}", elements=[
+        ButtonElement(text="Approve", action_id=APPROVE, value=str(action_id), style="primary",
+                      confirm=ConfirmObject(title="Approve?", text=f"Send action {action_id} to the trainer.",
+                                            confirm="Approve", deny="Back")),
+        ButtonElement(text="Cancel", action_id=CANCEL, value=str(action_id), style="danger",
+                      confirm=ConfirmObject(title="Cancel?", text=f"Cancel action {action_id}; the trainer "
+                                            "never gets it.", confirm="Cancel it", deny="Back")),
+    ])
 
 
 def _esc(text: str) -> str:

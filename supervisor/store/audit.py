@@ -36,3 +36,10 @@ def audit_log(session: Session, run_id: str | None = None, limit: int = 500) -> 
         q = q.where(AuditEntry.run_id == run_id)
     rows = session.execute(q.order_by(AuditEntry.id.desc()).limit(limit)).scalars()
     return [AuditRow(r.id, r.at, r.run_id, r.actor, r.event, dict(r.detail or {})) for r in rows]
+
+
+def events(session: Session, run_id: str, event: str, limit: int = 1000) -> list[AuditRow]:
+    """The run's audit rows of one kind of event, newest first."""
+    q = (select(AuditEntry).where(AuditEntry.run_id == run_id, AuditEntry.event == event)
+         .order_by(AuditEntry.id.desc()).limit(limit))
+    return [AuditRow(r.id, r.at, r.run_id, r.actor, r.event, dict(r.detail or {})) for r in session.execute(q).scalars()]

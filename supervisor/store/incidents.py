@@ -77,3 +77,14 @@ def resolve_incident(session: Session, incident_id: int, resolution: str = "") -
         .values(state="resolved", closed_at=utcnow(), resolution=resolution)
     )
     return res.rowcount == 1
+
+
+def opened_since(session: Session, run_id: str, signal: str, module: str,
+                 since: dt.datetime) -> list[tuple[int, dt.datetime]]:
+    """(id, opened_at) of the run's incidents of (signal, module) opened at or after `since`,
+    oldest first: how often one signal has fired lately (flap damping, supervisor.notify.flap)."""
+    q = (select(Incident.id, Incident.opened_at)
+         .where(Incident.run_id == run_id, Incident.signal == signal, Incident.module == module,
+                Incident.opened_at >= since)
+         .order_by(Incident.id))
+    return [(int(i), at) for i, at in session.execute(q)]

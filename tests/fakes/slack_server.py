@@ -5,6 +5,11 @@ token, JSON or form bodies, answers `{"ok": true, ...}` or HTTP 200 `{"ok": fals
 and HTTP 429 with `Retry-After` when rate limited. The real slack-sdk WebClient talks to it
 through `base_url`. Every request is recorded (headers + parsed body) for assertions.
 
+Uploads as files_upload_v2 makes them: `files.getUploadURLExternal` (filename, length) answers an
+`upload_url` on this server and a file id; the raw bytes are POSTed there (recorded in
+`uploads`); `files.completeUploadExternal` (files JSON, channel_id, thread_ts) shares the file,
+as a message in the thread.
+
 Use the `fake_slack` fixture (import it into a test module or list this module in
 `pytest_plugins`), or `with FakeSlack() as fake:` directly.
 """
@@ -33,9 +38,21 @@ class RecordedRequest:
     answer: dict[str, Any]  # the JSON answered
 
 
+@dataclass
+class Upload:
+    file_id: str
+    filename: str
+    length: int  # as announced to files.getUploadURLExternal
+    data: bytes = b""  # as POSTed to the upload URL
+    title: str = ""
+    channel: str | None = None  # set by files.completeUploadExternal
+    thread_ts: str | None = None
+    shared: bool = False
+
+
 class FakeSlack:
-    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`) and `chat.update`,
-    with switches for failures."""
+    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`), `chat.update`
+    and the upload trio of files_upload_v2, with switches for failures."""
 
     def __init__(self, token: str = "xoxb-fake-token", channels: set[str] | None = None):
         self.token = token
@@ -51,6 +68,9 @@ class FakeSlack:
         self._open = threading.Event()
         self._open.set()
         self._ts = itertools.count(1)
+        self.uploads: dict[str, Upload] = {}  # file id -> what was announced, POSTed and shared
+        self._upload_failures = 0
+        self._file_ids = itertools.count(1)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -71,6 +91,11 @@ class FakeSlack:
         """Answer the next `calls` requests with HTTP 500 (after any rate limiting)."""
         with self._lock:
             self._server_errors = calls
+
+    def fail_uploads(self, calls: int) -> None:
+        """Answer the next `calls` POSTs of bytes to an upload URL with HTTP 500."""
+        with self._lock:
+            self._upload_failures = calls
 
     def hold(self) -> None:
         """Accept requests but answer none until `release()` (a Slack that hangs)."""
@@ -131,6 +156,11 @@ class FakeSlack:
         with self._lock:
             return [m for ts, m in sorted(self.messages.items()) if m.get("thread_ts") in (None, ts)]
 
+    def shared_files(self) -> list[Upload]:
+        """Uploads completed into a channel, oldest first."""
+        with self._lock:
+            return [u for u in self.uploads.values() if u.shared]
+
     def thread(self, ts: str) -> list[dict[str, Any]]:
         """A thread as conversations.replies gives it: the parent, then its replies, oldest first."""
         with self._lock:
@@ -141,6 +171,8 @@ class FakeSlack:
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
         self._open.wait()
         url = urlsplit(req.path)
+        if url.path.startswith("/upload/"):
+            return self._receive_upload(req, url.path.rsplit("/", 1)[-1])
         api_method = url.path[len("/api/"):] if url.path.startswith("/api/") else ""
         raw = req.rfile.read(int(req.headers.get("Content-Length") or 0))
         body: dict[str, Any] = {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -181,6 +213,10 @@ class FakeSlack:
             return self._post(body)
         if api_method == "chat.update":
             return self._update(body)
+        if api_method == "files.getUploadURLExternal":
+            return self._upload_url(body)
+        if api_method == "files.completeUploadExternal":
+            return self._complete_upload(body)
         return 404, {"ok": False, "error": "unknown_method"}, {}
 
     def _channel_error(self, body: dict[str, Any]) -> str | None:
@@ -233,6 +269,75 @@ class FakeSlack:
         message.update({k: body[k] for k in ("text", "blocks") if k in body})
         return 200, {"ok": True, "channel": body["channel"], "ts": message["ts"], "text": message["text"],
                      "message": message}, {}
+
+
+    # --- files_upload_v2 --------------------------------------------------------------------
+
+    def _upload_url(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        try:
+            length = int(body.get("length", ""))
+        except ValueError:
+            return 200, {"ok": False, "error": "invalid_arguments"}, {}
+        if not body.get("filename") or length <= 0:
+            return 200, {"ok": False, "error": "invalid_arguments"}, {}
+        file_id = f"F{next(self._file_ids):08d}"
+        self.uploads[file_id] = Upload(file_id, body["filename"], length)
+        host, port = self._server.server_address[:2] if self._server else ("127.0.0.1", 0)
+        # Slack answers a files.slack.com URL; ours points back at this server.
+        return 200, {"ok": True, "upload_url": f"http://{host}:{port}/upload/v1/{file_id}", "file_id": file_id}, {}
+
+    def _receive_upload(self, req: BaseHTTPRequestHandler, file_id: str) -> None:
+        data = req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        with self._lock:
+            upload = self.uploads.get(file_id)
+            if self._upload_failures > 0:
+                self._upload_failures -= 1
+                status, text = 500, "internal error"
+            elif upload is None:
+                status, text = 404, "unknown upload"
+            else:
+                upload.data = data
+                status, text = 200, f"OK - {len(data)}"
+            self.requests.append(RecordedRequest("upload", dict(req.headers.items()), {"file_id": file_id,
+                                                                                       "bytes": len(data)},
+                                                 status, {"text": text}))
+        out = text.encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "text/plain; charset=utf-8")
+        req.send_header("Content-Length", str(len(out)))
+        req.end_headers()
+        req.wfile.write(out)
+
+    def _complete_upload(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        try:
+            files = json.loads(body["files"]) if isinstance(body.get("files"), str) else body.get("files")
+            ids = [(f["id"], f.get("title") or "") for f in files]
+        except (KeyError, TypeError, ValueError):
+            return 200, {"ok": False, "error": "invalid_arguments"}, {}
+        channel = body.get("channel_id")
+        if channel is not None and channel not in self.channel_ids.values():
+            return 200, {"ok": False, "error": "channel_not_found"}, {}  # an id, never a '#name'
+        thread_ts = body.get("thread_ts")
+        if thread_ts and (channel is None or thread_ts not in self.messages):
+            return 200, {"ok": False, "error": "invalid_thread_ts"}, {}
+        answered = []
+        for file_id, title in ids:
+            upload = self.uploads.get(file_id)
+            if upload is None or len(upload.data) != upload.length:
+                return 200, {"ok": False, "error": "file_not_found"}, {}  # never POSTed, or cut short
+            upload.title, upload.channel, upload.thread_ts, upload.shared = title, channel, thread_ts, True
+            answered.append({"id": file_id, "title": title, "name": upload.filename})
+        if channel is not None:  # the share shows as a message, in the thread when one is given
+            ts = f"1700000000.{next(self._ts):06d}"
+            message = {"type": "message", "subtype": "file_share", "text": body.get("initial_comment", ""),
+                       "ts": ts, "user": BOT["user_id"], "channel": channel, "files": answered}
+            if thread_ts:
+                root = self.messages[thread_ts].get("thread_ts", thread_ts)
+                message["thread_ts"] = root
+                top = self.messages[root]
+                top.update(thread_ts=root, reply_count=top.get("reply_count", 0) + 1, latest_reply=ts)
+            self.messages[ts] = message
+        return 200, {"ok": True, "files": answered}, {}
 
 
 @pytest.fixture

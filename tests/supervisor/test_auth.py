@@ -37,9 +37,10 @@ from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
 
 RUN = "auth"
 # Open on purpose: the liveness probe; the API's schema and its viewers (no run data in them);
-# the sign-in and sign-out forms (which check the Origin themselves: test_web.py).
-OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
-        ("GET", "/redoc"), ("GET", "/login"), ("POST", "/login"), ("POST", "/logout")}
+# the sign-in and sign-out forms (which check the Origin themselves: test_web.py); Slack's
+# interactivity callbacks (Slack's request signature instead of a token: test_slack_api.py).
+OPEN = {("POST", "/api/slack/interactions"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
+        ("GET", "/login"), ("POST", "/login"), ("POST", "/logout")}
 SCOPE = {
     ("POST", "/api/runs"): "ingest",
     ("POST", "/api/runs/{run_id}/attempts/{attempt}/steps"): "ingest",
@@ -58,6 +59,9 @@ SCOPE = {
     ("GET", "/api/runs/{run_id}/series"): "read",
     ("GET", "/api/runs/{run_id}/history"): "read",
     ("GET", "/api/runs/{run_id}/status"): "read",
+    ("GET", "/api/runs/{run_id}/chart"): "read",
+    ("GET", "/api/runs/{run_id}/chart.png"): "read",
+    ("GET", "/api/runs/{run_id}/events"): "read",
     ("GET", "/api/runs/{run_id}/incidents"): "read",
     ("GET", "/api/runs/{run_id}/actions"): "read",
     ("GET", "/api/runs/{run_id}/audit"): "read",
@@ -66,6 +70,7 @@ SCOPE = {
     ("GET", "/"): "read",
     ("GET", "/runs/{run_id}/plot.png"): "read",
     ("GET", "/runs/{run_id}"): "read",
+    ("GET", "/runs/{run_id}/attention"): "read",
 }
 # A token holding every scope but the one a route needs (admin would imply it).
 ALL_BUT = {"ingest": ("read", "operate"), "read": ("ingest",), "operate": ("ingest", "read"),
@@ -123,7 +128,7 @@ def _url(path: str, action_id: int) -> str:
 def _send(c, method, path, action_id, headers):
     body = BODIES.get(path)
     url = _url(path, action_id)
-    if path.endswith("/history") or path.endswith("plot.png"):
+    if path.endswith("/history") or path.endswith("plot.png") or path.endswith("/chart") or path.endswith("/chart.png"):
         url += "?key=loss&metric=loss"
     return c.request(method, url, headers=headers, **({"json": body} if method == "POST" else {}))
 

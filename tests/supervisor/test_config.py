@@ -81,12 +81,23 @@ def test_serve_as_a_process_exits_2(tmp_path):
     assert "policy.lr_multiplier: expected a number, got 'half'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_every_supervisor_config_in_deploy_loads():
+def test_every_supervisor_config_in_deploy_loads(tmp_path):
     paths = [p for p in sorted((ROOT / "deploy").rglob("*.yaml")) if "supervisor" in p.name]
     assert {p.relative_to(ROOT).as_posix() for p in paths} >= {"deploy/supervisor.example.yaml",
                                                                  "deploy/local/supervisor.yaml"}
     for p in paths:
         SupervisorConfig.load(p, env={})
+    # ... and those Kubernetes mounts from a ConfigMap (deploy/k8s/daemon.yaml)
+    import yaml
+
+    embedded = [(p, key, text) for p in sorted((ROOT / "deploy").rglob("*.yaml"))
+                for doc in yaml.safe_load_all(p.read_text()) if isinstance(doc, dict) and doc.get("kind") == "ConfigMap"
+                for key, text in doc.get("data", {}).items() if "supervisor" in key]
+    assert [(p.relative_to(ROOT).as_posix(), key) for p, key, _ in embedded] == [("deploy/k8s/daemon.yaml",
+                                                                                   "supervisor.yaml")]
+    for _, key, text in embedded:
+        (tmp_path / key).write_text(text)
+        assert SupervisorConfig.load(tmp_path / key, env={}).host == "0.0.0.0"
 
 
 def test_the_local_supervisor_config_is_what_serve_reads(tmp_path, monkeypatch):

@@ -230,3 +230,47 @@ def test_slack_check_refuses_a_bad_token_as_configuration(fake_slack):
     with pytest.raises(NotifyError) as got:  # an outage is not a configuration error
         slack(fake_slack, retries=0).check()
     assert not isinstance(got.value, NotifyConfigError)
+
+
+# --- Block Kit from slack_sdk.models, buttons, uploads (issue 12) ---------------------------------
+
+
+def test_blocks_are_valid_block_kit_with_buttons_only_when_interactive(fake_slack):
+    from slack_sdk.models.blocks import Block
+
+    ask = Alert("run-7", Severity.WARN, "approval needed: rollback [action 9]", approve_action=9,
+                commands=("thermowatch approve 9", "thermowatch cancel 9"))
+    plain, interactive = slack(fake_slack), slack(fake_slack, interactive=True)
+    assert [b["type"] for b in plain.blocks(ask)] == ["header", "section", "context"]
+    blocks = interactive.blocks(ask)
+    assert [b["type"] for b in blocks] == ["header", "section", "actions", "context"]
+    # every block parses back into slack_sdk's models (what Slack's validator checks, locally)
+    assert all(Block.parse(b).to_dict() == b for b in blocks)
+    buttons = blocks[2]["elements"]
+    assert [(b["action_id"], b["value"], b["style"]) for b in buttons] == [
+        ("thermowatch_approve", "9", "primary"), ("thermowatch_cancel", "9", "danger")]
+    assert all(b["confirm"]["text"]["text"] for b in buttons)  # a phone tap asks first
+    assert not [b for b in interactive.blocks(Alert("run-7", Severity.INFO, "done")) if b["type"] == "actions"]
+    ts = interactive.send(ask)  # and Slack (the fake) takes them, with the text fallback beside
+    assert fake_slack.messages[ts]["blocks"][2]["type"] == "actions"
+    assert fake_slack.messages[ts]["text"] == "[WARN] approval needed: rollback [action 9]"
+
+
+def test_upload_speaks_files_upload_v2_into_the_thread(fake_slack):
+    from supervisor.notify.base import ChartRequest
+
+    notifier = slack(fake_slack)
+    parent = notifier.send(spike_alert())
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+    chart = Alert("run-7", Severity.INFO, "run-7: loss around the onset", thread_ts=parent,
+                  chart=ChartRequest("loss", 0, 100, 40, 60))
+    file_id = notifier.upload(chart, png)
+    (up,) = fake_slack.shared_files()
+    assert (up.file_id, up.data, up.thread_ts, up.filename) == (file_id, png, parent, "run-7-loss.png")
+    assert up.channel == fake_slack.messages[parent]["channel"]  # the id chat.postMessage answered
+    assert [r.api_method for r in fake_slack.requests][1:] == [
+        "files.getUploadURLExternal", "upload", "files.completeUploadExternal"]
+    fake_slack.fail_uploads(1)  # the upload URL answers 500: retryable, the text is elsewhere
+    with pytest.raises(NotifyError, match="upload URL answered HTTP 500") as got:
+        notifier.upload(chart, png)
+    assert got.value.retryable and len(fake_slack.shared_files()) == 1
