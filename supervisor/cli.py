@@ -3,7 +3,8 @@
 Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
 and `replay` never starts Ray. The manual commands, the read commands (status, incidents,
 export: supervisor.report) and `login` talk to the daemon over HTTP (supervisor.client); only
-`serve`, `train`, `demo`, `db` and `token` open a database. Exit codes: 0 ok, 1 the job ran
+`serve`, `train`, `demo`, `db` and `token` open a database; `validate-config` and `simulate` touch
+neither. Exit codes: 0 ok, 1 the job ran
 and failed, 2 bad usage or bad input, or a request the daemon refused (the message says which
 value and how to fix it), 3 no daemon answered at the address (the message names it and how
 to point elsewhere).
@@ -43,7 +44,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from supervisor.launch import train
 
     return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args),
-                 verbose=args.verbose, progress_every=args.progress_every)
+                 verbose=args.verbose, progress_every=args.progress_every, detach=args.detach,
+                 restarts=args.restarts)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -82,6 +84,27 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay(args.file, detector_cfg, sys.stdout, json_out=args.json, policy=decide)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from supervisor.simulate.compare import simulate
+    from supervisor.simulate.config import SimConfig
+    from supervisor.simulate.report import print_table, to_json
+
+    rep = simulate(SimConfig.load(args.config), seed=args.seed)
+    if args.json:
+        print(to_json(rep))
+    else:
+        print_table(rep, sys.stdout)
+    return EXIT_OK
+
+
+def cmd_validate_config(args: argparse.Namespace) -> int:
+    from supervisor.launch import validate_config
+
+    for line in validate_config(args.file, kind=args.kind):
+        print(line)
+    return EXIT_OK
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     from supervisor import db
 
@@ -96,7 +119,27 @@ def cmd_db(args: argparse.Namespace) -> int:
     except db.SchemaOutOfDate as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_FAILED
+    if args.db_command == "rollups":
+        return _backfill_rollups(engine)
     print("database is current")
+    return EXIT_OK
+
+
+def _backfill_rollups(engine) -> int:
+    """Roll up every run's stored history (one transaction per run; safe to repeat, and while
+    the daemon runs: rows are upserts of the same content)."""
+    from supervisor import db
+    from supervisor.store import rollups
+    from supervisor.store import runs as runs_store
+
+    sessions = db.make_sessionmaker(engine)
+    with sessions() as s:
+        run_ids = [r.run_id for r in runs_store.list_runs(s)]
+    for run_id in run_ids:
+        with sessions.begin() as s:
+            n = rollups.backfill(s, run_id)
+        print(f"{run_id}: {n} rollup rows written")
+    print(f"rolled up {len(run_ids)} run(s)")
     return EXIT_OK
 
 
@@ -143,6 +186,23 @@ def cmd_manual(args: argparse.Namespace) -> int:
     from supervisor.manual import run_manual
 
     return run_manual(args)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """A chart of one metric (a key or a family prefix) as a PNG file, through the daemon's
+    GET /api/runs/{run}/chart.png (read from the rollups: fast at any history length)."""
+    from supervisor.client import Client, resolve, run_path
+
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UserError(f"-o {args.output}: the folder {out.parent} does not exist")
+    with Client(resolve(args.server, args.token), timeout=120.0) as api:
+        png = api.get_bytes(f"{run_path(args.run_id)}/chart.png", metric=args.metric, step_lo=args.step_lo,
+                            step_hi=args.step_hi, attempts=args.attempts, onset=args.onset, incident=args.incident,
+                            width=args.width, height=args.height)
+    out.write_bytes(png)
+    print(f"wrote {out} ({len(png)} bytes): {args.run_id} {args.metric}")
+    return EXIT_OK
 
 
 def cmd_login(args: argparse.Namespace) -> int:
@@ -202,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-every", type=int, default=10, metavar="N",
                    help="a progress line (step, loss, tokens/s, max attention logit, ETA) every N steps")
     p.add_argument("-v", "--verbose", action="store_true", help="also log every HTTP request (httpx, httpcore)")
+    p.add_argument("--detach", action="store_true",
+                   help="run the controller as a detached Ray actor on the cluster at RAY_ADDRESS (needs "
+                        "--supervisor): it survives this command, and Ray restarts it when its process dies; "
+                        "the same command again attaches to it")
+    p.add_argument("--restarts", type=int, default=10, metavar="N",
+                   help="with --detach: how often Ray may restart a dead controller (default 10)")
     _add_db_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -222,8 +288,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-policy", action="store_true", help="findings only")
     p.set_defaults(func=cmd_replay)
 
+    p = sub.add_parser("simulate", help="goodput of a long run at scale under public failure rates, by strategy")
+    p.add_argument("--config", help="simulation settings that differ from the defaults (YAML)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("validate-config", help="check a supervisor or training config file; starts nothing")
+    p.add_argument("file")
+    p.add_argument("--kind", choices=["auto", "supervisor", "train"], default="auto",
+                   help="which config the file is (default: told by its keys)")
+    p.set_defaults(func=cmd_validate_config)
+
     p = sub.add_parser("db", help="database schema")
-    p.add_argument("db_command", choices=["upgrade", "current"])
+    p.add_argument("db_command", choices=["upgrade", "current", "rollups"],
+                   help="rollups: backfill the chart rollups of histories stored before migration 0010")
     _add_db_flags(p)
     p.set_defaults(func=cmd_db)
 
@@ -248,6 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
     from supervisor.report import add_read_commands
 
     add_read_commands(sub, _add_client_flags)
+
+    p = sub.add_parser("plot", help="save a chart of a run's metric as a PNG (through the daemon)")
+    p.add_argument("run_id")
+    p.add_argument("metric", help="a full key (loss, attn_logit_max/blocks.3.attn) or a family (attn_logit_max)")
+    p.add_argument("-o", "--output", required=True, help="the PNG file to write")
+    p.add_argument("--step-lo", type=int, help="first step of the window (default: the run's first)")
+    p.add_argument("--step-hi", type=int, help="last step of the window, inclusive (default: the run's last)")
+    p.add_argument("--attempts", choices=["all", "current"], default="all",
+                   help="all: abandoned trajectories faded beneath the live path; current: the live path only")
+    p.add_argument("--onset", type=int, help="draw a finding's onset at this step")
+    p.add_argument("--incident", type=int, help="draw this incident heavier")
+    p.add_argument("--width", type=int, default=1100, help="pixels (200..4000)")
+    p.add_argument("--height", type=int, default=320, help="pixels (120..2000)")
+    _add_client_flags(p)
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("login", help="check a daemon's address and token and remember them for the CLI")
     _add_client_flags(p)

@@ -25,6 +25,7 @@ from trainer.data import DataConfig
 from trainer.lr import SCHEDULES, LRSchedule
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+REDUCTIONS = ("collective", "driver")
 
 
 class ConfigError(ValueError):
@@ -94,11 +95,21 @@ class TrainConfig:
     # A step that neither finishes nor fails in this time means a hung rank (a collective
     # waiting on a stalled node): the gang is killed and restarted like after a death.
     step_timeout_s: float = 600.0
+    # How long a new gang waits for Ray to place its ranks (capacity lost with a node may come
+    # back, an autoscaler may add a node); then the bring-up counts as one failed restart
+    # (max_restarts). While it waits no records arrive: the supervisor's stall detector alerts.
+    placement_timeout_s: float = 600.0
     # Hand each step's thermometers out a step late, so the step never waits for their host
     # copy (DESIGN.md, "Nothing blocks training"). None: late on a GPU, where the copy is
     # asynchronous; on time on CPU, where the values are on the host when the step ends and
     # reading them late would only delay records and commands by a step.
     read_late: bool | None = None
+    # How the ranks' thermometer vectors become one record. "collective": the ranks all-reduce
+    # on the device (max/min with the extreme's rank, sum/mean; trainer.collective) and the
+    # driver receives one vector per step whatever the world size. "driver": every rank sends
+    # its vector and the controller reduces them (trainer.reduce; the path before issue 13,
+    # kept as the reference the collective one is tested against, bit for bit).
+    reduction: str = "collective"
     model: dict[str, Any] = field(
         # A tiny model: trains on 2 CPU cores in seconds. Any trainer.model.GPTConfig field.
         default_factory=lambda: {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
@@ -126,8 +137,12 @@ class TrainConfig:
             raise ConfigError(f"placement={self.placement!r} is not one of {PLACEMENT_STRATEGIES}")
         if not (self.step_timeout_s > 0 and self.poll_every_s > 0 and self.flush_every_s >= 0):
             raise ConfigError("step_timeout_s and poll_every_s must be > 0 and flush_every_s >= 0")
+        if not self.placement_timeout_s > 0:
+            raise ConfigError(f"placement_timeout_s must be > 0 seconds, got {self.placement_timeout_s!r}")
         if self.read_late not in (None, True, False):
             raise ConfigError(f"read_late must be true, false or null (auto), got {self.read_late!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction={self.reduction!r} is not one of {REDUCTIONS}")
         if not self.cpus_per_rank > 0:
             raise ConfigError(f"cpus_per_rank must be > 0, got {self.cpus_per_rank!r}")
         for sub, cls in (("data", DataConfig), ("optim", OptimConfig), ("checkpoint", CheckpointConfig)):

@@ -113,6 +113,9 @@ class RunController:
         self.step = 0
         self.attempt = -1
         self.gang = None
+        # Ray node ids no gang may use again (a rollback that excludes an outlier's node); in
+        # every attempt's RunInfo.config, so the supervisor records them.
+        self.excluded_nodes: list[str] = []
         self.paused = self.stopped = False
         self.state: ControllerState = Initializing()
         self.states: list[ControllerState] = [self.state]  # every state entered, in order
@@ -194,8 +197,11 @@ class RunController:
     def _record(self, outs: list) -> None:
         if outs[0] is None:
             return
-        values, ranks = self.reducer(np.stack([v for v, _ in outs]))
-        meta = outs[0][1]
+        packed, meta = outs[0]
+        if self.cfg.reduction == "collective":  # the ranks reduced on the device; rank 0 sent it
+            values, ranks = self.reducer.unpack(packed)
+        else:
+            values, ranks = self.reducer(np.stack([v for v, _ in outs]))
         rec = StepRecord(
             step=meta["step"],
             values={**dict(zip(self.gang.names, values.tolist())), LR_MULTIPLIER: meta["lr_multiplier"]},
@@ -275,7 +281,7 @@ class RunController:
                 run_id=self.cfg.run_id,
                 attempt=self.attempt,
                 world_size=self.cfg.world_size,
-                config={**self.cfg.to_dict(), "reason": reason},
+                config={**self.cfg.to_dict(), "reason": reason, "excluded_nodes": list(self.excluded_nodes)},
                 start_step=self.step,
                 hosts=dict(self.gang.hosts),
             ),
@@ -299,7 +305,8 @@ class RunController:
             return self._gang_factory(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
         from trainer.worker import Gang
 
-        return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
+        return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes),
+                    exclude_nodes=self.excluded_nodes)
 
     def _restart(self, exc: BaseException) -> None:
         """A rank died or hung: the whole gang goes, a new one resumes from a checkpoint. A
@@ -368,6 +375,16 @@ class RunController:
             world_size=self.cfg.world_size,
             zero_stage=self.cfg.zero_stage,
         )
+        # Durability barrier: every step this checkpoint covers is posted or spooled before the
+        # checkpoint exists. A controller that dies right after the commit is relaunched from
+        # this checkpoint and never trains those steps again: they must not die with it in the
+        # sink's memory (trainer/detached.py). HttpSink.drain waits on its sender thread; the
+        # embedded supervisor and the in-memory sinks store on write and have nothing to wait for.
+        self._flush(force=True)
+        drain = getattr(self.sink, "drain", None)
+        if drain is not None and not drain(self.cfg.step_timeout_s):
+            log.warning("sink still sending after %.0f s at checkpoint %d: a controller lost now may lose "
+                        "the steps still queued", self.cfg.step_timeout_s, self.step)
         info = self.store.commit(self.step, manifest)
         self._flush(force=True)  # the supervisor sees the steps before the checkpoint that covers them
         self._tell(self.sink.checkpoint_saved, self.cfg.run_id, self.attempt, info)
@@ -431,9 +448,9 @@ class RunController:
 def _gang_failures() -> tuple[type[BaseException], ...]:
     import ray.exceptions
 
-    from trainer.worker import GangTimeout
+    from trainer.worker import GangTimeout, PeerLost
 
-    return (ray.exceptions.RayActorError, GangTimeout)
+    return (ray.exceptions.RayActorError, GangTimeout, PeerLost)
 
 
 _GANG_FAILURES = _gang_failures()

@@ -189,12 +189,17 @@ class Obey:
     def _rollback(self, cmd: Rollback) -> Outcome:
         """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
         ctl = self.ctl
+        exclude: list[str] = []
         if cmd.exclude_rank is not None or cmd.exclude_node:
-            # Restarting without a node needs a gang of world_size - 1 (or a spare node) and a data
-            # split that still divides the batch; until then refuse loudly instead of rolling back
-            # with the bad node still in the gang.
-            raise Refused(f"restarting without rank {cmd.exclude_rank} / node {cmd.exclude_node!r} is not "
-                          "supported by this controller; drain the node and relaunch by hand")
+            # Restart without the node: same world size on spare capacity (the data split and
+            # the global batch stay as they are); refused, before anything changes, when the
+            # cluster has no such capacity (trainer.exclude).
+            from trainer.exclude import nodes_to_exclude
+
+            try:
+                exclude = nodes_to_exclude(ctl, cmd.exclude_rank, cmd.exclude_node)
+            except ValueError as exc:
+                raise Refused(f"restarting without rank {cmd.exclude_rank} / node {cmd.exclude_node!r}: {exc}") from None
         ckpt = ctl.rollback_target(min(cmd.to_step, ctl.step))
         why = "" if ckpt is not None and ckpt.step == cmd.to_step else self.why_not(cmd.to_step)
         if cmd.exact and (ckpt is None or ckpt.step != cmd.to_step):
@@ -210,10 +215,15 @@ class Obey:
         # Mark the left trajectory before anything else: a crash from here on must not let a
         # relaunch resume from a checkpoint this rollback walked away from.
         ctl.store.abandon_after(ckpt.step, f"{ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
-        ctl.start_attempt(ckpt, reason=f"rollback to step {ckpt.step} (command)", reuse_gang=True)
+        without = ""
+        if exclude:
+            ctl.excluded_nodes.extend(n for n in exclude if n not in ctl.excluded_nodes)
+            without = f" without node {', '.join(exclude)}" + (
+                f" (rank {cmd.exclude_rank}'s)" if cmd.exclude_rank is not None else "")
+        ctl.start_attempt(ckpt, reason=f"rollback to step {ckpt.step}{without} (command)", reuse_gang=not exclude)
         loaded = ctl.loaded_checkpoint or ckpt  # an unreadable one falls back to an older one
         asked = f"asked <= {cmd.to_step}" + (f"; {cmd.to_step} {why}" if loaded.step != cmd.to_step else "")
-        detail = (f"rolled back to checkpoint {loaded.step}; {asked}; attempt {prev_attempt} -> {ctl.attempt}"
+        detail = (f"rolled back to checkpoint {loaded.step}{without}; {asked}; attempt {prev_attempt} -> {ctl.attempt}"
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
                   + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
         return Outcome(detail, checkpoint=loaded, lr_change=change, lr_seq=seq, skipped=cmd.skip)

@@ -1,4 +1,8 @@
-"""Rank values -> one step record row, by the contract's per-metric reduction."""
+"""Rank values -> one step record row, by the contract's per-metric reduction.
+
+`Reducer.__call__` reduces W rank vectors on the driver (TrainConfig.reduction = "driver");
+`Reducer.unpack` reads the one vector the ranks reduced among themselves on the device
+("collective", trainer.collective), which must give the same row and ranks."""
 
 from __future__ import annotations
 
@@ -16,6 +20,15 @@ class Reducer:
         self.idx = {k: np.array([i for i, r in enumerate(kinds) if r is k], dtype=np.int64) for k in Reduce}
         self.max_names = [names[i] for i in self.idx[Reduce.MAX]]
         self.min_names = [names[i] for i in self.idx[Reduce.MIN]]
+        # The order of the collective vector's rank part (trainer.collective.CollectiveReducer).
+        self.extreme_names = [n for n, k in zip(names, kinds) if k in (Reduce.MAX, Reduce.MIN)]
+
+    def unpack(self, packed: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+        """The collective path's one vector -> the same (row, ranks) as __call__ gives."""
+        n = len(self.names)
+        ranks = packed[n:]
+        hit = np.flatnonzero(ranks >= 0)
+        return packed[:n], dict(zip([self.extreme_names[i] for i in hit], ranks[hit].astype(np.int64).tolist()))
 
     def __call__(self, values: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
         out = np.empty(values.shape[1], dtype=np.float64)

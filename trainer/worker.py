@@ -49,11 +49,12 @@ class TrainWorker:
 
     # --- bring-up -----------------------------------------------------------------------------
 
-    def address(self) -> tuple[str, int]:
-        """(this node's IP, a free port): rank 0's becomes the rendezvous address."""
+    def address(self) -> tuple[str, int, str]:
+        """(this node's IP, a free port, Ray's node id): rank 0's IP and port become the
+        rendezvous address; the node id names the machine (several nodes may share an IP)."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), _free_port(), ray.get_runtime_context().get_node_id()
 
     def setup(
         self,
@@ -105,6 +106,14 @@ class TrainWorker:
         self._read_late = cfg.read_late if cfg.read_late is not None else self.thermo.device.type == "cuda"
         self.names = list(self.thermo.names) + [TOKENS_PER_S]
         self._loss_slot = self.names.index(LOSS)
+        # "collective": the ranks reduce on the device and rank 0 alone hands out the step;
+        # "driver": every rank hands out its own vector and the controller reduces them.
+        self._collective = cfg.reduction == "collective"
+        if self._collective:
+            from trainer.collective import CollectiveReducer
+
+            self.thermo.finish = CollectiveReducer(self.names, len(self.thermo.names), self.thermo.device,
+                                                   self.rank, self.world_size)
         self.schedule = cfg.lr_schedule()
         self.lr_changes = changes_from_json(lr_changes)
         state = DataState.from_json(data_state) if data_state else None
@@ -145,8 +154,12 @@ class TrainWorker:
         self._engine.set_lr(lr)
         self.thermo.begin_step(step)
         loss, norm = self._engine.train_step(batch.inputs, batch.targets, self.thermo.measure_update)
+        dt = time.perf_counter() - t0  # before end_step: the collective reduction takes tokens/s in
+        # float32, like every other thermometer: then the float64 sum over ranks is exact in any
+        # order, and the collective reduction equals the driver's bit for bit (trainer.collective).
+        tokens_per_s = float(np.float32(batch.inputs.numel() / dt))
+        self.thermo.finish_args = (tokens_per_s,)
         self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
-        dt = time.perf_counter() - t0
         self._seen.append((self.attempt, step, batch.sample_ids))
         self._held[step] = {
             "sample_lo": batch.sample_lo,
@@ -155,7 +168,7 @@ class TrainWorker:
             "global_batch": batch.global_batch,
             "seq_len": batch.seq_len,
             "time_s": dt,
-            "tokens_per_s": batch.inputs.numel() / dt,
+            "tokens_per_s": tokens_per_s,
             "lr_multiplier": multiplier,
             "ledger_digest": self._ledger_digest,
         }
@@ -166,13 +179,22 @@ class TrainWorker:
         return self._take()
 
     def _take(self) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """(values, meta) of the oldest ended step. Collective reduction: rank 0 hands out the
+        reduced, packed vector (trainer.collective) and the other ranks None, so the driver
+        receives one vector per step whatever the world size; driver reduction: every rank
+        hands out its own values."""
         values = self.thermo.collect()  # the oldest ended step: its copy finished a step ago
         if values is None:
             return None
         meta = self._held.pop(self.thermo.last_step)
-        values = np.append(values, meta.pop("tokens_per_s"))
+        tokens_per_s = meta.pop("tokens_per_s")
+        if self._collective:
+            if self.rank != 0:
+                return None
+        else:
+            values = np.append(values, tokens_per_s)
         meta["step"] = self.thermo.last_step
-        meta["loss"] = float(values[self._loss_slot])  # this rank's; already on the host
+        meta["loss"] = float(values[self._loss_slot])  # already on the host (reduced, if collective)
         return values, meta
 
     def _forget_held(self) -> None:
@@ -282,6 +304,8 @@ class Gang:
         data_state: dict[str, Any] | None,
         lr_changes: list[dict[str, Any]],
         ready_timeout_s: float = 600.0,
+        exclude_nodes: list[str] = (),
+        placement_timeout_s: float | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -290,15 +314,22 @@ class Gang:
         bundle: dict[str, float] = {"CPU": cfg.cpus_per_rank}
         if cfg.use_gpu:
             bundle["GPU"] = 1
-        self.pg = placement_group([dict(bundle) for _ in range(w)], strategy=cfg.placement)
+        # Excluded nodes (a bad node's Ray id) are kept out by a label selector on every bundle.
+        selector = [{"ray.io/node-id": f"!in({','.join(exclude_nodes)})"}] * w if exclude_nodes else None
+        self.pg = placement_group([dict(bundle) for _ in range(w)], strategy=cfg.placement,
+                                  bundle_label_selector=selector)
+        wait = cfg.placement_timeout_s if placement_timeout_s is None else placement_timeout_s
         try:
-            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            ray.get(self.pg.ready(), timeout=wait)
         except Exception as exc:
             self._remove_pg()
-            raise RuntimeError(
-                f"Ray could not place {w} ranks of {bundle} with strategy {cfg.placement} within "
-                f"{ready_timeout_s:.0f}s ({exc!r}); lower world_size / cpus_per_rank, use placement=PACK "
-                "on one node, or add nodes"
+            # A gang failure like a hung rank: the controller counts it as a restart and tries
+            # again (capacity lost with a node may come back, an autoscaler may add some).
+            raise PlacementTimeout(
+                f"Ray could not place {w} ranks of {bundle} with strategy {cfg.placement}"
+                f"{' outside excluded node(s) ' + ', '.join(exclude_nodes) if exclude_nodes else ''} within "
+                f"{wait:.0f}s ({type(exc).__name__}); add nodes, lower world_size / cpus_per_rank, or use "
+                "placement=PACK on one node"
             ) from exc
         self.workers: list = []
         try:
@@ -327,13 +358,14 @@ class Gang:
             for r in range(w)
         ]
         addresses = gather([a.address.remote() for a in self.workers], timeout_s)
-        master_addr, master_port = addresses[0]
-        self.hosts = {r: ip for r, (ip, _) in enumerate(addresses)}
+        master_addr, master_port, _ = addresses[0]
+        self.hosts = {r: ip for r, (ip, _, _) in enumerate(addresses)}
+        self.node_ids = {r: node for r, (_, _, node) in enumerate(addresses)}
         # LOCAL_RANK = index among the ranks on the same node. On GPUs Ray gives each actor one
         # visible device, which torch then calls cuda:0, so the local rank there is 0.
         per_node: dict[str, int] = {}
         local = []
-        for ip, _ in addresses:
+        for ip, _, _ in addresses:
             local.append(per_node.get(ip, 0))
             per_node[ip] = per_node.get(ip, 0) + 1
         # gather, not ray.get: a rank that dies here leaves the others waiting in the rendezvous.
@@ -387,6 +419,24 @@ class GangTimeout(RuntimeError):
     """Ranks that neither answered nor died in time (a hung collective, a stalled node)."""
 
 
+class PlacementTimeout(GangTimeout):
+    """Ray could not place the gang's ranks in time: not enough capacity (a node was lost, or
+    excluded), or a strategy the cluster cannot satisfy."""
+
+
+class PeerLost(RuntimeError):
+    """A rank's collective failed because a peer went away (a lost node: the survivors' gloo
+    or NCCL connections break before Ray reports the dead actors). The gang is broken."""
+
+
+def _collective_failure(cause: BaseException | None) -> bool:
+    import torch.distributed as dist
+
+    # NCCL and newer gloo paths raise DistError subclasses; gloo's TCP transport raises a plain
+    # RuntimeError that names its source file (".../gloo/transport/tcp/pair.cc").
+    return isinstance(cause, dist.DistError) or (isinstance(cause, RuntimeError) and "gloo/transport" in str(cause))
+
+
 def gather(refs: list, timeout_s: float | None = None) -> list:
     """ray.get of all ranks' results, but raising as soon as *any* rank fails: a plain
     ray.get(list) would block on a live rank stuck in a collective waiting for the dead one."""
@@ -399,5 +449,10 @@ def gather(refs: list, timeout_s: float | None = None) -> list:
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             raise GangTimeout(f"{len(pending)} rank(s) did not answer within {timeout_s}s")
-        ray.get(ready)  # raises RayActorError / RayTaskError for a failed rank
+        try:
+            ray.get(ready)  # raises RayActorError / RayTaskError for a failed rank
+        except ray.exceptions.RayTaskError as exc:
+            if _collective_failure(exc.cause):
+                raise PeerLost(f"rank {refs.index(ready[0])}'s collective failed, a peer is gone: {exc.cause}") from exc
+            raise
     return ray.get(list(refs))

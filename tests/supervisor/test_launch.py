@@ -151,6 +151,27 @@ def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
     assert tokenless.returncode == 2 and "set THERMOWATCH_TOKEN" in tokenless.stderr
 
 
+def test_train_detach_refuses_what_would_die_with_this_process(tmp_path, monkeypatch, capsys):
+    """--detach without a daemon (an embedded supervisor lives in this process) or without a Ray
+    cluster to live in (a local Ray ends with this process): exit 2, saying what to set."""
+    import ray
+
+    from supervisor.cli import main
+
+    if ray.is_initialized():
+        pytest.skip("Ray already runs in this process")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("THERMOWATCH_TOKEN", "tw_whatever")
+    (tmp_path / "ok.yaml").write_text("steps: 20\n")
+    assert main(["train", str(tmp_path / "ok.yaml"), "--detach", "--data-dir", str(tmp_path / "d")]) == 2
+    assert "--detach needs --supervisor URL" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "ok.yaml"), "--detach", "--supervisor", "http://127.0.0.1:9",
+                 "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "--detach needs a Ray cluster" in err and "RAY_ADDRESS" in err and "Traceback" not in err
+    assert not ray.is_initialized()  # refused before starting anything
+
+
 def test_train_refuses_a_typo_anywhere_with_its_path(tmp_path, capsys):
     from supervisor.cli import main
 

@@ -19,11 +19,17 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 def ray_session():
     import ray
 
+    init_local_ray()
+    yield ray
+    ray.shutdown()
+
+
+def init_local_ray() -> None:
+    import ray
+
     if not ray.is_initialized():
         # 4 logical CPUs: a 2-rank gang plus room for a second gang while the first is torn down.
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
 
 
 # The brief's name for the fixture.

@@ -24,6 +24,19 @@ def test_reducer_follows_the_contract_and_keeps_non_finite_values():
     assert who == {"act_max/blocks.0": 1, "act_min/blocks.0": 1}
 
 
+def test_a_collective_broken_by_a_lost_peer_is_a_gang_failure_and_other_errors_are_not():
+    import torch.distributed as dist
+
+    from trainer.controller import _GANG_FAILURES
+    from trainer.worker import PeerLost, _collective_failure
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8610: "
+                        "Connection reset by peer")
+    assert _collective_failure(gloo) and _collective_failure(dist.DistBackendError("NCCL error: remote process exited"))
+    assert not _collective_failure(RuntimeError("rank 1 was asked for step 9 but its data state is at step 7"))
+    assert not _collective_failure(None) and PeerLost in _GANG_FAILURES
+
+
 def _run(cfg, on_step, sink=None):
     """Run a controller; on_step(ctl, record, attempt, q) is called after every step."""
     from trainer.controller import RunController
@@ -186,7 +199,9 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
             # No multiplier: the contract refuses to build it, so it can never be delivered.
             with pytest.raises(ContractError, match="lr_multiplier"):
                 q.push("cmd", CommandKind.SET_LR)
-            # A restart without a rank is not supported yet: refused loudly, never a plain rollback.
+            # A restart without rank 1's node, on a one-node cluster: no spare capacity, so it is
+            # refused loudly (never a plain rollback with the node still in; tests/faults has the
+            # multi-node case that succeeds).
             cmds["exclude"] = q.push("cmd", CommandKind.ROLLBACK, to_step=2, exclude_rank=1)
         if rec.step == 14:
             cmds["ids"] = _ids_seen(ctl, 0)
@@ -211,7 +226,7 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
         assert r.values["lr"] == pytest.approx(want, rel=1e-6), k
     assert all(q.ack_for(cmds[c]).ok and q.ack_for(cmds[c]).step == 4 for c in ("pause", "resume", "prof", "skip"))
     exclude = q.ack_for(cmds["exclude"])
-    assert not exclude.ok and "rank 1" in exclude.detail and "not supported" in exclude.detail
+    assert not exclude.ok and "rank 1" in exclude.detail and "fewer than world_size=2" in exclude.detail
     # Skip: the ids never reach any rank, and the step ranges jump over them.
     lo, hi = recs[3].sample_hi + 4, recs[3].sample_hi + 20
     ids = cmds["ids"]
