@@ -33,6 +33,10 @@ SKIPPED_STEPS = "skipped_steps"
 # The LR multiplier on the schedule the trainer really used for the step (contract.multiplier_at
 # of its own LR changes); the supervisor compares it with its own view (supervisor.consistency).
 LR_MULTIPLIER = "lr_multiplier"
+# Consecutive checkpoint saves that failed (disk full, read-only volume, a rank's save raising),
+# set by the controller in every record while it is above 0 and once more at 0 when a save
+# succeeds again; the supervisor pages on it (supervisor.checkpoint_health).
+CHECKPOINT_FAILURES = "checkpoint_failures"
 
 SEP = "/"
 
@@ -212,6 +216,8 @@ class Signal(str, enum.Enum):
     # The trainer's effective LR multiplier or skip-ledger digest differs from the supervisor's
     # record of the commands it acknowledged (supervisor.consistency): page, never act.
     STATE_MISMATCH = "state_mismatch"
+    # The trainer could not save a checkpoint (supervisor.checkpoint_health): page, never act.
+    CHECKPOINT_FAILED = "checkpoint_failed"
 
 
 def _outcome(value: Any) -> Outcome:

@@ -21,6 +21,7 @@ from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
 from supervisor import db, jobs
 from supervisor.config import SupervisorConfig
+from supervisor.checkpoint_health import CheckpointFailures
 from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
 from supervisor.ingest import Ingestor
@@ -89,11 +90,12 @@ class Supervisor:
                                    BankConfig.from_dict(cfg.detectors),
                                    clock=clock)
         self.consistency = ConsistencyCheck(self.sessions, self.executor)
+        self.checkpoint_health = CheckpointFailures(self.sessions, self.executor)
         # Commit, answer, then judge (supervisor.judge). judge_inline: write() returns after the
         # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
         self.judge = Judge(self.sessions, self.responder.on_records).start()
         self._judge_inline = judge_inline
-        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self.consistency,
+        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
                                  limits=Limits.from_dict(cfg.limits))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
@@ -140,6 +142,15 @@ class Supervisor:
         self.executor.acknowledge(run_id, ack, actor)
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _check_state(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+        """After each committed batch: the trainer's state against the supervisor's record, and
+        whether it still saves checkpoints. Each pages on its own; one failing skips no other."""
+        for check in (self.consistency, self.checkpoint_health):
+            try:
+                check(run_id, attempt, records)
+            except Exception:  # the batch is committed; a failing check must not bounce it
+                log.exception("%s failed for run %s attempt %s", type(check).__name__, run_id, attempt)
 
     def _rewind(self, run_id: str, step: int) -> None:
         self.responder.rewind(run_id, step)

@@ -151,6 +151,10 @@ class CheckpointStore:
         staging.mkdir(parents=True)
         return staging
 
+    def discard(self, step: int) -> None:
+        """Remove `step`'s staging dir: a save that failed, so its files free the space again."""
+        shutil.rmtree(self.staging_dir(step), ignore_errors=True)
+
     def commit(self, step: int, manifest: Mapping[str, Any]) -> CheckpointInfo:
         """Checksum the staged files, write the manifest last, rename into place, apply retention."""
         staging = self.staging_dir(step)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from monitors.contract import (
+    CHECKPOINT_FAILURES,
     GRAD_NORM,
     LOSS,
     LR_MULTIPLIER,
@@ -38,7 +39,7 @@ from monitors.contract import (
     StepRecord,
     multiplier_at,
 )
-from trainer.checkpoint import CheckpointStore, Retention, make_manifest
+from trainer.checkpoint import CheckpointError, CheckpointStore, Retention, make_manifest
 from trainer.config import TrainConfig
 from trainer.data import SkipLedger
 from trainer.lifecycle import (
@@ -124,6 +125,9 @@ class RunController:
         self._last_flush = time.monotonic()
         self._healthy = True  # finite loss and grad norm since the previous checkpoint
         self._last_ckpt_step = -1
+        self._ckpt_failures = 0  # consecutive failed checkpoint saves (reported in every record)
+        self._ckpt_recovered = False
+        self.last_checkpoint_error: str | None = None
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -202,9 +206,13 @@ class RunController:
             values, ranks = self.reducer.unpack(packed)
         else:
             values, ranks = self.reducer(np.stack([v for v, _ in outs]))
+        extra = {LR_MULTIPLIER: meta["lr_multiplier"]}
+        if self._ckpt_failures or self._ckpt_recovered:
+            extra[CHECKPOINT_FAILURES] = float(self._ckpt_failures)
+            self._ckpt_recovered = False
         rec = StepRecord(
             step=meta["step"],
-            values={**dict(zip(self.gang.names, values.tolist())), LR_MULTIPLIER: meta["lr_multiplier"]},
+            values={**dict(zip(self.gang.names, values.tolist())), **extra},
             sample_lo=meta["sample_lo"],
             sample_hi=meta["sample_hi"],
             tokens=meta["tokens"],
@@ -361,7 +369,30 @@ class RunController:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def _checkpoint(self) -> CheckpointInfo:
+    def _checkpoint(self) -> CheckpointInfo | None:
+        """Save a checkpoint. A write that fails (the volume full or read-only, a rank's save
+        raising) does not end the run: the partial save is removed, the run trains on from the
+        checkpoints it has, and every following record carries `checkpoint_failures` (the
+        consecutive failures) until a save succeeds, which the supervisor pages on
+        (supervisor/checkpoint_health.py). A rank that dies or hangs in the save is a gang
+        failure as anywhere else. Returns None when the save failed."""
+        import ray
+
+        try:
+            return self._save_checkpoint()
+        except (ray.exceptions.RayTaskError, OSError, CheckpointError) as exc:
+            self._ckpt_failures += 1
+            cause = getattr(exc, "cause", None) or exc
+            self.last_checkpoint_error = f"{type(cause).__name__}: {cause}"
+            log.error("checkpoint at step %d failed (%d in a row): %s; training on from checkpoint %s", self.step,
+                      self._ckpt_failures, self.last_checkpoint_error, self._last_ckpt_step)
+            try:
+                self.store.discard(self.step)  # a half-written save only takes the space a retry needs
+            except OSError as again:
+                log.error("could not remove the failed save's staging dir: %r", again)
+            return None
+
+    def _save_checkpoint(self) -> CheckpointInfo:
         self._drain()  # `healthy` covers every step the checkpoint holds
         staging = self.store.begin(self.step)
         states = self.gang.call("save", str(staging), timeout_s=self.cfg.step_timeout_s)
@@ -390,6 +421,9 @@ class RunController:
         self._tell(self.sink.checkpoint_saved, self.cfg.run_id, self.attempt, info)
         self.result.checkpoints.append(info)
         self._healthy, self._last_ckpt_step = True, self.step
+        if self._ckpt_failures:
+            self._ckpt_failures = 0
+            self._ckpt_recovered = True  # the next record says 0 once: the supervisor sees it resolved
         return info
 
     # --- records --------------------------------------------------------------------------------

@@ -169,8 +169,52 @@ class Engine:
         return loss.detach(), norm.detach()
 
     def save(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> None:
-        """ZeRO checkpoints are per rank: every rank must call this with the same directory."""
-        self.engine.save_checkpoint(str(directory), tag=DS_TAG, client_state=client_state or {}, save_latest=False)
+        """ZeRO checkpoints are per rank: every rank must call this with the same directory.
+
+        A write that fails on one rank (the volume full, a read-only file) must not leave the
+        ranks in different places: DeepSpeed's save runs barriers and collectives between its
+        writes, and a rank that raised out of it would leave the others waiting in a barrier
+        that the next training step's collectives then meet. So a failed write is recorded and
+        the rest of the save goes on (skipping the writes), every rank passes every collective,
+        and then the ranks agree on the outcome: if any rank failed, every rank raises
+        CheckpointSaveError, and the gang is as it was before the save."""
+        import torch.distributed as dist
+
+        failed: list[str] = []
+
+        def guard(write):
+            def guarded(*args, **kwargs):
+                if failed:
+                    return  # the save is lost already; do not fill what space is left
+                try:
+                    write(*args, **kwargs)
+                except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError("... file write failed")
+                    failed.append(f"{type(exc).__name__}: {exc}")
+            return guarded
+
+        # Every file DeepSpeed 0.19 writes in a save: the state files (its checkpoint engine) and,
+        # on rank 0, the copied recovery scripts.
+        ce, ds = self.engine.checkpoint_engine, self.engine
+        writers = [(ce, "save"), (ds, "_copy_recovery_script")]
+        own = {(id(obj), name): vars(obj).get(name) for obj, name in writers}  # instance attributes, if any
+        for obj, name in writers:
+            setattr(obj, name, guard(getattr(obj, name)))
+        try:
+            self.engine.save_checkpoint(str(directory), tag=DS_TAG, client_state=client_state or {},
+                                        save_latest=False)
+        finally:
+            for obj, name in writers:
+                before = own[(id(obj), name)]
+                if before is None:
+                    delattr(obj, name)  # back to the class's method
+                else:
+                    setattr(obj, name, before)
+        device = next(self.engine.module.parameters()).device
+        flag = torch.tensor([1.0 if failed else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:  # once per checkpoint, not a per-step host sync
+            raise CheckpointSaveError(failed[0] if failed else "another rank's checkpoint write failed")
 
     def load(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Restore model, fp32 masters and optimizer state; returns the client state.
@@ -184,6 +228,10 @@ class Engine:
         if path is None:
             raise CheckpointLoadError(f"no DeepSpeed checkpoint (tag {DS_TAG!r}) in {directory}")
         return client or {}
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint write failed on at least one rank; every rank raises it, in step."""
 
 
 class CheckpointLoadError(RuntimeError):
