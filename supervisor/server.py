@@ -89,6 +89,19 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
         # with public_read; supervisor.metrics says what is in it.
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        # The database is down or restarting (connection refused or dropped, SQLite locked):
+        # nothing was stored, and the same request will work later. 503 with Retry-After, so
+        # the trainer's sink spools and replays, and a probe or a person reads "unavailable".
+        log.error("database unavailable on %s %s: %s", request.method, request.url.path, str(exc).splitlines()[0][:300])
+        return JSONResponse({"detail": f"database unavailable ({type(exc).__name__}); nothing was stored, retry "
+                                       "later"}, 503, headers={"Retry-After": "5"})
+
+    app.add_exception_handler(OperationalError, database_unavailable)
+    app.add_exception_handler(InterfaceError, database_unavailable)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # The daemon stays up; the client learns it was our fault, not theirs.
