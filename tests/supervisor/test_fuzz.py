@@ -206,9 +206,18 @@ _CONFIG = st.recursive(st.one_of(_NUMBERS, _TEXT.map(json.dumps)),
                        lambda kids: st.one_of(st.lists(kids, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]"),
                                               st.lists(st.tuples(_TEXT, kids), max_size=3).map(_obj)),
                        max_leaves=8) | _NESTED
+def _run_body(rid, att, ws, cfg, hosts) -> str:
+    # The baseline run only ever sees its own attempt 0 re-opened (identical: stored once; changed: 409).
+    # A well-formed body opening a *new* attempt of it is a legitimate request whose effect is the
+    # design ("later attempts win": an attempt 1 from step 0 supersedes attempt 0's history), so the
+    # byte-for-byte baseline check below would fail on a valid case: it drew one under some hash seeds.
+    if rid == json.dumps(BASE):
+        att = "0"
+    return _obj([("run_id", rid), ("attempt", att), ("world_size", ws), ("config", cfg), ("hosts", hosts)])
+
+
 _RUN_BODY = st.builds(
-    lambda rid, att, ws, cfg, hosts: _obj([("run_id", rid), ("attempt", att), ("world_size", ws), ("config", cfg),
-                                           ("hosts", hosts)]),
+    _run_body,
     st.one_of(st.sampled_from(["r1", "r2", BASE]), _TEXT).map(json.dumps), st.one_of(st.just("1"), _NUMBERS),
     st.one_of(st.just("2"), _NUMBERS), st.one_of(st.just('{"lr": 0.1}'), _CONFIG),
     st.one_of(st.just("{}"), st.lists(st.tuples(_TEXT, _VALUE), max_size=2).map(_obj)),
