@@ -18,6 +18,7 @@ the raw driver: one series of --history-steps steps in 50-step chunks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -30,6 +31,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -112,9 +114,10 @@ def _content_type(body: bytes) -> str:
     return COLUMNS_CONTENT_TYPE if body[:4] == MAGIC else "application/json"
 
 
-def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple[float, float, float]:
-    """(values/s from the first request to the last value stored *and judged*, p99 ms per batch
-    request, values/s until the last answer). Without detectors the two rates are the same."""
+@contextlib.contextmanager
+def running_daemon(url: str, mode: str = "daemon", run_id: str = "bench") -> Iterator[tuple[httpx.Client, int]]:
+    """`serve` in a subprocess on a free port, auth on with a fresh admin token; yields a client
+    holding that token, once attempt 0 of `run_id` is open, and the daemon's pid. Stops it after."""
     port = _port()
     token = "tw_" + secrets.token_urlsafe(32)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
@@ -126,30 +129,37 @@ def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    c.post("/api/runs", json={"run_id": "bench", "attempt": 0, "world_size": 8}).raise_for_status()
+                    c.post("/api/runs", json={"run_id": run_id, "attempt": 0, "world_size": 8}).raise_for_status()
                     break
                 except httpx.TransportError:
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise RuntimeError("benchmark server did not start")
                     time.sleep(0.1)
-            hdr = {"content-type": _content_type(bodies[0])}
-            c.post("/api/runs/bench/attempts/0/steps", content=bodies[0], headers=hdr).raise_for_status()  # warm-up
-            _settle(c, mode)
-            lat = []
-            t = time.perf_counter()
-            for b in bodies[1:]:
-                t1 = time.perf_counter()
-                r = c.post("/api/runs/bench/attempts/0/steps", content=b, headers=hdr)
-                r.raise_for_status()
-                lat.append(time.perf_counter() - t1)
-            answered = time.perf_counter() - t
-            _settle(c, mode)
-            judged = time.perf_counter() - t
-        n = n_values * (len(bodies) - 1) / len(bodies)
-        return n / judged, 1e3 * float(np.percentile(lat, 99)), n / answered
+            yield c, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def bench_http(url: str, bodies: list[bytes], n_values: int, mode: str) -> tuple[float, float, float]:
+    """(values/s from the first request to the last value stored *and judged*, p99 ms per batch
+    request, values/s until the last answer). Without detectors the two rates are the same."""
+    with running_daemon(url, mode) as (c, _):
+        hdr = {"content-type": _content_type(bodies[0])}
+        c.post("/api/runs/bench/attempts/0/steps", content=bodies[0], headers=hdr).raise_for_status()  # warm-up
+        _settle(c, mode)
+        lat = []
+        t = time.perf_counter()
+        for b in bodies[1:]:
+            t1 = time.perf_counter()
+            r = c.post("/api/runs/bench/attempts/0/steps", content=b, headers=hdr)
+            r.raise_for_status()
+            lat.append(time.perf_counter() - t1)
+        answered = time.perf_counter() - t
+        _settle(c, mode)
+        judged = time.perf_counter() - t
+    n = n_values * (len(bodies) - 1) / len(bodies)
+    return n / judged, 1e3 * float(np.percentile(lat, 99)), n / answered
 
 
 def _settle(c: httpx.Client, mode: str) -> None:

@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import PG_URL, _keys, _pg_url, _port  # noqa: E402  (the same daemon and series names as the ingest bench)
+from ingest import PG_URL, _keys, _pg_url, running_daemon  # noqa: E402  (the same daemon and series names as the ingest bench)
 
 
 def _rss_mb(pid: int) -> float:
@@ -57,57 +54,38 @@ def _body(step0: int, batch: int, keys: list[str], rng) -> bytes:
 def soak(url: str, minutes: float, n_values: int, batch: int, sample_s: float, max_backlog: int) -> dict:
     from monitors.columns import COLUMNS_CONTENT_TYPE
 
-    port, token = _port(), "tw_" + secrets.token_urlsafe(32)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-               THERMOWATCH_API_TOKEN=token)
-    ingest_py = str(Path(__file__).resolve().parent / "ingest.py")
-    proc = subprocess.Popen([sys.executable, ingest_py, "--serve", url, str(port), "daemon"], env=env)
     keys, rng = _keys(n_values), np.random.default_rng(0)
     samples: list[dict] = []
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
-                          headers={"Authorization": f"Bearer {token}"}) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    c.post("/api/runs", json={"run_id": "soak", "attempt": 0, "world_size": 8}).raise_for_status()
-                    break
-                except httpx.TransportError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError("the daemon did not start")
-                    time.sleep(0.1)
-            hdr = {"content-type": COLUMNS_CONTENT_TYPE}
-            t0 = time.monotonic()
-            end, next_sample = t0 + minutes * 60, t0 + sample_s
-            step, stored, lat, waited = 1, 0, [], 0.0
-            last_t, last_stored = t0, 0
-            while time.monotonic() < end:
-                body = _body(step, batch, keys, rng)
-                t1 = time.perf_counter()
-                c.post("/api/runs/soak/attempts/0/steps", content=body, headers=hdr).raise_for_status()
-                lat.append(time.perf_counter() - t1)
-                step, stored = step + batch, stored + batch * n_values
-                w0 = time.perf_counter()
-                while (c.get("/healthz").json().get("judge_backlog") or 0) > max_backlog:
-                    time.sleep(0.02)
-                waited += time.perf_counter() - w0
-                now = time.monotonic()
-                if now >= next_sample:
-                    health = c.get("/healthz").json()
-                    samples.append({"t_s": round(now - t0, 1), "rss_mb": round(_rss_mb(proc.pid), 1),
-                                    "values_per_s": round((stored - last_stored) / (now - last_t)),
-                                    "p99_ms": round(1e3 * float(np.percentile(lat, 99)), 1),
-                                    "judge_backlog": health.get("judge_backlog"), "steps": step - 1})
-                    print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
-                    last_t, last_stored, lat = now, stored, []
-                    next_sample += sample_s
-            # the backlog judged: what was answered is also judged
-            while c.get("/healthz").json().get("judge_backlog"):
-                time.sleep(0.05)
-            wall = time.monotonic() - t0
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with running_daemon(url, "daemon", run_id="soak") as (c, pid):
+        hdr = {"content-type": COLUMNS_CONTENT_TYPE}
+        t0 = time.monotonic()
+        end, next_sample = t0 + minutes * 60, t0 + sample_s
+        step, stored, lat, waited = 1, 0, [], 0.0
+        last_t, last_stored = t0, 0
+        while time.monotonic() < end:
+            body = _body(step, batch, keys, rng)
+            t1 = time.perf_counter()
+            c.post("/api/runs/soak/attempts/0/steps", content=body, headers=hdr).raise_for_status()
+            lat.append(time.perf_counter() - t1)
+            step, stored = step + batch, stored + batch * n_values
+            w0 = time.perf_counter()
+            while (c.get("/healthz").json().get("judge_backlog") or 0) > max_backlog:
+                time.sleep(0.02)
+            waited += time.perf_counter() - w0
+            now = time.monotonic()
+            if now >= next_sample:
+                health = c.get("/healthz").json()
+                samples.append({"t_s": round(now - t0, 1), "rss_mb": round(_rss_mb(pid), 1),
+                                "values_per_s": round((stored - last_stored) / (now - last_t)),
+                                "p99_ms": round(1e3 * float(np.percentile(lat, 99)), 1),
+                                "judge_backlog": health.get("judge_backlog"), "steps": step - 1})
+                print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
+                last_t, last_stored, lat = now, stored, []
+                next_sample += sample_s
+        # the backlog judged: what was answered is also judged
+        while c.get("/healthz").json().get("judge_backlog"):
+            time.sleep(0.05)
+        wall = time.monotonic() - t0
     t = np.array([s["t_s"] for s in samples])
     rss = np.array([s["rss_mb"] for s in samples])
     half = t >= t[-1] / 2
