@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +97,14 @@ class RunSpec:
             lr *= self.jump_factor
         return lr
 
+    def peak_ahead(self, step: int) -> float:
+        """What the real trainer sends as `lr_peak_ahead` (trainer.lr.LRSchedule.peak_from): the
+        largest LR of the schedule from `step` on, times the jump factor in force at `step`. A
+        jump still to come is not in it: it stands for an operator's change, which no schedule
+        forecasts."""
+        base = self.peak_lr if step <= self.warmup_steps else replace(self, jump_at=0).lr_at(step)
+        return base * (self.jump_factor if self.jump_at and step >= self.jump_at else 1.0)
+
 
 def fingerprint(spec: RunSpec) -> str:
     import torch
@@ -127,7 +135,7 @@ def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> d
     """Train one run and write its JSONL + meta. Returns the meta dict (with train seconds)."""
     import torch
 
-    from monitors.contract import StepRecord
+    from monitors.contract import LR_PEAK_AHEAD, StepRecord
     from monitors.thermometers import ThermometerConfig, instrument
     from trainer.data import DataConfig, DataLoader, stdlib_source
     from trainer.model import GPT, GPTConfig
@@ -169,7 +177,8 @@ def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> d
             with th.measure_update():  # update_ratio on sampled steps, as trainer/worker.py does
                 opt.step()
             th.end_step(loss=loss, lr=lr, grad_norm=norm)
-            rec = StepRecord(step=step, values=th.as_dict(th.collect()), sample_lo=batch.sample_lo,
+            values = {**th.as_dict(th.collect()), LR_PEAK_AHEAD: spec.peak_ahead(step)}
+            rec = StepRecord(step=step, values=values, sample_lo=batch.sample_lo,
                              sample_hi=batch.sample_hi, tokens=batch.tokens, wall_time=time.time())
             fh.write(json.dumps(rec.to_json()) + "\n")  # NaN/Inf as JSON literals, as replay reads them
     tmp.replace(log)

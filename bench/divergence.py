@@ -140,8 +140,8 @@ def label(all_runs: list[Run]) -> None:
 
 # --- replay --------------------------------------------------------------------------------------
 
-def replay(r: Run) -> None:
-    bank = DetectorBank(BankConfig())
+def replay(r: Run, detectors: dict | None = None) -> None:
+    bank = DetectorBank(BankConfig.from_dict(detectors))
     decide = replay_decider({})  # PolicyConfig() defaults, a checkpoint every 100 steps
     found = []
     for rec in r.records:
@@ -258,6 +258,9 @@ def parse() -> argparse.Namespace:
                     + " (default: both, or ln-gelu where trainer.model lacks the norm/activation options)")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained side by side, one torch thread each")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
+    ap.add_argument("--detectors", default=None, metavar="JSON",
+                    help='detector settings that differ from the defaults, as in the supervisor config\'s '
+                         '`detectors:` section, e.g. \'{"witness": {"lr_rise": 3}}\' (default: the defaults)')
     args = ap.parse_args()
     if args.archs is None:
         args.archs = ",".join(grid_mod.ARCHS) if _has_arch_options() else "ln-gelu"
@@ -300,7 +303,7 @@ def main() -> None:
     all_runs = [Run(s, runs.paths(out, s)[0], [rec for _, rec in read_records(runs.paths(out, s)[0])]) for s in specs]
     label(all_runs)
     for r in all_runs:
-        replay(r)
+        replay(r, json.loads(args.detectors) if args.detectors else None)
     replay_s = time.perf_counter() - t_replay
 
     dets = ["policy", *SIGNALS, *PEERS]

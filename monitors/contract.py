@@ -33,6 +33,11 @@ SKIPPED_STEPS = "skipped_steps"
 # The LR multiplier on the schedule the trainer really used for the step (contract.multiplier_at
 # of its own LR changes); the supervisor compares it with its own view (supervisor.consistency).
 LR_MULTIPLIER = "lr_multiplier"
+# The largest LR the trainer's schedule will train at from this step on, under the multiplier in
+# force (warm-up still to climb, or the current LR once it only decays). A forecast only the
+# trainer can make: the supervisor sees the LR of each step, not the schedule ahead. The attention
+# detectors act on a logit over the ceiling while this is still a multiple of the LR (issue 8).
+LR_PEAK_AHEAD = "lr_peak_ahead"
 # Consecutive checkpoint saves that failed (disk full, read-only volume, a rank's save raising),
 # set by the controller in every record while it is above 0 and once more at 0 when a save
 # succeeds again; the supervisor pages on it (supervisor.checkpoint_health).

@@ -18,6 +18,10 @@ The ladder (DESIGN.md, "Rollback semantics"):
     rung 2  the same signal again within `recurrence_window_steps` of a rollback
             -> roll back again AND lower the LR, one command (OPT-175B did this by hand; YaLM:
                halving the LR cost ~30% speed, which is why it is the second rung, not the first).
+    rung 2  at once, for an attention finding that acts on the LR forecast alone (a logit over the
+            ceiling while the schedule will still raise the LR, monitors/detectors/witness.py):
+            -> lower the LR in place. Nothing is damaged yet, so there is nothing to roll back,
+               and a rollback that kept the schedule would replay the same rise.
     rung 3  too many automatic interventions in `intervention_window_s`, the per-day rollback
             cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
             -> PAUSE and page a human.
@@ -332,16 +336,20 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     f = inp.finding
     reasons = [head]
     prev = _recurrence(inp, cfg)
+    forecast = (f.evidence.get("witnesses") or {}).get("lr_forecast")
     lr: dict[str, Any] = {}
-    if prev is None:
+    if prev is None and not forecast:
         reasons.append(f"rung 1: {f.signal.value} is a rollback signal")
         rung = 1
     else:
         rung = 2
-        reasons.append(
-            f"rung 2: {f.signal.value} again at step {f.detect_step}, {f.detect_step - prev.step:+d} steps from "
-            f"the {prev.kind.value} at step {prev.step} (recurrence_window_steps={cfg.recurrence_window_steps}): "
-            f"the last {prev.kind.value} was not enough")
+        if prev is not None:
+            reasons.append(
+                f"rung 2: {f.signal.value} again at step {f.detect_step}, {f.detect_step - prev.step:+d} steps from "
+                f"the {prev.kind.value} at step {prev.step} (recurrence_window_steps={cfg.recurrence_window_steps}): "
+                f"the last {prev.kind.value} was not enough")
+        else:  # the LR forecast (monitors/detectors/witness.py): the harm is ahead, in the schedule
+            reasons.append(f"rung 2 at once: {forecast}")
         # Rounded: 0.2 * 0.2 is 0.04000000000000001 in binary, and humans read this number.
         new = round(inp.current_lr_multiplier * cfg.lr_multiplier, 12)
         if new < cfg.min_lr_multiplier * (1 - 1e-9):
@@ -350,6 +358,10 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         lr = {"lr_multiplier": new, "lr_steps": cfg.lr_steps,
               "rewarmup_steps": cfg.rewarmup_steps if cfg.lr_steps is not None else None}
         reasons.append(_lr_reason(inp.current_lr_multiplier, new, cfg))
+        if prev is None:
+            reasons.append("no witness of harm yet, so nothing to roll back: lowering the LR in place before the "
+                           "schedule raises it further")
+            return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)
         if not cfg.recurrence_rollback:
             reasons.append("recurrence_rollback is off: lowering the LR in place, no rollback")
             return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)

@@ -30,6 +30,7 @@ from monitors.contract import (
     GRAD_NORM,
     LOSS,
     LR_MULTIPLIER,
+    LR_PEAK_AHEAD,
     Ack,
     CheckpointInfo,
     Command,
@@ -206,7 +207,7 @@ class RunController:
             values, ranks = self.reducer.unpack(packed)
         else:
             values, ranks = self.reducer(np.stack([v for v, _ in outs]))
-        extra = {LR_MULTIPLIER: meta["lr_multiplier"]}
+        extra = {LR_MULTIPLIER: meta["lr_multiplier"], LR_PEAK_AHEAD: meta["lr_peak_ahead"]}
         if self._ckpt_failures or self._ckpt_recovered:
             extra[CHECKPOINT_FAILURES] = float(self._ckpt_failures)
             self._ckpt_recovered = False

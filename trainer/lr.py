@@ -64,6 +64,14 @@ class LRSchedule:
             shape = 1.0 - frac
         return self.base_lr * (self.min_ratio + (1.0 - self.min_ratio) * shape)
 
+    def peak_from(self, step: int) -> float:
+        """The largest LR of the schedule at `step` or later: the peak while the warm-up still
+        climbs, then the LR of `step` itself (cosine, linear and constant never rise again).
+        Sent with every step as `lr_peak_ahead` (times the multiplier in force)."""
+        if step < 1:
+            raise ValueError(f"steps are 1-based; got step {step}")
+        return self.base_lr if step <= self.warmup_steps else self.at(step)
+
 
 def lr_at(step: int, schedule: LRSchedule, changes: Sequence[LRChange] = ()) -> float:
     """The LR for (1-based) `step`: the schedule times the multiplier in force at that step."""

@@ -170,6 +170,7 @@ class TrainWorker:
             "time_s": dt,
             "tokens_per_s": tokens_per_s,
             "lr_multiplier": multiplier,
+            "lr_peak_ahead": self.schedule.peak_from(step) * multiplier,
             "ledger_digest": self._ledger_digest,
         }
         return self._take() if len(self.thermo.pending_steps) > (1 if self._read_late else 0) else None

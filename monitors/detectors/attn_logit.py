@@ -18,7 +18,9 @@ Outcomes (issue 8): growth of the max logit alone never acts. Growth below `act_
 `act` only when the growth is still going at decision time (the growth test holds at this very
 point; for the ceiling, a Theil-Sen slope of at least `min_growth` per step) AND a witness of harm speaks (witness.py: the
 loss behind its own trend, gradient-norm growth, output-logit z growth, attention-entropy
-collapse, update-ratio growth), or when the logit reaches `extreme`, where waiting is unsafe.
+collapse, update-ratio growth), or when the logit reaches `extreme`, where waiting is unsafe, or
+when it is over the ceiling while the LR schedule will still raise the LR `lr_rise`-fold (the
+forecast: witness.py; the policy then lowers the LR with its rollback, see policy.py).
 A rise that turns back while the loss improves therefore stays `alert` at most.
 
 LSE bound caveat: `attn_logit_lse` = max + ln(sum_j exp(x_j - max)), an offset in [0, ln(keys)]
@@ -281,6 +283,9 @@ def _judge(value: float, c: AttnLogitConfig, witnesses: Witnesses | None, what: 
     harm = witnesses.harm() if witnesses is not None else {}
     if harm:
         return Outcome.ACT, f"{what}, and " + "; ".join(harm.values()), harm
+    ahead = witnesses.forecast() if witnesses is not None and value >= c.ceiling else {}
+    if ahead:
+        return Outcome.ACT, f"{what}, and " + ahead["lr_forecast"], ahead
     seen = witnesses.context() if witnesses is not None else {}
     also = f" (seen, not counted: {'; '.join(seen.values())})" if seen else ""
     return Outcome.ALERT, f"{what}, but no witness of harm (loss on trend, no grad/z/update growth){also}", {}

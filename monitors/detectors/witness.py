@@ -13,6 +13,15 @@ corroboration").
     update_growth     a layer's update-to-weight ratio (update_ratio/<module>) is a multiple of
                       its baseline
 
+A forecast, not a witness: `lr_peak_ahead` (sent by the trainer with every step: the largest LR
+its schedule will still train at) over the step's LR. A logit over the ceiling while the
+schedule will still raise the LR `lr_rise`-fold is acted on at once (`forecast()`, read by
+attn_logit.py): attention logits grow with the LR (Wortsman et al. 2023, "Small-scale proxies
+for large-scale Transformer training instabilities"), and a run already at QK-clip's tau with
+twice the LR to come has its divergence ahead of it. Healthy runs that cross the ceiling do so
+near or after their peak LR, and stay `alert`. Without the key (a trainer that does not send
+it, a recorded run from elsewhere) the forecast is silent.
+
 The attention episode. Witnesses also keep, for the run, the onset of the current attention
 episode: set by the first attention finding that alerts (a logit at or above the attention
 detectors' act_level, or over the ceiling), and ends after `clear` records in a row with every
@@ -39,7 +48,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, UPDATE_RATIO, Z, StepRecord
+from monitors.contract import (ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, LR_PEAK_AHEAD, UPDATE_RATIO, Z,
+                               StepRecord)
 from monitors.contract import split_key
 
 from .arrays import Rows, as_rows, parts_from_json, parts_to_json
@@ -89,10 +99,16 @@ class WitnessConfig:
     # heads, e.g. previous-token heads, attend to one key by design), together with the very
     # logit growth it would have to corroborate.
     act_witnesses: tuple[str, ...] = ("loss_behind", "grad_growth", "z_growth", "update_growth")
+    # The forecast (module docstring): act on a logit over the ceiling while the schedule will
+    # still raise the LR this many times over (0: off). Twice: the LR still to double, a rise as
+    # large as the one that took the logits to the ceiling in the first place.
+    lr_rise: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("loss_margin", "grad_ratio", "z_rise", "update_ratio"):
             positive(name, getattr(self, name))
+        if not (self.lr_rise == 0 or self.lr_rise > 1.0):
+            raise ValueError(f"lr_rise must be > 1 (a ratio of LRs) or 0 (off), got {self.lr_rise!r}")
         if not 0.0 < self.entropy_fraction < 1.0:
             raise ValueError(f"entropy_fraction must be in (0, 1), got {self.entropy_fraction!r}")
         at_least("loss_smooth", self.loss_smooth, 1)
@@ -247,6 +263,7 @@ class Witnesses:
         self.step = -1
         self.behind = 0  # consecutive points with the loss behind its trend
         self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
+        self.lr_ahead: float | None = None  # and the largest LR its schedule will still reach
         self._kinds: dict[tuple[str, ...], np.ndarray] = {}
         self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, np.ndarray]] = {}  # prepare(): step -> (keys, pos, d)
 
@@ -293,6 +310,7 @@ class Witnesses:
         active: dict[str, str] = {}
         vals = record.values
         self.lr = vals.get(LR)
+        self.lr_ahead = vals.get(LR_PEAK_AHEAD)
         loss = vals.get(LOSS)
         if loss is not None:
             got = self.loss.update(record.step, loss, vals.get(LR))
@@ -368,6 +386,17 @@ class Witnesses:
     def harm(self) -> dict[str, str]:
         """The witnesses speaking now that count for `act` (WitnessConfig.act_witnesses)."""
         return {k: v for k, v in self.active.items() if k in self.cfg.act_witnesses}
+
+    def forecast(self) -> dict[str, str]:
+        """{"lr_forecast": why} when the newest record's schedule will still raise the LR
+        `lr_rise`-fold (module docstring), else {}."""
+        lr, ahead, rise = self.lr, self.lr_ahead, self.cfg.lr_rise
+        if not rise or lr is None or ahead is None or not (math.isfinite(lr) and math.isfinite(ahead) and lr > 0):
+            return {}
+        if ahead < rise * lr:
+            return {}
+        return {"lr_forecast": f"the schedule will still raise the LR x{ahead / lr:.1f} (from {lr:.3g} to {ahead:.3g}; "
+                               f"lr_rise={rise:g}): logits grow with the LR"}
 
     def context(self) -> dict[str, str]:
         """Every witness speaking now, counted or not (shown in evidence)."""

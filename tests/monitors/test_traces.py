@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from monitors.contract import Outcome, Signal
+from monitors.contract import LR, LR_PEAK_AHEAD, Outcome, Signal
 from monitors.detectors import BankConfig, DetectorBank, Witnesses
 from supervisor.replay_policy import replay_decider
 from tests.fixtures import traces
@@ -13,8 +13,11 @@ from tests.fixtures import traces
 ACTS = {"rollback", "lower_lr", "pause"}
 
 
-def _replay(name: str):
+def _replay(name: str, drop: tuple[str, ...] = ()):
     recs = traces.load(name)
+    for r in recs:
+        for k in drop:
+            r.values.pop(k, None)
     bank, decide = DetectorBank(BankConfig()), replay_decider({})
     out = []
     for r in recs:
@@ -93,11 +96,12 @@ def test_replay_prints_outcome_and_decision_for_every_finding(tmp_path):
 
 
 def test_a_late_act_rolls_back_before_the_first_alert_of_the_attention_episode():
-    """Issue 8's late divergence: the logits pass 100 at step 71 (blocks.2), then at 96 (blocks.1),
+    """Issue 8's late divergence, judged without the trainer's LR forecast (a trainer that does
+    not send `lr_peak_ahead`): the logits pass 100 at step 71 (blocks.2), then at 96 (blocks.1),
     and the act only comes with a witness of harm a hundred steps later. The acting finding
     carries the onset of the run's first attention alert, so its rollback reaches back as far as
     a fixed ceiling acting at the crossing would have, not only to its own layer's rise."""
-    recs, out = _replay("late")
+    recs, out = _replay("late", drop=(LR_PEAK_AHEAD,))
     first_alert = next(f for f, _ in out if f.outcome is not Outcome.WATCH)
     assert first_alert.signal is Signal.ATTN_LOGIT_CEILING and first_alert.detect_step == 71
     act = next(f for f, _ in out if f.outcome is Outcome.ACT)
@@ -125,3 +129,44 @@ def test_a_plateau_ends_the_attention_episode():
             closed = r.step
             assert w.since_peak >= BankConfig().attn.window or w.quiet >= BankConfig().attn.clear_steps
     assert opened is not None and closed is not None and closed > opened
+
+
+def _first_crossing(recs, level: float = 100.0) -> int:
+    keys = [k for k in recs[0].values if k.startswith("attn_logit_")]
+    return min(r.step for r in recs if any(r.values[k] >= level for k in keys))
+
+
+def test_the_lr_forecast_acts_at_the_crossing_and_lowers_the_lr_in_place():
+    """Issue 8's lead: the late run's logits cross 100 at step 71 while its warm-up will still
+    raise the LR from 0.024 to 0.1 (x4.2), and the loss is damaged only from step ~428. With the
+    schedule's forecast the ceiling finding acts at the crossing itself (lead 1.0x a fixed ceiling
+    of 100), and the policy lowers the LR in place: nothing is damaged yet, so nothing is rolled
+    back and no checkpoint is needed."""
+    recs, out = _replay("late")
+    cross = _first_crossing(recs)
+    first_act, decision = next((f, d) for f, d in out if f.outcome is Outcome.ACT)
+    assert first_act.signal is Signal.ATTN_LOGIT_CEILING and first_act.detect_step == cross
+    at = next(r for r in recs if r.step == cross)
+    assert at.values[LR_PEAK_AHEAD] / at.values[LR] >= 2.0
+    assert set(first_act.evidence["witnesses"]) == {"lr_forecast"}
+    assert "raise the LR" in first_act.evidence["outcome_why"]
+    assert decision["kind"] == "lower_lr" and decision["lr_multiplier"] == 0.5 and decision["rung"] == 2
+    assert decision.get("target_step") is None
+
+
+def test_a_healthy_crossing_before_the_peak_lr_only_alerts():
+    """The control: a healthy run (3e-2, cosine) whose logits cross 100 at step 66, still in its
+    warm-up, with 1.5x its LR to come, the nearest the grid's healthy crossings come to the
+    forecast's bar of 2x. It alerts and never acts; its logits rise to ~600 and its loss keeps
+    improving."""
+    recs, out = _replay("crossing_before_peak")
+    cross = _first_crossing(recs)
+    at = next(r for r in recs if r.step == cross)
+    assert cross < 100 and 1.2 < at.values[LR_PEAK_AHEAD] / at.values[LR] < 2.0
+    ceil = [f for f, _ in out if f.signal is Signal.ATTN_LOGIT_CEILING]
+    assert ceil and ceil[0].detect_step == cross and ceil[0].outcome is Outcome.ALERT
+    assert [(f.signal.value, f.detect_step, d["kind"]) for f, d in out if d["kind"] in ACTS] == []
+    # The same run with a bar it would pass (1.4x): the forecast is what decides, not the level.
+    bank = DetectorBank(BankConfig.from_dict({"witness": {"lr_rise": 1.4}}))
+    acted = [f for r in traces.load("crossing_before_peak") for f in bank.observe(r) if f.outcome is Outcome.ACT]
+    assert acted and acted[0].detect_step == cross

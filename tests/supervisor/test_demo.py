@@ -31,15 +31,24 @@ def _demo(tmp_path, *extra: str) -> dict:
 
 
 def _check_repaired(summary: dict) -> None:
-    # The run reached its last step, through at least one rollback (a new attempt).
-    assert summary["final_step"] == 200
-    assert len(summary["attempts"]) >= 2
+    assert summary["final_step"] == 200  # the run reached its last step
     # The divergence was seen by an attention thermometer, with an onset before the detection.
     assert summary["incidents"], "no incident: the divergence went unnoticed"
     # The supervisor acted on its own: a rollback, acknowledged by the trainer at a step after
     # the checkpoint it went back to, which lies before the onset of the incident it answered
     # (earlier incidents may be alert-only: logit growth with no witness of harm yet).
     auto = [a for a in summary["actions"] if a["origin"] == "auto"]
+    assert auto, summary["actions"]
+    if auto[0]["kind"] == "set_lr":
+        # Where the logits cross the demo's ceiling before step 50 (2x the LR still to come in its
+        # 100-step warm-up; bf16 numerics differ between CPUs), the LR forecast acts at the
+        # crossing and lowers the LR in place (issue 8): nothing to roll back yet.
+        (acted,) = [i for i in summary["incidents"] if i["id"] == auto[0]["incident_id"]]
+        assert acted["signal"] == "attn_logit_ceiling" and acted["detect_step"] < 50
+        assert auto[0]["state"] == "done" and 0 < auto[0]["args"]["lr_multiplier"] < 1
+        assert math.isfinite(summary["final_loss"])
+        return
+    assert len(summary["attempts"]) >= 2  # through at least one rollback (a new attempt)
     rollbacks = [a for a in auto if a["kind"] == "rollback"]
     assert rollbacks, summary["actions"]
     r = rollbacks[0]

@@ -93,3 +93,46 @@ def test_trained_lr_equals_recorded_multiplier_across_two_cuts_and_a_rollback(db
         assert listed == ctl.store.steps()  # the supervisor's list is the trainer's disk
     finally:
         sup.close()
+
+
+def test_the_lr_forecast_lowers_the_lr_the_trainer_trains_at(db, tmp_path):
+    """Issue 8's forecast across the seam, nothing handed over by hand: the real trainer sends
+    `lr_peak_ahead` with every step, the default detector bank judges the records as the daemon
+    does, the policy lowers the LR in place (no rollback: nothing is damaged yet), the executor
+    sends it, and the trainer trains at it. The ceiling is lowered to the tiny model's own logit
+    scale so that the crossing falls inside its 10-step warm-up (5x the LR still to come)."""
+    from monitors.contract import LR_PEAK_AHEAD
+    from trainer.controller import RunController
+    from trainer.local import InProcessGang
+
+    cfg = tiny(tmp_path, steps=24, optim={"lr": 3e-2, "warmup_steps": 20})
+    detectors = {"attn": {"ceiling": 1.0, "act_level": 0.5, "min_growth": 1e-9}}
+    policy = {k: v for k, v in POLICY.items() if k != "recurrence_rollback"}
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=policy, detectors=detectors),
+                     notifier=ConsoleNotifier(io.StringIO()))
+    ctl = RunController(cfg, sup, sup, gang_factory=InProcessGang)
+    try:
+        result = ctl.run()
+        sup.judge.wait()
+        schedule = cfg.lr_schedule()
+        with sup.sessions() as s:
+            acts = sorted(actions_store.actions(s, RUN), key=lambda a: a.id)
+            changes = lr_store.lr_changes(s, RUN)
+            steps, lrs = thermo_store.history(s, RUN, LR)
+            _, ahead = thermo_store.history(s, RUN, LR_PEAK_AHEAD)
+            recorded = np.array([lr_store.multiplier_in_force(s, RUN, int(k)) for k in steps])
+            found = [f.finding for f in findings_store.findings(s, RUN)]
+        assert result.final_step == 24
+        acting = [f for f in found if f.outcome is Outcome.ACT]
+        assert acting and acting[0].signal is Signal.ATTN_LOGIT_CEILING
+        assert set(acting[0].evidence["witnesses"]) == {"lr_forecast"}
+        assert acting[0].detect_step <= 10  # inside the warm-up, with >= 2x the LR to come
+        # One action: the LR lowered in place, done; no rollback.
+        assert [(a.kind, a.state) for a in acts] == [("set_lr", "done")]
+        assert [c.multiplier for c in changes] == [0.5] and changes[0].start_step > acting[0].detect_step
+        # The trainer trained at what the database says, and its forecast followed the cut.
+        np.testing.assert_allclose(lrs, np.array([schedule.at(int(k)) for k in steps]) * recorded, rtol=1e-6)
+        np.testing.assert_allclose(ahead, np.array([schedule.peak_from(int(k)) for k in steps]) * recorded, rtol=1e-6)
+        assert recorded[-1] == 0.5
+    finally:
+        sup.close()

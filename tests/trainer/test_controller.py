@@ -224,6 +224,10 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
     for k, r in recs.items():
         want = sched.at(k) * (0.5 if 4 <= k < 8 else 1.0)
         assert r.values["lr"] == pytest.approx(want, rel=1e-6), k
+        # The forecast the attention detectors read: the schedule's peak still ahead (warm-up of
+        # 5 steps in tiny_config), under the multiplier in force at the step.
+        ahead = sched.peak_from(k) * (0.5 if 4 <= k < 8 else 1.0)
+        assert r.values["lr_peak_ahead"] == pytest.approx(ahead, rel=1e-12), k
     assert all(q.ack_for(cmds[c]).ok and q.ack_for(cmds[c]).step == 4 for c in ("pause", "resume", "prof", "skip"))
     exclude = q.ack_for(cmds["exclude"])
     assert not exclude.ok and "rank 1" in exclude.detail and "fewer than world_size=2" in exclude.detail

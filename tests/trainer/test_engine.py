@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.trainer.conftest import tiny_config
 from trainer.config import ConfigError, TrainConfig
@@ -60,6 +62,18 @@ def test_lr_is_a_pure_function_of_step():
     assert LRChange.from_json(rewarm.to_json()) == rewarm
     with pytest.raises(ValueError, match="1-based"):
         s.at(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 300), warm_frac=st.floats(0, 1), kind=st.sampled_from(["cosine", "constant", "linear"]),
+       min_ratio=st.floats(0, 1), step_frac=st.floats(0, 1))
+def test_peak_from_is_the_largest_lr_still_ahead(total, warm_frac, kind, min_ratio, step_frac):
+    """`lr_peak_ahead` (issue 8's LR forecast) is the schedule's own maximum over the steps
+    still to train, checked against every one of them."""
+    s = LRSchedule(1e-2, total_steps=total, warmup_steps=int(warm_frac * total), kind=kind, min_ratio=min_ratio)
+    step = 1 + int(step_frac * (total - 1))
+    assert s.peak_from(step) == pytest.approx(max(s.at(k) for k in range(step, total + 1)), rel=1e-12)
+    assert s.peak_from(step) >= s.at(step)
 
 
 def test_lr_changes_are_absolute_a_newer_one_replaces_the_older():
