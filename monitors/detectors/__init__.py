@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS
-from monitors.contract import Finding, StepRecord, split_key
+from monitors.contract import Finding, Signal, StepRecord, split_key
 
 from .act_overflow import ActOverflowBank, ActOverflowConfig, ActOverflowDetector
 from .arrays import as_rows, parts_from_json, parts_to_json
@@ -195,6 +195,8 @@ class DetectorBank:
                 found.append((int(pos[j]), i, f))
         # In record order, then route order: the order one object per series gave.
         findings.extend(f for _, _, f in sorted(found, key=lambda t: t[:2]))
+        if any(f.signal is Signal.NON_FINITE for f in findings):
+            _note_origin(findings, keys, values)
         if "outlier_rank" not in self.config.disabled:
             findings.extend(self.outlier.observe(record))
         self.stall.update(record.step, math.nan, wall)
@@ -294,6 +296,26 @@ class DetectorBank:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"detector state version {d.get('version')!r} != {STATE_VERSION}; start with a fresh bank")
         self.load_state_parts(parts_from_json(d["parts"]))
+
+
+_FORWARD = (ACT_MAX, ACT_MIN, ATTN_LOGIT_MAX, ATTN_LOGIT_LSE)  # measured on a module's output, in the forward pass
+
+
+def _note_origin(findings: list[Finding], keys: tuple[str, ...], values: np.ndarray) -> None:
+    """Where a step's NaN/Inf began: the first module in forward order whose output is
+    non-finite, not counting a module whose child is (a block's output holds its MLP's). Every
+    non-finite finding of the step carries it as evidence (`origin`), so the incident that the
+    loss's finding opens still says which layer broke (the loss and the gradients of every layer
+    turn NaN with it; the activations before that module do not)."""
+    bad = [(k, split_key(k)[1]) for k, v in zip(keys, values.tolist())
+           if not math.isfinite(v) and split_key(k)[0] in _FORWARD and split_key(k)[1]]
+    if not bad:
+        return
+    mods = {m for _, m in bad}
+    key = next((k for k, m in bad if not any(o.startswith(m + ".") for o in mods)), bad[0][0])
+    for f in findings:
+        if f.signal is Signal.NON_FINITE:
+            f.evidence["origin"] = key
 
 
 __all__ = [

@@ -10,7 +10,8 @@ as sink and command channel, checkpoints on disk. What must survive: the non-fin
 the injected step point at the injected layer; the policy rolls back on its own to a checkpoint saved
 before it and skips the step's samples; the run finishes with finite losses; every step of the
 live path is stored once, and the action ends `done`. The step's findings locate the layer.
-(The incident's headline is the loss, its first finding; the layer is in the findings beside it.)"""
+(The incident's headline is the loss, its first finding; every non-finite finding of the step, and
+the action's reason, name the first module whose output broke.)"""
 
 from __future__ import annotations
 
@@ -87,7 +88,13 @@ def test_nan_in_one_layers_output_is_named_rolled_back_and_skipped(db, tmp_path)
     acts_nan = {f.module for f in found if f.signal.value == "non_finite" and f.detect_step == BAD_STEP
                 and f.metric.split("/")[0] in ("act_max", "act_min")}
     assert LAYER in acts_nan and not acts_nan & {"embed_norm", "blocks.0", "blocks.0.attn", "blocks.0.mlp"}, acts_nan
+    # Every non-finite finding of the step names where it began, and so does the action's reason:
+    # the injected block, not the loss. (Its MLP's own thermometer hook ran before the injecting
+    # hook, so the first broken output the thermometers saw is the block's.)
+    origins = {f.evidence.get("origin") for f in found if f.signal.value == "non_finite" and f.detect_step == BAD_STEP}
+    assert origins == {f"act_max/{LAYER}"}, origins
     (rb,) = [a for a in acts if a.kind == "rollback" and a.incident_id == first.id]
+    assert f"it began in act_max/{LAYER}," in rb.reason, rb.reason
     assert rb.origin == "auto" and rb.state == "done"
     assert rb.args["to_step"] < BAD_STEP and rb.args["to_step"] % 2 == 0
     lo, hi = rb.args["skip_ranges"][0]

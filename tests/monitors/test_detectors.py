@@ -271,3 +271,30 @@ def test_every_route_obeys_the_detector_contract(route):
         return [(f.signal, f.severity, f.onset_step, f.detect_step) for f in fs[:1]]
 
     assert brief(out2) == brief(out1)
+
+
+def test_non_finite_findings_name_the_first_broken_output_in_forward_order():
+    """The loss and every gradient turn NaN with any layer; the activations before the broken
+    module do not. A block's output holds its MLP's, so the MLP (the child) is the origin."""
+    mods = ["embed_norm", "blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "blocks.1.attn", "blocks.1.mlp"]
+    bank = DetectorBank(BankConfig())
+    nan = float("nan")
+
+    def rec(step, broken=(), loss=2.0):
+        vals = {"loss": loss, "grad_norm": 1.0 if loss == loss else nan}
+        for m in mods:
+            vals[f"act_max/{m}"] = nan if m in broken else 3.0 + 0.01 * step
+            vals[f"act_min/{m}"] = nan if m in broken else -3.0
+        return StepRecord(step=step, values=vals)
+
+    for s in range(1, 20):
+        assert bank.observe(rec(s)) == []
+    found = bank.observe(rec(20, broken=("blocks.1", "blocks.1.mlp"), loss=nan))
+    nf = [f for f in found if f.signal is Signal.NON_FINITE]
+    assert {f.metric for f in nf} >= {"loss", "grad_norm", "act_max/blocks.1.mlp", "act_max/blocks.1"}
+    assert {f.evidence["origin"] for f in nf} == {"act_max/blocks.1.mlp"}
+    # Only the loss broke (no activation thermometer saw it): nothing to name.
+    bank2 = DetectorBank(BankConfig())
+    for s in range(1, 20):
+        bank2.observe(rec(s))
+    assert all("origin" not in f.evidence for f in bank2.observe(rec(20, loss=nan)))

@@ -69,7 +69,7 @@ def test_update_ratio_without_measure_update_is_nan_and_can_be_off():
 
 
 _ZERO_SCRIPT = r"""
-import contextlib, json, math, sys
+import contextlib, json, math, os, sys
 import torch, deepspeed
 from monitors.thermometers import ThermometerConfig, instrument
 from trainer.engine import decline_shm_comm_op
@@ -119,7 +119,12 @@ for s in range(2):
         out.append([key, got[key], math.sqrt(d / w)])
 sharded = any(getattr(p, "ds_tensor", None) is not None for p in model.parameters())
 total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-print("RESULT " + json.dumps({"rank": rank, "sharded": sharded, "rows": out, "part": part, "total": total}))
+print("RESULT " + json.dumps({"rank": rank, "sharded": sharded, "rows": out, "part": part, "total": total}), flush=True)
+# Both ranks are done with every collective; then leave without the interpreter's teardown, where
+# ZeRO-3's gloo group now and then aborts (SIGABRT, no message) after the result was printed.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
 """
 
 
