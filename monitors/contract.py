@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 # --- metric names (DESIGN.md, "Metric names") ------------------------------------------------
 
@@ -392,3 +392,26 @@ class CommandChannel(Protocol):
     def poll(self, run_id: str) -> list[Command]: ...
 
     def ack(self, run_id: str, ack: Ack) -> None: ...
+
+
+class AckWatch:
+    """A CommandChannel that calls `on_ack(run_id, kind, ack)` for each acknowledgement, with the kind of
+    the command it answers (the trainer's launcher prints it; the detached controller records it
+    for its followers). Anything else goes to the real channel."""
+
+    def __init__(self, inner: CommandChannel, on_ack: Callable[[str, str, Ack], None]) -> None:
+        self.inner, self.on_ack = inner, on_ack
+        self._kinds: dict[int, str] = {}
+
+    def poll(self, run_id: str) -> list[Command]:
+        cmds = self.inner.poll(run_id)
+        for c in cmds:
+            self._kinds[c.id] = c.kind.value
+        return cmds
+
+    def ack(self, run_id: str, ack: Ack) -> None:
+        self.on_ack(run_id, self._kinds.pop(ack.command_id, "command"), ack)
+        self.inner.ack(run_id, ack)
+
+    def __getattr__(self, name: str):  # close, ...
+        return getattr(self.inner, name)

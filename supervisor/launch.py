@@ -20,7 +20,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
           verbose: bool = False, progress_every: int = 10, detach: bool = False, restarts: int = 10) -> int:
     import ray
 
-    from supervisor.train_output import AnnouncedCommands, Progress, quiet_http_logs
+    from supervisor.train_output import announced_commands, Progress, quiet_http_logs
     from trainer.config import ConfigError, TrainConfig
     from trainer.controller import RunController
 
@@ -70,7 +70,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         if tcfg.use_gpu:
             require_gpus(config_file, tcfg.world_size, int(ray.cluster_resources().get("GPU", 0)), "Ray reports")
         progress = Progress(tcfg.run_id, tcfg.steps, every=progress_every)
-        result = RunController(tcfg, sink=sink, commands=AnnouncedCommands(commands), progress=progress).run()
+        result = RunController(tcfg, sink=sink, commands=announced_commands(commands), progress=progress).run()
     finally:
         closer()
     print(f"run {result.run_id}: step {result.final_step}, final loss {result.final_loss:.4f}, "

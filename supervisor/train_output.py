@@ -18,8 +18,8 @@ import sys
 import time
 from typing import IO, Callable
 
-from monitors.commands import Ack, Command
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, CommandChannel, StepRecord
+from monitors.commands import Ack
+from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, AckWatch, CommandChannel, StepRecord
 
 HTTP_LOGGERS = ("httpx", "httpcore")
 
@@ -71,26 +71,10 @@ class Progress:
         return f"{self.run_id} step {rec.step}/{self.total}: " + ", ".join(parts)
 
 
-class AnnouncedCommands:
+def announced_commands(inner: CommandChannel, out: IO[str] | None = None) -> AckWatch:
     """A CommandChannel that says on stderr what each command did, as the trainer acknowledges it."""
-
-    def __init__(self, inner: CommandChannel, out: IO[str] | None = None) -> None:
-        self.inner = inner
-        self.out = out or sys.stderr
-        self._kinds: dict[int, str] = {}
-
-    def poll(self, run_id: str) -> list[Command]:
-        cmds = self.inner.poll(run_id)
-        for c in cmds:
-            self._kinds[c.id] = c.kind.value
-        return cmds
-
-    def ack(self, run_id: str, ack: Ack) -> None:
-        print(ack_line(run_id, self._kinds.pop(ack.command_id, "command"), ack), file=self.out, flush=True)
-        self.inner.ack(run_id, ack)
-
-    def __getattr__(self, name: str):  # anything else the real channel offers (close, ...)
-        return getattr(self.inner, name)
+    out = out or sys.stderr
+    return AckWatch(inner, lambda run_id, kind, ack: print(ack_line(run_id, kind, ack), file=out, flush=True))
 
 
 def ack_line(run_id: str, kind: str, ack: Ack) -> str:

@@ -38,7 +38,7 @@ import traceback
 from dataclasses import asdict
 from typing import Any
 
-from monitors.contract import Ack, Command, CommandChannel, StepRecord
+from monitors.contract import AckWatch, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +49,6 @@ MAX_EVENTS = 2000  # progress events kept for a follower that polls late
 def actor_name(run_id: str) -> str:
     """One controller per run: the name is the lock (Ray refuses a second actor of that name)."""
     return f"thermowatch-controller:{run_id}"
-
-
-class _Recorded:
-    """The command channel, recording each command's kind and its acknowledgement for followers."""
-
-    def __init__(self, inner: CommandChannel, events: "_Events") -> None:
-        self.inner, self.events = inner, events
-        self._kinds: dict[int, str] = {}
-
-    def poll(self, run_id: str) -> list[Command]:
-        cmds = self.inner.poll(run_id)
-        for c in cmds:
-            self._kinds[c.id] = c.kind.value
-        return cmds
-
-    def ack(self, run_id: str, ack: Ack) -> None:
-        self.events.add("ack", self._kinds.pop(ack.command_id, "command"), ack.to_json())
-        self.inner.ack(run_id, ack)
 
 
 class _Events:
@@ -109,7 +91,7 @@ class ControllerActor:
         self.sink = HttpSink(supervisor_url, spool_dir, token=token)
         self.channel = HttpCommandChannel(supervisor_url, token=token)
         self.events = _Events()
-        self.ctl = RunController(self.cfg, self.sink, _Recorded(self.channel, self.events), progress=self._on_step)
+        self.ctl = RunController(self.cfg, self.sink, AckWatch(self.channel, lambda _run, kind, ack: self.events.add("ack", kind, ack.to_json())), progress=self._on_step)
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self.done = False

@@ -7,7 +7,7 @@ import logging
 
 from monitors.commands import Ack, Command, Rollback, SampleRange
 from monitors.contract import StepRecord
-from supervisor.train_output import AnnouncedCommands, Progress, quiet_http_logs
+from supervisor.train_output import announced_commands, Progress, quiet_http_logs
 
 
 def _rec(step: int, **values: float) -> StepRecord:
@@ -50,7 +50,7 @@ class _Channel:
 def test_one_line_per_acknowledged_command_then_the_real_ack():
     inner = _Channel([Command(7, Rollback(to_step=20, skip=(SampleRange(100, 200),)))])
     out = io.StringIO()
-    ch = AnnouncedCommands(inner, out=out)
+    ch = announced_commands(inner, out=out)
     assert [c.id for c in ch.poll("r1")] == [7]
     ack = Ack(7, True, 21, detail="", checkpoint_step=20, lr_multiplier=1.0, skipped=(SampleRange(100, 200),))
     ch.ack("r1", ack)
