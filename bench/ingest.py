@@ -56,12 +56,13 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
 
         from supervisor.config import SupervisorConfig
         from supervisor.notify.console import ConsoleNotifier
-        from supervisor.server import build_app
+        from supervisor.server import build_app, settle_heap
         from supervisor.service import Supervisor
 
         cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url,
                                api_token=os.environ["THERMOWATCH_API_TOKEN"])  # auth on, as deployed
         app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
+        settle_heap()  # as `thermowatch serve` does once the app is built
     else:
         from supervisor.api.auth import Guard
         from supervisor.api.ingest import make_router

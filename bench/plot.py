@@ -136,12 +136,13 @@ def serve(url: str, port: int) -> None:
 
     from supervisor.config import SupervisorConfig
     from supervisor.notify.console import ConsoleNotifier
-    from supervisor.server import build_app
+    from supervisor.server import build_app, settle_heap
     from supervisor.service import Supervisor
 
     cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-plot-")), db_url=url,
                            api_token=os.environ["THERMOWATCH_API_TOKEN"])
     app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
+    settle_heap()  # as `thermowatch serve` does once the app is built
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

