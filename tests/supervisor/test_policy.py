@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -322,7 +323,8 @@ _findings = st.builds(
     onset_step=st.integers(0, 3000),
     detect_step=st.integers(0, 3000),
     metric=st.sampled_from(["", "loss", "grad_norm", "attn_logit_max/blocks.0.attn"]),
-    evidence=st.fixed_dictionaries({}, optional={"rank": st.integers(0, 7), "node": st.just("gpu-node-07")}),
+    evidence=st.fixed_dictionaries({}, optional={"rank": st.integers(0, 7), "node": st.just("gpu-node-07"),
+                                                 "witnesses": st.just({"lr_forecast": "the LR x3 to come"})}),
     outcome=st.sampled_from([Outcome.WATCH, Outcome.ALERT]),
 )
 _history = st.lists(st.builds(
@@ -350,3 +352,22 @@ def test_watch_and_alert_findings_never_change_the_run(inp, cfg):
     assert d.kind in (K.NOOP, K.ALERT), d.reasons
     assert not d.acts and d.target_step is None and d.lr_multiplier is None and d.rung == 0
     assert d.kind is (K.NOOP if inp.finding.outcome is Outcome.WATCH else K.ALERT)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inp=_inputs, cfg=_configs, signal=st.sampled_from([S.ATTN_LOGIT_CEILING, S.ATTN_LOGIT_GROWTH]))
+def test_an_act_on_the_lr_forecast_alone_never_rolls_back(inp, cfg, signal):
+    """Issue 8's forecast: nothing is damaged yet, so with no recurrence to answer the policy
+    lowers the LR in place (or pauses, alerts, waits for approval), never rolls back, and a
+    lowered LR is lower than the one in force."""
+    f = Finding(signal=signal, module="blocks.1.attn", severity=Severity.CRITICAL, onset_step=90, detect_step=100,
+                metric=f"{signal.value}/blocks.1.attn", outcome=Outcome.ACT,
+                evidence={"witnesses": {"lr_forecast": "the schedule will still raise the LR x3.1"}})
+    # A run that takes attention signals and is free to act (the guards have their own tests).
+    cfg = dataclasses.replace(cfg, rollback_signals=cfg.rollback_signals | {signal})
+    inp = dataclasses.replace(inp, finding=f, history=[], paused=False, action_in_flight=False,
+                              failed_action_pending=False)
+    d = make_decision(inp, cfg)
+    assert d.kind is not K.ROLLBACK, d.reasons
+    if d.kind is K.LOWER_LR:
+        assert d.lr_multiplier < inp.current_lr_multiplier and d.target_step is None and d.rung == 2
