@@ -42,6 +42,15 @@ def tiny(tmp_path, **over):
                        data={"max_bytes": 1 << 18, "seq_len": 32, "global_batch": 4}, **over)
 
 
+def _lr_record(s):
+    """What the database says about the run's LR: its actions, LR changes, the LR each stored
+    step trained at, and the multiplier the database has in force at each of those steps."""
+    acts = sorted(actions_store.actions(s, RUN), key=lambda a: a.id)
+    steps, lrs = thermo_store.history(s, RUN, LR)
+    recorded = np.array([lr_store.multiplier_in_force(s, RUN, int(k)) for k in steps])
+    return acts, lr_store.lr_changes(s, RUN), steps, lrs, recorded
+
+
 def spike(step: int) -> Finding:
     return Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, onset_step=step - 1, detect_step=step, metric="loss",
                    outcome=Outcome.ACT)
@@ -69,11 +78,8 @@ def test_trained_lr_equals_recorded_multiplier_across_two_cuts_and_a_rollback(db
         assert not plan, f"steps never reached: {plan}"
         schedule = cfg.lr_schedule()
         with sup.sessions() as s:
-            acts = sorted(actions_store.actions(s, RUN), key=lambda a: a.id)
-            changes = lr_store.lr_changes(s, RUN)
-            steps, lrs = thermo_store.history(s, RUN, LR)
+            acts, changes, steps, lrs, recorded = _lr_record(s)
             _, mults = thermo_store.history(s, RUN, LR_MULTIPLIER)
-            recorded = np.array([lr_store.multiplier_in_force(s, RUN, int(k)) for k in steps])
             mismatches = [f for f in findings_store.findings(s, RUN) if f.finding.signal is Signal.STATE_MISMATCH]
             listed = sorted({c.step for c in ckpt_store.checkpoints(s, RUN)})
         assert [(a.kind, a.state) for a in acts] == [("rollback", "done"), ("set_lr", "done"), ("set_lr", "done"),
@@ -116,11 +122,8 @@ def test_the_lr_forecast_lowers_the_lr_the_trainer_trains_at(db, tmp_path):
         sup.judge.wait()
         schedule = cfg.lr_schedule()
         with sup.sessions() as s:
-            acts = sorted(actions_store.actions(s, RUN), key=lambda a: a.id)
-            changes = lr_store.lr_changes(s, RUN)
-            steps, lrs = thermo_store.history(s, RUN, LR)
+            acts, changes, steps, lrs, recorded = _lr_record(s)
             _, ahead = thermo_store.history(s, RUN, LR_PEAK_AHEAD)
-            recorded = np.array([lr_store.multiplier_in_force(s, RUN, int(k)) for k in steps])
             found = [f.finding for f in findings_store.findings(s, RUN)]
         assert result.final_step == 24
         acting = [f for f in found if f.outcome is Outcome.ACT]
