@@ -40,6 +40,19 @@ def test_postgres_url_gets_psycopg3():
     assert engine.dialect.driver == "psycopg"
 
 
+def test_postgres_connections_plan_without_jit_or_parallel_workers(pg_admin):
+    """Kept across the pool's rollback on check-in (db._postgres_settings commits its SETs)."""
+    from tests.supervisor.conftest import new_pg_schema, pg_schema_url
+
+    engine = dbmod.make_engine(pg_schema_url(new_pg_schema(pg_admin)), pool_size=1, max_overflow=0)
+    for _ in range(2):  # the second checkout gets the same connection back from the pool
+        with engine.connect() as c:
+            assert c.exec_driver_sql("SHOW jit").scalar() == "off"
+            assert c.exec_driver_sql("SHOW max_parallel_workers_per_gather").scalar() == "0"
+            c.rollback()
+    engine.dispose()
+
+
 def test_foreign_keys_are_enforced(db):
     with pytest.raises(sa.exc.IntegrityError):
         with db.sessions.begin() as s:
