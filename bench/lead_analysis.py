@@ -84,8 +84,7 @@ def features(r: div.Run, step: int) -> dict[str, float]:
     f["lr"] = lr[i]
     f["lr_rise_100"] = math.log(lr[i] / lr[max(0, i - 100)]) if lr[max(0, i - 100)] > 0 else math.nan
     # The forecast the trainer sends (`lr_peak_ahead`, issue 8): how much more LR the schedule holds.
-    ahead = _col(r, "lr_peak_ahead") if "lr_peak_ahead" in r.records[0].values else np.full(lr.size, np.nan)
-    f["lr_ahead_ratio"] = ahead[i] / lr[i] if lr[i] > 0 else math.nan
+    f["lr_ahead_ratio"] = _col(r, "lr_peak_ahead")[i] / lr[i] if lr[i] > 0 else math.nan  # NaN without the key
     f["logit_max"] = float(np.nanmax([a[i] for a in attn.values()]))
     f["layers_over_50"] = float(sum(a[i] >= 50 for a in attn.values()))
     f["layers_over_100"] = float(sum(a[i] >= 100 for a in attn.values()))

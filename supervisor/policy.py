@@ -267,7 +267,8 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
 def _describe(f: Finding) -> str:
     where = f.module or f.metric or "the run"
     origin = f.evidence.get("origin")  # non_finite: the first module whose output broke
-    began = f"; it began in {origin}, the first non-finite output of the forward pass" if origin and origin != f.metric else ""
+    began = (f"; it began in {origin}, the first non-finite output of the forward pass"
+             if origin and origin != f.metric else "")
     return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step} "
             f"(severity {f.severity.value}, outcome {f.outcome.value}){began}")
 

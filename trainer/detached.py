@@ -91,7 +91,8 @@ class ControllerActor:
         self.sink = HttpSink(supervisor_url, spool_dir, token=token)
         self.channel = HttpCommandChannel(supervisor_url, token=token)
         self.events = _Events()
-        self.ctl = RunController(self.cfg, self.sink, AckWatch(self.channel, lambda _run, kind, ack: self.events.add("ack", kind, ack.to_json())), progress=self._on_step)
+        commands = AckWatch(self.channel, lambda _run, kind, ack: self.events.add("ack", kind, ack.to_json()))
+        self.ctl = RunController(self.cfg, self.sink, commands, progress=self._on_step)
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self.done = False

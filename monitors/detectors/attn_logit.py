@@ -20,7 +20,7 @@ point; for the ceiling, a Theil-Sen slope of at least `min_growth` per step) AND
 loss behind its own trend, gradient-norm growth, output-logit z growth, attention-entropy
 collapse, update-ratio growth), or when the logit reaches `extreme`, where waiting is unsafe, or
 when it is over the ceiling while the LR schedule will still raise the LR `lr_rise`-fold (the
-forecast: witness.py; the policy then lowers the LR with its rollback, see policy.py).
+forecast: witness.py; the policy then lowers the LR in place, without a rollback, see policy.py).
 A rise that turns back while the loss improves therefore stays `alert` at most.
 
 LSE bound caveat: `attn_logit_lse` = max + ln(sum_j exp(x_j - max)), an offset in [0, ln(keys)]

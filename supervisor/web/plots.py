@@ -184,7 +184,6 @@ def _draw(chart: Chart, marks: Marks) -> bytes:
     return buf.getvalue()
 
 
-
 def _draw_superseded(ax, top, chart: Chart, colors: list) -> bool:
     """Faded dashed lines (zorder 2.5: over the bands and incident lines, under the current
     trajectory at 3) and faded non-finite ticks. The legend names each attempt once; with several
