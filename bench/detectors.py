@@ -30,14 +30,28 @@ def keys(n: int) -> list[str]:
     return [f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(n)]
 
 
+WORLD = 8  # the ranks the benches' runs open with
+
+
+def ranked(ks: list[str]) -> list[str]:
+    """The keys the run controller names a rank for: those reduced by max or min across ranks
+    (contract.reduction), whose extreme some rank held (trainer/reduce.py; with float values the
+    ranks nearly always disagree, so nearly every such key carries one)."""
+    from monitors.contract import Reduce, reduction
+
+    return [k for k in ks if reduction(k) in (Reduce.MAX, Reduce.MIN)]
+
+
 def records(steps: int, n: int, seed: int = 0, positive: bool = False) -> list[StepRecord]:
     rng = np.random.default_rng(seed)
     ks = keys(n)
     vals = rng.standard_normal((steps, n))
     if positive:
         vals = np.abs(vals)
-    return [StepRecord(step=i, values=dict(zip(ks, vals[i].tolist())), wall_time=1.0, ranks={ks[0]: 3})
-            for i in range(steps)]
+    rk = ranked(ks)
+    holders = rng.integers(0, WORLD, (steps, len(rk)))
+    return [StepRecord(step=i, values=dict(zip(ks, vals[i].tolist())), wall_time=1.0,
+                       ranks=dict(zip(rk, holders[i].tolist()))) for i in range(steps)]
 
 
 def save_bytes(bank: DetectorBank) -> int:

@@ -83,8 +83,9 @@ def _port() -> int:
 
 
 def _keys(n: int) -> list[str]:
-    metrics = ["act_max", "act_min", "attn_logit_max", "grad_norm", "update_ratio", "z", "param_norm", "act_rms", "attn_logit_lse", "grad_max"]
-    return [f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(n)]
+    from detectors import keys
+
+    return keys(n)
 
 
 def _bodies(steps: int, batch: int, keys: list[str], rng, form: str = "json", positive: bool = False) -> list[bytes]:
@@ -94,13 +95,18 @@ def _bodies(steps: int, batch: int, keys: list[str], rng, form: str = "json", po
     from monitors.columns import StepColumns
     from monitors.contract import StepRecord
 
+    from detectors import WORLD, ranked
+
     out = []
+    rk = ranked(keys)  # every max/min key names the rank that held it, as the run controller sends
     for lo in range(0, steps, batch):
         vals = rng.standard_normal((batch, len(keys)))
         if positive:  # as real norms, logits and ratios are: every point reaches the log-scale detectors
             vals = np.abs(vals)
+        holders = rng.integers(0, WORLD, (batch, len(rk)))
         recs = [StepRecord(step=lo + i, values=dict(zip(keys, vals[i].tolist())), sample_lo=(lo + i) * 64,
-                           sample_hi=(lo + i + 1) * 64, tokens=131072, wall_time=1.0, ranks={keys[0]: 3})
+                           sample_hi=(lo + i + 1) * 64, tokens=131072, wall_time=1.0,
+                           ranks=dict(zip(rk, holders[i].tolist())))
                 for i in range(batch)]
         if form == "columns":
             out.append(StepColumns.from_records(recs).encode())
@@ -191,12 +197,19 @@ def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
 
 
 def _chunk_rows(steps: int, batch: int, n_series: int, rng, run="raw"):
-    """The rows ingest writes: per batch, one chunk per series and one row per step."""
+    """The rows ingest writes: per batch, one chunk per series and one row per step; the series
+    that name a rank (bench/detectors.ranked) carry its int32 blob, as ingest stores it."""
+    from detectors import WORLD, ranked
+
+    has = set(ranked(_keys(n_series)))
+    has_rank = [k in has for k in _keys(n_series)]
     for lo in range(0, steps, batch):
         vt = np.ascontiguousarray(rng.standard_normal((batch, n_series)).T)
+        rt = rng.integers(0, WORLD, (n_series, batch)).astype(np.int32)
         st = np.arange(lo, lo + batch, dtype=np.int64)
         # steps NULL: contiguous, exactly as ingest stores them
-        chunks = [(run, j + 1, 0, lo, lo + batch - 1, batch, None, vt[j].tobytes(), None) for j in range(n_series)]
+        chunks = [(run, j + 1, 0, lo, lo + batch - 1, batch, None, vt[j].tobytes(),
+                   rt[j].tobytes() if has_rank[j] else None) for j in range(n_series)]
         step_rows = [(run, int(s), 0, int(s) * 64, int(s + 1) * 64, 131072, 1.0) for s in st]
         yield chunks, step_rows
 

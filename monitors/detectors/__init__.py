@@ -59,7 +59,9 @@ from .outlier_rank import OutlierRankConfig, OutlierRankDetector
 from .stall import StallConfig, StallDetector
 from .witness import WitnessConfig, Witnesses
 
-STATE_VERSION = 3  # 2: witnesses, degradation, the judged (attempt, step); 3: rows in arrays, saved as parts
+# 2: witnesses, degradation, the judged (attempt, step); 3: rows in arrays, saved as parts; 4: the
+# outlier-rank windows as rows too (saved incrementally, no longer one JSON of every key's window)
+STATE_VERSION = 4
 
 
 @dataclass
@@ -151,6 +153,12 @@ class DetectorBank:
         # The newest (attempt, step) judged: a step at or before it in the same attempt is a
         # re-delivery and is not judged again.
         self.judged: tuple[int, int] | None = None
+        # During observe_many: per route, the (positions, rows) left to judge step by step once
+        # the quiet rows were judged in bulk (_begin_batch), for records with these keys.
+        self._rest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rest_keys: tuple[str, ...] | None = None
+        self._values: dict[int, np.ndarray] = {}  # and each step's values, as the batch's arrays hold them
+        self._ranked: tuple[tuple[str, ...], list[str]] | None = None  # (the batch's rank keys, those left after bulk)
 
     def _plan(self, keys: tuple[str, ...]) -> Plan:
         plan = self._plans.get(keys)
@@ -179,7 +187,10 @@ class DetectorBank:
         if attempt is not None:
             self.judged = (attempt, record.step)
         findings: list[Finding] = []
-        self.witnesses.observe(record)
+        keys = tuple(record.values)
+        ahead = self._values.pop(record.step, None) if self._rest_keys == keys else None
+        values = ahead if ahead is not None else np.fromiter(record.values.values(), np.float64, len(keys))
+        self.witnesses.observe(record, values)
         wall = record.wall_time if record.wall_time and math.isfinite(record.wall_time) else None
         if wall is not None and "stall" not in self.config.disabled:
             # A gap between this record and the previous one is a stall that already happened
@@ -187,10 +198,12 @@ class DetectorBank:
             stalled = self.stall.check(wall)
             if stalled is not None:
                 findings.append(stalled)
-        keys = tuple(record.values)
-        values = np.fromiter(record.values.values(), np.float64, len(keys))
         found: list[tuple[int, int, Finding]] = []
+        rest = self._rest if self._rest_keys == keys else {}
         for i, bank, pos, rows in self._plan(keys):
+            pos, rows = rest.get(i, (pos, rows))
+            if not rows.size:
+                continue  # every row of the route was judged in bulk for this batch
             for j, f in bank.observe(record.step, rows, values[pos]):
                 found.append((int(pos[j]), i, f))
         # In record order, then route order: the order one object per series gave.
@@ -198,7 +211,8 @@ class DetectorBank:
         if any(f.signal is Signal.NON_FINITE for f in findings):
             _note_origin(findings, keys, values)
         if "outlier_rank" not in self.config.disabled:
-            findings.extend(self.outlier.observe(record))
+            ranked = self._ranked if self._ranked is not None and tuple(record.ranks) == self._ranked[0] else None
+            findings.extend(self.outlier.observe(record, None if ranked is None else ranked[1]))
         self.stall.update(record.step, math.nan, wall)
         return findings
 
@@ -216,14 +230,18 @@ class DetectorBank:
                 out.extend(self.observe(record, attempt))
         finally:
             self.witnesses.prepare([])  # nothing judged ahead outlives its batch
+            self._rest, self._rest_keys, self._values, self._ranked = {}, None, {}, None
             for bank in self.series.values():
                 bank.end_batch()
         return out
 
     def _begin_batch(self, records: list[StepRecord]) -> None:
-        """Window statistics ahead for a plain batch (rising steps, the same keys in each record):
-        the witnesses' shifts, and each bank's medians over the rows present at every step."""
-        self.witnesses.prepare(records)
+        """A plain batch (rising steps, the same keys in each record) ahead of its records: the
+        witnesses' shifts; per bank, the rows that stay quiet through the whole batch are judged
+        in bulk (SeriesBank.judge_bulk: no finding, no latch, so nothing depends on the order
+        of steps across rows), and the window medians of the others are taken for all steps at
+        once; observe() then goes step by step over those others only."""
+        self.witnesses.prepare([])
         if len(records) < 2:
             return
         keys = tuple(records[0].values)
@@ -231,8 +249,20 @@ class DetectorBank:
             return
         values = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
         steps = np.fromiter((r.step for r in records), np.int64, len(records))
-        for _, bank, pos, rows in self._plan(keys):
+        self.witnesses.prepare_arrays(keys, steps, values)
+        self._rest, self._rest_keys, self._values = {}, keys, dict(zip(steps.tolist(), values))
+        for i, bank, pos, rows in self._plan(keys):
+            done = bank.judge_bulk(steps, rows, values[:, pos])
+            if done.any():
+                pos, rows = pos[~done], rows[~done]
+                self._rest[i] = (pos, rows)
             bank.begin_batch(steps, rows, values[:, pos])
+        ranked = tuple(records[0].ranks)
+        if ranked and "outlier_rank" not in self.config.disabled and all(tuple(r.ranks) == ranked for r in records):
+            ranks = np.array([list(r.ranks.values()) for r in records], np.int64).reshape(len(records), len(ranked))
+            done = self.outlier.observe_many(steps, list(ranked), ranks)
+            if done.any():
+                self._ranked = (ranked, [k for k, d in zip(ranked, done.tolist()) if not d])
 
     def check(self, now: float) -> list[Finding]:
         """Wall-clock checks (stall). `now` must be on the same clock as record.wall_time."""
@@ -259,17 +289,19 @@ class DetectorBank:
         """The state as named parts. With `dirty_only`, the ring chunks not written since the
         last `mark_saved()` are left out (the store keeps their previous rows): a save after k
         steps writes O(k x series) bytes plus the per-row counters, not the whole history."""
-        meta = {"version": STATE_VERSION, "outlier": self.outlier.state_dict(), "stall": self.stall.state_dict(),
+        meta = {"version": STATE_VERSION, "stall": self.stall.state_dict(),
                 "judged": list(self.judged) if self.judged is not None else None,
                 "routes": [r.name for r in self._routes]}
         parts = {"meta": json.dumps(meta, separators=(",", ":")).encode()}
         parts.update(self.witnesses.parts("witnesses", dirty_only))
+        parts.update(self.outlier.parts("outlier", dirty_only))
         for name, bank in self.series.items():
             parts.update(bank.parts(name, dirty_only))
         return parts
 
     def mark_saved(self) -> None:
         self.witnesses.mark_saved()
+        self.outlier.mark_saved()
         for bank in self.series.values():
             bank.mark_saved()
 
@@ -283,7 +315,7 @@ class DetectorBank:
             bank = self.series[route.name] = route.make(self.config, self.witnesses)
             if f"{route.name}.rows" in parts:  # else: a route enabled since the state was saved
                 bank.load(route.name, parts)
-        self.outlier.load_state_dict(meta["outlier"])
+        self.outlier.load("outlier", parts)
         self.stall.load_state_dict(meta["stall"])
         self.judged = (int(meta["judged"][0]), int(meta["judged"][1])) if meta.get("judged") else None
         self.mark_saved()

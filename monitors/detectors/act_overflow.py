@@ -65,6 +65,13 @@ class ActOverflowBank(SeriesBank):
         self.config = config or ActOverflowConfig()
         super().__init__(self.config.history, self.config.clear_steps)
 
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
+        c = self.config
+        mag = np.abs(values)
+        at = self._quiet_candidates(rows, (np.isfinite(values) & (mag <= c.fraction * c.limit)).all(axis=0))
+        m = mag[:, at]
+        return at, slogs(m.ravel()).reshape(m.shape)
+
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows
         idx = np.flatnonzero(np.isfinite(values))  # non_finite.py reports Inf

@@ -142,7 +142,8 @@ class Rows:
         self.vals[rows[:, None], slots] = ys[:, first:]
         self.pos[rows] = (p + K) % self.H
         self.length[rows] = np.minimum(self.length[rows] + K, self.H)
-        self.dirty.update((np.unique((p[:, None] + np.arange(K)[None, :]) % self.H) // CHUNK).tolist())
+        p = np.unique(p)  # usually one position: every row of the type appended at every step
+        self.dirty.update(np.unique((p[:, None] + np.arange(K)[None, :]) % self.H // CHUNK).tolist())
 
     # --- a batch of steps ahead (issue 10: one numpy call per window for the whole batch) -------
 
@@ -318,3 +319,48 @@ class Rows:
 
 def as_rows(idx: Sequence[int]) -> np.ndarray:
     return np.asarray(idx, dtype=np.int64)
+
+
+BOUND_BLOCK = 8  # windows per bound: the span's extra points loosen the bounds by as many ranks
+
+
+def block_starts(K: int, block: int) -> tuple[np.ndarray, int]:
+    """Starts of blocks of `b` = min(block, K) consecutive steps covering 0..K-1; the last block
+    is moved back to end at K - 1 (blocks may overlap: a bound over more windows still holds)."""
+    b = min(block, K)
+    return np.minimum(np.arange(0, K, b), K - b), b
+
+
+def window_bounds(x: np.ndarray, a0: int, n: int, K: int, block: int = BOUND_BLOCK
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bounds on np.median and the median absolute deviation of the K windows
+    x[:, a0 + t : a0 + t + n], t = 0..K-1, per block of consecutive windows (block_starts):
+    (median_lo, median_hi, mad_lo), each [rows, blocks], from one partition of each block's span
+    instead of one per window. Every window of a block lies inside its span S (n + b - 1 points),
+    and the i-th smallest of a subset is at least the i-th smallest of S and at most its
+    (i + |S| - n)-th, so the median lies in [S_(n-1)//2, S_(n//2 + b - 1)]; each |w - median| is
+    at least w's distance to that interval, so the MAD is at least the ((n-1)//2)-th smallest of
+    those distances. Rounding is monotone, so the bounds hold for the float results too."""
+    starts, b = block_starts(K, block)
+    span = np.lib.stride_tricks.sliding_window_view(x, n + b - 1, axis=1)[:, a0 + starts]  # [P, B, n + b - 1]
+    lo_k, hi_k = (n - 1) // 2, n // 2 + b - 1
+    part = np.partition(span, (lo_k, hi_k), axis=-1)
+    lo, hi = part[..., lo_k], part[..., hi_k]
+    dist = np.maximum(np.maximum(lo[..., None] - span, span - hi[..., None]), 0.0)
+    return lo, hi, np.partition(dist, lo_k, axis=-1)[..., lo_k]
+
+
+def block_max(y: np.ndarray, a0: int, n: int, K: int, block: int = BOUND_BLOCK) -> np.ndarray:
+    """Per block (block_starts), the largest of y[:, a0 + t : a0 + t + n] over its windows t:
+    an upper bound of any median, or value, taken from them. [rows, blocks]."""
+    starts, b = block_starts(K, block)
+    return np.lib.stride_tricks.sliding_window_view(y, n + b - 1, axis=1)[:, a0 + starts].max(axis=-1)
+
+
+def window_medians(x: np.ndarray, a0: int, n: int, K: int, robust: bool
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Exact (median, 1.4826 * MAD or None) of the K windows x[:, a0 + t : a0 + t + n], [rows, K]:
+    the same values in the same order as Rows.blocks gives step by step, so bit-identical."""
+    w = np.lib.stride_tricks.sliding_window_view(x, n, axis=1)[:, a0:a0 + K]
+    med = np.median(w, axis=-1)
+    return med, (MAD_TO_SIGMA * np.median(np.abs(w - med[..., None]), axis=-1) if robust else None)

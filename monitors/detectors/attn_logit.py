@@ -46,7 +46,8 @@ import numpy as np
 from monitors.contract import ATTN_LOGIT_LSE, Outcome, Severity, Signal
 
 from .base import at_least, positive
-from .series import Found, SeriesBank, Single, logs, median_rows, robust_rows
+from .arrays import block_max, window_medians
+from .series import Found, SeriesBank, Single, logs, median_rows, quiet_excursions, robust_rows
 from .witness import Witnesses
 
 
@@ -147,6 +148,25 @@ class AttnLogitGrowthBank(SeriesBank):
         v = values[:, every]
         return every, logs(v.ravel()).reshape(v.shape)
 
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
+        c, R = self.config, self.rows
+        every, ys = self.batch_values(values)
+        at = self._quiet_candidates(rows, every, points=c.window + c.slope_window - 1, warmup=c.warmup)
+        if not at.size:
+            return None
+        y = ys[:, np.searchsorted(np.flatnonzero(every), at)]  # ys holds the columns of `every`
+        K, H = len(steps), R.H
+        x = np.concatenate([R.ordered(rows[at]), y.T], axis=1)
+        # _update after appending y_t (the newest point is x[:, H + t]): the level is the median
+        # of the last level_points, the baseline the window that ends slope_window before them.
+        a_level, a_base = H + 1 - c.level_points, H + 1 - c.slope_window - c.window
+        floor = math.log(c.min_ratio)
+        quiet = quiet_excursions(x, a_base, c.window, K, c.z,
+                                 lambda i: window_medians(x[i], a_level, c.level_points, K, robust=False)[0],
+                                 block_max(x, a_level, c.level_points, K),
+                                 lambda med: np.full(med.shape, floor), lambda lo, hi: np.full(lo.shape, floor))
+        return at[quiet], y[:, quiet]
+
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows
         idx = np.flatnonzero(np.isfinite(values) & (values > 0.0))  # non_finite.py reports NaN/Inf;
@@ -219,6 +239,13 @@ class AttnLogitCeilingBank(SeriesBank):
     def load(self, prefix: str, parts: dict[str, bytes]) -> None:
         self.ceilings = []
         super().load(prefix, parts)
+
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
+        ceiling = np.asarray(self.ceilings)[rows]
+        ok = (np.isfinite(values) & (values > 0.0)).all(axis=0) & (values < ceiling).all(axis=0)
+        at = self._quiet_candidates(rows, ok)
+        v = values[:, at]
+        return at, logs(v.ravel()).reshape(v.shape)
 
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows

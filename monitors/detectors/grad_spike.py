@@ -48,6 +48,9 @@ class GradSpikeBank(SpikeBank):
     def min_excess(self, median: np.ndarray) -> np.ndarray:
         return np.full(median.shape, math.log(self.config.min_ratio))
 
+    def min_excess_lo(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return self.min_excess(lo)
+
     def is_critical(self, y: float, median: float) -> bool:
         return y - median >= math.log(self.config.critical_ratio)
 

@@ -48,6 +48,11 @@ class LossSpikeBank(SpikeBank):
     def min_excess(self, median: np.ndarray) -> np.ndarray:
         return self.config.min_rel_excess * np.abs(median)
 
+    def min_excess_lo(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        # |m| over [lo, hi] is smallest at 0 when the interval holds it, else at its nearer end.
+        least = np.where((lo <= 0.0) & (hi >= 0.0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
+        return self.config.min_rel_excess * least
+
     def is_critical(self, y: float, median: float) -> bool:
         return median > 0 and y >= self.config.critical_ratio * median
 

@@ -69,6 +69,11 @@ class NonFiniteBank(SeriesBank):
         self.critical, self.skip_nan = [], []
         super().load(prefix, parts)
 
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
+        at = self._quiet_candidates(rows, np.isfinite(values).all(axis=0))
+        v = values[:, at]
+        return at, slogs(v.ravel()).reshape(v.shape)
+
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         R = self.rows
         idx = np.flatnonzero(~(np.asarray(self.skip_nan, bool)[rows] & np.isnan(values)))

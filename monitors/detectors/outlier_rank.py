@@ -15,12 +15,15 @@ rank is in evidence["rank"].
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from monitors.contract import Finding, Outcome, Severity, Signal, StepRecord, split_key
 
+from .arrays import BOUND_BLOCK, NO_STEP, Rows, as_rows, block_starts
 from .base import at_least, jsonable
 
 
@@ -47,74 +50,214 @@ class OutlierRankConfig:
 
 
 class OutlierRankDetector:
-    """Record-level: `observe(record)` looks at every key in `record.ranks`."""
+    """Record-level: `observe(record)` looks at every key in `record.ranks`. The keys' windows
+    are rows of arrays (arrays.Rows: a ring of (step, rank) per key), so a step is judged with a
+    few numpy operations across its keys, and a batch's quiet keys in one pass (`observe_many`)."""
 
     signal = Signal.OUTLIER_RANK
 
     def __init__(self, config: OutlierRankConfig | None = None) -> None:
         self.config = config or OutlierRankConfig()
-        self._seen: dict[str, deque[tuple[int, int]]] = {}  # key -> (step, rank)
-        self._latched: dict[str, int] = {}  # key -> rank already reported
+        self._rows = Rows(self.config.window, 1)  # key -> ring of (step, rank); its length is len(buf)
+        self._latched = np.full(8, -1, np.int64)  # row -> rank already reported, -1 none
         self._max_rank = -1
 
-    def observe(self, record: StepRecord) -> list[Finding]:
-        out = []
-        for key, rank in record.ranks.items():
-            if self.config.metrics and split_key(key)[0] not in self.config.metrics:
-                continue
-            f = self.update(key, record.step, int(rank))
-            if f is not None:
-                out.append(f)
-        return out
+    def _row_of(self, keys: Sequence[str]) -> np.ndarray:
+        R = self._rows
+        rows = as_rows([R.add(k) for k in keys])
+        if len(R) > self._latched.size:
+            self._latched = np.concatenate([self._latched, np.full(max(len(R), 2 * self._latched.size) - self._latched.size, -1, np.int64)])
+        return rows
+
+    def _keys(self, ranks: dict[str, int]) -> list[str]:
+        """The keys judged: in `metrics` (if set), with a rank (a negative one is none)."""
+        m = self.config.metrics
+        return [k for k, r in ranks.items() if r >= 0 and (not m or split_key(k)[0] in m)]
+
+    def observe(self, record: StepRecord, left: list[str] | None = None) -> list[Finding]:
+        """Judge the record's ranks; `left`: only these keys (observe_many() took the others)."""
+        ranks = record.ranks if left is None else {k: record.ranks[k] for k in left}
+        keys = self._keys(ranks)
+        if not keys:
+            return []
+        return self._step(keys, record.step, np.fromiter((int(record.ranks[k]) for k in keys), np.int64, len(keys)))
 
     def update(self, key: str, step: int, rank: int) -> Finding | None:
-        c = self.config
-        buf = self._seen.setdefault(key, deque(maxlen=c.window))
-        if buf and step <= buf[-1][0]:
-            self._rewind_key(key, step)
-        buf.append((step, rank))
-        self._max_rank = max(self._max_rank, rank)
-        world = c.world_size if c.world_size is not None else self._max_rank + 1
-        if world < 2 or len(buf) < c.min_points:
-            return None
-        top, count = Counter(r for _, r in buf).most_common(1)[0]
-        share = count / len(buf)
-        held = self._latched.get(key)
-        if held is not None:
-            held_share = sum(1 for _, r in buf if r == held) / len(buf)
-            if held_share < c.clear_share:
-                del self._latched[key]
-            return None
-        if share < c.min_share:
-            return None
-        self._latched[key] = top
-        onset = next(s for s, r in buf if r == top)
-        evidence = {"rank": top, "share": share, "window": len(buf), "world_size": world,
-                    "expected_share": 1.0 / world}
-        # Outcome act: persistence over a whole window is the evidence a restart without the rank
-        # needs; the policy only does that with restart_without_outlier (off by default).
-        return Finding(signal=self.signal, module=key, severity=Severity.WARN, onset_step=onset,
-                       detect_step=step, metric=key, evidence=jsonable(evidence), outcome=Outcome.ACT)
+        found = self._step([key], step, np.array([int(rank)], np.int64))
+        return found[0] if found else None
 
-    def _rewind_key(self, key: str, to_step: int | None) -> None:
-        buf = self._seen[key]
-        while buf and (to_step is None or buf[-1][0] >= to_step):
-            buf.pop()
-        self._latched.pop(key, None)
+    def _step(self, keys: list[str], step: int, ranks: np.ndarray) -> list[Finding]:
+        c, R = self.config, self._rows
+        rows = self._row_of(keys)
+        back = rows[(R.length[rows] > 0) & (R.last_step[rows] >= step)]
+        if back.size:  # steps went back for these keys: forget from `step` on, and the latch
+            R.rewind(back, step)
+            self._latched[back] = -1
+        R.append(rows, step, ranks.astype(np.float64))
+        R.last_step[rows] = step
+        # Each key is judged with the ranks seen up to it (this step's keys in record order).
+        seen = np.maximum(self._max_rank, np.maximum.accumulate(ranks))
+        self._max_rank = int(seen[-1])
+        world = np.full(rows.size, c.world_size) if c.world_size is not None else seen + 1
+        judged = np.flatnonzero((R.length[rows] >= c.min_points) & (world >= 2))
+        if not judged.size:
+            return []
+        rows, keys_at, world = rows[judged], judged, world[judged]
+        n = R.length[rows]
+        window = self._window(rows)
+        top, count = _mode(window)
+        share = count / n
+        held = self._latched[rows]
+        latched = held >= 0
+        if latched.any():
+            held_share = (window[latched] == held[latched, None]).sum(axis=1) / n[latched]
+            self._latched[rows[latched][held_share < c.clear_share]] = -1
+        out = []
+        for j in np.flatnonzero(~latched & (share >= c.min_share)).tolist():
+            row, rank = int(rows[j]), int(top[j])
+            self._latched[row] = rank
+            buf_steps, buf_ranks = self._ordered(row)
+            onset = int(buf_steps[np.flatnonzero(buf_ranks == rank)[0]])
+            key = keys[int(keys_at[j])]
+            w = int(world[j])
+            evidence = {"rank": rank, "share": float(share[j]), "window": int(n[j]), "world_size": w,
+                        "expected_share": 1.0 / w}
+            # Outcome act: persistence over a whole window is the evidence a restart without the
+            # rank needs; the policy only does that with restart_without_outlier (off by default).
+            out.append(Finding(signal=self.signal, module=key, severity=Severity.WARN, onset_step=onset,
+                               detect_step=step, metric=key, evidence=jsonable(evidence), outcome=Outcome.ACT))
+        return out
+
+    def observe_many(self, steps: np.ndarray, keys: list[str], ranks: np.ndarray) -> np.ndarray:
+        """A plain batch ahead of its records (steps rising; ranks [K, len(keys)], -1 where a step
+        sent none for a key): the keys that hold a rank at every step, are not latched and can
+        reach neither min_share nor a verdict in the batch take all K points now, as K observe()
+        calls would leave them (they raise nothing); returns their mask over `keys`, which
+        observe() must then skip for these steps. The bound: a rank's count in any window of the
+        batch is at most its count in the ring now plus its count in the batch; below
+        min_share x min_points, no window can give it min_share of the points."""
+        c, R = self.config, self._rows
+        take = np.zeros(len(keys), bool)
+        m = self.config.metrics
+        if not keys or len(steps) == 0:
+            return take
+        want = np.array([not m or split_key(k)[0] in m for k in keys], bool)
+        known = np.array([k in R.index for k in keys], bool)
+        ok = want & known & (ranks >= 0).all(axis=0)
+        if not ok.any():
+            return take
+        at = np.flatnonzero(ok)
+        rows = as_rows([R.index[keys[i]] for i in at.tolist()])
+        r = ranks[:, at]
+        if int(r.max()) > self._max_rank:
+            return take  # a new rank (early in a run): the world each step sees changes, go step by step
+        ok = (self._latched[rows] < 0) & ((R.length[rows] == 0) | (R.last_step[rows] < steps[0]))
+        # A rank's count in the windows of a block of steps is at most its count in the span they
+        # cover (the ring's empty slots hold no rank): per block, the largest such count.
+        x = np.concatenate([self._window(rows, ordered=True), r.T], axis=1)  # [P, H + K]
+        starts, b = block_starts(len(steps), BOUND_BLOCK)
+        if self._max_rank < 64:  # counts per rank from running totals: [P, H + K + 1, ranks]
+            run = np.zeros((x.shape[0], x.shape[1] + 1, self._max_rank + 1), np.int32)
+            np.cumsum(x[..., None] == np.arange(self._max_rank + 1), axis=1, out=run[:, 1:])
+            most = (run[:, starts + R.H + b] - run[:, starts + 1]).max(axis=(1, 2))
+        else:  # a table per rank would be large: sort each span instead
+            span = np.lib.stride_tricks.sliding_window_view(x, R.H + b - 1, axis=1)[:, starts + 1]  # [P, B, H + b - 1]
+            most = _mode(span.reshape(-1, span.shape[-1]))[1].reshape(span.shape[:2]).max(axis=1)
+        ok &= most < c.min_share * c.min_points - 1
+        at, rows, r = at[ok], rows[ok], r[:, ok]
+        if at.size:
+            R.append_many(rows, steps, r.T.astype(np.float64))
+            R.last_step[rows] = steps[-1]
+            take[at] = True
+        return take
+
+    def _window(self, rows: np.ndarray, ordered: bool = False) -> np.ndarray:
+        """[len(rows), window] ranks in each row's window, in slot order (`ordered`: oldest
+        first); the empty slots hold distinct negative numbers (no rank is negative), so they
+        never form a run in _mode."""
+        R = self._rows
+        if ordered:
+            vals = R.ordered(rows)
+            valid = np.arange(R.H)[None, :] >= (R.H - R.length[rows])[:, None]
+        else:
+            vals = R.vals[rows]
+            valid = ((R.pos[rows, None] - 1 - np.arange(R.H)[None, :]) % R.H) < R.length[rows, None]
+        return np.where(valid, vals.astype(np.int64), -1 - np.arange(R.H)[None, :])
+
+    def _ordered(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        R = self._rows
+        k = int(R.length[row])
+        slots = (R.pos[row] - k + np.arange(k)) % R.H
+        return R.steps[row, slots], R.vals[row, slots].astype(np.int64)
 
     def reset(self, to_step: int | None = None) -> None:
-        for key in list(self._seen):
-            self._rewind_key(key, to_step)
-        self._latched.clear()
+        R = self._rows
+        R.rewind(as_rows(range(len(R))), to_step)
+        self._latched[:] = -1
         if to_step is None:
             self._max_rank = -1
+        last = R.steps[np.arange(len(R)), (R.pos[:len(R)] - 1) % R.H]
+        R.last_step[:len(R)] = np.where(R.length[:len(R)] > 0, last, NO_STEP)
+
+    # --- state: the windows as Rows parts (saved incrementally), latches and max rank as JSON ---
+
+    def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:
+        R = self._rows
+        latched = {R.keys[row]: int(self._latched[row]) for row in np.flatnonzero(self._latched[:len(R)] >= 0).tolist()}
+        meta = {"latched": latched, "max_rank": self._max_rank}
+        return {**R.parts(f"{prefix}.rows", dirty_only), prefix: json.dumps(meta).encode()}
+
+    def load(self, prefix: str, parts: dict[str, bytes]) -> None:
+        self._rows = R = Rows(self.config.window, 1)
+        self._latched = np.full(8, -1, np.int64)
+        if f"{prefix}.rows.rows" in parts:
+            R.load(f"{prefix}.rows", parts)
+            self._row_of([])  # size the latches to the rows
+        meta = json.loads(parts[prefix])
+        for key, rank in meta["latched"].items():
+            self._latched[self._row_of([key])] = int(rank)
+        self._max_rank = int(meta["max_rank"])
+
+    def mark_saved(self) -> None:
+        self._rows.dirty = set()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": {k: [list(p) for p in v] for k, v in self._seen.items()},
-                "latched": dict(self._latched), "max_rank": self._max_rank}
+        R = self._rows
+        seen = {}
+        for row, key in enumerate(R.keys):
+            s, r = self._ordered(row)
+            seen[key] = [[int(a), int(b)] for a, b in zip(s.tolist(), r.tolist())]
+        latched = {R.keys[row]: int(self._latched[row]) for row in np.flatnonzero(self._latched[:len(R)] >= 0).tolist()}
+        return {"seen": seen, "latched": latched, "max_rank": self._max_rank}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self._seen = {k: deque(((int(s), int(r)) for s, r in v), maxlen=self.config.window)
-                      for k, v in d["seen"].items()}
-        self._latched = {k: int(r) for k, r in d["latched"].items()}
+        self._rows = R = Rows(self.config.window, 1)
+        self._latched = np.full(8, -1, np.int64)
+        for key, pairs in d["seen"].items():
+            row = self._row_of([key])
+            pairs = pairs[-R.H:]
+            if pairs:
+                a = np.asarray(pairs, np.int64).reshape(-1, 2)
+                R.append_many(row, a[:, 0], a[None, :, 1].astype(np.float64))
+                R.last_step[row] = a[-1, 0]
+        for key, rank in d["latched"].items():
+            self._latched[self._row_of([key])] = int(rank)
         self._max_rank = int(d["max_rank"])
+
+
+def _mode(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `vals` ([P, n] ints): (a most frequent value, its count), by sorting each row
+    and measuring its runs (no table sized by the largest rank). Ties go to the smallest value;
+    a tie never decides a verdict (min_share > 1/2)."""
+    P, n = vals.shape
+    if n == 0:
+        return np.zeros(P, np.int64), np.zeros(P, np.int64)
+    srt = np.sort(vals, axis=1)
+    start = np.ones((P, n), bool)
+    start[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    run = np.cumsum(start, axis=1) - 1  # run index within its row
+    flat = (np.arange(P)[:, None] * n + run).ravel()
+    counts = np.bincount(flat, minlength=P * n).reshape(P, n)
+    best = counts.argmax(axis=1)
+    first = np.argmax(run == best[:, None], axis=1)  # a position of the best run in the sorted row
+    return srt[np.arange(P), first], counts[np.arange(P), best]

@@ -10,13 +10,13 @@ A `Single` is a bank of one row, so there is one implementation of each detector
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
-from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json
+from .arrays import NO_STEP, Rows, as_rows, block_max, parts_from_json, parts_to_json, window_bounds, window_medians
 from .base import MAD_TO_SIGMA, jsonable
 from .onset import estimate_onset
 
@@ -24,15 +24,14 @@ Found = list[tuple[int, Finding]]  # (index into the rows given to observe, find
 
 
 def logs(v: np.ndarray) -> np.ndarray:
-    """math.log per element: numpy's SIMD log differs from libm in the last bit on some
-    machines, and the per-series design (and its saved state) used libm."""
-    return np.fromiter(map(math.log, v.tolist()), np.float64, v.size)
+    """The natural log, as the log-scale detectors store their points: numpy's, one call per
+    array (the step-by-step and the batch paths share it, so they agree to the bit)."""
+    return np.log(v)
 
 
 def slogs(v: np.ndarray) -> np.ndarray:
-    """Signed log1p per element, a log scale for values that may be negative or zero (act_min):
-    libm's log1p, as `logs`; abs and copysign are exact in numpy."""
-    return np.copysign(np.fromiter(map(math.log1p, np.abs(v).tolist()), np.float64, v.size), v)
+    """Signed log1p, a log scale for values that may be negative or zero (act_min)."""
+    return np.copysign(np.log1p(np.abs(v)), v)
 
 
 def robust_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +65,28 @@ def median_rows(rows: Rows, idx: np.ndarray, n: int, skip_last: int = 0) -> np.n
         if block.shape[1]:
             out[rest[at]] = np.median(block, axis=1)
     return out
+
+
+def quiet_excursions(x: np.ndarray, a0: int, n: int, K: int, z: float, value: np.ndarray, value_hi: np.ndarray,
+                     floor: Callable[[np.ndarray], np.ndarray],
+                     floor_lo: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """The rows (of x: each ring oldest first, then the batch, [P, H + K]) where no step t of the
+    batch has value[:, t] - median_t > max(z * sigma_t, floor(median_t)), the median and sigma
+    (1.4826 MAD) taken over the window x[:, a0 + t : a0 + t + n]: the excursion test the spike
+    and growth banks make step by step. First by bounds per block of steps (window_bounds, with
+    value_hi [P, blocks] above every value of a block and floor_lo(median_lo, median_hi) below
+    every floor): no partition per window. The rows the bounds cannot clear are tested exactly,
+    with the same arithmetic as the step-by-step test. `value` may be a callable giving the
+    values of some rows (computed only for those)."""
+    lo, hi, mad_lo = window_bounds(x, a0, n, K)
+    thr_lo = np.maximum(z * (MAD_TO_SIGMA * mad_lo), floor_lo(lo, hi))
+    quiet = ((value_hi - lo) <= thr_lo).all(axis=1)
+    rest = np.flatnonzero(~quiet)
+    if rest.size:
+        med, sigma = window_medians(x[rest], a0, n, K, robust=True)
+        v = value(rest) if callable(value) else value[rest]
+        quiet[rest] = ~((v - med) > np.maximum(z * sigma, floor(med))).any(axis=1)
+    return quiet
 
 
 class SeriesBank:
@@ -137,6 +158,50 @@ class SeriesBank:
 
     def end_batch(self) -> None:
         self.rows.end_batch()
+
+    # --- a whole batch at once (issue 10: K steps per call for the rows that stay quiet) ------
+
+    def judge_bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """For a plain batch (values [K, len(rows)]; the caller checked that the steps rise past
+        every row's last step): advance, through all K steps in one pass, the rows that provably
+        raise nothing and touch no latch in it, leaving exactly the state K observe() calls
+        would; returns their mask over `rows`. The others are left as they were, for observe().
+        Subclasses pick their quiet rows (`_bulk`); the default (and rows going back) takes none."""
+        take = np.zeros(rows.size, bool)
+        R = self.rows
+        if rows.size == 0 or len(steps) == 0 or (R.last_step[rows] >= steps[0]).any():
+            return take
+        got = self._bulk(steps, rows, values)
+        if got is not None:
+            at, ys = got
+            if at.size:
+                self._advance(rows[at], steps, ys)
+                take[at] = True
+        return take
+
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(indices into `rows` that stay quiet through the batch, the values their rings take,
+        [K, that many]), or None for none. Only rows whose latch is inactive qualify: an active
+        latch counts in-band points step by step (Rows.observe)."""
+        return None
+
+    def _advance(self, rows: np.ndarray, steps: np.ndarray, ys: np.ndarray) -> None:
+        """K quiet steps of `rows` at once (ys: [K, len(rows)], as the ring stores them): what K
+        observe() calls leave when nothing exceeds and no latch is active."""
+        R = self.rows
+        R.append_many(rows, steps, ys.T)
+        R.seen[rows] += len(steps)
+        R.run[rows], R.first_exceed[rows] = 0, -1
+        R.last_step[rows] = steps[-1]
+
+    def _quiet_candidates(self, rows: np.ndarray, every: np.ndarray, points: int = 0, warmup: int = 0) -> np.ndarray:
+        """Indices into `rows` with a value at every step (`every`), no active latch, past
+        `warmup` from the batch's first step, and at least `points` points in the ring (the
+        newest `points` of the ring, then the batch, hold every window of the batch at its full
+        size: the one `blocks` would give)."""
+        R = self.rows
+        return np.flatnonzero(every & (R.lsev[rows] < 0) & (R.seen[rows] + 1 > warmup) & (R.length[rows] >= points))
 
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback to `to_step`: forget points at or after it, drop the latches. With

@@ -16,7 +16,8 @@ import numpy as np
 from monitors.contract import Severity
 
 from .base import at_least, positive
-from .series import Found, SeriesBank, robust_rows
+from .arrays import block_max
+from .series import Found, SeriesBank, quiet_excursions, robust_rows
 
 
 @dataclass
@@ -59,6 +60,10 @@ class SpikeBank(SeriesBank):
     def min_excess(self, median: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def min_excess_lo(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        """A lower bound of min_excess(m) for every m in [lo, hi]."""
+        raise NotImplementedError
+
     def is_critical(self, y: float, median: float) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -72,6 +77,20 @@ class SpikeBank(SeriesBank):
         full[ok] = ys
         every = ok.reshape(values.shape).all(axis=0)
         return every, full.reshape(values.shape)[:, every]
+
+    def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
+        c, R = self.config, self.rows
+        every, ys = self.batch_values(values)
+        at = self._quiet_candidates(rows, every, points=c.window, warmup=c.warmup)
+        if not at.size:
+            return None
+        y = ys[:, np.searchsorted(np.flatnonzero(every), at)]  # ys holds the columns of `every`
+        K, yt = len(steps), np.ascontiguousarray(y.T)
+        x = np.concatenate([R.ordered(rows[at]), yt], axis=1)
+        # _update: the point y_t against the window of `window` points before it.
+        quiet = quiet_excursions(x, R.H - c.window, c.window, K, c.z, yt, block_max(yt, 0, 1, K),
+                                 self.min_excess, self.min_excess_lo)
+        return at[quiet], y[:, quiet]
 
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows

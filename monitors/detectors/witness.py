@@ -41,10 +41,11 @@ step s. Pure, bounded, restartable (state_dict / load_state_dict), like every de
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -54,7 +55,7 @@ from monitors.contract import split_key
 
 from .arrays import Rows, as_rows, parts_from_json, parts_to_json
 from .base import History, at_least, positive
-from .series import median_rows
+from .series import logs, median_rows
 
 # The entropy thermometer's metric name (monitors/thermometers, issue 8 item 3). Spelled here so
 # the witness works whether or not this trainer records it.
@@ -211,22 +212,25 @@ class _Shifts:
         d[ok] = median_rows(R, rows[ok], c.recent) - median_rows(R, rows[ok], c.baseline, c.recent)
         return d
 
-    def update_many(self, keys: list[str], steps: np.ndarray, ys: np.ndarray) -> np.ndarray | None:
-        """`update` for K steps of the same keys at once (ys: [K, len(keys)]) -> d [K, len(keys)],
-        with one median call per window over all K steps (sliding windows over the ring plus the
-        batch). Only for rows whose ring is full, the steady state; None (nothing changed)
-        otherwise, and the caller goes step by step. The medians are of the same values in the
-        same order as `update` takes them, so d is bit-identical."""
+    def update_many(self, keys: list[str], steps: np.ndarray, ys: np.ndarray) -> Callable[[int], np.ndarray] | None:
+        """`update` for K steps of the same keys at once (ys: [K, len(keys)]): the rings take all
+        K points now; returns d_at(t), the d that `update` would have returned at the batch's
+        t-th step, computed only when asked (a shift is read only when an attention finding
+        asks the witnesses, or at the batch's end). Only for rows whose ring is full, the steady
+        state; None (nothing changed) otherwise, and the caller goes step by step. The medians
+        are of the same values in the same order as `update` takes them: bit-identical."""
         c, R = self.cfg, self.rows
         rows = as_rows([R.add(k) for k in keys])
-        K = len(steps)
         if rows.size == 0 or (R.length[rows] < R.H).any():
             return None
         x = np.concatenate([R.ordered(rows), ys.T], axis=1)  # [P, H + K]
-        w = np.lib.stride_tricks.sliding_window_view(x, R.H, axis=1)[:, 1:K + 1]  # [P, K, H] after each append
-        d = np.median(w[..., c.baseline:], axis=-1) - np.median(w[..., :c.baseline], axis=-1)
         R.append_many(rows, steps, ys.T)
-        return np.ascontiguousarray(d.T)
+
+        def d_at(t: int) -> np.ndarray:
+            w = x[:, t + 1:t + 1 + R.H]  # the ring after the t-th append
+            return np.median(w[:, c.baseline:], axis=-1) - np.median(w[:, :c.baseline], axis=-1)
+
+        return d_at
 
 
 
@@ -259,13 +263,16 @@ class Witnesses:
         self.since_peak = 0
         self.loss = LossTrend(self.cfg)
         self.shifts = _Shifts(self.cfg)
-        self.active: dict[str, str] = {}  # witness name -> why, at the newest step
+        self._active: dict[str, str] = {}  # witness name -> why, at the newest step (`active`)
+        self._pending: tuple | None = None  # the newest step's shifts, judged when first read
         self.step = -1
         self.behind = 0  # consecutive points with the loss behind its trend
         self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
         self.lr_ahead: float | None = None  # and the largest LR its schedule will still reach
         self._kinds: dict[tuple[str, ...], np.ndarray] = {}
-        self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, np.ndarray]] = {}  # prepare(): step -> (keys, pos, d)
+        # prepare(): step -> (keys, the shift series judged ahead, their d, the step's largest
+        # attention logit or None, whether those are all its shift series)
+        self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, Callable[[], np.ndarray], float | None, bool]] = {}
 
     def prepare(self, records: Sequence[StepRecord]) -> None:
         """Judge a batch's shifts in one go before its records are observed one by one (issue 10:
@@ -274,25 +281,39 @@ class Witnesses:
         goes step by step in observe(), as every series did before. Only for the plain batch:
         steps rising past the newest seen, the same keys in every record, every series known."""
         self._ahead = {}
-        if len(records) < 2 or records[0].step <= self.step:
+        if len(records) < 2:
             return
         keys = tuple(records[0].values)
-        steps = np.fromiter((r.step for r in records), np.int64, len(records))
-        if (np.diff(steps) <= 0).any() or any(tuple(r.values) != keys for r in records):
+        if any(tuple(r.values) != keys for r in records):
+            return
+        v = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
+        self.prepare_arrays(keys, np.fromiter((r.step for r in records), np.int64, len(records)), v)
+
+    def prepare_arrays(self, keys: tuple[str, ...], steps: np.ndarray, v: np.ndarray) -> None:
+        """prepare() for a batch given as arrays: every record has `keys`, v [K, len(keys)]."""
+        self._ahead = {}
+        if len(steps) < 2 or steps[0] <= self.step or (np.diff(steps) <= 0).any():
             return
         kinds = self._kinds_of(keys)
-        v = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
         use = (kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0))  # 5: attention, not a shift
         every = np.flatnonzero(use.all(axis=0))
         if not every.size or any(k not in self.shifts.rows.index for k in (keys[p] for p in np.flatnonzero(use.any(axis=0)))):
             return  # a series seen for the first time: its row is made step by step, in order
         y = v[:, every]
         logged = kinds[every] != 2
-        y[:, logged] = np.fromiter(map(math.log, y[:, logged].ravel().tolist()), np.float64,
-                                   int(logged.sum()) * len(records)).reshape(len(records), -1)
-        d = self.shifts.update_many([keys[p] for p in every.tolist()], steps, y)
-        if d is not None:
-            self._ahead = {int(st): (keys, every, d[i]) for i, st in enumerate(steps.tolist())}
+        y[:, logged] = logs(y[:, logged])
+        d_at = self.shifts.update_many([keys[p] for p in every.tolist()], steps, y)
+        if d_at is None:
+            return
+        # A batch whose shift series are the same at every step needs nothing else from its
+        # records: observe() takes the step's largest attention logit from here.
+        uniform = bool((use == use[0]).all())
+        attn = v[:, kinds == 5]
+        seen = np.isfinite(attn)
+        top = np.where(seen, attn, -np.inf).max(axis=1, initial=-np.inf)
+        has = seen.any(axis=1)
+        self._ahead = {st: (keys, every, functools.partial(d_at, i), float(top[i]) if has[i] else None, uniform)
+                       for i, st in enumerate(steps.tolist())}
 
     def _kinds_of(self, keys: tuple[str, ...]) -> np.ndarray:
         kinds = self._kinds.get(keys)
@@ -302,7 +323,8 @@ class Witnesses:
             kinds = self._kinds[keys] = np.array([_kind(k) for k in keys], np.int64)
         return kinds
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord, values: np.ndarray | None = None) -> None:
+        """Update from one record (`values`: its values as an array, if the caller has them)."""
         c = self.cfg
         if self.step >= 0 and record.step <= self.step:
             self.reset(record.step)  # steps went back: an unannounced rollback
@@ -318,59 +340,89 @@ class Witnesses:
             if got is not None and self.behind >= c.loss_confirm:
                 active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
                                          f"(margin {math.expm1(got[1]):.1%})")
+        self._active, self._pending = active, None
         keys = tuple(vals)
         kinds = self._kinds_of(keys)
         ahead = self._ahead.pop(record.step, None)
         if ahead is not None and ahead[0] != keys:
             ahead = None
-        v = np.fromiter(vals.values(), np.float64, len(keys))
+        if ahead is not None and ahead[4]:  # prepare() judged every shift series of this step
+            if self.episode_level is not None and ahead[3] is not None:
+                self._track_episode(ahead[3])
+            self._pending = (keys, ahead[1], kinds[ahead[1]], None, ahead[2], None)
+            return
+        v = values if values is not None else np.fromiter(vals.values(), np.float64, len(keys))
         if self.episode_level is not None:
             attn = v[(kinds == 5) & np.isfinite(v)]
             if attn.size:  # a record without a measured logit says nothing about the episode
-                self.top = float(attn.max())
-                self.quiet = 0 if self.top >= self.episode_level else self.quiet + 1
-                if self.top > self.peak:
-                    self.peak, self.since_peak = self.top, 0
-                else:
-                    self.since_peak += 1
-                if self.quiet >= self.episode_clear or self.since_peak >= self.episode_stale:
-                    self.episode = None
+                self._track_episode(float(attn.max()))
         pos = np.flatnonzero((kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0)))
-        d = None
         if pos.size:
-            # prepare() judged the series present at every step of the batch; the rest go now.
-            rest = pos if ahead is None else pos[~np.isin(pos, ahead[1])]
-            y = v[rest]
-            logged = kinds[rest] != 2
-            y[logged] = np.fromiter(map(math.log, y[logged].tolist()), np.float64, int(logged.sum()))
-            d_rest = self.shifts.update([keys[p] for p in rest.tolist()], record.step, y) if rest.size else None
-            if ahead is None:
-                d = d_rest
-            else:
-                d = np.empty(pos.size)
-                d[np.isin(pos, ahead[1])] = ahead[2]  # ahead[1] is a subset of pos, both ascending
-                if rest.size:
-                    d[~np.isin(pos, ahead[1])] = d_rest
-        if pos.size:
-            k = kinds[pos]
-            speaks = {
-                "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
-                "z_growth": (k == 2) & (d >= c.z_rise),
-                "entropy_collapse": (k == 3) & (d <= math.log(c.entropy_fraction)),
-                "update_growth": (k == 4) & (d >= math.log(c.update_ratio)),
-            }
-            # In record order: a witness keeps the place of its first key and the words of its last.
-            order = sorted((int(np.flatnonzero(m)[0]), name) for name, m in speaks.items() if m.any())
-            for _, name in order:
-                j = int(np.flatnonzero(speaks[name])[-1])
-                dj, key = float(d[j]), keys[int(pos[j])]
-                active[name] = {
-                    "grad_growth": lambda: f"grad norm x{math.exp(dj):.1f} over its baseline",
-                    "z_growth": lambda: f"{key} +{dj:.1f} nats over its baseline",
-                    "entropy_collapse": lambda: f"{key} at {math.exp(dj):.0%} of its baseline",
-                    "update_growth": lambda: f"{key} x{math.exp(dj):.1f} over its baseline",
-                }[name]()
-        self.active = active
+            # prepare() put the series present at every step of the batch in their rings; the
+            # rest go now. Their shifts are judged when `active` is first read.
+            held = None if ahead is None else np.isin(pos, ahead[1])  # ahead[1] is a subset of pos
+            rest = pos if held is None else pos[~held]
+            d_rest = None
+            if rest.size:
+                y = v[rest]
+                logged = kinds[rest] != 2
+                y[logged] = logs(y[logged])
+                d_rest = self.shifts.update([keys[p] for p in rest.tolist()], record.step, y)
+            self._pending = (keys, pos, kinds[pos], held, None if ahead is None else ahead[2], d_rest)
+
+    def _track_episode(self, top: float) -> None:
+        """The step's largest attention logit (a record without one says nothing)."""
+        self.top = top
+        self.quiet = 0 if top >= self.episode_level else self.quiet + 1
+        if top > self.peak:
+            self.peak, self.since_peak = top, 0
+        else:
+            self.since_peak += 1
+        if self.quiet >= self.episode_clear or self.since_peak >= self.episode_stale:
+            self.episode = None
+
+    @property
+    def active(self) -> dict[str, str]:
+        """The witnesses speaking at the newest step: name -> why."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._speak(*pending)
+        return self._active
+
+    @active.setter
+    def active(self, value: dict[str, str]) -> None:
+        self._active, self._pending = value, None
+
+    def _speak(self, keys: tuple[str, ...], pos: np.ndarray, k: np.ndarray, held: np.ndarray | None,
+               d_ahead: Callable[[], np.ndarray] | None, d_rest: np.ndarray | None) -> None:
+        """Add the shift witnesses speaking at the newest step to `_active` (after loss_behind)."""
+        c, active = self.cfg, self._active
+        if d_rest is None:  # every series judged ahead (held is None then, or all True)
+            d = d_ahead()
+        elif held is None:
+            d = d_rest
+        else:
+            d = np.empty(pos.size)
+            d[held] = d_ahead()
+            if d_rest is not None:
+                d[~held] = d_rest
+        speaks = {
+            "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
+            "z_growth": (k == 2) & (d >= c.z_rise),
+            "entropy_collapse": (k == 3) & (d <= math.log(c.entropy_fraction)),
+            "update_growth": (k == 4) & (d >= math.log(c.update_ratio)),
+        }
+        # In record order: a witness keeps the place of its first key and the words of its last.
+        order = sorted((int(np.flatnonzero(m)[0]), name) for name, m in speaks.items() if m.any())
+        for _, name in order:
+            j = int(np.flatnonzero(speaks[name])[-1])
+            dj, key = float(d[j]), keys[int(pos[j])]
+            active[name] = {
+                "grad_growth": lambda: f"grad norm x{math.exp(dj):.1f} over its baseline",
+                "z_growth": lambda: f"{key} +{dj:.1f} nats over its baseline",
+                "entropy_collapse": lambda: f"{key} at {math.exp(dj):.0%} of its baseline",
+                "update_growth": lambda: f"{key} x{math.exp(dj):.1f} over its baseline",
+            }[name]()
 
     def note_attention(self, onset: int) -> int:
         """An attention finding alerts or acts with `onset`: it opens the episode if none is open.

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from monitors.contract import StepRecord
-from monitors.detectors import BankConfig, DetectorBank
+from monitors.detectors import BankConfig, DetectorBank, arrays, series
+from monitors.detectors.base import MAD_TO_SIGMA
 from tests.fixtures import streams, traces
 
 pytestmark = pytest.mark.timeout(180)  # ~45-60 s on the shared 2-core machine under load (five traces, three ways)
@@ -63,10 +66,30 @@ def test_the_batch_path_is_taken_and_agrees_on_every_step():
     _same_state(a, b)
 
 
-def test_batches_with_rollbacks_resends_and_nan_judge_as_one_step_at_a_time():
+def _count_bulk(monkeypatch) -> dict[str, int]:
+    """Rows each bank type judges in bulk (SeriesBank.judge_bulk), counted as they go."""
+    from monitors.detectors import series
+
+    bulk: dict[str, int] = {}
+    real = series.SeriesBank.judge_bulk
+
+    def counting(self, steps, rows, values):
+        done = real(self, steps, rows, values)
+        bulk[type(self).__name__] = bulk.get(type(self).__name__, 0) + int(done.sum())
+        return done
+
+    monkeypatch.setattr(series.SeriesBank, "judge_bulk", counting)
+    return bulk
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_batches_with_rollbacks_resends_and_nan_judge_as_one_step_at_a_time(monkeypatch, plain):
     """Synthetic streams with rewinds, NaN/Inf and missing keys, cut into batches at the rewinds
     (a rollback starts a new attempt: a batch never spans one); re-delivered batches with the
-    attempt are skipped the same way."""
+    attempt are skipped the same way. `plain`: each segment keeps only the keys present at all
+    its steps, in one order, so its batches are plain and every bank judges its quiet rows in
+    bulk (SeriesBank.judge_bulk) through the same NaN/Inf, spikes and rollbacks."""
+    bulk = _count_bulk(monkeypatch)
     for seed in range(4):
         stream = streams.stream(seed, n_steps=150, n_layers=6)
         segments, cur = [], []
@@ -77,6 +100,11 @@ def test_batches_with_rollbacks_resends_and_nan_judge_as_one_step_at_a_time():
             else:
                 cur.append(StepRecord(step=ev[1], values=ev[2], wall_time=1000.0 + len(cur)))
         segments.append((cur, None))
+        if plain:
+            for recs, _ in segments:
+                keep = sorted(set.intersection(*(set(r.values) for r in recs))) if recs else []
+                recs[:] = [StepRecord(step=r.step, values={k: r.values[k] for k in keep}, wall_time=r.wall_time)
+                           for r in recs]
         one, many = DetectorBank(BankConfig.from_dict(streams.CFG)), DetectorBank(BankConfig.from_dict(streams.CFG))
         want, got = [], []
         for attempt, (recs, reset_to) in enumerate(segments):
@@ -88,27 +116,82 @@ def test_batches_with_rollbacks_resends_and_nan_judge_as_one_step_at_a_time():
                 one.reset(reset_to)
                 many.reset(reset_to)
         assert got == want, seed
+        assert want, seed
         _same_state(one, many)
+    if plain:
+        for name in ("NonFiniteBank", "AttnLogitGrowthBank", "AttnLogitCeilingBank", "GradSpikeBank", "ActOverflowBank"):
+            assert bulk.get(name, 0) > 0, (name, bulk)
 
 
-def test_the_banks_take_their_windows_ahead_on_a_real_trace(monkeypatch):
-    """Once the rings are full, the spike and attention banks' medians come from the batch pass
-    (Rows.window_stats), not from one call per step: the batch path is what the other tests
-    compare, not a fallback that never runs."""
+def test_quiet_rows_go_in_bulk_and_the_rest_step_by_step_on_a_real_trace(monkeypatch):
+    """On a diverging trace, once the rings are full, each route judges its quiet rows in bulk
+    (SeriesBank.judge_bulk) and the rows that may fire step by step, with their medians taken
+    for the whole batch (Rows.window_stats): both paths run, so the comparisons above test
+    each of them, not a fallback that never runs."""
     from monitors.detectors import arrays
 
-    covered: dict[tuple, int] = {}
-    real = arrays.Rows.window_stats
+    bulk = _count_bulk(monkeypatch)
+    windows: dict[bool, int] = {}
+    real_stats = arrays.Rows.window_stats
 
-    def counting(self, idx, n, skip_last, robust):
-        got = real(self, idx, n, skip_last, robust)
-        covered[(n, skip_last, robust)] = covered.get((n, skip_last, robust), 0) + (0 if got is None else int(got[0].sum()))
+    def counting_stats(self, idx, n, skip_last, robust):
+        got = real_stats(self, idx, n, skip_last, robust)
+        windows[robust] = windows.get(robust, 0) + (0 if got is None else int(got[0].sum()))
         return got
 
-    monkeypatch.setattr(arrays.Rows, "window_stats", counting)
+    monkeypatch.setattr(arrays.Rows, "window_stats", counting_stats)
     records = traces.load("logit_growth")
     bank = DetectorBank()
-    for i in range(0, len(records), 50):
-        bank.observe_many(records[i:i + 50])
-    assert sum(v for (n, skip, robust), v in covered.items() if robust) > 0
-    assert all(v > 0 for (n, skip, robust), v in covered.items() if robust), covered
+    found = [f for i in range(0, len(records), 50) for f in bank.observe_many(records[i:i + 50])]
+    assert found
+    for name in ("NonFiniteBank", "AttnLogitGrowthBank", "AttnLogitCeilingBank", "LossSpikeBank", "GradSpikeBank"):
+        assert bulk.get(name, 0) > 0, (name, bulk)
+    assert windows.get(True, 0) > 0, windows  # the growing layers' baselines, step by step
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.sampled_from([4, 7, 16, 33]), st.booleans())
+def test_window_bounds_hold_for_every_window(seed, K, n, ties):
+    """window_bounds: every window of a block has its median in [lo, hi] and its MAD at least
+    mad_lo; block_max is at least every value its windows hold. Ties (small integers) included."""
+    rng = np.random.default_rng(seed)
+    a0 = int(rng.integers(0, 5))
+    shape = (3, a0 + n + K - 1)
+    x = rng.integers(-3, 4, shape).astype(float) if ties else rng.standard_normal(shape) * rng.lognormal(0, 2)
+    lo, hi, mad_lo = arrays.window_bounds(x, a0, n, K)
+    top = arrays.block_max(x, a0, n, K)
+    starts, b = arrays.block_starts(K, arrays.BOUND_BLOCK)
+    assert starts[0] == 0 and starts[-1] + b == K and (np.diff(starts) <= b).all()  # every step covered
+    for j, s0 in enumerate(starts.tolist()):
+        for t in range(s0, s0 + b):
+            w = x[:, a0 + t:a0 + t + n]
+            med = np.median(w, axis=1)
+            mad = np.median(np.abs(w - med[:, None]), axis=1)
+            assert (lo[:, j] <= med).all() and (med <= hi[:, j]).all()
+            assert (mad_lo[:, j] <= mad).all()
+            assert (top[:, j] >= w.max(axis=1)).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 20), st.floats(0.5, 8.0))
+def test_quiet_excursions_is_the_step_by_step_test(seed, K, z):
+    """The bulk path's excursion test (bounds first, then exact windows for what the bounds
+    cannot clear) says 'quiet' for exactly the rows where no step's value - median exceeds
+    max(z * sigma, floor): brute force over every window, on noise with spikes of every size."""
+    rng = np.random.default_rng(seed)
+    n, a0, P = 24, 3, 12
+    x = rng.standard_normal((P, a0 + n + K)) * rng.lognormal(0, 1, (P, 1))
+    value = x[:, a0 + n:a0 + n + K].copy()
+    hit = rng.random((P, K)) < 0.05
+    value[hit] += rng.lognormal(0, 1.5, hit.sum())  # spikes, from lost in the noise to far out
+    x[:, a0 + n:a0 + n + K] = value
+    floor = float(rng.uniform(0.0, 1.0))
+    got = series.quiet_excursions(x, a0, n, K, z, value, arrays.block_max(value, 0, 1, K),
+                                  lambda m: np.full(m.shape, floor), lambda lo, hi: np.full(lo.shape, floor))
+    want = np.ones(P, bool)
+    for t in range(K):
+        w = x[:, a0 + t:a0 + t + n]
+        med = np.median(w, axis=1)
+        sigma = MAD_TO_SIGMA * np.median(np.abs(w - med[:, None]), axis=1)
+        want &= ~((value[:, t] - med) > np.maximum(z * sigma, floor))
+    np.testing.assert_array_equal(got, want)
