@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointFailures:
+    reads = (CHECKPOINT_FAILURES,)  # the keys it reads
+
     def __init__(self, session_factory: sessionmaker, executor) -> None:
         self._session = session_factory
         self._executor = executor

@@ -36,6 +36,8 @@ _SKIPPING = ("skip", "rollback")
 
 
 class ConsistencyCheck:
+    reads = (LR_MULTIPLIER,)  # the keys it reads (and each step's ledger digest)
+
     def __init__(self, session_factory: sessionmaker, executor) -> None:
         self._session = session_factory
         self._executor = executor

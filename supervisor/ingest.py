@@ -1,7 +1,8 @@
 """Ingest: the supervisor's side of contract.RecordSink, in-process and behind the HTTP router.
 
-Each call is one transaction. After a batch commits, `on_records(run_id, attempt, records)`
-runs (the detectors hang there); its failure is logged and never undoes or fails the ingest,
+Each call is one transaction. After a batch commits, `on_records(run_id, attempt, batch)` runs
+(the detectors hang there; `batch` is the StepRecords, or the StepColumns of a batch that came
+as columns: monitors.columns.as_records reads either); its failure is logged and never undoes or fails the ingest,
 because the data is already safely stored and the run controller must not retry it.
 """
 
@@ -59,12 +60,16 @@ class Ingestor:
     """Implements contract.RecordSink on top of the store (same semantics as the HTTP API)."""
 
     def __init__(self, session_factory: sessionmaker, on_records: OnRecords | None = None,
-                 limits: IngestLimits | None = None, check_state: OnRecords | None = None) -> None:
+                 limits: IngestLimits | None = None, check_state: OnRecords | None = None,
+                 check_keys: Sequence[str] | None = None) -> None:
         self._sessions = session_factory
         self._on_records = on_records
         # supervisor.consistency: the trainer's reported LR multiplier and ledger digest against
         # the supervisor's record, after the commit (it pages; it never fails the ingest).
         self._check_state = check_state
+        # The keys check_state reads (None: every key): a batch that came as columns is handed to
+        # it as records of those keys only.
+        self.check_keys = None if check_keys is None else tuple(check_keys)
         self.limits = limits or IngestLimits()
         self._cache = thermometers.SeriesCache()
         self._attempts: set[tuple[str, int]] = set()  # opened (run, attempt) pairs seen committed
@@ -118,18 +123,22 @@ class Ingestor:
                 thermometers.append_columns(s, run_id, attempt, cols, view)
         self._cache.merge(view)
         if len(cols):
-            # The judge and the consistency check read records; built after the commit, per step
-            # (a dict by zip), on the request's thread.
-            self._committed(run_id, attempt, cols.to_records())
+            # The judge takes the columns as they are (its batch path is arrays); the state checks
+            # read records of the few keys they name, so no request builds a dict per step.
+            self._committed(run_id, attempt, cols)
         return n_values
 
-    def _committed(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+    def _committed(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
         if self._check_state is not None:
             try:
-                self._check_state(run_id, attempt, records)
+                if isinstance(batch, StepColumns):
+                    recs = (batch if self.check_keys is None else batch.only(self.check_keys)).to_records()
+                else:
+                    recs = batch
+                self._check_state(run_id, attempt, recs)
             except Exception:  # the batch is committed; a failing check must not bounce it
                 log.exception("state check failed for run %s attempt %s", run_id, attempt)
-        self._notify(run_id, attempt, records)
+        self._notify(run_id, attempt, batch)
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         validate_checkpoint(ckpt)
@@ -211,14 +220,14 @@ class Ingestor:
                                 f"{lim.max_series_per_run} (limits.max_series_per_run)")
         return n_values, keys
 
-    def _notify(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+    def _notify(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
         if self._on_records is None:
             return
         try:
-            self._on_records(run_id, attempt, records)
+            self._on_records(run_id, attempt, batch)
         except Exception:  # the batch is committed; a detector bug must not bounce it
-            log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt,
-                          records[0].step, records[-1].step)
+            steps = batch.steps.tolist() if isinstance(batch, StepColumns) else [r.step for r in batch]
+            log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt, steps[0], steps[-1])
 
 
 def _keys(records: Sequence[StepRecord]) -> list[str]:

@@ -25,13 +25,15 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
+from monitors.columns import StepColumns
 from monitors.contract import StepRecord
 from supervisor.store import judged as judged_store
 from supervisor.store import thermometers
 
 log = logging.getLogger(__name__)
 
-OnRecords = Callable[[str, int, Sequence[StepRecord]], object]
+Batch = Sequence[StepRecord] | StepColumns  # as ingest committed it (columns) or as a catch-up read it
+OnRecords = Callable[[str, int, Batch], object]
 _CATCH_UP_STEPS = 500  # steps read back per catch-up batch
 
 
@@ -40,7 +42,7 @@ class Judge:
         self._sessions = sessions
         self._on_records = on_records
         self.max_queued_batches = max_queued_batches
-        self._queue: collections.deque[tuple[str, int, list[StepRecord]]] = collections.deque()
+        self._queue: collections.deque[tuple[str, int, Batch]] = collections.deque()
         self._cv = threading.Condition()
         self._busy = False
         self._catch_up = True  # at start: steps committed by an earlier process but never judged
@@ -51,14 +53,14 @@ class Judge:
 
     # --- the ingest side ---------------------------------------------------------------------------
 
-    def submit(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+    def submit(self, run_id: str, attempt: int, batch: Batch) -> None:
         """Queue a committed batch for judging. Never blocks."""
         with self._cv:
             if len(self._queue) >= self.max_queued_batches:
                 self.dropped += 1
                 self._catch_up = True  # it is in the database: read it back from there
             else:
-                self._queue.append((run_id, attempt, list(records)))
+                self._queue.append((run_id, attempt, batch if isinstance(batch, StepColumns) else list(batch)))
             self._cv.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -122,15 +124,20 @@ class Judge:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _judge(self, run_id: str, attempt: int, records: list[StepRecord]) -> None:
+    def _judge(self, run_id: str, attempt: int, batch: Batch) -> None:
         done = self._marker(run_id, attempt)
-        fresh = [r for r in records if r.step > done]
-        if not fresh:
+        if isinstance(batch, StepColumns):
+            new = batch.steps > done
+            fresh: Batch = batch if new.all() else batch.select(new)
+            top = int(fresh.steps.max()) if len(fresh) else done
+        else:
+            fresh = [r for r in batch if r.step > done]
+            top = max((r.step for r in fresh), default=done)
+        if not len(fresh):
             return
         self._on_records(run_id, attempt, fresh)
-        top = max(r.step for r in fresh)
         with self._sessions.begin() as s:
-            judged_store.mark(s, run_id, attempt, top)
+            judged_store.mark(s, run_id, attempt, top, exists=done >= 0)  # a marker >= 0 was read or written
         self._through[(run_id, attempt)] = top
 
     def _marker(self, run_id: str, attempt: int) -> int:

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
+from monitors.columns import StepColumns
 from monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
 from monitors.detectors import BankConfig, DetectorBank
 from supervisor.executor import Executor
@@ -82,8 +83,8 @@ class Responder:
         with self._lock:
             self._attempts[run_id] = max(attempt, self._attempts.get(run_id, attempt))
 
-    def on_records(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> list[Finding]:
-        """Called by the ingestor after a batch is committed."""
+    def on_records(self, run_id: str, attempt: int, records: Sequence[StepRecord] | StepColumns) -> list[Finding]:
+        """Called by the judge after a batch is committed: its StepRecords or its columns."""
         with self._lock:
             if run_id not in self._attempts:
                 with self._session() as s:

@@ -96,6 +96,7 @@ class Supervisor:
         self.judge = Judge(self.sessions, self.responder.on_records).start()
         self._judge_inline = judge_inline
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
+                                 check_keys=self.consistency.reads + self.checkpoint_health.reads,
                                  limits=Limits.from_dict(cfg.limits))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS
+from monitors.columns import StepColumns
 from monitors.contract import Finding, Signal, StepRecord, split_key
 
 from .act_overflow import ActOverflowBank, ActOverflowConfig, ActOverflowDetector
@@ -153,12 +154,6 @@ class DetectorBank:
         # The newest (attempt, step) judged: a step at or before it in the same attempt is a
         # re-delivery and is not judged again.
         self.judged: tuple[int, int] | None = None
-        # During observe_many: per route, the (positions, rows) left to judge step by step once
-        # the quiet rows were judged in bulk (_begin_batch), for records with these keys.
-        self._rest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._rest_keys: tuple[str, ...] | None = None
-        self._values: dict[int, np.ndarray] = {}  # and each step's values, as the batch's arrays hold them
-        self._ranked: tuple[tuple[str, ...], list[str]] | None = None  # (the batch's rank keys, those left after bulk)
 
     def _plan(self, keys: tuple[str, ...]) -> Plan:
         plan = self._plans.get(keys)
@@ -176,22 +171,32 @@ class DetectorBank:
         return plan
 
     def already_judged(self, record: StepRecord, attempt: int | None) -> bool:
-        return (attempt is not None and self.judged is not None and attempt == self.judged[0]
-                and record.step <= self.judged[1])
+        return self._judged_before(record.step, attempt)
+
+    def _judged_before(self, step: int, attempt: int | None) -> bool:
+        return attempt is not None and self.judged is not None and attempt == self.judged[0] and step <= self.judged[1]
 
     def observe(self, record: StepRecord, attempt: int | None = None) -> list[Finding]:
         """Judge one record. With `attempt`, a step already judged in that attempt is skipped
         (returns []); without it (replay), a step going back is an unannounced rollback."""
-        if self.already_judged(record, attempt):
+        if self._judged_before(record.step, attempt):
             return []
-        if attempt is not None:
-            self.judged = (attempt, record.step)
-        findings: list[Finding] = []
         keys = tuple(record.values)
-        ahead = self._values.pop(record.step, None) if self._rest_keys == keys else None
-        values = ahead if ahead is not None else np.fromiter(record.values.values(), np.float64, len(keys))
-        self.witnesses.observe(record, values)
-        wall = record.wall_time if record.wall_time and math.isfinite(record.wall_time) else None
+        values = np.fromiter(record.values.values(), np.float64, len(keys))
+        return self._observe(record.step, keys, values, record.wall_time, record.values.get, record.ranks, attempt)
+
+    def _observe(self, step: int, keys: tuple[str, ...], values: np.ndarray, wall_time: float,
+                 get: Callable[[str], float | None], ranks: dict[str, int], attempt: int | None,
+                 rest: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, plan: Plan | None = None
+                 ) -> list[Finding]:
+        """One step: its keys, their values, `get` (key -> value or None) and the ranks to judge.
+        `rest`: per route, the (positions, rows) left after a batch judged its quiet rows in bulk;
+        `plan`: the keys' routing, when the caller has it (a batch works it out once)."""
+        if attempt is not None:
+            self.judged = (attempt, step)
+        findings: list[Finding] = []
+        self.witnesses.observe_row(step, keys, values, get)
+        wall = wall_time if wall_time and math.isfinite(wall_time) else None
         if wall is not None and "stall" not in self.config.disabled:
             # A gap between this record and the previous one is a stall that already happened
             # (replay sees it this way; live, the scheduler's check(now) sees it first).
@@ -199,70 +204,79 @@ class DetectorBank:
             if stalled is not None:
                 findings.append(stalled)
         found: list[tuple[int, int, Finding]] = []
-        rest = self._rest if self._rest_keys == keys else {}
-        for i, bank, pos, rows in self._plan(keys):
-            pos, rows = rest.get(i, (pos, rows))
-            if not rows.size:
-                continue  # every row of the route was judged in bulk for this batch
-            for j, f in bank.observe(record.step, rows, values[pos]):
+        for i, bank, pos, rows in (plan if plan is not None else self._plan(keys)):
+            if rest is not None:
+                pos, rows = rest.get(i, (pos, rows))
+                if not rows.size:
+                    continue  # every row of the route was judged in bulk for this batch
+            for j, f in bank.observe(step, rows, values[pos]):
                 found.append((int(pos[j]), i, f))
         # In record order, then route order: the order one object per series gave.
         findings.extend(f for _, _, f in sorted(found, key=lambda t: t[:2]))
         if any(f.signal is Signal.NON_FINITE for f in findings):
             _note_origin(findings, keys, values)
-        if "outlier_rank" not in self.config.disabled:
-            ranked = self._ranked if self._ranked is not None and tuple(record.ranks) == self._ranked[0] else None
-            findings.extend(self.outlier.observe(record, None if ranked is None else ranked[1]))
-        self.stall.update(record.step, math.nan, wall)
+        if "outlier_rank" not in self.config.disabled and ranks:
+            findings.extend(self.outlier.observe_ranks(step, ranks))
+        self.stall.update(step, math.nan, wall)
         return findings
 
-    def observe_many(self, records: Iterable[StepRecord], attempt: int | None = None) -> list[Finding]:
-        """observe() each record, in order. A batch of rising steps has its witnesses' shifts
-        judged for all its steps in one numpy pass first (Witnesses.prepare); the findings are
-        those of observing one record at a time (tests/monitors/test_batch_judge.py)."""
-        records = list(records)
-        steps = [r.step for r in records]
-        if len(records) > 1 and all(a < b for a, b in zip(steps, steps[1:])):
-            self._begin_batch([r for r in records if not self.already_judged(r, attempt)])
+    def observe_many(self, batch: Iterable[StepRecord] | StepColumns, attempt: int | None = None) -> list[Finding]:
+        """Judge a batch, in step order: StepRecords, or the columns ingest stores (monitors.columns).
+        A plain batch (rising steps, the same keys at every step) goes as arrays (_observe_columns:
+        quiet rows in bulk, the witnesses' shifts in one pass); any other goes one record at a
+        time. The findings and the state are those of observing one record at a time
+        (tests/monitors/test_batch_judge.py)."""
+        if isinstance(batch, StepColumns):
+            if batch.present is None and len(batch) > 1 and bool((np.diff(batch.steps) > 0).all()):
+                return self._observe_columns(batch, attempt)
+            records = batch.to_records()
+        else:
+            records = list(batch)
+            if len(records) > 1 and _plain(records):
+                return self._observe_columns(StepColumns.from_records(records), attempt)
+        return [f for record in records for f in self.observe(record, attempt)]
+
+    def _observe_columns(self, cols: StepColumns, attempt: int | None) -> list[Finding]:
+        """A plain batch as arrays. Ahead of its steps: the witnesses' shifts; per bank, the rows
+        that stay quiet through the whole batch are judged in bulk (SeriesBank.judge_bulk: no
+        finding, no latch, so nothing depends on the order of steps across rows), and the window
+        medians of the others are taken for all steps at once; likewise the outlier ranks. Then
+        step by step over the others only."""
+        if attempt is not None and self.judged is not None and attempt == self.judged[0]:
+            fresh = cols.steps > self.judged[1]  # a re-sent batch: only the steps not judged yet
+            if not fresh.all():
+                cols = cols.select(fresh)
+        if not len(cols):
+            return []
+        keys, steps, values = tuple(cols.keys), cols.steps, cols.values
+        plan = self._plan(keys)
+        rest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         out: list[Finding] = []
         try:
-            for record in records:
-                out.extend(self.observe(record, attempt))
+            ranked: list[tuple[str, int]] = []
+            if len(cols) > 1:
+                self.witnesses.prepare_arrays(keys, steps, values)
+                for i, bank, pos, rows in plan:
+                    done = bank.judge_bulk(steps, rows, values[:, pos])
+                    if done.any():
+                        pos, rows = pos[~done], rows[~done]
+                        rest[i] = (pos, rows)
+                    bank.begin_batch(steps, rows, values[:, pos])
+            if cols.ranks is not None and "outlier_rank" not in self.config.disabled:
+                has = np.flatnonzero((cols.ranks >= 0).any(axis=0))
+                done = self.outlier.observe_many(steps, [keys[j] for j in has.tolist()], cols.ranks[:, has])
+                ranked = [(keys[j], j) for j, d in zip(has.tolist(), done.tolist()) if not d]
+            col = {k: j for j, k in enumerate(keys)}
+            rk = cols.ranks
+            for i, (step, wall) in enumerate(zip(steps.tolist(), cols.wall_time.tolist())):
+                row = values[i]
+                ranks = {k: r for k, j in ranked if (r := int(rk[i, j])) >= 0} if ranked else {}
+                out.extend(self._observe(step, keys, row, wall, _getter(col, row), ranks, attempt, rest, plan))
         finally:
             self.witnesses.prepare([])  # nothing judged ahead outlives its batch
-            self._rest, self._rest_keys, self._values, self._ranked = {}, None, {}, None
             for bank in self.series.values():
                 bank.end_batch()
         return out
-
-    def _begin_batch(self, records: list[StepRecord]) -> None:
-        """A plain batch (rising steps, the same keys in each record) ahead of its records: the
-        witnesses' shifts; per bank, the rows that stay quiet through the whole batch are judged
-        in bulk (SeriesBank.judge_bulk: no finding, no latch, so nothing depends on the order
-        of steps across rows), and the window medians of the others are taken for all steps at
-        once; observe() then goes step by step over those others only."""
-        self.witnesses.prepare([])
-        if len(records) < 2:
-            return
-        keys = tuple(records[0].values)
-        if any(tuple(r.values) != keys for r in records):
-            return
-        values = np.array([list(r.values.values()) for r in records], np.float64).reshape(len(records), len(keys))
-        steps = np.fromiter((r.step for r in records), np.int64, len(records))
-        self.witnesses.prepare_arrays(keys, steps, values)
-        self._rest, self._rest_keys, self._values = {}, keys, dict(zip(steps.tolist(), values))
-        for i, bank, pos, rows in self._plan(keys):
-            done = bank.judge_bulk(steps, rows, values[:, pos])
-            if done.any():
-                pos, rows = pos[~done], rows[~done]
-                self._rest[i] = (pos, rows)
-            bank.begin_batch(steps, rows, values[:, pos])
-        ranked = tuple(records[0].ranks)
-        if ranked and "outlier_rank" not in self.config.disabled and all(tuple(r.ranks) == ranked for r in records):
-            ranks = np.array([list(r.ranks.values()) for r in records], np.int64).reshape(len(records), len(ranked))
-            done = self.outlier.observe_many(steps, list(ranked), ranks)
-            if done.any():
-                self._ranked = (ranked, [k for k, d in zip(ranked, done.tolist()) if not d])
 
     def check(self, now: float) -> list[Finding]:
         """Wall-clock checks (stall). `now` must be on the same clock as record.wall_time."""
@@ -328,6 +342,22 @@ class DetectorBank:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"detector state version {d.get('version')!r} != {STATE_VERSION}; start with a fresh bank")
         self.load_state_parts(parts_from_json(d["parts"]))
+
+
+def _plain(records: list[StepRecord]) -> bool:
+    """Rising steps, the same keys in the same order at every step, ranks only for those keys:
+    a batch that columns hold as one [steps, keys] array (StepColumns.from_records)."""
+    keys = list(records[0].values)
+    return (all(a.step < b.step for a, b in zip(records, records[1:]))
+            and all(list(r.values) == keys and r.ranks.keys() <= r.values.keys() for r in records))
+
+
+def _getter(col: dict[str, int], row: np.ndarray) -> Callable[[str], float | None]:
+    """record.values.get for one row of a batch's array."""
+    def get(key: str) -> float | None:
+        j = col.get(key)
+        return None if j is None else float(row[j])
+    return get
 
 
 _FORWARD = (ACT_MAX, ACT_MIN, ATTN_LOGIT_MAX, ATTN_LOGIT_LSE)  # measured on a module's output, in the forward pass

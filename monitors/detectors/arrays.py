@@ -135,11 +135,18 @@ class Rows:
         if rows.size == 0 or K == 0:
             return
         first = max(0, K - self.H)
-        t = np.arange(first, K)
         p = self.pos[rows]
-        slots = (p[:, None] + t[None, :]) % self.H
-        self.steps[rows[:, None], slots] = steps[first:][None, :]
-        self.vals[rows[:, None], slots] = ys[:, first:]
+        if (p == p[0]).all():  # the usual case: one position for all, so at most two column slices
+            a = (int(p[0]) + first) % self.H
+            for lo, hi, src in ((a, min(self.H, a + K - first), 0), (0, max(0, a + K - first - self.H), self.H - a)):
+                if hi > lo:
+                    n = hi - lo
+                    self.steps[rows, lo:hi] = steps[first + src:first + src + n][None, :]
+                    self.vals[rows, lo:hi] = ys[:, first + src:first + src + n]
+        else:
+            slots = (p[:, None] + np.arange(first, K)[None, :]) % self.H
+            self.steps[rows[:, None], slots] = steps[first:][None, :]
+            self.vals[rows[:, None], slots] = ys[:, first:]
         self.pos[rows] = (p + K) % self.H
         self.length[rows] = np.minimum(self.length[rows] + K, self.H)
         p = np.unique(p)  # usually one position: every row of the type appended at every step
@@ -200,6 +207,10 @@ class Rows:
 
     def ordered(self, rows: np.ndarray) -> np.ndarray:
         """Each row's ring, oldest first ([len(rows), H]); meaningful for full rows."""
+        p = self.pos[rows]
+        if rows.size and (p == p[0]).all():  # one position for all: two column slices
+            v = self.vals[rows]
+            return np.concatenate([v[:, int(p[0]):], v[:, :int(p[0])]], axis=1)
         return self.vals[rows[:, None], self._slots(rows, self.H, 0)]
 
     def _slots(self, rows: np.ndarray, k: int, skip_last: int) -> np.ndarray:

@@ -74,13 +74,15 @@ class OutlierRankDetector:
         m = self.config.metrics
         return [k for k, r in ranks.items() if r >= 0 and (not m or split_key(k)[0] in m)]
 
-    def observe(self, record: StepRecord, left: list[str] | None = None) -> list[Finding]:
-        """Judge the record's ranks; `left`: only these keys (observe_many() took the others)."""
-        ranks = record.ranks if left is None else {k: record.ranks[k] for k in left}
+    def observe(self, record: StepRecord) -> list[Finding]:
+        return self.observe_ranks(record.step, record.ranks)
+
+    def observe_ranks(self, step: int, ranks: dict[str, int]) -> list[Finding]:
+        """Judge one step's ranks (metric key -> the rank that held its extreme)."""
         keys = self._keys(ranks)
         if not keys:
             return []
-        return self._step(keys, record.step, np.fromiter((int(record.ranks[k]) for k in keys), np.int64, len(keys)))
+        return self._step(keys, step, np.fromiter((int(ranks[k]) for k in keys), np.int64, len(keys)))
 
     def update(self, key: str, step: int, rank: int) -> Finding | None:
         found = self._step([key], step, np.array([int(rank)], np.int64))
@@ -134,8 +136,9 @@ class OutlierRankDetector:
         reach neither min_share nor a verdict in the batch take all K points now, as K observe()
         calls would leave them (they raise nothing); returns their mask over `keys`, which
         observe() must then skip for these steps. The bound: a rank's count in any window of the
-        batch is at most its count in the ring now plus its count in the batch; below
-        min_share x min_points, no window can give it min_share of the points."""
+        batch is at most its count in the ring now plus its count in the batch, and, for the
+        windows of a block of steps, its count in the span they cover; below
+        min_share x min_points - 1, no window can give it min_share of the points."""
         c, R = self.config, self._rows
         take = np.zeros(len(keys), bool)
         m = self.config.metrics
@@ -152,24 +155,37 @@ class OutlierRankDetector:
         if int(r.max()) > self._max_rank:
             return take  # a new rank (early in a run): the world each step sees changes, go step by step
         ok = (self._latched[rows] < 0) & ((R.length[rows] == 0) | (R.last_step[rows] < steps[0]))
-        # A rank's count in the windows of a block of steps is at most its count in the span they
-        # cover (the ring's empty slots hold no rank): per block, the largest such count.
-        x = np.concatenate([self._window(rows, ordered=True), r.T], axis=1)  # [P, H + K]
-        starts, b = block_starts(len(steps), BOUND_BLOCK)
-        if self._max_rank < 64:  # counts per rank from running totals: [P, H + K + 1, ranks]
-            run = np.zeros((x.shape[0], x.shape[1] + 1, self._max_rank + 1), np.int32)
-            np.cumsum(x[..., None] == np.arange(self._max_rank + 1), axis=1, out=run[:, 1:])
-            most = (run[:, starts + R.H + b] - run[:, starts + 1]).max(axis=(1, 2))
-        else:  # a table per rank would be large: sort each span instead
-            span = np.lib.stride_tricks.sliding_window_view(x, R.H + b - 1, axis=1)[:, starts + 1]  # [P, B, H + b - 1]
-            most = _mode(span.reshape(-1, span.shape[-1]))[1].reshape(span.shape[:2]).max(axis=1)
-        ok &= most < c.min_share * c.min_points - 1
+        x = np.concatenate([self._window(rows, ordered=True), r.T], axis=1)  # [P, H + K]; empty slots < 0
+        bar = c.min_share * c.min_points - 1
+        # First over the whole of ring + batch (one count per rank: it clears most keys of a
+        # wide world), then by blocks for the keys it cannot clear.
+        if self._max_rank < 64:
+            clear = _bincount_rows(x, self._max_rank + 1).max(axis=1) < bar
+        else:  # no table sized by the ranks: blocks (sorted spans) for all
+            clear = np.zeros(rows.size, bool)
+        tight = np.flatnonzero(ok & ~clear)
+        ok &= clear
+        if tight.size:
+            ok[tight] = self._block_bound(x[tight], len(steps)) < bar
         at, rows, r = at[ok], rows[ok], r[:, ok]
         if at.size:
             R.append_many(rows, steps, r.T.astype(np.float64))
             R.last_step[rows] = steps[-1]
             take[at] = True
         return take
+
+    def _block_bound(self, x: np.ndarray, K: int) -> np.ndarray:
+        """Per row of x (window oldest first, then the batch's K ranks): the largest count of one
+        rank in the span covered by the windows of a block of steps, over the blocks."""
+        H = self._rows.H
+        starts, b = block_starts(K, BOUND_BLOCK)
+        if self._max_rank < 64:  # counts per rank from running totals: [P, H + K + 1, ranks]
+            run = np.zeros((x.shape[0], x.shape[1] + 1, self._max_rank + 1), np.int32)
+            np.cumsum(x[..., None] == np.arange(self._max_rank + 1), axis=1, out=run[:, 1:])
+            return (run[:, starts + H + b] - run[:, starts + 1]).max(axis=(1, 2))
+        # a table per rank would be large: sort each span instead
+        span = np.lib.stride_tricks.sliding_window_view(x, H + b - 1, axis=1)[:, starts + 1]  # [P, B, H + b - 1]
+        return _mode(span.reshape(-1, span.shape[-1]))[1].reshape(span.shape[:2]).max(axis=1)
 
     def _window(self, rows: np.ndarray, ordered: bool = False) -> np.ndarray:
         """[len(rows), window] ranks in each row's window, in slot order (`ordered`: oldest
@@ -261,3 +277,10 @@ def _mode(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     best = counts.argmax(axis=1)
     first = np.argmax(run == best[:, None], axis=1)  # a position of the best run in the sorted row
     return srt[np.arange(P), first], counts[np.arange(P), best]
+
+
+def _bincount_rows(vals: np.ndarray, W: int) -> np.ndarray:
+    """Per row of `vals` ([P, n] ints; negative = none), the count of each value in 0..W-1: [P, W]."""
+    P = vals.shape[0]
+    ok = (vals >= 0) & (vals < W)
+    return np.bincount((np.arange(P)[:, None] * W + vals)[ok], minlength=P * W).reshape(P, W)

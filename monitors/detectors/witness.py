@@ -271,8 +271,9 @@ class Witnesses:
         self.lr_ahead: float | None = None  # and the largest LR its schedule will still reach
         self._kinds: dict[tuple[str, ...], np.ndarray] = {}
         # prepare(): step -> (keys, the shift series judged ahead, their d, the step's largest
-        # attention logit or None, whether those are all its shift series)
-        self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, Callable[[], np.ndarray], float | None, bool]] = {}
+        # attention logit or None, their kinds if those are all its shift series, else None)
+        self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, Callable[[], np.ndarray], float | None,
+                                     np.ndarray | None]] = {}
 
     def prepare(self, records: Sequence[StepRecord]) -> None:
         """Judge a batch's shifts in one go before its records are observed one by one (issue 10:
@@ -306,8 +307,8 @@ class Witnesses:
         if d_at is None:
             return
         # A batch whose shift series are the same at every step needs nothing else from its
-        # records: observe() takes the step's largest attention logit from here.
-        uniform = bool((use == use[0]).all())
+        # records: observe() takes the step's largest attention logit, and the series' kinds, from here.
+        uniform = kinds[every] if bool((use == use[0]).all()) else None
         attn = v[:, kinds == 5]
         seen = np.isfinite(attn)
         top = np.where(seen, attn, -np.inf).max(axis=1, initial=-np.inf)
@@ -323,35 +324,37 @@ class Witnesses:
             kinds = self._kinds[keys] = np.array([_kind(k) for k in keys], np.int64)
         return kinds
 
-    def observe(self, record: StepRecord, values: np.ndarray | None = None) -> None:
-        """Update from one record (`values`: its values as an array, if the caller has them)."""
+    def observe(self, record: StepRecord) -> None:
+        keys = tuple(record.values)
+        self.observe_row(record.step, keys, np.fromiter(record.values.values(), np.float64, len(keys)),
+                         record.values.get)
+
+    def observe_row(self, step: int, keys: tuple[str, ...], v: np.ndarray, get: Callable[[str], float | None]) -> None:
+        """Update from one step: its keys, their values, and `get` (key -> value or None)."""
         c = self.cfg
-        if self.step >= 0 and record.step <= self.step:
-            self.reset(record.step)  # steps went back: an unannounced rollback
-        self.step = record.step
+        if self.step >= 0 and step <= self.step:
+            self.reset(step)  # steps went back: an unannounced rollback
+        self.step = step
         active: dict[str, str] = {}
-        vals = record.values
-        self.lr = vals.get(LR)
-        self.lr_ahead = vals.get(LR_PEAK_AHEAD)
-        loss = vals.get(LOSS)
+        self.lr = get(LR)
+        self.lr_ahead = get(LR_PEAK_AHEAD)
+        loss = get(LOSS)
         if loss is not None:
-            got = self.loss.update(record.step, loss, vals.get(LR))
+            got = self.loss.update(step, loss, self.lr)
             self.behind = self.behind + 1 if got is not None and got[0] > got[1] else 0
             if got is not None and self.behind >= c.loss_confirm:
                 active["loss_behind"] = (f"loss {math.expm1(got[0]):+.1%} off its trend for {self.behind} steps "
                                          f"(margin {math.expm1(got[1]):.1%})")
         self._active, self._pending = active, None
-        keys = tuple(vals)
-        kinds = self._kinds_of(keys)
-        ahead = self._ahead.pop(record.step, None)
-        if ahead is not None and ahead[0] != keys:
+        ahead = self._ahead.pop(step, None)
+        if ahead is not None and ahead[0] is not keys and ahead[0] != keys:
             ahead = None
-        if ahead is not None and ahead[4]:  # prepare() judged every shift series of this step
+        if ahead is not None and ahead[4] is not None:  # prepare() judged every shift series of this step
             if self.episode_level is not None and ahead[3] is not None:
                 self._track_episode(ahead[3])
-            self._pending = (keys, ahead[1], kinds[ahead[1]], None, ahead[2], None)
+            self._pending = (keys, ahead[1], ahead[4], None, ahead[2], None)
             return
-        v = values if values is not None else np.fromiter(vals.values(), np.float64, len(keys))
+        kinds = self._kinds_of(keys)
         if self.episode_level is not None:
             attn = v[(kinds == 5) & np.isfinite(v)]
             if attn.size:  # a record without a measured logit says nothing about the episode
@@ -367,7 +370,7 @@ class Witnesses:
                 y = v[rest]
                 logged = kinds[rest] != 2
                 y[logged] = logs(y[logged])
-                d_rest = self.shifts.update([keys[p] for p in rest.tolist()], record.step, y)
+                d_rest = self.shifts.update([keys[p] for p in rest.tolist()], step, y)
             self._pending = (keys, pos, kinds[pos], held, None if ahead is None else ahead[2], d_rest)
 
     def _track_episode(self, top: float) -> None:

@@ -13,10 +13,12 @@ from supervisor.store._sql import insert_ignore
 from supervisor.store.orm import Attempt, JudgeMark, Step, utcnow
 
 
-def mark(session: Session, run_id: str, attempt: int, step: int) -> None:
-    """Record that every step of (run, attempt) up to `step` is judged (never moves back)."""
-    session.execute(insert_ignore(session, JudgeMark.__table__).values(
-        run_id=run_id, attempt=attempt, through_step=step, updated_at=utcnow()))
+def mark(session: Session, run_id: str, attempt: int, step: int, exists: bool = False) -> None:
+    """Record that every step of (run, attempt) up to `step` is judged (never moves back).
+    `exists`: the caller knows the row is there (it read or wrote it), so one statement will do."""
+    if not exists:
+        session.execute(insert_ignore(session, JudgeMark.__table__).values(
+            run_id=run_id, attempt=attempt, through_step=step, updated_at=utcnow()))
     session.execute(update(JudgeMark)
                     .where(JudgeMark.run_id == run_id, JudgeMark.attempt == attempt, JudgeMark.through_step < step)
                     .values(through_step=step, updated_at=utcnow()))

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
+from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns, as_records
 from monitors.contract import RunInfo, StepRecord
 from supervisor.api.ingest import make_router
 from supervisor.ingest import HistoryConflict, IngestLimits, Ingestor
@@ -33,7 +33,9 @@ def seen():
 
 @pytest.fixture
 def ingestor(db, seen):
-    return Ingestor(db.sessions, on_records=lambda run, att, recs: seen.append((run, att, recs)),
+    # The judge gets the columns as stored (no dict per step on the request's thread); the tests
+    # read them back as records (as_records), the form they were sent in.
+    return Ingestor(db.sessions, on_records=lambda run, att, batch: seen.append((run, att, as_records(batch), type(batch))),
                     limits=IngestLimits(max_records=100, max_values=1000, max_keys_per_step=50))
 
 
@@ -66,7 +68,8 @@ def test_columns_round_trip_bit_exact(db, client, seen):
         assert ranks.tolist() == [0, 1, 0, 1]
         assert thermometers.history(s, "r", KEYS[1])[0].tolist() == [0, 1, 3]
         assert steps_store.sample_range(s, "r", 1, 2) == (4, 12)
-    judged = seen[0][2]  # the judge reads exactly the records that were sent
+    assert seen[0][3] is StepColumns  # the judge gets the columns as stored, no dict per step
+    judged = seen[0][2]  # and they read back exactly as the records that were sent
     assert [j.step for j in judged] == [0, 1, 2, 3] and KEYS[1] not in judged[2].values
     assert judged[3].ledger_digest == "ab" * 8 and judged[1].ranks == {KEYS[-1]: 1}
     assert math.isnan(judged[0].values["loss"]) and judged[3].values["loss"] == 0.0
