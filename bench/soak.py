@@ -43,12 +43,17 @@ def _rss_mb(pid: int) -> float:
 
 
 def _body(step0: int, batch: int, keys: list[str], rng) -> bytes:
+    """A batch as the trainer's HttpSink sends it: columns, and the rank that held each max/min
+    key's extreme (bench/detectors.ranked), as the run controller names them."""
+    from detectors import WORLD, ranked
     from monitors.columns import StepColumns
 
     steps = np.arange(step0, step0 + batch, dtype=np.int64)
+    has = np.isin(keys, ranked(keys))
+    ranks = np.where(has[None, :], rng.integers(0, WORLD, (batch, len(keys))), -1).astype(np.int32)
     return StepColumns(steps=steps, keys=keys, values=np.abs(rng.standard_normal((batch, len(keys)))) + 0.1,
                        sample_lo=steps * 64, sample_hi=(steps + 1) * 64, tokens=np.full(batch, 131072, np.int64),
-                       wall_time=time.time() + np.arange(batch) * 1e-3).encode()
+                       wall_time=time.time() + np.arange(batch) * 1e-3, ranks=ranks).encode()
 
 
 def soak(url: str, minutes: float, n_values: int, batch: int, sample_s: float, max_backlog: int) -> dict:
