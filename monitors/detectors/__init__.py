@@ -170,9 +170,6 @@ class DetectorBank:
             self._plans[keys] = plan
         return plan
 
-    def already_judged(self, record: StepRecord, attempt: int | None) -> bool:
-        return self._judged_before(record.step, attempt)
-
     def _judged_before(self, step: int, attempt: int | None) -> bool:
         return attempt is not None and self.judged is not None and attempt == self.judged[0] and step <= self.judged[1]
 

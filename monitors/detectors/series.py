@@ -16,7 +16,7 @@ import numpy as np
 
 from monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
-from .arrays import NO_STEP, Rows, as_rows, block_max, parts_from_json, parts_to_json, window_bounds, window_medians
+from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json, window_bounds, window_medians
 from .base import MAD_TO_SIGMA, jsonable
 from .onset import estimate_onset
 
