@@ -67,6 +67,9 @@ class SupervisorConfig:
     ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
     ack_retries: int = 2
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
+    # The daemon's detectors run in a process of their own (supervisor.bank_process), so judging
+    # never competes with storing for the interpreter lock; false: a thread in the daemon's process.
+    judge_process: bool = True
     slack: SlackConfig = field(default_factory=SlackConfig)
     # The sections below are checked key by key against the class named in `schema` (config_tree).
     policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
@@ -99,7 +102,7 @@ class SupervisorConfig:
                                   f"and that the daemon's user may read it") from None
             if not self.api_token:
                 raise ConfigError(f"api_token_file: {self.api_token_file} is empty; write the admin token into it")
-        for name in ("auth", "public_read"):
+        for name in ("auth", "public_read", "judge_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.slack, Mapping):

@@ -11,6 +11,14 @@ newest judged step) is advanced after each judged batch, so:
 - memory stays bounded: when the queue is full the batch is dropped from memory only and the
   thread catches up from the database, where it is already committed.
 
+The marker is written by a second thread (`thermowatch-judge-mark`), after the batch's findings
+are stored and while the detectors judge the next batch: on SQLite a marker UPDATE waits for the
+write lock that the ingest requests hold, and the detectors need not wait with it. Pending marks
+of one attempt coalesce to the newest. The order per batch stays: judge, store the findings, mark.
+A SIGKILL after the findings are stored and before the mark is written judges that batch again at
+the next start: the bank restored from its saved state skips the steps it had judged, and a
+finding judged again is not stored or decided twice (Responder.handle, findings.stored_key).
+
 The embedded mode (the trainer in the supervisor's process) waits for the judge after each
 write (`Supervisor(judge_inline=True)`), so its behaviour is the one it always had; the daemon
 (`thermowatch serve`) answers the HTTP request without waiting.
@@ -47,8 +55,12 @@ class Judge:
         self._busy = False
         self._catch_up = True  # at start: steps committed by an earlier process but never judged
         self._stop = False
-        self._through: dict[tuple[str, int], int] = {}  # the marker, as this process last wrote it
+        self._through: dict[tuple[str, int], int] = {}  # the newest step judged, per attempt (in memory)
+        self._marks: dict[tuple[str, int], int] = {}  # markers to write (the marker thread's queue)
+        self._marking = False  # the marker thread is writing
+        self._rows: set[tuple[str, int]] = set()  # attempts whose marker row exists in the database
         self._thread: threading.Thread | None = None
+        self._mark_thread: threading.Thread | None = None
         self.dropped = 0  # batches left to the catch-up because the queue was full
 
     # --- the ingest side ---------------------------------------------------------------------------
@@ -66,7 +78,8 @@ class Judge:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until everything submitted so far is judged (False on timeout)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy and not self._catch_up, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._busy and not self._catch_up
+                                     and not self._marks and not self._marking, timeout)
 
     @property
     def backlog(self) -> int:
@@ -77,14 +90,17 @@ class Judge:
     @property
     def alive(self) -> bool:
         """The judging thread is running (for /healthz and /metrics)."""
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive()
+                and self._mark_thread is not None and self._mark_thread.is_alive())
 
     # --- the thread ---------------------------------------------------------------------------------
 
     def start(self) -> "Judge":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="thermowatch-judge", daemon=True)
+            self._mark_thread = threading.Thread(target=self._write_marks, name="thermowatch-judge-mark", daemon=True)
             self._thread.start()
+            self._mark_thread.start()
         return self
 
     def close(self, timeout: float = 30.0) -> None:
@@ -96,7 +112,9 @@ class Judge:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout)
-        self._thread = None
+        if self._mark_thread is not None:
+            self._mark_thread.join(timeout)  # it writes what is pending before it stops
+        self._thread = self._mark_thread = None
 
     def _run(self) -> None:
         while True:
@@ -136,16 +154,48 @@ class Judge:
         if not len(fresh):
             return
         self._on_records(run_id, attempt, fresh)
-        with self._sessions.begin() as s:
-            judged_store.mark(s, run_id, attempt, top, exists=done >= 0)  # a marker >= 0 was read or written
         self._through[(run_id, attempt)] = top
+        with self._cv:
+            self._marks[(run_id, attempt)] = top  # steps only rise here: the newest wins
+            self._cv.notify_all()
 
     def _marker(self, run_id: str, attempt: int) -> int:
         key = (run_id, attempt)
         if key not in self._through:
             with self._sessions() as s:
                 self._through[key] = judged_store.through(s, run_id, attempt)
+            if self._through[key] >= 0:
+                with self._cv:
+                    self._rows.add(key)
         return self._through[key]
+
+    def _write_marks(self) -> None:
+        """The marker thread: writes each pending marker, the newest per attempt, one transaction."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._marks or (self._stop and not self._busy))
+                if not self._marks:
+                    return  # stopping, the judge is done, and nothing is pending
+                marks, self._marks = self._marks, {}
+                rows = set(self._rows)
+                self._marking = True
+            try:
+                with self._sessions.begin() as s:
+                    for (run_id, attempt), top in marks.items():
+                        judged_store.mark(s, run_id, attempt, top, exists=(run_id, attempt) in rows)
+            except Exception:  # noqa: BLE001 - a database hiccup: keep them pending, try again
+                log.exception("judge: could not write the judged marker; retrying")
+                with self._cv:
+                    for key, top in marks.items():
+                        self._marks[key] = max(top, self._marks.get(key, top))
+                    self._marking = False
+                    self._cv.notify_all()
+                    self._cv.wait(1.0)
+                continue
+            with self._cv:
+                self._rows.update(marks)
+                self._marking = False
+                self._cv.notify_all()
 
     def catch_up(self) -> int:
         """Judge every stored step beyond the marker of each run's newest attempt; returns how many."""
@@ -153,6 +203,11 @@ class Judge:
         with self._sessions() as s:
             todo = judged_store.behind(s)
         for run_id, attempt, through in todo:
+            if through >= 0:
+                with self._cv:
+                    self._rows.add((run_id, attempt))
+            # A marker still waiting for the marker thread is newer than the stored one.
+            through = max(through, self._through.get((run_id, attempt), -1))
             self._through[(run_id, attempt)] = through
             while True:
                 with self._sessions() as s:

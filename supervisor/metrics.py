@@ -141,6 +141,10 @@ class DaemonCollector:
                                   "because its queue was full.", value=judge.dropped)
         yield GaugeMetricFamily("thermowatch_judge_up", "1 while the judge thread is alive.",
                                 value=int(judge.alive))
+        if getattr(self.sup, "bank_process", None) is not None:
+            yield CounterMetricFamily("thermowatch_detectors_process_restarts", "Times the detectors' process died "
+                                      "and a new one took over from the saved state.",
+                                      value=self.sup.bank_process.restarts)
 
     def _scheduler(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("thermowatch_scheduler_up", "1 while the scheduler is running (absent: no "

@@ -27,6 +27,7 @@ from sqlalchemy.orm import sessionmaker
 from monitors.columns import StepColumns
 from monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
 from monitors.detectors import BankConfig, DetectorBank
+from supervisor.bank_process import BankProcess, RemoteBank
 from supervisor.executor import Executor
 from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
 from supervisor.store import actions as actions_store
@@ -45,13 +46,17 @@ _NOT_DIVERGENCE = frozenset({Signal.STALL.value, Signal.OUTLIER_RANK.value})
 
 class Responder:
     def __init__(self, session_factory: sessionmaker, executor: Executor, policy: PolicyConfig,
-                 detectors: BankConfig, clock: Callable[[], float] = time.time, state_save_every_s: float = 5.0):
+                 detectors: BankConfig, clock: Callable[[], float] = time.time, state_save_every_s: float = 5.0,
+                 process: BankProcess | None = None):
         self._session = session_factory
         self._executor = executor
         self._policy = policy
         self._detector_cfg = detectors
         self._clock = clock
-        self._banks: dict[str, DetectorBank] = {}
+        # process: the banks live in the detectors' process (supervisor.bank_process, the daemon);
+        # None: in this one (embedded mode, tests, replay).
+        self._process = process
+        self._banks: dict[str, DetectorBank | RemoteBank] = {}
         self._attempts: dict[str, int] = {}  # newest attempt per run: older ones are not judged
         self._state_every = state_save_every_s
         self._state_saved: dict[str, float] = {}  # run -> monotonic time of the last state save
@@ -60,11 +65,16 @@ class Responder:
 
     # --- detectors --------------------------------------------------------------------------
 
-    def bank(self, run_id: str) -> DetectorBank:
+    def _new_bank(self, run_id: str) -> DetectorBank | RemoteBank:
+        return self._process.bank(run_id) if self._process is not None else DetectorBank(self._detector_cfg)
+
+    def bank(self, run_id: str) -> DetectorBank | RemoteBank:
         with self._lock:
             bank = self._banks.get(run_id)
-            if bank is None:
-                bank = DetectorBank(self._detector_cfg)
+            if bank is None or getattr(bank, "lost", False):
+                # Not loaded yet, or its process died: from the state saved in the DB (what came
+                # after the last save is judged again from the judge's marker, as after a SIGKILL).
+                bank = self._new_bank(run_id)
                 with self._session() as s:
                     saved = detector_state.load_parts(s, run_id)
                 if not saved:
@@ -74,7 +84,7 @@ class Responder:
                         bank.load_state_parts(saved)
                     except (ValueError, KeyError) as exc:  # an older state format: start fresh, say so
                         log.warning("run %s: detector state not restored (%s); starting fresh", run_id, exc)
-                        bank = DetectorBank(self._detector_cfg)
+                        bank = self._new_bank(run_id)
                         self._state_whole.add(run_id)  # its first save replaces the unreadable parts
                 self._banks[run_id] = bank
             return bank
@@ -115,8 +125,9 @@ class Responder:
     def save_states(self) -> None:
         """Write every loaded bank's state (on close)."""
         with self._lock:
-            for run_id in list(self._banks):
-                self._save_state(run_id)
+            for run_id, bank in list(self._banks.items()):
+                if not getattr(bank, "lost", False):  # a lost bank's state died with its process
+                    self._save_state(run_id)
 
     def _save_state(self, run_id: str) -> None:
         bank = self._banks[run_id]
@@ -143,8 +154,8 @@ class Responder:
         now = self._clock() if now is None else now
         out = []
         with self._lock:
-            for run_id, bank in list(self._banks.items()):
-                for finding in bank.check(now):
+            for run_id in list(self._banks):
+                for finding in self.bank(run_id).check(now):
                     out.append(finding)
                     self.handle(run_id, finding)
         return out

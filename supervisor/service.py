@@ -21,6 +21,7 @@ from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
 from monitors.detectors import BankConfig
 from supervisor import db, jobs
 from supervisor.config import SupervisorConfig
+from supervisor.bank_process import BankProcess
 from supervisor.checkpoint_health import CheckpointFailures
 from supervisor.consistency import ConsistencyCheck
 from supervisor.executor import Executor
@@ -86,9 +87,12 @@ class Supervisor:
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  on_rollback_done=self._rewind, flap=cfg.slack.flap())
-        self.responder = Responder(self.sessions, self.executor, policy,
-                                   BankConfig.from_dict(cfg.detectors),
-                                   clock=clock)
+        bank_cfg = BankConfig.from_dict(cfg.detectors)
+        # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
+        # waits for each judgement anyway, so it keeps them in its own.
+        self.bank_process = BankProcess(bank_cfg) if cfg.judge_process and not judge_inline else None
+        self.responder = Responder(self.sessions, self.executor, policy, bank_cfg, clock=clock,
+                                   process=self.bank_process)
         self.consistency = ConsistencyCheck(self.sessions, self.executor)
         self.checkpoint_health = CheckpointFailures(self.sessions, self.executor)
         # Commit, answer, then judge (supervisor.judge). judge_inline: write() returns after the
@@ -170,6 +174,7 @@ class Supervisor:
     def close(self) -> None:
         """Survives any one part failing (STYLE.md rule 9)."""
         for name, closer in (("judge", self.judge.close), ("detector state", self.responder.save_states),
+                             ("detectors' process", self.bank_process.close if self.bank_process else lambda: None),
                              ("ingestor", self.ingestor.close),
                              ("alert outbox", self.executor.close), ("notifier", self.notifier.close),
                              ("engine", self.engine.dispose)):
