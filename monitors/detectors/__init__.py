@@ -63,6 +63,8 @@ from .witness import WitnessConfig, Witnesses
 # 2: witnesses, degradation, the judged (attempt, step); 3: rows in arrays, saved as parts; 4: the
 # outlier-rank windows as rows too (saved incrementally, no longer one JSON of every key's window)
 STATE_VERSION = 4
+# Steps per piece while a bank's windows are still filling (DetectorBank._observe_columns).
+YOUNG_SPLIT = 10
 
 
 @dataclass
@@ -247,6 +249,18 @@ class DetectorBank:
             return []
         keys, steps, values = tuple(cols.keys), cols.steps, cols.values
         plan = self._plan(keys)
+        if len(cols) > YOUNG_SPLIT and (any(b.filling(rows, len(cols), YOUNG_SPLIT) for _, b, _, rows in plan)
+                                        or self.witnesses.filling(len(cols), YOUNG_SPLIT)
+                                        or (cols.ranks is not None and self.outlier.empty)):
+            # Windows still filling: a row can be judged in bulk only from the step its window is
+            # full, so a young bank takes the batch in short pieces (each judged as arrays, as a
+            # batch is: the same findings and state as one step at a time, whatever the cut).
+            out = []
+            for lo in range(0, len(cols), YOUNG_SPLIT):
+                piece = np.zeros(len(cols), bool)
+                piece[lo:lo + YOUNG_SPLIT] = True
+                out.extend(self._observe_columns(cols.select(piece), attempt))
+            return out
         rest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         out: list[Finding] = []
         try:

@@ -143,6 +143,9 @@ class AttnLogitGrowthBank(SeriesBank):
         self.witnesses = witnesses  # shared with the bank: the same run's other series
         super().__init__(self.config.history, self.config.clear_steps)
 
+    def bulk_points_of(self) -> int:
+        return self.config.window + self.config.slope_window - 1  # _bulk: the baseline and the slope window
+
     def batch_values(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         every = (np.isfinite(values) & (values > 0.0)).all(axis=0)
         v = values[:, every]

@@ -130,6 +130,11 @@ class OutlierRankDetector:
                                detect_step=step, metric=key, evidence=jsonable(evidence), outcome=Outcome.ACT))
         return out
 
+    @property
+    def empty(self) -> bool:
+        """No key seen yet: the first steps go one by one (observe_many takes known keys only)."""
+        return len(self._rows) == 0
+
     def observe_many(self, steps: np.ndarray, keys: list[str], ranks: np.ndarray) -> np.ndarray:
         """A plain batch ahead of its records (steps rising; ranks [K, len(keys)], -1 where a step
         sent none for a key): the keys that hold a rank at every step, are not latched and can

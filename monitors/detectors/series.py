@@ -173,9 +173,9 @@ class SeriesBank:
             return take
         got = self._bulk(steps, rows, values)
         if got is not None:
-            at, ys = got
+            at, ys, *warm = got
             if at.size:
-                self._advance(rows[at], steps, ys)
+                self._advance(rows[at], steps, ys, warm[0] if warm else None)
                 take[at] = True
         return take
 
@@ -183,17 +183,34 @@ class SeriesBank:
               ) -> tuple[np.ndarray, np.ndarray] | None:
         """(indices into `rows` that stay quiet through the batch, the values their rings take,
         [K, that many]), or None for none. Only rows whose latch is inactive qualify: an active
-        latch counts in-band points step by step (Rows.observe)."""
+        latch counts in-band points step by step (Rows.observe). An optional third element marks
+        the rows still in warm-up at every step of the batch: K steps only fill their rings (no
+        test is made, so their exceedance counters stay as they are)."""
         return None
 
-    def _advance(self, rows: np.ndarray, steps: np.ndarray, ys: np.ndarray) -> None:
+    def _advance(self, rows: np.ndarray, steps: np.ndarray, ys: np.ndarray, warm: np.ndarray | None = None) -> None:
         """K quiet steps of `rows` at once (ys: [K, len(rows)], as the ring stores them): what K
-        observe() calls leave when nothing exceeds and no latch is active."""
+        observe() calls leave when nothing exceeds and no latch is active (`warm`: the rows whose
+        steps all fall in warm-up, where observe() only appends)."""
         R = self.rows
         R.append_many(rows, steps, ys.T)
         R.seen[rows] += len(steps)
-        R.run[rows], R.first_exceed[rows] = 0, -1
+        tested = rows if warm is None else rows[~warm]
+        R.run[tested], R.first_exceed[tested] = 0, -1
         R.last_step[rows] = steps[-1]
+
+    def bulk_points_of(self) -> int:
+        """Ring points a row needs before judge_bulk can take it (0: none)."""
+        return 0
+
+    def filling(self, rows: np.ndarray, K: int, piece: int) -> bool:
+        """Some row's window fills up inside a batch of K steps early enough that pieces of
+        `piece` steps would judge the rest of the batch in bulk (DetectorBank takes it so)."""
+        need = self.bulk_points_of()
+        if need <= 0 or rows.size == 0:
+            return False
+        n = self.rows.length[rows]
+        return bool(((n < need) & (n + K >= need + piece)).any())
 
     def _quiet_candidates(self, rows: np.ndarray, every: np.ndarray, points: int = 0, warmup: int = 0) -> np.ndarray:
         """Indices into `rows` with a value at every step (`every`), no active latch, past

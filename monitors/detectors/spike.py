@@ -71,6 +71,9 @@ class SpikeBank(SeriesBank):
         """Back to the metric's own units for evidence."""
         return y
 
+    def bulk_points_of(self) -> int:
+        return self.config.window  # _bulk: a full window before the batch's first point
+
     def batch_values(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ok, ys = self.transform(values.ravel())
         full = np.full(values.size, np.nan)
@@ -81,16 +84,24 @@ class SpikeBank(SeriesBank):
     def _bulk(self, steps: np.ndarray, rows: np.ndarray, values: np.ndarray):
         c, R = self.config, self.rows
         every, ys = self.batch_values(values)
+        K, cols = len(steps), np.flatnonzero(every)  # ys holds the columns of `every`
+        # In warm-up at every step of the batch (_update's `live` is False): the ring only fills.
+        warm = np.flatnonzero(every & (R.lsev[rows] < 0) & (R.seen[rows] + K <= c.warmup))
         at = self._quiet_candidates(rows, every, points=c.window, warmup=c.warmup)
-        if not at.size:
-            return None
-        y = ys[:, np.searchsorted(np.flatnonzero(every), at)]  # ys holds the columns of `every`
-        K, yt = len(steps), np.ascontiguousarray(y.T)
-        x = np.concatenate([R.ordered(rows[at]), yt], axis=1)
-        # _update: the point y_t against the window of `window` points before it.
-        quiet = quiet_excursions(x, R.H - c.window, c.window, K, c.z, yt, block_max(yt, 0, 1, K),
-                                 self.min_excess, self.min_excess_lo)
-        return at[quiet], y[:, quiet]
+        if at.size:
+            y = ys[:, np.searchsorted(cols, at)]
+            yt = np.ascontiguousarray(y.T)
+            x = np.concatenate([R.ordered(rows[at]), yt], axis=1)
+            # _update: the point y_t against the window of `window` points before it.
+            quiet = quiet_excursions(x, R.H - c.window, c.window, K, c.z, yt, block_max(yt, 0, 1, K),
+                                     self.min_excess, self.min_excess_lo)
+            at, y = at[quiet], y[:, quiet]
+        else:
+            y = ys[:, :0]
+        if not warm.size:
+            return at, y
+        return (np.concatenate([at, warm]), np.concatenate([y, ys[:, np.searchsorted(cols, warm)]], axis=1),
+                np.r_[np.zeros(at.size, bool), np.ones(warm.size, bool)])
 
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:
         c, R = self.config, self.rows

@@ -204,9 +204,18 @@ class _Shifts:
 
     def update(self, keys: list[str], step: int, ys: np.ndarray) -> np.ndarray:
         """recent median - baseline median per key, NaN before the baseline has half its points."""
-        c, R = self.cfg, self.rows
+        return self.now(self.append(keys, step, ys))
+
+    def append(self, keys: list[str], step: int, ys: np.ndarray) -> np.ndarray:
+        """The step's points into the rings (the rows, for `now`)."""
+        R = self.rows
         rows = as_rows([R.add(k) for k in keys])
         R.append(rows, step, ys)
+        return rows
+
+    def now(self, rows: np.ndarray) -> np.ndarray:
+        """`update`'s d for `rows`, from their rings as they stand."""
+        c, R = self.cfg, self.rows
         ok = R.sizes(rows, c.baseline, c.recent) >= c.baseline // 2
         d = np.full(rows.size, np.nan)
         d[ok] = median_rows(R, rows[ok], c.recent) - median_rows(R, rows[ok], c.baseline, c.recent)
@@ -275,6 +284,13 @@ class Witnesses:
         self._ahead: dict[int, tuple[tuple[str, ...], np.ndarray, Callable[[], np.ndarray], float | None,
                                      np.ndarray | None]] = {}
 
+    def filling(self, K: int, piece: int) -> bool:
+        """A shift ring fills up inside a batch of K steps early enough for pieces of `piece`
+        steps to take the rest of it in one pass (update_many needs full rings)."""
+        R = self.shifts.rows
+        n = R.length[:len(R)]
+        return bool(((n < R.H) & (n + K >= R.H + piece)).any())
+
     def prepare(self, records: Sequence[StepRecord]) -> None:
         """Judge a batch's shifts in one go before its records are observed one by one (issue 10:
         a batch of steps per numpy call): the series judged at every step of the batch (finite,
@@ -295,6 +311,8 @@ class Witnesses:
         self._ahead = {}
         if len(steps) < 2 or steps[0] <= self.step or (np.diff(steps) <= 0).any():
             return
+        if self._pending is not None and self._pending[5] is not None:
+            self.active  # the newest step's shifts read its rings as they stand: judge them first
         kinds = self._kinds_of(keys)
         use = (kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0))  # 5: attention, not a shift
         every = np.flatnonzero(use.all(axis=0))
@@ -370,7 +388,8 @@ class Witnesses:
                 y = v[rest]
                 logged = kinds[rest] != 2
                 y[logged] = logs(y[logged])
-                d_rest = self.shifts.update([keys[p] for p in rest.tolist()], step, y)
+                # Appended now, judged when `active` is first read (before any later append).
+                d_rest = functools.partial(self.shifts.now, self.shifts.append([keys[p] for p in rest.tolist()], step, y))
             self._pending = (keys, pos, kinds[pos], held, None if ahead is None else ahead[2], d_rest)
 
     def _track_episode(self, top: float) -> None:
@@ -397,18 +416,17 @@ class Witnesses:
         self._active, self._pending = value, None
 
     def _speak(self, keys: tuple[str, ...], pos: np.ndarray, k: np.ndarray, held: np.ndarray | None,
-               d_ahead: Callable[[], np.ndarray] | None, d_rest: np.ndarray | None) -> None:
+               d_ahead: Callable[[], np.ndarray] | None, d_rest: Callable[[], np.ndarray] | None) -> None:
         """Add the shift witnesses speaking at the newest step to `_active` (after loss_behind)."""
         c, active = self.cfg, self._active
         if d_rest is None:  # every series judged ahead (held is None then, or all True)
             d = d_ahead()
         elif held is None:
-            d = d_rest
+            d = d_rest()
         else:
             d = np.empty(pos.size)
             d[held] = d_ahead()
-            if d_rest is not None:
-                d[~held] = d_rest
+            d[~held] = d_rest()
         speaks = {
             "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
             "z_growth": (k == 2) & (d >= c.z_rise),

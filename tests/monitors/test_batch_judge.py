@@ -4,6 +4,7 @@ of judging the same steps one record at a time (issue 10)."""
 
 from __future__ import annotations
 
+import itertools
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -241,3 +242,56 @@ def test_append_many_and_ordered_equal_step_by_step(seed, H, K, same_pos):
     assert a.dirty == b.dirty
     want = np.array([[b.vals[i, (b.pos[i] + j) % H] for j in range(H)] for i in range(5)])
     np.testing.assert_array_equal(a.ordered(rows), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 20), st.integers(-2, 2),
+       st.lists(st.integers(2, 40), min_size=1, max_size=6))
+def test_warm_up_ends_at_the_same_step_in_bulk(seed, warmup, shift, sizes):
+    """A spike series in warm-up only fills its ring, in bulk too (SpikeBank._bulk's warm rows);
+    the first step past warm-up is tested, even when it is the last step of a batch that begins
+    in warm-up. Here that step is a x50 spike with confirm 1: judged in bulk or one step at a
+    time, it raises the same finding at the same step; batches longer than YOUNG_SPLIT go in
+    pieces while windows fill."""
+    one = {"warmup": warmup, "window": 8, "history": 16, "onset_lookback": 8, "confirm": 1}
+    cfg = {"loss": one, "grad": one}
+    rng = np.random.default_rng(seed)
+    keys = ["loss", "grad_norm"] + [f"grad_norm/b{i}" for i in range(4)]
+    vals = 1.0 + 0.05 * np.abs(rng.standard_normal((90, len(keys))))
+    vals[warmup] *= 50.0  # the first step past warm-up (it has `warmup` points before it)
+    records = [StepRecord(step=i + 1, values=dict(zip(keys, map(float, v))), wall_time=1000.0 + i)
+               for i, v in enumerate(vals)]
+    want, bank_one = _one_by_one(records, cfg)
+    assert any(f["detect_step"] == warmup + 1 for f in want), "the spike past warm-up raised nothing"
+    many, got, i = DetectorBank(BankConfig.from_dict(cfg)), [], 0
+    for size in itertools.chain([max(1, warmup + 1 + shift)], itertools.cycle(sizes)):
+        if i >= len(records):
+            break
+        got += [f.to_json() for f in many.observe_many(StepColumns.from_records(records[i:i + size]))]
+        i += size
+    assert got == want
+    _same_state(bank_one, many)
+
+
+def test_the_shifts_of_a_step_are_those_of_its_rings_even_after_a_batch_is_prepared():
+    """A shift judged step by step is computed when `active` is first read (issue 10: only an
+    attention finding or a state save reads it). Preparing the next batch appends its points to
+    the same rings first, so the step's shifts must be judged before that: they describe the
+    step, not the rings after the next batch."""
+    from monitors.detectors.witness import WitnessConfig, Witnesses
+
+    cfg = WitnessConfig(recent=3, baseline=8)
+    values = [1.0] * 8 + [10.0] * 3  # the last three points x10: grad_growth speaks at step 11
+    later = np.ones((9, 1))  # the next batch falls back to 1: its rings would say nothing
+    got = {}
+    for read_before_prepare in (True, False):
+        w = Witnesses(cfg)
+        for i, v in enumerate(values):  # rings not full yet: every step goes one by one
+            w.observe_row(i + 1, ("grad_norm",), np.array([v]), {"grad_norm": v}.get)
+        if read_before_prepare:
+            got[True] = dict(w.active)
+        w.prepare_arrays(("grad_norm",), np.arange(12, 21), later)
+        if not read_before_prepare:
+            got[False] = dict(w.active)
+    assert "grad_growth" in got[True]
+    assert got[False] == got[True]
