@@ -110,10 +110,22 @@ class Responder:
             bank = self.bank(run_id)
             # With the attempt, the bank skips steps it already judged (a batch delivered twice).
             found = bank.observe_many(records, attempt)
-            if found or time.monotonic() - self._state_saved.get(run_id, -math.inf) >= self._state_every:
-                self._save_state(run_id)
-            for finding in found:
-                self.handle(run_id, finding, attempt)
+            try:
+                # The findings first, then the state: a state saved with this batch judged (and
+                # its latches set) before its findings are stored would skip the batch when it is
+                # judged again after a crash, and the findings would be lost. The other order
+                # judges it again from the older state; a finding already stored is not stored
+                # or decided twice (findings.stored_key).
+                for finding in found:
+                    self.handle(run_id, finding, attempt)
+                if found or time.monotonic() - self._state_saved.get(run_id, -math.inf) >= self._state_every:
+                    self._save_state(run_id)
+            except Exception:
+                # The database refused the findings or the state: this bank has judged a batch
+                # the database does not know was judged. Forget it, so that the judge's retry
+                # from its marker judges the batch again from the saved state.
+                self._banks.pop(run_id, None)
+                raise
             return found
 
     def rewind(self, run_id: str, to_step: int) -> None:

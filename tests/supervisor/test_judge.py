@@ -91,3 +91,41 @@ def test_an_overflowing_queue_is_caught_up_from_the_database(db, tmp_path, refer
         assert findings(sup) == reference
     finally:
         sup.close()
+
+
+def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, reference):
+    """The judge finds a divergence while SQLite's write lock is held elsewhere for longer than
+    the busy timeout (10 s): storing its findings fails. The responder forgets the bank that
+    judged them, so the judge's retry from its marker judges the steps again from the saved state
+    and stores every finding, once."""
+    import sqlite3
+    import time
+
+    from supervisor.judge import Judge
+
+    path = tmp_path / "locked.db"
+    sup = make_sup(f"sqlite:///{path}", tmp_path / "d", judge_inline=False)
+    bs = batches()
+    first = min(f[3] for f in reference)
+    cut = next(i for i, b in enumerate(bs) if b[-1].step >= first)
+    try:
+        sup.open_run(RunInfo(RUN, 0, world_size=1))
+        for b in bs[:cut]:
+            sup.write(RUN, 0, b)
+        assert sup.judge.wait(120)
+        assert findings(sup) == []
+        sup.responder.save_states()
+        sup.judge.close()  # what follows is committed and waits for a judge
+        for b in bs[cut:]:
+            sup.ingestor.write(RUN, 0, b)
+        lock = sqlite3.connect(path, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, writers wait (busy_timeout 10 s), then fail
+        sup.judge = Judge(sup.sessions, sup.responder.on_records).start()
+        time.sleep(12)
+        assert findings(sup) == []  # nothing could be stored yet
+        lock.execute("COMMIT")
+        lock.close()
+        assert sup.judge.wait(120)
+        assert findings(sup) == reference
+    finally:
+        sup.close()
