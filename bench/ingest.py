@@ -68,7 +68,7 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
 
         cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url,
                                api_token=os.environ["THERMOWATCH_API_TOKEN"],  # auth on, as deployed
-                               judge_process=mode == "daemon")
+                               **({"judge_process": False} if mode == "daemon_thread" else {}))
         app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
         settle_heap()  # as `thermowatch serve` does once the app is built
     else:
