@@ -36,10 +36,26 @@ from ingest import PG_URL, _keys, _pg_url, running_daemon  # noqa: E402  (the sa
 
 
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """The daemon's RSS plus its children's (the detectors' process, supervisor.bank_process)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except FileNotFoundError:
+            pass
+    return total or float("nan")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def _body(step0: int, batch: int, keys: list[str], rng) -> bytes:
@@ -131,7 +147,7 @@ def main() -> None:
             with psycopg.connect(PG_URL.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
                 conn.execute(f"DROP SCHEMA {schema} CASCADE")
     print(f"soak, {a.db}: {r['minutes']} min, {r['steps']:,} steps x {r['series']} series = {r['values']:,} values "
-          f"({r['values_per_s']:,}/s, detectors on); daemon RSS {r['rss_mb_first']:.0f} MB at the first sample, "
+          f"({r['values_per_s']:,}/s, detectors on); daemon RSS (with its detectors process) {r['rss_mb_first']:.0f} MB at the first sample, "
           f"{r['rss_mb_half']:.0f} at half time, {r['rss_mb_last']:.0f} at the end (max {r['rss_mb_max']:.0f}); "
           f"slope over the second half {r['rss_slope_mb_per_min_second_half']:+.2f} MB/min: "
           f"{'flat' if r['flat'] else 'NOT flat'}")

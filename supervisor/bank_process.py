@@ -16,8 +16,9 @@ database write stay in the daemon (supervisor.judge, supervisor.respond).
   catches up from its marker; the responder reloads each run's bank from its saved state in a
   new child (`RemoteBank.lost`).
 - **A daemon that dies** ends its child: the child reads end-of-file on the pipe and exits, so a
-  SIGKILLed daemon leaves no orphan. The child ignores SIGINT (a Ctrl-C reaches the whole process
-  group): the daemon's close() still saves every bank's state through it, then closes the pipe.
+  SIGKILLed daemon leaves no orphan. The child ignores SIGINT and SIGTERM (a Ctrl-C reaches the
+  whole process group; systemd's stop sends SIGTERM to the whole cgroup): the daemon's close()
+  still saves every bank's state through it, then closes the pipe, and the child exits.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class BankLost(RuntimeError):
 def _serve(conn, config: BankConfig) -> None:
     """The child: one DetectorBank per run, one call at a time, until the daemon closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the daemon stops it, by closing the pipe
     banks: dict[str, DetectorBank] = {}
     while True:
         try:

@@ -109,9 +109,10 @@ def test_a_bank_in_the_child_judges_as_one_in_this_process():
         # older saved state depends on the ValueError).
         with pytest.raises(ValueError, match="detector state version"):
             again.load_state_parts({"meta": b'{"version": 1}'})
-        # SIGINT (a Ctrl-C reaches the whole process group) leaves the child serving, so the
-        # daemon's close() can still save every bank through it.
+        # SIGINT (a Ctrl-C reaches the whole process group) and SIGTERM (systemd stops the whole
+        # cgroup) leave the child serving, so the daemon's close() can still save every bank.
         os.kill(host.pid, signal.SIGINT)
+        os.kill(host.pid, signal.SIGTERM)
         time.sleep(0.2)
         assert remote.state_parts() == local.state_parts()
         assert host.restarts == 0
