@@ -135,10 +135,10 @@ def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> d
     """Train one run and write its JSONL + meta. Returns the meta dict (with train seconds)."""
     import torch
 
-    from monitors.contract import LR_PEAK_AHEAD, StepRecord
-    from monitors.thermometers import ThermometerConfig, instrument
-    from trainer.data import DataConfig, DataLoader, stdlib_source
-    from trainer.model import GPT, GPTConfig
+    from thermowatch.monitors.contract import LR_PEAK_AHEAD, StepRecord
+    from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+    from thermowatch.trainer.data import DataConfig, DataLoader, stdlib_source
+    from thermowatch.trainer.model import GPT, GPTConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

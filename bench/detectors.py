@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from monitors.contract import StepRecord
-from monitors.detectors import BankConfig, DetectorBank
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
 
 
 def keys(n: int) -> list[str]:
@@ -37,7 +37,7 @@ def ranked(ks: list[str]) -> list[str]:
     """The keys the run controller names a rank for: those reduced by max or min across ranks
     (contract.reduction), whose extreme some rank held (trainer/reduce.py; with float values the
     ranks nearly always disagree, so nearly every such key carries one)."""
-    from monitors.contract import Reduce, reduction
+    from thermowatch.monitors.contract import Reduce, reduction
 
     return [k for k in ks if reduction(k) in (Reduce.MAX, Reduce.MIN)]
 

@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _divergence_grid as grid_mod
 import _divergence_runs as runs
 
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, Severity, StepRecord
-from monitors.detectors import BankConfig, DetectorBank
-from monitors.detectors.baselines import PeerBank
-from monitors.replay import read_records
-from supervisor.replay_policy import replay_decider
+from thermowatch.monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, Severity, StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
+from thermowatch.monitors.detectors.baselines import PeerBank
+from thermowatch.monitors.replay import read_records
+from thermowatch.supervisor.replay_policy import replay_decider
 
 SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
@@ -243,7 +243,7 @@ def score(all_runs: list[Run], det: str) -> dict:
 # --- driver --------------------------------------------------------------------------------------
 
 def _has_arch_options() -> bool:
-    from trainer.model import GPTConfig
+    from thermowatch.trainer.model import GPTConfig
 
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     return {"norm", "activation"} <= names

@@ -55,16 +55,16 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from supervisor.db import make_engine, make_sessionmaker, upgrade
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker, upgrade
 
     upgrade(url)
     if mode in ("daemon", "daemon_thread"):
         import io
 
-        from supervisor.config import SupervisorConfig
-        from supervisor.notify.console import ConsoleNotifier
-        from supervisor.server import build_app, settle_heap
-        from supervisor.service import Supervisor
+        from thermowatch.supervisor.config import SupervisorConfig
+        from thermowatch.supervisor.notify.console import ConsoleNotifier
+        from thermowatch.supervisor.server import build_app, settle_heap
+        from thermowatch.supervisor.service import Supervisor
 
         cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url,
                                api_token=os.environ["THERMOWATCH_API_TOKEN"],  # auth on, as deployed
@@ -72,10 +72,10 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
         app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
         settle_heap()  # as `thermowatch serve` does once the app is built
     else:
-        from supervisor.api.auth import Guard
-        from supervisor.api.ingest import make_router
-        from supervisor.auth import Authenticator
-        from supervisor.ingest import Ingestor
+        from thermowatch.supervisor.api.auth import Guard
+        from thermowatch.supervisor.api.ingest import make_router
+        from thermowatch.supervisor.auth import Authenticator
+        from thermowatch.supervisor.ingest import Ingestor
 
         sessions = make_sessionmaker(make_engine(url))
         app = FastAPI()
@@ -100,8 +100,8 @@ def _bodies(steps: int, batch: int, keys: list[str], rng, form: str = "json", po
     """Batches as the trainer's HttpSink sends them: form "columns" is its body today
     (StepColumns.from_records(records).encode(), monitors.columns); "json" is the per-step JSON
     form (replays of old spools, older clients), the body before issue 10's columns."""
-    from monitors.columns import StepColumns
-    from monitors.contract import StepRecord
+    from thermowatch.monitors.columns import StepColumns
+    from thermowatch.monitors.contract import StepRecord
 
     from detectors import WORLD, ranked
 
@@ -124,7 +124,7 @@ def _bodies(steps: int, batch: int, keys: list[str], rng, form: str = "json", po
 
 
 def _content_type(body: bytes) -> str:
-    from monitors.columns import COLUMNS_CONTENT_TYPE, MAGIC
+    from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, MAGIC
 
     return COLUMNS_CONTENT_TYPE if body[:4] == MAGIC else "application/json"
 
@@ -186,10 +186,10 @@ def _settle(c: httpx.Client, mode: str) -> None:
 def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
     """The server's work without HTTP: StepColumns.decode + Ingestor.write_columns (the columns
     body the sink sends)."""
-    from monitors.columns import StepColumns
-    from monitors.contract import RunInfo
-    from supervisor.db import make_engine, make_sessionmaker, upgrade
-    from supervisor.ingest import Ingestor
+    from thermowatch.monitors.columns import StepColumns
+    from thermowatch.monitors.contract import RunInfo
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker, upgrade
+    from thermowatch.supervisor.ingest import Ingestor
 
     upgrade(url)
     eng = make_engine(url)
@@ -231,9 +231,9 @@ _STEP_COLS = "(run_id, step, attempt, sample_lo, sample_hi, tokens, wall_time)"
 
 
 def _prepare_raw(kind: str, target: str, n_series: int, run: str) -> None:
-    from supervisor.db import make_engine, make_sessionmaker
-    from supervisor.store import runs, thermometers
-    from monitors.contract import RunInfo
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker
+    from thermowatch.supervisor.store import runs, thermometers
+    from thermowatch.monitors.contract import RunInfo
 
     eng = make_engine(target)
     with make_sessionmaker(eng).begin() as s:
@@ -291,8 +291,8 @@ def _pg_url(schema: str) -> str:
 
 def seed_and_read_history(url: str, n_steps: int, reps: int = 5) -> tuple[float, int]:
     """Seed one series of n_steps in 50-step chunks with the raw driver; time history() (ms, best of reps)."""
-    from supervisor.db import make_engine, make_sessionmaker
-    from supervisor.store import thermometers
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker
+    from thermowatch.supervisor.store import thermometers
 
     rng = np.random.default_rng(1)
     key = _keys(1)[0]
@@ -412,8 +412,8 @@ def bench_validation(steps: int, batch: int, n_values: int, reps: int = 7) -> di
     ingest does not do. Process CPU time, best of `reps`: less disturbed by a shared machine."""
     from pydantic import TypeAdapter
 
-    from supervisor.api.schemas import StepsBody
-    from supervisor.ingest import Ingestor, records_from_json
+    from thermowatch.supervisor.api.schemas import StepsBody
+    from thermowatch.supervisor.ingest import Ingestor, records_from_json
 
     bodies = _bodies(steps, batch, _keys(n_values), np.random.default_rng(0), "json")
     objs = [json.loads(b) for b in bodies]
@@ -488,7 +488,7 @@ def main() -> None:
     try:
         for name in dbs:
             if name == "sqlite":
-                from supervisor.db import upgrade
+                from thermowatch.supervisor.db import upgrade
 
                 pairs = []
                 for r in range(a.repeat):
@@ -502,7 +502,7 @@ def main() -> None:
                 inproc = bench_inprocess(f"sqlite:///{tmp}/inproc.db", bodies, n_values)
                 hist_ms, n = seed_and_read_history(f"sqlite:///{tmp}/raw0.db", a.history_steps)
             else:
-                from supervisor.db import upgrade
+                from thermowatch.supervisor.db import upgrade
 
                 schemas = [f"tw_bench_{uuid.uuid4().hex[:8]}" for _ in range(5 + 3 * a.repeat)]
                 admin = psycopg.connect(_pg_conninfo("public"), autocommit=True)

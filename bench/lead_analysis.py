@@ -35,8 +35,8 @@ import _divergence_grid as grid_mod
 import _divergence_runs as runs
 import divergence as div
 
-from monitors.detectors.attn_logit import theil_sen_slope
-from monitors.replay import read_records
+from thermowatch.monitors.detectors.attn_logit import theil_sen_slope
+from thermowatch.monitors.replay import read_records
 
 SLOPE = 16  # points in a growth-rate fit (the growth detector's slope_window)
 RECENT, BASE = 8, 64  # recent median against a baseline median (the witnesses' windows)

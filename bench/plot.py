@@ -49,9 +49,9 @@ def keys(n: int) -> list[str]:
 
 def seed(url: str, run_id: str, steps: int, n_series: int) -> None:
     """Write the run unless it is already complete (its config says seeded)."""
-    from supervisor.db import make_engine, make_sessionmaker, upgrade
-    from monitors.contract import RunInfo
-    from supervisor.store import rollups, runs, thermometers
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker, upgrade
+    from thermowatch.monitors.contract import RunInfo
+    from thermowatch.supervisor.store import rollups, runs, thermometers
 
     upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
@@ -86,7 +86,7 @@ def seed(url: str, run_id: str, steps: int, n_series: int) -> None:
     with sessions.begin() as s:
         n = rollups.backfill(s, run_id)
         runs.get_run(s, run_id)
-        from supervisor.store.orm import Run
+        from thermowatch.supervisor.store.orm import Run
 
         s.get(Run, run_id).config = {"seeded": True, "steps": steps, "series": n_series}
     print(f"  seeded {run_id}: {steps} steps x {n_series} series in {t1 - t0:.0f} s, "
@@ -100,7 +100,7 @@ def analyze(url: str) -> None:
     condition): 25-115 ms a query instead of 0.1-1 ms, most of a chart's time (EXPLAIN ANALYZE)."""
     if not url.startswith("postgresql"):
         return  # SQLite's planner uses the IN list on the primary key without statistics
-    from supervisor.db import make_engine
+    from thermowatch.supervisor.db import make_engine
 
     eng = make_engine(url)
     with eng.connect() as c:
@@ -134,10 +134,10 @@ def serve(url: str, port: int) -> None:
 
     import uvicorn
 
-    from supervisor.config import SupervisorConfig
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.server import build_app, settle_heap
-    from supervisor.service import Supervisor
+    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.server import build_app, settle_heap
+    from thermowatch.supervisor.service import Supervisor
 
     cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-plot-")), db_url=url,
                            api_token=os.environ["THERMOWATCH_API_TOKEN"])
@@ -224,9 +224,9 @@ def new_paths(url: str, runs_: list[tuple[str, int]], repeat: int) -> list[dict]
 
 OLD_PLOT = r"""
 import resource, sys, time
-from supervisor.db import make_engine, make_sessionmaker
-from supervisor.store import thermometers
-from supervisor.web.plots import Chart, render
+from thermowatch.supervisor.db import make_engine, make_sessionmaker
+from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.web.plots import Chart, render
 url, run_id, family = sys.argv[1:4]
 sessions = make_sessionmaker(make_engine(url))
 render(Chart("warm-up", [("x", __import__("numpy").arange(3), __import__("numpy").arange(3.0))]))
@@ -274,9 +274,9 @@ def ingest_cost(url: str, steps: int, n_series: int, batch: int) -> dict:
     """What rolling up adds to the ingest transaction: thermometers.append of the same batches
     into two fresh runs, alternating batch by batch (this machine's load hits both alike), one
     with the rollup hook and one with it replaced by a no-op."""
-    from monitors.contract import RunInfo, StepRecord
-    from supervisor.db import make_engine, make_sessionmaker
-    from supervisor.store import rollups, runs, thermometers
+    from thermowatch.monitors.contract import RunInfo, StepRecord
+    from thermowatch.supervisor.db import make_engine, make_sessionmaker
+    from thermowatch.supervisor.store import rollups, runs, thermometers
 
     sessions = make_sessionmaker(make_engine(url))
     tag = secrets.token_hex(4)

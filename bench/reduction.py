@@ -40,8 +40,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from monitors.contract import TOKENS_PER_S  # noqa: E402
-from trainer.reduce import Reducer  # noqa: E402
+from thermowatch.monitors.contract import TOKENS_PER_S  # noqa: E402
+from thermowatch.trainer.reduce import Reducer  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -57,9 +57,9 @@ def parse() -> argparse.Namespace:
 
 def thermometer_names(layers: int) -> tuple[list[str], int]:
     """The worker's names for a GPT of `layers` layers (the width does not change them)."""
-    from monitors.thermometers import instrument
-    from trainer.config import TrainConfig
-    from trainer.model import GPT
+    from thermowatch.monitors.thermometers import instrument
+    from thermowatch.trainer.config import TrainConfig
+    from thermowatch.trainer.model import GPT
 
     cfg = TrainConfig.from_dict({"model": {"n_layer": layers, "n_head": 4, "d_model": 32, "seq_len": 32},
                                  "data": {"seq_len": 32}})
@@ -148,7 +148,7 @@ def _process_rank(rank: int, world: int, port: int, names: list[str], n_device: 
     import torch
     import torch.distributed as dist
 
-    from trainer.collective import CollectiveReducer
+    from thermowatch.trainer.collective import CollectiveReducer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -164,7 +164,7 @@ def _process_rank(rank: int, world: int, port: int, names: list[str], n_device: 
 def collective_processes(names, n_device, world, steps) -> tuple[float, np.ndarray]:
     import torch.multiprocessing as mp
 
-    from trainer.worker import _free_port
+    from thermowatch.trainer.worker import _free_port
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r0.npy")
@@ -178,7 +178,7 @@ def collective_threads(names, n_device, world, steps) -> tuple[float, np.ndarray
     import torch.distributed as dist
     from torch.distributed import AllreduceOptions, HashStore, ProcessGroupGloo
 
-    from trainer.collective import CollectiveReducer
+    from thermowatch.trainer.collective import CollectiveReducer
 
     store = HashStore()
     groups: list = [None] * world

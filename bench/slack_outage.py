@@ -75,7 +75,7 @@ def run_once(a: argparse.Namespace, outage: bool) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            # auth on, as deployed: the daemon's admin token, which `train --supervisor` also sends
            "THERMOWATCH_API_TOKEN": "tw_" + secrets.token_urlsafe(32)}
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "thermowatch.cli"]
     with FakeSlack() as slack:
         env["SLACK_BOT_TOKEN"] = slack.token
         (tmp / "sup.yaml").write_text(SUPERVISOR.format(data=tmp / "srv", port=port, slack=slack.base_url))
@@ -109,9 +109,9 @@ def run_once(a: argparse.Namespace, outage: bool) -> dict:
                 raise SystemExit(f"training failed:\n{train.stderr[-3000:]}")
             while time.time() < outage_end + 5:  # let Slack recover, then the outbox deliver
                 time.sleep(1)
-            from supervisor.db import make_engine, make_sessionmaker
-            from supervisor.store import alerts as alerts_store
-            from supervisor.store import steps as steps_store
+            from thermowatch.supervisor.db import make_engine, make_sessionmaker
+            from thermowatch.supervisor.store import alerts as alerts_store
+            from thermowatch.supervisor.store import steps as steps_store
 
             sessions = make_sessionmaker(make_engine(f"sqlite:///{tmp / 'srv' / 'thermowatch.db'}"))
             deadline = time.time() + 900

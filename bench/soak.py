@@ -62,7 +62,7 @@ def _body(step0: int, batch: int, keys: list[str], rng) -> bytes:
     """A batch as the trainer's HttpSink sends it: columns, and the rank that held each max/min
     key's extreme (bench/detectors.ranked), as the run controller names them."""
     from detectors import WORLD, ranked
-    from monitors.columns import StepColumns
+    from thermowatch.monitors.columns import StepColumns
 
     steps = np.arange(step0, step0 + batch, dtype=np.int64)
     has = np.isin(keys, ranked(keys))
@@ -73,7 +73,7 @@ def _body(step0: int, batch: int, keys: list[str], rng) -> bytes:
 
 
 def soak(url: str, minutes: float, n_values: int, batch: int, sample_s: float, max_backlog: int) -> dict:
-    from monitors.columns import COLUMNS_CONTENT_TYPE
+    from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE
 
     keys, rng = _keys(n_values), np.random.default_rng(0)
     samples: list[dict] = []

@@ -36,10 +36,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from monitors.contract import RunInfo, StepRecord  # noqa: E402
-from monitors.thermometers import instrument  # noqa: E402
-from trainer.http_sink import HttpSink  # noqa: E402
-from trainer.model import GPT, GPTConfig  # noqa: E402
+from thermowatch.monitors.contract import RunInfo, StepRecord  # noqa: E402
+from thermowatch.monitors.thermometers import instrument  # noqa: E402
+from thermowatch.transport import HttpSink  # noqa: E402
+from thermowatch.trainer.model import GPT, GPTConfig  # noqa: E402
 
 
 class NullSink:
@@ -77,7 +77,7 @@ TOKEN = "tw_" + secrets.token_urlsafe(32)  # the daemon's admin token for this r
 def start_daemon(data_dir: Path, port: int, cpu: int | None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                THERMOWATCH_API_TOKEN=TOKEN)
-    cmd = [sys.executable, "-c", "import sys; from supervisor.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from thermowatch.cli import main; sys.exit(main(sys.argv[1:]))",
            "serve", "--data-dir", str(data_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(data_dir / "daemon.log", "ab"),
                             preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None)

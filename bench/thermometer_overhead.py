@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
-from trainer.model import GPT, GPTConfig  # noqa: E402
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
+from thermowatch.trainer.model import GPT, GPTConfig  # noqa: E402
 
 OFF = 10**9  # an interval never reached after step 0 (which falls in the warm-up)
 _NONE = dict(act_patterns=(), act_types=(), z_patterns=(), attn_every=OFF, attn_entropy=False,

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import ray
 
-    from trainer.config import TrainConfig
-    from trainer.model import GPT
-    from trainer.profile import matmul_peak
+    from thermowatch.trainer.config import TrainConfig
+    from thermowatch.trainer.model import GPT
+    from thermowatch.trainer.profile import matmul_peak
 
     ray.init(num_cpus=max(4, args.world_size * args.cpus_per_rank), include_dashboard=False, log_to_driver=False)
     model = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _measure(args, stage: int, model: dict, total: int, flops_per_token: int, peak: float) -> dict:
-    from trainer.config import TrainConfig
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
-    from trainer.profile import mfu
+    from thermowatch.trainer.config import TrainConfig
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
+    from thermowatch.trainer.profile import mfu
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig.from_dict(

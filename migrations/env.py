@@ -3,7 +3,7 @@
 
 from alembic import context
 
-from supervisor.store.orm import load_models
+from thermowatch.supervisor.store.orm import load_models
 
 config = context.config
 target_metadata = load_models()
@@ -26,7 +26,7 @@ def run_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from supervisor.db import make_engine
+    from thermowatch.supervisor.db import make_engine
 
     engine = make_engine(config.get_main_option("sqlalchemy.url"))
     with engine.begin() as conn:

@@ -1,4 +1,4 @@
 """Thermometers (hooks that measure) and detectors (pure code that judges series).
 
-Depends on torch only; `monitors.contract` does not even need torch.
+Depends on torch only; `thermowatch.monitors.contract` does not even need torch.
 """

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from monitors.commands import ContractError
+from thermowatch.monitors.commands import ContractError
 
 COLUMNS_CONTENT_TYPE = "application/vnd.thermowatch.step-columns"
 MAGIC = b"TWC1"
@@ -103,7 +103,7 @@ class StepColumns:
     def to_records(self) -> list:
         """Columns -> StepRecords (what the judge and the consistency check read): one dict per
         step built by zip in C, not a Python statement per value."""
-        from monitors.contract import StepRecord
+        from thermowatch.monitors.contract import StepRecord
 
         rows = self.values.tolist()
         keys = self.keys

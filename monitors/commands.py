@@ -4,7 +4,7 @@ boundary: one typed vocabulary (DESIGN.md, "Trust"; STYLE.md rule 13).
 Each command kind is a frozen dataclass validated in its constructor, so the HTTP API, the CLI,
 the policy's executor and the run controller cannot disagree on what is valid: they all build
 these. Integer fields are bounded by what the supervisor's columns hold, so a command whose
-acknowledgement could not be stored is refused when it is built. `monitors.contract`
+acknowledgement could not be stored is refused when it is built. `thermowatch.monitors.contract`
 re-exports every name here; import them from there.
 
 Plain Python only (no torch, no numpy): the supervisor imports this.
@@ -49,11 +49,23 @@ def loads(text: str | bytes) -> Any:
         raise ContractError(f"not valid JSON: {exc}") from None
 
 
+def json_int(v: Any) -> int | None:
+    """An integer as JSON carries it: an int, or a float with no fraction (`232.0` is the integer
+    232 to JSON and to JSON Schema's "integer", which schema-driven clients send); None for
+    anything else (bools, strings, 1.5, NaN)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2.0**63:
+        return int(v)
+    return None
+
+
 def _int(owner: str, name: str, v: Any, lo: int = 0, hi: int = INT64_MAX) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+    n = json_int(v)
+    if n is None or not lo <= n <= hi:
         limit = "2**63-1" if hi == INT64_MAX else ("2**31-1" if hi == INT32_MAX else str(hi))
         raise ContractError(f"{owner}: {name} must be an integer in [{lo}, {limit}], got {v!r}")
-    return int(v)
+    return n
 
 
 def _opt_int(owner: str, name: str, v: Any, lo: int = 0, hi: int = INT64_MAX) -> int | None:
@@ -68,6 +80,13 @@ def _float(owner: str, name: str, v: Any, lo: float, hi: float, *, lo_open: bool
         raise ContractError(f"{owner}: {name} must be a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
                             f"got {v!r}")
     return float(v)
+
+
+def _opt_str(owner: str, name: str, v: Any) -> str | None:
+    """A text field or null; not str() of whatever came ({} is not a path or a node name)."""
+    if v is not None and not isinstance(v, str):
+        raise ContractError(f"{owner}: {name} must be a string or null, got {str(v)[:40]}")
+    return v
 
 
 def _only(owner: str, obj: Any, known: set[str]) -> Mapping[str, Any]:
@@ -108,12 +127,21 @@ class SampleRange:
         return f"[{self.lo}, {self.hi})"
 
 
-def ranges_from_json(obj: Any) -> tuple[SampleRange, ...]:
+def ranges_from_json(obj: Any, *, drop_empty: bool = False) -> tuple[SampleRange, ...]:
+    """`drop_empty`: a pair of valid sample ids with lo >= hi is an empty range, so nothing, and
+    is dropped rather than refused (an ack reports what was done; a command must say what to do)."""
     if obj is None:
         return ()
     if not isinstance(obj, (list, tuple)):
         raise ContractError(f"skip ranges must be a list of [lo, hi] pairs, got {obj!r}")
-    return tuple(SampleRange.from_json(r) for r in obj)
+    return tuple(SampleRange.from_json(r) for r in obj if not (drop_empty and _empty_pair(r)))
+
+
+def _empty_pair(r: Any) -> bool:
+    if not isinstance(r, (list, tuple)) or len(r) != 2:
+        return False
+    lo, hi = json_int(r[0]), json_int(r[1])
+    return lo is not None and hi is not None and 0 <= hi <= lo <= INT64_MAX
 
 
 def merge_ranges(ranges: Iterable[SampleRange | Sequence[int]]) -> tuple[SampleRange, ...]:
@@ -251,7 +279,8 @@ class SetLR:
         if o.get("lr_multiplier") is None:
             raise ContractError("set_lr needs lr_multiplier: the absolute multiplier on the schedule, "
                                 f"in (0, {MAX_LR_MULTIPLIER:g}]")
-        return cls(**{cls._KEYS[k]: (v if k != "rewarmup_steps" else (v or 0)) for k, v in o.items()})
+        # rewarmup_steps null is 0; not `v or 0`, which took {} or false for 0 as well
+        return cls(**{cls._KEYS[k]: (v if k != "rewarmup_steps" or v is not None else 0) for k, v in o.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,11 +325,11 @@ class Rollback:
         if o.get("to_step") is None:
             raise ContractError("rollback needs to_step: roll back to the newest healthy checkpoint at or before it")
         lr_args = {k: v for k, v in o.items() if k in SetLR._KEYS and v is not None}
-        node = o.get("exclude_node")
         return cls(to_step=o["to_step"], exact=o.get("exact", False), skip=ranges_from_json(o.get("skip_ranges")),
                    lr=SetLR.from_args(lr_args) if lr_args.get("lr_multiplier") is not None else None,
-                   checkpoint=None if o.get("checkpoint") is None else str(o["checkpoint"]),
-                   exclude_rank=o.get("exclude_rank"), exclude_node=None if node is None else str(node))
+                   checkpoint=_opt_str("rollback", "checkpoint", o.get("checkpoint")),
+                   exclude_rank=o.get("exclude_rank"),
+                   exclude_node=_opt_str("rollback", "exclude_node", o.get("exclude_node")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +370,7 @@ class Profile:
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Profile":
         o = _only("profile", args, {"steps", "out_dir"})
-        return cls(o.get("steps", 5), None if o.get("out_dir") is None else str(o["out_dir"]))
+        return cls(o.get("steps", 5), _opt_str("profile", "out_dir", o.get("out_dir")))
 
 
 def _no_args(kind: CommandKind):
@@ -462,8 +491,9 @@ class Ack:
                 raise ContractError(f"ack: missing field {name!r}")
         path = o.get("checkpoint_path")
         return cls(o["command_id"], o["ok"], o["step"], o.get("detail", ""), o.get("checkpoint_step"),
-                   None if path is None else str(path), o.get("lr_multiplier"),
+                   _opt_str("ack", "checkpoint_path", path), o.get("lr_multiplier"),
                    None if o.get("lr_change") is None else LRChange.from_json(o["lr_change"]), o.get("lr_seq"),
-                   ranges_from_json(o.get("skipped")), o.get("ledger_digest", ""))
+                   # issue 21: [x, x) is schema-valid (JSON Schema cannot say lo < hi) and skipped nothing
+                   ranges_from_json(o.get("skipped"), drop_empty=True), o.get("ledger_digest", ""))
 
 

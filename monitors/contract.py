@@ -82,6 +82,10 @@ def reduction(key: str) -> Reduce:
 
 # --- the per-step record -----------------------------------------------------------------------
 
+# |wall_time| at most this: a clock reading in seconds (the controller sends time.time()), bounded
+# so the OpenAPI can state it (issue 21: +-1.8e308 is finite, and no clock reads it).
+MAX_WALL_TIME = 1e15
+
 # Keys of the flat JSON record that are not metrics.
 RECORD_FIELDS = ("step", "sample_lo", "sample_hi", "tokens", "wall_time", "ranks", "ledger_digest")
 
@@ -129,9 +133,9 @@ class StepRecord:
         """Parse the flat shape. Raises ContractError naming the bad field."""
         if not isinstance(obj, Mapping):
             raise ContractError(f"a step record must be a JSON object, got {type(obj).__name__}")
-        step = obj.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ContractError(f"'step' must be a non-negative integer, got {step!r}")
+        step = json_int(obj.get("step"))
+        if step is None or step < 0:
+            raise ContractError(f"'step' must be a non-negative integer, got {obj.get('step')!r}")
         values: dict[str, float] = {}
         for key, val in obj.items():
             if key in RECORD_FIELDS:
@@ -142,30 +146,35 @@ class StepRecord:
                     continue
                 raise ContractError(f"step {step}: metric {key!r} must be a number, got {val!r}")
             values[key] = float(val)
-        ranks = obj.get("ranks") or {}
+        ranks = obj.get("ranks")
+        ranks = {} if ranks is None else ranks  # not `or {}`: false or [] is not an object of ranks
         digest = obj.get("ledger_digest", "")
         if not isinstance(digest, str) or len(digest) > 64:
             raise ContractError(f"step {step}: 'ledger_digest' must be a short string, got {digest!r}")
         if not isinstance(ranks, Mapping):
             raise ContractError(f"step {step}: 'ranks' must be an object of metric -> rank")
-        return cls(
-            step=step,
-            values=values,
-            sample_lo=int(obj.get("sample_lo", -1)),
-            sample_hi=int(obj.get("sample_hi", -1)),
-            tokens=int(obj.get("tokens", 0)),
-            wall_time=float(obj.get("wall_time", 0.0)),
-            ranks={str(k): int(v) for k, v in ranks.items()},
-            ledger_digest=digest,
-        )
+        ints = {}
+        for name, default in (("sample_lo", -1), ("sample_hi", -1), ("tokens", 0)):
+            ints[name] = json_int(obj.get(name, default))
+            if ints[name] is None:
+                raise ContractError(f"step {step}: {name!r} must be an integer, got {str(obj.get(name))[:40]}")
+        rank_of = {str(k): json_int(v) for k, v in ranks.items()}
+        if None in rank_of.values():
+            bad = next(k for k, v in rank_of.items() if v is None)
+            raise ContractError(f"step {step}: ranks[{bad!r}] must be an integer rank, got {str(ranks[bad])[:40]}")
+        wall = obj.get("wall_time", 0.0)
+        if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not -MAX_WALL_TIME <= wall <= MAX_WALL_TIME:
+            raise ContractError(f"step {step}: 'wall_time' must be a finite number of seconds within "
+                                f"+-{MAX_WALL_TIME:g}, got {str(wall)[:40]}")
+        return cls(step=step, values=values, wall_time=float(wall), ranks=rank_of, ledger_digest=digest, **ints)
 
 
 # --- commands, acknowledgements and the values they carry: monitors/commands.py ----------------
 # (one vocabulary, re-exported here so both sides import it from the contract)
 
-from monitors.commands import (  # noqa: E402
+from thermowatch.monitors.commands import (  # noqa: E402
     COMMAND_TYPES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, Ack, Command, CommandBody, CommandKind, ContractError,
-    LRChange, Pause, Profile, Resume, Rollback, SampleRange, SetLR, Skip, Stop, dumps, ledger_digest, loads,
+    LRChange, Pause, Profile, Resume, Rollback, SampleRange, SetLR, Skip, Stop, dumps, json_int, ledger_digest, loads,
     merge_ranges, multiplier_at, parse_command, ranges_from_json,
 )
 
@@ -312,15 +321,19 @@ class RunInfo:
         run_id = obj.get("run_id")
         if not isinstance(run_id, str) or not run_id or len(run_id) > 200 or "/" in run_id:
             raise ContractError(f"'run_id' must be a non-empty string of at most 200 chars without '/', got {run_id!r}")
-        config, hosts = obj.get("config") or {}, obj.get("hosts") or {}
+        config, hosts = obj.get("config"), obj.get("hosts")
+        config = {} if config is None else config  # null: none given; any other non-object is refused below
+        hosts = {} if hosts is None else hosts
         if not isinstance(config, Mapping):
             raise ContractError("'config' must be an object")
         if not isinstance(hosts, Mapping):
             raise ContractError("'hosts' must be an object of rank -> host")
-        try:
-            hosts = {int(k): str(v) for k, v in hosts.items()}
-        except ValueError:
-            raise ContractError(f"'hosts' keys must be integer ranks, got {list(hosts)!r}") from None
+        bad = [k for k, v in hosts.items() if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9
+                                                    and isinstance(v, str))]
+        if bad:
+            raise ContractError(f"'hosts' maps ranks (decimal strings) to host names (strings); {bad[0][:40]!r} is not "
+                                "that")
+        hosts = {int(k): v for k, v in hosts.items()}
         return cls(run_id=run_id, attempt=_req_int(obj, "attempt", 0, INT32_MAX),
                    world_size=_req_int(obj, "world_size", 1, INT32_MAX), config=dict(config),
                    start_step=_req_int(obj, "start_step", 0, INT64_MAX, 0), hosts=hosts)
@@ -344,7 +357,8 @@ class CheckpointInfo:
     def from_json(cls, obj: Any) -> "CheckpointInfo":
         if not isinstance(obj, Mapping):
             raise ContractError(f"checkpoint must be a JSON object, got {type(obj).__name__}")
-        path, healthy, manifest = obj.get("path"), obj.get("healthy"), obj.get("manifest") or {}
+        path, healthy, manifest = obj.get("path"), obj.get("healthy"), obj.get("manifest")
+        manifest = {} if manifest is None else manifest
         if not isinstance(path, str) or not path:
             raise ContractError(f"'path' must be a non-empty string, got {path!r}")
         if not isinstance(healthy, bool):
@@ -356,13 +370,73 @@ class CheckpointInfo:
                    manifest=dict(manifest))
 
 
+class FinishReason(str, enum.Enum):
+    """Why a run's attempt ended of its own accord (issue 22, item 9)."""
+
+    COMPLETED = "completed"  # the planned step count was trained
+    STOPPED = "stopped"  # a stop command ended it
+    CLOSED = "closed"  # the user's loop ended (early, or with no total to reach) and closed the session
+
+
+# JSON carries a non-finite loss as Python's json writes it (NaN, Infinity) or as the supervisor's
+# answers spell it (the strings below); both read back as the float.
+_NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished:
+    """Sent once when an attempt ends of its own accord: the last step trained, the loss it ended
+    on (None: none measured; NaN or Inf is data, the loss a diverged run ended on), and why."""
+
+    step: int
+    final_loss: float | None
+    reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or not 0 <= self.step <= INT64_MAX:
+            raise ContractError(f"'step' must be an integer in [0, 2**63-1], got {self.step!r}")
+        if self.final_loss is not None and (isinstance(self.final_loss, bool)
+                                            or not isinstance(self.final_loss, (int, float))):
+            raise ContractError(f"'final_loss' must be a number or null, got {str(self.final_loss)[:40]!r}")
+        if not isinstance(self.reason, FinishReason):
+            try:
+                object.__setattr__(self, "reason", FinishReason(self.reason))
+            except ValueError:
+                raise ContractError(f"'reason' must be one of {[r.value for r in FinishReason]}, "
+                                    f"got {str(self.reason)[:40]!r}") from None
+        if self.final_loss is not None:
+            object.__setattr__(self, "final_loss", float(self.final_loss))
+
+    def to_json(self) -> dict[str, Any]:
+        """NaN/Inf as Python's json writes them (the supervisor's parser reads them)."""
+        return {"step": self.step, "final_loss": self.final_loss, "reason": self.reason.value}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "RunFinished":
+        if not isinstance(obj, Mapping):
+            raise ContractError(f"a finished report must be a JSON object, got {type(obj).__name__}")
+        loss = obj.get("final_loss")
+        if isinstance(loss, str) and loss in _NONFINITE_TEXT:
+            loss = _NONFINITE_TEXT[loss]
+        if "reason" not in obj:
+            raise ContractError("missing field 'reason'")
+        return cls(step=_req_int(obj, "step", 0, INT64_MAX), final_loss=loss, reason=obj["reason"])
+
+    def same_as(self, other: "RunFinished") -> bool:
+        """Equality with NaN equal to NaN: a re-sent report is the same report (idempotent)."""
+        a, b = self.final_loss, other.final_loss
+        same_loss = a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+        return self.step == other.step and self.reason == other.reason and same_loss
+
+
 def _req_int(obj: Mapping[str, Any], name: str, lo: int, hi: int, default: Any = ...) -> int:
     v = obj.get(name, default)
     if v is ...:
         raise ContractError(f"missing field {name!r}")
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+    n = json_int(v)
+    if n is None or not lo <= n <= hi:
         raise ContractError(f"{name!r} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
+    return n
 
 
 # --- seams --------------------------------------------------------------------------------------
@@ -381,6 +455,11 @@ class RecordSink(Protocol):
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
         """The trainer deleted these checkpoints (retention), as it did so: the supervisor's
         list and the page must never offer a checkpoint that is gone."""
+        ...
+
+    def finish_run(self, run_id: str, attempt: int, finished: RunFinished) -> None:
+        """The attempt ended of its own accord (the loop closed, the steps were trained, a stop
+        was obeyed): the run reads "finished" with its final loss. Sent once, before close()."""
         ...
 
     def close(self) -> None: ...

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from monitors.contract import RECORD_FIELDS, ContractError, Finding, StepRecord
+from thermowatch.monitors.contract import RECORD_FIELDS, ContractError, Finding, StepRecord
 
 from .detectors import BankConfig, DetectorBank
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
 
-from supervisor.config import ConfigError, SupervisorConfig
-from supervisor.store import audit as audit_store
-from supervisor.store import tokens as tokens_store
+from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import tokens as tokens_store
 
 log = logging.getLogger(__name__)
 

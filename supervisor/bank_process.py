@@ -29,8 +29,8 @@ import signal
 import threading
 from typing import Any
 
-from monitors.columns import StepColumns
-from monitors.detectors import BankConfig, DetectorBank
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import CHECKPOINT_FAILURES, Finding, Severity, Signal, StepRecord
-from supervisor.notify.base import Alert
-from supervisor.store import findings as findings_store
+from thermowatch.monitors.contract import CHECKPOINT_FAILURES, Finding, Severity, Signal, StepRecord
+from thermowatch.supervisor.notify.base import Alert
+from thermowatch.supervisor.store import findings as findings_store
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,10 @@ from urllib.parse import quote
 
 import httpx
 
-from supervisor.errors import DaemonUnreachable, UserError
+from thermowatch.supervisor.errors import DaemonUnreachable, UserError
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
+FROM_DEFAULT = "the default"  # Endpoint.server_from when nothing named a server
 SERVER_ENV, TOKEN_ENV, CONFIG_ENV = "THERMOWATCH_SERVER", "THERMOWATCH_TOKEN", "THERMOWATCH_CLIENT_CONFIG"
 
 
@@ -85,7 +86,7 @@ def resolve(server: str | None = None, token: str | None = None) -> Endpoint:
     saved = read_login() if not (server and token) else {}
     s, s_from = next(((v, w) for v, w in ((server, "--server"), (os.environ.get(SERVER_ENV), SERVER_ENV),
                                          (saved.get("server"), str(config_path())))
-                      if v), (DEFAULT_SERVER, "the default"))
+                      if v), (DEFAULT_SERVER, FROM_DEFAULT))
     t, t_from = next(((v, w) for v, w in ((token, "--token"), (os.environ.get(TOKEN_ENV), TOKEN_ENV),
                                          (saved.get("token"), str(config_path())))
                       if v), (None, "nowhere"))

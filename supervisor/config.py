@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from monitors.config_tree import ConfigTreeError, check_tree, schema
-from supervisor.errors import UserError
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
-    from supervisor.notify.flap import FlapConfig
+    from thermowatch.supervisor.notify.flap import FlapConfig
 
 
 class ConfigError(UserError):
@@ -36,13 +36,36 @@ class SlackConfig:
     # environment or a mounted file; unset means no buttons and POST /api/slack/interactions 404s.
     signing_secret_env: str = "SLACK_SIGNING_SECRET"
     signing_secret_file: str = ""
+    # Who may click them (supervisor.approvers; issue 21: Slack's signature admits any workspace
+    # member). Closed by default: none listed, no buttons, and a click is refused with 403.
+    approvers: list[str] = field(default_factory=list)  # Slack member ids, U... (ids: names change)
+    approver_groups: list[str] = field(default_factory=list)  # user-group ids, S...; bot scope usergroups:read
+    approver_groups_ttl_s: float = 60.0  # a member removed from a group may still approve for this long
     # Flap damping (supervisor.notify.flap), for every channel: after this many threads for one
     # (run, signal, module) within flap_window_s, later incidents of it are counted replies there.
     flap_max_alerts: int = 3
     flap_window_s: float = 1800.0
 
+    def __post_init__(self) -> None:
+        from thermowatch.supervisor.approvers import GROUP_ID, USER_ID
+
+        for name, pattern, what in (("approvers", USER_ID, "a Slack member id (U... or W...; a profile's "
+                                                             "\u22ee menu, 'Copy member ID'), not a name"),
+                                    ("approver_groups", GROUP_ID, "a Slack user-group id (S...; the group's "
+                                                                  "page in Slack, or usergroups.list)")):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+                raise ConfigError(f"slack.{name} must be a list of ids, got {ids!r}")
+            for i, v in enumerate(ids):
+                if not isinstance(v, str) or not pattern.fullmatch(v):
+                    raise ConfigError(f"slack.{name}[{i}]: {v!r} is not {what}")
+            setattr(self, name, list(ids))
+        ttl = self.approver_groups_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
+            raise ConfigError(f"slack.approver_groups_ttl_s must be in (0, 3600] seconds, got {ttl!r}")
+
     def flap(self) -> "FlapConfig":
-        from supervisor.notify.flap import FlapConfig
+        from thermowatch.supervisor.notify.flap import FlapConfig
 
         return FlapConfig(self.flap_max_alerts, self.flap_window_s)
 
@@ -73,11 +96,11 @@ class SupervisorConfig:
     slack: SlackConfig = field(default_factory=SlackConfig)
     # The sections below are checked key by key against the class named in `schema` (config_tree).
     policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
-                                   metadata=schema("supervisor.policy:PolicyConfig"))
+                                   metadata=schema("thermowatch.supervisor.policy:PolicyConfig"))
     detectors: dict[str, Any] = field(default_factory=dict,  # DetectorBank config that differs
-                                      metadata=schema("monitors.detectors:BankConfig"))
+                                      metadata=schema("thermowatch.monitors.detectors:BankConfig"))
     limits: dict[str, Any] = field(default_factory=dict,  # supervisor.limits.Limits fields that differ
-                                   metadata=schema("supervisor.limits:Limits"))
+                                   metadata=schema("thermowatch.supervisor.limits:Limits"))
 
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
@@ -111,10 +134,10 @@ class SupervisorConfig:
             self.slack.flap()
         except UserError as exc:
             raise ConfigError(str(exc)) from None
-        from supervisor.limits import Limits
+        from thermowatch.supervisor.limits import Limits
 
-        from monitors.detectors import BankConfig
-        from supervisor.policy import PolicyConfig
+        from thermowatch.monitors.detectors import BankConfig
+        from thermowatch.supervisor.policy import PolicyConfig
 
         # Build each section once now, so a value out of range stops `serve` at start-up
         # with the section's name, not at the first finding.

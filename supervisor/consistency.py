@@ -22,13 +22,13 @@ from typing import Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import LR_MULTIPLIER, Finding, Severity, Signal, StepRecord, multiplier_at
-from supervisor.notify.base import Alert
-from supervisor.store import actions as actions_store
-from supervisor.store import findings as findings_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
+from thermowatch.monitors.contract import LR_MULTIPLIER, Finding, Severity, Signal, StepRecord, multiplier_at
+from thermowatch.supervisor.notify.base import Alert
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 
-import migrations as _migrations_pkg
+import thermowatch.migrations as _migrations_pkg
 
 # __path__, not __file__: also right when an older editable install maps it as a namespace package
 MIGRATIONS_DIR = Path(next(iter(_migrations_pkg.__path__))).resolve()

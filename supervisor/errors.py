@@ -18,6 +18,15 @@ class Conflict(UserError):
     """A request that is valid but not now (e.g. approving an action that already ran)."""
 
 
+class QuotaExceeded(UserError):
+    """A caller used up a budget over time (supervisor.quota): HTTP 429 with Retry-After.
+    Nothing was stored."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class DaemonUnreachable(RuntimeError):
     """The CLI found no thermowatch daemon at the address; the message names it and how to point
     elsewhere (exit 3)."""

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitors.contract import (
+from thermowatch.monitors.contract import (
     Ack,
     Command,
     CommandBody,
@@ -43,22 +43,22 @@ from monitors.contract import (
     Skip,
     parse_command,
 )
-from supervisor import feasibility
-from supervisor.errors import Conflict, NotFound, UserError
-from supervisor.notify import flap as flaps
-from supervisor.notify.base import Alert, ChartRequest, Notifier
-from supervisor.notify.flap import FlapConfig
-from supervisor.notify.outbox import Outbox
-from supervisor.outcome import outcome, render, summary
-from supervisor.policy import Decision, DecisionKind
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
-from supervisor.store import steps as steps_store
+from thermowatch.supervisor import feasibility
+from thermowatch.supervisor.errors import Conflict, NotFound, UserError
+from thermowatch.supervisor.notify import flap as flaps
+from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier
+from thermowatch.supervisor.notify.flap import FlapConfig
+from thermowatch.supervisor.notify.outbox import Outbox
+from thermowatch.supervisor.outcome import outcome, render, summary
+from thermowatch.supervisor.policy import Decision, DecisionKind
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import steps as steps_store
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,22 @@ class Executor:
             actions_store.set_action_state(s, action_id, "cancelled")
 
         self._human_decides(action_id, who, "cancelled", change)
+
+    def refuse(self, action_id: int, who: str, wanted: str, why: str) -> None:
+        """A human's answer that is not theirs to give (a Slack user who is not an approver,
+        supervisor.approvers): the action is left as it is; the audit trail and the action's
+        thread say who tried what and why it was refused. An unknown action id is audited too."""
+        with self._session.begin() as s:
+            row = actions_store.get_action(s, action_id)
+            audit_store.audit(s, row.run_id if row else None, who, "refused",
+                              {"action_id": action_id, "wanted": wanted, "why": why})
+            if row is not None:
+                self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
+                                           title=f"{row.run_id}: {who} may not {wanted} {row.kind} "
+                                                 f"(action {action_id}); nothing changed",
+                                           text=why, incident_id=row.incident_id,
+                                           thread=_thread(action_id, row.incident_id)))
+        self.flush_alerts()
 
     def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], Any]) -> None:
         with self._session.begin() as s:

@@ -14,14 +14,14 @@ from typing import Any, Mapping
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from monitors.contract import MAX_LR_MULTIPLIER, CommandBody, Rollback, SampleRange, Skip, merge_ranges
-from supervisor.errors import UserError
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
-from supervisor.store import thermometers as thermo_store
-from supervisor.store.orm import Step
+from thermowatch.monitors.contract import MAX_LR_MULTIPLIER, CommandBody, Rollback, SampleRange, Skip, merge_ranges
+from thermowatch.supervisor.errors import Conflict, UserError
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import thermometers as thermo_store
+from thermowatch.supervisor.store.orm import Step
 
 
 def next_step(s: Session, run_id: str) -> int:
@@ -41,12 +41,14 @@ def resolve_relative(s: Session, run_id: str, args: Mapping[str, Any]) -> dict[s
         raise UserError(f"lr_factor must be a number in (0, {MAX_LR_MULTIPLIER:g}], got {factor!r}")
     base = lr_store.multiplier_in_force(s, run_id, next_step(s, run_id))
     # Rounded: 0.5 * 0.2 is 0.1 in words, and people read this number.
-    out.update(lr_multiplier=round(base * factor, 12), lr_base=base)
+    # 12 significant digits, not decimals: a tiny factor must not round to a multiplier of 0.
+    out.update(lr_multiplier=float(f"{base * factor:.12g}"), lr_base=base)
     return out
 
 
 def check(s: Session, run_id: str, body: CommandBody) -> None:
-    """Raise UserError when `body` cannot do what it says on this run."""
+    """Raise Conflict (409) when `body` cannot do what it says on this run as stored now: the
+    request itself is well formed (issue 21: a schema-valid body is not a 422)."""
     ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
     if ranges:
         _check_data_limit(s, run_id, ranges)
@@ -74,7 +76,7 @@ def _check_data_limit(s: Session, run_id: str, ranges: tuple[SampleRange, ...]) 
     limit, how = got
     for r in ranges:
         if r.lo >= limit:  # wholly past the end: it could never skip anything
-            raise UserError(f"skip range {r} is beyond the samples run {run_id!r} can consume: ids stop at "
+            raise Conflict(f"skip range {r} is beyond the samples run {run_id!r} can consume: ids stop at "
                             f"{limit} ({how}); ranges are absolute sample ids (see a step's sample_lo/sample_hi)")
 
 
@@ -89,17 +91,17 @@ def _check_rollback(s: Session, run_id: str, cmd: Rollback) -> None:
     if consumed is not None and consumed >= 0:
         for r in cmd.skip:
             if r.lo >= consumed:
-                raise UserError(f"skip range {r} is wholly in the future: run {run_id!r} has consumed samples up to "
+                raise Conflict(f"skip range {r} is wholly in the future: run {run_id!r} has consumed samples up to "
                                 f"{consumed}, and a rollback skips data already trained on; use `thermowatch skip` "
                                 "to pass over samples not yet reached")
     rows = ckpt_store.checkpoints(s, run_id, include_deleted=True)
     usable = [c for c in rows if c.healthy and not c.deleted and c.step <= cmd.to_step]
     at = [c for c in rows if c.step == cmd.to_step]
     if cmd.exact and not any(c.healthy and not c.deleted for c in at):
-        raise UserError(f"--exact: checkpoint {cmd.to_step} of run {run_id!r} {_why_not(at)}; "
+        raise Conflict(f"--exact: checkpoint {cmd.to_step} of run {run_id!r} {_why_not(at)}; "
                         f"usable checkpoints: {sorted({c.step for c in rows if c.healthy and not c.deleted}) or 'none'}")
     if not usable and rows:
-        raise UserError(f"no healthy checkpoint of run {run_id!r} at or before step {cmd.to_step} "
+        raise Conflict(f"no healthy checkpoint of run {run_id!r} at or before step {cmd.to_step} "
                         f"(usable: {sorted({c.step for c in rows if c.healthy and not c.deleted}) or 'none'}); "
                         "pick a later step")
 

@@ -23,11 +23,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from supervisor.store import metrics as metrics_store
+from thermowatch.supervisor.store import metrics as metrics_store
 
 if TYPE_CHECKING:
-    from supervisor.scheduler import Scheduler
-    from supervisor.service import Supervisor
+    from thermowatch.supervisor.scheduler import Scheduler
+    from thermowatch.supervisor.service import Supervisor
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Health:
         return out
 
     def _schema(self) -> dict[str, Any]:
-        from supervisor import db
+        from thermowatch.supervisor import db
 
         if self._head is None:
             self._head = db.head_revision()

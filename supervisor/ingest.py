@@ -14,26 +14,32 @@ from itertools import chain
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from monitors.columns import StepColumns
+from thermowatch.monitors.columns import StepColumns
 
-from monitors.contract import INT32_MAX, INT64_MAX, RECORD_FIELDS, CheckpointInfo, ContractError, RunInfo, StepRecord
-from supervisor.errors import Conflict
-from supervisor.limits import (
+from thermowatch.monitors.contract import (
+    INT32_MAX, INT64_MAX, MAX_WALL_TIME, RECORD_FIELDS, CheckpointInfo, ContractError, RunFinished, RunInfo, StepRecord,
+    json_int,
+)
+from thermowatch.supervisor import quota
+from thermowatch.supervisor.errors import Conflict
+from thermowatch.supervisor.limits import (
     DIGEST_CHARS, PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
     check_metric_key, check_run_id, check_text,
 )
-from supervisor.store import audit as audit_store
-from supervisor.store import checkpoints as checkpoints_store
-from supervisor.store import runs as runs_store
-from supervisor.store import steps as steps_store
-from supervisor.store import thermometers
-from supervisor.ingest_columns import check_columns
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import checkpoints as checkpoints_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.ingest_columns import check_columns
 
 log = logging.getLogger(__name__)
 
 _INT64 = 2**63
+_RACE_RETRIES = 2  # a batch that lost a race for its steps is compared again (then 409 or nothing new)
 OnRecords = Callable[[str, int, Sequence[StepRecord]], Any]
 
 
@@ -82,51 +88,69 @@ class Ingestor:
         check_run_info(info, self.limits)
         with self._sessions.begin() as s:
             new = not runs_store.attempt_exists(s, info.run_id, info.attempt)
-            runs_store.open_attempt(s, info)
+            if runs_store.open_attempt(s, info, created_by=actor):  # a new run, not a new attempt
+                quota.check_new_run(s, actor, self.limits)  # past the limit: QuotaExceeded, rolled back
             if new:
                 audit_store.audit(s, info.run_id, actor, "attempt_opened",
                                   {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step})
         self._attempts.add((info.run_id, info.attempt))
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
-        """Store a batch; returns the number of values it carried. Idempotent on retries."""
+        """Store a batch; returns the number of values it carried. Idempotent on retries. The
+        records are checked as records (their types), then stored as columns: one path."""
         records = list(records)
-        n_values, keys = self._validate_batch(run_id, attempt, records)
+        n_values, _ = self._validate_batch(run_id, attempt, records)
         if not records:
             return 0
-        view = self._cache.view()
-        with self._sessions.begin() as s:
-            self._check_attempt(s, run_id, attempt)
-            records = _new_records(s, run_id, attempt, records)
-            if records:
-                thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
-                steps_store.record_steps(s, run_id, attempt, records)
-                thermometers.append(s, run_id, attempt, records, view)
-        self._cache.merge(view)  # only after the commit
-        if records:  # a re-sent batch was checked and judged when it first came: never twice
-            self._committed(run_id, attempt, records)
+        try:
+            cols = StepColumns.from_records(records)
+        except OverflowError:  # an int beyond float64
+            raise ContractError("a metric value is an integer too large for a float64") from None
+        check_columns(run_id, attempt, cols, self.limits, BatchTooLarge)  # what the columns path checks
+        new = self._store(run_id, attempt, cols)
+        if len(new):  # the judge and the state checks take the records themselves, as they came
+            fresh = set(new.steps.tolist())
+            self._committed(run_id, attempt, [r for r in records if r.step in fresh])
         return n_values
 
     def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
-        """write() for a batch sent as columns (monitors.columns): the same checks, the same
-        immutability and judged-once rules, without a Python object per value on the way in."""
-        n_values, keys = check_columns(run_id, attempt, cols, self.limits, BatchTooLarge)
-        if not len(cols):
-            return 0
-        view = self._cache.view()
-        with self._sessions.begin() as s:
-            self._check_attempt(s, run_id, attempt)
-            cols = _new_columns(s, run_id, attempt, cols)
-            if len(cols):
-                thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
-                steps_store.record_step_columns(s, run_id, attempt, cols)
-                thermometers.append_columns(s, run_id, attempt, cols, view)
-        self._cache.merge(view)
-        if len(cols):
+        """Store a batch given as columns (monitors.columns; what the trainer's sink sends): the
+        checks, then one transaction, without a Python object per value on the way in. Stored
+        history is immutable, and the database decides it: a step row is inserted plainly, so of
+        two overlapping batches sent at once the second meets the first's rows (a unique
+        violation), and its retry compares them as any re-send (409 or nothing new)."""
+        n_values, _ = check_columns(run_id, attempt, cols, self.limits, BatchTooLarge)
+        new = self._store(run_id, attempt, cols)
+        if len(new):  # a re-sent batch was checked and judged when it first came: never twice
             # The judge takes the columns as they are (its batch path is arrays); the state checks
             # read records of the few keys they name, so no request builds a dict per step.
-            self._committed(run_id, attempt, cols)
+            self._committed(run_id, attempt, new)
         return n_values
+
+    def _store(self, run_id: str, attempt: int, cols: StepColumns) -> StepColumns:
+        """One transaction; returns the steps it stored (none when all were stored already)."""
+        if not len(cols):
+            return cols
+        keys = set(cols.keys)
+        for tries in range(_RACE_RETRIES, -1, -1):
+            view = self._cache.view()
+            try:
+                with self._sessions.begin() as s:
+                    self._check_attempt(s, run_id, attempt)
+                    new = _new_columns(s, run_id, attempt, cols)
+                    if len(new):
+                        thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
+                        steps_store.record_step_columns(s, run_id, attempt, new)
+                        thermometers.append_columns(s, run_id, attempt, new, view)
+            except IntegrityError as exc:
+                if not tries or not _is_step_race(exc):
+                    raise
+                log.info("run %s attempt %s: a concurrent batch stored some of these steps first; comparing", run_id,
+                         attempt)
+                continue
+            break
+        self._cache.merge(view)  # only after the commit
+        return new
 
     def _committed(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
         if self._check_state is not None:
@@ -162,6 +186,22 @@ class Ingestor:
             if n:
                 audit_store.audit(s, run_id, actor, "checkpoints_deleted",
                                   {"steps": steps, "reason": reason, "attempt": attempt})
+
+    def finish_run(self, run_id: str, attempt: int, finished: RunFinished, actor: str = "run-controller") -> None:
+        """The attempt ended of its own accord (contract.RunFinished). Idempotent: the same report
+        again is nothing new; a different one is a Conflict (an attempt finishes once)."""
+        if not isinstance(finished, RunFinished):
+            raise ContractError(f"finish_run takes a RunFinished, got {type(finished).__name__}")
+        with self._sessions.begin() as s:
+            self._check_attempt(s, run_id, attempt)
+            stored = runs_store.finish_attempt(s, run_id, attempt, finished)
+            if stored is not None and stored.same_as(finished):
+                return  # a re-send (a retry, a replayed spool): nothing new
+            if stored is not None:
+                raise HistoryConflict(f"run {run_id!r} attempt {attempt} already finished at step {stored.step} "
+                                      f"({stored.reason.value}, final loss {stored.final_loss}); an attempt finishes "
+                                      "once: re-send the same report, or open a new attempt")
+            audit_store.audit(s, run_id, actor, "run_finished", {"attempt": attempt, **finished.to_json()})
 
     def close(self) -> None:
         pass
@@ -200,8 +240,9 @@ class Ingestor:
                     raise ContractError(f"records[{i}]: {name!r} must be an integer in [-1, 2**63), got {v!r}")
             # A column holds it: SQLite stores a NaN REAL as NULL (a NOT NULL failure, i.e. a 500).
             if (isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float))
-                    or not -1e300 < r.wall_time < 1e300):  # NaN fails both; no float() of a huge int
-                raise ContractError(f"step {r.step}: 'wall_time' must be a finite number, got {str(r.wall_time)[:40]}")
+                    or not -MAX_WALL_TIME <= r.wall_time <= MAX_WALL_TIME):  # NaN fails both; no float() of a huge int
+                raise ContractError(f"step {r.step}: 'wall_time' must be a finite number of seconds within "
+                                    f"+-{MAX_WALL_TIME:g}, got {str(r.wall_time)[:40]}")
             if not isinstance(r.values, dict):
                 raise ContractError(f"step {r.step}: 'values' must be a dict of metric -> float")
             if len(r.values) > lim.max_keys_per_step:
@@ -230,8 +271,10 @@ class Ingestor:
             log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt, steps[0], steps[-1])
 
 
-def _keys(records: Sequence[StepRecord]) -> list[str]:
-    return list(dict.fromkeys(k for r in records for k in r.values))
+def _is_step_race(exc: IntegrityError) -> bool:
+    """A unique violation on the steps table's key: another batch stored the step first."""
+    text = str(exc.orig)
+    return "steps" in text and ("UNIQUE" in text or "duplicate key" in text)
 
 
 def _check_numbers(records: Sequence[StepRecord]) -> None:
@@ -274,24 +317,11 @@ def run_info_to_json(info: RunInfo) -> dict[str, Any]:
     return info.to_json()
 
 
-def _new_records(s, run_id: str, attempt: int, records: list[StepRecord]) -> list[StepRecord]:
+def _new_columns(s, run_id: str, attempt: int, cols: StepColumns) -> StepColumns:
     """Stored history is immutable (DESIGN.md, "Trust"): steps of this attempt already stored are
     dropped when the re-send carries exactly what is stored (a sink retry after a time-out), and
-    refused with HistoryConflict, naming the step and the series, when anything differs. Same
-    answer on both databases; nothing of the batch is stored then (one transaction)."""
-    steps = [r.step for r in records]
-    old = steps_store.stored(s, run_id, attempt, min(steps), max(steps))
-    if not old:
-        return records
-    resent = [r for r in records if r.step in old]
-    if not resent:  # stored steps between the batch's own (e.g. it holds 3 and 10, 5 is stored): nothing re-sent
-        return records
-    _check_resent(s, run_id, attempt, resent, old)
-    return [r for r in records if r.step not in old]
-
-
-def _new_columns(s, run_id: str, attempt: int, cols: StepColumns) -> StepColumns:
-    """_new_records for a batch of columns: the same answer, the same messages."""
+    refused with HistoryConflict, naming the step and the field or series, when anything differs.
+    Same answer on both databases; nothing of the batch is stored then (one transaction)."""
     old = steps_store.stored(s, run_id, attempt, int(cols.steps.min()), int(cols.steps.max()))
     if not old:
         return cols
@@ -302,15 +332,22 @@ def _new_columns(s, run_id: str, attempt: int, cols: StepColumns) -> StepColumns
     return cols.select(~resent)
 
 
-def _check_resent(s, run_id: str, attempt: int, resent: list[StepRecord], old: dict[int, tuple[int, int]]) -> None:
-    """HistoryConflict unless every re-sent step carries exactly what is stored."""
+def _check_resent(s, run_id: str, attempt: int, resent: list[StepRecord], old: dict[int, steps_store.StoredStep]) -> None:
+    """HistoryConflict unless every re-sent step carries exactly what is stored: its samples,
+    tokens and wall time as well as every value."""
     points = thermometers.stored_points(s, run_id, attempt, min(r.step for r in resent), max(r.step for r in resent))
     for r in resent:
-        if (r.sample_lo, r.sample_hi) != old[r.step]:
+        was = old[r.step]
+        if (r.sample_lo, r.sample_hi) != (was.sample_lo, was.sample_hi):
             raise HistoryConflict(
                 f"run {run_id!r} attempt {attempt} step {r.step} is already stored with samples "
-                f"[{old[r.step][0]}, {old[r.step][1]}); this write says [{r.sample_lo}, {r.sample_hi}). Stored "
+                f"[{was.sample_lo}, {was.sample_hi}); this write says [{r.sample_lo}, {r.sample_hi}). Stored "
                 "history is immutable: a retrained step belongs to a new attempt (open it with POST /api/runs)")
+        for field, then, now in (("tokens", was.tokens, r.tokens), ("wall_time", was.wall_time, float(r.wall_time))):
+            if then != now:
+                raise HistoryConflict(
+                    f"run {run_id!r} attempt {attempt} step {r.step} is already stored with {field} {then!r}; this "
+                    f"write says {now!r}. Stored history is immutable: re-send exactly what was sent")
         stored_keys = {k for k, pts in points.items() if r.step in pts}
         for key in sorted(stored_keys | set(r.values)):
             was = points.get(key, {}).get(r.step)
@@ -363,19 +400,23 @@ def _bad(want: str, got: Any) -> None:
 
 
 MAX_DELETED_STEPS = 100_000
+MAX_DELETED_REASON = 10_000  # characters; the audit trail keeps the first 200
 
 
 def deleted_from_json(obj: Any) -> tuple[list[int], str]:
     """{"steps": [..], "reason": ".."} of a checkpoints-deleted report."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("steps"), list):
         raise ContractError('body must be {"steps": [checkpoint steps], "reason": "..."}')
-    steps = obj["steps"]
-    if len(steps) > MAX_DELETED_STEPS or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < _INT64
-                                             for x in steps):
+    steps = [json_int(x) for x in obj["steps"]]
+    if len(steps) > MAX_DELETED_STEPS or any(x is None or not 0 <= x < _INT64 for x in steps):
         raise ContractError(f"'steps' must be a list of at most {MAX_DELETED_STEPS} checkpoint steps in [0, 2**63), "
-                            f"got {str(steps[:10])[:200]}")
-    reason = obj.get("reason", "")
-    return steps, check_text("reason", reason if isinstance(reason, str) else str(reason))[:200]
+                            f"got {str(obj['steps'][:10])[:200]}")
+    return steps, check_text("reason", obj.get("reason", ""), MAX_DELETED_REASON)[:200]
+
+
+def finished_from_json(obj: Any) -> RunFinished:
+    """{"step", "final_loss", "reason"} of a finished report (ContractError names the bad field)."""
+    return RunFinished.from_json(obj)
 
 
 def records_from_json(obj: Any, limits: Limits | None = None) -> list[StepRecord]:
@@ -395,8 +436,8 @@ def records_from_json(obj: Any, limits: Limits | None = None) -> list[StepRecord
                                 "per step")
         try:
             out.append(StepRecord.from_json(r))
-        except ContractError:
-            raise
+        except ContractError as exc:
+            raise ContractError(f"records[{i}]: {exc}") from None
         except (ValueError, TypeError, OverflowError) as exc:  # int()/float() of sample_lo, tokens, ranks ...
             raise ContractError(f"records[{i}]: {exc} (sample_lo/sample_hi/tokens must be integers, "
                                 "wall_time a number, ranks an object of metric -> integer)") from None

@@ -5,7 +5,11 @@ stall check       no step for detectors.stall.timeout_s -> stall finding -> poli
 retention         thin old thermometers so a 10^6-step run stays bounded
 checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
                   (a backstop: the trainer reports its own retention deletes as it makes them)
-daily digest      one message a day: steps, incidents, actions per run
+daily digest      one message a day: steps, incidents, actions per run active that day
+
+Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
+made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
+pages through live checkpoints, the digest covers the runs active in the last 24 h.
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import Severity
-from monitors.manifest import MANIFEST, files_problem
-from supervisor.notify.base import Alert
-from supervisor.scheduler import Job
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import runs as runs_store
-from supervisor.store import thermometers as thermo_store
+from thermowatch.monitors.contract import Severity
+from thermowatch.monitors.manifest import MANIFEST, files_problem
+from thermowatch.supervisor.notify.base import Alert
+from thermowatch.supervisor.scheduler import Job
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 
 
 class Daemon(Protocol):
@@ -59,16 +63,19 @@ def default_jobs(sup: Daemon) -> list[Job]:
 
 def retention(sup: Daemon, full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
     thinned = 0
-    with sup.sessions() as s:
-        run_ids = [r.run_id for r in runs_store.list_runs(s)]
-    for run_id in run_ids:
-        try:
-            with sup.sessions.begin() as s:
-                last = thermo_store.latest_step(s, run_id)
-                if last is not None and last > full_steps:
-                    thinned += thermo_store.downsample(s, run_id, last - full_steps, every)
-        except Exception:  # noqa: BLE001 - one bad run must not stop the others
-            log.exception("retention for run %s failed", run_id)
+    for page in runs_store.each_page(sup.sessions):
+        # Only runs longer than what is kept in full get a transaction: a page's last steps came
+        # with it, so 10^5 short runs cost 100 page reads.
+        for run in page:
+            if run.last_step is None or run.last_step <= full_steps:
+                continue
+            try:
+                with sup.sessions.begin() as s:
+                    last = thermo_store.latest_step(s, run.run_id)
+                    if last is not None and last > full_steps:
+                        thinned += thermo_store.downsample(s, run.run_id, last - full_steps, every)
+            except Exception:  # noqa: BLE001 - one bad run must not stop the others
+                log.exception("retention for run %s failed", run.run_id)
     return thinned
 
 
@@ -91,8 +98,18 @@ def checkpoint_problem(path: str) -> str | None:
 def checkpoint_scan(sup: Daemon) -> list[tuple[str, int, str]]:
     """Marks checkpoints whose files are gone or broken unhealthy, so the policy never picks them."""
     bad = []
-    with sup.sessions() as s:
-        rows = [c for r in runs_store.list_runs(s) for c in ckpt_store.checkpoints(s, r.run_id)]
+    after = 0
+    while True:
+        with sup.sessions() as s:
+            page = ckpt_store.live_checkpoints(s, after)
+        if not page:
+            return bad
+        after = page[-1].id
+        bad += _scan(sup, page)
+
+
+def _scan(sup: Daemon, rows: list[ckpt_store.CheckpointPath]) -> list[tuple[str, int, str]]:
+    bad = []
     for c in rows:
         try:
             problem = checkpoint_problem(c.path)
@@ -110,18 +127,16 @@ def checkpoint_scan(sup: Daemon) -> list[tuple[str, int, str]]:
 
 def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     now = now or dt.datetime.now(dt.timezone.utc)
-    since = now - dt.timedelta(days=1)
+    since = now - runs_store.ACTIVE_WINDOW
     sent = []
     with sup.sessions() as s:
-        runs = runs_store.list_runs(s)
-        for run in runs:
-            incs = [i for i in incidents_store.incidents(s, run.run_id) if i.opened_at >= since]
-            acts = [a for a in actions_store.actions(s, run.run_id) if a.created_at >= since]
-            last = thermo_store.latest_step(s, run.run_id)
+        for run_id in runs_store.active_since(s, since):
+            incs = [i for i in incidents_store.incidents(s, run_id) if i.opened_at >= since]
+            acts = [a for a in actions_store.actions(s, run_id) if a.created_at >= since]
+            last = thermo_store.latest_step(s, run_id)
             text = (f"last step {last}; {len(incs)} incident(s), {len(acts)} action(s) in the last 24 h"
                     + "".join(f"\n- {i.signal} on {i.module or '-'} onset {i.onset_step} ({i.state})" for i in incs[:10]))
-            sent.append(Alert(run_id=run.run_id, severity=Severity.INFO, title=f"{run.run_id}: daily digest",
-                              text=text))
+            sent.append(Alert(run_id=run_id, severity=Severity.INFO, title=f"{run_id}: daily digest", text=text))
     with sup.sessions.begin() as s:  # through the outbox: in order, retried, recorded
         for alert in sent:
             sup.executor.outbox.enqueue(s, alert)

@@ -33,10 +33,10 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.columns import StepColumns
-from monitors.contract import StepRecord
-from supervisor.store import judged as judged_store
-from supervisor.store import thermometers
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.supervisor.store import judged as judged_store
+from thermowatch.supervisor.store import thermometers
 
 log = logging.getLogger(__name__)
 

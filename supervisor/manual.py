@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import sys
 import time
 from typing import Any, Callable
 
-from supervisor.errors import UserError
-from supervisor.outcome import render
+from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.outcome import render
 
 
 def _parse_range(text: str) -> list[int]:
@@ -72,7 +73,9 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
         p = cmd(name, f"{name} a pending action (advise-only mode)")
         p.add_argument("action_id", type=int)
         p.add_argument("--who", default=None)
-    p = cmd("runs", "list runs with their last step and open incidents")
+    p = cmd("runs", "list runs with their last step and open incidents, newest first")
+    p.add_argument("--limit", type=int, default=100, help="runs to list (1-1000; default 100)")
+    p.add_argument("--cursor", help="list the runs after a previous listing's last one (it prints the cursor)")
     p.add_argument("--json", action="store_true")
     p = cmd("actions", "list a run's actions with their states")
     p.add_argument("run_id")
@@ -80,14 +83,17 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
 
 
 def run_manual(args: argparse.Namespace) -> int:
-    from supervisor.client import Client, resolve, run_path
+    from thermowatch.supervisor.client import Client, resolve, run_path
 
     with Client(resolve(args.server, args.token)) as api:
         who = getattr(args, "who", None) or getpass.getuser()
         name = args.manual
         if name == "runs":
-            rows = api.get("/api/runs")["runs"]
-            _print(rows, args.json, "{run_id}  last step {last_step}  attempts {attempts}  open incidents {open_incidents}")
+            page = api.get("/api/runs", limit=args.limit, cursor=args.cursor)
+            _print(page["runs"], args.json,
+                   "{run_id}  last step {last_step}  attempts {attempts}  open incidents {open_incidents}")
+            if page.get("next_cursor"):  # on stderr: --json's stdout stays one JSON list
+                print(f"more runs: thermowatch runs --limit {args.limit} --cursor {page['next_cursor']}", file=sys.stderr)
             return 0
         if name == "actions":
             rows = [{**a, "did": (a.get("result") or {}).get("detail") or a.get("error")}

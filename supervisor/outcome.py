@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from monitors.contract import Ack, ContractError
+from thermowatch.monitors.contract import Ack, ContractError
 
 
 def outcome(row) -> dict[str, Any]:

@@ -26,6 +26,12 @@ The ladder (DESIGN.md, "Rollback semantics"):
             cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
             -> PAUSE and page a human.
 
+Cooldowns count steps, not seconds (issue 22: a fast loop trains hundreds of steps in a 600 s
+cooldown and re-diverged unchecked). An action's cooldown runs from the step it took effect
+(the ack's first trained step: T + 1 after a rollback to T) for `cooldown_steps` steps of the
+trajectory it left running. Findings of an attempt a rollback left behind are never acted on.
+`cooldown_s` adds a wall-clock cooldown for teams who want one (off by default).
+
 Time is epoch seconds (float) everywhere. A checkpoint at step s holds the weights after step s,
 so a rollback to s replays from step s + 1; `skip_steps` is an inclusive step range.
 """
@@ -37,8 +43,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
-from supervisor.errors import UserError
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
+from thermowatch.supervisor.errors import UserError
 
 DAY_S = 86_400.0
 
@@ -117,10 +123,15 @@ class PolicyConfig:
     # More automatic actions than this within intervention_window_s -> rung 3 (pause, page).
     max_interventions: int = 4
     intervention_window_s: float = 6 * 3600.0
-    # A rollback takes minutes to land (stop, reload, replay); findings meanwhile are stale.
-    cooldown_s: float = 600.0
-    # A finding on the same signal within this many steps after an action is the same incident.
+    # A finding within this many steps of where an action took effect (after a rollback to T:
+    # from T + 1, on the re-trained attempt) is waiting for it to work: the same signal is the
+    # same incident (noop), another one alerts. Steps, not seconds: step time varies 1000x
+    # between a CPU toy and a cluster (issue 22). Keep it below rollback_margin_steps, so a
+    # recurrence at the old onset is past it.
     cooldown_steps: int = 50
+    # Also a wall-clock cooldown after any automatic action (0 or None: off). A fast loop trains
+    # hundreds of steps in 600 s with nothing acting (issue 22), so it is off by default.
+    cooldown_s: float | None = 0.0
     # OPT-175B: 105 restarts in ~2 months (~2/day) by hand; many more a day means it is not working.
     max_rollbacks_per_day: int = 8
     # Every action (rollback, lower LR, pause) needs a human's approval; alerts go out as usual.
@@ -165,6 +176,8 @@ class PolicyConfig:
                 raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.intervention_window_s <= 0:
             raise PolicyConfigError(f"intervention_window_s={self.intervention_window_s} must be > 0 seconds")
+        if self.cooldown_s is None:
+            object.__setattr__(self, "cooldown_s", 0.0)
         if self.cooldown_s < 0:
             raise PolicyConfigError(f"cooldown_s={self.cooldown_s} must be >= 0 seconds (0 disables it)")
         if not 0.0 < self.lr_multiplier < 1.0:
@@ -187,12 +200,18 @@ class Intervention:
     step: int  # the run's step when the action was decided (the finding's detect step)
     time: float  # epoch seconds when it was decided
     ok: bool  # False: it failed
-    automatic: bool = True
+    automatic: bool = True  # False: issued by a human (CLI, web); not counted against the caps
     # ROLLBACK: the step it went back to, and whether it also lowered the LR. After a rollback
     # that kept the LR (rung 1), rung 2 goes back no later than that target: the checkpoints
     # saved since were trained at the very LR that diverged again.
     target_step: int | None = None
-    lowered_lr: bool = False  # False: issued by a human (CLI, web); not counted against the caps
+    lowered_lr: bool = False
+    # The first step trained after it took effect (the ack's step; after a rollback to T, T + 1);
+    # None until it is acknowledged. Cooldowns count from here.
+    first_step: int | None = None
+    # The attempt its finding was judged on; a rollback leaves this attempt (and older) behind.
+    attempt: int | None = None
+    seq: int = 0  # orders actions decided in the same second (the action row's id: higher is newer)
 
 
 @dataclass(frozen=True)
@@ -205,6 +224,7 @@ class PolicyInput:
     failed_action_pending: bool = False  # an action row ended `failed` and nobody resolved it
     action_in_flight: bool = False  # an action row is pending/sent, not yet acked
     paused: bool = False
+    attempt: int | None = None  # the attempt the finding was judged on (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -304,35 +324,83 @@ def _finish(cfg: PolicyConfig, d: Decision) -> Decision:
 
 
 def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
-    """Reasons not to act now: an action in flight, the same incident, cooldown, the caps."""
+    """Reasons not to act now: an action in flight, a late finding of an abandoned attempt, the
+    same incident, a cooldown, the caps."""
     f = inp.finding
     if inp.action_in_flight:
         return Decision(DecisionKind.NOOP, [head, "an action for this run is in flight; waiting for its "
                                                   "acknowledgement before deciding again"])
     fam = _family(f.signal)
-    for h in _newest_first(inp.history):
-        age = inp.now - h.time
-        if (h.kind in ACTIONS and _family(h.signal) == fam and age < cfg.cooldown_s
-                and 0 <= f.detect_step - h.step <= cfg.cooldown_steps):
+    live = _live(inp.history)
+    for h in live:
+        if _abandoned(inp, h):
             return Decision(DecisionKind.NOOP, [
-                head, f"same incident as the {h.kind.value} at step {h.step} {age:.0f}s ago (within "
-                      f"cooldown_steps={cfg.cooldown_steps}, cooldown_s={cfg.cooldown_s:.0f}); "
-                      "waiting for it to take effect"])
+                head, f"late finding of attempt {inp.attempt}, which the rollback to step {h.target_step} (decided "
+                      f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
+                      "on its own"])
+        into = _cooling(inp, cfg, h)
+        if into is not None and _family(h.signal) == fam:
+            return Decision(DecisionKind.NOOP, [
+                head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
+                      f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect"])
     auto = [h for h in inp.history if h.automatic and h.kind in ACTIONS]
-    recent = [h for h in auto if inp.now - h.time < cfg.cooldown_s]
     # Non-finite values cannot be trained through: waiting out a cooldown only burns compute.
-    if recent and f.signal is not Signal.NON_FINITE:
-        last = max(recent, key=lambda h: h.time)
-        return Decision(DecisionKind.ALERT, [
-            head, f"cooldown: the last automatic {last.kind.value} was {inp.now - last.time:.0f}s ago "
-                  f"(cooldown_s={cfg.cooldown_s:.0f}); not acting again so soon; if it persists it is handled "
-                  "after the cooldown"], page=f.severity is Severity.CRITICAL)
+    if f.signal is not Signal.NON_FINITE:
+        for h in _newest_first([h for h in auto if h.ok]):
+            into = _cooling(inp, cfg, h) if h in live else None
+            age = inp.now - h.time
+            if into is not None or age < cfg.cooldown_s:
+                why = (f"{_since_text(h, into)} (cooldown_steps={cfg.cooldown_steps})" if into is not None
+                       else f"{age:.0f}s ago (cooldown_s={cfg.cooldown_s:g})")
+                return Decision(DecisionKind.ALERT, [
+                    head, f"cooldown: the last automatic {h.kind.value} (step {h.step}) was {why}; not acting "
+                          "again so soon; if it persists it is handled after the cooldown"],
+                    page=f.severity is Severity.CRITICAL)
     in_window = [h for h in auto if inp.now - h.time < cfg.intervention_window_s]
     if len(in_window) >= cfg.max_interventions:
         return _pause(head, f"{len(in_window)} automatic interventions in the last "
                             f"{_hours(cfg.intervention_window_s)} (max_interventions={cfg.max_interventions}); "
                             "the ladder is not holding, pausing for a human")
     return None
+
+
+def _live(history: Sequence[Intervention]) -> list[Intervention]:
+    """Actions that took no effect are left out, and so is everything before the newest rollback
+    that took effect: their step windows belong to a trajectory that rollback abandoned (after
+    rolling back twice, the first rollback's re-trained steps are being trained over again)."""
+    out = []
+    for h in _newest_first(history):
+        if h.kind in ACTIONS and h.ok:
+            out.append(h)
+            if h.kind is DecisionKind.ROLLBACK and h.first_step is not None:
+                break
+    return out
+
+
+def _abandoned(inp: PolicyInput, h: Intervention) -> bool:
+    """The finding was judged on an attempt that rollback `h` left behind (it arrived late)."""
+    return (h.kind is DecisionKind.ROLLBACK and h.ok and h.first_step is not None
+            and inp.attempt is not None and h.attempt is not None and inp.attempt <= h.attempt)
+
+
+def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None:
+    """Steps from where `h` took effect to the finding, if the finding falls in h's cooldown;
+    else None. After a rollback the cooldown runs over the re-trained steps from its first step;
+    after an LR change or a pause it also covers the steps between the decision and the ack,
+    which the action had not reached yet."""
+    step = inp.finding.detect_step
+    took_effect = h.first_step if h.first_step is not None else h.step
+    lo = took_effect if h.kind is DecisionKind.ROLLBACK else min(h.step, took_effect)
+    return step - took_effect if lo <= step < took_effect + cfg.cooldown_steps else None
+
+
+def _since_text(h: Intervention, into: int | None) -> str:
+    if h.first_step is None:
+        return f"{into} steps after it"
+    if into is not None and into < 0:
+        return f"before it took effect at step {h.first_step}"
+    where = "the re-trained attempt" if h.kind is DecisionKind.ROLLBACK else "its effect"
+    return f"{into} steps into {where} (first step {h.first_step})"
 
 
 def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
@@ -390,7 +458,7 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
 
 
 def _newest_first(history: Sequence[Intervention]) -> list[Intervention]:
-    return sorted(history, key=lambda h: h.time, reverse=True)
+    return sorted(history, key=lambda h: (h.time, h.seq), reverse=True)
 
 
 def _recurrence(inp: PolicyInput, cfg: PolicyConfig) -> Intervention | None:

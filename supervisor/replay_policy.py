@@ -2,7 +2,8 @@
 
 A recorded run has no checkpoint list and no wall clock, so the replay assumes a checkpoint
 every `checkpoint_every` steps, all healthy until a finding's onset, and one simulated second
-per step (so `cooldown_s` and the intervention window behave as they would at ~1 step/s).
+per step (so `cooldown_s`, when set, and the intervention window behave as they would at ~1 step/s).
+The recorded run never rolled back, so an action's step cooldown counts from its decision step.
 Each decision joins the history the next finding is judged against, so the ladder (rollback,
 then rollback + lower LR, then pause) shows up in a replay exactly as it would live. As live,
 findings that arrive while an action is still on its way (within `in_flight_steps` of the
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from monitors.contract import CheckpointInfo, Finding
-from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
+from thermowatch.monitors.contract import CheckpointInfo, Finding
+from thermowatch.supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
 
 
 # The replay's own settings, beside PolicyConfig's fields in its --policy file.
@@ -44,7 +45,8 @@ def replay_decider(settings: dict[str, Any] | None = None) -> Callable[[Finding]
         if d.kind in (DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE):
             history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                         time=f.detect_step * seconds_per_step, ok=True,
-                                        target_step=d.target_step, lowered_lr=d.lr_multiplier is not None))
+                                        target_step=d.target_step, lowered_lr=d.lr_multiplier is not None,
+                                        seq=len(history)))
             if d.lr_multiplier is not None:
                 lr[0] = d.lr_multiplier
             if d.kind is DecisionKind.ROLLBACK:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from supervisor.errors import UserError
+from thermowatch.supervisor.errors import UserError
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -44,13 +44,13 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from supervisor.client import Client, resolve
+    from thermowatch.supervisor.client import Client, resolve
 
     return Client(resolve(args.server, args.token))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from supervisor.client import run_path
+    from thermowatch.supervisor.client import run_path
 
     with _client(args) as api:
         st = api.get(f"{run_path(args.run_id)}/status")
@@ -69,6 +69,10 @@ def render_status(st: dict[str, Any]) -> str:
     lines = [f"run {st['run_id']}: {st['state'].upper()} ({st['why']})",
              f"  {step}, attempt {st['attempt'] if st['attempt'] is not None else '-'}, last record "
              + (f"{_ago(age)} ago" if age is not None else "never")]
+    if st.get("finish_reason"):
+        loss = st["final_loss"]
+        lines.append(f"  finished: {st['finish_reason']} at step {st['final_step']}, final loss "
+                     + ("none measured" if loss is None else f"{loss:.6g}" if isinstance(loss, float) else str(loss)))
     inc = st["open_incidents"]
     lines.append(f"  open incidents: {len(inc) or 'none'}")
     for i in inc:
@@ -93,7 +97,7 @@ def _ago(seconds: float) -> str:
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
-    from supervisor.client import run_path
+    from thermowatch.supervisor.client import run_path
 
     with _client(args) as api:
         rows = api.get(f"{run_path(args.run_id)}/incidents")["incidents"]
@@ -115,7 +119,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from supervisor.client import run_path
+    from thermowatch.supervisor.client import run_path
 
     out = Path(args.out)
     if out.is_dir():

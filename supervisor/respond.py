@@ -24,19 +24,19 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import sessionmaker
 
-from monitors.columns import StepColumns
-from monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
-from monitors.detectors import BankConfig, DetectorBank
-from supervisor.bank_process import BankProcess, RemoteBank
-from supervisor.executor import Executor
-from supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import detector_state
-from supervisor.store import findings as findings_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
+from thermowatch.supervisor.bank_process import BankProcess, RemoteBank
+from thermowatch.supervisor.executor import Executor
+from thermowatch.supervisor.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import detector_state
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Responder:
                 severity=finding.severity.value)
             findings_store.add_finding(s, run_id, finding, incident_id, attempt)
             self._distrust_checkpoints(s, run_id, finding)
-            decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight)), self._policy)
+            decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight), attempt), self._policy)
             log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
                      finding.onset_step, finding.detect_step, decision.kind.value, "; ".join(decision.reasons))
             self._executor.carry_out(s, run_id, incident_id, finding, decision)
@@ -225,12 +225,13 @@ class Responder:
         if finding.outcome is Outcome.ACT and finding.signal.value not in _NOT_DIVERGENCE:
             ckpt_store.distrust_from(s, run_id, finding.onset_step)
 
-    def _policy_input(self, s, run_id: str, finding: Finding, in_flight: bool) -> PolicyInput:
+    def _policy_input(self, s, run_id: str, finding: Finding, in_flight: bool, attempt: int | None) -> PolicyInput:
         cks = [CheckpointInfo(step=c.step, path=c.path, sample_cursor=c.sample_cursor, healthy=c.healthy,
                               manifest=c.manifest) for c in ckpt_store.checkpoints(s, run_id)]
         history = []
         rows = actions_store.actions(s, run_id)
         incs = {i.id: i for i in incidents_store.incidents(s, run_id)}
+        attempts = findings_store.incident_attempts(s, run_id, [a.incident_id for a in rows if a.incident_id])
         for a in rows:
             inc = incs.get(a.incident_id) if a.incident_id else None
             history.append(Intervention(
@@ -243,6 +244,11 @@ class Responder:
                 automatic=a.origin == "auto",
                 target_step=a.args.get("to_step") if a.kind == "rollback" else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
+                # Cooldowns count from the first step trained after it (not from the detection
+                # step, nor in seconds: issue 22); the attempt tells late findings apart.
+                first_step=a.ack_step if a.state in ("acked", "done") else None,
+                attempt=attempts.get(a.incident_id) if a.incident_id else None,
+                seq=a.id,
             ))
         # The multiplier in force at the step the trainer trains next (absolute, newest change
         # wins: contract.multiplier_at), not the last row's: a temporary change may have ended.
@@ -256,6 +262,7 @@ class Responder:
             failed_action_pending=_failed_and_unattended(rows),
             action_in_flight=in_flight,
             paused=_paused(rows),
+            attempt=attempt,
         )
 
 

@@ -21,7 +21,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from supervisor.errors import NotFound, UserError
+from thermowatch.supervisor.errors import NotFound, UserError
 
 log = logging.getLogger(__name__)
 

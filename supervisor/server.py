@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from supervisor import db
-from supervisor.config import SupervisorConfig
-from supervisor.service import Supervisor
+from thermowatch.supervisor import db
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.service import Supervisor
 
 if TYPE_CHECKING:
-    from supervisor.api.auth import Guard
-    from supervisor.metrics import Counters
-    from supervisor.scheduler import Scheduler
+    from thermowatch.supervisor.api.auth import Guard
+    from thermowatch.supervisor.metrics import Counters
+    from thermowatch.supervisor.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 
 def build_guard(sup: Supervisor) -> "Guard":
-    from supervisor.api.auth import Guard
-    from supervisor.auth import Authenticator
+    from thermowatch.supervisor.api.auth import Guard
+    from thermowatch.supervisor.auth import Authenticator
 
     if not sup.cfg.auth:
         return Guard(None)
@@ -40,15 +40,17 @@ def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: s
                  counters: "Counters | None" = None) -> None:
     """Every router, each behind its scope (supervisor.api.auth); /healthz and /metrics are added
     by build_app."""
-    from supervisor.api import chart, commands, events, ingest, runs, slack, tokens
-    from supervisor.web import assets, login, pages
+    from thermowatch.supervisor.api import chart, commands, events, ingest, runs, slack, tokens
+    from thermowatch.supervisor.web import assets, login, pages
 
     app.include_router(ingest.make_router(sup, guard=guard, max_body_bytes=sup.cfg.max_body_bytes,
                                           counters=counters))
     app.include_router(commands.make_router(sup, guard=guard))
     app.include_router(tokens.make_router(sup, guard=guard))
-    # Signed by Slack instead of a token (supervisor.api.slack); a 404 without a signing secret.
-    app.include_router(slack.make_router(sup, signing_secret=getattr(sup, "slack_signing_secret", None)))
+    # Signed by Slack instead of a token (supervisor.api.slack); a 404 without a signing secret, and
+    # only a click by someone in slack.approvers / approver_groups is acted on.
+    app.include_router(slack.make_router(sup, signing_secret=getattr(sup, "slack_signing_secret", None),
+                                         approvers=getattr(sup, "slack_approvers", None)))
     app.include_router(runs.make_router(sup, guard=guard))
     app.include_router(chart.make_router(sup, guard=guard))
     app.include_router(events.make_router(sup, guard=guard))
@@ -60,8 +62,8 @@ def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: s
 def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Scheduler | None" = None) -> FastAPI:
     """The daemon's app. `scheduler`: the one serve() runs, for /healthz and /metrics (an app
     built without one, as tests and benchmarks do, reports that it has none)."""
-    from supervisor import metrics, version
-    from supervisor.health import Health
+    from thermowatch.supervisor import metrics, version
+    from thermowatch.supervisor.health import Health
 
     guard = guard or build_guard(sup)
     counters = metrics.Counters()
@@ -109,9 +111,13 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
 
-    from supervisor.api import install_input_limits  # every path/query bounded; input errors are 4xx (issue 11)
+    from thermowatch.supervisor.api import install_input_limits  # every path/query/body bounded; input errors are 4xx
+    from thermowatch.supervisor.api.body import InFlight
 
-    install_input_limits(app)
+    install_input_limits(app, sup.limits, InFlight(sup.limits.max_body_bytes_in_flight))
+    from thermowatch.supervisor.api import openapi
+
+    openapi.install(app)  # the document says what the routes answer; 422s are one sentence
     from starlette.middleware.gzip import GZipMiddleware
 
     # The run page's per-layer charts are ~6 MB of JSON at 100 layers x 1000 buckets; gzip makes that
@@ -163,9 +169,9 @@ def settle_heap() -> None:
 def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     import uvicorn
 
-    from supervisor.scheduler import Scheduler
+    from thermowatch.supervisor.scheduler import Scheduler
 
-    from supervisor.auth import bootstrap_admin, check_bind
+    from thermowatch.supervisor.auth import bootstrap_admin, check_bind
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_bind(cfg)  # before anything is opened: an open daemon on a network never starts

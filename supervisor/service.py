@@ -14,25 +14,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
-from monitors.columns import StepColumns
-from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, StepRecord
-from monitors.detectors import BankConfig
-from supervisor import db, jobs
-from supervisor.config import SupervisorConfig
-from supervisor.bank_process import BankProcess
-from supervisor.checkpoint_health import CheckpointFailures
-from supervisor.consistency import ConsistencyCheck
-from supervisor.executor import Executor
-from supervisor.ingest import Ingestor
-from supervisor.judge import Judge
-from supervisor.limits import Limits
-from supervisor.notify.base import FanOut, Notifier, NotifyConfigError
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.policy import PolicyConfig
-from supervisor.respond import Responder
-from supervisor.scheduler import Job
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunFinished, RunInfo, StepRecord
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.supervisor import db, jobs
+from thermowatch.supervisor.approvers import HOW_TO_CONFIGURE, Approvers
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.bank_process import BankProcess
+from thermowatch.supervisor.checkpoint_health import CheckpointFailures
+from thermowatch.supervisor.consistency import ConsistencyCheck
+from thermowatch.supervisor.executor import Executor
+from thermowatch.supervisor.ingest import Ingestor
+from thermowatch.supervisor.judge import Judge
+from thermowatch.supervisor.limits import Limits
+from thermowatch.supervisor.notify.base import FanOut, Notifier, NotifyConfigError
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.policy import PolicyConfig
+from thermowatch.supervisor.respond import Responder
+from thermowatch.supervisor.scheduler import Job
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,25 @@ def build_notifier(cfg: SupervisorConfig) -> Notifier:
     """Console always (the journal is the last resort), plus Slack when a channel is set."""
     parts: list[Notifier] = [ConsoleNotifier()]
     if cfg.slack.channel:
-        from supervisor.notify.slack import SlackNotifier
+        from thermowatch.supervisor.notify.slack import SlackNotifier
 
         parts.append(SlackNotifier.from_config(cfg.slack, web_base_url=cfg.public_url or None))
     return FanOut(parts)
+
+
+def build_approvers(cfg: SupervisorConfig, environ: Mapping[str, str] | None = None) -> Approvers:
+    """Who may click Approve / Cancel in Slack (supervisor.approvers). Groups are read with the
+    bot token; without one the start stops here, naming the token's source."""
+    members = None
+    if cfg.slack.approver_groups:
+        from thermowatch.supervisor.notify.slack import SlackGroupMembers, resolve_token
+
+        try:
+            token, _ = resolve_token(cfg.slack.token_env, cfg.slack.token_file, environ)
+        except NotifyConfigError as exc:
+            raise NotifyConfigError(f"slack.approver_groups are read with the bot token: {exc}") from None
+        members = SlackGroupMembers(token, base_url=cfg.slack.base_url)
+    return Approvers(cfg.slack.approvers, cfg.slack.approver_groups, members, ttl_s=cfg.slack.approver_groups_ttl_s)
 
 
 class Supervisor:
@@ -63,9 +79,16 @@ class Supervisor:
         self.cfg = cfg
         # Slack's signing secret, for the Approve / Cancel callbacks (supervisor.api.slack); None:
         # no buttons. An unreadable secret file stops the start here, like a refused token.
-        from supervisor.notify.slack import resolve_signing_secret
+        from thermowatch.supervisor.notify.slack import resolve_signing_secret
 
         self.slack_signing_secret = resolve_signing_secret(cfg.slack.signing_secret_env, cfg.slack.signing_secret_file)
+        # Who may click (closed by default: nobody). Only with a secret: without one no click is accepted.
+        self.slack_approvers = build_approvers(cfg) if self.slack_signing_secret else Approvers()
+        if self.slack_signing_secret and not self.slack_approvers.configured:
+            log.warning("Slack's signing secret is set but nobody may approve from Slack, so alerts carry no "
+                        "Approve / Cancel buttons: %s", HOW_TO_CONFIGURE)
+        if notifier is None:  # the daemon: a group Slack refuses to list stops it now (issue 12)
+            self.slack_approvers.check()
         # A configured notifier is checked before anything starts (issue 12): Slack refusing the
         # bot token stops the daemon here (NotifyConfigError, a UserError: `serve` exits 2 with
         # the message) instead of at the first real alert. Slack merely unreachable does not stop
@@ -137,6 +160,9 @@ class Supervisor:
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str,
                             actor: str = "run-controller") -> None:
         self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason, actor)
+
+    def finish_run(self, run_id: str, attempt: int, finished: RunFinished, actor: str = "run-controller") -> None:
+        self.ingestor.finish_run(run_id, attempt, finished, actor)
 
     # --- CommandChannel -----------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ import sys
 import time
 from typing import IO, Callable
 
-from monitors.commands import Ack
-from monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, AckWatch, CommandChannel, StepRecord
+from thermowatch.monitors.commands import Ack
+from thermowatch.monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, LOSS, TOKENS_PER_S, AckWatch, CommandChannel, StepRecord
 
 HTTP_LOGGERS = ("httpx", "httpcore")
 

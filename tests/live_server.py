@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 
@@ -35,3 +37,23 @@ def running(app, timeout_s: float = 20.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: str | Path | None = None,
+                 timeout_s: float = 60.0) -> None:
+    """Wait until a daemon started as a process (`thermowatch serve`) answers /healthz with 200;
+    AssertionError with the end of its log if it exits first or never does."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        gone = proc is not None and proc.poll() is not None
+        if gone or time.monotonic() > deadline:
+            tail = Path(log).read_text()[-3000:] if log is not None and Path(log).exists() else ""
+            raise AssertionError(f"{url}: the daemon {'exited' if gone else 'never answered /healthz'}:\n{tail}")
+        time.sleep(0.1)

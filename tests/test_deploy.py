@@ -25,8 +25,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from supervisor.cli import build_parser, main
-from supervisor.launch import validate_config
+from thermowatch.cli import build_parser, main
+from thermowatch.launch import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

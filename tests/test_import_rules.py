@@ -1,7 +1,10 @@
-"""DESIGN.md's import rule, enforced: `monitors` depends on torch (and numpy) only; `trainer` may
-import `monitors`, never `supervisor`; `supervisor` imports `monitors` but never `trainer`,
-except in the composition modules that launch training (`thermowatch train`, `thermowatch
-demo`). Every import counts, including those inside functions."""
+"""DESIGN.md's import rule, enforced over every package with no exception: `monitors` depends on
+torch (and numpy) only; `trainer` may import `monitors`, never `supervisor`; `supervisor` imports
+`monitors` but never `trainer`. The top-level `thermowatch` package holds the public client
+(torch only: it never imports the bundled trainer; the bundled trainer uses its transport, so one
+implementation of the protocol serves both) and the composition (`thermowatch train`, `demo`, the
+command line), which nothing imports. Every import counts,
+including those inside functions; every name is spelled `thermowatch.<package>` (issue 22)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The modules that put a supervisor and a trainer together in one process (train, demo).
-COMPOSITION = {"supervisor/launch.py", "supervisor/demo.py"}
-FORBIDDEN = {"monitors": {"trainer", "supervisor"}, "trainer": {"supervisor"}, "supervisor": {"trainer"}}
+PACKAGES = ("monitors", "trainer", "supervisor", "migrations")
+# The top-level package's own modules: the composition (cli, launch, demo) and the client (the rest).
+COMPOSITION = {"thermowatch.cli", "thermowatch.launch", "thermowatch.demo", "thermowatch.__main__"}
+FORBIDDEN = {"monitors": {"trainer", "supervisor", "client", "composition"},
+             "trainer": {"supervisor", "composition"},
+             "supervisor": {"trainer", "client", "composition"},
+             "migrations": {"trainer", "client", "composition"},
+             # the client may start an embedded supervisor (no server configured), never the trainer
+             "client": {"trainer", "composition"}, "composition": set()}
+OLD_NAMES = set(PACKAGES)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -26,23 +36,57 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def _package_of(name: str) -> str | None:
+    """thermowatch.trainer.x -> trainer; thermowatch.cli -> composition; thermowatch.transport or
+    `from thermowatch import watch` -> client."""
+    parts = name.split(".")
+    if parts[0] != "thermowatch":
+        return None
+    if len(parts) > 1 and parts[1] in PACKAGES:
+        return parts[1]
+    return "composition" if ".".join(parts[:2]) in COMPOSITION else "client"
+
+
+def _top_modules():
+    """(package, path) for thermowatch/*.py: composition or client."""
+    for path in sorted((ROOT / "thermowatch").rglob("*.py")):
+        name = "thermowatch." + ".".join(path.relative_to(ROOT / "thermowatch").with_suffix("").parts)
+        yield ("composition" if name in COMPOSITION else "client"), path
+
+
+def _sources():
+    for package in PACKAGES:
+        yield from sorted((ROOT / package).rglob("*.py"))
+    yield from sorted((ROOT / "thermowatch").rglob("*.py"))
+
+
 def test_packages_import_only_what_design_allows():
     bad = []
-    for package, forbidden in FORBIDDEN.items():
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if rel in COMPOSITION:
-                continue
-            for line, name in _imports(path):
-                if name.split(".")[0] in forbidden:
-                    bad.append(f"{rel}:{line} imports {name}")
+    files = [(p, path) for p in PACKAGES for path in sorted((ROOT / p).rglob("*.py"))] + list(_top_modules())
+    assert any(p == "client" for p, _ in files) and any(p == "composition" for p, _ in files)
+    for package, path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        for line, name in _imports(path):
+            if _package_of(name) in FORBIDDEN[package]:
+                bad.append(f"{rel}:{line} imports {name}")
     assert bad == [], "imports against DESIGN.md's rule:\n" + "\n".join(bad)
+
+
+def test_every_import_uses_the_one_import_name():
+    """`import supervisor` would load a second copy of a module beside thermowatch.supervisor's
+    (two registries, two engines); in a wheel it would not import at all."""
+    everything = [*_sources(), *sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "bench").rglob("*.py"))]
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
+           for p in everything for line, name in _imports(p) if name.split(".")[0] in OLD_NAMES]
+    assert bad == [], "\n".join(bad)
 
 
 def test_the_rule_sees_function_level_imports():
     # The checker must catch the form the composition modules use, or it proves nothing.
-    names = [n for _, n in _imports(ROOT / "supervisor/launch.py")]
-    assert "trainer.controller" in names
+    names = [n for _, n in _imports(ROOT / "thermowatch/launch.py")]
+    assert "thermowatch.trainer.controller" in names and _package_of("thermowatch.trainer.controller") == "trainer"
+    assert _package_of("thermowatch.cli") == "composition" and _package_of("thermowatch") == "client"
+    assert _package_of("thermowatch.transport.HttpSink") == "client"
 
 
 def _module(path: Path) -> str:
@@ -54,7 +98,7 @@ def _module(path: Path) -> str:
 def test_no_import_cycles_inside_the_supervisor():
     """A cycle (jobs <-> service was one, hidden behind TYPE_CHECKING and a function-level import)
     means two modules are one concept split in two files, or a missing seam."""
-    paths = {_module(p): p for p in (ROOT / "supervisor").rglob("*.py")}
+    paths = {"thermowatch." + _module(p): p for p in (ROOT / "supervisor").rglob("*.py")}
     graph = {m: {n for _, n in _imports(p) if n in paths and n != m} for m, p in paths.items()}
     cycles, state = [], {}
 

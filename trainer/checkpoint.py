@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-from monitors.contract import CheckpointInfo
-from monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
+from thermowatch.monitors.contract import CheckpointInfo
+from thermowatch.monitors.durable import fsync_dir
+from thermowatch.monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
 
 log = logging.getLogger(__name__)
 
@@ -373,18 +374,6 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a new or renamed file's name) durable. Shared with HttpSink's spool."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on a directory; the rename still happened
-    finally:
-        os.close(fd)
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:

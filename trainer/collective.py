@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from monitors.contract import Reduce, reduction
+from thermowatch.monitors.contract import Reduce, reduction
 
 _I32_MAX = 2**31 - 1
 _I32_MIN = -(2**31)

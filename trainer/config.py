@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from monitors.config_tree import ConfigTreeError, check_tree, schema
-from trainer.data import DataConfig
-from trainer.lr import SCHEDULES, LRSchedule
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.trainer.data import DataConfig
+from thermowatch.trainer.lr import SCHEDULES, LRSchedule
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 REDUCTIONS = ("collective", "driver")
@@ -113,14 +113,14 @@ class TrainConfig:
     model: dict[str, Any] = field(
         # A tiny model: trains on 2 CPU cores in seconds. Any trainer.model.GPTConfig field.
         default_factory=lambda: {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
-        metadata=schema("trainer.model:GPTConfig"),
+        metadata=schema("thermowatch.trainer.model:GPTConfig"),
     )
     # trainer.data.DataConfig: stdlib bytes, 8 samples of 64 tokens per step (tiny-model scale).
     data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=64, global_batch=8))
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     thermometers: dict[str, Any] = field(default_factory=dict,  # monitors ThermometerConfig fields
-                                         metadata=schema("monitors.thermometers.config:ThermometerConfig"))
+                                         metadata=schema("thermowatch.monitors.thermometers.config:ThermometerConfig"))
     # A user's own DeepSpeed JSON, merged over the one engine.py builds (dicts merge key by key).
     deepspeed_config_override: dict[str, Any] = field(default_factory=dict)
 
@@ -172,7 +172,7 @@ class TrainConfig:
     # --- derived objects ------------------------------------------------------------------------
 
     def gpt_config(self):
-        from trainer.model import GPTConfig
+        from thermowatch.trainer.model import GPTConfig
 
         try:
             return GPTConfig(**self.model)
@@ -183,7 +183,7 @@ class TrainConfig:
             raise ConfigError(f"model: {exc}") from exc
 
     def thermometer_config(self):
-        from monitors.thermometers.config import ThermometerConfig
+        from thermowatch.monitors.thermometers.config import ThermometerConfig
 
         try:
             return ThermometerConfig(**self.thermometers)

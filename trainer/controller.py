@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from monitors.contract import (
+from thermowatch.monitors.contract import (
     CHECKPOINT_FAILURES,
     GRAD_NORM,
     LOSS,
@@ -40,10 +40,10 @@ from monitors.contract import (
     StepRecord,
     multiplier_at,
 )
-from trainer.checkpoint import CheckpointError, CheckpointStore, Retention, make_manifest
-from trainer.config import TrainConfig
-from trainer.data import SkipLedger
-from trainer.lifecycle import (
+from thermowatch.trainer.checkpoint import CheckpointError, CheckpointStore, Retention, make_manifest
+from thermowatch.trainer.config import TrainConfig
+from thermowatch.trainer.data import SkipLedger
+from thermowatch.trainer.lifecycle import (
     ControllerState,
     Errored,
     FailureDecision,
@@ -55,10 +55,10 @@ from trainer.lifecycle import (
     Running,
     make_decision,
 )
-from trainer.lr import LRChange, changes_to_json
-from trainer.obey import ABANDONED as _ABANDONED
-from trainer.obey import CommandState, Obey
-from trainer.reduce import Reducer
+from thermowatch.trainer.lr import LRChange, changes_to_json
+from thermowatch.trainer.obey import ABANDONED as _ABANDONED
+from thermowatch.trainer.obey import CommandState, Obey
+from thermowatch.trainer.reduce import Reducer
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
@@ -312,7 +312,7 @@ class RunController:
     def _build_gang(self, data_state: dict[str, Any]):
         if self._gang_factory is not None:
             return self._gang_factory(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
-        from trainer.worker import Gang
+        from thermowatch.trainer.worker import Gang
 
         return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes),
                     exclude_nodes=self.excluded_nodes)
@@ -483,7 +483,7 @@ class RunController:
 def _gang_failures() -> tuple[type[BaseException], ...]:
     import ray.exceptions
 
-    from trainer.worker import GangTimeout, PeerLost
+    from thermowatch.trainer.worker import GangTimeout, PeerLost
 
     return (ray.exceptions.RayActorError, GangTimeout, PeerLost)
 

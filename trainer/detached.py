@@ -38,7 +38,7 @@ import traceback
 from dataclasses import asdict
 from typing import Any
 
-from monitors.contract import AckWatch, StepRecord
+from thermowatch.monitors.contract import AckWatch, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ class ControllerActor:
     def __init__(self, config: dict[str, Any], supervisor_url: str, spool_dir: str) -> None:
         import ray
 
-        from trainer.config import TrainConfig
-        from trainer.controller import RunController
-        from trainer.http_sink import HttpCommandChannel, HttpSink
+        from thermowatch.trainer.config import TrainConfig
+        from thermowatch.trainer.controller import RunController
+        from thermowatch.transport import HttpCommandChannel, HttpSink
 
         ctx = ray.get_runtime_context()
         self.restarted = bool(ctx.was_current_actor_reconstructed)

@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
-from trainer.config import TrainConfig
+from thermowatch.trainer.config import TrainConfig
 
 DS_TAG = "zero"  # the one tag inside each checkpoint directory the CheckpointStore hands us
 

@@ -10,7 +10,9 @@ import threading
 from collections import defaultdict
 from typing import Any, Sequence
 
-from monitors.contract import Ack, CheckpointInfo, Command, CommandKind, RunInfo, StepRecord, parse_command
+from thermowatch.monitors.contract import (
+    Ack, CheckpointInfo, Command, CommandKind, RunFinished, RunInfo, StepRecord, parse_command,
+)
 
 
 class ListSink:
@@ -22,6 +24,7 @@ class ListSink:
         self.records: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
         self.checkpoints: list[tuple[int, CheckpointInfo]] = []  # (attempt, info)
         self.deleted: list[int] = []  # checkpoint steps the controller reported deleted
+        self.finished: dict[tuple[str, int], RunFinished] = {}  # (run, attempt) -> what it said when it ended
         self.writes = 0
         self.closed = False
 
@@ -41,6 +44,10 @@ class ListSink:
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str) -> None:
         with self._lock:
             self.deleted.extend(steps)
+
+    def finish_run(self, run_id: str, attempt: int, finished: RunFinished) -> None:
+        with self._lock:
+            self.finished[(run_id, attempt)] = finished
 
     def close(self) -> None:
         self.closed = True
@@ -103,7 +110,7 @@ class InProcessGang:
     down and rebuilt cheaply in one process); kill() drops the engine, as a dead rank would."""
 
     def __init__(self, config: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list) -> None:
-        from trainer.worker import TrainWorker, _free_port
+        from thermowatch.trainer.worker import TrainWorker, _free_port
 
         if config.world_size != 1:
             raise ValueError(f"InProcessGang runs one rank; set world_size=1 (got {config.world_size})")
@@ -116,7 +123,7 @@ class InProcessGang:
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
         if self.worker is None:
-            from trainer.worker import GangTimeout
+            from thermowatch.trainer.worker import GangTimeout
 
             raise GangTimeout("the in-process rank was killed")
         return [getattr(self.worker, method)(*args)]

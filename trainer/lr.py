@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from monitors.contract import ContractError, LRChange, multiplier_at
+from thermowatch.monitors.contract import ContractError, LRChange, multiplier_at
 
 __all__ = ["LRSchedule", "LRChange", "lr_at", "multiplier_at", "changes_to_json", "changes_from_json"]
 
@@ -53,7 +53,9 @@ class LRSchedule:
         if step < 1:
             raise ValueError(f"steps are 1-based; got step {step}")
         if step <= self.warmup_steps:
-            return self.base_lr * step / self.warmup_steps
+            # The fraction first: 1e-2 * 57 / 57 is 0.010000000000000002, above the peak it climbs
+            # to (peak_from says base_lr); step / warmup_steps is exactly 1.0 at the top, below it before.
+            return self.base_lr * (step / self.warmup_steps)
         if self.kind == "constant":
             return self.base_lr
         span = max(1, self.total_steps - self.warmup_steps)

@@ -18,8 +18,9 @@ Stable module names (thermometers and the supervisor rely on them): `embed`, `po
 Attention probe: each `CausalSelfAttention` carries `thermo_probe` (None by default). A
 thermometer (monitors.thermometers) puts an object there; on a sampled step its `mode` says
 what to measure and the module calls it back with detached tensors, never a host sync:
-- "lse":   the same fused kernel SDPA dispatches to, called through its aten op so it also
-           returns the row log-sum-exp; `probe.put_lse(lse[B, H, T])`.
+- "lse":   the same fused kernel SDPA dispatches to, called through its private aten op so it
+           also returns the row log-sum-exp (public ops if that op is gone: attention_with_lse);
+           `probe.put_lse(lse[B, H, T])`.
 - "exact": plain SDPA plus an explicit fp32 QK^T/sqrt(d) for `probe.heads` (None = all);
            `probe.put_scores_max(max[H_sampled])` (the last resort: materialises T x T).
 - "flex":  FlexAttention with AuxRequest(max_scores=True), exact, CUDA only;
@@ -37,6 +38,7 @@ fp32 logits the model holds anyway (no copy of its own).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -142,9 +144,33 @@ def make_norm(cfg: GPTConfig, dim: int, out_dtype: torch.dtype | None = None) ->
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Causal attention that also returns the row log-sum-exp [B, H, T] (fp32).
 
-    Calls the fused kernel SDPA itself picks, through its aten op, so the output (and its
-    gradient) is the same as `F.scaled_dot_product_attention` (tested bit-exact on CPU).
+    Calls the fused kernel SDPA itself picks, through its private aten op, so the output (and
+    its gradient) is the same as `F.scaled_dot_product_attention` (tested bit-exact on CPU) and
+    the lse comes free. No public op returns it, so a torch whose op is gone or changed falls
+    back to public ops (`public_attention_with_lse`: the same output, the lse from an explicit
+    T x T pass), with a warning, rather than failing the step (issue 22).
     """
+    try:
+        return _fused_attention_with_lse(q, k, v, scale)
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        warnings.warn(f"thermowatch: torch's fused attention-with-lse op is unavailable here ({exc!r}); "
+                      "the attention-logit LSE now costs an explicit T x T pass", stacklevel=2)
+        return public_attention_with_lse(q, k, v, scale)
+
+
+def public_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """attention_with_lse from public ops only: SDPA for the output, an fp32 logsumexp over the
+    causal scores (no gradient) for the lse."""
+    with torch.no_grad():
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        future = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1)
+        lse = torch.logsumexp(s.masked_fill(future, float("-inf")), dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), lse
+
+
+def _fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     if q.device.type == "cpu":
         # aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *,
         #   attn_mask=None, scale=None) -> (output, logsumexp)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from monitors.contract import (
+from thermowatch.monitors.contract import (
     Ack,
     CheckpointInfo,
     Command,
@@ -42,7 +42,7 @@ from monitors.contract import (
 )
 
 if TYPE_CHECKING:
-    from trainer.controller import RunController
+    from thermowatch.trainer.controller import RunController
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Obey:
             # Restart without the node: same world size on spare capacity (the data split and
             # the global batch stay as they are); refused, before anything changes, when the
             # cluster has no such capacity (trainer.exclude).
-            from trainer.exclude import nodes_to_exclude
+            from thermowatch.trainer.exclude import nodes_to_exclude
 
             try:
                 exclude = nodes_to_exclude(ctl, cmd.exclude_rank, cmd.exclude_node)

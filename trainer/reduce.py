@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitors.contract import Reduce, reduction
+from thermowatch.monitors.contract import Reduce, reduction
 
 
 class Reducer:

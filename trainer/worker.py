@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import LOSS, TOKENS_PER_S, ledger_digest, multiplier_at
+from thermowatch.monitors.contract import LOSS, TOKENS_PER_S, ledger_digest, multiplier_at
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class TrainWorker:
         local_size: int = 1,
     ) -> dict[str, Any]:
         """Join the process group, build model, engine, thermometers and data loader."""
-        from trainer.config import TrainConfig
+        from thermowatch.trainer.config import TrainConfig
 
         cfg = TrainConfig.from_dict(config)
         os.environ.update(
@@ -84,11 +84,11 @@ class TrainWorker:
         import deepspeed
         import torch
 
-        from monitors.thermometers import instrument
-        from trainer.data import DataLoader, DataState
-        from trainer.engine import Engine, decline_shm_comm_op
-        from trainer.lr import changes_from_json
-        from trainer.model import GPT
+        from thermowatch.monitors.thermometers import instrument
+        from thermowatch.trainer.data import DataLoader, DataState
+        from thermowatch.trainer.engine import Engine, decline_shm_comm_op
+        from thermowatch.trainer.lr import changes_from_json
+        from thermowatch.trainer.model import GPT
 
         if not cfg.use_gpu:
             torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
@@ -110,7 +110,7 @@ class TrainWorker:
         # "driver": every rank hands out its own vector and the controller reduces them.
         self._collective = cfg.reduction == "collective"
         if self._collective:
-            from trainer.collective import CollectiveReducer
+            from thermowatch.trainer.collective import CollectiveReducer
 
             self.thermo.finish = CollectiveReducer(self.names, len(self.thermo.names), self.thermo.device,
                                                    self.rank, self.world_size)
@@ -135,7 +135,7 @@ class TrainWorker:
         still held back. With read_late off it returns this step's own values."""
         import torch
 
-        from trainer.lr import lr_at
+        from thermowatch.trainer.lr import lr_at
 
         if step != self.next_step:
             raise RuntimeError(
@@ -211,7 +211,7 @@ class TrainWorker:
         return self.loader.state.to_json()
 
     def set_data_state(self, state: dict[str, Any], attempt: int | None = None) -> None:
-        from trainer.data import DataState
+        from thermowatch.trainer.data import DataState
 
         self._forget_held()
         self.loader.load_state(DataState.from_json(state))
@@ -229,7 +229,7 @@ class TrainWorker:
         self._ledger_digest = ledger_digest(self.loader.state.ledger.ranges)
 
     def set_lr_changes(self, changes: list[dict[str, Any]]) -> None:
-        from trainer.lr import changes_from_json
+        from thermowatch.trainer.lr import changes_from_json
 
         self.lr_changes = changes_from_json(changes)
 

@@ -42,9 +42,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS
-from monitors.columns import StepColumns
-from monitors.contract import Finding, Signal, StepRecord, split_key
+from thermowatch.monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import Finding, Signal, StepRecord, split_key
 
 from .act_overflow import ActOverflowBank, ActOverflowConfig, ActOverflowDetector
 from .arrays import as_rows, parts_from_json, parts_to_json

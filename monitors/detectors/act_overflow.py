@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from monitors.contract import Severity, Signal
+from thermowatch.monitors.contract import Severity, Signal
 
 from .base import at_least
 from .series import Found, SeriesBank, Single, slogs

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from monitors.contract import Outcome, Severity
+from thermowatch.monitors.contract import Outcome, Severity
 
 from .base import MAD_TO_SIGMA, Latch
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import ATTN_LOGIT_LSE, Outcome, Severity, Signal
+from thermowatch.monitors.contract import ATTN_LOGIT_LSE, Outcome, Severity, Signal
 
 from .base import at_least, positive
 from .arrays import block_max, window_medians

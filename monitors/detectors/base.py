@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from monitors.contract import Finding, Outcome, Severity
+from thermowatch.monitors.contract import Finding, Outcome, Severity
 
 _RANK = {Severity.INFO: 0, Severity.WARN: 1, Severity.CRITICAL: 2}
 

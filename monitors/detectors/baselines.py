@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from monitors.contract import GRAD_NORM, LOSS, Finding, Severity, Signal, StepRecord, split_key
+from thermowatch.monitors.contract import GRAD_NORM, LOSS, Finding, Severity, Signal, StepRecord, split_key
 
 
 class _Peer:

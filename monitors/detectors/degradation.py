@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import Outcome, Severity, Signal
+from thermowatch.monitors.contract import Outcome, Severity, Signal
 
 from .arrays import as_rows
 from .base import at_least, positive

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from monitors.contract import Signal
+from thermowatch.monitors.contract import Signal
 
 import numpy as np
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monitors.contract import Signal
+from thermowatch.monitors.contract import Signal
 
 import numpy as np
 

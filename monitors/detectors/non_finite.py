@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, UPDATE_RATIO, Z
+from thermowatch.monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, UPDATE_RATIO, Z
 import numpy as np
 
-from monitors.contract import Outcome, Severity, Signal
+from thermowatch.monitors.contract import Outcome, Severity, Signal
 
 from .base import at_least
 from .series import Found, SeriesBank, Single, slogs

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from monitors.contract import Finding, Outcome, Severity, Signal, StepRecord, split_key
+from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal, StepRecord, split_key
 
 from .arrays import BOUND_BLOCK, NO_STEP, Rows, as_rows, block_starts
 from .base import at_least, jsonable

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from monitors.contract import Finding, Outcome, Severity, Signal, split_key
+from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
 from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json, window_bounds, window_medians
 from .base import MAD_TO_SIGMA, jsonable

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from monitors.contract import Severity
+from thermowatch.monitors.contract import Severity
 
 from .base import at_least, positive
 from .arrays import block_max

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from monitors.contract import Finding, Outcome, Severity, Signal
+from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal
 
 from .base import jsonable, positive
 

@@ -49,9 +49,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from monitors.contract import (ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, LR_PEAK_AHEAD, UPDATE_RATIO, Z,
+from thermowatch.monitors.contract import (ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, LR_PEAK_AHEAD, UPDATE_RATIO, Z,
                                StepRecord)
-from monitors.contract import split_key
+from thermowatch.monitors.contract import split_key
 
 from .arrays import Rows, as_rows, parts_from_json, parts_to_json
 from .base import History, at_least, positive

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from monitors.thermometers.slots import Slots
+from thermowatch.monitors.thermometers.slots import Slots
 
 
 class AttnProbe:
@@ -54,12 +54,17 @@ class AttnProbe:
             self.slots.put(self.slot, lse.amax().reshape(1))
 
     def put_scores_max(self, m: torch.Tensor) -> None:
-        self.slots.put(self.slot, m.amax().reshape(1))
+        self.put_head_max(m, self.heads)
+
+    def put_head_max(self, m: torch.Tensor, heads: torch.Tensor | None) -> None:
+        """m: max per head for `heads` (None = every head, in order). A figure that is not per
+        head (m of one value where the module has several) fills only the module's slot."""
+        self.slots.put(self.slot, m.float().amax().reshape(1))
         if self.per_head:
-            if self.heads is None:
+            if heads is not None:
+                self.slots.put_indexed(self.slot + 1, self.n_head, heads, m)
+            elif m.numel() == self.n_head:
                 self.slots.put(self.slot + 1, m)
-            else:
-                self.slots.put_indexed(self.slot + 1, self.n_head, self.heads, m)
 
 
 def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):
@@ -122,3 +127,79 @@ def mha_scores_stats(
         kpm = key_padding_mask[:, None, None, :]
         scores = scores.masked_fill(kpm, float("-inf")) if kpm.dtype == torch.bool else scores + kpm.float()
     return scores.amax(dim=(0, 2, 3)), softmax_entropy(scores) if entropy else None
+
+
+# fp32 scores per chunk of heads (256 MB): bounds the explicit path's memory at long contexts.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+@torch.no_grad()
+def sdpa_scores_stats(
+    args: tuple, kwargs: dict, heads: torch.Tensor | None, n_seq: int | None, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Max per head of the pre-softmax logits of one `F.scaled_dot_product_attention` call,
+    recomputed from its q and k with public ops: scale * q k^T (scale = 1/sqrt(E) unless given),
+    plus its `attn_mask` (bool: False = masked; float: added) or, with `is_causal`, SDPA's
+    top-left causal mask. For the query heads `heads` (None = all; under GQA each reads its key
+    head) of the first `n_seq` sequences (None = all). Returns ([heads] fp32, mean softmax
+    entropy per head or None). Dropout is ignored: the logits are pre-dropout. Materialises the
+    scores in chunks of heads of at most _CHUNK_ELEMENTS."""
+    q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    is_causal = _arg(args, kwargs, 5, "is_causal", False)
+    scale = _arg(args, kwargs, 6, "scale")
+    t, s, e = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+    if q.dim() < 4:  # (L, E) or (N, L, E): one head
+        if mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(1)
+        q, k = q.reshape(-1, 1, t, e), k.reshape(-1, 1, s, e)
+    elif q.dim() > 4:  # (N, ..., H, L, E): the leading dims are all batch
+        if mask is not None:
+            mask = mask.expand(*q.shape[:-1], s).flatten(0, -4)
+        q, k = q.flatten(0, -4), k.flatten(0, -4)
+    if mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+    n = q.shape[0] if n_seq is None else min(n_seq, q.shape[0])
+    q, k = q[:n], k[:n]
+    if mask is not None and mask.shape[0] > 1:
+        mask = mask[:n]
+    group = q.shape[1] // k.shape[1]  # GQA: query heads per key head
+    if heads is None:
+        heads = torch.arange(q.shape[1], device=q.device)
+    future = None
+    if mask is None and is_causal:
+        future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1)
+    per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * t * s))
+    maxes, ents = [], []
+    for hs in heads.split(per_chunk):  # one chunk unless the scores are very large
+        qh = q.index_select(1, hs).float()
+        kh = k.index_select(1, hs // group if group > 1 else hs).float()
+        sc = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [n, h, L, S]
+        if mask is not None:
+            m = mask if mask.shape[1] == 1 else mask.index_select(1, hs)
+            sc = sc.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else sc + m.float()
+        elif future is not None:
+            sc = sc.masked_fill(future, float("-inf"))
+        maxes.append(sc.amax(dim=(0, 2, 3)))
+        if entropy:
+            ents.append(softmax_entropy(sc))
+    return torch.cat(maxes), torch.cat(ents) if entropy else None
+
+
+@torch.no_grad()
+def softmax_stats(
+    logits: torch.Tensor, probs: torch.Tensor, n_seq: int | None, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An eager attention's own softmax (Hugging Face's eager_attention_forward, nanoGPT's
+    non-flash path): its input is the scaled, masked logits, so their max is exact and costs one
+    pass (an additive mask's large negatives never win over a key that takes part). Per head
+    for [B, H, L, S], one value otherwise. The entropy comes from its output, over the first
+    `n_seq` sequences (None = all)."""
+    four = logits.dim() == 4
+    mx = logits.amax(dim=(0, 2, 3)) if four else logits.amax().reshape(1)
+    if not entropy:
+        return mx, None
+    ent = torch.special.entr(probs[:n_seq].float()).sum(-1)
+    return mx, ent.nanmean(dim=(0, 2)) if four else ent.nanmean().reshape(1)

@@ -29,9 +29,16 @@ class ThermometerConfig:
     act_types: tuple[type, ...] = (nn.MultiheadAttention,)
     # Modules whose output is logits: z/<module> = max over tokens of logsumexp over the vocab.
     z_patterns: tuple[str, ...] = (r"(^|\.)(head|lm_head)$",)
-    # Attention modules: these types (explicit QK^T on sampled heads, recomputed from the
-    # inputs) plus every module exposing a `thermo_probe` slot (trainer.model's attention).
+    # Attention modules: every module exposing a `thermo_probe` slot (trainer.model's attention),
+    # these types (nn.MultiheadAttention: explicit QK^T recomputed from its inputs; any other
+    # class: its SDPA or softmax calls intercepted, or an error at instrument() if it makes none),
+    # and with attn_find every module whose forward calls F.scaled_dot_product_attention or
+    # Hugging Face's attention functions (intercept.py). A found module's figure is
+    # attn_logit_max: an explicit fp32 max of q k^T over attn_heads heads and, unless attn_mode
+    # is "exact", the first attn_entropy_batch sequences (a sample: <= the batch's max); under
+    # an eager softmax, the max of its input over the whole batch.
     attn_types: tuple[type, ...] = (nn.MultiheadAttention,)
+    attn_find: bool = True
     # How probe modules measure: "lse" = the fused kernel's log-sum-exp, a bound
     # max <= lse <= max + ln(keys), free (no T x T); "exact" = explicit QK^T (T x T per head);
     # "flex" = FlexAttention max_scores, exact and fused, CUDA only.
@@ -48,6 +55,7 @@ class ThermometerConfig:
     # that step, over the whole batch (no extra cost: the T x T scores exist already).
     attn_entropy: bool = True
     # Sequences of each micro-batch the extra pass covers (the first n); None = all (exact).
+    # Also the sequences a found module's q k^T covers outside attn_mode "exact".
     # 1: the pass costs 1/B of an attention forward, and the mean over one sequence's T query
     # positions is a sample that still shows a collapse (measured: bench/thermometer_overhead.py,
     # +9% of a CPU step for the whole batch of 8 at T 128).

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from monitors.contract import (
+from thermowatch.monitors.contract import (
     ACT_MAX,
     ACT_MIN,
     ATTN_ENTROPY_MIN,
@@ -54,10 +54,11 @@ from monitors.contract import (
     Z,
     metric_key,
 )
-from monitors.thermometers.attention import AttnProbe, mha_scores_stats
-from monitors.thermometers.config import ThermometerConfig
-from monitors.thermometers.slots import Slots
-from monitors.thermometers.update import UpdateRatio
+from thermowatch.monitors.thermometers.attention import AttnProbe, mha_scores_stats
+from thermowatch.monitors.thermometers.config import ThermometerConfig
+from thermowatch.monitors.thermometers.intercept import Interceptor, Site, find
+from thermowatch.monitors.thermometers.slots import Slots
+from thermowatch.monitors.thermometers.update import UpdateRatio
 
 _SCALARS = (LOSS, LR, GRAD_NORM)  # slots 0, 1, 2: given by the caller in end_step
 
@@ -92,8 +93,29 @@ class _Attn:
     name: str
     module: nn.Module
     probe: AttnProbe
-    explicit: bool  # True: nn.MultiheadAttention recomputed by our pre-hook
+    kind: str  # "probe": the module calls thermo_probe; "mha": our pre-hook recomputes
+    # nn.MultiheadAttention; "found": its SDPA / softmax calls are intercepted (intercept.py)
     mode: str  # what probe.mode becomes on sampled steps
+
+
+def _n_head(mod: nn.Module) -> int | None:
+    """Heads of an attention module, by the names nanoGPT, torch and Hugging Face use."""
+    for obj, attr in ((mod, "num_heads"), (mod, "n_head"), (mod, "num_attention_heads"),
+                      (getattr(mod, "config", None), "num_attention_heads")):
+        val = getattr(obj, attr, None)
+        if isinstance(val, int) and val > 0:
+            return val
+    return None
+
+
+def _attn_kind(name: str, mod: nn.Module, cfg: ThermometerConfig) -> str | None:
+    """How this module's attention logits are read, or None when it is not attention. Raises
+    AttentionNotProbed (intercept.py) now, naming the module, for one that cannot be read."""
+    if hasattr(mod, "thermo_probe"):
+        return "probe"
+    if isinstance(mod, nn.MultiheadAttention):
+        return "mha" if isinstance(mod, cfg.attn_types) else None
+    return "found" if find(name, mod, isinstance(mod, cfg.attn_types), cfg.attn_find) else None
 
 
 class Thermometers:
@@ -114,8 +136,9 @@ class Thermometers:
                 act.append((name, mod))
             if cfg.matches(cfg.z_patterns, name):
                 z.append((name, mod))
-            if hasattr(mod, "thermo_probe") or isinstance(mod, cfg.attn_types):
-                attn.append((name, mod))
+            kind = _attn_kind(name, mod, cfg)
+            if kind is not None:
+                attn.append((name, mod, kind))
             if cfg.matches(cfg.grad_patterns, name):
                 groups.append((name, mod))
         act_slots = {}
@@ -127,14 +150,15 @@ class Thermometers:
             z_slots[name] = len(names)
             names.append(metric_key(Z, name))
         attn_slots = []
-        for name, mod in attn:
-            explicit = not hasattr(mod, "thermo_probe")
-            mode = "exact" if explicit else cfg.attn_mode
+        for name, mod, kind in attn:
+            # A found module's figure is always an explicit max: of the first attn_entropy_batch
+            # sequences ("sample", the cheap default) or of all of them ("exact").
+            mode = {"probe": cfg.attn_mode, "mha": "exact"}.get(kind, "exact" if cfg.attn_mode == "exact" else "sample")
             metric = ATTN_LOGIT_LSE if mode == "lse" else ATTN_LOGIT_MAX
-            n_head = getattr(mod, "num_heads", None) or getattr(mod, "n_head", None)
+            n_head = _n_head(mod)
             if (cfg.per_head or cfg.attn_heads is not None) and not n_head:
                 raise ValueError(
-                    f"attention module {name!r} ({type(mod).__name__}) has no `n_head`/`num_heads`; "
+                    f"attention module {name!r} ({type(mod).__name__}) has no `n_head`/`num_heads`/`num_attention_heads`; "
                     "per_head and attn_heads need it: set ThermometerConfig(per_head=False, attn_heads=None)"
                 )
             slot = len(names)
@@ -145,7 +169,7 @@ class Thermometers:
             if cfg.attn_entropy:
                 ent_slot = len(names)
                 names.append(metric_key(ATTN_ENTROPY_MIN, name))
-            attn_slots.append((name, mod, slot, n_head or 0, explicit, mode, ent_slot))
+            attn_slots.append((name, mod, slot, n_head or 0, kind, mode, ent_slot))
         grad_start = len(names)
         names += [metric_key(GRAD_NORM, name) for name, _ in groups]
         self._grad_slice = slice(grad_start, len(names))
@@ -173,15 +197,18 @@ class Thermometers:
             else:
                 self._handles.append(mod.register_forward_hook(self._z_hook(z_slots[name])))
         self._head_index: dict[tuple[int, int], torch.Tensor] = {}
-        for name, mod, slot, n_head, explicit, mode, ent_slot in attn_slots:
+        self._intercept = Interceptor()
+        for name, mod, slot, n_head, kind, mode, ent_slot in attn_slots:
             probe = AttnProbe(self._slots, slot, n_head, cfg.per_head, ent_slot)
             probe.entropy_batch = cfg.attn_entropy_batch
-            if explicit:
+            if kind == "mha":
                 self._handles.append(mod.register_forward_pre_hook(self._mha_hook(probe), with_kwargs=True))
+            elif kind == "found":
+                self._handles += self._intercept.hooks(mod, Site(name, mod, probe))
             else:
                 self._claim(name, mod, "thermo_probe")
                 mod.thermo_probe = probe
-            self._attn.append(_Attn(name, mod, probe, explicit, mode))
+            self._attn.append(_Attn(name, mod, probe, kind, mode))
 
         # Gradient norms: one slot per unique trainable parameter, summed into groups at end_step.
         params, index = [], {}
@@ -297,7 +324,7 @@ class Thermometers:
             self._pseen = [False] * len(self._pseen)
         for a in self._attn:
             a.probe.mode = a.mode if self._attn_on else None
-            a.probe.heads = self._heads(step, a.probe.n_head) if a.mode == "exact" else None
+            a.probe.heads = self._heads(step, a.probe.n_head) if a.mode in ("exact", "sample") else None
 
     def _heads(self, step: int, n_head: int) -> torch.Tensor | None:
         """The heads the explicit path computes this step: attn_heads of them, rotating."""
@@ -401,7 +428,7 @@ class Thermometers:
             h.remove()
         self._handles.clear()
         for a in self._attn:
-            if not a.explicit and a.module.thermo_probe is a.probe:
+            if a.kind == "probe" and a.module.thermo_probe is a.probe:
                 a.module.thermo_probe = None
         for mod, zp in self._z_probes:
             if mod.thermo_z_probe is zp:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from monitors.contract import ContractError
-from supervisor.errors import Conflict, NotFound, UserError
-from supervisor.ingest import BatchTooLarge, UnknownRun
-from supervisor.limits import INT32_MAX, INT64_MAX, LimitExceeded, check_int, check_run_id, check_text
+from thermowatch.monitors.contract import ContractError
+from thermowatch.supervisor.errors import Conflict, NotFound, QuotaExceeded, UserError
+from thermowatch.supervisor.ingest import BatchTooLarge, UnknownRun
+from thermowatch.supervisor.limits import INT32_MAX, INT64_MAX, LimitExceeded, check_int, check_run_id, check_text
+
+if TYPE_CHECKING:
+    from thermowatch.supervisor.api.body import InFlight
+    from thermowatch.supervisor.limits import Limits
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ async def call(fn, *args):
         raise HTTPException(413, str(exc)) from None
     except Conflict as exc:
         raise HTTPException(409, str(exc)) from None
+    except QuotaExceeded as exc:
+        raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
     except (ContractError, UserError) as exc:
         raise HTTPException(422, str(exc)) from None
 
@@ -39,6 +45,9 @@ async def call(fn, *args):
 # Path parameters by name, with the column each one is compared with.
 _INT_PARAMS = {"action_id": INT32_MAX, "attempt": INT32_MAX}
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
+# Query parameters that are text whatever they hold (an opaque cursor, a metric key): a run of
+# digits there is not an integer to bound (issue 21: a 1000-digit cursor is schema-valid).
+_TEXT_QUERY = frozenset({"cursor", "key", "metric"})
 
 
 def check_params(path_params: Mapping[str, str], query: Iterable[tuple[str, str]]) -> None:
@@ -49,13 +58,13 @@ def check_params(path_params: Mapping[str, str], query: Iterable[tuple[str, str]
     for name, value in path_params.items():
         if name == "run_id":
             check_run_id(value)
-        elif name in _INT_PARAMS and _DECIMAL.fullmatch(value.strip()):
+        elif name in _INT_PARAMS and _DECIMAL.fullmatch(value):
             if len(value) > 30:
                 raise ContractError(f"{name} has {len(value)} digits; it is at most 2**31-1")
             check_int(name, int(value), 0, _INT_PARAMS[name])
     for name, value in query:
         check_text(f"query parameter {name!r}", value, 10_000)
-        if _DECIMAL.fullmatch(value.strip()):
+        if name not in _TEXT_QUERY and _DECIMAL.fullmatch(value):
             if len(value) > 30:
                 raise ContractError(f"query parameter {name!r} has {len(value)} digits; integers are at most 2**63-1")
             check_int(f"query parameter {name!r}", int(value), -INT64_MAX - 1, INT64_MAX)
@@ -78,6 +87,9 @@ def path_params(path: str) -> dict[str, str]:
     return out
 
 
+_ROUTED = frozenset({"GET", "HEAD", "POST"})  # every route of the daemon is one of these
+
+
 class ParamLimits:
     """ASGI middleware: check_params on every request that carries credentials, before routing (it
     reads only the URL). A middleware rather than a route dependency so it covers every router,
@@ -89,7 +101,9 @@ class ParamLimits:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and any(k in (b"authorization", b"cookie") for k, _ in scope.get("headers", ())):
+        # Only the methods some route has: any other is the router's 405 (with Allow), whatever its URL.
+        if scope["type"] == "http" and scope["method"] in _ROUTED and \
+                any(k in (b"authorization", b"cookie") for k, _ in scope.get("headers", ())):
             try:
                 check_params(path_params(scope["path"]), parse_qsl(scope.get("query_string", b"").decode("latin-1"),
                                                     keep_blank_values=True))
@@ -98,14 +112,18 @@ class ParamLimits:
         await self.app(scope, receive, send)
 
 
-def install_input_limits(app: FastAPI) -> None:
-    """ParamLimits, and the last net under the explicit checks: errors that can only come from
-    what a client sent become a 4xx (and keep the connection), every other exception stays a
-    500. Each is logged, since reaching the net means a check upstream is missing."""
+def install_input_limits(app: FastAPI, limits: "Limits", in_flight: "InFlight") -> None:
+    """ParamLimits, BodyLimits (supervisor.api.body), and the last net under the explicit checks:
+    errors that can only come from what a client sent become a 4xx (and keep the connection),
+    every other exception stays a 500. Each is logged, since reaching the net means a check
+    upstream is missing."""
     from pydantic import ValidationError
     from sqlalchemy.exc import DataError
 
+    from thermowatch.supervisor.api.body import BodyLimits
+
     app.add_middleware(ParamLimits)
+    app.add_middleware(BodyLimits, default_bytes=limits.max_small_body_bytes, in_flight=in_flight)
 
     def handler(status: int, what: str):
         async def answer(request: Request, exc: Exception) -> JSONResponse:
@@ -130,7 +148,7 @@ def document_bodies(router: APIRouter, bodies: Mapping[tuple[str, str], type]) -
     """Attach each route's request-body model to the OpenAPI document ((method, path) -> model,
     path as declared on the router). The routes read their bodies themselves, after the token
     check and under a byte limit, so the model is documentation here (supervisor.api.schemas)."""
-    from supervisor.api.schemas import body_doc
+    from thermowatch.supervisor.api.schemas import body_doc
 
     found = set()
     for route in router.routes:

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 from fastapi import HTTPException, Request
 
-from supervisor.auth import ANONYMOUS_LOCAL, Authenticator, Principal
+from thermowatch.supervisor.auth import ANONYMOUS_LOCAL, Authenticator, Principal
 
 COOKIE = "thermowatch_token"
 PUBLIC_READER = Principal("public-read", frozenset({"read"}))

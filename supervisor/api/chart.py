@@ -12,7 +12,8 @@ every key equal to it or starting with "attn_logit_max/"). Series are ordered by
 attempt; an attempt that a rollback cut short comes as its live part (`current` true) and its
 abandoned part (`current` false). bucket_steps 1 is full zoom: every point, min = max = last.
 Non-finite values travel as the strings "NaN", "Infinity", "-Infinity" (JSON has no NaN).
-Unknown run or metric: 404 naming it (and the known families); step_lo > step_hi: 422.
+Unknown run or metric: 404 naming it (and the known families). step_lo > step_hi is an empty
+window: 200 with no series (the PNG: empty axes), as a range that matches nothing answers in REST.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
-from supervisor.api.auth import Guard
-from supervisor.api.runs import check_window, require_run, values_json
-from supervisor.errors import NotFound, UserError
-from supervisor.store import chart as chart_store
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.api.runs import require_run, values_json
+from thermowatch.supervisor.errors import NotFound, UserError
+from thermowatch.supervisor.store import chart as chart_store
 
 
 def _values(values: np.ndarray) -> np.ndarray | list:
@@ -73,7 +74,6 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         attempts: str = Query("all", pattern="^(all|current)$",
                               description="all: abandoned trajectories too; current: only the live path"),
     ) -> Response:
-        check_window(step_lo, step_hi)
         with sup.sessions() as s:
             require_run(s, run_id)
             try:
@@ -82,7 +82,8 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
                 raise _http(exc) from None
         return Response(chart_body(data), media_type="application/json")
 
-    @router.get("/runs/{run_id}/chart.png")
+    @router.get("/runs/{run_id}/chart.png", response_class=Response, responses={200: {
+        "description": "the chart as a PNG", "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}})
     def chart_png(
         run_id: str,
         metric: str = Query(min_length=1, description="a full key (loss) or a family prefix (attn_logit_max)"),
@@ -95,10 +96,9 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         width: int = Query(1100, ge=200, le=4000),
         height: int = Query(320, ge=120, le=2000),
     ) -> Response:
-        from supervisor.web.chart_png import chart_png as render_png
-        from supervisor.web.pages import collect_marks
+        from thermowatch.supervisor.web.chart_png import chart_png as render_png
+        from thermowatch.supervisor.web.pages import collect_marks
 
-        check_window(step_lo, step_hi)
         with sup.sessions() as s:
             require_run(s, run_id)
             try:

@@ -17,18 +17,20 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from monitors.commands import CommandKind
-from monitors.contract import INT32_MAX, Ack, ContractError
-from supervisor.api import call
-from supervisor.api.auth import Guard, actor
-from supervisor.api.ingest import read_json
-from supervisor.auth import Principal
-from supervisor.limits import check_small_body
+from thermowatch.monitors.commands import CommandKind
+from thermowatch.monitors.contract import INT32_MAX, Ack, ContractError
+from thermowatch.supervisor.api import call
+from thermowatch.supervisor.api.auth import Guard, actor
+from thermowatch.supervisor.api.body import read_json
+from thermowatch.supervisor.api.openapi import explain
+from thermowatch.supervisor.auth import Principal
+from thermowatch.supervisor.limits import check_small_body
 
 
 class ManualAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a key nobody reads is a typo: 422 naming it
     # str, not CommandKind: the executor names an unknown kind with the list of manual ones
     kind: str = Field(description="pause, resume, rollback, skip, set_lr, stop or profile",
                       json_schema_extra={"enum": [k.value for k in CommandKind]})
@@ -38,23 +40,21 @@ class ManualAction(BaseModel):
 
 
 class Approval(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     """The body as `model`, read only after the token check: unreadable JSON is a 400 and a field
     of the wrong shape a 422, each one sentence naming the problem (like ingest's answers)."""
-    obj = await read_json(request, 1 << 20)
+    obj = await read_json(request)
     try:
         check_small_body(obj)
         return model.model_validate(obj)
     except ContractError as exc:
         raise HTTPException(422, str(exc)) from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise HTTPException(422, f"{where}: {first.get('msg', 'invalid')} ({exc.error_count()} problem(s) "
-                                 f"in the request body)") from None
+        raise HTTPException(422, explain(exc.errors(), "request body")) from None
 
 
 def make_router(sup, *, guard: Guard) -> APIRouter:
@@ -72,7 +72,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
 
     @router.post("/runs/{run_id}/acks")
     async def ack(run_id: str, request: Request, who: Principal = trainer) -> dict:
-        obj = await read_json(request, 1 << 20)
+        obj = await read_json(request)
         try:
             check_small_body(obj, "ack")
             a = Ack.from_json(obj)
@@ -106,11 +106,11 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         await call(sup.executor.cancel, action_id, actor(who, body.who))
         return {"ok": True}
 
-    from supervisor.api import document_bodies
-    from supervisor.api.schemas import AckBody
+    from thermowatch.supervisor.api import document_bodies
+    from thermowatch.supervisor.api.schemas import AckBody, ManualActionBody
 
     document_bodies(router, {("POST", "/api/runs/{run_id}/acks"): AckBody,
-                             ("POST", "/api/runs/{run_id}/actions"): ManualAction,
+                             ("POST", "/api/runs/{run_id}/actions"): ManualActionBody,
                              ("POST", "/api/actions/{action_id}/approve"): Approval,
                              ("POST", "/api/actions/{action_id}/cancel"): Approval})
     return router

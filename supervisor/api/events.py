@@ -27,19 +27,19 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from monitors.detectors import BankConfig
-from supervisor.api.auth import Guard
-from supervisor.api.runs import (
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.api.runs import (
     incidents_with_findings,
     json_response,
     jsonable,
     require_run,
 )
-from supervisor.store import actions as actions_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
-from supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import steps as steps_store
 
 MAX_ACTIONS = 2000  # a run with more has bigger problems than a crowded chart
 

@@ -3,9 +3,11 @@
     POST /api/runs                                       RunInfo JSON          -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/steps       {"records": [...]}    -> 200 {"ok": true, "records": n, "values": m}
          or, with content type application/vnd.thermowatch.step-columns, the same batch as columns
-         (monitors.columns: one array per series; what trainer.http_sink sends)
+         (monitors.columns: one array per series; what thermowatch.transport sends)
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints CheckpointInfo JSON   -> 201 {"ok": true}
     POST /api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted {"steps", "reason"} -> {"ok": true}
+    POST /api/runs/{run_id}/attempts/{attempt}/finished  RunFinished JSON      -> 200 {"ok": true}
+         (the same report again is 200; a different one 409: an attempt finishes once)
 
 Every route needs a token with the `ingest` scope (supervisor.api.auth).
 Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401/403 token,
@@ -16,62 +18,31 @@ thread; pydantic models per record would cost more than the database insert.
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
-from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
-from supervisor.api import call
-from supervisor.api.auth import Guard
-from supervisor.auth import Principal
-from supervisor.ingest import (
+from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
+from thermowatch.supervisor.api import call
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.api.body import max_body, parse_json, read_body
+from thermowatch.supervisor.auth import Principal
+from thermowatch.supervisor.ingest import (
     Ingestor,
     checkpoint_from_json,
     deleted_from_json,
+    finished_from_json,
     records_from_json,
     run_info_from_json,
 )
-from supervisor.limits import INT32_MAX
+from thermowatch.supervisor.ingest_columns import check_header_size
+from thermowatch.supervisor.limits import INT32_MAX
 
 if TYPE_CHECKING:
-    from supervisor.metrics import Counters
+    from thermowatch.supervisor.metrics import Counters
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # a 50-step x 10k-value batch is ~15 MB of JSON
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The raw body, refusing (413) before reading more than max_bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise HTTPException(400, f"bad Content-Length header {declared!r}") from None
-        if size > max_bytes:
-            raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {max_bytes}; send smaller batches")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise HTTPException(413, f"request body exceeds the limit of {max_bytes} bytes; send smaller batches")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """Body as JSON for small requests (acks, commands): parsed on the event loop."""
-    return parse_json(await read_body(request, max_bytes))
-
-
-def parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # the C decoder gives up near Python's recursion limit (~1000 levels)
-        raise HTTPException(400, "request body is nested too deeply to parse; JSON values may nest at most "
-                                 "32 levels (limits.max_json_depth)") from None
+_FINISHED_BODY_BYTES = 4096  # three small fields: a finished report is ~80 bytes
 
 
 def _is_columns(content_type: str) -> bool:
@@ -96,22 +67,27 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
     # The token is checked before the body is read: a caller without one learns nothing.
     router = APIRouter(prefix="/api", tags=["ingest"])
     trainer = Depends(guard.require("ingest"))
+    big = max_body(max_body_bytes)  # supervisor.api.body enforces it before the body is read
 
-    @router.post("/runs", status_code=201)
+    @router.post("/runs", status_code=201, openapi_extra=big, responses={429: {
+        "description": "the token opened limits.max_new_runs_per_token_per_hour new runs in the last hour "
+                       "(supervisor.quota); Retry-After says when one more is allowed. New attempts of an "
+                       "existing run are never refused for it"}})
     async def open_run(request: Request, who: Principal = trainer) -> dict:
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request)
         await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body)), who.name))
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/steps")
+    @router.post("/runs/{run_id}/attempts/{attempt}/steps", openapi_extra=big)
     async def write_steps(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request)
 
         columnar = _is_columns(request.headers.get("content-type", ""))
 
         def work() -> dict:
             if columnar:
+                check_header_size(body, ingestor.limits)
                 cols = StepColumns.decode(body)
                 n, n_records = ingestor.write_columns(run_id, att, cols), len(cols)
             else:
@@ -123,31 +99,42 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
 
         return await call(work)
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201)
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201, openapi_extra=big)
     async def checkpoint_saved(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
         att = _attempt(attempt)
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request)
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
-    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted")
+    @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted", openapi_extra=big)
     async def checkpoints_deleted(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
         att = _attempt(attempt)
-        body = await read_body(request, max_body_bytes)
+        body = await read_body(request)
         await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body)),
                                                              actor=who.name))
+        return {"ok": True}
+
+    @router.post("/runs/{run_id}/attempts/{attempt}/finished", openapi_extra=max_body(_FINISHED_BODY_BYTES),
+                 responses={409: {"description": "this attempt already finished with a different report"}})
+    async def finish_run(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
+        att = _attempt(attempt)
+        body = await read_body(request)
+        await call(lambda: ingestor.finish_run(run_id, att, finished_from_json(parse_json(body)), actor=who.name))
         return {"ok": True}
 
     # The bodies' schemas in the OpenAPI (supervisor.api.schemas). They document what the
     # contract's from_json and supervisor.limits check; no pydantic pass over the records
     # (bench/ingest.py --validation: it would add ~15% to reading a batch, for no new check).
-    from supervisor.api import document_bodies
-    from supervisor.api.schemas import CheckpointBody, CheckpointsDeleted, RunInfoBody, StepsBody
+    from thermowatch.supervisor.api import document_bodies
+    from thermowatch.supervisor.api.schemas import (
+        CheckpointBody, CheckpointsDeleted, RunFinishedBody, RunInfoBody, StepsBody,
+    )
 
     document_bodies(router, {("POST", "/api/runs"): RunInfoBody,
                              ("POST", "/api/runs/{run_id}/attempts/{attempt}/steps"): StepsBody,
                              ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints"): CheckpointBody,
-                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted"): CheckpointsDeleted})
+                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted"): CheckpointsDeleted,
+                             ("POST", "/api/runs/{run_id}/attempts/{attempt}/finished"): RunFinishedBody})
     _document_columns(router)
     return router
 

@@ -2,7 +2,10 @@
 over supervisor.store; each request is one read-only session). Every route needs the `read`
 scope unless the config says `public_read: true` (supervisor.api.auth).
 
-    GET /api/runs                                   -> {"runs": [{run_id, last_step, attempts, open_incidents}]}
+    GET /api/runs?limit=&cursor=                    -> {"runs": [{run_id, created_at, last_step, attempts,
+                                                        open_incidents}], "next_cursor"}: newest first, a page
+                                                        at a time (limit 1..1000, default 100); pass
+                                                        next_cursor as cursor for the next page (null: the last)
     GET /api/runs/{run_id}                          -> attempts, checkpoints, skip ranges, LR changes
     GET /api/runs/{run_id}/series                   -> {"keys": [...]}
     GET /api/runs/{run_id}/history?key=&step_lo=&step_hi=&max_points=
@@ -11,6 +14,7 @@ scope unless the config says `public_read: true` (supervisor.api.auth).
                                                     -> {"key", "attempts": {"0": {"steps", "values", "points",
                                                         "downsampled"}, ...}}: every attempt's own points,
                                                         including steps a rollback re-trained
+                                                    step_lo > step_hi is an empty window: no points
     GET /api/runs/{run_id}/status                   -> state (starting/running/paused/stalled/finished) and
                                                         why, last step and record age, open incidents,
                                                         pending approvals, the newest actions
@@ -26,6 +30,8 @@ read those back, unlike null (which would lose the sign of an overflow).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import datetime as dt
 import difflib
@@ -39,20 +45,20 @@ from fastapi import Path as FPath
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from monitors.contract import INT32_MAX
-from monitors.detectors import BankConfig
-from supervisor.api.auth import Guard
-from supervisor.outcome import outcome
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import findings as findings_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import metrics as metrics_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
-from supervisor.store import thermometers
+from thermowatch.monitors.contract import INT32_MAX
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.outcome import outcome
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import metrics as metrics_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import thermometers
 
 NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
@@ -144,8 +150,10 @@ def _points_json(steps: np.ndarray, values: np.ndarray, max_points: int | None,
 def require_run(s: Session, run_id: str) -> runs_store.RunRow:
     run = runs_store.get_run(s, run_id)
     if run is None:
-        known = [r.run_id for r in runs_store.list_runs(s)]
-        hint = f"; known runs: {', '.join(known[-10:])}" if known else "; no runs are stored yet"
+        # The 10 newest, not every run: a 404 must cost the same at 10^5 runs as at 10.
+        known = runs_store.newest_run_ids(s, 10)
+        hint = (f"; the newest runs: {', '.join(known)} (GET /api/runs lists them all)" if known
+                else "; no runs are stored yet")
         raise HTTPException(404, f"no run {run_id!r}{hint}")
     return run
 
@@ -173,24 +181,44 @@ def unknown_key_message(run_id: str, key: str, keys: list[str]) -> str:
 
 
 def check_window(step_lo: int | None, step_hi: int | None) -> None:
+    """The web pages' window: swapped bounds there are a typo in a URL a person edits. The API
+    answers an empty window (step_lo > step_hi) with no points instead, as a REST client expects
+    of a range that matches nothing (issue 21: the OpenAPI cannot say step_lo <= step_hi)."""
     if step_lo is not None and step_hi is not None and step_lo > step_hi:
         raise HTTPException(422, f"step_lo={step_lo} is after step_hi={step_hi}; swap them")
 
 
-def run_summaries(s: Session) -> list[dict[str, Any]]:
-    open_count: dict[str, int] = {}
-    for inc in incidents_store.open_incidents(s):
-        open_count[inc.run_id] = open_count.get(inc.run_id, 0) + 1
-    out = []
-    for run in runs_store.list_runs(s):
-        latest = runs_store.latest_attempt(s, run.run_id)
-        out.append({
-            "run_id": run.run_id, "created_at": run.created_at.isoformat(),
-            "last_step": thermometers.latest_step(s, run.run_id),
-            "attempts": (latest.attempt + 1) if latest is not None else 0,
-            "open_incidents": open_count.get(run.run_id, 0),
-        })
-    return out
+PAGE_DEFAULT, PAGE_MAX = 100, 1000  # runs per page of the list
+
+
+def encode_cursor(key: runs_store.RunKey) -> str:
+    """A page's next_cursor: the last run's (created_at, run_id), opaque to clients (URL-safe)."""
+    raw = json.dumps([key.created_at.isoformat(), key.run_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> runs_store.RunKey:
+    """422 for anything encode_cursor did not make."""
+    try:
+        created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        at = dt.datetime.fromisoformat(created_at)
+        if not isinstance(run_id, str) or at.tzinfo is None:
+            raise ValueError("not a cursor")
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError):
+        raise HTTPException(422, f"cursor {cursor[:60]!r} is not one this daemon gave out: pass a page's "
+                                 "next_cursor as it came, or leave cursor out for the newest runs") from None
+    return runs_store.RunKey(at, run_id)
+
+
+def runs_page(s: Session, limit: int = PAGE_DEFAULT, cursor: str | None = None) -> dict[str, Any]:
+    """One page of the runs list, newest first, with each run's summary (supervisor.store.runs:
+    one statement, whatever the number of runs)."""
+    page, after = runs_store.runs_page(s, limit, decode_cursor(cursor) if cursor else None)
+    return {
+        "runs": [{"run_id": r.run_id, "created_at": r.created_at.isoformat(), "last_step": r.last_step,
+                  "attempts": r.attempts, "open_incidents": r.open_incidents} for r in page],
+        "next_cursor": encode_cursor(after) if after is not None else None,
+    }
 
 
 def run_detail(s: Session, run_id: str) -> dict[str, Any]:
@@ -211,13 +239,14 @@ RUN_STATES = ("starting", "running", "paused", "stalled", "finished")
 def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetime | None = None,
                last_actions: int = 5) -> dict[str, Any]:
     """What the on-call engineer asks first (issue 12): is it running, where is it, what waits
-    for me. The state follows what the daemon knows, in this order: a done `stop`, or the
-    configured step count reached -> finished; the last done pause/resume a pause -> paused; an
+    for me. The state follows what the daemon knows, in this order: the newest attempt said it
+    finished (contract.RunFinished, issue 22 item 9), a done `stop`, or the configured step count
+    reached -> finished; the last done pause/resume a pause -> paused; an
     open stall incident, or no record for `stall_after_s` (the stall detector's timeout) ->
     stalled; no step yet -> starting; else running."""
     run = require_run(s, run_id)
     now = now or dt.datetime.now(dt.timezone.utc)
-    gauges = next(iter(metrics_store.run_gauges(s, run_id)), None)
+    gauges = next(iter(metrics_store.run_gauges(s, [run_id])), None)
     last_step = thermometers.latest_step(s, run_id)
     seen = gauges.last_record_at if gauges else None
     age = (now - seen).total_seconds() if seen is not None else None
@@ -226,7 +255,11 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
     planned = run.config.get("steps") if isinstance(run.config, dict) else None
     stop = actions_store.last_done(s, run_id, ["stop"])
     toggle = actions_store.last_done(s, run_id, ["pause", "resume"])
-    if stop is not None:
+    newest = runs_store.latest_attempt(s, run_id)
+    finished = newest.finished if newest is not None else None
+    if finished is not None:
+        state, why = "finished", f"{finished.reason.value} at step {finished.step} (attempt {newest.attempt})"
+    elif stop is not None:
         state, why = "finished", f"stopped by action {stop.id} at step {stop.ack_step}"
     elif isinstance(planned, int) and last_step is not None and last_step >= planned:
         state, why = "finished", f"step {last_step} of {planned} reached"
@@ -244,6 +277,10 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
         "run_id": run_id, "state": state, "why": why, "last_step": last_step,
         "attempt": (gauges.attempts - 1) if gauges and gauges.attempts else None,
         "planned_steps": planned if isinstance(planned, int) else None,
+        # What the newest attempt said when it ended (null: it has not): reason, step, final loss.
+        "finish_reason": finished.reason.value if finished else None,
+        "final_step": finished.step if finished else None,
+        "final_loss": jsonable(finished.final_loss) if finished else None,
         "last_record_at": seen.isoformat() if seen else None,
         "last_record_age_s": round(age, 3) if age is not None else None,
         "open_incidents": [{k: v for k, v in jsonable(i).items() if k not in ("closed_at", "resolution", "run_id")}
@@ -278,9 +315,14 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     # Plain `def` handlers: FastAPI runs them in its threadpool, off the event loop.
 
     @router.get("/runs")
-    def list_runs() -> Response:
+    def list_runs(
+        limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="runs per page"),
+        cursor: str | None = Query(None, max_length=1000,
+                                   description="the previous page's next_cursor; leave out for the newest runs"),
+    ) -> Response:
+        """Runs newest first, a page at a time: {"runs": [...], "next_cursor": "..." or null}."""
         with sup.sessions() as s:
-            return json_response({"runs": run_summaries(s)})
+            return json_response(runs_page(s, limit, cursor))
 
     @router.get("/runs/{run_id}")
     def get_run(run_id: str) -> Response:
@@ -305,8 +347,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
                                      description="all: every attempt's own points, keyed by attempt, instead of "
                                                  "the newest attempt's point per step (max_points applies per attempt)"),
     ) -> Response:
-        check_window(step_lo, step_hi)
-        with sup.sessions() as s:
+        with sup.sessions() as s:  # step_lo > step_hi is an empty window: no points, not an error
             require_run(s, run_id)
             keys = thermometers.series_keys(s, run_id)
             if key not in keys:

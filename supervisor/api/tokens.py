@@ -1,5 +1,5 @@
 """Token administration over HTTP (`admin` scope). The same store functions serve
-`thermowatch token ...` (supervisor.cli), which talks to the database directly.
+`thermowatch token ...` (thermowatch.cli), which talks to the database directly.
 
     GET  /api/tokens                    -> {"tokens": [{name, scopes, created_at, revoked_at}]}
     POST /api/tokens                    {"name", "scopes": [...]} -> 201 {"name", "scopes", "secret"}
@@ -9,20 +9,24 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from typing import Literal
 
-from supervisor.api import call
-from supervisor.api.auth import Guard
-from supervisor.api.commands import _parse
-from supervisor.auth import Principal
-from supervisor.store import audit as audit_store
-from supervisor.store import tokens as tokens_store
+from fastapi import APIRouter, Depends, Request
+from pydantic import ConfigDict, BaseModel, Field
+
+from thermowatch.supervisor.api import call
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.api.commands import _parse
+from thermowatch.supervisor.auth import Principal
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import tokens as tokens_store
 
 
 class NewToken(BaseModel):
-    name: str = Field(min_length=1, max_length=100, description="who or what holds it: trainer-run42, alice")
-    scopes: list[str] = Field(min_length=1, description="from ingest, read, operate, admin")
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100, pattern=tokens_store.NAME_RE.pattern,
+                      description="who or what holds it: trainer-run42, alice")
+    scopes: list[Literal["ingest", "read", "operate", "admin"]] = Field(min_length=1)
 
 
 def create(sessions, name: str, scopes, actor: str) -> tuple[tokens_store.TokenRow, str]:
@@ -65,7 +69,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         row = await call(revoke, sup.sessions, name, who.name)
         return {"name": row.name, "revoked_at": row.revoked_at.isoformat() if row.revoked_at else None}
 
-    from supervisor.api import document_bodies
+    from thermowatch.supervisor.api import document_bodies
 
     document_bodies(router, {("POST", "/api/tokens"): NewToken})  # read by _parse after the token check
     return router

@@ -2,7 +2,7 @@
 
 The executor holds one `Notifier` and never asks whether Slack is on (STYLE.md 7): the daemon
 builds `FanOut([ConsoleNotifier(), SlackNotifier(...)])` or just the console one. Plain Python,
-no Slack import here (STYLE.md 6); the Slack part lives in `supervisor.notify.slack`.
+no Slack import here (STYLE.md 6); the Slack part lives in `thermowatch.supervisor.notify.slack`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-from monitors.contract import Finding, Severity
-from supervisor.errors import UserError
+from thermowatch.monitors.contract import Finding, Severity
+from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
-    from supervisor.policy import Decision
+    from thermowatch.supervisor.policy import Decision
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Alert:
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
                       incident_id: int | str | None = None, thread_ts: str | None = None) -> "Alert":
         """The alert the executor sends for a policy decision."""
-        from supervisor.policy import DecisionKind
+        from thermowatch.supervisor.policy import DecisionKind
 
         kind = decision.kind
         if kind is DecisionKind.PAUSE or decision.page:

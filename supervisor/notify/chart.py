@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from supervisor.notify.base import ChartRequest, NotifyError
-from supervisor.store import thermometers
+from thermowatch.supervisor.notify.base import ChartRequest, NotifyError
+from thermowatch.supervisor.store import thermometers
 
 WIDTH_PX, HEIGHT_PX = 900, 360  # readable on a phone's Slack preview; ~40 KB
 
@@ -19,7 +19,7 @@ WIDTH_PX, HEIGHT_PX = 900, 360  # readable on a phone's Slack preview; ~40 KB
 def render_chart(s: Session, run_id: str, incident_id: int | str | None, req: ChartRequest) -> bytes:
     """PNG bytes of `req.metric` for steps [step_lo, step_hi]. A metric with no points there is a
     NotifyError that retrying cannot fix (the outbox marks the upload failed, the text is sent)."""
-    from supervisor.web.plots import Chart, IncidentMark, Marks, render
+    from thermowatch.supervisor.web.plots import Chart, IncidentMark, Marks, render
 
     (steps, values), old = thermometers.split_superseded(
         thermometers.history_by_attempt(s, run_id, req.metric, req.step_lo, req.step_hi))

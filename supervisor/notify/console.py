@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import TextIO
 
-from supervisor.notify.base import Alert, NotifyError
+from thermowatch.supervisor.notify.base import Alert, NotifyError
 
 
 class ConsoleNotifier:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from supervisor.errors import UserError
-from supervisor.store import audit as audit_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store.orm import utcnow
+from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store.orm import utcnow
 
 FOLDED = "alert folded"  # the audit event
 

@@ -38,9 +38,9 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.notify.base import Alert, ChartRequest, FanOut, Notifier, NotifyError, channel_name  # noqa: F401
-from supervisor.notify.chart import render_chart
-from supervisor.store import alerts as alerts_store
+from thermowatch.supervisor.notify.base import Alert, ChartRequest, FanOut, Notifier, NotifyError, channel_name  # noqa: F401
+from thermowatch.supervisor.notify.chart import render_chart
+from thermowatch.supervisor.store import alerts as alerts_store
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 Block Kit built with slack_sdk.models.blocks).
 
 With supervisor.api.slack (the interactivity endpoint), the only module that imports slack_sdk
-(STYLE.md 6). The bot token comes from an environment
-variable or a mounted secret file, never from a config file. Rate limits (HTTP 429 +
+(STYLE.md 6); SlackGroupMembers here reads the user groups of `slack.approver_groups` for
+supervisor.approvers. The bot token comes from an environment variable or a mounted secret
+file, never from a config file. Rate limits (HTTP 429 +
 Retry-After), 5xx answers and dropped connections are retried with slack-sdk's RetryHandlers;
 after the last retry a NotifyError says what to check.
 """
@@ -36,8 +37,8 @@ from slack_sdk.models.blocks import (
     SectionBlock,
 )
 
-from monitors.contract import Severity
-from supervisor.notify.base import Alert, NotifyConfigError, NotifyError
+from thermowatch.monitors.contract import Severity
+from thermowatch.supervisor.notify.base import Alert, NotifyConfigError, NotifyError
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,10 @@ class SlackNotifier:
         token, source = resolve_token(cfg.token_env, cfg.token_file, environ)
         secret = resolve_signing_secret(getattr(cfg, "signing_secret_env", ""), getattr(cfg, "signing_secret_file", ""),
                                         environ)
+        # Buttons only where someone may click them (supervisor.approvers: closed by default).
+        approvers = bool(getattr(cfg, "approvers", None) or getattr(cfg, "approver_groups", None))
         return cls(token, cfg.channel, base_url=cfg.base_url, retries=retries,
-                   web_base_url=web_base_url, token_source=source, interactive=secret is not None)
+                   web_base_url=web_base_url, token_source=source, interactive=secret is not None and approvers)
 
     def check(self) -> dict[str, Any]:
         """auth.test at start-up: who the bot is. A refused token raises NotifyConfigError (the
@@ -308,6 +311,36 @@ class SlackNotifier:
             return None
         url = f"{self.web_base_url}/runs/{quote(alert.run_id, safe='')}"
         return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
+
+
+class SlackGroupMembers:
+    """thermowatch.supervisor.approvers.GroupMembers over usergroups.users.list (bot scope usergroups:read).
+    One try with a short timeout and no retries: Slack waits 3 s for the answer to a click, and
+    a group that cannot be read refuses the click (closed), which the clicker may simply repeat."""
+
+    def __init__(self, token: str, base_url: str | None = None, *, timeout_s: int = 2):
+        kwargs: dict[str, Any] = {"token": token, "timeout": timeout_s, "retry_handlers": []}
+        if base_url:
+            kwargs["base_url"] = base_url
+        self.client = WebClient(**kwargs)
+
+    def __call__(self, group_id: str) -> list[str]:
+        try:
+            resp = self.client.usergroups_users_list(usergroup=group_id)
+        except SlackApiError as exc:
+            error = exc.response.get("error") if isinstance(exc.response.data, dict) else None
+            if exc.response.status_code == 200 and error != "ratelimited":  # Slack's answer about the question
+                raise NotifyConfigError(f"Slack refused to list the user group {group_id} ({error}); check the id "
+                                        "(S...) and that the bot has the usergroups:read scope") from exc
+            raise NotifyError(f"Slack usergroups.users.list {group_id}: HTTP {exc.response.status_code}, "
+                              f"error {error}") from exc
+        except OSError as exc:
+            raise NotifyError(f"Slack usergroups.users.list {group_id} could not reach {self.client.base_url}: "
+                              f"{exc}") from exc
+        users = resp.get("users")
+        if not isinstance(users, list) or not all(isinstance(u, str) for u in users):
+            raise NotifyError(f"Slack usergroups.users.list {group_id} answered no list of user ids")
+        return users
 
 
 def _slack_error(exc: NotifyError) -> str | None:

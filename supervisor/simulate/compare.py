@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from supervisor.simulate.config import DetectorFigures, SimConfig, detector_figures
-from supervisor.simulate.engine import RunResult, Strategy, run_once
+from thermowatch.supervisor.simulate.config import DetectorFigures, SimConfig, detector_figures
+from thermowatch.supervisor.simulate.engine import RunResult, Strategy, run_once
 
 
 def strategies(figs: dict[str, DetectorFigures]) -> list[Strategy]:

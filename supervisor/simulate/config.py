@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from monitors.config_tree import ConfigTreeError, check_tree
-from supervisor.config import ConfigError, read_mapping
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree
+from thermowatch.supervisor.config import ConfigError, read_mapping
 
 # Crashes per GPU per day, from interruption counts over a run's length and size. Hardware
 # failures scale with the number of GPUs, so a rate per GPU-day carries over to 800 GPUs.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from supervisor.simulate.config import DetectorFigures, SimConfig
+from thermowatch.supervisor.simulate.config import DetectorFigures, SimConfig
 
 INF = math.inf
 

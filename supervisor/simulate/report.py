@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import TextIO
 
-from supervisor.simulate.compare import SimReport
+from thermowatch.supervisor.simulate.compare import SimReport
 
 
 def print_table(rep: SimReport, out: TextIO) -> None:

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from supervisor.store._sql import jsonable
-from supervisor.store.orm import Action, utcnow
+from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.supervisor.store.orm import Action, utcnow
 
 STATES = ("pending", "sent", "acked", "done", "failed", "cancelled")
 ORIGINS = ("auto", "manual")

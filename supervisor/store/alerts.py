@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.store.orm import Alert, utcnow
+from thermowatch.supervisor.store.orm import Alert, utcnow
 
 
 @dataclass(slots=True)

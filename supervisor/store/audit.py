@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from supervisor.store._sql import jsonable
-from supervisor.store.orm import AuditEntry
+from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.supervisor.store.orm import AuditEntry
 
 
 @dataclass(slots=True)

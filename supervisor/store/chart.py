@@ -30,10 +30,10 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitors.contract import metric_key
-from supervisor.errors import NotFound, UserError
-from supervisor.store import rollups
-from supervisor.store.orm import Attempt, RunSeries, Series, ThermometerChunk
+from thermowatch.monitors.contract import metric_key
+from thermowatch.supervisor.errors import NotFound, UserError
+from thermowatch.supervisor.store import rollups
+from thermowatch.supervisor.store.orm import Attempt, RunSeries, Series, ThermometerChunk
 
 MIN_BUCKETS, MAX_BUCKETS, DEFAULT_BUCKETS = 10, 5000, 1000
 # Series read together: one query per width per group. 25 keeps a 100-layer chart's transient
@@ -113,9 +113,9 @@ def chart(session: Session, run_id: str, metric: str, step_lo: int | None = None
         raise UserError(f"buckets={buckets} is out of range; use {MIN_BUCKETS}..{MAX_BUCKETS}")
     if attempts not in ("all", "current"):
         raise UserError(f"attempts={attempts!r}: use all or current")
-    if step_lo is not None and step_hi is not None and step_lo > step_hi:
-        raise UserError(f"step_lo={step_lo} is after step_hi={step_hi}; swap them")
     keys = family(session, run_id, metric)
+    if step_lo is not None and step_hi is not None and step_lo > step_hi:
+        return ChartData(run_id, metric, step_lo, step_hi, 1, [])  # an empty window holds no points
     sids = sorted(keys)
     ranges = attempt_ranges(session, run_id, sids[0])
     lo = step_lo if step_lo is not None else min((r[1] for r in ranges), default=0)

@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from monitors.contract import CheckpointInfo
-from supervisor.store._sql import insert_ignore
-from supervisor.store.orm import Checkpoint
+from thermowatch.monitors.contract import CheckpointInfo
+from thermowatch.supervisor.store._sql import insert_ignore
+from thermowatch.supervisor.store.orm import Checkpoint
 
 
 @dataclass(slots=True)
@@ -92,3 +92,22 @@ def mark_checkpoint(session: Session, checkpoint_id: int, *, healthy: bool | Non
     values = {k: v for k, v in (("healthy", healthy), ("deleted", deleted)) if v is not None}
     if values:
         session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(**values))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPath:
+    """What the checkpoint scan needs of a checkpoint (supervisor.jobs): no manifest."""
+
+    id: int
+    run_id: str
+    step: int
+    path: str
+    healthy: bool
+
+
+def live_checkpoints(session: Session, after_id: int = 0, limit: int = 1000) -> list[CheckpointPath]:
+    """Checkpoints not marked deleted, of every run, by id after `after_id`: the scan pages
+    through them, so it costs what there are checkpoints, not runs (issue 21, item 4)."""
+    q = (select(Checkpoint.id, Checkpoint.run_id, Checkpoint.step, Checkpoint.path, Checkpoint.healthy)
+         .where(Checkpoint.id > after_id, Checkpoint.deleted.is_(False)).order_by(Checkpoint.id).limit(limit))
+    return [CheckpointPath(*row) for row in session.execute(q).all()]

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import ForeignKey, LargeBinary, String, delete, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from supervisor.store.orm import Base, utcnow
+from thermowatch.supervisor.store.orm import Base, utcnow
 
 
 class DetectorStatePart(Base):

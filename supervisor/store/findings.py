@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitors.contract import Finding
-from supervisor.store._sql import jsonable
-from supervisor.store.orm import FindingRow
+from thermowatch.monitors.contract import Finding
+from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.supervisor.store.orm import FindingRow
 
 
 @dataclass(slots=True)
@@ -29,6 +29,23 @@ def stored_key(finding: Finding, attempt: int | None) -> str | None:
     """The row key: the attempt, because a re-trained step in a new attempt may legitimately
     find the same thing again; None (no de-duplication) when the attempt is unknown."""
     return None if attempt is None else f"{attempt}|{finding.key}"
+
+
+def incident_attempts(session: Session, run_id: str, incident_ids: Iterable[int]) -> dict[int, int]:
+    """incident id -> the attempt its first finding was judged on (read from the row key, whose
+    format stored_key owns); incidents whose findings have no attempt are left out."""
+    out: dict[int, int] = {}
+    ids = sorted(set(incident_ids))
+    if not ids:
+        return out
+    rows = session.execute(select(FindingRow.incident_id, FindingRow.key).where(
+        FindingRow.run_id == run_id, FindingRow.incident_id.in_(ids), FindingRow.key.is_not(None))
+        .order_by(FindingRow.id))
+    for incident_id, key in rows:
+        head = key.partition("|")[0]
+        if head.isdigit():
+            out.setdefault(incident_id, int(head))
+    return out
 
 
 def find_key(session: Session, run_id: str, key: str) -> FindingRow | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from supervisor.store.orm import Incident, utcnow
+from thermowatch.supervisor.store.orm import Incident, utcnow
 
 STATES = ("open", "resolved")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.store._sql import insert_ignore
-from supervisor.store.orm import Attempt, JudgeMark, Step, utcnow
+from thermowatch.supervisor.store._sql import insert_ignore
+from thermowatch.supervisor.store.orm import Attempt, JudgeMark, Step, utcnow
 
 
 def mark(session: Session, run_id: str, attempt: int, step: int, exists: bool = False) -> None:

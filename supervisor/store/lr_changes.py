@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from monitors.contract import LRChange, multiplier_at
-from supervisor.store.orm import LrChange
+from thermowatch.monitors.contract import LRChange, multiplier_at
+from thermowatch.supervisor.store.orm import LrChange
 
 
 @dataclass(slots=True)

@@ -60,6 +60,33 @@ class UTCDateTime(TypeDecorator):
         return value
 
 
+class _RawFloat(Float):
+    """FLOAT in the DDL, without Float's bind processor (it turns the text 'nan' back into a float)."""
+
+    def bind_processor(self, dialect):
+        return None
+
+
+class ExactFloat(TypeDecorator):
+    """A float column that keeps NaN on both dialects: SQLite's driver stores a NaN REAL as NULL,
+    so there it is written as the text 'nan' (a REAL column keeps text that is not a number as
+    text) and read back as the float. +-Inf are REALs on both; PostgreSQL keeps NaN itself."""
+
+    impl = Float
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect):
+        return dialect.type_descriptor(_RawFloat() if dialect.name == "sqlite" else Float())
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and dialect.name == "sqlite" and value != value:
+            return "nan"
+        return value
+
+    def process_result_value(self, value, dialect):
+        return None if value is None else float(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dt.datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
@@ -74,6 +101,11 @@ class Run(Base):
     run_id: Mapped[str] = mapped_column(String(200), primary_key=True)
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # The actor that opened the run (a token's name; "" for runs from before 0011): the
+    # run-creation quota counts a token's recent runs (supervisor.quota).
+    created_by: Mapped[str] = mapped_column(String(200), default="", server_default="")
+    # Newest-first keyset pages of the list; a token's runs of the last hour (0011).
+    __table_args__ = (Index(None, "created_at", "run_id"), Index(None, "created_by", "created_at"))
 
 
 class Attempt(Base):
@@ -87,6 +119,12 @@ class Attempt(Base):
     start_step: Mapped[int] = mapped_column(BigInteger, default=0)
     hosts: Mapped[dict[str, Any]] = mapped_column(default=dict)  # {"rank": "host"}
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Set once when the attempt ends of its own accord (contract.RunFinished; 0012): the run
+    # reads "finished" with its final loss. NULL: it has not said so (running, crashed, older).
+    finished_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    final_loss: Mapped[float | None] = mapped_column(ExactFloat, nullable=True)  # NaN/Inf are data
+    finish_reason: Mapped[str | None] = mapped_column(String(20), nullable=True)
 
 
 class Step(Base):
@@ -100,6 +138,8 @@ class Step(Base):
     sample_hi: Mapped[int] = mapped_column(BigInteger)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     wall_time: Mapped[float] = mapped_column(Float, default=0.0)
+    # A run's newest attempt with steps, and its last step, as two index seeks (store.steps.latest_steps).
+    __table_args__ = (Index(None, "run_id", "attempt", "step"),)
 
 
 class Series(Base):
@@ -315,7 +355,7 @@ def load_models() -> MetaData:
     import importlib
     import pkgutil
 
-    import supervisor.store as pkg
+    import thermowatch.supervisor.store as pkg
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{pkg.__name__}.{mod.name}")

@@ -42,8 +42,8 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from supervisor.store.orm import ThermometerChunk, ThermometerRollup
-from supervisor.store.steps_blob import decode_steps
+from thermowatch.supervisor.store.orm import ThermometerChunk, ThermometerRollup
+from thermowatch.supervisor.store.steps_blob import decode_steps
 
 WIDTHS = (4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 SPAN_BUCKETS = 256  # buckets per stored row: a span is width * 256 steps
@@ -276,7 +276,7 @@ def chunk_floor(session: Session, run_id: str, sids: Sequence[int], attempt: int
     index range however long the chunks are (retention merges old points into long ones)."""
     from sqlalchemy import func
 
-    from supervisor.store.orm import RunSeries
+    from thermowatch.supervisor.store.orm import RunSeries
 
     c = ThermometerChunk
     floor = (select(func.max(c.first_step))
@@ -386,7 +386,7 @@ def backfill(session: Session, run_id: str, *, steps_per_pass: int = 65536) -> i
     series x steps_per_pass points). Never commits; returns the rows written."""
     from sqlalchemy import func
 
-    from supervisor.store.orm import RunSeries
+    from thermowatch.supervisor.store.orm import RunSeries
 
     c = ThermometerChunk
     sids = [x for (x,) in session.execute(select(RunSeries.series_id).where(RunSeries.run_id == run_id))]

@@ -1,17 +1,23 @@
-"""Runs and their attempts (each launch or relaunch of a run is one attempt)."""
+"""Runs and their attempts (each launch or relaunch of a run is one attempt), and the runs list.
+
+The list is read in newest-first pages (`runs_page`), never whole: an ingest token made 10^5
+runs and reading them all took 26-67 s (issue 21, item 4). A page and every run's summary on it
+are one statement whose cost follows the page, not the number of runs: a keyset range on
+ix_runs_created_at_run_id, and per run index seeks for its attempts, open incidents and last step.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import Select, bindparam, func, select, tuple_
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from monitors.contract import RunInfo
-from supervisor.store._sql import insert_ignore
-from supervisor.store.orm import Attempt, Run
+from thermowatch.monitors.contract import FinishReason, RunFinished, RunInfo
+from thermowatch.supervisor.store._sql import insert_ignore
+from thermowatch.supervisor.store.orm import Action, Attempt, Incident, JudgeMark, Run, Step
 
 
 @dataclass(slots=True)
@@ -30,16 +36,23 @@ class AttemptRow:
     start_step: int
     hosts: dict[int, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    finished_at: dt.datetime | None = None
+    finished: RunFinished | None = None  # what the attempt said when it ended (None: not yet, or never)
 
 
-def create_run(session: Session, run_id: str, config: dict[str, Any] | None = None) -> None:
-    """Create the run if it does not exist (idempotent: a relaunch keeps the first config)."""
-    session.execute(insert_ignore(session, Run.__table__), [{"run_id": run_id, "config": config or {}}])
+def create_run(session: Session, run_id: str, config: dict[str, Any] | None = None, created_by: str = "") -> bool:
+    """Create the run if it does not exist; True when this call created it (idempotent: a
+    relaunch keeps the first config and creator; of two concurrent creations one gets True)."""
+    # RETURNING, not rowcount: rowcount reads -1 on PostgreSQL (psycopg) for it.
+    res = session.execute(insert_ignore(session, Run.__table__).returning(Run.run_id),
+                          {"run_id": run_id, "config": config or {}, "created_by": created_by})
+    return res.first() is not None
 
 
-def open_attempt(session: Session, info: RunInfo) -> None:
-    """Record a run's (re)start; creates the run on its first attempt. Idempotent per attempt."""
-    create_run(session, info.run_id, info.config)
+def open_attempt(session: Session, info: RunInfo, created_by: str = "") -> bool:
+    """Record a run's (re)start; creates the run on its first attempt. Idempotent per attempt.
+    True when this call created the run (the run-creation quota counts those, supervisor.quota)."""
+    created = create_run(session, info.run_id, info.config, created_by)
     session.execute(
         insert_ignore(session, Attempt.__table__),
         [
@@ -53,6 +66,7 @@ def open_attempt(session: Session, info: RunInfo) -> None:
             }
         ],
     )
+    return created
 
 
 def get_run(session: Session, run_id: str) -> RunRow | None:
@@ -64,16 +78,148 @@ def run_exists(session: Session, run_id: str) -> bool:
     return session.execute(select(Run.run_id).where(Run.run_id == run_id)).first() is not None
 
 
-def list_runs(session: Session) -> list[RunRow]:
-    rows = session.execute(select(Run).order_by(Run.created_at)).scalars().all()
-    return [RunRow(r.run_id, dict(r.config), r.created_at) for r in rows]
+# --- the list -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    """A run's place in the newest-first list: created_at, then run_id (both descending)."""
+
+    created_at: dt.datetime
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One line of the runs list (GET /api/runs, the index page, `thermowatch runs`)."""
+
+    run_id: str
+    created_at: dt.datetime
+    last_step: int | None  # the newest step of the newest attempt that reported any
+    attempts: int  # attempts opened (the newest is attempts - 1); 0 before the first
+    open_incidents: int
+
+    @property
+    def key(self) -> RunKey:
+        return RunKey(self.created_at, self.run_id)
+
+
+def _summaries():
+    """SELECT of every run's summary. Each figure is a correlated scalar subquery that the
+    indexes answer with a seek or a short range (attempts' primary key, ix_incidents_run_id_state,
+    ix_steps_run_id_attempt_step), evaluated only for the rows the page returns."""
+    newer = aliased(Step)
+    newest_stepped = (select(func.max(newer.attempt)).where(newer.run_id == Run.run_id)
+                      .correlate(Run).scalar_subquery())
+    last_step = (select(func.max(Step.step)).where(Step.run_id == Run.run_id, Step.attempt == newest_stepped)
+                 .correlate(Run).scalar_subquery())
+    newest_attempt = select(func.max(Attempt.attempt)).where(Attempt.run_id == Run.run_id).correlate(Run).scalar_subquery()
+    open_incidents = (select(func.count()).select_from(Incident)
+                      .where(Incident.run_id == Run.run_id, Incident.state == "open").correlate(Run).scalar_subquery())
+    return select(Run.run_id, Run.created_at, last_step, newest_attempt, open_incidents)
+
+
+def _summary(row) -> RunSummary:
+    run_id, created_at, last_step, newest_attempt, open_incidents = row
+    return RunSummary(run_id, created_at, None if last_step is None else int(last_step),
+                      0 if newest_attempt is None else int(newest_attempt) + 1, int(open_incidents or 0))
+
+
+def runs_page(session: Session, limit: int, after: RunKey | None = None) -> tuple[list[RunSummary], RunKey | None]:
+    """Up to `limit` runs, newest first, starting after `after` (None: the newest), with their
+    summaries; and the key to pass as `after` for the next page (None after the last page).
+    One statement, whatever the number of runs."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    q = _summaries()
+    if after is not None:
+        # Row-value comparison: both databases read it as a range on (created_at, run_id).
+        q = q.where(tuple_(Run.created_at, Run.run_id) < tuple_(
+            bindparam("after_created_at", after.created_at, type_=Run.__table__.c.created_at.type),
+            bindparam("after_run_id", after.run_id, type_=Run.__table__.c.run_id.type)))
+    rows = session.execute(q.order_by(Run.created_at.desc(), Run.run_id.desc()).limit(limit + 1)).all()
+    page = [_summary(r) for r in rows[:limit]]
+    return page, (page[-1].key if len(rows) > limit else None)
+
+
+def each_page(sessions: sessionmaker, size: int = 1000) -> Iterator[list[RunSummary]]:
+    """Every run, newest first, a page at a time, each page read in a short session of its own:
+    a pass over 10^5 runs (the periodic jobs, `thermowatch db rollups`) neither holds every row
+    in memory nor keeps one read transaction open (SQLite's WAL checkpoints wait for those)."""
+    after: RunKey | None = None
+    while True:
+        with sessions() as s:
+            page, after = runs_page(s, size, after)
+        if page:
+            yield page
+        if after is None:
+            return
+
+
+def newest_run_ids(session: Session, n: int) -> list[str]:
+    """The `n` newest runs' ids, newest first (a 404's hint)."""
+    q = select(Run.run_id).order_by(Run.created_at.desc(), Run.run_id.desc()).limit(n)
+    return list(session.execute(q).scalars())
+
+
+# The daily digest's window, and what `/metrics` calls an active run (store.metrics.active_runs).
+ACTIVE_WINDOW = dt.timedelta(days=1)
+
+
+def news_since(since: dt.datetime) -> list[Select]:
+    """SELECTs of (run_id, at) for everything new since `since`: the run created, an attempt
+    started, steps judged (the judge's marker moved), an incident opened, an action written."""
+    return [select(Run.run_id, Run.created_at.label("at")).where(Run.created_at >= since),
+            select(Attempt.run_id, Attempt.started_at).where(Attempt.started_at >= since),
+            select(JudgeMark.run_id, JudgeMark.updated_at).where(JudgeMark.updated_at >= since),
+            select(Incident.run_id, Incident.opened_at).where(Incident.opened_at >= since),
+            select(Action.run_id, Action.created_at).where(Action.created_at >= since)]
+
+
+def active_since(session: Session, since: dt.datetime) -> list[str]:
+    """Runs with anything new since `since` (news_since), sorted. The daily digest covers these,
+    not every run ever made."""
+    first, *rest = news_since(since)
+    q = select(first.union_all(*rest).subquery().c.run_id).distinct()
+    return sorted(session.execute(q).scalars())
+
+
+def nth_newest_created_by(session: Session, created_by: str, since: dt.datetime, n: int) -> dt.datetime | None:
+    """When `created_by` created its n-th newest run (1: the newest) among those created at or
+    after `since`; None when it created fewer than n. Reads at most n entries of
+    ix_runs_created_by_created_at, however many runs it made (supervisor.quota)."""
+    q = (select(Run.created_at).where(Run.created_by == created_by, Run.created_at >= since)
+         .order_by(Run.created_at.desc()).offset(n - 1).limit(1))
+    return session.execute(q).scalar()
 
 
 def _attempt_row(a: Attempt) -> AttemptRow:
     return AttemptRow(
         a.run_id, a.attempt, a.started_at, a.world_size, a.start_step,
-        {int(k): v for k, v in (a.hosts or {}).items()}, dict(a.config or {}),
+        {int(k): v for k, v in (a.hosts or {}).items()}, dict(a.config or {}), a.finished_at, _finished(a),
     )
+
+
+def _finished(a: Attempt) -> RunFinished | None:
+    if a.finish_reason is None:
+        return None
+    return RunFinished(step=a.final_step, final_loss=a.final_loss, reason=FinishReason(a.finish_reason))
+
+
+def finish_attempt(session: Session, run_id: str, attempt: int, finished: RunFinished) -> RunFinished | None:
+    """Record that the attempt finished, unless it already did: returns the report stored before
+    (the caller compares: the same is a re-send, a different one is refused, an attempt finishes
+    once), or None when this one is recorded now. Raises LookupError for an attempt never opened.
+    The row is locked, so of two reports sent at once one stores and the other compares."""
+    a = session.execute(select(Attempt).where(Attempt.run_id == run_id, Attempt.attempt == attempt)
+                        .with_for_update()).scalar()
+    if a is None:
+        raise LookupError(f"run {run_id!r} has no attempt {attempt}")
+    stored = _finished(a)
+    if stored is None:
+        a.finished_at, a.final_step, a.final_loss = dt.datetime.now(dt.timezone.utc), finished.step, finished.final_loss
+        a.finish_reason = finished.reason.value
+    return stored
 
 
 def attempts(session: Session, run_id: str) -> list[AttemptRow]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitors.contract import SampleRange, ledger_digest, merge_ranges
-from supervisor.store.orm import SkipRange
+from thermowatch.monitors.contract import SampleRange, ledger_digest, merge_ranges
+from thermowatch.supervisor.store.orm import SkipRange
 
 
 def add_skip_range(session: Session, run_id: str, lo: int, hi: int, action_id: int | None = None) -> int:

@@ -3,49 +3,49 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
-from monitors.columns import StepColumns
-from monitors.contract import StepRecord
-from supervisor.store._sql import insert_ignore
-from supervisor.store.orm import Step
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.supervisor.store.orm import Step
 
 
 def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
-    """One row per step; a retried batch inserts nothing new."""
+    """One row per step (tests and replays that store records directly)."""
     if records:
-        session.execute(
-            insert_ignore(session, Step.__table__),
-            [
-                {
-                    "run_id": run_id, "attempt": attempt, "step": r.step, "sample_lo": r.sample_lo,
-                    "sample_hi": r.sample_hi, "tokens": r.tokens, "wall_time": r.wall_time,
-                }
-                for r in records
-            ],
-        )
+        record_step_columns(session, run_id, attempt, StepColumns.from_records(records))
 
 
 def record_step_columns(session: Session, run_id: str, attempt: int, cols: StepColumns) -> None:
-    """record_steps for a batch of columns (monitors.columns)."""
+    """One row per step, inserted plainly: a step already stored for this attempt is a unique
+    violation, never silently skipped, so the database decides who stored it first (ingest
+    compares a re-sent step with what is stored before it gets here: supervisor.ingest)."""
     if len(cols):
-        session.execute(insert_ignore(session, Step.__table__), [
+        session.execute(insert(Step.__table__), [
             {"run_id": run_id, "attempt": attempt, "step": st, "sample_lo": lo, "sample_hi": hi, "tokens": tok,
              "wall_time": wt}
             for st, lo, hi, tok, wt in zip(cols.steps.tolist(), cols.sample_lo.tolist(), cols.sample_hi.tolist(),
                                            cols.tokens.tolist(), cols.wall_time.tolist())])
 
 
-def stored(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[int, tuple[int, int]]:
-    """Steps of this attempt already stored in [step_lo, step_hi]: step -> (sample_lo, sample_hi).
-    One indexed range read per batch; empty unless the batch is a re-send."""
+class StoredStep(NamedTuple):
+    sample_lo: int
+    sample_hi: int
+    tokens: int
+    wall_time: float
+
+
+def stored(session: Session, run_id: str, attempt: int, step_lo: int, step_hi: int) -> dict[int, StoredStep]:
+    """Steps of this attempt already stored in [step_lo, step_hi]. One indexed range read per
+    batch; empty unless the batch is a re-send."""
     rows = session.execute(
-        select(Step.step, Step.sample_lo, Step.sample_hi)
+        select(Step.step, Step.sample_lo, Step.sample_hi, Step.tokens, Step.wall_time)
         .where(Step.run_id == run_id, Step.attempt == attempt, Step.step >= step_lo, Step.step <= step_hi)
     ).all()
-    return {step: (lo, hi) for step, lo, hi in rows}
+    return {step: StoredStep(lo, hi, tok, wt) for step, lo, hi, tok, wt in rows}
 
 
 def sample_range(session: Session, run_id: str, step_lo: int, step_hi: int) -> tuple[int, int] | None:

@@ -39,13 +39,13 @@ import numpy as np
 from sqlalchemy import and_, delete, func, select
 from sqlalchemy.orm import Session
 
-from monitors.columns import StepColumns
-from monitors.contract import ContractError, Reduce, StepRecord, metric_key, reduction, split_key
-from supervisor.limits import LimitExceeded
-from supervisor.store import rollups
-from supervisor.store.steps_blob import decode_steps as _decode_steps
-from supervisor.store._sql import insert_ignore
-from supervisor.store.orm import RunSeries, Series, Step, ThermometerChunk
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import ContractError, Reduce, StepRecord, metric_key, reduction, split_key
+from thermowatch.supervisor.limits import LimitExceeded
+from thermowatch.supervisor.store import rollups
+from thermowatch.supervisor.store.steps_blob import decode_steps as _decode_steps
+from thermowatch.supervisor.store._sql import insert_ignore
+from thermowatch.supervisor.store.orm import RunSeries, Series, Step, ThermometerChunk
 
 _CHUNK = ThermometerChunk.__table__
 MERGED_CHUNK_POINTS = 4096  # downsample() rewrites old points into chunks of this many
@@ -140,7 +140,7 @@ def append_columns(session: Session, run_id: str, attempt: int, cols: StepColumn
                    cache: SeriesCache | None = None) -> int:
     """Store a batch given as columns (monitors.columns: one array per series already, as the
     chunks want them). Returns how many values it carried. Never commits."""
-    if not len(cols):
+    if not len(cols) or not cols.keys:  # steps without a metric: their rows are in `steps`, no chunk
         return 0
     steps, vals, present, ranks, keys = cols.steps, cols.values, cols.present, cols.ranks, cols.keys
     # One point per step: sort the batch and drop repeated steps (first one wins).
@@ -359,6 +359,8 @@ def history_by_attempt(
     # stable, so among duplicates the later chunk wins, the same point history() would keep.
     order = np.lexsort((steps, attempts))
     order = order[keep[order]]
+    if not len(order):  # chunks overlap the window but none of their points is in it
+        return {}
     a, s = attempts[order], steps[order]
     last = np.ones(len(s), bool)
     last[:-1] = (s[1:] != s[:-1]) | (a[1:] != a[:-1])

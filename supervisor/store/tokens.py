@@ -20,8 +20,8 @@ from sqlalchemy import String, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from supervisor.errors import Conflict, NotFound, UserError
-from supervisor.store.orm import Base, utcnow
+from thermowatch.supervisor.errors import Conflict, NotFound, UserError
+from thermowatch.supervisor.store.orm import Base, utcnow
 
 SCOPES = ("ingest", "read", "operate", "admin")
 SECRET_PREFIX = "tw_"  # recognisable in a leaked-secret scan; never part of the digest's meaning

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy.orm import Session
 
-from monitors.contract import Reduce, reduction
-from supervisor.store import chart as chart_store
-from supervisor.web.plots import Chart, Marks, render
+from thermowatch.monitors.contract import Reduce, reduction
+from thermowatch.supervisor.store import chart as chart_store
+from thermowatch.supervisor.web.plots import Chart, Marks, render
 
 MAX_LINES = 8  # more keys than this: the hottest as lines, all of them as a band
 LOG_METRICS = {"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"}  # drawn on a log y axis

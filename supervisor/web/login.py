@@ -22,8 +22,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from supervisor.api.auth import COOKIE, Guard, SignInRequired, same_origin
-from supervisor.web.pages import _page, e
+from thermowatch.supervisor.api.auth import COOKIE, Guard, SignInRequired, same_origin
+from thermowatch.supervisor.api.body import max_body, read_body
+from thermowatch.supervisor.web.pages import _page, e
 
 MAX_FORM_BYTES = 4096
 
@@ -66,12 +67,12 @@ def install(app: FastAPI, guard: Guard, *, public_url: str = "") -> None:
     def login_form(next: str = "") -> HTMLResponse:
         return sign_in_page(base, _safe_next(next, base))
 
-    @router.post("/login")
+    @router.post("/login", openapi_extra=max_body(MAX_FORM_BYTES))
     async def login(request: Request) -> Response:
         if not same_origin(request, public_url):
             return sign_in_page(base, base or "/", "refused: the sign-in form was posted from another site", 403)
-        body = await request.body()
-        form = parse_qs(body[:MAX_FORM_BYTES].decode("utf-8", "replace"))
+        body = await read_body(request)  # at most MAX_FORM_BYTES (supervisor.api.body), streamed
+        form = parse_qs(body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0].strip()
         target = _safe_next((form.get("next") or [""])[0], base)
         principal = None

@@ -1,7 +1,7 @@
 """HTML pages: the runs list, the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
 rendered by run_page.py) and one chart as a PNG.
 
-    GET /                                  runs table
+    GET /?cursor=                          runs table, newest first, a page at a time
     GET /runs/{run_id}?incident=&step_lo=&step_hi=
                                            state, what waits (incidents, approvals), charts, tables
     GET /runs/{run_id}/attention?incident= the page's open incidents and approvals alone (its refresh)
@@ -28,17 +28,17 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import HTMLResponse, Response
 from sqlalchemy.orm import Session
 
-from supervisor.api.auth import Guard
-from supervisor.api.runs import (
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.api.runs import (
     check_window,
     incidents_with_findings,
     require_run,
     resolve_keys,
-    run_summaries,
+    runs_page,
 )
-from supervisor.store import actions as actions_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import thermometers
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import thermometers
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
 CHARTS = [
@@ -52,6 +52,7 @@ CHARTS = [
 ]
 LOG_METRICS = {"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"}
 AUDIT_TAIL = 50
+INDEX_PAGE = 100  # runs on one page of the index (the API's default page)
 ZOOM_MIN_PAD = 50  # steps shown either side of an incident, at least
 
 CSS = """
@@ -115,7 +116,7 @@ def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: i
 
 
 def collect_marks(s: Session, run_id: str, selected: int | None):
-    from supervisor.web.plots import IncidentMark, LrMark, Marks, RollbackMark
+    from thermowatch.supervisor.web.plots import IncidentMark, LrMark, Marks, RollbackMark
 
     incs = {i["id"]: i for i in incidents_with_findings(s, run_id)}
     marks = Marks()
@@ -147,21 +148,29 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         return f"{base}/runs/{quote(run_id, safe='')}{suffix}" + (f"?{q}" if q else "")
 
     @router.get("/", response_class=HTMLResponse)
-    def index() -> HTMLResponse:
+    def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs")
+              ) -> HTMLResponse:
         with sup.sessions() as s:
-            runs = run_summaries(s)
+            page = runs_page(s, INDEX_PAGE, cursor)
         rows = []
-        for r in reversed(runs):  # newest first
+        for r in page["runs"]:  # newest first
             n_open = r["open_incidents"]
             rows.append("<tr>" + _cells(
                 f"<a href='{e(run_url(r['run_id']))}'>{e(r['run_id'])}</a>", e(r["created_at"][:19].replace("T", " ") + "Z"),
                 e(r["last_step"] if r["last_step"] is not None else "-"), e(r["attempts"]),
                 f"<span class='bad'>{n_open}</span>" if n_open else "0") + "</tr>")
+        links = []
+        if cursor:
+            links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
+        if page["next_cursor"]:
+            links.append(f"<a href='{e(base)}/?{urlencode({'cursor': page['next_cursor']})}' id='older'>older runs</a>")
         body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
                 "<button type='submit' id='sign-out'>sign out</button></form>"
                 "<h1>thermowatch: runs</h1>"
                 + _table(["run", "created (UTC)", "last step", "attempts", "open incidents"], rows,
-                         "no runs yet: a run appears when its run controller first reports"))
+                         "no runs yet: a run appears when its run controller first reports"
+                         if not cursor else "no older runs")
+                + (f"<p>{' | '.join(links)}</p>" if links else ""))
         return _page("thermowatch: runs", body)
 
     @router.get("/runs/{run_id}/plot.png")
@@ -175,7 +184,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         width: int = Query(1100, ge=200, le=4000),
         height: int = Query(320, ge=120, le=2000),
     ) -> Response:
-        from supervisor.web.chart_png import chart_png
+        from thermowatch.supervisor.web.chart_png import chart_png
 
         check_window(step_lo, step_hi)
         with sup.sessions() as s:
@@ -194,7 +203,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         step_lo: int | None = Query(None, ge=0),
         step_hi: int | None = Query(None, ge=0),
     ) -> HTMLResponse:
-        from supervisor.web import run_page as rp
+        from thermowatch.supervisor.web import run_page as rp
 
         check_window(step_lo, step_hi)
         return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, step_lo, step_hi)
@@ -203,7 +212,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
     def attention(run_id: str, incident: int | None = Query(None)) -> HTMLResponse:
         """The page's #attention section alone (open incidents, approvals): the script swaps it in
         when /status says what waits has changed."""
-        from supervisor.web import run_page as rp
+        from thermowatch.supervisor.web import run_page as rp
 
         return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, None, None,
                          only_attention=True)

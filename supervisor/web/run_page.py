@@ -21,16 +21,16 @@ from collections.abc import Callable
 from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
-from monitors.detectors import BankConfig
-from supervisor.api.runs import incidents_with_findings, require_run, run_status
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import runs as runs_store
-from supervisor.store import skips as skips_store
-from supervisor.store import thermometers
-from supervisor.web.readable import pairs
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.supervisor.api.runs import incidents_with_findings, require_run, run_status
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.web.readable import pairs
 
 AUDIT_TAIL = 50
 REFRESH_S = 10  # the script polls /status this often, and redraws the charts unless zoomed

@@ -5,6 +5,9 @@ token, JSON or form bodies, answers `{"ok": true, ...}` or HTTP 200 `{"ok": fals
 and HTTP 429 with `Retry-After` when rate limited. The real slack-sdk WebClient talks to it
 through `base_url`. Every request is recorded (headers + parsed body) for assertions.
 
+User groups (`usergroups.users.list`, a GET with `usergroup` in the query, as slack-sdk sends
+it): `usergroups` maps a group id to its member ids; an unknown group answers `no_such_subteam`.
+
 Uploads as files_upload_v2 makes them: `files.getUploadURLExternal` (filename, length) answers an
 `upload_url` on this server and a file id; the raw bytes are POSTed there (recorded in
 `uploads`); `files.completeUploadExternal` (files JSON, channel_id, thread_ts) shares the file,
@@ -51,8 +54,8 @@ class Upload:
 
 
 class FakeSlack:
-    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`), `chat.update`
-    and the upload trio of files_upload_v2, with switches for failures."""
+    """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`), `chat.update`,
+    `usergroups.users.list` and the upload trio of files_upload_v2, with switches for failures."""
 
     def __init__(self, token: str = "xoxb-fake-token", channels: set[str] | None = None):
         self.token = token
@@ -60,11 +63,13 @@ class FakeSlack:
         self.requests: list[RecordedRequest] = []
         self.messages: dict[str, dict[str, Any]] = {}  # ts -> message
         self.channel_ids: dict[str, str] = {}  # "#name" -> "C..." (Slack answers with the id)
+        self.usergroups: dict[str, list[str]] = {}  # "S..." -> member ids "U...", for usergroups.users.list
         self._lock = threading.Lock()
         self._rate_limited = 0
         self._retry_after = "0"
         self._failures: list[str] = []
         self._server_errors = 0
+        self._server_error_method: str | None = None
         self._open = threading.Event()
         self._open.set()
         self._ts = itertools.count(1)
@@ -87,10 +92,12 @@ class FakeSlack:
         with self._lock:
             self._failures += [error] * calls
 
-    def server_error(self, calls: int) -> None:
-        """Answer the next `calls` requests with HTTP 500 (after any rate limiting)."""
+    def server_error(self, calls: int, api_method: str | None = None) -> None:
+        """Answer the next `calls` requests (of `api_method` only, when given) with HTTP 500
+        (after any rate limiting)."""
         with self._lock:
             self._server_errors = calls
+            self._server_error_method = api_method
 
     def fail_uploads(self, calls: int) -> None:
         """Answer the next `calls` POSTs of bytes to an upload URL with HTTP 500."""
@@ -117,6 +124,9 @@ class FakeSlack:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                fake._handle(self)
+
+            def do_GET(self) -> None:  # noqa: N802 - slack-sdk GETs some methods (usergroups.users.list)
                 fake._handle(self)
 
             def log_message(self, fmt: str, *args: Any) -> None:
@@ -197,7 +207,7 @@ class FakeSlack:
         if self._rate_limited > 0:
             self._rate_limited -= 1
             return 429, {"ok": False, "error": "ratelimited"}, {"Retry-After": self._retry_after}
-        if self._server_errors > 0:
+        if self._server_errors > 0 and self._server_error_method in (None, api_method):
             self._server_errors -= 1
             return 500, {"ok": False, "error": "internal_error"}, {}
         token = auth[len("Bearer "):] if auth.startswith("Bearer ") else body.get("token", "")
@@ -217,6 +227,11 @@ class FakeSlack:
             return self._upload_url(body)
         if api_method == "files.completeUploadExternal":
             return self._complete_upload(body)
+        if api_method == "usergroups.users.list":
+            members = self.usergroups.get(body.get("usergroup", ""))
+            if members is None:
+                return 200, {"ok": False, "error": "no_such_subteam"}, {}
+            return 200, {"ok": True, "users": list(members)}, {}
         return 404, {"ok": False, "error": "unknown_method"}, {}
 
     def _channel_error(self, body: dict[str, Any]) -> str | None:

@@ -28,15 +28,15 @@ def _mount(*args: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)
 def test_a_full_then_read_only_checkpoint_volume_pages_and_the_run_trains_through(db, tmp_path, caplog):
-    from monitors.contract import CHECKPOINT_FAILURES, LOSS, Signal
-    from supervisor.config import SupervisorConfig
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.service import Supervisor
-    from supervisor.store import findings as findings_store
-    from supervisor.store import thermometers as thermo_store
-    from supervisor.store.orm import Step
-    from trainer.checkpoint import STAGING_SUFFIX
-    from trainer.controller import RunController
+    from thermowatch.monitors.contract import CHECKPOINT_FAILURES, LOSS, Signal
+    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.store import findings as findings_store
+    from thermowatch.supervisor.store import thermometers as thermo_store
+    from thermowatch.supervisor.store.orm import Step
+    from thermowatch.trainer.checkpoint import STAGING_SUFFIX
+    from thermowatch.trainer.controller import RunController
 
     run, steps = "ckptfault", 12
     vol = tmp_path / "ckpt"
@@ -56,7 +56,7 @@ def test_a_full_then_read_only_checkpoint_volume_pages_and_the_run_trains_throug
             if rec.step == 7:
                 _mount("-o", "remount,rw,size=64m", str(vol))  # room again
 
-        caplog.set_level(logging.ERROR, logger="trainer.controller")
+        caplog.set_level(logging.ERROR, logger="thermowatch.trainer.controller")
         ctl = RunController(cfg, sup, sup, progress=on_step)
         try:
             result = ctl.run()

@@ -33,9 +33,9 @@ def test_zero_trains_across_two_nodes_and_a_rollback_without_the_outlier_ranks_n
     "restart without the outlier rank" is carried out: the rank's node is excluded (recorded in
     the attempt's config and the ack), the gang keeps its world size on the spare node, and it
     resumes from the checkpoint."""
-    from monitors.contract import CommandKind
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.monitors.contract import CommandKind
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     cfg = _cfg(tmp_path, run_id="exclude", steps=6, checkpoint={"every": 2})
     q, holder, seen = QueueCommands(), {}, {}
@@ -89,14 +89,14 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
     import ray
     import yaml
 
-    from supervisor.config import SupervisorConfig
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.server import build_app
-    from supervisor.service import Supervisor
-    from supervisor.store.orm import Run, Step
+    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.store.orm import Run, Step
     from tests.live_server import running
     from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
-    from trainer import detached
+    from thermowatch.trainer import detached
 
     run, steps = "driverloss", 24
     cfg = _cfg(tmp_path, run_id=run, steps=steps, checkpoint={"every": 4, "keep_last": 3, "keep_every": 0})
@@ -118,7 +118,7 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
         with running(build_app(sup)) as url:
             env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "disabled",
                    "THERMOWATCH_TOKEN": make_token(sup.sessions, "trainer", "ingest")}
-            cmd = [sys.executable, "-m", "supervisor.cli", "train", str(tmp_path / "train.yaml"), "--supervisor", url,
+            cmd = [sys.executable, "-m", "thermowatch.cli", "train", str(tmp_path / "train.yaml"), "--supervisor", url,
                    "--detach", "--restarts", "3", "--progress-every", "1", "--data-dir", str(tmp_path / "cli")]
             launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             try:
@@ -151,8 +151,8 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
         rows = stored()
         with sup.sessions() as s:
             runs = s.query(Run.run_id).filter(Run.run_id == run).count()
-        from monitors.contract import LOSS
-        from supervisor.store import thermometers as thermo_store
+        from thermowatch.monitors.contract import LOSS
+        from thermowatch.supervisor.store import thermometers as thermo_store
 
         with sup.sessions() as s:
             live, losses = thermo_store.history(s, run, LOSS)
@@ -174,15 +174,15 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)  # the at-scale database; SQLite: tests/supervisor
 def test_a_lost_node_restarts_the_gang_on_the_remaining_nodes_with_every_step_stored_once(cluster, db, tmp_path):
-    from monitors.contract import LOSS, Signal
-    from supervisor.config import SupervisorConfig
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.service import Supervisor
-    from supervisor.store import actions as actions_store
-    from supervisor.store import findings as findings_store
-    from supervisor.store import thermometers as thermo_store
-    from supervisor.store.orm import Step
-    from trainer.controller import RunController
+    from thermowatch.monitors.contract import LOSS, Signal
+    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.store import actions as actions_store
+    from thermowatch.supervisor.store import findings as findings_store
+    from thermowatch.supervisor.store import thermometers as thermo_store
+    from thermowatch.supervisor.store.orm import Step
+    from thermowatch.trainer.controller import RunController
 
     run, steps = "nodeloss", 10
     cfg = _cfg(tmp_path, run_id=run, steps=steps, checkpoint={"every": 4, "keep_last": 3, "keep_every": 0})
@@ -238,8 +238,8 @@ def test_a_lost_node_restarts_the_gang_on_the_remaining_nodes_with_every_step_st
 def test_a_gang_the_cluster_cannot_place_counts_as_failed_restarts_and_the_run_says_why(cluster, tmp_path):
     """No capacity (4 ranks, one per node, on a 3-node cluster): each bring-up waits
     placement_timeout_s, counts as a restart, and the run ends saying what to do."""
-    from trainer.controller import RunController, RunFailed
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.trainer.controller import RunController, RunFailed
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     cfg = _cfg(tmp_path, run_id="noroom", steps=2, world_size=4, placement_timeout_s=2.0, max_restarts=1)
     sink = ListSink()

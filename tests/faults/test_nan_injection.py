@@ -31,17 +31,17 @@ RUN, BAD_STEP, LAYER = "naninject", 9, "blocks.1"
 def test_nan_in_one_layers_output_is_named_rolled_back_and_skipped(db, tmp_path):
     import torch
 
-    from monitors.contract import LOSS
-    from supervisor.config import SupervisorConfig
-    from supervisor.notify.console import ConsoleNotifier
-    from supervisor.service import Supervisor
-    from supervisor.store import actions as actions_store
-    from supervisor.store import findings as findings_store
-    from supervisor.store import incidents as incidents_store
-    from supervisor.store import thermometers as thermo_store
-    from supervisor.store.orm import Step
-    from trainer.controller import RunController
-    from trainer.local import InProcessGang
+    from thermowatch.monitors.contract import LOSS
+    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.store import actions as actions_store
+    from thermowatch.supervisor.store import findings as findings_store
+    from thermowatch.supervisor.store import incidents as incidents_store
+    from thermowatch.supervisor.store import thermometers as thermo_store
+    from thermowatch.supervisor.store.orm import Step
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import InProcessGang
 
     cfg = tiny_config(tmp_path, run_id=RUN, world_size=1, steps=24, optim={"warmup_steps": 2},
                       checkpoint={"every": 2, "keep_last": 8, "keep_every": 0})

@@ -78,12 +78,12 @@ def pg():
 
 
 def test_postgres_restarted_during_ingest_loses_no_step_and_stores_none_twice(pg, tmp_path):
-    from monitors.contract import RunInfo
-    from supervisor import db
-    from supervisor.store import actions as actions_store
-    from supervisor.store import incidents as incidents_store
-    from supervisor.store.orm import Step
-    from trainer.http_sink import HttpSink
+    from thermowatch.monitors.contract import RunInfo
+    from thermowatch.supervisor import db
+    from thermowatch.supervisor.store import actions as actions_store
+    from thermowatch.supervisor.store import incidents as incidents_store
+    from thermowatch.supervisor.store.orm import Step
+    from thermowatch.transport import HttpSink
 
     recs = diverging_records()
     config = tmp_path / "supervisor.yaml"

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from tests.monitors.test_thermometers import T, _Custom, batch, gpt, qkv_outputs, step
-from trainer.model import attention_entropy
+from thermowatch.trainer.model import attention_entropy
 
 
 def eager_entropy(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

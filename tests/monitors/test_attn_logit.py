@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from monitors.contract import Severity, Signal
-from monitors.detectors import AttnLogitCeilingDetector, AttnLogitConfig, AttnLogitGrowthDetector
+from thermowatch.monitors.contract import Severity, Signal
+from thermowatch.monitors.detectors import AttnLogitCeilingDetector, AttnLogitConfig, AttnLogitGrowthDetector
 
 KEY = "attn_logit_max/blocks.3.attn"
 

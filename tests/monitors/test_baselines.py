@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from monitors.contract import Signal, StepRecord
-from monitors.detectors.baselines import FoundryKillLossSpike, MegatronSpikyLoss, OlmoCoreSpike, PeerBank
+from thermowatch.monitors.contract import Signal, StepRecord
+from thermowatch.monitors.detectors.baselines import FoundryKillLossSpike, MegatronSpikyLoss, OlmoCoreSpike, PeerBank
 
 
 def run(det, values, start=0):

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitors.columns import StepColumns
-from monitors.contract import StepRecord
-from monitors.detectors import BankConfig, DetectorBank, arrays, series
-from monitors.detectors.base import MAD_TO_SIGMA
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank, arrays, series
+from thermowatch.monitors.detectors.base import MAD_TO_SIGMA
 from tests.fixtures import streams, traces
 
 pytestmark = pytest.mark.timeout(180)  # ~45-60 s on the shared 2-core machine under load (five traces, three ways)
@@ -76,7 +76,7 @@ def test_the_batch_path_is_taken_and_agrees_on_every_step():
 
 def _count_bulk(monkeypatch) -> dict[str, int]:
     """Rows each bank type judges in bulk (SeriesBank.judge_bulk), counted as they go."""
-    from monitors.detectors import series
+    from thermowatch.monitors.detectors import series
 
     bulk: dict[str, int] = {}
     real = series.SeriesBank.judge_bulk
@@ -143,7 +143,7 @@ def test_quiet_rows_go_in_bulk_and_the_rest_step_by_step_on_a_real_trace(monkeyp
     (SeriesBank.judge_bulk) and the rows that may fire step by step, with their medians taken
     for the whole batch (Rows.window_stats): both paths run, so the comparisons above test
     each of them, not a fallback that never runs."""
-    from monitors.detectors import arrays
+    from thermowatch.monitors.detectors import arrays
 
     bulk = _count_bulk(monkeypatch)
     windows: dict[bool, int] = {}
@@ -278,7 +278,7 @@ def test_the_shifts_of_a_step_are_those_of_its_rings_even_after_a_batch_is_prepa
     attention finding or a state save reads it). Preparing the next batch appends its points to
     the same rings first, so the step's shifts must be judged before that: they describe the
     step, not the rings after the next batch."""
-    from monitors.detectors.witness import WitnessConfig, Witnesses
+    from thermowatch.monitors.detectors.witness import WitnessConfig, Witnesses
 
     cfg = WitnessConfig(recent=3, baseline=8)
     values = [1.0] * 8 + [10.0] * 3  # the last three points x10: grad_growth speaks at step 11

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from monitors.contract import (
+from thermowatch.monitors.contract import (
     INT64_MAX,
     Ack,
     Command,
@@ -53,6 +53,12 @@ def test_commands_round_trip_through_json(body):
     ("rollback", {"to_step": 3, "exact": "yes"}, "exact"),
     ("pause", {"now": True}, "unknown field"),
     ("profile", {"steps": 0}, "steps"),
+    # issue 21: whatever came was str()'d or taken for 0; the OpenAPI says string or null, integer
+    ("rollback", {"to_step": 3, "exclude_node": {}}, "exclude_node must be a string"),
+    ("rollback", {"to_step": 3, "checkpoint": 7}, "checkpoint must be a string"),
+    ("profile", {"out_dir": ["x"]}, "out_dir must be a string"),
+    ("set_lr", {"lr_multiplier": 0.5, "rewarmup_steps": {}}, "rewarmup_steps"),
+    ("rollback", {"to_step": 3, "lr_multiplier": 0.5, "rewarmup_steps": False}, "rewarmup_steps"),
     ("explode", {}, "unknown command"),
 ])
 def test_invalid_commands_cannot_be_built(kind, args, words):
@@ -71,6 +77,18 @@ def test_acks_are_strict_and_bounded():
         with pytest.raises(ContractError) as exc:
             Ack.from_json({**Ack(3, True, 31).to_json(), **bad})
         assert words in str(exc.value), (bad, exc.value)
+
+
+def test_an_ack_empty_skip_range_is_nothing_not_an_error():
+    """[x, x) (or lo > hi) skipped no sample: the ack is taken without it (issue 21: JSON Schema
+    cannot say lo < hi). A range that is not a pair of sample ids is still refused."""
+    base = Ack(3, True, 31).to_json()
+    got = Ack.from_json({**base, "skipped": [[0, 0], [4, 9], [7, 3]]})
+    assert got.skipped == (SampleRange(4, 9),)
+    for bad in ([[-1, -1]], [[1, 2, 3]], [[0, 2**63]]):
+        with pytest.raises(ContractError):
+            Ack.from_json({**base, "skipped": bad})
+    assert parse_command("set_lr", {"lr_multiplier": 0.5, "rewarmup_steps": None}).rewarmup_steps == 0
 
 
 def test_one_merge_and_one_digest():

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
 
 
 class Color(enum.Enum):

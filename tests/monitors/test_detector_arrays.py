@@ -11,8 +11,8 @@ import json
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from monitors.contract import StepRecord, split_key
-from monitors.detectors import BankConfig, DetectorBank, run_witnesses
+from thermowatch.monitors.contract import StepRecord, split_key
+from thermowatch.monitors.detectors import BankConfig, DetectorBank, run_witnesses
 from tests.fixtures import streams
 
 # Findings of the per-series design (one Python object per series, before the banks; commit

@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from monitors.contract import Finding, Outcome, Signal, StepRecord
-from monitors.detectors import ROUTES, BankConfig, DetectorBank, Witnesses
+from thermowatch.monitors.contract import Finding, Outcome, Signal, StepRecord
+from thermowatch.monitors.detectors import ROUTES, BankConfig, DetectorBank, Witnesses
 from tests.fixtures import traces
 
 NAMES = sorted(traces.TRACES)

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from monitors.contract import Finding, Severity, Signal, StepRecord
-from monitors.detectors import (
+from thermowatch.monitors.contract import Finding, Severity, Signal, StepRecord
+from thermowatch.monitors.detectors import (
     ROUTES,
     ActOverflowConfig,
     ActOverflowDetector,

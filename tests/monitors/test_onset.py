@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from monitors.detectors.onset import change_point, estimate_onset
+from thermowatch.monitors.detectors.onset import change_point, estimate_onset
 
 
 def _steps(n, start=1000):

@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monitors.contract import Finding, Outcome, Severity, Signal, StepRecord
-from monitors.detectors import BankConfig, DetectorBank, OutlierRankConfig, OutlierRankDetector
+from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal, StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank, OutlierRankConfig, OutlierRankDetector
 
 
 class _PerKey:

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from monitors.contract import Finding
-from monitors.detectors import BankConfig
-from monitors.replay import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, read_records, replay
+from thermowatch.monitors.contract import Finding
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.monitors.replay import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, read_records, replay
 
 
 def _diverging_lines(n=600, blowup_at=400, seed=0):

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from monitors.contract import Severity, Signal
-from monitors.detectors import GradSpikeConfig, GradSpikeDetector, LossSpikeConfig, LossSpikeDetector
+from thermowatch.monitors.contract import Severity, Signal
+from thermowatch.monitors.detectors import GradSpikeConfig, GradSpikeDetector, LossSpikeConfig, LossSpikeDetector
 
 
 def loss_curve(seed, n=5000, sigma=0.03):

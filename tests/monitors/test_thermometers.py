@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from monitors.thermometers import ThermometerConfig, instrument
-from trainer.model import GPT, GPTConfig
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.trainer.model import GPT, GPTConfig
 
 TEXT = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. " * 8), dtype=torch.long)
 T = 32
@@ -340,8 +340,8 @@ def test_huge_learning_rate_really_grows_attention_logits():
 _ZERO_SCRIPT = r"""
 import json, os, sys
 import torch, deepspeed
-from monitors.thermometers import instrument
-from trainer.model import GPT, GPTConfig
+from thermowatch.monitors.thermometers import instrument
+from thermowatch.trainer.model import GPT, GPTConfig
 
 stage = int(sys.argv[1])
 cfg = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=32)
@@ -350,7 +350,7 @@ model, ref = GPT(cfg), GPT(cfg)
 ref.load_state_dict(model.state_dict())
 ds = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-from trainer.engine import decline_shm_comm_op
+from thermowatch.trainer.engine import decline_shm_comm_op
 decline_shm_comm_op()  # inference-only op: no 30 s build, no /dev/shm file left behind
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 th = instrument(model)  # after initialize, as the trainer does: ZeRO-3 params are partitioned now

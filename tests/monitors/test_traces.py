@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from monitors.contract import LR, LR_PEAK_AHEAD, Outcome, Signal
-from monitors.detectors import BankConfig, DetectorBank, Witnesses
-from supervisor.replay_policy import replay_decider
+from thermowatch.monitors.contract import LR, LR_PEAK_AHEAD, Outcome, Signal
+from thermowatch.monitors.detectors import BankConfig, DetectorBank, Witnesses
+from thermowatch.supervisor.replay_policy import replay_decider
 from tests.fixtures import traces
 
 ACTS = {"rollback", "lower_lr", "pause"}
@@ -83,7 +83,7 @@ def test_replay_prints_outcome_and_decision_for_every_finding(tmp_path):
     import io
     import json
 
-    from monitors.replay import replay
+    from thermowatch.monitors.replay import replay
 
     out = io.StringIO()
     replay(traces.HERE / "jump_qkln.jsonl", BankConfig(), out, json_out=True, policy=replay_decider({}))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from tests.monitors.test_thermometers import batch, gpt
 
 
@@ -71,9 +71,9 @@ def test_update_ratio_without_measure_update_is_nan_and_can_be_off():
 _ZERO_SCRIPT = r"""
 import contextlib, json, math, os, sys
 import torch, deepspeed
-from monitors.thermometers import ThermometerConfig, instrument
-from trainer.engine import decline_shm_comm_op
-from trainer.model import GPT, GPTConfig
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.trainer.engine import decline_shm_comm_op
+from thermowatch.trainer.model import GPT, GPTConfig
 
 stage = int(sys.argv[1])
 torch.set_num_threads(1)

@@ -4,9 +4,9 @@ token made in the real token table."""
 
 from __future__ import annotations
 
-from supervisor.api.auth import Guard
-from supervisor.auth import CONFIG_TOKEN_NAME, Authenticator
-from supervisor.store import tokens as tokens_store
+from thermowatch.supervisor.api.auth import Guard
+from thermowatch.supervisor.auth import CONFIG_TOKEN_NAME, Authenticator
+from thermowatch.supervisor.store import tokens as tokens_store
 
 ADMIN_TOKEN = "tw_test-suite-admin-token-0123456789abcdef"
 ADMIN = CONFIG_TOKEN_NAME  # the actor name its requests are recorded under

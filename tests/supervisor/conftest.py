@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-from supervisor.db import make_engine, make_sessionmaker, upgrade
+from thermowatch.supervisor.db import make_engine, make_sessionmaker, upgrade
 
 PG_URL = os.environ.get("THERMOWATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 DIALECTS = ["sqlite", "postgres"]

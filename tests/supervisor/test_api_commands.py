@@ -14,14 +14,14 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from monitors.contract import RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import skips as skips_store
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import skips as skips_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
 
@@ -273,7 +273,7 @@ def test_real_uvicorn_server(sup):
         server.should_exit = True
         thread.join(20)
     with sup.sessions() as s:
-        from supervisor.store import lr_changes as lr_store
+        from thermowatch.supervisor.store import lr_changes as lr_store
 
         assert [(c.multiplier, c.start_step) for c in lr_store.lr_changes(s, RUN)] == [(0.5, 40)]
         assert actions_store.get_action(s, aid).state == "done"

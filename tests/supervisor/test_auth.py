@@ -14,7 +14,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,16 +22,17 @@ import sqlalchemy as sa
 from fastapi.routing import iter_route_contexts
 from fastapi.testclient import TestClient
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor.auth import Authenticator, bootstrap_admin, check_bind, is_loopback
-from supervisor.cli import main
-from supervisor.config import ConfigError, SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import tokens as tokens_store
-from supervisor.store.orm import load_models
+from tests.live_server import wait_healthy
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.auth import Authenticator, bootstrap_admin, check_bind, is_loopback
+from thermowatch.cli import main
+from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import tokens as tokens_store
+from thermowatch.supervisor.store.orm import load_models
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
 
 RUN = "auth"
@@ -46,6 +46,7 @@ SCOPE = {
     ("POST", "/api/runs/{run_id}/attempts/{attempt}/steps"): "ingest",
     ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints"): "ingest",
     ("POST", "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted"): "ingest",
+    ("POST", "/api/runs/{run_id}/attempts/{attempt}/finished"): "ingest",
     ("GET", "/api/runs/{run_id}/commands"): "ingest",
     ("POST", "/api/runs/{run_id}/acks"): "ingest",
     ("POST", "/api/runs/{run_id}/actions"): "operate",
@@ -82,6 +83,7 @@ BODIES = {
     "/api/runs/{run_id}/attempts/{attempt}/checkpoints": {"step": 3, "path": "/x", "sample_cursor": 48,
                                                           "healthy": True},
     "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted": {"steps": [3], "reason": "x"},
+    "/api/runs/{run_id}/attempts/{attempt}/finished": {"step": 5, "final_loss": 1.0, "reason": "closed"},
     "/api/runs/{run_id}/acks": {"command_id": 1, "ok": True, "step": 5},
     "/api/runs/{run_id}/actions": {"kind": "stop", "reason": "intruder"},
     "/api/actions/{action_id}/approve": {}, "/api/actions/{action_id}/cancel": {},
@@ -231,14 +233,14 @@ def test_tokens_over_http_secret_once_hashed_at_rest_revocable(sup):
     with sup.sessions() as s:
         (row,) = tokens_store.list_tokens(s)
         assert row.revoked_at is not None
-        from supervisor.store import audit as audit_store
+        from thermowatch.supervisor.store import audit as audit_store
 
         events = [(a.actor, a.event, a.detail.get("name")) for a in audit_store.audit_log(s) if a.run_id is None]
         assert ("config-admin", "token_created", "ci-bot") in events and ("config-admin", "token_revoked", "ci-bot") in events
 
 
 def test_token_cli_create_list_revoke(db, tmp_path, capsys):
-    from supervisor import db as dbmod
+    from thermowatch.supervisor import db as dbmod
 
     assert main(["token", "create", "alice", "--scope", "read", "--scope", "operate", "--db", db.url]) == 0
     out = capsys.readouterr()
@@ -335,21 +337,12 @@ def test_serve_first_start_as_deployed(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "serve", "--data-dir", str(tmp_path / "data"),
+    proc = subprocess.Popen([sys.executable, "-m", "thermowatch.cli", "serve", "--data-dir", str(tmp_path / "data"),
                              "--port", str(port)], env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_healthy(url, proc, log)
         path = tmp_path / "data" / "admin-token"
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         secret = path.read_text().strip()

@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-from monitors.columns import StepColumns
-from monitors.contract import RunInfo
-from monitors.detectors import BankConfig, DetectorBank
-from supervisor.bank_process import BankLost, BankProcess
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import findings as findings_store
-from supervisor.store import judged as judged_store
+from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
+from thermowatch.supervisor.bank_process import BankLost, BankProcess
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import judged as judged_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
 
 RUN = "bp"
@@ -183,10 +183,10 @@ def test_a_killed_detectors_process_loses_no_finding_and_judges_nothing_twice(db
 
 _DAEMON = """
 import io, sys, time
-from monitors.contract import RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
 from tests.fixtures.diverging import diverging_records
 sup = Supervisor(SupervisorConfig(data_dir=sys.argv[1], db_url=sys.argv[2]), notifier=ConsoleNotifier(io.StringIO()),
                  judge_inline=False)

@@ -14,11 +14,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor.api import chart as chart_api
-from supervisor.cli import main
-from supervisor.config import SupervisorConfig
-from supervisor.store import runs, thermometers
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.api import chart as chart_api
+from thermowatch.cli import main
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.store import runs, thermometers
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, guard
 
 RUN = "chart-run"
@@ -109,20 +109,29 @@ def test_whole_run_keeps_abandoned_attempts_and_current_drops_them(client):
 @pytest.mark.parametrize("path, params, status, words", [
     ("/api/runs/nope/chart", {"metric": "loss"}, 404, ["nope"]),
     (f"/api/runs/{RUN}/chart", {"metric": "attn_logit"}, 404, ["attn_logit", "attn_logit_max", "loss"]),
-    (f"/api/runs/{RUN}/chart", {"metric": "loss", "step_lo": 10, "step_hi": 5}, 422, ["step_lo=10", "step_hi=5"]),
     (f"/api/runs/{RUN}/chart", {"metric": "loss", "buckets": 9}, 422, ["buckets"]),
     (f"/api/runs/{RUN}/chart", {"metric": "loss", "buckets": 5001}, 422, ["buckets"]),
     (f"/api/runs/{RUN}/chart", {"metric": "loss", "attempts": "some"}, 422, ["attempts"]),
     (f"/api/runs/{RUN}/chart", {"metric": "loss", "step_lo": -1}, 422, ["step_lo"]),
     (f"/api/runs/{RUN}/chart", {}, 422, ["metric"]),
     (f"/api/runs/{RUN}/chart.png", {"metric": "nope"}, 404, ["nope", "attn_logit_max"]),
-    (f"/api/runs/{RUN}/chart.png", {"metric": "loss", "step_lo": 9, "step_hi": 1}, 422, ["swap"]),
+    (f"/api/runs/{RUN}/chart.png", {"metric": "nope", "step_lo": 9, "step_hi": 1}, 404, ["nope"]),
 ])
 def test_bad_requests_name_the_problem(client, path, params, status, words):
     r = client.get(path, params=params)
     assert r.status_code == status, r.text
     for w in words:
         assert w in r.text
+
+
+def test_an_empty_window_is_empty_data_not_an_error(client):
+    """step_lo > step_hi matches no step: 200 with no series (issue 21: the OpenAPI cannot say
+    step_lo <= step_hi, so a schema-valid request must not be refused for it)."""
+    body = client.get(f"/api/runs/{RUN}/chart", params={"metric": "attn_logit_max", "step_lo": 210,
+                                                        "step_hi": 200}).json()
+    assert (body["step_lo"], body["step_hi"], body["series"]) == (210, 200, [])
+    png = client.get(f"/api/runs/{RUN}/chart.png", params={"metric": "loss", "step_lo": 9, "step_hi": 1})
+    assert png.status_code == 200 and png.content[:8] == PNG_SIGNATURE
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -142,8 +151,8 @@ def test_png_draws_the_chart_and_the_onset(client):
 
 
 def test_thermowatch_plot_writes_the_png_over_http(seeded, tmp_path, capsys):
-    from supervisor.server import build_app
-    from supervisor.service import Supervisor
+    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.service import Supervisor
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "d", db_url=seeded.url, api_token=ADMIN_TOKEN),
@@ -163,9 +172,9 @@ def test_thermowatch_plot_writes_the_png_over_http(seeded, tmp_path, capsys):
 
 
 def test_many_layers_draw_the_hottest_as_lines_over_a_band_of_all():
-    from supervisor.store.chart import ChartData, ChartSeries
-    from supervisor.web.chart_png import MAX_LINES, to_chart
-    from supervisor.web.plots import render
+    from thermowatch.supervisor.store.chart import ChartData, ChartSeries
+    from thermowatch.supervisor.web.chart_png import MAX_LINES, to_chart
+    from thermowatch.supervisor.web.plots import render
 
     st = np.arange(0, 1000, 10)
 

@@ -1,4 +1,4 @@
-"""`thermowatch` command line (supervisor.cli.main): exit codes, output, and the rows the
+"""`thermowatch` command line (thermowatch.cli.main): exit codes, output, and the rows the
 manual commands write, on SQLite and PostgreSQL; `replay` on a log of a real diverging run."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from monitors.contract import RunInfo
-from supervisor.cli import main
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.cli import main
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
 from tests.fixtures.diverging import (
     DETECTORS,
@@ -59,7 +59,7 @@ class Daemon:
 def daemon(db, run, tmp_path):
     """`thermowatch serve`'s app on the test database, over real HTTP: the manual commands are
     its clients and never open the database themselves."""
-    from supervisor.server import build_app
+    from thermowatch.supervisor.server import build_app
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
@@ -243,7 +243,7 @@ def _answer(daemon, make_ack):
     CLI's command is there and acknowledge it with make_ack(command)."""
     import time
 
-    from trainer.http_sink import HttpCommandChannel
+    from thermowatch.transport import HttpCommandChannel
 
     channel = HttpCommandChannel(daemon.url, token=daemon.trainer_token)
     try:
@@ -270,7 +270,7 @@ def _in_thread(argv):
 
 
 def test_wait_and_json_print_what_the_trainer_did(daemon, capsys):
-    from monitors.contract import Ack, LRChange
+    from thermowatch.monitors.contract import Ack, LRChange
 
     t, out = _in_thread(["lr", RUN, "--factor", "0.5", "--wait", "--json", "--who", "x", *daemon.flags])
     (cmd,) = _answer(daemon, lambda c: Ack(c.id, True, 31, "lr x0.5 from step 31", lr_multiplier=0.5,
@@ -287,7 +287,7 @@ def test_wait_and_json_print_what_the_trainer_did(daemon, capsys):
 
 
 def test_wait_exits_1_when_the_trainer_refuses(daemon, capsys):
-    from monitors.contract import Ack
+    from thermowatch.monitors.contract import Ack
 
     t, out = _in_thread(["rollback", RUN, "--to-step", "20", "--wait", "--who", "x", *daemon.flags])
     _answer(daemon, lambda c: Ack(c.id, False, 31, "no valid healthy checkpoint at or before step 20"))
@@ -301,7 +301,7 @@ def test_wait_exits_1_when_the_trainer_refuses(daemon, capsys):
 
 
 def test_version(capsys):
-    from supervisor import version
+    from thermowatch.supervisor import version
 
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
@@ -310,7 +310,7 @@ def test_version(capsys):
 
 
 def test_status_running_then_awaiting_approval_then_paused(db, daemon, capsys):
-    from monitors.contract import Ack
+    from thermowatch.monitors.contract import Ack
 
     assert main(["status", RUN, *daemon.flags, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
@@ -341,7 +341,7 @@ def test_status_running_then_awaiting_approval_then_paused(db, daemon, capsys):
 @pytest.fixture
 def diverging_daemon(db, tmp_path):
     """A daemon that judged a real diverging run (tests.fixtures.diverging) as the trainer sends it."""
-    from supervisor.server import build_app
+    from thermowatch.supervisor.server import build_app
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "div", db_url=db.url, api_token=ADMIN_TOKEN,
@@ -360,7 +360,7 @@ def diverging_daemon(db, tmp_path):
 
 
 def test_incidents_and_export_replays_to_the_daemons_findings(db, diverging_daemon, tmp_path, capsys):
-    from supervisor.store import findings as findings_store
+    from thermowatch.supervisor.store import findings as findings_store
 
     d = diverging_daemon
     assert main(["incidents", "div", *d.flags, "--json"]) == 0

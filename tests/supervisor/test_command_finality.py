@@ -11,14 +11,14 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from monitors.contract import Ack, RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import alerts as alerts_store
-from trainer.http_sink import HttpCommandChannel
+from thermowatch.monitors.contract import Ack, RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import alerts as alerts_store
+from thermowatch.transport import HttpCommandChannel
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 
@@ -51,11 +51,12 @@ def _row(sup, aid):
 def test_unstorable_commands_are_refused_at_submit(served):
     sup, url, _ = served
     with httpx.Client(base_url=url, headers=AUTH) as c:
-        for args, kind, words in (({"skip_ranges": [[0, 2**63]]}, "skip", "2**63-1"),
-                                  ({"lr_multiplier": 0.5, "lr_steps": 2**63}, "set_lr", "lr_steps"),
-                                  ({"skip_ranges": [[5_200_000, 5_400_000]]}, "skip", "ids stop at 800")):
+        # 422: the contract refuses it; 409: what is stored rules it out (the run's data size)
+        for args, kind, words, status in (({"skip_ranges": [[0, 2**63]]}, "skip", "2**63-1", 422),
+                                          ({"lr_multiplier": 0.5, "lr_steps": 2**63}, "set_lr", "lr_steps", 422),
+                                          ({"skip_ranges": [[5_200_000, 5_400_000]]}, "skip", "ids stop at 800", 409)):
             r = c.post(f"/api/runs/{RUN}/actions", json={"kind": kind, "args": args, "who": "bob"})
-            assert r.status_code == 422, r.text
+            assert r.status_code == status, r.text
             assert words in r.json()["detail"]
     with sup.sessions() as s:
         assert actions_store.actions(s, RUN) == []

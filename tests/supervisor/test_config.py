@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import main
-from supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.cli import main
+from thermowatch.supervisor.config import ConfigError, SupervisorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
     # a value of the right type out of range: the section's own check, prefixed with its name
     ("policy: {lr_multiplier: 2.0}\n", "policy: lr_multiplier=2.0 must be in (0, 1)"),
     ("detectors: {disabled: [nope]}\n", "detectors: unknown detector names in disabled: ['nope']"),
+    # who may click in Slack (issue 21): typed by the tree walk, ids checked by SlackConfig
+    ("slack: {approvers: U0ALICE}\n", "slack.approvers: expected a list, got 'U0ALICE'"),
+    ("slack: {approvers: [U0ALICE, 42]}\n", "slack.approvers[1]: expected a string, got 42"),
+    ("slack: {approver: [U0ALICE]}\n", "slack.approver: unknown key; did you mean 'approvers'?"),
+    ("slack: {approvers: [alice]}\n", "slack.approvers[0]: 'alice' is not a Slack member id (U... or W...;"),
+    ("slack: {approver_groups: [U0ALICE]}\n", "slack.approver_groups[0]: 'U0ALICE' is not a Slack user-group id (S..."),
+    ("slack: {approver_groups_ttl_s: soon}\n", "slack.approver_groups_ttl_s: expected a number, got 'soon'"),
+    ("slack: {approver_groups_ttl_s: 0}\n", "slack.approver_groups_ttl_s must be in (0, 3600] seconds, got 0"),
 ])
 def test_a_bad_key_or_value_at_any_depth_names_its_path(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
@@ -41,7 +49,7 @@ def test_a_bad_key_or_value_at_any_depth_names_its_path(tmp_path, yaml_text, mes
     with pytest.raises(ConfigError) as exc:
         SupervisorConfig.load(path, env={})
     assert message in str(exc.value), str(exc.value)
-    assert str(exc.value).startswith(str(path)) or message.startswith(("policy: ", "detectors: "))
+    assert str(exc.value).startswith(str(path)) or message.startswith(("policy: ", "detectors: ", "slack.approver"))
 
 
 def test_sections_built_in_code_are_checked_too():
@@ -50,6 +58,20 @@ def test_sections_built_in_code_are_checked_too():
     cfg = SupervisorConfig(policy={"lr_multiplier": 0.25, "rollback_signals": ["loss_spike"]},
                            detectors={"attn": {"ceiling": 80}, "disabled": ["stall"]})
     assert cfg.policy["lr_multiplier"] == 0.25
+
+
+def test_slack_approvers_are_read_and_checked_when_built_in_code_too():
+    cfg = SupervisorConfig(slack={"approvers": ("U0ALICE", "W0GRID"), "approver_groups": ["S0ONCALL"],
+                                  "approver_groups_ttl_s": 30})
+    assert (cfg.slack.approvers, cfg.slack.approver_groups, cfg.slack.approver_groups_ttl_s) == (
+        ["U0ALICE", "W0GRID"], ["S0ONCALL"], 30)
+    assert SupervisorConfig().slack.approvers == [] and SupervisorConfig().slack.approver_groups == []  # closed
+    from thermowatch.supervisor.config import SlackConfig
+
+    with pytest.raises(ConfigError, match=r"slack\.approvers must be a list of ids, got 'U0ALICE'"):
+        SlackConfig(approvers="U0ALICE")  # a bare string is not a list of its letters
+    with pytest.raises(ConfigError, match=r"slack\.approvers\[0\]: 'u0alice' is not a Slack member id"):
+        SlackConfig(approvers=["u0alice"])
 
 
 def test_environment_overrides_still_apply_and_are_checked(tmp_path):
@@ -75,7 +97,7 @@ def test_serve_exits_2_naming_the_path_without_a_traceback(tmp_path, capsys):
 def test_serve_as_a_process_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: {lr_multiplier: half}\n")
-    proc = subprocess.run([sys.executable, "-m", "supervisor.cli", "serve", "--config", str(bad)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "thermowatch.cli", "serve", "--config", str(bad)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr
     assert "policy.lr_multiplier: expected a number, got 'half'" in proc.stderr and "Traceback" not in proc.stderr
@@ -103,7 +125,7 @@ def test_every_supervisor_config_in_deploy_loads(tmp_path):
 def test_the_local_supervisor_config_is_what_serve_reads(tmp_path, monkeypatch):
     """Through `serve`'s own config path (the CLI's flags), from a fresh directory: loopback, the
     data dir under it, auth on, SQLite there."""
-    import supervisor.cli as cli
+    import thermowatch.cli as cli
 
     monkeypatch.chdir(tmp_path)
     args = cli.build_parser().parse_args(["serve", "--config", str(ROOT / "deploy/local/supervisor.yaml")])
@@ -120,3 +142,20 @@ def test_replay_settings_files_are_checked_the_same_way(tmp_path, capsys):
     (tmp_path / "pol.yaml").write_text("cooldown_steps: soon\n")
     assert main(["replay", str(tmp_path / "run.jsonl"), "--policy", str(tmp_path / "pol.yaml")]) == 2
     assert "cooldown_steps: expected an integer, got 'soon'" in capsys.readouterr().err
+
+
+def test_the_limits_example_in_docs_configuration_loads(tmp_path):
+    """docs/configuration.md's `limits:` example is a config `serve` accepts, with those values."""
+    import re
+    from pathlib import Path
+
+    from thermowatch.supervisor.limits import Limits
+
+    text = Path(__file__).resolve().parents[2].joinpath("docs", "configuration.md").read_text()
+    section = text[text.index("## What a client may send"):]
+    example = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "sup.yaml").write_text(example)
+    cfg = SupervisorConfig.load(tmp_path / "sup.yaml", env={}, data_dir=tmp_path)
+    limits = Limits.from_dict(cfg.limits)
+    assert cfg.max_body_bytes == 64 << 20
+    assert limits.max_body_bytes_in_flight == 256 << 20 and limits.max_new_runs_per_token_per_hour == 1000

@@ -9,9 +9,9 @@ import math
 import pytest
 import sqlalchemy as sa
 
-from monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
-from supervisor import db as dbmod
-from supervisor.store import (
+from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
+from thermowatch.supervisor import db as dbmod
+from thermowatch.supervisor.store import (
     actions,
     alerts,
     audit,
@@ -76,7 +76,8 @@ def test_runs_and_attempts(db):
         assert att[0].hosts == {0: "a", 3: "b"} and att[1].start_step == 1200
         assert att[0].started_at.tzinfo is not None
         assert runs.latest_attempt(s, "r").attempt == 1
-        assert [r.run_id for r in runs.list_runs(s)] == ["r"]
+        page, more = runs.runs_page(s, 10)
+        assert [(r.run_id, r.attempts) for r in page] == [("r", 2)] and more is None
 
 
 def test_sample_range_uses_newest_attempt(db):

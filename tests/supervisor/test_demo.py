@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 def _demo(tmp_path, *extra: str) -> dict:
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "supervisor.cli", "demo", "--data-dir", str(tmp_path / "data"),
+    cmd = [sys.executable, "-m", "thermowatch.cli", "demo", "--data-dir", str(tmp_path / "data"),
            "--json-summary", str(out), "--no-progress", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -68,7 +68,7 @@ def test_the_daemon_pod_migrates_then_serves_with_its_secrets(tmp_path, pg_admin
         def container(spec: dict) -> tuple[list[str], dict[str, str]]:
             env = {e["name"]: local(e["value"]) if e["value"].startswith("/") else e["value"] for e in spec["env"]}
             args = [local(a) if a.startswith("/etc/") else a for a in spec["args"]]
-            return [sys.executable, "-m", "supervisor.cli", *args], {**base, **env, "PYTHONUNBUFFERED": "1"}
+            return [sys.executable, "-m", "thermowatch.cli", *args], {**base, **env, "PYTHONUNBUFFERED": "1"}
 
         cmd, env = container(pod["initContainers"][0])
         init = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -4,10 +4,10 @@ bank that never stopped; a save after one step writes a fraction of the whole st
 
 from __future__ import annotations
 
-from monitors.contract import StepRecord
-from monitors.detectors import BankConfig, DetectorBank
-from supervisor.store import detector_state
-from supervisor.store import runs as runs_store
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.monitors.detectors import BankConfig, DetectorBank
+from thermowatch.supervisor.store import detector_state
+from thermowatch.supervisor.store import runs as runs_store
 from tests.fixtures import streams
 
 RUN = "state"

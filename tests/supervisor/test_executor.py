@@ -1,4 +1,4 @@
-"""supervisor.executor: the action state machine through poll/ack/expire, manual submits,
+"""thermowatch.supervisor.executor: the action state machine through poll/ack/expire, manual submits,
 approve/cancel conflicts, and alerts (the fake Slack server for the one thing off the machine),
 on SQLite and PostgreSQL."""
 
@@ -10,18 +10,18 @@ import json
 
 import pytest
 
-from monitors.contract import Ack, RunInfo, SampleRange
-from supervisor.config import SupervisorConfig
-from supervisor.errors import Conflict, NotFound, UserError
-from supervisor.notify.base import FanOut
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.notify.slack import SlackNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import alerts as alerts_store
-from supervisor.store import audit as audit_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import skips as skips_store
+from thermowatch.monitors.contract import Ack, RunInfo, SampleRange
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.errors import Conflict, NotFound, UserError
+from thermowatch.supervisor.notify.base import FanOut
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.notify.slack import SlackNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import alerts as alerts_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import skips as skips_store
 from tests.fakes.slack_server import FakeSlack
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
 

@@ -12,16 +12,16 @@ import json
 
 import pytest
 
-from monitors.contract import RunInfo, Severity
-from supervisor.config import ConfigError, SupervisorConfig
-from supervisor.notify.base import Alert, FanOut
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.notify.flap import FOLDED
-from supervisor.notify.slack import SlackNotifier
-from supervisor.service import Supervisor
-from supervisor.store import alerts as alerts_store
-from supervisor.store import audit as audit_store
-from supervisor.store import incidents as incidents_store
+from thermowatch.monitors.contract import RunInfo, Severity
+from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.notify.base import Alert, FanOut
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.notify.flap import FOLDED
+from thermowatch.supervisor.notify.slack import SlackNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import alerts as alerts_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import incidents as incidents_store
 from tests.fakes.slack_server import FakeSlack
 from tests.fixtures import traces
 from tests.fixtures.diverging import POLICY, feed

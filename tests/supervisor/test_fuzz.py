@@ -1,8 +1,7 @@
 """Fuzzing the daemon's HTTP API (issue 11 item 5), on real SQLite and PostgreSQL:
 
-(a) schemathesis against the app's own OpenAPI document (request bodies included), positive
-    and negative cases for every operation, once with free path parameters and once aimed at an
-    open run (so ingest and commands reach the database, not only the 404 of an unknown run);
+(a) schemathesis over the OpenAPI document: tests/supervisor/test_openapi.py, its CLI with
+    `--checks all` (no 5xx among them) against `thermowatch serve`;
 (b) hypothesis, hostile ingest payloads written as raw JSON text: NaN, +-Infinity, huge and
     negative integers, unicode edge cases (NUL, lone surrogates, control characters, non-BMP),
     deep nesting, duplicate keys, the metric key `a/`, in step records, run configs and
@@ -26,21 +25,18 @@ from urllib.parse import quote
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
-from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
-from monitors.contract import CheckpointInfo, RunInfo, StepRecord
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
+from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
-from supervisor.service import Supervisor
-from supervisor.store import checkpoints as checkpoints_store
-from supervisor.store import judged
-from supervisor.store import steps as steps_store
-from supervisor.store import thermometers
-
-import schemathesis  # noqa: E402  (the test extra installs it: never skipped)
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import checkpoints as checkpoints_store
+from thermowatch.supervisor.store import judged
+from thermowatch.supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import thermometers
 
 BASE = "baseline-7f3a"  # the stored run that must not change
 TARGET = "fuzz-target"  # an open run the fuzzers write to
@@ -53,7 +49,10 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
 
 @pytest.fixture
 def sup(db, tmp_path):
-    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN)
+    # One token opens ~100 x THERMOWATCH_FUZZ_SCALE runs in seconds here; past the run-creation
+    # quota (1000 an hour, tests/supervisor/test_quota.py) a nightly scale would meet 429s.
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN,
+                           limits={"max_new_runs_per_token_per_hour": 10**9})
     s = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     s.open_run(RunInfo(run_id=BASE, attempt=0, world_size=2, config={"model": "350m", "lr": 3e-4}))
     recs = [StepRecord(step=i, values={k: 1.0 + i / 10 + j for j, k in enumerate(KEYS)}, sample_lo=8 * i,
@@ -102,54 +101,6 @@ def send(c: TestClient, method: str, url: str, body: bytes | None, seen: dict[in
     r = c.request(method, url, content=body, headers={"content-type": "application/json"})
     seen[r.status_code] = seen.get(r.status_code, 0) + 1
     assert r.status_code < 500, (method, url, (body or b"")[:300], r.status_code, r.text[:300])
-
-
-# --- (a) schemathesis over the OpenAPI document ---------------------------------------------------
-
-PER_OPERATION = 12 * SCALE  # examples per operation, per mode, per aim: 17 operations x 2 x 2 x 12
-
-
-def test_schemathesis_no_5xx(client, db):
-    from schemathesis.generation.modes import GenerationMode
-
-    before = baseline(client)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", client.app)
-    ops = [r.ok() for r in schema.get_all_operations()]
-    assert sum(op.method.upper() == "POST" for op in ops) == 11  # 4 ingest, 4 commands, 2 tokens, Slack callback
-    seen: dict[int, int] = {}
-    no_negative: list[str] = []
-    for op in ops:
-        aims = [{}]
-        names = {p.name for p in op.path_parameters}
-        if "run_id" in names:
-            aims.append({"run_id": TARGET, **({"attempt": "0"} if "attempt" in names else {})})
-        for aim in aims:
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                strategy = op.as_strategy(mode, path_parameters=aim or None)
-
-                @settings(FUZZ, max_examples=PER_OPERATION)
-                @given(case=strategy)
-                def one(case):
-                    kw = case.as_transport_kwargs(base_url="http://testserver")
-                    r = client.request(**kw)
-                    seen[r.status_code] = seen.get(r.status_code, 0) + 1
-                    assert r.status_code < 500, (op.label, mode, kw, r.status_code, r.text[:300])
-
-                try:
-                    one()
-                except Unsatisfiable:  # nothing of this operation can break its schema (GET /healthz)
-                    assert mode is GenerationMode.NEGATIVE, op.label
-                    no_negative.append(op.label)
-    n = sum(seen.values())
-    print(f"\nschemathesis on {db.dialect}: {n} cases, status counts {dict(sorted(seen.items()))}")
-    # an operation whose only parameter is a free string has no negative case (GETs, and the
-    # token revoke: a name, no body); every body has
-    assert not [label for label in no_negative if label.startswith("POST") and label != "POST /api/tokens/{name}/revoke"], \
-        no_negative
-    assert n >= 300 * SCALE and not any(s >= 500 for s in seen)
-    assert any(200 <= s < 300 for s in seen)  # some cases got through to the database
-    still_serving(client)
-    assert baseline(client) == before
 
 
 # --- (b) hostile ingest payloads, as raw JSON text ------------------------------------------------

@@ -14,16 +14,16 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor import db as dbmod
-from supervisor.config import SupervisorConfig
-from supervisor.health import Health, HealthConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.scheduler import Job, Scheduler
-from supervisor.server import build_app
-from supervisor.service import Supervisor
-from supervisor.store import alerts as alerts_store
-from supervisor.store.orm import Alert
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor import db as dbmod
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.health import Health, HealthConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.scheduler import Job, Scheduler
+from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import alerts as alerts_store
+from thermowatch.supervisor.store.orm import Alert
 from tests.live_server import free_port
 from tests.supervisor.auth_helpers import ADMIN_TOKEN
 
@@ -133,7 +133,7 @@ def test_readyz_adds_the_schema_revision(sup, db):
     /readyz 503, naming both revisions."""
     import sqlalchemy as sa
 
-    from supervisor import db as dbmod
+    from thermowatch.supervisor import db as dbmod
 
     head = dbmod.head_revision()
     with Scheduler([Job("noop", lambda: None, every_s=3600)]) as sched:

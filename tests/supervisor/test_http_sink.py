@@ -1,7 +1,9 @@
-"""trainer.http_sink against a real uvicorn server on a real port, stopped and restarted:
+"""thermowatch.transport against a real uvicorn server on a real port, stopped and restarted:
 nothing is lost while the supervisor (or its database) is down, and order is kept."""
 
 from __future__ import annotations
+
+import contextlib
 
 import json
 import socket
@@ -14,15 +16,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from monitors.columns import COLUMNS_CONTENT_TYPE
-from monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
-from supervisor.api.ingest import make_router
-from supervisor.db import make_engine, make_sessionmaker
-from supervisor.ingest import Ingestor
-from supervisor.store import checkpoints, runs, thermometers
-from trainer.http_sink import HttpCommandChannel, HttpSink
+from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE
+from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
+from thermowatch.supervisor.api.ingest import make_router
+from thermowatch.supervisor.db import make_engine, make_sessionmaker
+from thermowatch.supervisor.ingest import Ingestor
+from thermowatch.supervisor.store import checkpoints, runs, thermometers
+from thermowatch.transport import HttpCommandChannel, HttpSink
 from tests.supervisor.auth_helpers import guard
-from supervisor.store import tokens as tokens_store
+from thermowatch.supervisor.store import tokens as tokens_store
 
 INGEST_TOKEN = "tw_test-trainer-ingest-token-0123456789"  # the trainer's token: `ingest` scope only
 
@@ -297,7 +299,7 @@ def test_spool_is_replayed_by_the_sender_on_its_own(db, server, tmp_path):
 
 def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
     """Retention deletes are reported as they happen, so the list never offers a gone checkpoint."""
-    from supervisor.store import checkpoints as ckpt_store
+    from thermowatch.supervisor.store import checkpoints as ckpt_store
 
     sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN)
     sink.open_run(RunInfo("r", 0, world_size=1))
@@ -332,4 +334,49 @@ def test_batches_travel_as_columns_and_an_older_json_spool_still_replays(db, ser
     assert sink.drain(30) and sink.flush(force=True)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(30))
     assert sink.rejected == 0
+    sink.close()
+
+
+@contextlib.contextmanager
+def _poison_step(db, step: int):
+    """A real fault in the daemon's database for one step: a trigger that fails its insert (the
+    daemon answers 500: not the client's fault, and not an outage). Dropped afterwards: the
+    database is shared with the worker's next tests (truncated, not rebuilt)."""
+    with db.engine.begin() as conn:
+        if db.dialect == "postgresql":
+            conn.execute(sa.text(f"""CREATE FUNCTION poison() RETURNS trigger AS $$ BEGIN
+                IF NEW.step = {step} THEN RAISE EXCEPTION 'poisoned step'; END IF; RETURN NEW; END $$
+                LANGUAGE plpgsql"""))
+            conn.execute(sa.text("CREATE TRIGGER poison BEFORE INSERT ON steps FOR EACH ROW EXECUTE FUNCTION poison()"))
+        else:
+            conn.execute(sa.text(f"CREATE TRIGGER poison BEFORE INSERT ON steps WHEN NEW.step = {step} "
+                                 "BEGIN SELECT RAISE(ABORT, 'poisoned step'); END"))
+    try:
+        yield
+    finally:
+        with db.engine.begin() as conn:
+            conn.execute(sa.text("DROP TRIGGER poison" + (" ON steps" if db.dialect == "postgresql" else "")))
+            if db.dialect == "postgresql":
+                conn.execute(sa.text("DROP FUNCTION poison()"))
+
+
+def test_a_batch_answered_500_again_and_again_is_set_aside_and_the_rest_goes_on(db, server, tmp_path):
+    """Issue 21: one body the daemon failed on (500) was retried forever and the 76 steps after
+    it were never stored. Now a message answered 500 max_server_errors times in a row goes to
+    rejected.jsonl with the reason, and everything behind it is stored."""
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0, max_server_errors=3)
+    with _poison_step(db, 1023):
+        sink.open_run(RunInfo("r", 0, world_size=1))
+        sink.write("r", 0, _batch(0))
+        sink.write("r", 0, [StepRecord(step=1023, values={"loss": 1.0})])
+        for lo in (10, 20, 30):
+            sink.write("r", 0, _batch(lo))
+        assert sink.drain(30)
+        deadline = time.monotonic() + 30
+        while not sink.flush(force=True):  # each replay meets the poisoned batch first, until it is set aside
+            assert time.monotonic() < deadline, (sink.spooled, sink.rejected)
+    assert sink.rejected == 1 and sink.spooled == 0
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(40))
+    rejected = (tmp_path / "spool" / "rejected.jsonl").read_text().splitlines()
+    assert len(rejected) == 1 and "/api/runs/r/attempts/0/steps" in rejected[0]
     sink.close()

@@ -11,11 +11,11 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from monitors.contract import CheckpointInfo, ContractError, RunInfo, StepRecord
-from supervisor.api.ingest import make_router
-from supervisor.ingest import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
-from supervisor.store import checkpoints, thermometers
-from supervisor.store import steps as steps_store
+from thermowatch.monitors.contract import CheckpointInfo, ContractError, FinishReason, RunFinished, RunInfo, StepRecord
+from thermowatch.supervisor.api.ingest import make_router
+from thermowatch.supervisor.ingest import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
+from thermowatch.supervisor.store import audit, checkpoints, runs, thermometers
+from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
 
 KEYS = ["loss", "attn_logit_max/blocks.0.attn", "act_max/blocks.0.mlp"]
@@ -91,7 +91,7 @@ def test_one_transaction_per_batch(db, ingestor, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(thermometers, "append", boom)  # fails after the steps rows were written
+    monkeypatch.setattr(thermometers, "append_columns", boom)  # fails after the steps rows were written
     with pytest.raises(RuntimeError):
         ingestor.write("r", 0, _recs(0, 5))
     monkeypatch.undo()
@@ -175,6 +175,9 @@ def test_http_errors_before_open(db, client, path, body, status, needle):
         (b'{"records": [{"step": 1, "tokens": "many"}]}', 422, "records[0]"),
         (b'{"records": [{"step": 1, "ranks": {"loss": "r0"}}]}', 422, "records[0]"),
         (b'{"records": [{"step": 1, "ranks": [1]}]}', 422, "'ranks'"),
+        (b'{"records": [{"step": 1, "ranks": false}]}', 422, "'ranks'"),  # was taken for {} (issue 21)
+        (b'{"records": [{"step": 1, "wall_time": 1.8e308}]}', 422, "within +-1e+15"),  # finite, no clock
+        (b'{"records": [{"step": 1, "wall_time": -1.0000001e15}]}', 422, "within +-1e+15"),
         (b'{"records": {"step": 1}}', 422, '{"records": [...]}'),
         (b'{"records": [{"step": 1, "loss": 1', 400, "not valid JSON"),
         (b"\xff\xfe", 400, "not valid JSON"),
@@ -189,6 +192,8 @@ def test_http_bad_batches_are_4xx_and_store_nothing(db, client, body, status, ne
     assert needle in r.json()["detail"]
     assert _counts(db) == (0, 0)
     assert client.post(STEPS, json={"records": [{"step": 1, "loss": 1.0}]}).status_code == 200  # still up
+    r = client.post(STEPS, json={"records": [{"step": 2, "wall_time": 1e15, "ranks": None}]})  # the bound is inclusive
+    assert r.status_code == 200, r.text
 
 
 def test_http_chunked_oversized_body_and_bad_attempt(db, client):
@@ -298,3 +303,59 @@ def test_batch_around_a_stored_step_is_not_a_resend(db, ingestor):
     ingestor.write("r", 0, _recs(5, 6))
     assert ingestor.write("r", 0, _recs(3, 4) + _recs(10, 11)) == 6
     assert _counts(db)[0] == 3
+
+
+def test_a_deleted_checkpoints_reason_is_bounded_as_documented():
+    """The OpenAPI says reason <= 10,000 characters (issue 21: a longer one was stored and cut)."""
+    from thermowatch.supervisor.ingest import MAX_DELETED_REASON, deleted_from_json
+
+    assert deleted_from_json({"steps": [3], "reason": "x" * MAX_DELETED_REASON}) == ([3], "x" * 200)
+    with pytest.raises(ContractError, match="reason"):
+        deleted_from_json({"steps": [3], "reason": "x" * (MAX_DELETED_REASON + 1)})
+
+
+# --- an attempt says it finished (issue 22, item 9) -------------------------------------------------
+
+FINISHED = "/api/runs/r/attempts/0/finished"
+
+
+def test_http_finished_is_idempotent_and_once(db, client):
+    """200 and stored with its NaN loss; the same report again is 200; a different one 409 and
+    the first stays; unknown run or attempt 404; a bad body 422; the body is bounded."""
+    body = '{"step": 7, "final_loss": NaN, "reason": "closed"}'  # Python's json writes a NaN loss so
+    assert client.post(FINISHED, content=body).status_code == 404  # before the run is opened
+    assert client.post("/api/runs", json=RUN).status_code == 201
+    assert client.post("/api/runs/r/attempts/1/finished", content=body).status_code == 404
+    r = client.post(FINISHED, content=body)
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    r = client.post(FINISHED, content=body)
+    assert r.status_code == 200, r.text  # a re-send (a retry, a replayed spool)
+    r = client.post(FINISHED, json={"step": 7, "final_loss": 2.5, "reason": "closed"})
+    assert r.status_code == 409 and "already finished at step 7" in r.json()["detail"]
+    for bad, needle in [({"step": -1, "final_loss": 1.0, "reason": "closed"}, "'step'"),
+                        ({"step": 1, "final_loss": "low", "reason": "closed"}, "'final_loss'"),
+                        ({"step": 1, "final_loss": 1.0, "reason": "done"}, "'reason'"),
+                        ({"step": 1, "final_loss": 1.0}, "'reason'"), ([7], "JSON object")]:
+        r = client.post(FINISHED, json=bad)
+        assert r.status_code == 422 and needle in r.json()["detail"], (bad, r.text)
+    route = client.app.openapi()["paths"]["/api/runs/{run_id}/attempts/{attempt}/finished"]["post"]
+    assert route["x-max-body-bytes"] == 4096  # supervisor.api.body's middleware refuses more with 413
+    with db.sessions() as s:
+        (att,) = runs.attempts(s, "r")
+        got = att.finished
+        assert att.finished_at is not None and (got.step, got.reason.value) == (7, "closed")
+        assert math.isnan(got.final_loss)  # kept on both databases (SQLite stores NaN as text)
+        events = [e.event for e in audit.events(s, "r", "run_finished")]
+    assert events == ["run_finished"]  # the re-send is no new event
+
+
+def test_finish_run_in_process(db, ingestor):
+    ingestor.open_run(RunInfo("r", 0, world_size=1))
+    with pytest.raises(UnknownRun):
+        ingestor.finish_run("r", 3, RunFinished(1, None, FinishReason.COMPLETED))
+    ingestor.finish_run("r", 0, RunFinished(10, -math.inf, FinishReason.COMPLETED))
+    ingestor.finish_run("r", 0, RunFinished(10, -math.inf, "completed"))
+    with pytest.raises(HistoryConflict):
+        ingestor.finish_run("r", 0, RunFinished(10, -math.inf, "stopped"))
+    with db.sessions() as s:
+        assert runs.latest_attempt(s, "r").finished == RunFinished(10, -math.inf, FinishReason.COMPLETED)

@@ -12,12 +12,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns, as_records
-from monitors.contract import RunInfo, StepRecord
-from supervisor.api.ingest import make_router
-from supervisor.ingest import HistoryConflict, IngestLimits, Ingestor
-from supervisor.store import thermometers
-from supervisor.store import steps as steps_store
+from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns, as_records
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.api.ingest import make_router
+from thermowatch.supervisor.ingest import HistoryConflict, IngestLimits, Ingestor
+from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import bearer, guard, make_token
 from tests.supervisor.test_ingest import KEYS, RUN, STEPS, _counts, _recs
 

@@ -10,15 +10,15 @@ import math
 import numpy as np
 import pytest
 
-from monitors.contract import CheckpointInfo, RunInfo
-from supervisor import jobs
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import thermometers as thermo_store
+from thermowatch.monitors.contract import CheckpointInfo, RunInfo
+from thermowatch.supervisor import jobs
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 from tests.fixtures.diverging import DETECTORS, POLICY, WALL_T0, healthy_records
 
 RUN = "jobs"
@@ -56,7 +56,7 @@ def sup(db, tmp_path, stream, clock):
 
 def _checkpoint_dir(root, step, files=None):
     """A committed checkpoint written by the trainer's own store (its manifest format)."""
-    from trainer.checkpoint import CheckpointStore, make_manifest
+    from thermowatch.trainer.checkpoint import CheckpointStore, make_manifest
 
     files = files if files is not None else {"model.pt": b"weights" * 10}
 
@@ -146,6 +146,26 @@ def test_daily_digest_sends_one_alert_per_run(sup, stream):
     assert "last step 25" in by_run[RUN].text and "last step None" in by_run["other"].text
     assert sup.executor.outbox.drain(30)
     assert stream.getvalue().count("daily digest") == 2
+
+
+def test_daily_digest_leaves_out_runs_idle_for_a_day(sup, db):
+    """One message a day per run active that day, not per run ever made (issue 21, item 4: an
+    ingest token made 10^5 runs; a digest for each would be 10^5 messages a day)."""
+    import datetime as dt
+
+    import sqlalchemy as sa
+
+    from thermowatch.supervisor.store.orm import Attempt, Run
+
+    sup.open_run(RunInfo(run_id="idle", attempt=0, world_size=1))
+    sup.open_run(RunInfo(run_id="restarted", attempt=0, world_size=1))
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
+    with sup.sessions.begin() as s:
+        for table in (Run, Attempt):
+            s.execute(sa.update(table).where(table.run_id.in_(["idle", "restarted"]))
+                      .values({"created_at" if table is Run else "started_at": old}))
+    sup.open_run(RunInfo(run_id="restarted", attempt=1, world_size=1))  # a new attempt today
+    assert sorted(a.run_id for a in jobs.daily_digest(sup)) == [RUN, "restarted"]
 
 
 def test_stall_check_finds_a_stall_only_after_the_timeout(sup, clock):

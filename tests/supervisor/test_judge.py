@@ -9,12 +9,12 @@ import io
 
 import pytest
 
-from monitors.contract import RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import findings as findings_store
-from supervisor.store import judged as judged_store
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import judged as judged_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
 
 RUN = "jg"
@@ -101,7 +101,7 @@ def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, r
     import sqlite3
     import time
 
-    from supervisor.judge import Judge
+    from thermowatch.supervisor.judge import Judge
 
     path = tmp_path / "locked.db"
     sup = make_sup(f"sqlite:///{path}", tmp_path / "d", judge_inline=False)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import io
 
-from monitors.contract import RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import detector_state
-from supervisor.store import findings as findings_store
-from supervisor.store import incidents as incidents_store
+from thermowatch.monitors.contract import RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import detector_state
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import incidents as incidents_store
 from tests.fixtures.diverging import DETECTORS, POLICY, checkpoint_for, diverging_records
 
 
@@ -75,11 +75,11 @@ def test_a_supervisor_that_lost_its_detector_state_stores_and_decides_once(db, t
 
 
 def test_store_keeps_one_row_per_key_and_attempt(db):
-    from monitors.contract import Finding, Outcome, Severity, Signal
+    from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal
 
     f = Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, 90, 100, metric="loss", outcome=Outcome.ACT)
     with db.sessions.begin() as s:
-        from supervisor.store import runs as runs_store
+        from thermowatch.supervisor.store import runs as runs_store
 
         runs_store.open_attempt(s, RunInfo("k", 0, world_size=1))
         a, new_a = findings_store.add_finding(s, "k", f, None, attempt=0)

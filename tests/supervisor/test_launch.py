@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from tests.live_server import wait_healthy
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # hang guards (bf16 on a CPU without AVX-512)
 
 SUPERVISOR = """
@@ -48,21 +50,14 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
     port = _free_port()
     (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=port))
     (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt"))
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "thermowatch.cli"]
     # No token anywhere: the daemon starts closed and writes its first admin token to a file.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}, "PYTHONUNBUFFERED": "1"}
     daemon = subprocess.Popen([*cli, "serve", "--config", str(tmp_path / "sup.yaml")], env=env,
                               stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("the daemon never answered /healthz:\n" + (tmp_path / "serve.log").read_text())
+        wait_healthy(url, daemon, tmp_path / "serve.log", timeout_s=30)
 
         admin = {"Authorization": "Bearer " + (tmp_path / "srv" / "admin-token").read_text().strip()}
         made = subprocess.run([*cli, "token", "create", "trainer", "--scope", "ingest", "--config",
@@ -77,7 +72,11 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
         # Progress every 10 steps, one line per command acknowledged, no HTTP poll log (issue 12.5).
         assert re.search(r"^cluster-1 step 10/100: loss \d+\.\d+, [\d,]+ tok/s, max attn logit (<= )?[\d.]+, ETA ",
                          train.stderr, re.M), train.stderr[-4000:]
-        assert re.search(r"^cluster-1 command \d+ rollback: done at step \d+ \(checkpoint \d+", train.stderr, re.M)
+        # Which repair comes first depends on the float numerics of the CPU it trains on (the two
+        # CI machines differ): a rollback (the loss witnessed the growth), or the LR lowered in
+        # place (the forecast rule: the schedule would still raise the LR); both are acked lines.
+        assert re.search(r"^cluster-1 command \d+ (rollback: done at step \d+ \(checkpoint \d+|set_lr: done at step \d+)",
+                         train.stderr, re.M), train.stderr[-4000:]
         assert "HTTP Request" not in train.stderr
 
         # Another shell on the cluster: the CLI asks the daemon over HTTP with an on-call token
@@ -94,10 +93,10 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
         actions = json.loads(out.stdout)
         runs = subprocess.run([*cli, "runs", "--json"], env=shell, capture_output=True, text=True, timeout=60)
         assert runs.returncode == 0 and [r["run_id"] for r in json.loads(runs.stdout)] == ["cluster-1"], runs.stderr
-        rollbacks = [a for a in actions if a["kind"] == "rollback" and a["origin"] == "auto"]
-        assert rollbacks and all(a["state"] == "done" for a in rollbacks), actions
-        assert all(a["ack_step"] == a["args"]["to_step"] + 1 for a in rollbacks)
-        assert any(a["args"].get("lr_multiplier") for a in rollbacks), "the recurrence never lowered the LR"
+        auto = [a for a in actions if a["origin"] == "auto" and a["kind"] in ("rollback", "set_lr")]
+        assert auto and all(a["state"] == "done" for a in auto), actions
+        assert all(a["ack_step"] == a["args"]["to_step"] + 1 for a in auto if a["kind"] == "rollback")
+        assert any(a["args"].get("lr_multiplier") for a in auto), "the LR was never lowered (rung 2)"
         incidents = httpx.get(f"{url}/api/runs/cluster-1/incidents", headers=admin).json()
         incidents = incidents["incidents"] if isinstance(incidents, dict) else incidents
         assert incidents and incidents[0]["signal"].startswith("attn_logit")
@@ -118,14 +117,14 @@ def test_train_with_an_embedded_supervisor(tmp_path):
     ~72, once the loss witnesses the logit growth: docs/demo.md)."""
     (tmp_path / "train.yaml").write_text(TRAIN.format(ckpt=tmp_path / "ckpt").replace("steps: 100", "steps: 85"))
     (tmp_path / "sup.yaml").write_text(SUPERVISOR.format(data=tmp_path / "srv", port=_free_port()))
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "thermowatch.cli"]
     train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--config", str(tmp_path / "sup.yaml")],
                            capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert train.returncode == 0, train.stderr[-4000:]
     assert "run cluster-1: step 85" in train.stderr
     # The embedded supervisor's database (no daemon here for the CLI to ask).
-    from supervisor import db
-    from supervisor.store import actions as actions_store
+    from thermowatch.supervisor import db
+    from thermowatch.supervisor.store import actions as actions_store
 
     engine = db.make_engine(f"sqlite:///{tmp_path / 'srv' / 'thermowatch.db'}")
     try:
@@ -137,7 +136,7 @@ def test_train_with_an_embedded_supervisor(tmp_path):
 
 
 def test_train_refuses_a_bad_config_with_a_reason(tmp_path):
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "thermowatch.cli"]
     (tmp_path / "bad.yaml").write_text("zero_stage: 4\n")
     bad = subprocess.run([*cli, "train", str(tmp_path / "bad.yaml"), "--data-dir", str(tmp_path / "d")],
                          capture_output=True, text=True, timeout=120)
@@ -156,7 +155,7 @@ def test_train_detach_refuses_what_would_die_with_this_process(tmp_path, monkeyp
     cluster to live in (a local Ray ends with this process): exit 2, saying what to set."""
     import ray
 
-    from supervisor.cli import main
+    from thermowatch.cli import main
 
     if ray.is_initialized():
         pytest.skip("Ray already runs in this process")
@@ -173,7 +172,7 @@ def test_train_detach_refuses_what_would_die_with_this_process(tmp_path, monkeyp
 
 
 def test_train_refuses_a_typo_anywhere_with_its_path(tmp_path, capsys):
-    from supervisor.cli import main
+    from thermowatch.cli import main
 
     (tmp_path / "bad.yaml").write_text("optim: {lr: 3.0e-3, warmup_step: 10}\n")
     assert main(["train", str(tmp_path / "bad.yaml"), "--data-dir", str(tmp_path / "d")]) == 2
@@ -187,9 +186,9 @@ def test_train_asking_for_gpus_without_any_exits_2_at_once(tmp_path, monkeypatch
     import ray
     import torch
 
-    from supervisor.cli import main
-    from supervisor.errors import UserError
-    from supervisor.launch import require_gpus
+    from thermowatch.cli import main
+    from thermowatch.supervisor.errors import UserError
+    from thermowatch.launch import require_gpus
 
     if torch.cuda.is_available() or ray.is_initialized():
         pytest.skip("this machine has a GPU (or Ray already runs in this process)")

@@ -11,13 +11,15 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor.config import ConfigError, SupervisorConfig
-from supervisor.limits import Limits, check_json
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
+from thermowatch.monitors.commands import CommandKind
+
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.limits import Limits, check_json
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
-from supervisor.service import Supervisor
+from thermowatch.supervisor.service import Supervisor
 
 RUN = "base"
 KEYS = ["loss", "grad_norm", "attn_logit_max/blocks.0.attn"]
@@ -271,10 +273,15 @@ def test_input_errors_left_to_the_net_are_4xx_and_internal_errors_stay_500(db, s
 def test_openapi_describes_every_post_body(client):
     doc = client.get("/openapi.json").json()
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
-    assert len(posts) == 11, sorted(posts)  # 4 ingest, 4 commands, 2 tokens, Slack's interactivity callback
+    assert len(posts) == 12, sorted(posts)  # 5 ingest, 4 commands, 2 tokens, Slack's interactivity callback
     assert "requestBody" not in posts.pop("/api/tokens/{name}/revoke")  # the only POST with no body
     slack = posts.pop("/api/slack/interactions")["requestBody"]["content"]["application/x-www-form-urlencoded"]
     assert slack["schema"]["required"] == ["payload"]  # Slack posts a form, signed, not JSON
+    action = posts.pop("/api/runs/{run_id}/actions")["requestBody"]["content"]["application/json"]["schema"]
+    # one shape per kind, so the args a kind takes are stated (issue 21)
+    kinds = {b["properties"]["kind"]["const"]: b for b in action["oneOf"]}
+    assert sorted(kinds) == sorted(k.value for k in CommandKind)
+    assert kinds["skip"]["properties"]["args"]["properties"]["skip_ranges"]["minItems"] == 1
     for path, op in posts.items():
         schema = op["requestBody"]["content"]["application/json"]["schema"]
         assert schema["type"] == "object" and schema["properties"], path

@@ -15,15 +15,15 @@ import os
 import numpy as np
 import pytest
 
-from monitors.contract import LR, LR_MULTIPLIER, Finding, Outcome, RunInfo, Severity, Signal
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import findings as findings_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import thermometers as thermo_store
+from thermowatch.monitors.contract import LR, LR_MULTIPLIER, Finding, Outcome, RunInfo, Severity, Signal
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -57,8 +57,8 @@ def spike(step: int) -> Finding:
 
 
 def test_trained_lr_equals_recorded_multiplier_across_two_cuts_and_a_rollback(db, tmp_path):
-    from trainer.controller import RunController
-    from trainer.local import InProcessGang
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import InProcessGang
 
     cfg = tiny(tmp_path, steps=22)
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY)),
@@ -107,9 +107,9 @@ def test_the_lr_forecast_lowers_the_lr_the_trainer_trains_at(db, tmp_path):
     does, the policy lowers the LR in place (no rollback: nothing is damaged yet), the executor
     sends it, and the trainer trains at it. The ceiling is lowered to the tiny model's own logit
     scale so that the crossing falls inside its 10-step warm-up (5x the LR still to come)."""
-    from monitors.contract import LR_PEAK_AHEAD
-    from trainer.controller import RunController
-    from trainer.local import InProcessGang
+    from thermowatch.monitors.contract import LR_PEAK_AHEAD
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import InProcessGang
 
     cfg = tiny(tmp_path, steps=24, optim={"lr": 3e-2, "warmup_steps": 20})
     detectors = {"attn": {"ceiling": 1.0, "act_level": 0.5, "min_growth": 1e-9}}

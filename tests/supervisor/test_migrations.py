@@ -13,10 +13,10 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor import db as dbmod
-from supervisor.store import actions, runs, thermometers
-from supervisor.store.orm import load_models
+from thermowatch.monitors.contract import RunFinished, RunInfo, StepRecord
+from thermowatch.supervisor import db as dbmod
+from thermowatch.supervisor.store import actions, runs, thermometers
+from thermowatch.supervisor.store.orm import load_models
 
 
 def test_single_head():
@@ -100,6 +100,37 @@ def test_0009_alert_threads_keep_older_alerts_and_downgrade_with_data(empty_url)
         assert "thread_key" not in cols and "ts" not in cols
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT text, state FROM alerts")).one() == ("old alert", "pending")
+        dbmod.upgrade(engine)
+        dbmod.check_current(engine)
+    finally:
+        engine.dispose()
+
+
+def test_0012_attempt_finished_columns_up_and_down_with_data(empty_url):
+    """Attempts from before 0012 read as not finished; a finished report (a NaN loss included)
+    is stored and read back; a downgrade to 0011 keeps the attempts and drops only the columns."""
+    engine = dbmod.make_engine(empty_url)
+    sessions = dbmod.make_sessionmaker(engine)
+    try:
+        dbmod.upgrade(engine, "0011")
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO runs (run_id, config, created_at, created_by) "
+                                 "VALUES ('old', '{}', '2026-01-01 00:00:00', '')"))
+            conn.execute(sa.text("INSERT INTO attempts (run_id, attempt, started_at, world_size, start_step, hosts, "
+                                 "config) VALUES ('old', 0, '2026-01-01 00:00:00', 1, 0, '{}', '{}')"))
+        dbmod.upgrade(engine)
+        with sessions.begin() as s:
+            (old,) = runs.attempts(s, "old")
+            assert old.finished is None and old.finished_at is None
+            assert runs.finish_attempt(s, "old", 0, RunFinished(12, math.nan, "closed")) is None
+        with sessions() as s:
+            got = runs.latest_attempt(s, "old").finished
+            assert (got.step, got.reason.value) == (12, "closed") and math.isnan(got.final_loss)
+        dbmod.downgrade(engine, "0011")
+        cols = {c["name"] for c in sa.inspect(engine).get_columns("attempts")}
+        assert not cols & {"finished_at", "final_step", "final_loss", "finish_reason"}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT run_id, attempt FROM attempts")).all() == [("old", 0)]
         dbmod.upgrade(engine)
         dbmod.check_current(engine)
     finally:

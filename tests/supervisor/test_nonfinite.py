@@ -8,13 +8,13 @@ from __future__ import annotations
 import io
 import math
 
-from monitors.contract import Ack, RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import thermometers as thermo_store
+from thermowatch.monitors.contract import Ack, RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 from tests.fixtures.diverging import DETECTORS, NAN, POLICY, feed, nan_records, samples_of
 
 RUN = "nan"

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
-from supervisor.notify import Alert, ConsoleNotifier, FanOut, NotifyConfigError, NotifyError, NullNotifier
-from supervisor.notify.slack import SlackNotifier, resolve_token
-from supervisor.policy import PolicyInput, make_decision
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
+from thermowatch.supervisor.notify import Alert, ConsoleNotifier, FanOut, NotifyConfigError, NotifyError, NullNotifier
+from thermowatch.supervisor.notify.slack import SlackNotifier, resolve_token
+from thermowatch.supervisor.policy import PolicyInput, make_decision
 from tests.fakes.slack_server import FakeSlack, fake_slack  # noqa: F401 - the fixture
 
 NOW = 1_800_000_000.0
@@ -174,11 +174,11 @@ def test_fan_out_delivers_despite_a_broken_notifier(fake_slack, caplog):
     out = io.StringIO()
     broken = SlackNotifier("xoxb-x", "#c", base_url=dead_url(), retries=0)
     fan = FanOut([broken, slack(fake_slack), ConsoleNotifier(out), NullNotifier()])
-    with caplog.at_level(logging.ERROR, logger="supervisor.notify.base"):
+    with caplog.at_level(logging.ERROR, logger="thermowatch.supervisor.notify.base"):
         ts = fan.send(spike_alert())
     assert ts in fake_slack.messages
     assert "rollback to step 800" in out.getvalue()
-    (record,) = [r for r in caplog.records if r.name == "supervisor.notify.base"]
+    (record,) = [r for r in caplog.records if r.name == "thermowatch.supervisor.notify.base"]
     assert "SlackNotifier failed" in record.getMessage() and record.exc_info is not None
 
 
@@ -192,7 +192,7 @@ def test_fan_out_close_survives_a_failing_part(caplog, tmp_path):
     closed_stream = open(tmp_path / "alerts.log", "w")
     closed_stream.close()  # flushing a closed file raises ValueError
     first, last = ConsoleNotifier(closed_stream), ConsoleNotifier(io.StringIO())
-    with caplog.at_level(logging.ERROR, logger="supervisor.notify.base"):
+    with caplog.at_level(logging.ERROR, logger="thermowatch.supervisor.notify.base"):
         FanOut([first, last]).close()
     assert last.closed and "closing notifier ConsoleNotifier failed" in caplog.text
     with pytest.raises(NotifyError, match="closed"):
@@ -257,7 +257,7 @@ def test_blocks_are_valid_block_kit_with_buttons_only_when_interactive(fake_slac
 
 
 def test_upload_speaks_files_upload_v2_into_the_thread(fake_slack):
-    from supervisor.notify.base import ChartRequest
+    from thermowatch.supervisor.notify.base import ChartRequest
 
     notifier = slack(fake_slack)
     parent = notifier.send(spike_alert())

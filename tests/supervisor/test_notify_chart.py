@@ -13,9 +13,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from supervisor.notify.base import ChartRequest
-from supervisor.notify.chart import HEIGHT_PX, WIDTH_PX, render_chart
-from supervisor.store import findings as findings_store
+from thermowatch.supervisor.notify.base import ChartRequest
+from thermowatch.supervisor.notify.chart import HEIGHT_PX, WIDTH_PX, render_chart
+from thermowatch.supervisor.store import findings as findings_store
 from tests.fakes.slack_server import FakeSlack
 from tests.supervisor.test_outbox import RUN, _ack_rollback, _diverge, _rows, make_sup
 
@@ -117,8 +117,8 @@ def test_an_upload_that_fails_once_is_delivered_on_its_next_try(db, tmp_path, sl
 
 
 def test_a_chart_with_nothing_to_draw_fails_at_once_and_the_text_behind_it_goes_out(db, tmp_path, slack):
-    from monitors.contract import Severity
-    from supervisor.notify.base import Alert
+    from thermowatch.monitors.contract import Severity
+    from thermowatch.supervisor.notify.base import Alert
 
     sup = make_sup(db, tmp_path, slack)
     try:

@@ -16,11 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.fakes.slack_server import FakeSlack
-from tests.live_server import free_port
+from tests.live_server import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,7 +48,7 @@ def _example_config(data_dir: Path, port: int, slack_url: str) -> str:
 
 def test_oncall_cli_rolls_back_and_stops_a_live_run_with_no_database_access(tmp_path):
     port = free_port()
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "thermowatch.cli"]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("THERMOWATCH_", "SLACK_"))}
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")])
     cfg = tmp_path / "supervisor.yaml"
@@ -61,15 +60,7 @@ def test_oncall_cli_rolls_back_and_stops_a_live_run_with_no_database_access(tmp_
         train = None
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-                time.sleep(0.2)
+            wait_healthy(url, daemon, tmp_path / "serve.log", timeout_s=120)
 
             def token(name: str, *scopes: str) -> str:  # the admin's job, on the daemon's host
                 args = [a for s in scopes for a in ("--scope", s)]

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from monitors.contract import Ack, RunInfo
-from supervisor.config import SupervisorConfig
-from supervisor.notify.base import FanOut
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.notify.slack import SlackNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import alerts as alerts_store
+from thermowatch.monitors.contract import Ack, RunInfo
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.base import FanOut
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.notify.slack import SlackNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import alerts as alerts_store
 from tests.fakes.slack_server import FakeSlack
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
-from supervisor.policy import (
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
+from thermowatch.supervisor.policy import (
+    DEFAULT_ROLLBACK_SIGNALS,
     Decision,
     DecisionKind,
     Intervention,
@@ -37,8 +38,15 @@ def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.CRITICAL, 
                    metric="loss" if signal is S.LOSS_SPIKE else "", evidence=evidence, outcome=outcome)
 
 
-def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True) -> Intervention:
-    return Intervention(kind=kind, signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic)
+def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True, first_step=None,
+       attempt=None, target_step=None, lowered_lr=False) -> Intervention:
+    return Intervention(kind=kind, signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic,
+                        first_step=first_step, attempt=attempt, target_step=target_step, lowered_lr=lowered_lr)
+
+
+# A rung-1 rollback decided at step 1000 that went back to 850 and was acknowledged: the run
+# re-trains from step 851, so a finding at step 1000 is 149 steps into the re-trained attempt.
+RB = dict(step=1000, first_step=851, target_step=850)
 
 
 CKPTS = [ck(800), ck(850), ck(900), ck(950)]
@@ -87,22 +95,22 @@ CASES = [
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=1020)]), {},
      dict(kind=K.ROLLBACK, rung=2, lr_multiplier=0.5)),
     ("rung2-temporary-lr-with-rewarmup",
-     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)]), dict(lr_steps=2000, rewarmup_steps=100),
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)]), dict(lr_steps=2000, rewarmup_steps=100),
      dict(kind=K.ROLLBACK, rung=2, lr_steps=2000, rewarmup_steps=100, says=["2000 steps", "re-warm-up"])),
     ("rung2-lower-lr-in-place",
-     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)]), dict(recurrence_rollback=False),
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)]), dict(recurrence_rollback=False),
      dict(kind=K.LOWER_LR, rung=2, target_step=None, skip_steps=None, lr_multiplier=0.5)),
     ("rung1-previous-rollback-outside-step-window",
      dict(finding=finding(onset=1990, detect=2000), checkpoints=CKPTS + [ck(1800)], history=[iv(step=1000)]), {},
      dict(kind=K.ROLLBACK, rung=1, target_step=1800, lr_multiplier=None)),
     ("rung1-previous-rollback-on-another-signal",
-     dict(finding=finding(S.ATTN_LOGIT_GROWTH), checkpoints=CKPTS, history=[iv(step=1000)]), {},
+     dict(finding=finding(S.ATTN_LOGIT_GROWTH), checkpoints=CKPTS, history=[iv(**RB)]), {},
      dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
     ("rung1-previous-rollback-failed-is-no-recurrence",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000, ok=False)]), {},
      dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
     ("rung3-lr-floor",
-     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000)], current_lr_multiplier=0.125), {},
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)], current_lr_multiplier=0.125), {},
      dict(kind=K.PAUSE, rung=3, page=True, target_step=None, says=["min_lr_multiplier"])),
     ("rung3-too-many-interventions",
      dict(finding=finding(), checkpoints=CKPTS,
@@ -141,24 +149,69 @@ CASES = [
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
      dict(kind=K.ROLLBACK, rung=1)),
-    ("cooldown-too-soon-alerts",
-     dict(finding=finding(sev=Severity.WARN), checkpoints=CKPTS,
-          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(act_min_severity="warn"),
-     dict(kind=K.ALERT, rung=0, page=False, target_step=None, says=["cooldown", "60s ago"])),
-    ("cooldown-critical-finding-pages",
-     dict(finding=finding(sev=Severity.CRITICAL), checkpoints=CKPTS,
-          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
-     dict(kind=K.ALERT, page=True)),
-    ("cooldown-expired-acts",
-     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=700)]), {},
+    # The wall-clock cooldown is off by default (issue 22); set, it still holds any action back.
+    ("cooldown-s-off-by-default",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=1)]), {},
      dict(kind=K.ROLLBACK, rung=1)),
-    ("cooldown-manual-action-does-not-block",
+    ("cooldown-s-too-soon-alerts",
+     dict(finding=finding(sev=Severity.WARN), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(act_min_severity="warn", cooldown_s=600),
+     dict(kind=K.ALERT, rung=0, page=False, target_step=None, says=["cooldown", "60s ago", "cooldown_s=600"])),
+    ("cooldown-s-critical-finding-pages",
+     dict(finding=finding(sev=Severity.CRITICAL), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(cooldown_s=600),
+     dict(kind=K.ALERT, page=True)),
+    ("cooldown-s-holds-back-a-recurrence-too",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB, ago=60)]), dict(cooldown_s=600),
+     dict(kind=K.ALERT, page=True, says=["60s ago"])),
+    ("cooldown-s-expired-acts",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=700)]),
+     dict(cooldown_s=600),
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("cooldown-s-manual-action-does-not-block",
      dict(finding=finding(), checkpoints=CKPTS,
-          history=[iv(signal=None, step=3000, ago=60, automatic=False)]), {},
+          history=[iv(signal=None, step=3000, ago=60, automatic=False)]), dict(cooldown_s=600),
+     dict(kind=K.ROLLBACK, rung=1)),
+    # Steps: another signal within cooldown_steps of where the last action took effect alerts.
+    ("cooldown-steps-another-signal-alerts",
+     dict(finding=finding(onset=880, detect=890), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), {},
+     dict(kind=K.ALERT, page=True, says=["cooldown", "39 steps into the re-trained attempt", "cooldown_steps=50"])),
+    ("cooldown-steps-over-acts",
+     dict(finding=finding(onset=900, detect=901), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
+    ("cooldown-steps-zero-is-off",
+     dict(finding=finding(onset=850, detect=851), checkpoints=CKPTS,
+          history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), dict(cooldown_steps=0, rollback_margin_steps=0),
      dict(kind=K.ROLLBACK, rung=1)),
     ("same-incident-is-noop",
      dict(finding=finding(onset=990, detect=1010), checkpoints=CKPTS, history=[iv(step=1000, ago=30)]), {},
      dict(kind=K.NOOP, says=["same incident", "step 1000"])),
+    ("same-incident-on-the-re-trained-attempt-is-noop",
+     dict(finding=finding(onset=880, detect=890), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
+          attempt=1), {},
+     dict(kind=K.NOOP, says=["same incident", "39 steps into the re-trained attempt (first step 851)"])),
+    ("recurrence-past-cooldown-on-the-re-trained-attempt-climbs",  # issue 22: rollback to 850, again at 910
+     dict(finding=finding(onset=900, detect=910), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
+          attempt=1), {},
+     dict(kind=K.ROLLBACK, rung=2, target_step=800, lr_multiplier=0.5, says=["rung 2", "-90 steps"])),
+    ("late-finding-of-the-abandoned-attempt-is-noop",
+     dict(finding=finding(onset=1100, detect=1200), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
+          attempt=0), {},
+     dict(kind=K.NOOP, says=["late finding of attempt 0", "left behind"])),
+    ("late-finding-of-the-abandoned-attempt-any-signal-is-noop",
+     dict(finding=finding(S.NON_FINITE, onset=1200, detect=1200), checkpoints=CKPTS,
+          history=[iv(**RB, ago=1, attempt=2)], attempt=1), {},
+     dict(kind=K.NOOP, says=["late finding of attempt 1"])),
+    ("lower-lr-in-place-same-incident-until-cooldown-steps-after-its-ack",
+     dict(finding=finding(onset=1000, detect=1040), checkpoints=CKPTS,
+          history=[iv(kind=K.LOWER_LR, step=1000, first_step=1002, lowered_lr=True, ago=1, attempt=0)],
+          attempt=0), {},
+     dict(kind=K.NOOP, says=["38 steps into its effect"])),
+    ("failed-action-starts-no-cooldown",
+     dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000, ago=1, ok=False)]), {},
+     dict(kind=K.ROLLBACK, rung=1)),
     ("same-incident-non-finite-is-noop",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1003, sev=Severity.CRITICAL), checkpoints=CKPTS,
           history=[iv(signal=S.NON_FINITE, step=1000, ago=30)]), {},
@@ -330,12 +383,13 @@ _findings = st.builds(
 _history = st.lists(st.builds(
     Intervention, kind=st.sampled_from(list(DecisionKind)), signal=st.none() | st.sampled_from(list(Signal)),
     module=st.just(""), step=st.integers(0, 3000), time=st.floats(NOW - 2 * 86_400, NOW), ok=st.booleans(),
-    automatic=st.booleans(), target_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans()), max_size=6)
+    automatic=st.booleans(), target_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans(),
+    first_step=st.none() | st.integers(0, 3000), attempt=st.none() | st.integers(0, 3)), max_size=6)
 _inputs = st.builds(
     PolicyInput, finding=_findings, now=st.just(NOW),
     checkpoints=st.lists(st.builds(ck, st.integers(0, 3000), st.booleans()), max_size=6), history=_history,
     current_lr_multiplier=st.floats(0.01, 1.0), failed_action_pending=st.booleans(),
-    action_in_flight=st.booleans(), paused=st.booleans())
+    action_in_flight=st.booleans(), paused=st.booleans(), attempt=st.none() | st.integers(0, 4))
 _configs = st.builds(
     PolicyConfig, rollback_signals=st.sets(st.sampled_from(sorted(set(Signal) - {S.STALL, S.OUTLIER_RANK}))),
     act_min_severity=st.sampled_from(list(Severity)), advise_only=st.booleans(),
@@ -371,3 +425,130 @@ def test_an_act_on_the_lr_forecast_alone_never_rolls_back(inp, cfg, signal):
     assert d.kind is not K.ROLLBACK, d.reasons
     if d.kind is K.LOWER_LR:
         assert d.lr_multiplier < inp.current_lr_multiplier and d.target_step is None and d.rung == 2
+
+
+# --- the ladder at any speed (issue 22) ----------------------------------------------------------
+# A fast loop re-diverged after its first rollback and nothing acted for the rest of the run: a
+# 600 s wall-clock cooldown silenced every action. Cooldowns now count steps from where an action
+# took effect, so a recurrence climbs the ladder however little wall-clock time has passed.
+
+
+class Run:
+    """A run as the policy sees it: a checkpoint every 10 steps, each healthy until the current
+    divergence's onset; each rollback is acknowledged at once (its first step is target + 1)
+    and starts a new attempt."""
+
+    def __init__(self, cfg: PolicyConfig, t0: float = NOW):
+        self.cfg, self.now, self.attempt, self.lr = cfg, t0, 0, 1.0
+        self.history: list[Intervention] = []
+
+    def inp(self, f: Finding, attempt: int | None = None) -> PolicyInput:
+        cks = [ck(s, healthy=s < f.onset_step) for s in range(0, 3000, 10)]
+        return PolicyInput(finding=f, now=self.now, checkpoints=cks, history=list(self.history),
+                           current_lr_multiplier=self.lr, attempt=self.attempt if attempt is None else attempt)
+
+    def decide(self, f: Finding, gap_s: float = 1.0) -> Decision:
+        self.now += gap_s
+        d = make_decision(self.inp(f), self.cfg)
+        if d.acts:
+            first = d.target_step + 1 if d.kind is K.ROLLBACK else f.detect_step + 1
+            self.history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
+                                             time=self.now, ok=True, first_step=first, attempt=self.attempt,
+                                             target_step=d.target_step, lowered_lr=d.lr_multiplier is not None,
+                                             seq=len(self.history)))
+            self.lr = d.lr_multiplier or self.lr
+            if d.kind is K.ROLLBACK:
+                self.attempt += 1
+        return d
+
+    @property
+    def start(self) -> int:
+        """The first step of the trajectory the run is on now."""
+        return self.history[-1].first_step if self.history else 0
+
+
+def attn(onset: int, detect: int) -> Finding:
+    return finding(S.ATTN_LOGIT_CEILING, onset=onset, detect=detect, module="blocks.1.attn")
+
+
+def test_issue_22_recurrence_after_a_rollback_climbs_instead_of_being_silenced():
+    """Rollback to checkpoint 100, the run diverges again at step 160 of the new attempt one
+    second later: rung 2 (roll back again, lower the LR), then a pause at the LR floor."""
+    run = Run(PolicyConfig(rollback_margin_steps=20, min_lr_multiplier=0.5))
+    d1 = run.decide(attn(onset=125, detect=130))
+    assert (d1.kind, d1.rung, d1.target_step) == (K.ROLLBACK, 1, 100), d1.reasons
+    d2 = run.decide(attn(onset=150, detect=160))
+    assert (d2.kind, d2.rung, d2.lr_multiplier) == (K.ROLLBACK, 2, 0.5), d2.reasons
+    assert d2.target_step <= 100  # no later than rung 1 went: the checkpoints since had the same LR
+    d3 = run.decide(attn(onset=d2.target_step + 55, detect=d2.target_step + 60))
+    assert (d3.kind, d3.rung, d3.page) == (K.PAUSE, 3, True), d3.reasons
+    assert "min_lr_multiplier" in "\n".join(d3.reasons)
+
+
+def test_issue_22_a_wall_clock_cooldown_still_holds_when_set():
+    run = Run(PolicyConfig(rollback_margin_steps=20, cooldown_s=600))
+    assert run.decide(attn(onset=125, detect=130)).kind is K.ROLLBACK
+    d = run.decide(attn(onset=150, detect=160))
+    assert (d.kind, d.page) == (K.ALERT, True) and "cooldown_s=600" in "\n".join(d.reasons)
+    d = run.decide(attn(onset=170, detect=180), gap_s=601)
+    assert (d.kind, d.rung) == (K.ROLLBACK, 2), d.reasons
+
+
+@settings(max_examples=50, deadline=None)
+@given(margin=st.sampled_from([10, 20, 100]), cooldown_steps=st.sampled_from([0, 5, 50]),
+       lag=st.integers(0, 30), lr=st.sampled_from([0.5, 0.3]), floor=st.sampled_from([0.01, 0.1, 0.5]),
+       max_interventions=st.integers(3, 6), gaps=st.lists(st.floats(0.0, 2.0), min_size=8, max_size=8),
+       extra=st.lists(st.integers(0, 300), min_size=8, max_size=8))
+def test_recurrences_climb_the_ladder_to_a_pause_however_fast_the_loop(margin, cooldown_steps, lag, lr, floor,
+                                                                         max_interventions, gaps, extra):
+    """Each divergence comes back `cooldown_steps + extra` steps into the re-trained attempt,
+    0-2 s after the last action: rung 1, then rung 2 with a lower LR each time, then a pause
+    (the LR floor or max_interventions), never an alert or a noop on the way. Meanwhile late
+    findings of the abandoned attempt, and findings still inside the cooldown, do nothing."""
+    cfg = PolicyConfig(rollback_margin_steps=margin, cooldown_steps=cooldown_steps, lr_multiplier=lr,
+                       min_lr_multiplier=floor, max_interventions=max_interventions)
+    run = Run(cfg)
+    detect = 2000
+    rungs = []
+    for i in range(8):
+        d = run.decide(attn(onset=detect - lag, detect=detect), gaps[i])
+        rungs.append(d.rung)
+        assert d.kind in (K.ROLLBACK, K.PAUSE), d.reasons
+        if d.kind is K.PAUSE:
+            assert d.rung == 3 and d.page
+            why = "\n".join(d.reasons)
+            assert "min_lr_multiplier" in why or "max_interventions" in why, why
+            break
+        assert d.rung == (1 if i == 0 else 2) and (d.lr_multiplier is None) == (i == 0)
+        # The abandoned attempt's findings arrive late: nothing happens.
+        late = make_decision(run.inp(attn(onset=detect, detect=detect + 5), attempt=run.attempt - 1), cfg)
+        assert late.kind is K.NOOP and "left behind" in late.reasons[1]
+        if cooldown_steps:  # the re-trained attempt, still inside the cooldown: the same incident
+            soon = make_decision(run.inp(attn(onset=run.start, detect=run.start + cooldown_steps - 1)), cfg)
+            assert soon.kind is K.NOOP and "same incident" in soon.reasons[1], soon.reasons
+        detect = run.start + cooldown_steps + extra[i]
+    else:
+        raise AssertionError(f"no pause after 8 recurrences: rungs {rungs}")
+    assert rungs == sorted(rungs) and rungs[0] == 1 and rungs[-1] == 3
+    assert len(rungs) <= max_interventions + 1  # the caps end the ladder, they never cut it short
+    # rung 2 comes unless its first LR cut is already below the floor
+    assert (rungs[1] == 2) == (lr >= floor), rungs
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inp=_inputs, cfg=_configs, signal=st.sampled_from(sorted(DEFAULT_ROLLBACK_SIGNALS)),
+       step=st.integers(0, 3000), left=st.integers(0, 3), rolled_back=st.integers(0, 3000))
+def test_a_late_finding_of_an_abandoned_attempt_never_acts(inp, cfg, signal, step, left, rolled_back):
+    """Whatever came before: after the newest rollback took effect (attempt `left` -> later),
+    a finding judged on attempt `left` or older changes nothing."""
+    f = Finding(signal=signal, module="blocks.1.attn", severity=Severity.CRITICAL, onset_step=step,
+                detect_step=step, outcome=Outcome.ACT)
+    rb = Intervention(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, module="", step=rolled_back + 10, time=NOW - 1,
+                      ok=True, target_step=rolled_back, first_step=rolled_back + 1, attempt=left, seq=99)
+    inp = dataclasses.replace(inp, finding=f, history=[h for h in inp.history if h.time < NOW - 1] + [rb],
+                              attempt=left - (step % 2 if left else 0), failed_action_pending=False, paused=False)
+    cfg = dataclasses.replace(cfg, rollback_signals=cfg.rollback_signals | {signal})  # free to act on it
+    d = make_decision(inp, cfg)
+    assert not d.acts, d.reasons
+    if not inp.action_in_flight:
+        assert d.kind is K.NOOP and "left behind" in d.reasons[1], d.reasons

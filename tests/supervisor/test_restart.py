@@ -18,8 +18,9 @@ import httpx
 import pytest
 import yaml
 
-from supervisor.store import findings as findings_store
-from supervisor.store import incidents as incidents_store
+from tests.live_server import wait_healthy
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import incidents as incidents_store
 from tests.fixtures.diverging import (
     DETECTORS,
     POLICY,
@@ -49,16 +50,7 @@ class Daemon:
              "--port", str(self.port)],
             stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
                                                                    "THERMOWATCH_API_TOKEN": ADMIN_TOKEN})
-        deadline = time.monotonic() + 45
-        while True:
-            assert self.proc.poll() is None, f"the daemon exited:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the daemon did not come up:\n{log.read_text()[-3000:]}"
-            time.sleep(0.1)
+        wait_healthy(self.url, self.proc, log, timeout_s=45)
         self.http = httpx.Client(base_url=self.url, timeout=30, headers=AUTH)
 
     def post(self, path: str, body) -> httpx.Response:

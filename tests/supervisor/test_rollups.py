@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor.store import chart as chart_store
-from supervisor.store import rollups, runs, thermometers
-from supervisor.store.orm import ThermometerRollup
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.store import chart as chart_store
+from thermowatch.supervisor.store import rollups, runs, thermometers
+from thermowatch.supervisor.store.orm import ThermometerRollup
 
 RUN = "r"
 KEYS = ["attn_logit_max/blocks.0.attn", "attn_logit_max/blocks.1.attn", "loss"]
@@ -197,15 +197,16 @@ def test_resolution_reads_at_most_four_times_the_buckets():
 def test_0010_then_db_rollups_backfills_history_stored_before_it(empty_url, capsys):
     """Chunks stored at 0009 (no rollups table yet) chart the same before and after `thermowatch
     db rollups`, which writes the rows ingest would have; downgrade drops only the rollups."""
-    from supervisor import db as dbmod
-    from supervisor.cli import main
+    from thermowatch.supervisor import db as dbmod
+    from thermowatch.cli import main
 
     engine = dbmod.make_engine(empty_url)
     try:
         dbmod.upgrade(engine, "0009")
         sessions = dbmod.make_sessionmaker(engine)
-        with sessions.begin() as s:
-            runs.open_attempt(s, RunInfo(RUN, 0, world_size=1))
+        with sessions.begin() as s:  # the run row as 0009 had it (no created_by until 0011)
+            s.execute(sa.text("INSERT INTO runs (run_id, config, created_at) VALUES (:r, '{}', CURRENT_TIMESTAMP)"),
+                      {"r": RUN})
             ids = thermometers.series_ids(s, KEYS[:2])
             vals = np.sin(np.arange(5000) * 0.1)
             thermometers._insert_chunks(s, [  # as ingest wrote them before rollups existed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -11,12 +12,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
-from monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
-from supervisor.api import runs as runs_api
-from supervisor.api.runs import envelope
-from supervisor.config import SupervisorConfig
-from supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
-from supervisor.store import steps as steps_store
+from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
+from thermowatch.supervisor.api import runs as runs_api
+from thermowatch.supervisor.api.runs import envelope
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
+from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, guard
 
 RUN = "gpt-350m"
@@ -177,6 +178,12 @@ def test_history_of_every_attempt_keeps_the_abandoned_spike(client, seeded):
     # a window no attempt reaches: no attempts, not an error
     empty = client.get(f"/api/runs/{RUN}/history", params={"key": key, "attempts": "all", "step_lo": 5000}).json()
     assert empty["attempts"] == {}
+    # an empty window (step_lo > step_hi) inside the run's chunks: no points, not an error (it
+    # raised IndexError with attempts=all: chunks found, none of their points kept)
+    for extra in ({}, {"attempts": "all"}):
+        r = client.get(f"/api/runs/{RUN}/history", params={"key": key, "step_lo": 200, "step_hi": 150, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json().get("attempts", {}) == {} and r.json().get("steps", []) == []
     r = client.get(f"/api/runs/{RUN}/history", params={"key": key, "attempts": "newest"})
     assert r.status_code == 422 and "attempts" in str(r.json()["detail"])
 
@@ -231,7 +238,6 @@ def test_unknown_key_is_404_listing_known_keys(client, seeded):
 
 
 @pytest.mark.parametrize("params, word", [
-    ({"key": "loss", "step_lo": 50, "step_hi": 10}, "step_lo=50"),
     ({"key": "loss", "step_lo": -1}, "step_lo"),
     ({"key": "loss", "max_points": 1}, "max_points"),
     ({"key": "loss", "step_hi": "ten"}, "step_hi"),
@@ -289,7 +295,7 @@ def test_run_status_follows_the_rows(db, client):
     done stop; approvals waiting are listed with the commands that settle them."""
     import datetime as dt
 
-    from supervisor.store import judged
+    from thermowatch.supervisor.store import judged
 
     seed(db)
     with db.sessions.begin() as s:
@@ -327,3 +333,144 @@ def test_run_status_follows_the_rows(db, client):
     r = client.get(f"/api/runs/{RUN}/status")
     assert r.status_code == 200 and r.json()["state"] == "finished" and r.json()["last_step"] == 260
     assert client.get("/api/runs/nope/status").status_code == 404
+
+
+def test_run_status_is_finished_when_the_newest_attempt_says_so(db, client):
+    """Issue 22, item 9: a loop that ended early (no stop, the planned steps not reached) reads
+    finished once its newest attempt reported it, with the reason and the final loss; a newer
+    attempt that has not reported it reads as before."""
+    from thermowatch.monitors.contract import RunFinished
+    from thermowatch.supervisor.report import render_status
+
+    seed(db)
+    with db.sessions() as s:
+        assert runs_api.run_status(s, RUN, stall_after_s=600)["state"] == "running"
+    with db.sessions.begin() as s:
+        assert runs.finish_attempt(s, RUN, 0, RunFinished(150, 9.0, "closed")) is None
+    with db.sessions() as s:  # an older attempt finishing says nothing of the newest
+        assert runs_api.run_status(s, RUN, stall_after_s=600)["state"] == "running"
+    with db.sessions.begin() as s:
+        runs.finish_attempt(s, RUN, 1, RunFinished(260, math.nan, "closed"))
+    st = client.get(f"/api/runs/{RUN}/status").json()
+    assert (st["state"], st["finish_reason"], st["final_step"], st["final_loss"]) == ("finished", "closed", 260, "NaN")
+    assert st["why"] == "closed at step 260 (attempt 1)"
+    assert "finished: closed at step 260, final loss NaN" in render_status(st)
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(RUN, 2, world_size=1, start_step=260))
+    st = client.get(f"/api/runs/{RUN}/status").json()
+    assert st["state"] != "finished" and st["finish_reason"] is None and st["final_loss"] is None
+
+
+# --- the runs list: pages, their cost, their order (issue 21, item 4) ---------------------------------
+
+
+def _bulk_runs(db, n: int, *, per_second: int = 7, prefix: str = "bulk") -> list[str]:
+    """n runs created `per_second` to a second (ties that only run_id orders), each with an
+    attempt, steps of its own and, every third, an open incident; their ids newest first."""
+    import datetime as dt
+
+    from thermowatch.supervisor.store.orm import Attempt, Incident, Run, Step
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    rows = [(f"{prefix}-{i:05d}", t0 + dt.timedelta(seconds=i // per_second)) for i in range(n)]
+    with db.sessions.begin() as s:
+        s.execute(Run.__table__.insert(), [{"run_id": r, "config": {}, "created_at": at} for r, at in rows])
+        s.execute(Attempt.__table__.insert(), [{"run_id": r, "attempt": 0, "world_size": 1, "started_at": at}
+                                               for r, at in rows])
+        s.execute(Step.__table__.insert(), [{"run_id": r, "step": k, "attempt": 0, "sample_lo": k, "sample_hi": k + 1}
+                                            for i, (r, _) in enumerate(rows) for k in range(i % 5)])
+        s.execute(Incident.__table__.insert(), [{"run_id": r, "signal": "loss_spike", "onset_step": 1, "detect_step": 2}
+                                                for i, (r, _) in enumerate(rows) if i % 3 == 0])
+    return [r for r, _ in sorted(rows, key=lambda x: (x[1], x[0]), reverse=True)]
+
+
+def _walk(client, limit: int) -> list[dict]:
+    out, cursor, pages = [], None, 0
+    while True:
+        body = client.get("/api/runs", params={"limit": limit, **({"cursor": cursor} if cursor else {})}).json()
+        out += body["runs"]
+        pages += 1
+        assert len(body["runs"]) == limit or body["next_cursor"] is None, body
+        cursor = body["next_cursor"]
+        if cursor is None:
+            return out
+        assert pages < 1000, "the pages never end"
+
+
+def test_runs_pages_walk_every_run_once_newest_first(db, client):
+    expected = _bulk_runs(db, 250)
+    for limit in (1, 17, 250, 1000):
+        walked = _walk(client, limit)
+        assert [r["run_id"] for r in walked] == expected, limit  # each exactly once, in order
+    by_id = {r["run_id"]: r for r in _walk(client, 100)}
+    for i in (0, 1, 3, 4, 249):
+        assert by_id[f"bulk-{i:05d}"] == {
+            "run_id": f"bulk-{i:05d}", "created_at": by_id[f"bulk-{i:05d}"]["created_at"],
+            "last_step": (i % 5) - 1 if i % 5 else None, "attempts": 1, "open_incidents": int(i % 3 == 0)}
+    first = client.get("/api/runs").json()
+    assert len(first["runs"]) == 100 and first["runs"][0]["run_id"] == expected[0]  # the default page
+
+
+def test_runs_list_last_step_is_the_newest_attempt_with_steps(db, client, seeded):
+    # attempt 1 re-trained to step 260 after attempt 0 reached 219; attempt 2 has no step yet
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(RUN, 2, world_size=2, start_step=240))
+    (row,) = [r for r in client.get("/api/runs").json()["runs"] if r["run_id"] == RUN]
+    assert (row["last_step"], row["attempts"]) == (260, 3)
+    with db.sessions.begin() as s:
+        steps_store.record_steps(s, RUN, 2, [StepRecord(step=241, values={}, sample_lo=0, sample_hi=8)])
+    (row,) = [r for r in client.get("/api/runs").json()["runs"] if r["run_id"] == RUN]
+    assert row["last_step"] == 241  # the newest attempt's, though attempt 1 went further
+    with db.sessions() as s:
+        assert thermometers.latest_step(s, RUN) == 241  # the same rule as the run's own pages
+
+
+def _statements(db, fn) -> list[str]:
+    """The SQL statements `fn` sends to the database."""
+    import sqlalchemy as sa
+
+    sent: list[str] = []
+
+    def grab(conn, cursor, statement, params, context, executemany):
+        sent.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", grab)
+    try:
+        fn()
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", grab)
+    return sent
+
+
+def test_runs_pages_cost_the_same_statements_at_any_number_of_runs(db, client):
+    """The honest, untimed form of "indexed and constant": a page, the index page and a 404 send
+    as many statements with 30 runs as with 600, and the list's one statement reads by index
+    (the query plans are printed by bench/listing.py --explain)."""
+    def cost() -> dict[str, int]:
+        body = client.get("/api/runs", params={"limit": 20}).json()
+        middle = lambda: client.get("/api/runs", params={"limit": 20, "cursor": body["next_cursor"]})  # noqa: E731
+        return {"first": len(_statements(db, lambda: client.get("/api/runs", params={"limit": 20}))),
+                "middle": len(_statements(db, middle)),
+                "404": len(_statements(db, lambda: client.get("/api/runs/nope")))}
+
+    _bulk_runs(db, 30, prefix="a")
+    small = cost()
+    _bulk_runs(db, 570, prefix="b")
+    big = cost()
+    assert big == small, (small, big)
+    assert big["first"] == big["middle"] == 1  # the page and every summary on it: one statement
+    assert big["404"] <= 2  # the run's lookup and the 10 newest ids
+    detail = client.get("/api/runs/nope").json()["detail"]
+    assert detail.count("b-") == 10 and "b-00569" in detail and "a-" not in detail  # the newest, not all
+
+
+@pytest.mark.parametrize("params, word", [
+    ({"limit": 0}, "limit"),
+    ({"limit": 1001}, "limit"),
+    ({"cursor": "not-a-cursor"}, "cursor"),
+    ({"cursor": "WzEsMiwzXQ"}, "cursor"),  # base64 of [1,2,3]
+    ({"cursor": "WyIyMDI2LTAxLTAxVDAwOjAwOjAwIiwieCJd"}, "cursor"),  # a naive time
+])
+def test_runs_list_bad_page_params_are_422(client, seeded, params, word):
+    r = client.get("/api/runs", params=params)
+    assert r.status_code == 422 and word in json.dumps(r.json()), r.text

@@ -29,16 +29,16 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from monitors.contract import LR, Finding, Outcome, Severity, Signal, multiplier_at
-from supervisor.config import SupervisorConfig
-from supervisor.errors import UserError
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import findings as findings_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import thermometers as thermo_store
+from thermowatch.monitors.contract import LR, Finding, Outcome, Severity, Signal, multiplier_at
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -124,7 +124,7 @@ class Harness:
         self.sup.ack(run_id, ack)
 
     def gang(self, *args):
-        from trainer.local import InProcessGang
+        from thermowatch.trainer.local import InProcessGang
 
         g = InProcessGang(*args)
         self.gangs.append(g.worker)
@@ -178,7 +178,7 @@ def _event(h: Harness, ctl, rec, what: str, arg) -> None:
                6: ("set_lr", 0.3), 7: ("relaunch", None), 9: ("lr_factor", 0.9), 10: ("drop_ack", None)})
 def test_the_seam_keeps_its_invariants(db, plan):
     from tests.trainer.conftest import tiny_config
-    from trainer.controller import RunController
+    from thermowatch.trainer.controller import RunController
 
     run = f"prop{next(_runs)}"
     root = Path(tempfile.mkdtemp(prefix="seam-"))
@@ -232,7 +232,7 @@ def _check(h: Harness, cfg) -> None:
     assert listed == h.ctl.store.steps()
     # The controller's typed states tell the same story: it started, every restart brought it back
     # to Running, and it finished.
-    from trainer.lifecycle import Finished, Initializing, Restarting, Running
+    from thermowatch.trainer.lifecycle import Finished, Initializing, Restarting, Running
 
     states = h.ctl.states
     assert isinstance(states[0], Initializing) and states[-1] == Finished(STEPS, False)

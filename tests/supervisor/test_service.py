@@ -1,4 +1,4 @@
-"""supervisor.service.Supervisor end to end, fed with thermometer records from a real diverging
+"""thermowatch.supervisor.service.Supervisor end to end, fed with thermometer records from a real diverging
 training run (tests/fixtures/diverging.py), on SQLite and PostgreSQL: detect -> incident ->
 rollback action -> poll/ack -> skip ledger, LR change, rewound detectors, rung 2, advise-only."""
 
@@ -8,18 +8,18 @@ import io
 
 import pytest
 
-from monitors.contract import Ack, CommandKind, RunInfo
-from supervisor import cli
-from supervisor.config import SlackConfig, SupervisorConfig
-from supervisor.notify.base import NotifyConfigError
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import checkpoints as ckpt_store
-from supervisor.store import incidents as incidents_store
-from supervisor.store import lr_changes as lr_store
-from supervisor.store import skips as skips_store
-from supervisor.store import steps as steps_store
+from thermowatch.monitors.contract import Ack, CommandKind, RunInfo
+from thermowatch import cli
+from thermowatch.supervisor.config import SlackConfig, SupervisorConfig
+from thermowatch.supervisor.notify.base import NotifyConfigError
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import steps as steps_store
 from tests.fakes.slack_server import FakeSlack
 from tests.fixtures.diverging import (
     DETECTORS,
@@ -185,6 +185,50 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
         assert any(a <= lo_ and hi_ <= b for a, b in ranges), (lo_, hi_, ranges)
 
 
+def test_two_divergences_seconds_apart_climb_the_ladder_with_the_default_cooldowns(db, tmp_path):
+    """Issue 22: a fast loop re-diverges seconds after its first rollback. With the default
+    cooldowns (steps; no wall-clock cooldown) the recurrence on the re-trained attempt is rung 2,
+    not silenced by a 600 s window."""
+    policy = {k: v for k, v in POLICY.items() if k != "cooldown_s"}
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=policy, detectors=dict(DETECTORS))
+    sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        recs, _last, _inc, act = diverge(sup, tmp_path)
+        sup.poll(RUN)
+        to_step = act.args["to_step"]
+        sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+        sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
+        again = after_skip(recs, to_step + 1, cursor=recs[to_step - 1].sample_hi,
+                           skip=tuple(act.args["skip_ranges"][0]))
+        feed_until_action(sup, 1, again, tmp_path)
+        acts = open_actions(sup)
+        assert len(acts) == 1, acts
+        act2 = acts[0]
+        assert (act2.created_at - act.created_at).total_seconds() < 60, "the two actions are seconds apart"
+        assert "rung 1" in act.reason and "rung 2" in act2.reason, (act.reason, act2.reason)
+        assert act2.kind == "rollback" and act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_multiplier"])
+        assert "cooldown" not in act2.reason
+    finally:
+        sup.close()
+
+
+def test_late_findings_of_the_abandoned_attempt_do_not_act_before_its_successor_opens(sup, tmp_path):
+    """The ack can come before the new attempt's RunInfo (they travel on different channels):
+    the rest of attempt 0 is then still judged, against rewound detectors, and finds the same
+    blowup again. The policy knows that attempt was left behind and does nothing."""
+    recs, last, _inc, act = diverge(sup, tmp_path)
+    sup.poll(RUN)
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    late = [r for r in recs if r.step > act.args["to_step"]]
+    sup.write(RUN, 0, late)
+    assert open_actions(sup) == []
+    assert len(acted(sup)) == 1
+    noops = [i for i in incidents(sup) if i.resolution.startswith("noop:")]
+    assert noops, "the late records were judged (nothing else opened attempt 1) and found the blowup again"
+    with sup.sessions() as s:
+        assert [a.kind for a in actions_store.actions(s, RUN)] == ["rollback"]
+
+
 def test_late_records_of_an_older_attempt_are_stored_not_judged(sup, tmp_path):
     recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
@@ -289,7 +333,7 @@ def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollbac
 def test_detector_state_is_throttled_but_written_on_close(db, tmp_path):
     """State is saved on the first batch, then at most every few seconds unless a batch raised a
     finding; close() writes what the throttle held back, so a clean restart loses nothing."""
-    from supervisor.store import detector_state
+    from thermowatch.supervisor.store import detector_state
 
     recs = healthy_records()
     s1 = make_sup(db, tmp_path)
@@ -353,7 +397,7 @@ def test_a_good_token_starts_and_an_unreachable_slack_starts_degraded(db, tmp_pa
             # /healthz: still 200 (the daemon works, alerts wait), with a warning that says why.
             from starlette.testclient import TestClient
 
-            from supervisor.server import build_app
+            from thermowatch.supervisor.server import build_app
 
             with TestClient(build_app(sup), raise_server_exceptions=False) as c:
                 r = c.get("/healthz")

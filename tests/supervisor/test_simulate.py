@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.cli import main
-from supervisor.simulate.compare import recommend, simulate, strategies
-from supervisor.simulate.config import SimConfig, detector_figures
-from supervisor.simulate.engine import _Retention, run_once
-from supervisor.simulate.report import to_json
+from thermowatch.cli import main
+from thermowatch.supervisor.simulate.compare import recommend, simulate, strategies
+from thermowatch.supervisor.simulate.config import SimConfig, detector_figures
+from thermowatch.supervisor.simulate.engine import _Retention, run_once
+from thermowatch.supervisor.simulate.report import to_json
 
 pytestmark = pytest.mark.timeout(60)
 

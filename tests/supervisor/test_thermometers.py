@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from monitors.contract import RunInfo, StepRecord
-from supervisor.store import runs, thermometers
-from supervisor.store.orm import ThermometerChunk
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.store import runs, thermometers
+from thermowatch.supervisor.store.orm import ThermometerChunk
 
 
 def _open(db, run_id="r", attempts=(0,)):
@@ -177,7 +177,7 @@ def test_unsorted_batch_with_repeated_step(db):
 
 
 def test_latest_step_follows_the_newest_attempt(db):
-    from supervisor.store import steps as steps_store
+    from thermowatch.supervisor.store import steps as steps_store
 
     _open(db, attempts=(0, 1))
     with db.sessions.begin() as s:

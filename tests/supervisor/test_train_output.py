@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 import logging
 
-from monitors.commands import Ack, Command, Rollback, SampleRange
-from monitors.contract import StepRecord
-from supervisor.train_output import announced_commands, Progress, quiet_http_logs
+from thermowatch.monitors.commands import Ack, Command, Rollback, SampleRange
+from thermowatch.monitors.contract import StepRecord
+from thermowatch.supervisor.train_output import announced_commands, Progress, quiet_http_logs
 
 
 def _rec(step: int, **values: float) -> StepRecord:

@@ -19,12 +19,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from supervisor.api import chart as chart_api
-from supervisor.api import events as events_api
-from supervisor.api import runs as runs_api
-from supervisor.web import assets, login, pages
+from thermowatch.supervisor.api import chart as chart_api
+from thermowatch.supervisor.api import events as events_api
+from thermowatch.supervisor.api import runs as runs_api
+from thermowatch.supervisor.web import assets, login, pages
 from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
-from tests.supervisor.test_runs_api import RUN, Sup, seed
+from tests.supervisor.test_runs_api import RUN, Sup, _bulk_runs, seed
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -98,8 +98,8 @@ def _pure_red(px: np.ndarray) -> int:
 
 
 def test_plot_marks_nonfinite_points(db, client):
-    from monitors.contract import RunInfo, StepRecord
-    from supervisor.store import runs, thermometers
+    from thermowatch.monitors.contract import RunInfo, StepRecord
+    from thermowatch.supervisor.store import runs, thermometers
 
     with db.sessions.begin() as s:
         for run_id, bad in (("finite", 1.0), ("nan", float("nan"))):
@@ -119,9 +119,9 @@ def _bluish(px: np.ndarray) -> np.ndarray:
 def test_plot_draws_the_trajectory_a_rollback_abandoned(db, client):
     import sqlalchemy as sa
 
-    from monitors.contract import RunInfo, StepRecord
-    from supervisor.store import runs, thermometers
-    from supervisor.store.orm import ThermometerChunk
+    from thermowatch.monitors.contract import RunInfo, StepRecord
+    from thermowatch.supervisor.store import runs, thermometers
+    from thermowatch.supervisor.store.orm import ThermometerChunk
 
     def loss(step: int, attempt: int) -> float:
         if step == 10:
@@ -176,6 +176,21 @@ def test_index_lists_runs_with_links(client, seeded):
     assert f"href='/runs/{RUN}'" in r.text
     assert html.escape(seeded.evil_run, quote=True) in r.text
     assert seeded.evil_run not in r.text  # never raw
+
+
+def test_index_shows_the_newest_page_and_links_the_next(db, client):
+    """At 10^5 runs the page lists 100 and links the rest (issue 21, item 4), newest first."""
+    newest_first = _bulk_runs(db, 130)
+    first = client.get("/")
+    assert first.status_code == 200
+    shown = re.findall(r"<a href='/runs/(bulk-\d+)'>", first.text)
+    assert shown == newest_first[:100]
+    (older,) = re.findall(r"<a href='(/\?cursor=[^']+)' id='older'>older runs</a>", first.text)
+    assert "id='newest'" not in first.text
+    second = client.get(html.unescape(older))
+    assert re.findall(r"<a href='/runs/(bulk-\d+)'>", second.text) == newest_first[100:]
+    assert "id='older'" not in second.text and "<a href='/' id='newest'>newest runs</a>" in second.text
+    assert client.get("/", params={"cursor": "junk"}).status_code == 422
 
 
 def test_run_page_has_plots_incidents_and_actions(client, seeded):

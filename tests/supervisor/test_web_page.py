@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from monitors.contract import CheckpointInfo, RunInfo, StepRecord
-from supervisor.config import SupervisorConfig
-from supervisor.notify.console import ConsoleNotifier
-from supervisor.server import build_app
-from supervisor.service import Supervisor
-from supervisor.store import actions as actions_store
-from supervisor.store import audit as audit_store
-from supervisor.store import thermometers
+from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import thermometers
 from tests.fixtures import traces
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token

@@ -38,7 +38,7 @@ ray = ray_session
 
 def tiny_config(tmp_path, **over):
     """2 ranks, a 2-layer d_model 64 GPT on stdlib bytes, 64-token windows, batch 8."""
-    from trainer.config import TrainConfig
+    from thermowatch.trainer.config import TrainConfig
 
     base = {
         "run_id": "t",

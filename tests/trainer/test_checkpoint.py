@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointError, CheckpointStore, Retention, file_digest, make_manifest
-from trainer.data import DataConfig, DataLoader, DataState, stdlib_source
+from thermowatch.trainer.checkpoint import CheckpointError, CheckpointStore, Retention, file_digest, make_manifest
+from thermowatch.trainer.data import DataConfig, DataLoader, DataState, stdlib_source
 
 MB = 1 << 20
 

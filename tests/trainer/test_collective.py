@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.collective import CollectiveReducer
+    from thermowatch.trainer.collective import CollectiveReducer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     red = CollectiveReducer(NAMES, N_DEVICE, torch.device("cpu"))
@@ -68,8 +68,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_collective_reduction_equals_the_driver_reduction_bit_for_bit(tmp_path, world):
     import torch.multiprocessing as mp
 
-    from trainer.reduce import Reducer
-    from trainer.worker import _free_port
+    from thermowatch.trainer.reduce import Reducer
+    from thermowatch.trainer.worker import _free_port
 
     mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     red = Reducer(NAMES)
@@ -90,8 +90,8 @@ def test_collective_reduction_equals_the_driver_reduction_bit_for_bit(tmp_path, 
 
 
 def _train(tmp_path, reduction: str):
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     cfg = tiny_config(tmp_path / reduction, run_id=f"red-{reduction}", steps=6, reduction=reduction,
                       model={"n_layer": 2, "d_model": 32, "n_head": 2}, optim={"warmup_steps": 2},
@@ -127,7 +127,7 @@ def test_a_real_2_rank_deepspeed_run_records_the_same_steps_on_both_paths(ray_se
 
 
 def test_an_unknown_reduction_is_refused_naming_the_choices(tmp_path):
-    from trainer.config import ConfigError
+    from thermowatch.trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"reduction='gather' is not one of \('collective', 'driver'\)"):
         tiny_config(tmp_path, reduction="gather")

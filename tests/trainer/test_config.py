@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, TrainConfig
+from thermowatch.trainer.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitors.contract import CommandKind, ContractError
+from thermowatch.monitors.contract import CommandKind, ContractError
 from tests.trainer.conftest import tiny_config
 
 def test_reducer_follows_the_contract_and_keeps_non_finite_values():
-    from trainer.controller import Reducer
+    from thermowatch.trainer.controller import Reducer
 
     names = ["loss", "grad_norm", "act_max/blocks.0", "act_min/blocks.0", "tokens_per_s"]
     ranks = np.array([[2.0, 1.0, 5.0, -1.0, 100.0], [4.0, 1.0, np.nan, -3.0, 50.0]])
@@ -27,8 +27,8 @@ def test_reducer_follows_the_contract_and_keeps_non_finite_values():
 def test_a_collective_broken_by_a_lost_peer_is_a_gang_failure_and_other_errors_are_not():
     import torch.distributed as dist
 
-    from trainer.controller import _GANG_FAILURES
-    from trainer.worker import PeerLost, _collective_failure
+    from thermowatch.trainer.controller import _GANG_FAILURES
+    from thermowatch.trainer.worker import PeerLost, _collective_failure
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8610: "
                         "Connection reset by peer")
@@ -39,8 +39,8 @@ def test_a_collective_broken_by_a_lost_peer_is_a_gang_failure_and_other_errors_a
 
 def _run(cfg, on_step, sink=None):
     """Run a controller; on_step(ctl, record, attempt, q) is called after every step."""
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     sink, q = sink or ListSink(), QueueCommands()
     holder = {}
@@ -206,7 +206,7 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
         if rec.step == 14:
             cmds["ids"] = _ids_seen(ctl, 0)
 
-    from trainer.local import ListSink
+    from thermowatch.trainer.local import ListSink
 
     class DownThenUp(ListSink):  # a supervisor that is unreachable for the first writes
         def write(self, run_id, attempt, records):
@@ -236,7 +236,7 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
     ids = cmds["ids"]
     assert not ((ids >= lo) & (ids < hi)).any() and len(np.unique(ids)) == len(ids)
     # Curriculum: (batch, seq_len) follows tokens consumed, from (4, 32) to (8, 64).
-    from trainer.data import Curriculum
+    from thermowatch.trainer.data import Curriculum
 
     cur = Curriculum(8, 64, start_batch=4, start_seq_len=32, ramp_tokens=2048, batch_multiple=4, seq_multiple=8)
     consumed = 0
@@ -262,7 +262,7 @@ def test_stop_saves_a_resume_point_and_relaunch_skips_abandoned_checkpoints(ray_
     first, sink1, _ = _run(cfg, rollback_then_stop)
     assert first.stopped and first.final_step == 6 and first.checkpoints[-1].step == 6
     # Step 8 of attempt 0 is still on disk (forensics) but marked abandoned by the rollback.
-    from trainer.checkpoint import CheckpointStore
+    from thermowatch.trainer.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(cfg.checkpoint.dir) / "st")
     assert store.latest_valid().step == 8 and not store.latest_valid().healthy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import (
+from thermowatch.trainer.data import (
     Curriculum,
     DataConfig,
     DataError,
@@ -57,7 +57,7 @@ def test_same_seed_and_index_give_same_tokens_in_another_process(source):
     here = DataLoader(source, cfg).tokens(ids)
     code = (
         "import sys, zlib, numpy as np\n"
-        "from trainer.data import DataConfig, DataLoader\n"
+        "from thermowatch.trainer.data import DataConfig, DataLoader\n"
         "cfg = DataConfig(max_bytes=2 << 20, seq_len=64, global_batch=8, seed=7)\n"
         f"ids = np.array({ids.tolist()}, dtype=np.int64)\n"
         "print(zlib.crc32(DataLoader.from_config(cfg).tokens(ids).tobytes()))\n"

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trainer.conftest import tiny_config
-from trainer.config import ConfigError, TrainConfig
-from trainer.engine import build_deepspeed_config
-from trainer.lr import LRChange, LRSchedule, lr_at
+from thermowatch.trainer.config import ConfigError, TrainConfig
+from thermowatch.trainer.engine import build_deepspeed_config
+from thermowatch.trainer.lr import LRChange, LRSchedule, lr_at
 
 
 def test_deepspeed_config_per_stage_and_override(tmp_path):
@@ -100,9 +100,9 @@ def _shm_buffers() -> set[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_path, stage):
-    from monitors.contract import CommandKind
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.monitors.contract import CommandKind
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     cfg = tiny_config(tmp_path, zero_stage=stage, steps=30, run_id=f"z{stage}", checkpoint={"every": 24})
     sink, q = ListSink(), QueueCommands()

@@ -71,9 +71,9 @@ def counter(monkeypatch):
 
 def _train(tmp_path, counter: SyncCounter, **over) -> int:
     """Train 8 steps with the counters on from the first record on; returns the steps counted."""
-    from trainer.controller import RunController
-    from trainer.http_sink import HttpSink
-    from trainer.local import InProcessGang, QueueCommands
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.transport import HttpSink
+    from thermowatch.trainer.local import InProcessGang, QueueCommands
 
     cfg = tiny_config(tmp_path, run_id="syncs", world_size=1, steps=8, zero_stage=2, read_late=True,
                       model={"n_layer": 2, "d_model": 32, "n_head": 2}, flush_every_steps=2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.lifecycle import FailureDecision, FailureStatus, make_decision
+from thermowatch.trainer.lifecycle import FailureDecision, FailureStatus, make_decision
 
 
 @pytest.mark.parametrize("failures, max_restarts, want", [

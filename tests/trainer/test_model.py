@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.model import GPT, GPTConfig
+from thermowatch.trainer.model import GPT, GPTConfig
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 8
 
@@ -126,7 +126,7 @@ def test_option_effects():
 
 def test_norm_and_activation_choices():
     """rmsnorm / relu2 compute what their papers define; the defaults keep LayerNorm + GELU."""
-    from trainer.model import FP32LayerNorm, FP32RMSNorm
+    from thermowatch.trainer.model import FP32LayerNorm, FP32RMSNorm
 
     torch.manual_seed(0)
     default = GPT(tiny(qk_layernorm=True))

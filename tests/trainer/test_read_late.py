@@ -13,15 +13,15 @@ import os
 import numpy as np
 import pytest
 
-from monitors.contract import TOKENS_PER_S, CommandKind
+from thermowatch.monitors.contract import TOKENS_PER_S, CommandKind
 from tests.trainer.conftest import tiny_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _run(tmp_path, read_late: bool):
-    from trainer.controller import RunController
-    from trainer.local import InProcessGang, ListSink, QueueCommands
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import InProcessGang, ListSink, QueueCommands
 
     cfg = tiny_config(tmp_path / ("late" if read_late else "on-time"), run_id="rl", world_size=1, steps=12,
                       read_late=read_late, checkpoint={"every": 4, "keep_last": 3, "keep_every": 0},

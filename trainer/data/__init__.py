@@ -6,11 +6,11 @@
     loader.skip(lo, hi)                               # absolute sample ids, from the supervisor
 """
 
-from trainer.data.curriculum import Curriculum
-from trainer.data.ledger import SkipLedger
-from trainer.data.loader import Batch, DataConfig, DataLoader, DataState
-from trainer.data.order import sample_windows
-from trainer.data.sources import (
+from thermowatch.trainer.data.curriculum import Curriculum
+from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.trainer.data.loader import Batch, DataConfig, DataLoader, DataState
+from thermowatch.trainer.data.order import sample_windows
+from thermowatch.trainer.data.sources import (
     ArraySource,
     DataError,
     ShardSource,

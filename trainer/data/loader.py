@@ -19,10 +19,10 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from trainer.data.curriculum import Curriculum
-from trainer.data.ledger import SkipLedger
-from trainer.data.order import sample_windows
-from trainer.data.sources import DataError, TokenSource, bin_source, stdlib_source, text_source
+from thermowatch.trainer.data.curriculum import Curriculum
+from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.trainer.data.order import sample_windows
+from thermowatch.trainer.data.sources import DataError, TokenSource, bin_source, stdlib_source, text_source
 
 SOURCES = ("stdlib", "text", "bin")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import SupervisorConfig
+from thermowatch.supervisor.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class DemoOptions:
 
 
 def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):
-    from trainer.config import TrainConfig
+    from thermowatch.trainer.config import TrainConfig
 
     over = json.loads(json.dumps(DEMO_TRAIN))
     over.update(run_id=run_id, steps=opts.steps or DEMO_STEPS)
@@ -112,9 +112,9 @@ def _progress(total: int, enabled: bool, desc: str):
 def run_demo(opts: DemoOptions) -> int:
     import ray
 
-    from supervisor.service import Supervisor
-    from trainer.controller import RunController
-    from trainer.local import ListSink, QueueCommands
+    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.trainer.controller import RunController
+    from thermowatch.trainer.local import ListSink, QueueCommands
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts.data_dir.mkdir(parents=True, exist_ok=True)
@@ -180,11 +180,11 @@ def _final_loss(losses: list[float], last: int = 10) -> float:
 
 
 def summarize(sup, run_id: str, result) -> dict[str, Any]:
-    from supervisor.store import actions as actions_store
-    from supervisor.store import findings as findings_store
-    from supervisor.store import incidents as incidents_store
-    from supervisor.store import skips as skips_store
-    from supervisor.store import thermometers as thermo_store
+    from thermowatch.supervisor.store import actions as actions_store
+    from thermowatch.supervisor.store import findings as findings_store
+    from thermowatch.supervisor.store import incidents as incidents_store
+    from thermowatch.supervisor.store import skips as skips_store
+    from thermowatch.supervisor.store import thermometers as thermo_store
 
     with sup.sessions() as s:
         incs = incidents_store.incidents(s, run_id)

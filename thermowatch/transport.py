@@ -3,7 +3,7 @@
 HttpSink implements contract.RecordSink without ever blocking the training loop (DESIGN.md,
 "Nothing blocks training"): `write()` appends to a bounded in-memory queue and returns; one
 background thread serialises, posts, and spools. When the supervisor (or its database) is
-unreachable -- connect error, timeout, 5xx -- the message is appended to a spool file (JSONL,
+unreachable -- connect error, timeout, 502/503/504, 429 -- the message is appended to a spool file (JSONL,
 fsync'd by the sender thread) and training goes on; spooled messages are replayed in order once
 the supervisor answers again. While anything is spooled, new messages queue behind it, so the
 supervisor always sees them in the order they were produced. If the queue is full (the sender
@@ -11,6 +11,13 @@ is stuck in a slow request), the caller spills to an overflow file (one buffered
 fsync) that the sender promotes into the spool once it has caught up: a slow or absent daemon
 only grows the spool. Ingest is idempotent, so a message replayed twice (a crash between send
 and spool deletion) stores nothing twice.
+
+A message the supervisor refuses (4xx but 408/429: malformed, too large, a conflicting re-send)
+will never be accepted as it is: it is set aside in `rejected.jsonl` with the reason and the
+messages behind it go on. So is one answered 500 (a fault of the daemon's on this message, not an
+outage) `max_server_errors` times in a row: one poisoned batch never stalls the run's history
+(issue 21: a body the daemon failed on with 500 was retried forever, and the 76 steps after it
+were never stored).
 
 HttpCommandChannel implements contract.CommandChannel:
     GET  /api/runs/{run_id}/commands -> {"commands": [Command.to_json(), ...]}
@@ -33,9 +40,11 @@ from urllib.parse import quote
 
 import httpx
 
-from monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
-from monitors.contract import INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunInfo, StepRecord, dumps, loads
-from trainer.checkpoint import fsync_dir
+from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
+from thermowatch.monitors.contract import (
+    INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunFinished, RunInfo, StepRecord, dumps, loads,
+)
+from thermowatch.monitors.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
@@ -63,7 +72,8 @@ class HttpSink:
 
     def __init__(self, base_url: str, spool_dir: str | os.PathLike, token: str | None = None, *,
                  timeout: float = 30.0, connect_timeout: float = 2.0, retry_interval: float = 1.0,
-                 max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 60.0) -> None:
+                 max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 60.0,
+                 max_server_errors: int = 3) -> None:
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         # While the supervisor is unreachable, messages go straight to the spool and one replay is
@@ -80,6 +90,8 @@ class HttpSink:
         self._file: Any = None  # the spool file being appended to
         self._seq = max((self._file_seq(p) for p in self._spool_files()), default=0)
         self.rejected = 0  # messages the supervisor refused (4xx), set aside in rejected.jsonl
+        self.max_server_errors = max_server_errors
+        self._head_errors = 0  # 500s in a row for the oldest spooled message
         # The caller's side: a bounded queue of (path, body factory); serialising happens on the
         # sender thread, so write() costs one append.
         self._queue_size = queue_size
@@ -111,6 +123,11 @@ class HttpSink:
         steps = [int(x) for x in steps]
         self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints/deleted",
                      lambda: {"steps": steps, "reason": reason})
+
+    def finish_run(self, run_id: str, attempt: int, finished: RunFinished) -> None:
+        # Queued behind the steps it ends (and spooled with them in an outage): the daemon reads
+        # the run finished only once the history before it is stored.
+        self._submit(f"{_run_path(run_id)}/attempts/{attempt}/finished", finished.to_json)
 
     def close(self) -> None:
         with self._cv:
@@ -237,6 +254,8 @@ class HttpSink:
             except _Unreachable as exc:
                 log.warning("supervisor unreachable (%s); spooling to %s", exc, self.spool_dir)
                 self._failed()
+                if isinstance(exc, _ServerError):
+                    self._head_errors = 1  # it heads the spool now: its replays count on from here
                 self._spool(path, data, content_type)
             except SinkRejected as exc:
                 self._reject(_spool_line(path, data, content_type), str(exc))
@@ -246,7 +265,9 @@ class HttpSink:
             r = self._client.post(path, content=data, headers={"content-type": content_type})
         except httpx.TransportError as exc:  # connect refused/timeout, reset, read timeout
             raise _Unreachable(f"{type(exc).__name__}: {exc}") from exc
-        if r.status_code >= 500:
+        if r.status_code == 500:
+            raise _ServerError(f"HTTP 500: {r.text[:300]}")
+        if r.status_code >= 500 or r.status_code in (408, 429):  # an outage, an overload, a quota: later
             raise _Unreachable(f"HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
             raise SinkRejected(f"supervisor refused POST {path}: HTTP {r.status_code} {r.text[:500]}")
@@ -290,15 +311,21 @@ class HttpSink:
                     continue
                 try:
                     self._post(msg["path"], *_spooled_body(msg))
+                    self._head_errors = 0
+                except _ServerError as exc:
+                    self._head_errors += 1
+                    if self._head_errors >= self.max_server_errors:
+                        self._head_errors = 0
+                        self._reject(line, f"{exc} ({self.max_server_errors} times in a row)")
+                        continue
+                    self._keep(p, lines, i)
+                    self._failed()
+                    log.warning("supervisor failed on a spooled message (%s); %d messages stay spooled", exc,
+                                len(lines) - i)
+                    return False
                 except _Unreachable as exc:
                     self._failed()
-                    if i:  # keep only what is left; atomically, so a crash leaves old or new
-                        tmp = p.with_suffix(".tmp")
-                        with open(tmp, "wb") as out:
-                            out.writelines(lines[i:])
-                            out.flush()
-                            os.fsync(out.fileno())
-                        os.replace(tmp, p)
+                    self._keep(p, lines, i)
                     log.info("supervisor still unreachable (%s); %d messages stay spooled", exc, len(lines) - i)
                     return False
                 except SinkRejected as exc:
@@ -308,6 +335,17 @@ class HttpSink:
         self._backoff = self.retry_interval
         log.info("spool replayed")
         return True
+
+    @staticmethod
+    def _keep(p: Path, lines: list[bytes], i: int) -> None:
+        """Keep only lines[i:] of spool file p; atomically, so a crash leaves old or new."""
+        if i:
+            tmp = p.with_suffix(".tmp")
+            with open(tmp, "wb") as out:
+                out.writelines(lines[i:])
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, p)
 
     def _reject(self, line: bytes, why: str) -> None:
         self.rejected += 1
@@ -322,6 +360,10 @@ class HttpSink:
 
 class _Unreachable(Exception):
     pass
+
+
+class _ServerError(_Unreachable):
+    """HTTP 500: the daemon failed on this message. Retried like an outage, a few times."""
 
 
 @dataclass(frozen=True, slots=True)

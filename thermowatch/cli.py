@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from supervisor.errors import DaemonUnreachable, UserError
+from thermowatch.supervisor.errors import DaemonUnreachable, UserError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def _supervisor_config(args: argparse.Namespace):
-    from supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.config import SupervisorConfig
 
     return SupervisorConfig.load(
         getattr(args, "config", None),
@@ -35,13 +35,13 @@ def _supervisor_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from supervisor.server import serve
+    from thermowatch.supervisor.server import serve
 
     return serve(_supervisor_config(args), auto_upgrade=not args.no_upgrade)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from supervisor.launch import train
+    from thermowatch.launch import train
 
     return train(args.config_file, supervisor_url=args.supervisor, sup_config=_supervisor_config(args),
                  verbose=args.verbose, progress_every=args.progress_every, detach=args.detach,
@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from supervisor.demo import DemoOptions, run_demo
+    from thermowatch.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         data_dir=Path(args.data_dir),
@@ -63,14 +63,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from monitors.detectors import BankConfig
-    from monitors.replay import replay
-    from supervisor.replay_policy import replay_decider
+    from thermowatch.monitors.detectors import BankConfig
+    from thermowatch.monitors.replay import replay
+    from thermowatch.supervisor.replay_policy import replay_decider
 
-    from monitors.config_tree import ConfigTreeError, check_tree
-    from supervisor.config import ConfigError
-    from supervisor.policy import PolicyConfig
-    from supervisor.replay_policy import REPLAY_KEYS
+    from thermowatch.monitors.config_tree import ConfigTreeError, check_tree
+    from thermowatch.supervisor.config import ConfigError
+    from thermowatch.supervisor.policy import PolicyConfig
+    from thermowatch.supervisor.replay_policy import REPLAY_KEYS
 
     policy, detectors = _load_mapping(args.policy), _load_mapping(args.detectors)
     policy_fields = {k: v for k, v in policy.items() if k not in REPLAY_KEYS}  # replay's own keys aside
@@ -85,9 +85,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from supervisor.simulate.compare import simulate
-    from supervisor.simulate.config import SimConfig
-    from supervisor.simulate.report import print_table, to_json
+    from thermowatch.supervisor.simulate.compare import simulate
+    from thermowatch.supervisor.simulate.config import SimConfig
+    from thermowatch.supervisor.simulate.report import print_table, to_json
 
     rep = simulate(SimConfig.load(args.config), seed=args.seed)
     if args.json:
@@ -98,7 +98,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_validate_config(args: argparse.Namespace) -> int:
-    from supervisor.launch import validate_config
+    from thermowatch.launch import validate_config
 
     for line in validate_config(args.file, kind=args.kind):
         print(line)
@@ -106,7 +106,7 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from supervisor import db
+    from thermowatch.supervisor import db
 
     cfg = _supervisor_config(args)
     if args.db_command == "upgrade":
@@ -128,18 +128,19 @@ def cmd_db(args: argparse.Namespace) -> int:
 def _backfill_rollups(engine) -> int:
     """Roll up every run's stored history (one transaction per run; safe to repeat, and while
     the daemon runs: rows are upserts of the same content)."""
-    from supervisor import db
-    from supervisor.store import rollups
-    from supervisor.store import runs as runs_store
+    from thermowatch.supervisor import db
+    from thermowatch.supervisor.store import rollups
+    from thermowatch.supervisor.store import runs as runs_store
 
     sessions = db.make_sessionmaker(engine)
-    with sessions() as s:
-        run_ids = [r.run_id for r in runs_store.list_runs(s)]
-    for run_id in run_ids:
-        with sessions.begin() as s:
-            n = rollups.backfill(s, run_id)
-        print(f"{run_id}: {n} rollup rows written")
-    print(f"rolled up {len(run_ids)} run(s)")
+    done = 0
+    for page in runs_store.each_page(sessions):
+        for run in page:
+            with sessions.begin() as s:
+                n = rollups.backfill(s, run.run_id)
+            print(f"{run.run_id}: {n} rollup rows written")
+            done += 1
+    print(f"rolled up {done} run(s)")
     return EXIT_OK
 
 
@@ -148,8 +149,8 @@ def cmd_token(args: argparse.Namespace) -> int:
     tokens are made and how an operator recovers after losing every admin token, so it must work
     with the daemon down or locked; whoever holds the database URL is an admin anyway. Remote
     admins use POST /api/tokens with an admin token."""
-    from supervisor import db
-    from supervisor.api import tokens as tokens_api
+    from thermowatch.supervisor import db
+    from thermowatch.supervisor.api import tokens as tokens_api
 
     cfg = _supervisor_config(args)
     engine = db.make_engine(cfg.db_url)
@@ -183,7 +184,7 @@ def cmd_manual(args: argparse.Namespace) -> int:
     """rollback / skip / lr / pause / resume / stop / approve / actions / runs: through the
     daemon's API, which writes the same action rows the automatic policy writes, so one
     executor and one audit trail serve both."""
-    from supervisor.manual import run_manual
+    from thermowatch.supervisor.manual import run_manual
 
     return run_manual(args)
 
@@ -191,7 +192,7 @@ def cmd_manual(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     """A chart of one metric (a key or a family prefix) as a PNG file, through the daemon's
     GET /api/runs/{run}/chart.png (read from the rollups: fast at any history length)."""
-    from supervisor.client import Client, resolve, run_path
+    from thermowatch.supervisor.client import Client, resolve, run_path
 
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -209,27 +210,28 @@ def cmd_login(args: argparse.Namespace) -> int:
     """Check an address and token against the daemon, then remember them for this user."""
     import getpass
 
-    from supervisor.client import Client, resolve, save_login
+    from thermowatch.supervisor.client import Client, resolve, save_login
 
     token = args.token
     if token is None and not args.no_token:
         token = getpass.getpass("token (input hidden; empty for none): ").strip() or None
     ep = resolve(args.server, token)
     with Client(ep) as api:
-        n = len(api.get("/api/runs")["runs"])  # proves the address and that the token may read
+        page = api.get("/api/runs", limit=100)  # proves the address and that the token may read
+    n = f"{len(page['runs'])}{'+' if page.get('next_cursor') else ''}"
     path = save_login(ep.server, ep.token)
     print(f"logged in to {ep.server} ({n} run(s) visible); saved to {path} (readable by you only)")
     return EXIT_OK
 
 
 def _load_mapping(path: str | None) -> dict:
-    from supervisor.config import read_mapping
+    from thermowatch.supervisor.config import read_mapping
 
     return read_mapping(Path(path)) if path else {}
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    from supervisor.client import SERVER_ENV, TOKEN_ENV
+    from thermowatch.supervisor.client import SERVER_ENV, TOKEN_ENV
 
     p.add_argument("--server", help=f"the daemon's URL (default: ${SERVER_ENV}, then `thermowatch login`'s, "
                                     "then http://127.0.0.1:8765)")
@@ -243,7 +245,7 @@ def _add_db_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from supervisor import version
+    from thermowatch.supervisor import version
 
     parser = argparse.ArgumentParser(prog="thermowatch", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"thermowatch {version()}")
@@ -320,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db_flags(tp)
     p.set_defaults(func=cmd_token)
 
-    from supervisor.manual import add_manual_commands
+    from thermowatch.supervisor.manual import add_manual_commands
 
     add_manual_commands(sub, _add_client_flags, cmd_manual)
 
-    from supervisor.report import add_read_commands
+    from thermowatch.supervisor.report import add_read_commands
 
     add_read_commands(sub, _add_client_flags)
 

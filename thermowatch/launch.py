@@ -12,17 +12,17 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor.config import SupervisorConfig
-from supervisor.errors import UserError
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.errors import UserError
 
 
 def train(config_file: str, *, supervisor_url: str | None, sup_config: SupervisorConfig,
           verbose: bool = False, progress_every: int = 10, detach: bool = False, restarts: int = 10) -> int:
     import ray
 
-    from supervisor.train_output import announced_commands, Progress, quiet_http_logs
-    from trainer.config import ConfigError, TrainConfig
-    from trainer.controller import RunController
+    from thermowatch.supervisor.train_output import announced_commands, Progress, quiet_http_logs
+    from thermowatch.trainer.config import ConfigError, TrainConfig
+    from thermowatch.trainer.controller import RunController
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_http_logs(verbose)
@@ -41,7 +41,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         require_gpus(config_file, tcfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0,
                      "torch sees")
     if supervisor_url:
-        from trainer.http_sink import HttpCommandChannel, HttpSink
+        from thermowatch.transport import HttpCommandChannel, HttpSink
 
         # The daemon's auth is on by default: the trainer needs a token with the `ingest` scope
         # (`thermowatch token create trainer --scope ingest`), from THERMOWATCH_TOKEN, else the
@@ -59,7 +59,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         raise UserError("--detach needs --supervisor URL: a detached controller outlives this process, and an "
                         "embedded supervisor would not")
     else:
-        from supervisor.service import Supervisor
+        from thermowatch.supervisor.service import Supervisor
 
         sup = Supervisor(sup_config)
         sink = commands = sup
@@ -84,7 +84,7 @@ def _train_detached(tcfg, supervisor_url: str, token: str, *, restarts: int, pro
     the same run again attaches to its controller instead of starting a second one."""
     import ray
 
-    from trainer import detached
+    from thermowatch.trainer import detached
 
     address = os.environ.get("RAY_ADDRESS")
     if not address and not ray.is_initialized():
@@ -109,9 +109,9 @@ def follow(actor, run_id: str, total_steps: int, *, progress_every: int = 10, po
 
     import ray
 
-    from monitors.contract import Ack, StepRecord
-    from supervisor.train_output import Progress, ack_line
-    from trainer import detached
+    from thermowatch.monitors.contract import Ack, StepRecord
+    from thermowatch.supervisor.train_output import Progress, ack_line
+    from thermowatch.trainer import detached
 
     out = out or sys.stderr
     progress = Progress(run_id, total_steps, every=progress_every, out=out)
@@ -171,9 +171,9 @@ def validate_config(path: str, kind: str = "auto") -> list[str]:
     and `train` do (the config tree check, then each class's own range checks) and describe what
     was checked. Starts nothing, needs no GPU, reads no environment: it judges the file alone.
     Lives here because a training config is the trainer's class (DESIGN.md's import rule)."""
-    from supervisor.config import read_mapping
-    from trainer.config import ConfigError as TrainConfigError
-    from trainer.config import TrainConfig
+    from thermowatch.supervisor.config import read_mapping
+    from thermowatch.trainer.config import ConfigError as TrainConfigError
+    from thermowatch.trainer.config import TrainConfig
 
     values = read_mapping(Path(path))  # names the path when it is missing or not a YAML mapping
     if kind == "auto":
@@ -203,7 +203,7 @@ def _config_kind(path: str, values: dict, train_cls: type) -> str:
 
 
 def _describe_supervisor(cfg: SupervisorConfig) -> list[str]:
-    from supervisor import db
+    from thermowatch.supervisor import db
 
     return [
         f"  database: {db.redact(cfg.db_url) if cfg.db_url else f'SQLite in {cfg.data_dir}'}",

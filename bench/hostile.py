@@ -1,0 +1,234 @@
+"""The hostile-network probes of issue 21, re-run against `thermowatch serve` as deployed (auth on,
+a Slack signing secret set, SQLite or PostgreSQL), with the daemon's memory measured from /proc.
+
+    python bench/hostile.py                  # both databases, every probe
+    python bench/hostile.py --db sqlite --json
+
+Probes (each reports what the daemon answered and its resident memory):
+  big-posts     three 400 MB bodies, no token, to POST /login and to POST /api/slack/interactions,
+                once with Content-Length declared and once chunked (no length): peak RSS
+  key-headers   ten 12 MB columnar headers of 10^6 metric keys and 0 steps, with an ingest token
+  overlap       40 trials of two overlapping batches of one attempt with different values, sent at
+                once from two threads: how many trials got 200 twice (history rewritten)
+  empty-keys    a step with no metric (`{"records":[{"step":1023}]}`) and a columns batch of `keys: []`
+  control-byte  `GET /healthz?a=%1C0` with a Cookie header (a 0x1C byte before digits)
+
+The daemon's RSS is read from /proc/<pid>/status (VmRSS, and VmHWM, the peak, reset before each
+probe by writing 5 to /proc/<pid>/clear_refs); its detectors' child process is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import secrets
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ingest import PG_URL, _port  # noqa: E402
+
+MB = 1 << 20
+
+
+def rss(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+class Daemon:
+    """`thermowatch serve` in a subprocess: auth on (an admin token from the environment), a Slack
+    signing secret set (so the interactions route reads bodies), the given database."""
+
+    def __init__(self, url: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="tw-hostile-"))
+        self.port = _port()
+        self.token = "tw_" + secrets.token_urlsafe(32)
+        env = dict(os.environ, THERMOWATCH_API_TOKEN=self.token, SLACK_SIGNING_SECRET="s" * 32,
+                   PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+        self.log = open(self.dir / "serve.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "thermowatch.cli", "serve", "--data-dir", str(self.dir),
+                                      "--db", url, "--port", str(self.port)], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.auth = {"Authorization": f"Bearer {self.token}"}
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{self.base}/healthz", timeout=5).status_code in (200, 503):
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon did not start; see {self.dir / 'serve.log'}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _chunks(total: int, piece: int = MB):
+    block = b"a" * piece
+    sent = 0
+    while sent < total:
+        yield block[: min(piece, total - sent)]
+        sent += piece
+
+
+def big_posts(d: Daemon, size: int = 400 * MB) -> dict:
+    out = {}
+    for path in ("/login", "/api/slack/interactions"):
+        for declared in (True, False):
+            reset_peak(d.proc.pid)
+            before = rss(d.proc.pid)[0]
+            codes = []
+            for _ in range(3):
+                headers = {"content-type": "application/x-www-form-urlencoded", "origin": d.base,
+                           "x-slack-request-timestamp": str(int(time.time())), "x-slack-signature": "v0=00"}
+                if declared:
+                    headers["content-length"] = str(size)
+                try:
+                    r = httpx.post(d.base + path, content=_chunks(size), headers=headers, timeout=120)
+                    codes.append(r.status_code)
+                except httpx.HTTPError as exc:  # the daemon may close the connection after its answer
+                    codes.append(type(exc).__name__)
+            now, peak = rss(d.proc.pid)
+            out[f"{path} {'length' if declared else 'chunked'}"] = {
+                "answers": codes, "rss_before_mb": round(before), "peak_mb": round(peak), "rss_after_mb": round(now)}
+    return out
+
+
+def _columns_header_body(n_keys: int) -> bytes:
+    header = json.dumps({"steps": 0, "keys": [f"k{i}" for i in range(n_keys)]}, separators=(",", ":")).encode()
+    return b"TWC1" + struct.pack("<I", len(header)) + header
+
+
+def key_headers(c: httpx.Client, pid: int) -> dict:
+    c.post("/api/runs", json={"run_id": "keys", "attempt": 0, "world_size": 1}).raise_for_status()
+    body = _columns_header_body(10**6)
+    reset_peak(pid)
+    before = rss(pid)[0]
+    codes = [c.post("/api/runs/keys/attempts/0/steps", content=body,
+                    headers={"content-type": "application/vnd.thermowatch.step-columns"}).status_code
+             for _ in range(10)]
+    now, peak = rss(pid)
+    return {"body_mb": round(len(body) / MB, 1), "answers": sorted(set(codes)), "rss_before_mb": round(before),
+            "peak_mb": round(peak), "rss_after_mb": round(now)}
+
+
+def overlap(d: Daemon, trials: int = 40) -> dict:
+    twice = 0
+    codes: dict[str, int] = {}
+    with httpx.Client(base_url=d.base, headers=d.auth, timeout=60) as c0:
+        for t in range(trials):
+            run = f"overlap-{t}"
+            c0.post("/api/runs", json={"run_id": run, "attempt": 0, "world_size": 1}).raise_for_status()
+            a = {"records": [{"step": s, "loss": 1.0 + s, "wall_time": 0.1} for s in range(0, 20)]}
+            b = {"records": [{"step": s, "loss": 2.0 + s, "wall_time": 0.1} for s in range(10, 30)]}
+            clients = [httpx.Client(base_url=d.base, headers=d.auth, timeout=60) for _ in range(2)]
+            with cf.ThreadPoolExecutor(2) as ex:
+                futs = [ex.submit(cl.post, f"/api/runs/{run}/attempts/0/steps", json=body)
+                        for cl, body in zip(clients, (a, b))]
+                got = [f.result().status_code for f in futs]
+            for cl in clients:
+                cl.close()
+            for g in got:
+                codes[str(g)] = codes.get(str(g), 0) + 1
+            twice += got == [200, 200]
+    return {"trials": trials, "both_accepted": twice, "answers": codes}
+
+
+def empty_keys(c: httpx.Client) -> dict:
+    c.post("/api/runs", json={"run_id": "empty", "attempt": 0, "world_size": 1}).raise_for_status()
+    r1 = c.post("/api/runs/empty/attempts/0/steps", json={"records": [{"step": 1023}]})
+    header = json.dumps({"steps": 1, "keys": []}).encode()
+    body = b"TWC1" + struct.pack("<I", len(header)) + header + struct.pack("<qqqqd", 1024, -1, -1, 0, 0.0)
+    r2 = c.post("/api/runs/empty/attempts/0/steps", content=body,
+                headers={"content-type": "application/vnd.thermowatch.step-columns"})
+    after = c.post("/api/runs/empty/attempts/0/steps", json={"records": [{"step": 1025, "loss": 1.0}]})
+    return {"json_no_metric": r1.status_code, "columns_no_keys": r2.status_code, "next_batch": after.status_code,
+            "detail": (r1.json().get("detail") if r1.status_code >= 400 else None)}
+
+
+def control_byte(d: Daemon) -> dict:
+    r = httpx.get(f"{d.base}/healthz?a=%1C0", headers={"Cookie": "x=y"})
+    r2 = httpx.get(f"{d.base}/api/runs/x/actions?limit=%1F5", headers=d.auth)
+    return {"healthz_cookie": r.status_code, "actions_limit": r2.status_code}
+
+
+def run(url: str) -> dict:
+    d = Daemon(url)
+    try:
+        with httpx.Client(base_url=d.base, headers=d.auth, timeout=300) as c:
+            res = {"rss_start_mb": round(rss(d.proc.pid)[0])}
+            res["big_posts"] = big_posts(d)
+            res["key_headers"] = key_headers(c, d.proc.pid)
+            res["overlap"] = overlap(d)
+            res["empty_keys"] = empty_keys(c)
+            res["control_byte"] = control_byte(d)
+            res["alive"] = c.get("/healthz").status_code
+        return res
+    finally:
+        d.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    a = ap.parse_args()
+    results = {}
+    for name in (["sqlite", "postgres"] if a.db == "both" else [a.db]):
+        if name == "sqlite":
+            url = f"sqlite:///{tempfile.mkdtemp(prefix='tw-hostile-db-')}/tw.db"
+        else:
+            import sqlalchemy as sa
+
+            schema = f"tw_hostile_{uuid.uuid4().hex[:8]}"
+            eng = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+            with eng.connect() as conn:
+                conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+            url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+        try:
+            results[name] = run(url)
+        finally:
+            if name == "postgres":
+                with eng.connect() as conn:
+                    conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+                eng.dispose()
+        r = results[name]
+        print(f"\n== {name}: daemon RSS at start {r['rss_start_mb']} MB")
+        for probe, v in r["big_posts"].items():
+            print(f"  400 MB x3 {probe:36s} answers {v['answers']}  peak {v['peak_mb']} MB  after {v['rss_after_mb']} MB")
+        k = r["key_headers"]
+        print(f"  10^6-key headers x10 ({k['body_mb']} MB)      answers {k['answers']}  peak {k['peak_mb']} MB  "
+              f"after {k['rss_after_mb']} MB")
+        o = r["overlap"]
+        print(f"  overlapping batches at once: both accepted {o['both_accepted']}/{o['trials']}  answers {o['answers']}")
+        print(f"  empty keys: {r['empty_keys']}")
+        print(f"  control byte: {r['control_byte']}   /healthz after: {r['alive']}")
+    if a.json:
+        print(json.dumps({"bench": "hostile", "results": results}))
+
+
+if __name__ == "__main__":
+    main()

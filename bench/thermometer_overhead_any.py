@@ -1,0 +1,116 @@
+"""Thermometer overhead on a user's own model (issue 22, item 5): a nanoGPT-style GPT whose
+attention calls F.scaled_dot_product_attention (tests/fixtures/nanogpt.py), trained plain and
+instrumented, side by side in one run.
+
+The method of bench/thermometer_overhead.py: identical copies of one model train in one process,
+in blocks of steps whose order rotates every round; a variant's figure is the median over rounds
+of its block's process CPU time / the plain block's in that round (one torch thread).
+
+Variants:
+  plain        no thermometers
+  default      ThermometerConfig(): attention found by interception, the cheap figure (q k^T of
+               the first sequence), every group every step, update ratio every 10th
+  no_attn      the same without the attention group (attn_find=False): what attention adds
+  attn_exact   default with attn_mode="exact": q k^T over the whole batch every step
+
+    python bench/thermometer_overhead_any.py [--steps 100] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fixtures.nanogpt import NanoConfig, NanoGPT  # noqa: E402
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
+
+VARIANTS = {"plain": None, "default": {}, "no_attn": {"attn_find": False}, "attn_exact": {"attn_mode": "exact"}}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100, help="measured steps per variant")
+    ap.add_argument("--block", type=int, default=10, help="steps per block (a multiple of update_every)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
+                     n_embd=args.d_model)
+    base = NanoGPT(cfg)
+    models, thermos, opts = {}, {}, {}
+    for name, over in VARIANTS.items():
+        models[name] = copy.deepcopy(base)
+        if over is not None:
+            thermos[name] = instrument(models[name], ThermometerConfig(**over))
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
+    data = torch.randint(0, args.vocab, (64, args.seq_len + 1))
+    counter = dict.fromkeys(models, 0)
+
+    def run(name: str, n: int) -> float:
+        model, opt, th = models[name], opts[name], thermos.get(name)
+        c0 = time.process_time()
+        for _ in range(n):
+            s = counter[name]
+            counter[name] += 1
+            rows = torch.arange(s * args.batch, (s + 1) * args.batch) % len(data)
+            x, y = data[rows, :-1], data[rows, 1:]
+            if th is not None:
+                th.begin_step(s)
+            _, loss = model(x, y)
+            loss.backward()
+            if th is None:
+                opt.step()
+            else:
+                with th.measure_update():
+                    opt.step()
+                th.end_step(loss=loss, lr=1e-3)
+                th.collect()
+            opt.zero_grad(set_to_none=True)
+        return (time.process_time() - c0) / n * 1e3
+
+    names = list(models)
+    for name in names:
+        run(name, args.warmup)
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(max(1, args.steps // args.block)):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            cpu[name].append(run(name, args.block))
+    ratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
+    found = [n for n in thermos["default"].names if n.startswith("attn_logit_max/")]
+    print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
+          f"V{args.vocab} fp32, {len(found)} attention modules found, {len(cpu['plain'])} rounds of "
+          f"{args.block} steps, torch threads {torch.get_num_threads()}")
+    print(f"  {'variant':<12}{'CPU ms/step':>12}{'ratio':>8}")
+    for k in names:
+        print(f"  {k:<12}{statistics.median(cpu[k]):>12.2f}{ratio[k]:>8.3f}")
+    if args.json:
+        print(json.dumps({"bench": "thermometer_overhead_any", "ratio": {k: round(v, 4) for k, v in ratio.items()},
+                          "step_ms": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
+                          "config": {k: v for k, v in vars(args).items() if k != "json"}}))
+
+
+if __name__ == "__main__":
+    main()

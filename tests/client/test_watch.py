@@ -1,0 +1,205 @@
+"""thermowatch.watch around a user's own loop (issue 22), against a real supervisor on both
+databases: every command is carried out between two steps and its ack says what was done.
+
+The loop below is written as docs/any-trainer.md shows it; commands are the operator's manual
+ones (the same action rows and executor as the automatic policy), submitted while it trains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import thermowatch
+from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
+from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import runs as runs_store
+
+
+
+def _wait_done(sup, action_id: int, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        with sup.sessions() as s:
+            row = actions_store.get_action(s, action_id)
+        if row.state in ("done", "failed", "expired", "cancelled"):
+            return row
+        assert time.monotonic() < deadline, row
+        time.sleep(0.05)
+
+
+def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
+    torch.manual_seed(0)
+    model = user_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
+    tw = thermowatch.watch(model, opt, run="mine", steps=80, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=10, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.05)
+    sup = tw.run.supervisor
+    trained: list[tuple[int, int, list[int], float, float]] = []  # attempt, step, ids, lr used, noise
+    lr_used: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: lr_used.append(float(o.param_groups[0]["lr"])))
+    weights_at_30 = None
+    submitted: dict[str, int] = {}
+    ends: list[float] = []
+
+    for step in tw.steps():
+        ids = tw.batch_ids(step)
+        noise = float(torch.rand(()))  # the RNG state a rollback must restore
+        loss = train_step(model, opt, *user_batch(DATA, ids))
+        sched.step()
+        tw.record(loss)
+        trained.append((tw.attempt, step, ids.tolist(), lr_used[-1], noise))
+        if step == 30 and tw.attempt == 1:
+            weights_at_30 = {k: v.clone() for k, v in model.state_dict().items()}
+        ends.append(time.monotonic())
+        # Submitted as an operator would, while it trains: each is carried out at a later step
+        # boundary (the poll runs on the client's own thread), never inside this step.
+        if step == 5 and "skip" not in submitted:
+            submitted["skip"] = sup.executor.submit("mine", "skip", {"skip_ranges": [[120, 140]]}, "ana", "bad shard")
+        if step == 25 and "set_lr" not in submitted:
+            submitted["set_lr"] = sup.executor.submit("mine", "set_lr", {"lr_multiplier": 0.5}, "ana", "too hot")
+        if step == 38 and "rollback" not in submitted:
+            submitted["rollback"] = sup.executor.submit("mine", "rollback", {"to_step": 35}, "ana", "spike")
+        if step == 45 and tw.attempt == 2 and "pause" not in submitted:
+            submitted["pause"] = sup.executor.submit("mine", "pause", {}, "ana", "look")
+            threading.Timer(1.5, lambda: submitted.setdefault(
+                "resume", sup.executor.submit("mine", "resume", {}, "ana", "fine"))).start()
+        if "resume" in submitted and "stop" not in submitted:  # after the pause has been lifted
+            submitted["stop"] = sup.executor.submit("mine", "stop", {}, "ana", "enough")
+    last = tw.step
+    tw.close()
+    for i in submitted.values():
+        _wait_done(sup, i)
+
+    with db.sessions() as s:
+        rows = {kind: actions_store.get_action(s, i) for kind, i in submitted.items()}
+        attempts = [a.attempt for a in runs_store.attempts(s, "mine")]
+    assert {k: r.state for k, r in rows.items()} == dict.fromkeys(submitted, "done"), {k: r.error for k, r in rows.items()}
+
+    # skip: from its ack's step on, no step trains an id in [120, 140)
+    skip = rows["skip"].result
+    assert skip["skipped"] == [[120, 140]] and skip["ok"] and skip["step"] < 30
+    after = [ids for a, s, ids, _, _ in trained if s >= skip["step"]]
+    assert not any(120 <= i < 140 for ids in after for i in ids)
+    assert any(i >= 140 for ids in after for i in ids)
+
+    # set_lr: the optimizer stepped at 0.5x the schedule from the ack's step, 1x before it;
+    # the scheduler itself never saw the multiplier (it would have compounded in a chainable one)
+    lr = rows["set_lr"].result
+    assert lr["lr_multiplier"] == 0.5 and lr["lr_change"]["start_step"] == lr["step"]
+    first_attempt = [(s, used) for a, s, _, used, _ in trained if a == 1]
+    schedule = {s: 1e-3 * min(1.0, s / 20) for s in range(1, 81)}  # LambdaLR at step s: (s-1+1)/20
+    for s, used in first_attempt:
+        want = schedule[s] * (0.5 if s >= lr["step"] else 1.0)
+        assert used == pytest.approx(want, rel=1e-6), (s, used, want)
+
+    # rollback: checkpoint 30 (the newest at or before 35 that exists: every 10), attempt 2,
+    # steps 31.. trained again on the same ids, with the weights and RNG of step 30
+    rb = rows["rollback"].result
+    assert rb["checkpoint_step"] == 30 and rb["step"] == 31 and attempts == [1, 2]
+    first = {s: (ids, noise) for a, s, ids, _, noise in trained if a == 1}
+    again = {s: (ids, noise) for a, s, ids, _, noise in trained if a == 2}
+    assert min(again) == 31 and again[31] == first[31]
+    ckpt = torch.load(Path(rb["checkpoint_path"]), weights_only=False)
+    for k, v in weights_at_30.items():
+        torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0)
+    # the LR change survives the rollback: it is absolute on the schedule from its start step
+    for s, used in [(s, used) for a, s, _, used, _ in trained if a == 2]:
+        assert used == pytest.approx(schedule[s] * (0.5 if s >= lr["step"] else 1.0), rel=1e-6), (s, used)
+
+    # pause/resume: steps() blocked between two steps until the resume; stop: it ended where
+    # the stop's ack says, before the planned 80 steps
+    assert rows["pause"].result["detail"].startswith("paused before step")
+    assert max(np.diff(ends)) >= 1.0, "steps() must block while paused"
+    assert rows["stop"].result["step"] == last + 1 and 45 <= last < 80
+    with db.sessions() as s:
+        stored = runs_store.attempts(s, "mine")
+    assert stored[-1].start_step == 30
+
+
+def test_a_rerun_resumes_from_its_newest_checkpoint_as_a_new_attempt(db, tmp_path):
+    """Re-running the script with the same run id and checkpoint dir resumes from the newest
+    checkpoint as the run's next attempt (issue 22, item 2)."""
+    torch.manual_seed(0)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
+    kw = dict(run="again", steps=30, global_batch=B, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10,
+              supervisor_config=cfg, poll_interval_s=0.05)
+    model = user_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tw = thermowatch.watch(model, opt, **kw)
+    for step in tw.steps():
+        loss = train_step(model, opt, *user_batch(DATA, tw.batch_ids(step)))
+        tw.record(loss)
+        if step == 20:
+            break  # the script dies after step 20 (checkpoint 20 saved at the top of the next step: not yet)
+    tw.close()
+    # The loop ended early: the run reads finished with the loss it ended on (issue 22, item 9).
+    with db.sessions() as s:
+        st = run_status(s, "again", stall_after_s=600)
+    assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "closed", 20), st
+    assert st["final_loss"] == tw.final_loss and 0 < tw.final_loss < 10
+    model2 = user_model()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1e-2)
+    tw2 = thermowatch.watch(model2, opt2, **kw)
+    steps = []
+    for step in tw2.steps():
+        steps.append(step)
+        loss = train_step(model2, opt2, *user_batch(DATA, tw2.batch_ids(step)))
+        tw2.record(loss)
+    tw2.close()
+    assert steps[0] == 11 and steps[-1] == 30 and tw2.attempt == 2  # resumed from checkpoint 10
+    with db.sessions() as s:
+        assert [a.attempt for a in runs_store.attempts(s, "again")] == [1, 2]
+        assert [a.start_step for a in runs_store.attempts(s, "again")] == [0, 10]
+        assert [a.finished.reason.value for a in runs_store.attempts(s, "again")] == ["closed", "completed"]
+        st = run_status(s, "again", stall_after_s=600)
+    assert (st["state"], st["finish_reason"], st["final_step"], st["final_loss"]) == (
+        "finished", "completed", 30, tw2.final_loss)
+
+
+def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowered(db, tmp_path):
+    """Issue 22 end to end: a user's nanoGPT-style model (F.scaled_dot_product_attention, nothing
+    of thermowatch inside) trained at a learning rate that really diverges; the daemon reads its
+    attention logits, rolls the loop back (rung 1), and when it diverges again climbs to rung 2
+    (roll back and lower the LR) within seconds, not after a wall-clock cooldown."""
+    from tests.fixtures.diverging import DETECTORS, POLICY
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
+    model = user_model(seq=32, heads=4, d=64)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS), policy=dict(POLICY))
+    tw = thermowatch.watch(model, opt, run="hot", steps=80, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=2, keep_checkpoints=40, supervisor_config=cfg, poll_interval_s=0.1)
+    human = threading.Event()
+
+    def on_call():  # rung 3 pauses for a human: this one looks and stops the run
+        while not human.wait(0.1):
+            if tw.paused:
+                tw.run.supervisor.executor.submit("hot", "stop", {}, "ana", "paused by the ladder; stopping")
+                return
+
+    threading.Thread(target=on_call, daemon=True).start()
+    for step in tw.steps():
+        loss = train_step(model, opt, *user_batch(data, tw.batch_ids(step), 32))
+        tw.record(loss)
+    human.set()
+    tw.close()
+    with db.sessions() as s:
+        acts = sorted(actions_store.actions(s, "hot"), key=lambda a: a.id)
+        attempts = [a.attempt for a in runs_store.attempts(s, "hot")]
+    rollbacks = [a for a in acts if a.kind == "rollback" and a.origin == "auto"]
+    assert len(rollbacks) >= 2 and all(a.state == "done" for a in rollbacks), [(a.kind, a.state, a.reason) for a in acts]
+    first, second = rollbacks[0].result, rollbacks[1].result
+    assert first["ok"] and first["skipped"] and first["lr_change"] is None  # rung 1: roll back, skip
+    assert second["ok"] and second["lr_change"]["multiplier"] < 1.0  # rung 2: and lower the LR
+    assert len(attempts) >= 3 and tw.lr_multiplier < 1.0

@@ -1,0 +1,70 @@
+"""thermowatch.watch against `thermowatch serve` as deployed (a process of its own, auth on, both
+databases): the client's records, checkpoints, acks and finish report cross real HTTP with an
+`ingest` token, and an operator's commands, posted to the API while the loop trains, come back
+through the client's poller and are carried out between two steps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+import thermowatch
+from tests.client.user_loop import DATA, user_batch, user_model, train_step
+from tests.live_server import free_port, wait_healthy
+
+ADMIN = "tw_client-http-admin-0123456789abcdef"
+
+
+def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "thermowatch", "serve", "--data-dir", str(tmp_path / "srv"),
+                             "--db", db.url, "--port", str(port)], env={**os.environ, "THERMOWATCH_API_TOKEN": ADMIN},
+                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, tmp_path / "serve.log")
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        made = api.post("/api/tokens", json={"name": "my-trainer", "scopes": ["ingest"]})
+        assert made.status_code == 201, made.text
+        torch.manual_seed(0)
+        model = user_model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        tw = thermowatch.watch(model, opt, run="wire", steps=200, global_batch=4, server=url,
+                               token=made.json()["secret"], checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10,
+                               poll_interval_s=0.1)
+        trained = []
+        for step in tw.steps():
+            ids = tw.batch_ids(step)
+            trained.append((step, ids.tolist()))
+            tw.record(train_step(model, opt, *user_batch(DATA, ids)))
+            if step == 5:
+                # an operator acts on a run the server knows: registration is the client's I/O
+                # thread's job and on a slow machine may still be in flight at step 5
+                deadline = time.monotonic() + 60
+                while api.get("/api/runs/wire/status").status_code == 404 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                r = api.post("/api/runs/wire/actions", json={"kind": "skip", "args": {"skip_ranges": [[200, 240]]},
+                                                             "who": "ana", "reason": "bad shard"})
+                assert r.status_code == 201, r.text
+            if step == 30:
+                r = api.post("/api/runs/wire/actions", json={"kind": "stop", "who": "ana", "reason": "enough"})
+                assert r.status_code == 201, r.text
+        tw.close()
+
+        acts = {a["kind"]: a for a in api.get("/api/runs/wire/actions").json()["actions"]}
+        assert acts["skip"]["state"] == "done" and acts["skip"]["result"]["skipped"] == [[200, 240]]
+        assert not any(200 <= i < 240 for s, ids in trained if s >= acts["skip"]["result"]["step"] for i in ids)
+        assert acts["stop"]["state"] == "done" and acts["stop"]["result"]["step"] == tw.step + 1 < 200
+        status = api.get("/api/runs/wire/status").json()
+        assert status["state"] == "finished" and status["finish_reason"] == "stopped", status
+        assert status["final_step"] == tw.step == status["last_step"]
+        assert status["final_loss"] == pytest.approx(tw.final_loss)
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,438 @@
+"""`thermowatch.watch`: protection for any PyTorch training loop (docs/any-trainer.md).
+
+    tw = thermowatch.watch(model, optimizer, run="my-run", steps=N, global_batch=B,
+                           checkpoint_dir="ckpt", checkpoint_every=50, scheduler=sched)
+    for step in tw.steps():        # resumes; re-trains from a checkpoint after a rollback;
+        ids = tw.batch_ids(step)   #   blocks while paused; ends on stop
+        ...forward, backward, optimizer.step(), scheduler.step()...
+        tw.record(loss)            # thermometers + loss, sent in the background; checkpoints
+    tw.close()                     # the run is finished
+
+Every command is carried out here, on the training thread, between two steps:
+
+- rollback: loads model, optimizer, scheduler and RNG state from the newest intact checkpoint at
+  or before the step asked (exactly it with `exact`), deletes the checkpoints after it (that
+  trajectory is abandoned), adds the skip ranges, applies the LR change from the step after the
+  checkpoint, and opens the next attempt; `steps()` then yields the checkpoint's step + 1 again.
+- skip: the ranges join the skip ledger; `batch_ids` passes over them from then on.
+- set_lr: an absolute multiplier on the user's schedule from the next step: applied around
+  `optimizer.step()` (a pre- and post-hook), so the scheduler itself never sees it and a
+  chainable scheduler (ExponentialLR) does not compound it.
+- pause / resume / stop: `steps()` blocks while paused and ends on stop.
+
+The ack says what was really done (the checkpoint loaded, the change applied, the ledger's
+digest). Sends and polls run on a background thread (thermowatch.run.Run).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import random
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from thermowatch.monitors.contract import (
+    LR_MULTIPLIER, LR_PEAK_AHEAD, Ack, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
+    StepRecord, ledger_digest, multiplier_at,
+)
+from thermowatch.monitors.durable import fsync_dir
+from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.run import Run, _write_json
+
+log = logging.getLogger(__name__)
+
+_CKPT = re.compile(r"^step_(\d{8,})\.pt$")
+FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (one pass, at start)
+
+
+class Watch:
+    """One protected training loop. Build it with `thermowatch.watch(...)`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
+                 global_batch: int, server: str | None = None, token: str | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 50,
+                 keep_checkpoints: int = 5, scheduler: Any = None,
+                 thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
+                 poll_interval_s: float = 1.0, supervisor_config: Any = None) -> None:
+        if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
+            raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
+                             f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.total, self.global_batch = int(steps), int(global_batch)
+        self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
+        self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every}, **(config or {})}
+        self.run = Run(run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token,
+                       state_dir=self.dir, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config)
+        self.step = 0  # the last step trained
+        self.cursor = 0  # the next absolute sample id to consider
+        self.ledger = SkipLedger()
+        self.lr_changes: list[LRChange] = []
+        self.paused = self.stopped = False
+        self.final_loss = math.nan
+        self._ids: np.ndarray | None = None
+        self._ids_step = 0
+        self._recorded = True
+        self._meta: dict[int, tuple[int, int, float, float, float]] = {}  # step -> ids lo, hi, lr x, peak, lr
+        self._healthy = True  # every loss since the last checkpoint was finite
+        self._started = False
+        self._closed = False
+        self.th = None
+        if thermometers is not False:
+            self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None)
+        self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
+        self._saved_lrs: list[Any] | None = None
+        self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
+                       optimizer.register_step_post_hook(self._after_optimizer_step)]
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def steps(self) -> Iterator[int]:
+        """The steps to train, 1-based. Resumes from the newest checkpoint; after a rollback it
+        yields the checkpoint's step + 1 again; blocks while paused; ends at `steps` or on stop."""
+        if not self._started:
+            self._resume()
+        while True:
+            if self._started and not self._recorded:
+                raise RuntimeError(f"step {self._ids_step}: call record(loss) once per step before the next one")
+            self._after_step()
+            self._obey()
+            while self.paused and not self.stopped:
+                time.sleep(min(self.run.poll_interval_s, 0.2))
+                self._obey()
+            if self.stopped or self.step >= self.total:
+                return
+            nxt = self.step + 1
+            self._prepare(nxt)
+            yield nxt
+
+    def batch_ids(self, step: int) -> np.ndarray:
+        """The absolute sample ids step `step` trains on (int64, `global_batch` of them), the skip
+        ledger applied: index your data with them (`data[ids % len(data)]`) so a skip is real."""
+        if step != self._ids_step or self._ids is None:
+            raise ValueError(f"batch_ids({step}): the step being trained is {self._ids_step}")
+        return self._ids
+
+    def record(self, loss: torch.Tensor | float, **values: float) -> None:
+        """Close the step: the loss (a tensor stays on its device), the thermometers, and any
+        extra scalars (`values`, floats). Sent in the background."""
+        step = self._ids_step
+        if self._recorded:
+            raise RuntimeError(f"record() called twice for step {step}, or before steps() yielded one")
+        lo, hi, mult, peak, lr = self._meta[step]
+        if self.th is not None:
+            self.th.end_step(loss=loss, lr=lr)
+            vals = self.th.collect(block=False)
+            while vals is not None:
+                self._emit(self.th.last_step, self.th.as_dict(vals), values)
+                vals = self.th.collect(block=False)
+        else:
+            self._emit(step, {"loss": float(loss), "lr": lr}, values)
+        self.cursor = hi if hi > lo else self.cursor
+        self.step = step
+        self._recorded = True
+
+    def close(self, *, finished: bool = True) -> None:
+        """Send what is left and end the run's session (the daemon keeps everything). The run
+        then reads "finished" with the last step trained and its loss (`final_loss`, NaN or Inf
+        included): "stopped" when a stop command ended it, "completed" when the steps were
+        trained, else "closed" (the loop ended early). `finished=False` says nothing of the sort
+        (a `with` block left by an exception: a crash is not a finish)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._collect_all()
+        for h in self._hooks:
+            h.remove()
+        if self.th is not None:
+            self.th.detach()
+        if not finished or not self._started:
+            self.run.finish()
+            return
+        reason = "stopped" if self.stopped else "completed" if self.step >= self.total else "closed"
+        self.run.finish(final_step=self.step, final_loss=self.final_loss, reason=reason)
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(finished=exc_type is None)
+
+    @property
+    def attempt(self) -> int:
+        return self.run.attempt
+
+    @property
+    def lr_multiplier(self) -> float:
+        return multiplier_at(self.step + 1, self.lr_changes)
+
+    # --- per step -----------------------------------------------------------------------------
+
+    def _prepare(self, step: int) -> None:
+        ids = self.ledger.take(self.cursor, self.global_batch)
+        self._ids, self._ids_step, self._recorded = ids, step, False
+        mult = multiplier_at(step, self.lr_changes)
+        k = step - 1 - self._peak_base
+        peak = float(self._peak[k]) if 0 <= k < len(self._peak) else math.nan
+        # the LR this step trains at: the schedule's now (the user's scheduler.step() comes after)
+        self._meta[step] = (int(ids[0]), int(ids[-1]) + 1, mult, peak * mult, self._schedule_lr() * mult)
+        if self.th is not None:
+            self.th.begin_step(step)
+
+    def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float]) -> None:
+        lo, hi, mult, peak, _ = self._meta.pop(step, (-1, -1, 1.0, math.nan, math.nan))
+        vals = {**vals, LR_MULTIPLIER: mult, **{k: float(v) for k, v in extra.items()}}
+        if math.isfinite(peak):
+            vals[LR_PEAK_AHEAD] = peak
+        loss = vals.get("loss", math.nan)
+        self._healthy &= math.isfinite(loss)
+        self.final_loss = loss
+        self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
+                                 ledger_digest=ledger_digest(self.ledger.ranges)))
+
+    def _collect_all(self) -> None:
+        if self.th is not None:
+            vals = self.th.collect(block=True)
+            while vals is not None:
+                self._emit(self.th.last_step, self.th.as_dict(vals), {})
+                vals = self.th.collect(block=True)
+
+    def _after_step(self) -> None:
+        if self._started and self.step and self.step % self.checkpoint_every == 0 and self._ids_step == self.step:
+            if not self._checkpoint_exists(self.step):
+                self._save(self.step)
+
+    # --- the LR multiplier, around optimizer.step() --------------------------------------------
+
+    def _schedule_lr(self) -> float:
+        lr = self.optimizer.param_groups[0]["lr"]
+        return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
+
+    def _before_optimizer_step(self, opt, args, kwargs) -> None:
+        mult = multiplier_at(self._ids_step, self.lr_changes)
+        if mult != 1.0:
+            self._saved_lrs = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * mult
+
+    def _after_optimizer_step(self, opt, args, kwargs) -> None:
+        if self._saved_lrs is not None:
+            for g, lr in zip(opt.param_groups, self._saved_lrs):
+                g["lr"] = lr
+            self._saved_lrs = None
+
+    def _forecast(self) -> np.ndarray:
+        """lr_peak_ahead on the schedule alone: peak[k] = the largest LR from step base+k+1 on,
+        from a dry run of a copy of the user's scheduler on a stand-in optimizer (never theirs)."""
+        self._peak_base = self.step
+        n = min(self.total - self.step, FORECAST_HORIZON)
+        now = self._schedule_lr()
+        if self.scheduler is None or n <= 0:
+            return np.full(max(n, 0), now)
+        try:
+            stand_in = torch.optim.SGD([torch.zeros(1)], lr=now)
+            stand_in.param_groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+                                      "params": [torch.zeros(1)]} for g in self.optimizer.param_groups]
+            # Every reference to the user's optimizer (SequentialLR's children too) becomes the stand-in.
+            sched = copy.deepcopy(self.scheduler, memo={id(self.optimizer): stand_in})
+            lrs = np.empty(n)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for i in range(n):
+                    lrs[i] = float(stand_in.param_groups[0]["lr"])
+                    sched.step()
+        except Exception as exc:  # noqa: BLE001 - a scheduler we cannot copy: no forecast, say so once
+            log.warning("thermowatch: cannot dry-run %s for lr_peak_ahead (%s); the LR forecast is off",
+                        type(self.scheduler).__name__, exc)
+            return np.zeros(0)
+        return np.maximum.accumulate(lrs[::-1])[::-1]
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def _obey(self) -> None:
+        for cmd in self.run.commands():
+            out = None
+            try:
+                out = self._carry_out(cmd)
+                ok, detail = True, out["detail"]
+            except _Refused as exc:
+                ok, detail = False, str(exc)
+            except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
+                log.exception("thermowatch: command %s failed", cmd)
+                ok, detail = False, f"{type(exc).__name__}: {exc}"
+            first = self.step + 1
+            out = out or {}
+            ckpt = out.get("checkpoint")
+            self.run.ack(Ack(command_id=cmd.id, ok=ok, step=first, detail=detail,
+                             checkpoint_step=ckpt[0] if ckpt else None, checkpoint_path=ckpt[1] if ckpt else None,
+                             lr_multiplier=multiplier_at(first, self.lr_changes), lr_change=out.get("lr_change"),
+                             lr_seq=out.get("lr_seq"), skipped=out.get("skipped", ()),
+                             ledger_digest=ledger_digest(self.ledger.ranges)), cmd)
+            self._save_state()
+
+    def _carry_out(self, cmd: Command) -> dict[str, Any]:
+        body = cmd.body
+        if isinstance(body, Pause):
+            self.paused = True
+            return {"detail": f"paused before step {self.step + 1}"}
+        if isinstance(body, Resume):
+            was, self.paused = self.paused, False
+            return {"detail": "resumed" if was else "was not paused"}
+        if isinstance(body, Stop):
+            self.stopped = True
+            return {"detail": f"stopping after step {self.step}"}
+        if isinstance(body, Skip):
+            self.ledger.add_many([r.to_json() for r in body.ranges])
+            return {"detail": f"skipping {', '.join(map(str, body.ranges))}", "skipped": body.ranges}
+        if isinstance(body, SetLR):
+            change = body.change(self.step + 1)
+            self.lr_changes.append(change)
+            return {"detail": f"{body.describe()} from step {change.start_step}", "lr_change": change,
+                    "lr_seq": len(self.lr_changes) - 1}
+        if isinstance(body, Rollback):
+            return self._rollback(body)
+        raise _Refused(f"{cmd.kind.value} is not supported by thermowatch.watch; the bundled trainer supports it")
+
+    def _rollback(self, cmd: Rollback) -> dict[str, Any]:
+        if cmd.exclude_rank is not None or cmd.exclude_node:
+            raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
+        target = min(cmd.to_step, self.step)
+        usable = [s for s in self._checkpoints() if s <= target]
+        if cmd.exact and cmd.to_step not in usable:
+            raise _Refused(f"--exact: checkpoint {cmd.to_step} is not in {self.dir} "
+                           f"(have {self._checkpoints() or 'none'})")
+        loaded = self._load_newest([cmd.to_step] if cmd.exact else usable)
+        if loaded is None and cmd.exact:
+            raise _Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable (the log says why)")
+        if loaded is None:
+            raise _Refused(f"no readable checkpoint at or before step {cmd.to_step} in {self.dir}; nothing to roll back to")
+        self.ledger.add_many([r.to_json() for r in cmd.skip])
+        change = seq = None
+        if cmd.lr is not None:
+            change = cmd.lr.change(loaded + 1)
+            self.lr_changes.append(change)
+            seq = len(self.lr_changes) - 1
+        abandoned = [s for s in self._checkpoints() if s > loaded]
+        for s in abandoned:
+            self._path(s).unlink(missing_ok=True)
+        prev = self.run.attempt
+        self.run.checkpoints_deleted(abandoned, f"abandoned by the rollback to step {loaded}")
+        if self.th is not None:
+            self.th.discard_pending()
+        self._meta.clear()
+        self._healthy = True
+        self.run.start(start_step=loaded)
+        self._peak = self._forecast()
+        detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
+                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
+                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
+        return {"detail": detail, "checkpoint": (loaded, str(self._path(loaded))), "lr_change": change, "lr_seq": seq,
+                "skipped": cmd.skip}
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def _path(self, step: int) -> Path:
+        return self.dir / f"step_{step:08d}.pt"
+
+    def _checkpoints(self) -> list[int]:
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _CKPT.match(p.name)))
+
+    def _checkpoint_exists(self, step: int) -> bool:
+        return self._path(step).exists()
+
+    def _save(self, step: int) -> None:
+        self._collect_all()  # the health of the steps before it is known before it is registered
+        state = {"step": step, "cursor": self.cursor, "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "rng": _rng_state()}
+        path = self._path(step)
+        tmp = path.with_name(path.name + ".partial")
+        torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.dir)
+        self._save_state()
+        self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=self._healthy,
+                                  manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
+        self._healthy = True
+        old = self._checkpoints()[:-self.keep_checkpoints]
+        for s in old:
+            self._path(s).unlink(missing_ok=True)
+        self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.keep_checkpoints}")
+
+    def _load(self, step: int) -> int:
+        state = torch.load(self._path(step), map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self._ids_step = self.step
+        return self.step
+
+    def _load_newest(self, steps: list[int]) -> int | None:
+        """Load the newest of these checkpoints that reads; an unreadable file falls back to an
+        older one. The step loaded, or None when none reads."""
+        for s in sorted(steps, reverse=True):
+            try:
+                return self._load(s)
+            except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so, try the next
+                log.error("thermowatch: checkpoint %s is unreadable (%s); trying an older one", self._path(s), exc)
+        return None
+
+    def _save_state(self) -> None:
+        """The ledger and the LR changes are absolute and outlive every rollback: kept beside the
+        checkpoints, not in them, so a relaunch has the newest."""
+        _write_json(self.dir / "watch.json", {"skip_ranges": self.ledger.to_json(),
+                                              "lr_changes": [c.to_json() for c in self.lr_changes]})
+
+    def _resume(self) -> None:
+        path = self.dir / "watch.json"
+        if path.exists():
+            obj = json.loads(path.read_text())
+            self.ledger = SkipLedger(obj.get("skip_ranges", []))
+            self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
+        start = self._load_newest(self._checkpoints()) or 0
+        self.run.start(start_step=start)
+        self._peak = self._forecast()
+        self._started = True
+        self._ids_step = self.step
+
+
+class _Refused(Exception):
+    """A command that cannot be carried out as asked; the ack says why."""
+
+
+def _rng_state() -> dict[str, Any]:
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Watch:
+    """Protect a training loop: see Watch and docs/any-trainer.md."""
+    return Watch(model, optimizer, **kwargs)

@@ -1,0 +1,316 @@
+"""The lower-level client: one run's conversation with the supervisor, for trainers that keep
+their own checkpoints and want typed commands (docs/any-trainer.md, "Your own checkpointing").
+
+    run = thermowatch.Run("my-run", steps=10_000, global_batch=512)   # server/token: see below
+    run.start(start_step=0)                    # registers the run (a new attempt each time)
+    run.send(record)                           # a StepRecord; queued, never blocks
+    run.checkpoint_saved(step, path, sample_cursor)
+    for cmd in run.commands():                 # typed commands (Rollback, Skip, SetLR, ...)
+        ...carry it out...
+        run.ack(Ack(command_id=cmd.id, ok=True, step=first_step_trained_after, ...))
+    run.finish(final_step=step, final_loss=loss, reason="completed")   # the run reads finished
+
+Where it sends: `server=`/`token=`, else `THERMOWATCH_SERVER`/`THERMOWATCH_TOKEN`, else the file
+`thermowatch login` wrote; with none of them an embedded supervisor (SQLite under `.thermowatch/`)
+runs in this process, as `thermowatch train` does without `--supervisor`.
+
+Nothing here runs on the caller's thread but a queue append: one background thread registers
+the run, sends records, checkpoints and acks in the order they were made (records before the
+ack of a command that came after them), and polls commands only once the run is registered.
+Commands are remembered with their acks (`state_dir/commands.json`), so a command delivered
+again (a lost ack, a restart) is answered with the same ack and never carried out twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunFinished, RunInfo, StepRecord
+from thermowatch.monitors.durable import fsync_dir
+
+log = logging.getLogger(__name__)
+
+def resolve_server(server: str | None, token: str | None) -> tuple[str | None, str | None]:
+    """The daemon's address and token, resolved as the command line resolves them (arguments, then
+    THERMOWATCH_SERVER / THERMOWATCH_TOKEN, then `thermowatch login`'s file); no server named
+    anywhere is None (the embedded supervisor), not the command line's default address."""
+    from thermowatch.supervisor.client import FROM_DEFAULT, resolve  # httpx and stdlib only
+
+    found = resolve(server, token)
+    return (None if found.server_from == FROM_DEFAULT else found.server), found.token
+
+
+class Run:
+    """One run's records, checkpoints, commands and acks, sent and polled off the caller's thread."""
+
+    def __init__(self, run_id: str, *, steps: int | None = None, global_batch: int | None = None,
+                 config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
+                 state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
+                 supervisor_config: Any = None) -> None:
+        RunInfo.from_json({"run_id": run_id, "attempt": 0, "world_size": world_size})  # a bad id fails here
+        self.run_id, self.world_size = run_id, world_size
+        self.config = dict(config or {})
+        if steps is not None:
+            self.config["steps"] = int(steps)
+        if global_batch is not None:
+            self.config.setdefault("data", {})["global_batch"] = int(global_batch)
+        self.state_dir = Path(state_dir or Path(".thermowatch") / "runs" / run_id)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.poll_interval_s = poll_interval_s
+        self.attempt = 0
+        self.last_step: int | None = None  # the newest step sent (finish()'s default final_step)
+        self.server, token = resolve_server(server, token)
+        if self.server:
+            from thermowatch.transport import HttpCommandChannel, HttpSink
+
+            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token)
+            self._channel: Any = HttpCommandChannel(self.server, token=token)
+            self._closers: list[Callable[[], None]] = [self._sink.close, self._channel.close]
+        else:
+            from thermowatch.supervisor.config import SupervisorConfig
+            from thermowatch.supervisor.service import Supervisor
+
+            sup = Supervisor(supervisor_config or SupervisorConfig.load())
+            self._sink = self._channel = self.supervisor = sup
+            self._closers = [sup.close]
+        self.acks: dict[int, Ack] = {}  # command id -> its ack (answered again on a re-delivery)
+        self._commands_seen: dict[int, dict[str, Any]] = {}
+        self._load_acks()
+        self._out: collections.deque[Callable[[], None]] = collections.deque()
+        self._inbox: collections.deque[Command] = collections.deque()
+        self._cv = threading.Condition()
+        self._registered = False
+        self._closing = False
+        self._idle = True
+        self.errors = 0  # sends or polls that raised (logged; training goes on)
+        self._thread = threading.Thread(target=self._io, name=f"thermowatch-{run_id}", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side: queue appends only -------------------------------------------------
+
+    def start(self, start_step: int = 0, hosts: dict[int, str] | None = None) -> int:
+        """Register a new attempt of the run starting after `start_step` (0 = from scratch; a
+        checkpoint's step after a resume or a rollback). Returns the attempt number, never reused."""
+        self.attempt = self._next_attempt()
+        info = RunInfo(self.run_id, self.attempt, self.world_size, dict(self.config), start_step, dict(hosts or {}))
+        self._submit(lambda: self._register(info))
+        return self.attempt
+
+    def send(self, record: StepRecord | Sequence[StepRecord]) -> None:
+        records = [record] if isinstance(record, StepRecord) else list(record)
+        if records:
+            self.last_step = max(self.last_step or 0, max(r.step for r in records))
+        self._submit(_Records(self.attempt, records))
+
+    def checkpoint_saved(self, step: int, path: str | os.PathLike, sample_cursor: int, healthy: bool = True,
+                         manifest: dict[str, Any] | None = None) -> None:
+        info = CheckpointInfo(step, str(path), sample_cursor, healthy, dict(manifest or {}))
+        attempt = self.attempt
+        self._submit(lambda: self._sink.checkpoint_saved(self.run_id, attempt, info))
+
+    def checkpoints_deleted(self, steps: Sequence[int], reason: str) -> None:
+        steps, attempt = [int(s) for s in steps], self.attempt
+        if steps:
+            self._submit(lambda: self._sink.checkpoints_deleted(self.run_id, attempt, steps, reason))
+
+    def commands(self) -> list[Command]:
+        """Commands received since the last call, oldest first; a command already answered is
+        answered again with its ack here and not returned (it was carried out once)."""
+        out = []
+        with self._cv:
+            while self._inbox:
+                out.append(self._inbox.popleft())
+        fresh = []
+        for cmd in out:
+            done = self.acks.get(cmd.id)
+            if done is not None and self._commands_seen.get(cmd.id) == cmd.to_json():
+                self._submit(lambda a=done: self._send_ack(a))
+            else:
+                fresh.append(cmd)
+        return fresh
+
+    def ack(self, ack: Ack, command: Command | None = None) -> None:
+        """Say what was really done. Remembered on disk before it leaves, so a restarted trainer
+        answers a re-delivered command with it instead of carrying the command out again."""
+        self.acks[ack.command_id] = ack
+        if command is not None:
+            self._commands_seen[command.id] = command.to_json()
+        self._save_acks()
+        self._submit(lambda: self._send_ack(ack))
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait until everything queued so far has been handed over (tests, shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._out or not self._idle:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        drain = getattr(self._sink, "drain", None)
+        return drain(timeout) if drain else True
+
+    def finish(self, timeout: float = 60.0, *, final_step: int | None = None, final_loss: float | None = None,
+               reason: str | None = None) -> None:
+        """Send everything still queued, then stop the background thread and close the sink.
+        With any of `final_step` (default: the last step sent), `final_loss` (None: none measured;
+        NaN is data) or `reason` ("completed", "stopped", default "closed"), first tell the daemon
+        this attempt finished (contract.RunFinished): the run then reads "finished" with that loss.
+        Without them nothing is said: a run closed for a restart is not finished."""
+        finished = None
+        if self.attempt and (final_step is not None or final_loss is not None or reason is not None):
+            try:
+                finished = RunFinished(step=(self.last_step or 0) if final_step is None else final_step,
+                                       final_loss=final_loss, reason=reason or "closed")
+            except Exception:
+                self._stop(timeout)  # a bad argument still closes the session, then says what was wrong
+                raise
+            attempt = self.attempt
+            self._submit(lambda: self._sink.finish_run(self.run_id, attempt, finished))
+        self._stop(timeout)
+
+    close = finish
+
+    def _stop(self, timeout: float) -> None:
+        self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        for close in self._closers:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - closing must not raise over the caller's result
+                log.exception("closing the run's sink")
+
+    # --- the background thread ----------------------------------------------------------------
+
+    def _submit(self, item: "Callable[[], None] | _Records") -> None:
+        with self._cv:
+            self._out.append(item)
+            self._cv.notify_all()
+
+    def _io(self) -> None:
+        next_poll = 0.0
+        while True:
+            with self._cv:
+                while not self._out and not self._closing and time.monotonic() < next_poll:
+                    self._idle = True
+                    self._cv.notify_all()
+                    self._cv.wait(max(0.0, next_poll - time.monotonic()))
+                if self._closing and not self._out:
+                    self._idle = True
+                    self._cv.notify_all()
+                    return
+                items = list(self._out)
+                self._out.clear()
+                self._idle = False
+            # Everything queued since the last turn goes out in order, consecutive steps of one
+            # attempt as one batch (one request, one transaction), however fast the loop runs.
+            for item in _coalesce(items):
+                if isinstance(item, _Records):
+                    self._guard(lambda r=item: self._sink.write(self.run_id, r.attempt, r.records))
+                else:
+                    self._guard(item)
+            # Polls are due on their own clock, never starved by a busy queue.
+            if self._registered and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.poll_interval_s
+                cmds = self._guard(lambda: self._channel.poll(self.run_id)) or []
+                if cmds:
+                    with self._cv:
+                        known = {c.id for c in self._inbox}
+                        self._inbox.extend(c for c in cmds if c.id not in known)
+            elif not self._registered:
+                next_poll = time.monotonic() + self.poll_interval_s
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - the daemon's problems never stop training
+            self.errors += 1
+            log.exception("thermowatch: a send or poll failed; training goes on")
+            return None
+
+    def _register(self, info: RunInfo) -> None:
+        self._sink.open_run(info)
+        self._confirm_registered()
+
+    def _confirm_registered(self, pause_s: float = 0.0) -> None:
+        """Poll only once the daemon has the run (a poll before it answers 404): over HTTP the
+        registration is sent by the sink's own thread, so wait for it here, off the caller's;
+        while it sits in the spool (the daemon away), look again a poll interval later."""
+        time.sleep(pause_s)
+        drain = getattr(self._sink, "drain", None)
+        if drain is None or (drain(30.0) and self._sink.spooled == 0):
+            self._registered = True
+        else:
+            self._submit(lambda: self._confirm_registered(self.poll_interval_s))
+
+    def _send_ack(self, ack: Ack) -> None:
+        drain = getattr(self._sink, "drain", None)
+        if drain is not None:
+            drain(30.0)  # the steps trained before the command reach the daemon before its ack
+        self._channel.ack(self.run_id, ack)
+
+    # --- what survives a restart: attempt numbers and acks ------------------------------------
+
+    def _next_attempt(self) -> int:
+        path = self.state_dir / "attempt.json"
+        last = self.attempt
+        try:
+            last = max(last, int(json.loads(path.read_text())["attempt"]))
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, OSError, TypeError):
+            log.warning("unreadable %s; numbering attempts from this process's memory", path)
+        _write_json(path, {"attempt": last + 1, "time": time.time()})
+        return last + 1
+
+    def _load_acks(self) -> None:
+        path = self.state_dir / "commands.json"
+        try:
+            obj = json.loads(path.read_text())
+            self.acks = {int(a["command_id"]): Ack.from_json(a) for a in obj.get("acks", [])}
+            self._commands_seen = {int(c["id"]): c for c in obj.get("commands", [])}
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log.error("unreadable %s (%s): commands acknowledged before may be carried out again", path, exc)
+
+    def _save_acks(self) -> None:
+        _write_json(self.state_dir / "commands.json",
+                    {"acks": [a.to_json() for a in self.acks.values()], "commands": list(self._commands_seen.values())})
+
+
+class _Records:
+    __slots__ = ("attempt", "records")
+
+    def __init__(self, attempt: int, records: list[StepRecord]) -> None:
+        self.attempt, self.records = attempt, records
+
+
+def _coalesce(items: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, _Records) and out and isinstance(out[-1], _Records) and out[-1].attempt == item.attempt:
+            out[-1] = _Records(item.attempt, out[-1].records + item.records)
+        else:
+            out.append(item)
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
