@@ -74,6 +74,13 @@ class Limits:
     # Active runs with series of their own in a `/metrics` scrape (supervisor.metrics); the rest
     # are counted. ~6 series a run, so a scrape stays under ~10^4 series however many tokens flood.
     max_runs_in_metrics: int = 1000
+    # Reads (GET/HEAD but the trainer's command poll, probes and static files) one client may
+    # make a minute, up to a sixth of them at once (supervisor.api.reads): an open run page reads
+    # a few a second, a script that pages through 10^5 runs ~10. Past it: 429 with Retry-After.
+    max_reads_per_client_per_minute: int = 1200
+    # Reads served at once, all clients together; the rest wait their turn (up to 10 s, then 503).
+    # Ingest then shares the CPU with at most this many read threads, however many read.
+    max_reads_in_flight: int = 2
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -122,7 +122,11 @@ def install_input_limits(app: FastAPI, limits: "Limits", in_flight: "InFlight") 
 
     from thermowatch.supervisor.api.body import BodyLimits
 
+    from thermowatch.supervisor.api.reads import ReadGate
+
     app.add_middleware(ParamLimits)
+    app.add_middleware(ReadGate, per_client_per_minute=limits.max_reads_per_client_per_minute,
+                       in_flight=limits.max_reads_in_flight)
     app.add_middleware(BodyLimits, default_bytes=limits.max_small_body_bytes, in_flight=in_flight)
 
     def handler(status: int, what: str):

@@ -7,7 +7,8 @@ What every route shares is written here once, not on each route:
   pydantic errors) is answered in that shape too (`validation_error`), and every operation
   documents the statuses the daemon's layers may give it: 400 unreadable body, 401/403 token,
   404 unknown run/action, 409 conflict, 413 too large (supervisor.api.body), 422 invalid,
-  429 quota, 503 database unavailable or too many bodies in flight (Retry-After).
+  429 quota or read budget (supervisor.api.reads), 503 database unavailable, too many bodies in
+  flight or reads waiting too long (Retry-After).
 - **Path parameters** hold what ParamLimits (supervisor.api) enforces before routing: a run id
   of 1-200 characters without '/', control characters, `.` or `..`; attempt and action ids
   within their Integer columns.
@@ -38,8 +39,8 @@ ERRORS = {
     "409": "conflicts with what is stored (stored history is immutable; an action in another state)",
     "413": "the body or batch is larger than this route takes",
     "422": "a value is invalid; the detail names it",
-    "429": "a quota is used up; Retry-After says when to try again",
-    "503": "the database is unavailable or the daemon is reading too many bodies; retry after Retry-After",
+    "429": "a quota or this client's read budget is used up; Retry-After says when to try again",
+    "503": "the database is unavailable or the daemon is busy (bodies or reads waiting); retry after Retry-After",
 }
 PATH_PARAMS = {
     "run_id": {"type": "string", "minLength": 1, "maxLength": RUN_ID_CHARS, "pattern": RUN_ID_PATTERN},
