@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from thermowatch.monitors.contract import TOKENS_PER_S  # noqa: E402
-from thermowatch.trainer.reduce import Reducer  # noqa: E402
+from thermowatch.monitors.reduce import Reducer  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -148,7 +148,7 @@ def _process_rank(rank: int, world: int, port: int, names: list[str], n_device: 
     import torch
     import torch.distributed as dist
 
-    from thermowatch.trainer.collective import CollectiveReducer
+    from thermowatch.monitors.collective import CollectiveReducer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -178,7 +178,7 @@ def collective_threads(names, n_device, world, steps) -> tuple[float, np.ndarray
     import torch.distributed as dist
     from torch.distributed import AllreduceOptions, HashStore, ProcessGroupGloo
 
-    from thermowatch.trainer.collective import CollectiveReducer
+    from thermowatch.monitors.collective import CollectiveReducer
 
     store = HashStore()
     groups: list = [None] * world

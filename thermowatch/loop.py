@@ -22,6 +22,14 @@ Every command is carried out here, on the training thread, between two steps:
 
 The ack says what was really done (the checkpoint loaded, the change applied, the ledger's
 digest). Sends and polls run on a background thread (thermowatch.run.Run).
+
+Under torchrun (a default process group of more than one rank, DDP or FSDP) every rank makes
+the same calls. Rank 0 alone talks to the supervisor; the commands it receives are broadcast at
+the step boundary, so every rank carries out each one before the same step. The thermometers
+are reduced across ranks on the device before their one host copy (monitors/collective.py:
+max, min, mean or sum as each metric's meaning needs). `batch_ids` is this rank's share of the
+step's global batch. Checkpoints are torch.distributed.checkpoint directories (every rank writes
+its shards; the scheduler and each rank's RNG beside them) in a `checkpoint_dir` every rank sees.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import math
 import os
 import random
 import re
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -41,18 +50,21 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
     LR_MULTIPLIER, LR_PEAK_AHEAD, Ack, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
     StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.run import Run, _write_json
 
 log = logging.getLogger(__name__)
 
 _CKPT = re.compile(r"^step_(\d{8,})\.pt$")
+_CKPT_DIR = re.compile(r"^step_(\d{8,})$")  # a torch.distributed.checkpoint directory (torchrun)
 FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (one pass, at start)
 
 
@@ -69,13 +81,19 @@ class Watch:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
                              f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.dist = _Ranks.detect(model)
+        if global_batch % self.dist.world:
+            raise ValueError(f"global_batch ({global_batch}) must divide among the {self.dist.world} ranks")
         self.total, self.global_batch = int(steps), int(global_batch)
         self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
         self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every}, **(config or {})}
-        self.run = Run(run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token,
-                       state_dir=self.dir, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config)
+        # Rank 0 talks to the supervisor; the others hear its commands through _agree().
+        self.run: Run | _Quiet = Run(
+            run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token, state_dir=self.dir,
+            world_size=self.dist.world, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config,
+        ) if self.dist.rank == 0 else _Quiet(poll_interval_s)
         self.step = 0  # the last step trained
         self.cursor = 0  # the next absolute sample id to consider
         self.ledger = SkipLedger()
@@ -90,8 +108,12 @@ class Watch:
         self._started = False
         self._closed = False
         self.th = None
+        self._reducer: Reducer | None = None
         if thermometers is not False:
             self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None)
+            if self.dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
+                self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
+                self._reducer = Reducer(self.th.names)
         self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
         self._saved_lrs: list[Any] | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -120,9 +142,13 @@ class Watch:
 
     def batch_ids(self, step: int) -> np.ndarray:
         """The absolute sample ids step `step` trains on (int64, `global_batch` of them), the skip
-        ledger applied: index your data with them (`data[ids % len(data)]`) so a skip is real."""
+        ledger applied: index your data with them (`data[ids % len(data)]`) so a skip is real.
+        Under torchrun: this rank's share, `global_batch / world` of them, rank 0's first."""
         if step != self._ids_step or self._ids is None:
             raise ValueError(f"batch_ids({step}): the step being trained is {self._ids_step}")
+        if self.dist.world > 1:  # this rank's contiguous share of the global batch
+            k = self.global_batch // self.dist.world
+            return self._ids[self.dist.rank * k:(self.dist.rank + 1) * k]
         return self._ids
 
     def record(self, loss: torch.Tensor | float, **values: float) -> None:
@@ -134,12 +160,9 @@ class Watch:
         lo, hi, mult, peak, lr = self._meta[step]
         if self.th is not None:
             self.th.end_step(loss=loss, lr=lr)
-            vals = self.th.collect(block=False)
-            while vals is not None:
-                self._emit(self.th.last_step, self.th.as_dict(vals), values)
-                vals = self.th.collect(block=False)
+            self._drain(False, values)
         else:
-            self._emit(step, {"loss": float(loss), "lr": lr}, values)
+            self._emit(step, {"loss": self.dist.mean(loss), "lr": lr}, values)
         self.cursor = hi if hi > lo else self.cursor
         self.step = step
         self._recorded = True
@@ -191,7 +214,17 @@ class Watch:
         if self.th is not None:
             self.th.begin_step(step)
 
-    def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float]) -> None:
+    def _drain(self, block: bool, extra: dict[str, float]) -> None:
+        vals = self.th.collect(block=block)
+        while vals is not None:
+            ranks: dict[str, int] = {}
+            if self._reducer is not None:
+                vals, ranks = self._reducer.unpack(vals)
+            self._emit(self.th.last_step, self.th.as_dict(vals), extra, ranks)
+            vals = self.th.collect(block=block)
+
+    def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float],
+              ranks: dict[str, int] | None = None) -> None:
         lo, hi, mult, peak, _ = self._meta.pop(step, (-1, -1, 1.0, math.nan, math.nan))
         vals = {**vals, LR_MULTIPLIER: mult, **{k: float(v) for k, v in extra.items()}}
         if math.isfinite(peak):
@@ -200,14 +233,11 @@ class Watch:
         self._healthy &= math.isfinite(loss)
         self.final_loss = loss
         self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
-                                 ledger_digest=ledger_digest(self.ledger.ranges)))
+                                 ranks=ranks or {}, ledger_digest=ledger_digest(self.ledger.ranges)))
 
     def _collect_all(self) -> None:
         if self.th is not None:
-            vals = self.th.collect(block=True)
-            while vals is not None:
-                self._emit(self.th.last_step, self.th.as_dict(vals), {})
-                vals = self.th.collect(block=True)
+            self._drain(True, {})
 
     def _after_step(self) -> None:
         if self._started and self.step and self.step % self.checkpoint_every == 0 and self._ids_step == self.step:
@@ -221,6 +251,8 @@ class Watch:
         return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
+        if self.th is not None:  # FSDP2: the grads are shards in .grad, which its hooks never see
+            self.th.grads_from_params(self.dist.sum_on_device)
         mult = multiplier_at(self._ids_step, self.lr_changes)
         if mult != 1.0:
             self._saved_lrs = [g["lr"] for g in opt.param_groups]
@@ -262,7 +294,7 @@ class Watch:
     # --- commands -----------------------------------------------------------------------------
 
     def _obey(self) -> None:
-        for cmd in self.run.commands():
+        for cmd in self.dist.agree(self.run.commands):
             out = None
             try:
                 out = self._carry_out(cmd)
@@ -309,7 +341,7 @@ class Watch:
         if cmd.exclude_rank is not None or cmd.exclude_node:
             raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
         target = min(cmd.to_step, self.step)
-        usable = [s for s in self._checkpoints() if s <= target]
+        usable = self.dist.from_rank0(lambda: [s for s in self._checkpoints() if s <= target])
         if cmd.exact and cmd.to_step not in usable:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} is not in {self.dir} "
                            f"(have {self._checkpoints() or 'none'})")
@@ -325,8 +357,10 @@ class Watch:
             self.lr_changes.append(change)
             seq = len(self.lr_changes) - 1
         abandoned = [s for s in self._checkpoints() if s > loaded]
-        for s in abandoned:
-            self._path(s).unlink(missing_ok=True)
+        self.dist.barrier()  # every rank has loaded before rank 0 deletes anything
+        if self.dist.rank == 0:
+            for s in abandoned:
+                self._remove(s)
         prev = self.run.attempt
         self.run.checkpoints_deleted(abandoned, f"abandoned by the rollback to step {loaded}")
         if self.th is not None:
@@ -334,6 +368,7 @@ class Watch:
         self._meta.clear()
         self._healthy = True
         self.run.start(start_step=loaded)
+        self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
         self._peak = self._forecast()
         detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
@@ -344,25 +379,39 @@ class Watch:
     # --- checkpoints --------------------------------------------------------------------------
 
     def _path(self, step: int) -> Path:
-        return self.dir / f"step_{step:08d}.pt"
+        return self.dir / (f"step_{step:08d}.pt" if self.dist.world == 1 else f"step_{step:08d}")
 
     def _checkpoints(self) -> list[int]:
-        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _CKPT.match(p.name)))
+        pattern = _CKPT if self.dist.world == 1 else _CKPT_DIR
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := pattern.match(p.name)))
+
+    def _remove(self, step: int) -> None:
+        path = self._path(step)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
     def _checkpoint_exists(self, step: int) -> bool:
         return self._path(step).exists()
 
     def _save(self, step: int) -> None:
         self._collect_all()  # the health of the steps before it is known before it is registered
-        state = {"step": step, "cursor": self.cursor, "model": self.model.state_dict(),
-                 "optimizer": self.optimizer.state_dict(),
+        extra = {"step": step, "cursor": self.cursor,
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "rng": _rng_state()}
         path = self._path(step)
         tmp = path.with_name(path.name + ".partial")
-        torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if self.dist.world > 1:
+            self.dist.save(self.model, self.optimizer, extra, tmp)
+            if self.dist.rank != 0:
+                self.dist.barrier()  # rank 0 renames, registers and prunes; then every rank goes on
+                self._healthy = True
+                return
+        else:
+            torch.save({**extra, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(self.dir)
         self._save_state()
@@ -371,13 +420,18 @@ class Watch:
         self._healthy = True
         old = self._checkpoints()[:-self.keep_checkpoints]
         for s in old:
-            self._path(s).unlink(missing_ok=True)
+            self._remove(s)
         self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.keep_checkpoints}")
+        if self.dist.world > 1:
+            self.dist.barrier()
 
     def _load(self, step: int) -> int:
-        state = torch.load(self._path(step), map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.dist.world > 1:
+            state = self.dist.load(self.model, self.optimizer, self._path(step))
+        else:
+            state = torch.load(self._path(step), map_location="cpu", weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
@@ -387,28 +441,35 @@ class Watch:
 
     def _load_newest(self, steps: list[int]) -> int | None:
         """Load the newest of these checkpoints that reads; an unreadable file falls back to an
-        older one. The step loaded, or None when none reads."""
+        older one. The step loaded, or None when none reads. Under torchrun every rank tries
+        the same ones in the same order and keeps one only when every rank read it."""
         for s in sorted(steps, reverse=True):
             try:
-                return self._load(s)
+                self._load(s)
+                ok = True
             except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so, try the next
                 log.error("thermowatch: checkpoint %s is unreadable (%s); trying an older one", self._path(s), exc)
+                ok = False
+            if self.dist.all_ok(ok):
+                return s
         return None
 
     def _save_state(self) -> None:
         """The ledger and the LR changes are absolute and outlive every rollback: kept beside the
-        checkpoints, not in them, so a relaunch has the newest."""
+        checkpoints, not in them, so a relaunch has the newest. Rank 0 keeps them."""
+        if self.dist.rank != 0:
+            return
         _write_json(self.dir / "watch.json", {"skip_ranges": self.ledger.to_json(),
                                               "lr_changes": [c.to_json() for c in self.lr_changes]})
 
     def _resume(self) -> None:
         path = self.dir / "watch.json"
-        if path.exists():
-            obj = json.loads(path.read_text())
-            self.ledger = SkipLedger(obj.get("skip_ranges", []))
-            self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
-        start = self._load_newest(self._checkpoints()) or 0
+        obj = self.dist.from_rank0(lambda: json.loads(path.read_text()) if path.exists() else {})
+        self.ledger = SkipLedger(obj.get("skip_ranges", []))
+        self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
+        start = self._load_newest(self.dist.from_rank0(self._checkpoints)) or 0
         self.run.start(start_step=start)
+        self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
         self._peak = self._forecast()
         self._started = True
         self._ids_step = self.step
@@ -431,6 +492,132 @@ def _set_rng_state(st: dict[str, Any]) -> None:
     random.setstate(st["python"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
+
+
+class _Ranks:
+    """The process group as the loop sees it; world 1 (every call local) without torchrun.
+
+    The loop's own agreement (commands, checkpoint choices, "did every rank read it") travels
+    on a gloo group on the host, whatever the training backend: it never waits on the device,
+    so the per-step broadcast of "any commands?" adds no device sync to a CUDA loop."""
+
+    def __init__(self, rank: int = 0, world: int = 1, group: Any = None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+
+    @classmethod
+    def detect(cls, model: torch.nn.Module) -> "_Ranks":
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), group)
+
+    def from_rank0(self, fn: Any) -> Any:
+        """fn() run on rank 0; its value on every rank."""
+        if self.world == 1:
+            return fn()
+        import torch.distributed as dist
+
+        box = [fn() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def agree(self, fetch: Any) -> list[Command]:
+        """Rank 0's commands, on every rank, at the same step boundary: one 8-byte broadcast a
+        step, and the commands themselves only when there are some."""
+        if self.world == 1:
+            return fetch()
+        import torch.distributed as dist
+
+        cmds = fetch() if self.rank == 0 else []
+        n = torch.tensor([len(cmds)], dtype=torch.int64)
+        dist.broadcast(n, src=0, group=self.group)
+        if int(n[0]) == 0:
+            return []
+        box = [cmds]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        if self.world == 1:
+            return ok
+        import torch.distributed as dist
+
+        t = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t[0])
+
+    def mean(self, loss: torch.Tensor | float) -> float:
+        """The loss averaged over the ranks (thermometers off; with them the reducer does it)."""
+        if self.world == 1:
+            return float(loss)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(loss)], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return float(t[0]) / self.world
+
+    def sum_on_device(self, t: torch.Tensor) -> None:
+        """In place, over the training group (the tensor's own device): sharded grads' squares."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], tmp: Path) -> None:
+        """Every rank writes its shards (torch.distributed.checkpoint: DDP's replicas once, FSDP's
+        shards each) and its own scheduler and RNG state beside them, into `tmp`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.rank == 0 and tmp.exists():  # a partial left by a crash
+            shutil.rmtree(tmp)
+        self.barrier()
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp))
+        part = tmp / f"extra_rank{self.rank}.pt"
+        torch.save(extra, part)
+        with open(part, "rb+") as f:
+            os.fsync(f.fileno())
+        self.barrier()
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, checkpoint_id=str(path))  # collective: every rank reaches it, whatever fails after
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        return torch.load(path / f"extra_rank{self.rank}.pt", map_location="cpu", weights_only=False)
+
+
+class _Quiet:
+    """Rank > 0's stand-in for Run under torchrun: rank 0 alone talks to the supervisor."""
+
+    supervisor = None
+
+    def __init__(self, poll_interval_s: float) -> None:
+        self.poll_interval_s = poll_interval_s
+        self.attempt = 0
+
+    def start(self, start_step: int = 0, hosts: Any = None) -> int:
+        return self.attempt
+
+    def commands(self) -> list[Command]:
+        return []
+
+    def send(self, *a: Any, **k: Any) -> None:
+        pass
+
+    ack = checkpoint_saved = checkpoints_deleted = finish = send
 
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Watch:

@@ -105,9 +105,9 @@ class TrainConfig:
     # reading them late would only delay records and commands by a step.
     read_late: bool | None = None
     # How the ranks' thermometer vectors become one record. "collective": the ranks all-reduce
-    # on the device (max/min with the extreme's rank, sum/mean; trainer.collective) and the
+    # on the device (max/min with the extreme's rank, sum/mean; monitors.collective) and the
     # driver receives one vector per step whatever the world size. "driver": every rank sends
-    # its vector and the controller reduces them (trainer.reduce; the path before issue 13,
+    # its vector and the controller reduces them (monitors.reduce; the path before issue 13,
     # kept as the reference the collective one is tested against, bit for bit).
     reduction: str = "collective"
     model: dict[str, Any] = field(

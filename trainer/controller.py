@@ -58,7 +58,7 @@ from thermowatch.trainer.lifecycle import (
 from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import CommandState, Obey
-from thermowatch.trainer.reduce import Reducer
+from thermowatch.monitors.reduce import Reducer
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 

@@ -110,7 +110,7 @@ class TrainWorker:
         # "driver": every rank hands out its own vector and the controller reduces them.
         self._collective = cfg.reduction == "collective"
         if self._collective:
-            from thermowatch.trainer.collective import CollectiveReducer
+            from thermowatch.monitors.collective import CollectiveReducer
 
             self.thermo.finish = CollectiveReducer(self.names, len(self.thermo.names), self.thermo.device,
                                                    self.rank, self.world_size)
@@ -156,7 +156,7 @@ class TrainWorker:
         loss, norm = self._engine.train_step(batch.inputs, batch.targets, self.thermo.measure_update)
         dt = time.perf_counter() - t0  # before end_step: the collective reduction takes tokens/s in
         # float32, like every other thermometer: then the float64 sum over ranks is exact in any
-        # order, and the collective reduction equals the driver's bit for bit (trainer.collective).
+        # order, and the collective reduction equals the driver's bit for bit (monitors.collective).
         tokens_per_s = float(np.float32(batch.inputs.numel() / dt))
         self.thermo.finish_args = (tokens_per_s,)
         self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
@@ -181,7 +181,7 @@ class TrainWorker:
 
     def _take(self) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(values, meta) of the oldest ended step. Collective reduction: rank 0 hands out the
-        reduced, packed vector (trainer.collective) and the other ranks None, so the driver
+        reduced, packed vector (monitors.collective) and the other ranks None, so the driver
         receives one vector per step whatever the world size; driver reduction: every rank
         hands out its own values."""
         values = self.thermo.collect()  # the oldest ended step: its copy finished a step ago

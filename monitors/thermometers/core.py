@@ -221,6 +221,8 @@ class Thermometers:
             for p in {id(p): p for p in mod.parameters() if id(p) in index}.values():
                 src.append(index[id(p)])
                 dst.append(g)
+        self._params = params
+        self._sum_ranks = None  # set by grads_from_params for one step: the squares' all-reduce
         self._pnorm = torch.zeros(len(params), dtype=torch.float32, device=self.device)
         self._pseen = [False] * len(params)
         self._src = torch.tensor(src, dtype=torch.long, device=self.device)
@@ -233,7 +235,7 @@ class Thermometers:
                                        split=cfg.update_split)
 
         # Maps the step's slot buffer to what is copied to the host, on the device and before
-        # the one copy (the trainer's cross-rank reduction, trainer.collective); None = the
+        # the one copy (the trainer's cross-rank reduction, monitors.collective); None = the
         # buffer itself. `finish_args` are host values for it, set before end_step.
         self.finish = None
         self.finish_args: tuple = ()
@@ -354,6 +356,25 @@ class Thermometers:
         yield
         self._update.after()
 
+    def grads_from_params(self, all_reduce=None) -> None:
+        """Gradient norms read from each parameter's `.grad`, on a sampled step whose hooks saw
+        no gradient: FSDP2 writes the reduce-scattered shard to `.grad` outside autograd, so the
+        per-parameter hooks never fire. A DTensor's local shard is read; `all_reduce(t)` (SUM
+        over the ranks, in place) then makes the group and global norms the whole model's.
+        Call after backward, before the optimizer step (thermowatch.watch does, in its step
+        pre-hook), on every rank alike; a no-op where the hooks measured."""
+        if not self._grad_on or any(self._pseen):
+            return
+        have = [(j, p.grad) for j, p in enumerate(self._params) if p.grad is not None]
+        if not have:
+            return
+        grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in have]
+        norms = torch._foreach_norm(grads)  # one kernel launch per dtype, as clip_grad_norm_ does
+        idx = torch.tensor([j for j, _ in have], dtype=torch.long, device=self.device)
+        self._pnorm.index_copy_(0, idx, torch.stack(norms).to(device=self.device, dtype=torch.float32))
+        self._pseen = [True] * len(self._pseen)
+        self._sum_ranks = all_reduce if any(hasattr(g, "to_local") for _, g in have) else None
+
     def end_step(self, loss=None, lr=None, grad_norm=None) -> None:
         """Close the step: scalars (floats or device tensors, never synced), group grad norms
         (global norm over this rank's gradients when `grad_norm` is None), one host copy."""
@@ -365,11 +386,16 @@ class Thermometers:
                 buf[i].fill_(float(val))
         if self._grad_on and any(self._pseen):
             sq = self._pnorm.square()
-            groups = torch.zeros(self._grad_slice.stop - self._grad_slice.start, device=self.device)
-            groups.index_add_(0, self._dst, sq.index_select(0, self._src))
-            buf[self._grad_slice].copy_(groups.sqrt_())
+            groups = torch.zeros(self._grad_slice.stop - self._grad_slice.start + 1, device=self.device)
+            groups[:-1].index_add_(0, self._dst, sq.index_select(0, self._src))
+            groups[-1] = sq.sum()
+            if self._sum_ranks is not None:  # shards: the squares add up over the ranks
+                self._sum_ranks(groups)
+                self._sum_ranks = None
+            groups.sqrt_()
+            buf[self._grad_slice].copy_(groups[:-1])
             if grad_norm is None:
-                buf[2].copy_(sq.sum().sqrt())
+                buf[2].copy_(groups[-1])
         self._act_on = self._attn_on = self._grad_on = self._update_on = False
         for a in self._attn:
             a.probe.mode = None

@@ -16,18 +16,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "any-trainer.md"
 EXAMPLES = re.findall(r"<!-- example -->\n```python\n(.*?)```", DOC.read_text(), re.S)
+TORCHRUN = re.findall(r"<!-- example: torchrun -->\n```python\n(.*?)```", DOC.read_text(), re.S)
 
 
 def test_the_page_has_its_examples():
     assert len(EXAMPLES) == 2 and all("import thermowatch" in e for e in EXAMPLES)
 
 
-def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+def _run(code: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}
-    env.update(XDG_CONFIG_HOME=str(cwd / "xdg"), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(XDG_CONFIG_HOME=str(cwd / "xdg"), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
     (cwd / "example.py").write_text(code)
-    return subprocess.run([sys.executable, "example.py"], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, *launcher, "example.py"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.mark.parametrize("i", range(len(EXAMPLES)))
@@ -46,3 +48,20 @@ def test_each_example_runs_as_written(i, tmp_path):
         assert {"loss", "lr", "attn_logit_max", "lr_multiplier"} <= keys, keys
     else:
         assert runs == {"own-ckpt": 20}
+
+
+def test_the_torchrun_example_runs_on_two_ranks(tmp_path):
+    from tests.live_server import free_port
+
+    assert len(TORCHRUN) == 1
+    r = _run(TORCHRUN[0], tmp_path, ("-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                     "--master_addr", "127.0.0.1", "--master_port", str(free_port())))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "run ddp-run: step 20, attempt 1" in r.stdout, r.stdout
+    db = sqlite3.connect(tmp_path / ".thermowatch" / "thermowatch.db")
+    assert dict(db.execute("SELECT run_id, MAX(step) FROM steps GROUP BY run_id").fetchall()) == {"ddp-run": 20}
+    assert db.execute("SELECT count(*) FROM steps WHERE run_id = 'ddp-run'").fetchone()[0] == 20  # rank 0's only
+    assert sorted(s for (s,) in db.execute("SELECT step FROM checkpoints WHERE run_id = 'ddp-run'")) == [10, 20]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == [
+        "step_00000010", "step_00000020"]
+    assert db.execute("SELECT world_size FROM attempts WHERE run_id = 'ddp-run'").fetchone()[0] == 2

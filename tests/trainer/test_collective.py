@@ -1,5 +1,5 @@
-"""The collective reduction (trainer.collective, issue 13 item 5) against the driver-side one
-(trainer.reduce.Reducer), bit for bit: first on hand-made rank vectors with NaN, ±Inf, ties and
+"""The collective reduction (monitors.collective, issue 13 item 5) against the driver-side one
+(monitors.reduce.Reducer), bit for bit: first on hand-made rank vectors with NaN, ±Inf, ties and
 outlier ranks, all-reduced by real gloo process groups; then on a real 2-rank DeepSpeed run."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from thermowatch.trainer.collective import CollectiveReducer
+    from thermowatch.monitors.collective import CollectiveReducer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     red = CollectiveReducer(NAMES, N_DEVICE, torch.device("cpu"))
@@ -68,7 +68,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_collective_reduction_equals_the_driver_reduction_bit_for_bit(tmp_path, world):
     import torch.multiprocessing as mp
 
-    from thermowatch.trainer.reduce import Reducer
+    from thermowatch.monitors.reduce import Reducer
     from thermowatch.trainer.worker import _free_port
 
     mp.spawn(_rank_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)

@@ -2,7 +2,7 @@
 
 `Reducer.__call__` reduces W rank vectors on the driver (TrainConfig.reduction = "driver");
 `Reducer.unpack` reads the one vector the ranks reduced among themselves on the device
-("collective", trainer.collective), which must give the same row and ranks."""
+("collective", monitors.collective), which must give the same row and ranks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Reducer:
         self.idx = {k: np.array([i for i, r in enumerate(kinds) if r is k], dtype=np.int64) for k in Reduce}
         self.max_names = [names[i] for i in self.idx[Reduce.MAX]]
         self.min_names = [names[i] for i in self.idx[Reduce.MIN]]
-        # The order of the collective vector's rank part (trainer.collective.CollectiveReducer).
+        # The order of the collective vector's rank part (monitors.collective.CollectiveReducer).
         self.extreme_names = [n for n, k in zip(names, kinds) if k in (Reduce.MAX, Reduce.MIN)]
 
     def unpack(self, packed: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:

@@ -9,7 +9,7 @@ sync), on every rank, right before the thermometers' one host copy:
   an int32 that sorts like the float (`_orderable`), the low 32 bits are W-1-rank, so the
   maximum names the value and the *lowest* rank that holds it, as numpy's argmax does. Each
   max- or min-reduced metric contributes two keys, its maximum and (negated) its minimum: the
-  pair tells whether the ranks disagree at all (trainer.reduce.Reducer names an extreme's rank
+  pair tells whether the ranks disagree at all (monitors.reduce.Reducer names an extreme's rank
   only then). NaN is data and must win, as numpy's max/argmax let it (the first NaN rank):
   it is given the largest key on the max side and the smallest on the min side.
 - SUM, in float64, of the mean- and sum-reduced metrics (and of this rank's tokens/s, a host

@@ -1,0 +1,73 @@
+"""thermowatch.watch under torchrun (issue 22, item 3): a 2-rank DDP loop on CPU (gloo) is rolled
+back and skips, every rank together, with one rank talking to the supervisor and the
+thermometers reduced across ranks on the device. The loop is tests/client/torchrun_loop.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.client.user_loop import REPO
+from tests.live_server import free_port
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import thermometers
+
+
+def _check(db, tmp_path, wrap: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                        str(REPO / "tests/client/torchrun_loop.py"), db.url, str(tmp_path / "data"), str(tmp_path), wrap],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    seq = [[(t["attempt"], t["step"]) for t in rk["trained"]] for rk in ranks]
+    # every rank trained the same steps in the same attempts: the commands met both at one boundary
+    assert seq[0] == seq[1]
+    assert ranks[0]["params"] == ranks[1]["params"]  # one model: DDP's replicas, FSDP's shards gathered
+    first = {t["step"]: t for t in ranks[0]["trained"] if t["attempt"] == 1}
+    again = [(s, a) for a, s in seq[0] if a == 2]
+    assert again[0][0] == 11  # rolled back to checkpoint 10: step 11 trained again
+    assert max(first) >= 15 and ranks[0]["step"] == seq[0][-1][1] < 400  # stopped early
+    # each rank trained its own half of the global batch, rank 0 the first
+    assert all(len(t["ids"]) == 4 for rk in ranks for t in rk["trained"])
+    step11 = [rk["trained"][seq[0].index((2, 11))]["ids"] for rk in ranks]
+    assert step11[0] + step11[1] == list(range(80, 88))  # re-trained from the checkpoint's cursor
+    # the skip: samples 96-119 never trained again, on any rank, and nothing else was passed over
+    retrained = sorted(i for rk in ranks for t in rk["trained"] if t["attempt"] == 2 for i in t["ids"])
+    assert not any(96 <= i < 120 for i in retrained)
+    assert retrained[:16] == list(range(80, 96)) and retrained[16:24] == list(range(120, 128))
+
+    with db.sessions() as s:
+        acts = {a.kind: a for a in actions_store.actions(s, wrap)}
+        by_attempt = thermometers.history_by_attempt(s, wrap, "loss")
+    assert acts["rollback"].state == "done" and acts["stop"].state == "done", acts
+    assert acts["rollback"].result["checkpoint_step"] == 10 and acts["rollback"].result["skipped"] == [[96, 120]]
+    # one record a step, from rank 0 only, with the loss averaged over both ranks' halves
+    steps, values = by_attempt[2]
+    losses = dict(zip(steps.tolist(), values.tolist()))
+    mine = {t["step"]: t["loss"] for t in ranks[0]["trained"] if t["attempt"] == 2}
+    theirs = {t["step"]: t["loss"] for t in ranks[1]["trained"] if t["attempt"] == 2}
+    assert sorted(losses) == sorted(mine)
+    for st in mine:
+        assert losses[st] == pytest.approx((mine[st] + theirs[st]) / 2, rel=1e-6)
+    assert not np.isclose(mine[11], theirs[11])  # the two halves differ: a mean, not rank 0's
+    # the gradient norm was measured (FSDP2's shards are read from .grad and their squares summed
+    # over the ranks: its hooks never see a gradient), so no step looked non-finite
+    with db.sessions() as s:
+        gsteps, gnorm = thermometers.history(s, wrap, "grad_norm")
+    assert len(gnorm) == len({s for _, s in seq[0]}) and np.isfinite(gnorm).all() and (gnorm > 0).all()
+
+
+def test_a_two_rank_ddp_loop_rolls_back_skips_and_stops_on_every_rank_at_once(db, tmp_path):
+    _check(db, tmp_path, "ddp")
+
+
+@pytest.mark.parametrize("db", ["postgres"], indirect=True)  # the DDP test covers both databases
+def test_a_two_rank_fsdp2_loop_rolls_back_skips_and_stops_on_every_rank_at_once(db, tmp_path):
+    _check(db, tmp_path, "fsdp")
