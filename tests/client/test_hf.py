@@ -5,7 +5,6 @@ input, so a stale batch the DataLoader fetched ahead would show."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -14,6 +13,7 @@ from tests.client.adapter_run import (
     ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
 )
 from thermowatch.integrations.hf import ThermowatchCallback
+from thermowatch.supervisor.api.runs import run_status
 from thermowatch.supervisor.config import SupervisorConfig
 
 
@@ -83,8 +83,6 @@ def test_a_stop_ends_the_trainer_and_the_run_reads_stopped(db, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
                              report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
     out = Trainer(model=model, args=args, train_dataset=tw.dataset(data), callbacks=[StopAt4(), tw]).train()
-    from thermowatch.supervisor.api.runs import run_status
-
     with db.sessions() as s:
         st = run_status(s, "hf-stop", stall_after_s=600)
     assert out.global_step == 4 and tw.step == 4
