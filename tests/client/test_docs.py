@@ -20,7 +20,7 @@ TORCHRUN = re.findall(r"<!-- example: torchrun -->\n```python\n(.*?)```", DOC.re
 
 
 def test_the_page_has_its_examples():
-    assert len(EXAMPLES) == 2 and all("import thermowatch" in e for e in EXAMPLES)
+    assert len(EXAMPLES) == 4 and all("import thermowatch" in e for e in EXAMPLES)
 
 
 def _run(code: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -46,8 +46,16 @@ def test_each_example_runs_as_written(i, tmp_path):
             "step_00000010.pt", "step_00000020.pt", "step_00000030.pt", "step_00000040.pt"]
         keys = {k for (k,) in db.execute("SELECT metric FROM series")}
         assert {"loss", "lr", "attn_logit_max", "lr_multiplier"} <= keys, keys
-    else:
+    elif i == 1:
         assert runs == {"own-ckpt": 20}
+    else:  # the Hugging Face Trainer and Lightning adapters: the same run, checkpoints and finish
+        run = "hf-run" if i == 2 else "pl-run"
+        assert f"run {run}: step 20, attempt 1" in r.stdout, r.stdout
+        assert runs == {run: 20}
+        ckpts = sorted(s for (s,) in db.execute("SELECT step FROM checkpoints WHERE run_id = ?", (run,)))
+        assert ckpts == [10, 20], ckpts
+        keys = {k for (k,) in db.execute("SELECT metric FROM series")}
+        assert {"loss", "lr", "lr_multiplier"} <= keys, keys
 
 
 def test_the_torchrun_example_runs_on_two_ranks(tmp_path):

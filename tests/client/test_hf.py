@@ -1,0 +1,89 @@
+"""The Hugging Face Trainer adapter (issue 22, item 6): a tiny random GPT-2 trained by the real
+`transformers.Trainer` (gradient accumulation 2, dropout on), an operator's skip and rollback
+carried out between two steps, on both databases. What each step trained is read at the model's
+input, so a stale batch the DataLoader fetched ahead would show."""
+
+from __future__ import annotations
+
+import torch
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from tests.client.adapter_run import (
+    ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
+)
+from thermowatch.integrations.hf import ThermowatchCallback
+from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.config import SupervisorConfig
+
+
+class Recorder(TrainerCallback):
+    """Listed before the adapter: it sees each step end before the adapter moves on."""
+
+    def __init__(self, tw: ThermowatchCallback, trained: Trained, op: Operator | None = None) -> None:
+        self.tw, self.trained, self.op = tw, trained, op
+        self.lr: dict[tuple[int, int], float] = {}  # the schedule's LR after each step
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def seen(mod, a, kw, out):
+            if mod.training:
+                self.trained.micro_batch(kw["input_ids"], float(out.loss.detach()))
+        model.register_forward_hook(seen, with_kwargs=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        w = self.tw.watch
+        self.trained.step_end(w.attempt, state.global_step)
+        self.lr[w.attempt, state.global_step] = kwargs["lr_scheduler"].get_last_lr()[0]
+        assert state.global_step == w._ids_step  # the Trainer and the Watch count the same steps
+        if self.op is None:
+            self.op = Operator(w.run.supervisor, w.run.run_id)
+        self.op.at_step_end(w, w.attempt, state.global_step)
+
+
+def test_the_trainer_carries_out_a_skip_and_a_rollback(db, tmp_path):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg)
+    data = [{"input_ids": x, "labels": x} for x in samples()]
+    tw = ThermowatchCallback(run="hf", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY, keep_checkpoints=10,
+                             poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained = Trained()
+    rec = Recorder(tw, trained)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUM, learning_rate=3e-3, lr_scheduler_type="linear",
+                             warmup_steps=3, report_to="none", save_strategy="no", logging_steps=5,
+                             disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=tw.dataset(data), callbacks=[rec, tw])
+    out = trainer.train()
+
+    assert out.global_step == STEPS and tw.step == STEPS and tw.watch.attempt == 2
+    check_rollback_and_skip(db, "hf", rec.op, trained, STEPS)
+    # the scheduler was rolled back with the rest: the re-trained steps follow the first pass's schedule
+    assert [rec.lr[2, s] for s in (11, 12)] == [rec.lr[1, s] for s in (11, 12)] and rec.lr[1, 12] < rec.lr[1, 11]
+    ckpt = torch.load(tmp_path / "ckpt" / f"step_{STEPS:08d}.pt", weights_only=False)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0)
+
+
+def test_a_stop_ends_the_trainer_and_the_run_reads_stopped(db, tmp_path):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
+    data = [{"input_ids": x, "labels": x} for x in samples()]
+    tw = ThermowatchCallback(run="hf-stop", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+
+    class StopAt4(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                op = Operator(tw.watch.run.supervisor, "hf-stop")
+                op._post(tw.watch, "stop", {})
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    out = Trainer(model=model, args=args, train_dataset=tw.dataset(data), callbacks=[StopAt4(), tw]).train()
+    with db.sessions() as s:
+        st = run_status(s, "hf-stop", stall_after_s=600)
+    assert out.global_step == 4 and tw.step == 4
+    assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "stopped", 4), st

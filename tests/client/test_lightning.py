@@ -1,0 +1,107 @@
+"""The Lightning adapter (issue 22, item 6): a small LightningModule (a causal transformer layer
+through nn.MultiheadAttention, dropout on) trained by the real `lightning.pytorch.Trainer` with
+gradient accumulation 2 and a step-interval warmup schedule; an operator's skip and rollback
+carried out between two steps, on both databases. What each step trained is read from the batch
+Lightning handed to training_step, so a stale batch its fetcher held ahead would show."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.client.adapter_run import (
+    ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
+)
+from thermowatch.integrations.lightning import ThermowatchCallback
+from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.config import SupervisorConfig
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layer = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=2 * d, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(d, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ - 1), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.head(self.layer(self.emb(x), src_mask=self.mask, is_causal=True))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * (1 - s / 40))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    """Listed before the adapter: it sees each step end before the adapter moves on."""
+
+    def __init__(self, tw: ThermowatchCallback, trained: Trained) -> None:
+        self.tw, self.trained, self.op, self.seen_step = tw, trained, None, 0
+        self.lr: dict[tuple[int, int], float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.trained.micro_batch(batch, float(outputs["loss"]))
+        if trainer.global_step == self.seen_step:
+            return
+        w = self.tw.watch
+        self.seen_step = step = trainer.global_step
+        assert step == w._ids_step  # Lightning and the Watch count the same steps
+        self.trained.step_end(w.attempt, step)
+        self.lr[w.attempt, step] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+        if self.op is None:
+            self.op = Operator(w.run.supervisor, w.run.run_id)
+        self.op.at_step_end(w, w.attempt, step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen_step = trainer.global_step  # after a rollback, the adapter set it back
+
+
+def _trainer(callbacks, **kw) -> pl.Trainer:
+    return pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
+
+
+def test_lightning_carries_out_a_skip_and_a_rollback(db, tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM()
+    tw = ThermowatchCallback(run="pl", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY, keep_checkpoints=10,
+                             poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained = Trained()
+    rec = Recorder(tw, trained)
+    trainer = _trainer([rec, tw], accumulate_grad_batches=ACCUM)
+    trainer.fit(model, tw.dataloader(list(samples()), batch_size=MICRO))
+
+    assert trainer.global_step == STEPS and tw.step == STEPS and tw.watch.attempt == 2
+    check_rollback_and_skip(db, "pl", rec.op, trained, STEPS)
+    # the scheduler was rolled back with the rest: the re-trained steps follow the first pass's schedule
+    assert [rec.lr[2, s] for s in (11, 12)] == [rec.lr[1, s] for s in (11, 12)] and rec.lr[1, 12] < rec.lr[1, 11]
+    ckpt = torch.load(tmp_path / "ckpt" / f"step_{STEPS:08d}.pt", weights_only=False)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0)
+
+
+def test_a_stop_ends_the_fit_and_the_run_reads_stopped(db, tmp_path):
+    torch.manual_seed(0)
+    tw = ThermowatchCallback(run="pl-stop", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+
+    class StopAt4(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4 and "stop" not in getattr(self, "op", Operator(None, "")).ids:
+                self.op = Operator(tw.watch.run.supervisor, "pl-stop")
+                self.op._post(tw.watch, "stop", {})
+
+    trainer = _trainer([StopAt4(), tw])
+    trainer.fit(TinyLM(), tw.dataloader(list(samples()), batch_size=MICRO))
+    with db.sessions() as s:
+        st = run_status(s, "pl-stop", stall_after_s=600)
+    assert trainer.global_step == 4 and tw.step == 4
+    assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "stopped", 4), st
