@@ -14,6 +14,10 @@ there was no effect. So reads are bounded twice, before any of them reaches a ro
   the others wait their turn (first come, first served) for up to `READ_QUEUE_S`, then get 503
   with Retry-After. However many clients or tokens read, ingest competes with at most that many
   read threads.
+- **Writes first**: a read that has its place still lets the POSTs in flight (a trainer's batch,
+  an ack) finish before it starts, waiting at most `YIELD_S`, so a read delays a batch only when
+  the batch arrives while the read already runs; under a stream of writes with no gap, reads
+  still start every `YIELD_S`.
 
 What is not a read here: every POST (ingest, acks, actions; their own bounds are in
 supervisor.api.body and supervisor.quota), the trainer's command poll (`GET .../commands`: a
@@ -34,6 +38,8 @@ from fastapi.responses import JSONResponse
 # How long a read waits for the gate before it is refused (503): longer than any page takes at
 # 10^5 runs (~0.3 s), shorter than a browser's or a script's patience.
 READ_QUEUE_S = 10.0
+# The most a read that has its place waits for the writes in flight to finish before it starts.
+YIELD_S = 0.05
 # Clients whose buckets are remembered; the oldest is forgotten first (it starts full again).
 MAX_CLIENTS = 10_000
 
@@ -103,12 +109,19 @@ class ReadGate:
         self.buckets = Buckets(per_client_per_minute, max(1, per_client_per_minute // 6))
         self.in_flight = in_flight
         self.queue_s = queue_s
+        self.yield_s = YIELD_S
+        self._writes = 0
+        self._no_writes: asyncio.Event | None = None
         self._active = 0
         self._waiters: deque[asyncio.Future] = deque()
         self.busy = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not is_read(scope["method"], scope["path"]):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "POST":
+            return await self._write(scope, receive, send)
+        if not is_read(scope["method"], scope["path"]):
             return await self.app(scope, receive, send)
         wait = self.buckets.take(client_key(scope))
         if wait > 0:
@@ -124,9 +137,26 @@ class ReadGate:
                            f"(limits.max_reads_in_flight); retry shortly"},
                 503, headers={"Retry-After": "2"})(scope, receive, send)
         try:
+            if self._writes:
+                try:
+                    await asyncio.wait_for(self._no_writes.wait(), self.yield_s)
+                except asyncio.TimeoutError:
+                    pass
             await self.app(scope, receive, send)
         finally:
             self._leave()
+
+    async def _write(self, scope, receive, send) -> None:
+        if self._no_writes is None:
+            self._no_writes = asyncio.Event()
+        self._writes += 1
+        self._no_writes.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._writes -= 1
+            if not self._writes:
+                self._no_writes.set()
 
     async def _enter(self) -> bool:
         """Take a place among the reads in flight, waiting up to queue_s in arrival order. A place

@@ -177,3 +177,63 @@ def test_a_read_that_waits_too_long_gets_503_and_a_client_that_leaves_gives_its_
         assert await asyncio.gather(_request(gate, "/e", "c5"), _request(gate, "/f", "c6")) == [200, 200]
         assert gate._active == 0
     asyncio.run(go())
+
+
+class HeldByPath(Held):
+    """Like Held, but each path waits on its own event (a POST and a read let go apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.order.append(scope["path"])
+        await self.events.setdefault(scope["path"], asyncio.Event()).wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _post(app, path: str) -> int:
+    status = []
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            status.append(msg["status"])
+
+    await app({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1)},
+              receive, send)
+    return status[0]
+
+
+def test_a_read_lets_the_writes_in_flight_finish_first_but_waits_no_longer_than_yield_s():
+    async def go():
+        inner = HeldByPath()
+        gate = ReadGate(inner, per_client_per_minute=6000, in_flight=2)
+        gate.yield_s = 0.5
+        batch = asyncio.create_task(_post(gate, "/api/runs/r/attempts/0/steps"))
+        await asyncio.sleep(0.01)
+        read = asyncio.create_task(_request(gate, "/api/runs"))
+        await asyncio.sleep(0.1)
+        assert inner.order == ["/api/runs/r/attempts/0/steps"]  # the read waits for the batch
+        inner.events["/api/runs/r/attempts/0/steps"].set()
+        assert await batch == 200
+        await asyncio.sleep(0.01)
+        assert inner.order[-1] == "/api/runs"  # ... and starts as soon as it is stored
+        inner.events["/api/runs"].set()
+        assert await read == 200
+        # a write that never ends delays a read by yield_s, no more
+        gate.yield_s = 0.05
+        stuck = asyncio.create_task(_post(gate, "/api/runs/r/acks"))
+        await asyncio.sleep(0.01)
+        inner.events["/api/runs/x/status"] = asyncio.Event()
+        inner.events["/api/runs/x/status"].set()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await _request(gate, "/api/runs/x/status") == 200
+        assert 0.04 <= loop.time() - t0 < 0.5
+        inner.events["/api/runs/r/acks"].set()
+        assert await stuck == 200 and gate._writes == 0 and gate._active == 0
+    asyncio.run(go())
