@@ -182,7 +182,8 @@ def serve(url: str, port: int) -> None:
     from thermowatch.supervisor.service import Supervisor
 
     cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-listing-")), db_url=url,
-                           api_token=os.environ["THERMOWATCH_API_TOKEN"])
+                           api_token=os.environ["THERMOWATCH_API_TOKEN"],
+                           limits=json.loads(os.environ.get("TW_BENCH_LIMITS", "{}")))
     app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
     settle_heap()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -194,10 +195,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+# The read budget and gate off (supervisor.api.reads): the daemon as it was before them.
+UNBOUNDED_READS = {"max_reads_per_client_per_minute": 10**9, "max_reads_in_flight": 10**6}
+
+
 class Daemon:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, limits: dict | None = None) -> None:
         self.port, self.token = _port(), "tw_" + secrets.token_urlsafe(32)
-        env = dict(os.environ, THERMOWATCH_API_TOKEN=self.token,
+        env = dict(os.environ, THERMOWATCH_API_TOKEN=self.token, TW_BENCH_LIMITS=json.dumps(limits or {}),
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(self.port)], env=env)
         self.http = self.client()
@@ -255,8 +260,15 @@ def reads(d: Daemon, cursor: str, repeat: int) -> dict[str, dict]:
 
 def ingest_under_reads(d: Daemon, batches: int, readers: int = 4, paced_s: float = 0.5) -> dict[str, dict]:
     """POST 10-step batches (the daemon judges them) one at a time: alone; while `readers`
-    threads each read the list or the index page every `paced_s` (open dashboards refreshing);
-    and while they read back to back (the report's "four lists running"). Latency per batch."""
+    threads, each with a read token of its own, read the list or the index page every
+    `paced_s` (open dashboards refreshing); and while they read back to back (the report's
+    "four lists running"). Latency per batch; reads served, and refused (429 over a client's
+    budget, 503 after waiting for the gate)."""
+    tokens = []
+    for _ in range(readers):
+        r = d.http.post("/api/tokens", json={"name": f"reader-{secrets.token_hex(3)}", "scopes": ["read"]})
+        r.raise_for_status()
+        tokens.append(r.json()["secret"])
     run = f"ingest-{secrets.token_hex(3)}"
     d.http.post("/api/runs", json={"run_id": run, "attempt": 0, "world_size": 8}).raise_for_status()
     step = 0
@@ -277,12 +289,18 @@ def ingest_under_reads(d: Daemon, batches: int, readers: int = 4, paced_s: float
         return {"p50_ms": statistics.median(ms), "p99_ms": sorted(ms)[int(0.99 * (len(ms) - 1))], "max_ms": max(ms)}
 
     def under(pause_s: float | None) -> dict:
-        stop, served = threading.Event(), [0]
+        stop, served, refused = threading.Event(), [0], [0]
 
         def reader(i: int) -> None:
             with d.client() as c:
+                c.headers["Authorization"] = f"Bearer {tokens[i]}"
                 while not stop.is_set():
-                    c.get("/api/runs" if i % 2 == 0 else "/").raise_for_status()
+                    r = c.get("/api/runs" if i % 2 == 0 else "/")
+                    if r.status_code in (429, 503):  # a well-behaved client waits as it is told
+                        refused[0] += 1
+                        stop.wait(float(r.headers.get("Retry-After", 1)))
+                        continue
+                    r.raise_for_status()
                     served[0] += 1
                     if pause_s:
                         stop.wait(pause_s)
@@ -297,7 +315,7 @@ def ingest_under_reads(d: Daemon, batches: int, readers: int = 4, paced_s: float
         stop.set()
         for th in threads:
             th.join(60)
-        return {**stats(ms), "reads_per_s": served[0] / took}
+        return {**stats(ms), "reads_per_s": served[0] / took, "refused_per_s": refused[0] / took}
 
     post_batches(20)  # warm-up: the detectors' windows
     return {"alone": stats(post_batches(batches)),
@@ -348,6 +366,12 @@ def main() -> None:
                         ingest[kind] = ingest_under_reads(d, args.batches)
                 finally:
                     d.close()
+                if size == "big" and args.batches:  # side by side: the same seed, reads unbounded
+                    d = Daemon(url, UNBOUNDED_READS)
+                    try:
+                        ingest[f"{kind}, reads unbounded"] = ingest_under_reads(d, args.batches)
+                    finally:
+                        d.close()
             finally:
                 drop_schema(schema)
         for name, big in figures["big"].items():
@@ -363,9 +387,10 @@ def main() -> None:
         print(f"{r['db']:<9}{r['read']:<33}{r['runs']:>8}{r['median_ms']:>11.1f}{r['max_ms']:>9.1f}{r['kb']:>8.1f}"
               f"{r['small_runs']:>8}{r['small_median_ms']:>11.1f}{r['big_over_small']:>10.2f}")
     for kind, res in ingest.items():
-        print(f"{kind}: ingest of 10-step batches at {seeds[f'{kind}/big']['runs']} runs: "
+        print(f"{kind}: ingest of 10-step batches at {seeds[kind.split(',')[0] + '/big']['runs']} runs: "
               + "; ".join(f"{k}: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f}, max {v['max_ms']:.1f}"
-                          + (f" ({v['reads_per_s']:.0f} reads/s served)" if "reads_per_s" in v else "")
+                          + (f" ({v['reads_per_s']:.0f} reads/s served, {v['refused_per_s']:.0f}/s refused)"
+                             if "reads_per_s" in v else "")
                           for k, v in res.items()))
     for r in rows:
         if r["read"] == "GET /metrics":
