@@ -73,3 +73,25 @@ def test_the_torchrun_example_runs_on_two_ranks(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == [
         "step_00000010", "step_00000020"]
     assert db.execute("SELECT world_size FROM attempts WHERE run_id = 'ddp-run'").fetchone()[0] == 2
+
+
+def test_every_thermowatch_name_the_readme_shows_exists():
+    """The README's sketches elide the user's model (`...`), so they cannot run; the names they
+    promise must still resolve, as the docs' runnable examples do."""
+    import importlib
+
+    text = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"\bthermowatch(?:\.\w+)+", text)) - {"thermowatch.service"}  # the systemd unit
+    assert {"thermowatch.watch", "thermowatch.integrations.hf.ThermowatchCallback",
+            "thermowatch.integrations.lightning.ThermowatchCallback"} <= names, names
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            assert hasattr(obj, attr), f"README names {name}, but {attr!r} is not there"
+            obj = getattr(obj, attr)
