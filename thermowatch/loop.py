@@ -35,7 +35,6 @@ its shards; the scheduler and each rank's RNG beside them) in a `checkpoint_dir`
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -52,14 +51,15 @@ import torch
 
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
-    LR_MULTIPLIER, LR_PEAK_AHEAD, Ack, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
+    LR_MULTIPLIER, LR_PEAK_AHEAD, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
     StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
-from thermowatch.run import Run, _write_json
+from thermowatch.protocol import CheckpointRef, Outcome, ack_for
+from thermowatch.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -295,49 +295,43 @@ class Watch:
 
     def _obey(self) -> None:
         for cmd in self.dist.agree(self.run.commands):
-            out = None
+            out, error = None, None
             try:
                 out = self._carry_out(cmd)
-                ok, detail = True, out["detail"]
             except _Refused as exc:
-                ok, detail = False, str(exc)
+                error = str(exc)
             except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
                 log.exception("thermowatch: command %s failed", cmd)
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            first = self.step + 1
-            out = out or {}
-            ckpt = out.get("checkpoint")
-            self.run.ack(Ack(command_id=cmd.id, ok=ok, step=first, detail=detail,
-                             checkpoint_step=ckpt[0] if ckpt else None, checkpoint_path=ckpt[1] if ckpt else None,
-                             lr_multiplier=multiplier_at(first, self.lr_changes), lr_change=out.get("lr_change"),
-                             lr_seq=out.get("lr_seq"), skipped=out.get("skipped", ()),
-                             ledger_digest=ledger_digest(self.ledger.ranges)), cmd)
-            self._save_state()
+                error = f"{type(exc).__name__}: {exc}"
+            ack = ack_for(cmd, out, error, first_step=self.step + 1, lr_changes=self.lr_changes,
+                          skip_ranges=self.ledger.ranges)
+            # remembered with the ledger and the LR changes before it leaves (thermowatch.protocol)
+            self.run.ack(ack, cmd, lr_changes=self.lr_changes, skip_ranges=self.ledger.ranges)
 
-    def _carry_out(self, cmd: Command) -> dict[str, Any]:
+    def _carry_out(self, cmd: Command) -> Outcome:
         body = cmd.body
         if isinstance(body, Pause):
             self.paused = True
-            return {"detail": f"paused before step {self.step + 1}"}
+            return Outcome(f"paused before step {self.step + 1}")
         if isinstance(body, Resume):
             was, self.paused = self.paused, False
-            return {"detail": "resumed" if was else "was not paused"}
+            return Outcome("resumed" if was else "was not paused")
         if isinstance(body, Stop):
             self.stopped = True
-            return {"detail": f"stopping after step {self.step}"}
+            return Outcome(f"stopping after step {self.step}")
         if isinstance(body, Skip):
             self.ledger.add_many([r.to_json() for r in body.ranges])
-            return {"detail": f"skipping {', '.join(map(str, body.ranges))}", "skipped": body.ranges}
+            return Outcome(f"skipping {', '.join(map(str, body.ranges))}", skipped=body.ranges)
         if isinstance(body, SetLR):
             change = body.change(self.step + 1)
             self.lr_changes.append(change)
-            return {"detail": f"{body.describe()} from step {change.start_step}", "lr_change": change,
-                    "lr_seq": len(self.lr_changes) - 1}
+            return Outcome(f"{body.describe()} from step {change.start_step}", lr_change=change,
+                           lr_seq=len(self.lr_changes) - 1)
         if isinstance(body, Rollback):
             return self._rollback(body)
         raise _Refused(f"{cmd.kind.value} is not supported by thermowatch.watch; the bundled trainer supports it")
 
-    def _rollback(self, cmd: Rollback) -> dict[str, Any]:
+    def _rollback(self, cmd: Rollback) -> Outcome:
         if cmd.exclude_rank is not None or cmd.exclude_node:
             raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
         target = min(cmd.to_step, self.step)
@@ -373,8 +367,8 @@ class Watch:
         detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
                   + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
-        return {"detail": detail, "checkpoint": (loaded, str(self._path(loaded))), "lr_change": change, "lr_seq": seq,
-                "skipped": cmd.skip}
+        return Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
+                       lr_seq=seq, skipped=cmd.skip)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -455,18 +449,17 @@ class Watch:
         return None
 
     def _save_state(self) -> None:
-        """The ledger and the LR changes are absolute and outlive every rollback: kept beside the
+        """The ledger and the LR changes are absolute and outlive every rollback: kept in the run's
+        command book (thermowatch.protocol, `checkpoint_dir/commands.json`) beside the
         checkpoints, not in them, so a relaunch has the newest. Rank 0 keeps them."""
-        if self.dist.rank != 0:
-            return
-        _write_json(self.dir / "watch.json", {"skip_ranges": self.ledger.to_json(),
-                                              "lr_changes": [c.to_json() for c in self.lr_changes]})
+        if self.dist.rank == 0:
+            self.run.book.save(self.lr_changes, self.ledger.ranges)
 
     def _resume(self) -> None:
-        path = self.dir / "watch.json"
-        obj = self.dist.from_rank0(lambda: json.loads(path.read_text()) if path.exists() else {})
-        self.ledger = SkipLedger(obj.get("skip_ranges", []))
-        self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
+        book = self.dist.from_rank0(lambda: {"skip_ranges": [r.to_json() for r in self.run.book.skip_ranges],
+                                             "lr_changes": [c.to_json() for c in self.run.book.lr_changes]})
+        self.ledger = SkipLedger(book["skip_ranges"])
+        self.lr_changes = [LRChange.from_json(c) for c in book["lr_changes"]]
         start = self._load_newest(self.dist.from_rank0(self._checkpoints)) or 0
         self.run.start(start_step=start)
         self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)

@@ -24,16 +24,15 @@ again (a lost ack, a restart) is answered with the same ack and never carried ou
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunFinished, RunInfo, StepRecord
-from thermowatch.monitors.durable import fsync_dir
+from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, LRChange, RunFinished, RunInfo, StepRecord
+from thermowatch.protocol import CommandBook, next_attempt
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +79,9 @@ class Run:
             sup = Supervisor(supervisor_config or SupervisorConfig.load())
             self._sink = self._channel = self.supervisor = sup
             self._closers = [sup.close]
-        self.acks: dict[int, Ack] = {}  # command id -> its ack (answered again on a re-delivery)
-        self._commands_seen: dict[int, dict[str, Any]] = {}
-        self._load_acks()
+        # The acks given (answered again on a re-delivery), with the LR changes and skip ranges the
+        # loop keeps beside them: thermowatch.protocol, the bundled controller's book too.
+        self.book = CommandBook(self.state_dir)
         self._out: collections.deque[Callable[[], None]] = collections.deque()
         self._inbox: collections.deque[Command] = collections.deque()
         self._cv = threading.Condition()
@@ -98,7 +97,7 @@ class Run:
     def start(self, start_step: int = 0, hosts: dict[int, str] | None = None) -> int:
         """Register a new attempt of the run starting after `start_step` (0 = from scratch; a
         checkpoint's step after a resume or a rollback). Returns the attempt number, never reused."""
-        self.attempt = self._next_attempt()
+        self.attempt = next_attempt(self.state_dir, self.attempt)
         info = RunInfo(self.run_id, self.attempt, self.world_size, dict(self.config), start_step, dict(hosts or {}))
         self._submit(lambda: self._register(info))
         return self.attempt
@@ -129,20 +128,19 @@ class Run:
                 out.append(self._inbox.popleft())
         fresh = []
         for cmd in out:
-            done = self.acks.get(cmd.id)
-            if done is not None and self._commands_seen.get(cmd.id) == cmd.to_json():
+            done = self.book.answered(cmd)
+            if done is not None:
                 self._submit(lambda a=done: self._send_ack(a))
             else:
                 fresh.append(cmd)
         return fresh
 
-    def ack(self, ack: Ack, command: Command | None = None) -> None:
-        """Say what was really done. Remembered on disk before it leaves, so a restarted trainer
-        answers a re-delivered command with it instead of carrying the command out again."""
-        self.acks[ack.command_id] = ack
-        if command is not None:
-            self._commands_seen[command.id] = command.to_json()
-        self._save_acks()
+    def ack(self, ack: Ack, command: Command | None = None, *, lr_changes: Iterable[LRChange] | None = None,
+            skip_ranges: Iterable[Any] | None = None) -> None:
+        """Say what was really done. Remembered on disk before it leaves (with the LR changes and
+        skip ranges as they now are, when given), so a restarted trainer answers a re-delivered
+        command with it instead of carrying the command out again."""
+        self.book.record(ack, command, lr_changes=lr_changes, skip_ranges=skip_ranges)
         self._submit(lambda: self._send_ack(ack))
 
     def flush(self, timeout: float | None = 60.0) -> bool:
@@ -259,35 +257,6 @@ class Run:
             drain(30.0)  # the steps trained before the command reach the daemon before its ack
         self._channel.ack(self.run_id, ack)
 
-    # --- what survives a restart: attempt numbers and acks ------------------------------------
-
-    def _next_attempt(self) -> int:
-        path = self.state_dir / "attempt.json"
-        last = self.attempt
-        try:
-            last = max(last, int(json.loads(path.read_text())["attempt"]))
-        except FileNotFoundError:
-            pass
-        except (ValueError, KeyError, OSError, TypeError):
-            log.warning("unreadable %s; numbering attempts from this process's memory", path)
-        _write_json(path, {"attempt": last + 1, "time": time.time()})
-        return last + 1
-
-    def _load_acks(self) -> None:
-        path = self.state_dir / "commands.json"
-        try:
-            obj = json.loads(path.read_text())
-            self.acks = {int(a["command_id"]): Ack.from_json(a) for a in obj.get("acks", [])}
-            self._commands_seen = {int(c["id"]): c for c in obj.get("commands", [])}
-        except FileNotFoundError:
-            pass
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            log.error("unreadable %s (%s): commands acknowledged before may be carried out again", path, exc)
-
-    def _save_acks(self) -> None:
-        _write_json(self.state_dir / "commands.json",
-                    {"acks": [a.to_json() for a in self.acks.values()], "commands": list(self._commands_seen.values())})
-
 
 class _Records:
     __slots__ = ("attempt", "records")
@@ -304,13 +273,3 @@ def _coalesce(items: list[Any]) -> list[Any]:
         else:
             out.append(item)
     return out
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)

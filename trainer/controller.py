@@ -15,7 +15,6 @@ state, written into every checkpoint manifest and re-applied on every start and 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -56,16 +55,16 @@ from thermowatch.trainer.lifecycle import (
     make_decision,
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
-from thermowatch.trainer.obey import ABANDONED as _ABANDONED
-from thermowatch.trainer.obey import CommandState, Obey
 from thermowatch.monitors.reduce import Reducer
+from thermowatch.protocol import CommandBook, next_attempt
+from thermowatch.trainer.obey import ABANDONED as _ABANDONED
+from thermowatch.trainer.obey import Obey
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
 log = logging.getLogger(__name__)
 
 _MAX_BUFFERED = 100_000  # records held while a sink keeps failing (~hours of steps), then dropped
-_ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
 
 
 class RunFailed(RuntimeError):
@@ -106,7 +105,7 @@ class RunController:
         self.store = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
         self.deleted_steps: set[int] = set()  # what retention removed, reported as it happens
         self.store.on_deleted = self._deleted
-        self.commands_state = CommandState(self.store.root)
+        self.commands_state = CommandBook(self.store.root)
         self.obey = Obey(self)
         self.loaded_checkpoint: CheckpointInfo | None = None
         self.schedule = config.lr_schedule()
@@ -231,21 +230,6 @@ class RunController:
 
     # --- attempts -------------------------------------------------------------------------------
 
-    def _next_attempt(self) -> int:
-        """Attempts never repeat across controller relaunches: the last one is kept on disk."""
-        path = self.store.root / "attempt.json"
-        last = self.attempt
-        if path.exists():
-            try:
-                last = max(last, int(json.loads(path.read_text())["attempt"]))
-            except (ValueError, KeyError, OSError):
-                log.warning("unreadable %s; numbering attempts from the controller's memory", path)
-        nxt = last + 1
-        tmp = path.with_name("attempt.json.partial")
-        tmp.write_text(json.dumps({"attempt": nxt, "time": time.time()}))
-        tmp.replace(path)
-        return nxt
-
     def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None:
         """New attempt number; state from `ckpt` (None = step 0) loaded into a new gang, or into
         the live one (`reuse_gang`, a rollback: saves the ~10 s of a gang bring-up; load_checkpoint
@@ -255,7 +239,7 @@ class RunController:
 
         self._drain()  # a live gang's held-back step belongs to the old attempt
         self._flush(force=True)  # the old attempt's records go out under the old number
-        self.attempt = self._next_attempt()
+        self.attempt = next_attempt(self.store.root, self.attempt)  # never repeats across relaunches
         self.result.attempts.append(self.attempt)
         while True:
             state = self._data_state(ckpt)

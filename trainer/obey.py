@@ -9,22 +9,17 @@ Commands are applied at most once: the ack of every applied command id is kept, 
 delivered again (a lost ack, a supervisor restart) is answered with the same ack, unchanged.
 That memory, the LR changes and the skip ledger are written to `commands.json` in the run's
 checkpoint root before the ack leaves, so a relaunched controller keeps what it acknowledged
-even when no checkpoint was saved since (the manifest alone would forget it).
+even when no checkpoint was saved since (the manifest alone would forget it). The book, the
+Outcome and the ack are thermowatch.protocol's: the same code as thermowatch.watch's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from thermowatch.monitors.contract import (
     Ack,
-    CheckpointInfo,
     Command,
     ContractError,
     LRChange,
@@ -32,74 +27,23 @@ from thermowatch.monitors.contract import (
     Profile,
     Resume,
     Rollback,
-    SampleRange,
     SetLR,
     Skip,
     Stop,
-    ledger_digest,
-    merge_ranges,
-    multiplier_at,
 )
+from thermowatch.protocol import CheckpointRef, Outcome, ack_for
+
 
 if TYPE_CHECKING:
     from thermowatch.trainer.controller import RunController
 
 log = logging.getLogger(__name__)
 
-_KEEP_ACKS = 10_000  # acks remembered for duplicate deliveries (commands are rare: hours of them)
 ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
 
 
 class Refused(Exception):
     """A command that cannot be carried out as asked; the message says why and what to do."""
-
-
-@dataclass
-class Outcome:
-    detail: str
-    checkpoint: CheckpointInfo | None = None
-    lr_change: LRChange | None = None
-    lr_seq: int | None = None
-    skipped: tuple[SampleRange, ...] = ()
-
-
-class CommandState:
-    """What the applied commands left behind, persisted next to the checkpoints."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = Path(root) / "commands.json"
-        self.acks: dict[int, Ack] = {}
-        self.commands: dict[int, dict[str, Any]] = {}  # id -> the command as applied (JSON)
-        self.lr_changes: list[LRChange] = []
-        self.skip_ranges: tuple[SampleRange, ...] = ()
-        self.loaded = False
-        if self.path.exists():
-            try:
-                obj = json.loads(self.path.read_text())
-                self.acks = {int(a["command_id"]): Ack.from_json(a) for a in obj.get("acks", [])}
-                self.commands = {int(c["id"]): c for c in obj.get("commands", [])}
-                self.lr_changes = [LRChange.from_json(c) for c in obj.get("lr_changes", [])]
-                self.skip_ranges = merge_ranges(tuple(r) for r in obj.get("skip_ranges", []))
-                self.loaded = True
-            except (OSError, ValueError, KeyError, TypeError, ContractError) as exc:
-                log.error("unreadable %s (%s); commands acknowledged since the last checkpoint may be lost, "
-                          "and the supervisor will page on the difference", self.path, exc)
-
-    def save(self, lr_changes: list[LRChange], skip_ranges) -> None:
-        self.lr_changes, self.skip_ranges = list(lr_changes), merge_ranges(skip_ranges)
-        if len(self.acks) > _KEEP_ACKS:
-            for cid in sorted(self.acks)[: len(self.acks) - _KEEP_ACKS]:
-                del self.acks[cid]
-                self.commands.pop(cid, None)
-        body = {"acks": [a.to_json() for a in self.acks.values()], "commands": list(self.commands.values()),
-                "lr_changes": [c.to_json() for c in self.lr_changes],
-                "skip_ranges": [r.to_json() for r in self.skip_ranges], "time": time.time()}
-        tmp = self.path.with_name(self.path.name + ".partial")
-        with open(tmp, "w") as f:
-            json.dump(body, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
 
 
 class Obey:
@@ -115,37 +59,25 @@ class Obey:
     def apply(self, cmd: Command, on_gang_failure: Callable[[BaseException], None],
               gang_failures: tuple[type[BaseException], ...]) -> Ack:
         ctl = self.ctl
-        state = ctl.commands_state
-        done = state.acks.get(cmd.id)
-        if done is not None and state.commands.get(cmd.id) == cmd.to_json():
-            log.info("command %d delivered again; answering with its ack (not applied twice)", cmd.id)
+        done = ctl.commands_state.answered(cmd)
+        if done is not None:
             return done
-        if done is not None:  # the same id for another command: a new queue (a reset database)
-            log.warning("command id %d was %s, now %s: applying the new one", cmd.id, state.commands.get(cmd.id),
-                        cmd.to_json())
         out: Outcome | None = None
+        error: str | None = None
         try:
             out = self.handlers[type(cmd.body)](cmd.body)
-            ok, detail = True, out.detail
         except gang_failures as exc:
             on_gang_failure(exc)
-            ok, detail = False, f"the gang failed while applying it ({exc!r}); restarted"
+            error = f"the gang failed while applying it ({exc!r}); restarted"
         except (Refused, ContractError) as exc:  # cannot be done as asked: refuse, keep training
             log.warning("command %s refused: %s", cmd, exc)
-            ok, detail = False, str(exc)
+            error = str(exc)
         except Exception as exc:  # noqa: BLE001 - a bug or a bad file: refuse, keep training
             log.exception("command %s failed", cmd)
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        first = ctl.step + 1
-        ack = Ack(command_id=cmd.id, ok=ok, step=first, detail=detail,
-                  checkpoint_step=out.checkpoint.step if out and out.checkpoint else None,
-                  checkpoint_path=out.checkpoint.path if out and out.checkpoint else None,
-                  lr_multiplier=multiplier_at(first, ctl.lr_changes),
-                  lr_change=out.lr_change if out else None, lr_seq=out.lr_seq if out else None,
-                  skipped=out.skipped if out else (), ledger_digest=ledger_digest(ctl.ledger.ranges))
-        state.acks[cmd.id], state.commands[cmd.id] = ack, cmd.to_json()
-        # Bookkeeping before the ack leaves: a crash after acking must not forget what was done.
-        state.save(ctl.lr_changes, ctl.ledger.ranges)
+            error = f"{type(exc).__name__}: {exc}"
+        ack = ack_for(cmd, out, error, first_step=ctl.step + 1, lr_changes=ctl.lr_changes,
+                      skip_ranges=ctl.ledger.ranges)
+        ctl.commands_state.record(ack, cmd, lr_changes=ctl.lr_changes, skip_ranges=ctl.ledger.ranges)
         return ack
 
     # --- handlers --------------------------------------------------------------------------
@@ -226,7 +158,8 @@ class Obey:
         detail = (f"rolled back to checkpoint {loaded.step}{without}; {asked}; attempt {prev_attempt} -> {ctl.attempt}"
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
                   + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
-        return Outcome(detail, checkpoint=loaded, lr_change=change, lr_seq=seq, skipped=cmd.skip)
+        return Outcome(detail, checkpoint=CheckpointRef(loaded.step, loaded.path), lr_change=change, lr_seq=seq,
+                       skipped=cmd.skip)
 
     def why_not(self, step: int) -> str:
         """Why checkpoint `step` is not the one loaded, in words for the ack."""
