@@ -12,8 +12,9 @@ step axis.
         "attempts":   [{attempt, start_step, started_at}],
         "thresholds": [{metric, value, label}]}
 
-`from_step`/`to_step` of a rollback: its incident's detection step and the step training resumed
-from (the trainer's ack, else the target asked for). `outcome`: the incident's resolution when
+`from_step`/`to_step` of a rollback: its incident's detection step and the checkpoint training
+resumed from (the one the trainer's ack says it loaded, else the one asked for); `ack_step` is
+the first step trained again, the checkpoint's + 1. `outcome`: the incident's resolution when
 closed, else the state of its newest action. Thresholds come from the daemon's detector config
 (the attention ceiling, on the logits and on their log-sum-exp bound). Non-finite evidence is the
 strings "NaN"/"Infinity" (supervisor.api.runs).
@@ -54,8 +55,7 @@ def thresholds(detectors: dict[str, Any]) -> list[dict[str, Any]]:
 def _rollback_steps(a: actions_store.ActionRow, detect: dict[int, int]) -> tuple[int | None, int | None]:
     if a.kind != "rollback":
         return None, None
-    to = a.ack_step if a.ack_step is not None else a.args.get("to_step")
-    return detect.get(a.incident_id) if a.incident_id is not None else None, to if isinstance(to, int) else None
+    return detect.get(a.incident_id) if a.incident_id is not None else None, a.rollback_to
 
 
 def run_events(s: Session, run_id: str, detectors: dict[str, Any]) -> dict[str, Any]:

@@ -54,6 +54,17 @@ class ActionRow:
     extra: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] | None = None  # the trainer's ack (contract.Ack JSON)
 
+    @property
+    def rollback_to(self) -> int | None:
+        """A rollback's checkpoint: the one the trainer loaded (its ack's `checkpoint_step`), else
+        the step asked (`args.to_step`). Never `ack_step`, the first step re-trained (checkpoint + 1):
+        a rollback to checkpoint 1000 was labelled "-> 1001" where the two were mixed (issue 22)."""
+        if self.kind != "rollback":
+            return None
+        loaded = (self.result or {}).get("checkpoint_step")
+        to = loaded if isinstance(loaded, int) else self.args.get("to_step")
+        return to if isinstance(to, int) and not isinstance(to, bool) else None
+
 
 def _row(a: Action) -> ActionRow:
     return ActionRow(a.id, a.run_id, a.kind, dict(a.args or {}), a.state, a.origin, a.who, a.reason, a.created_at,

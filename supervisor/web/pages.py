@@ -108,9 +108,8 @@ def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: i
     lo, hi = onset, detect
     for a in actions_store.actions(s, run_id, limit=10_000):
         if a.incident_id == incident_id and a.kind == "rollback":
-            target = a.ack_step if a.ack_step is not None else a.args.get("to_step")
-            if isinstance(target, int):
-                lo = min(lo, target)
+            if a.rollback_to is not None:
+                lo = min(lo, a.rollback_to)
     pad = max(ZOOM_MIN_PAD, (hi - lo) // 2)
     return max(0, lo - pad), hi + pad
 
@@ -127,11 +126,12 @@ def collect_marks(s: Session, run_id: str, selected: int | None):
     for a in actions_store.actions(s, run_id, limit=10_000):
         if a.kind != "rollback" or a.state not in ("acked", "done"):
             continue
-        to = a.ack_step if a.ack_step is not None else a.args.get("to_step")
-        if not isinstance(to, int):
+        to = a.rollback_to
+        if to is None:
             continue
         inc = incs.get(a.incident_id) if a.incident_id is not None else None
-        marks.rollbacks.append(RollbackMark(f"rollback #{a.id} -> {to}", inc["detect_step"] if inc else None, to))
+        marks.rollbacks.append(RollbackMark(f"rollback #{a.id} to checkpoint {to}", inc["detect_step"] if inc else None,
+                                            to))
     for c in lr_store.lr_changes(s, run_id):
         marks.lr_changes.append(LrMark(c.start_step, c.multiplier, c.steps))
     return marks

@@ -106,6 +106,16 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
     # steps 31.. trained again on the same ids, with the weights and RNG of step 30
     rb = rows["rollback"].result
     assert rb["checkpoint_step"] == 30 and rb["step"] == 31 and attempts == [1, 2]
+    # one name per concept (issue 22): the page and the events say the checkpoint loaded, 30,
+    # not the first step re-trained, 31 (a rollback to checkpoint 1000 was labelled "-> 1001")
+    from thermowatch.supervisor.api.events import run_events
+    from thermowatch.supervisor.web.pages import collect_marks
+
+    with db.sessions() as s:
+        ev = next(a for a in run_events(s, "mine", {})["actions"] if a["kind"] == "rollback")
+        marks = collect_marks(s, "mine", None)
+    assert (ev["to_step"], ev["ack_step"]) == (30, 31)
+    assert [(m.label, m.to_step) for m in marks.rollbacks] == [(f"rollback #{submitted['rollback']} to checkpoint 30", 30)]
     first = {s: (ids, noise) for a, s, ids, _, noise in trained if a == 1}
     again = {s: (ids, noise) for a, s, ids, _, noise in trained if a == 2}
     assert min(again) == 31 and again[31] == first[31]

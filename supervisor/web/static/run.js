@@ -124,7 +124,7 @@
       for (const a of ev.actions) {
         if (a.kind !== "rollback" || a.to_step == null || !["acked", "done"].includes(a.state)) continue;
         if (a.from_step != null) band(a.to_step, a.from_step, "rgba(110,110,110,0.10)");
-        vline(a.to_step, "#444", [2, 2], `rollback #${a.id} → ${a.to_step}`);
+        vline(a.to_step, "#444", [2, 2], `rollback #${a.id} to checkpoint ${a.to_step}`);
       }
       for (const i of ev.incidents) {
         const sel = i.id === selectedIncident;
