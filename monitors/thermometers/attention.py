@@ -83,8 +83,11 @@ def mha_scores_max(mha: nn.MultiheadAttention, args: tuple, kwargs: dict, heads:
 
 def softmax_entropy(scores: torch.Tensor) -> torch.Tensor:
     """Mean entropy (nats) per head of softmax(scores) over the last dim, [B, H, T, S] -> [H];
-    -inf entries are masked keys (entr(0) = 0); a fully masked row (NaN) is left out."""
-    ent = torch.special.entr(torch.softmax(scores.float(), dim=-1)).sum(-1)
+    -inf entries are masked keys (they add 0); a fully masked row (NaN) is left out.
+    -sum(p log p) from one log_softmax: on CPU ~half the time of entr(softmax(.)), the cost of
+    the found attention's figure on every sampled step (bench/thermometer_overhead_any.py)."""
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    ent = -(logp.exp() * logp.nan_to_num(nan=math.nan, neginf=0.0)).sum(-1)
     return ent.nanmean(dim=(0, 2))
 
 
@@ -132,6 +135,19 @@ def mha_scores_stats(
 # fp32 scores per chunk of heads (256 MB): bounds the explicit path's memory at long contexts.
 _CHUNK_ELEMENTS = 1 << 26
 
+_FUTURE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _future(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """SDPA's top-left causal mask (True = a key in the query's future), built once per shape."""
+    key = (t, s, device)
+    m = _FUTURE.get(key)
+    if m is None:
+        if len(_FUTURE) > 64:  # many shapes (variable lengths): keep the newest only
+            _FUTURE.clear()
+        m = _FUTURE[key] = torch.ones(t, s, dtype=torch.bool, device=device).triu(1)
+    return m
+
 
 @torch.no_grad()
 def sdpa_scores_stats(
@@ -166,22 +182,21 @@ def sdpa_scores_stats(
     if mask is not None and mask.shape[0] > 1:
         mask = mask[:n]
     group = q.shape[1] // k.shape[1]  # GQA: query heads per key head
+    per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * t * s))
+    whole = heads is None and group == 1 and q.shape[1] <= per_chunk  # no head to pick: no copies
     if heads is None:
         heads = torch.arange(q.shape[1], device=q.device)
-    future = None
-    if mask is None and is_causal:
-        future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1)
-    per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * t * s))
+    future = _future(t, s, q.device) if mask is None and is_causal else None
     maxes, ents = [], []
     for hs in heads.split(per_chunk):  # one chunk unless the scores are very large
-        qh = q.index_select(1, hs).float()
-        kh = k.index_select(1, hs // group if group > 1 else hs).float()
-        sc = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [n, h, L, S]
+        qh = q.float() if whole else q.index_select(1, hs).float()
+        kh = k.float() if whole else k.index_select(1, hs // group if group > 1 else hs).float()
+        sc = torch.matmul(qh * scale, kh.transpose(-1, -2))  # [n, h, L, S]; scaled on the smaller side
         if mask is not None:
-            m = mask if mask.shape[1] == 1 else mask.index_select(1, hs)
-            sc = sc.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else sc + m.float()
+            m = mask if mask.shape[1] == 1 or whole else mask.index_select(1, hs)
+            sc = sc.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else sc.add_(m.float())
         elif future is not None:
-            sc = sc.masked_fill(future, float("-inf"))
+            sc.masked_fill_(future, float("-inf"))
         maxes.append(sc.amax(dim=(0, 2, 3)))
         if entropy:
             ents.append(softmax_entropy(sc))
