@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -52,7 +53,7 @@ class Run:
     def __init__(self, run_id: str, *, steps: int | None = None, global_batch: int | None = None,
                  config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
                  state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
-                 supervisor_config: Any = None) -> None:
+                 send_interval_s: float = 0.5, supervisor_config: Any = None) -> None:
         RunInfo.from_json({"run_id": run_id, "attempt": 0, "world_size": world_size})  # a bad id fails here
         self.run_id, self.world_size = run_id, world_size
         self.config = dict(config or {})
@@ -88,6 +89,13 @@ class Run:
         self._registered = False
         self._closing = False
         self._idle = True
+        # Records wait up to this long for more to join their batch: one request every half
+        # second instead of one a step (a 10 steps/s loop paid ~5% of its CPU in requests,
+        # bench/client_overhead.py). Anything else queued (an ack, a checkpoint, the finish),
+        # flush() and close() send them at once, in order.
+        self.send_interval_s = send_interval_s
+        self._records_since: float | None = None  # when the oldest unsent record was queued
+        self._flushing = 0
         self.errors = 0  # sends or polls that raised (logged; training goes on)
         self._thread = threading.Thread(target=self._io, name=f"thermowatch-{run_id}", daemon=True)
         self._thread.start()
@@ -147,11 +155,16 @@ class Run:
         """Wait until everything queued so far has been handed over (tests, shutdown)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._out or not self._idle:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
+            self._flushing += 1
+            self._cv.notify_all()
+            try:
+                while self._out or not self._idle:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cv.wait(left)
+            finally:
+                self._flushing -= 1
         drain = getattr(self._sink, "drain", None)
         return drain(timeout) if drain else True
 
@@ -192,23 +205,38 @@ class Run:
 
     def _submit(self, item: "Callable[[], None] | _Records") -> None:
         with self._cv:
+            if isinstance(item, _Records) and self._records_since is None:
+                self._records_since = time.monotonic()
             self._out.append(item)
             self._cv.notify_all()
+
+    def _due(self) -> float | None:
+        """Seconds until what is queued must go (0: now), or None with nothing queued. Records
+        alone may wait for their batch to fill; anything else goes at once."""
+        if not self._out:
+            return None
+        if self._flushing or self._closing or not all(isinstance(i, _Records) for i in self._out):
+            return 0.0
+        return max(0.0, (self._records_since or 0.0) + self.send_interval_s - time.monotonic())
 
     def _io(self) -> None:
         next_poll = 0.0
         while True:
             with self._cv:
-                while not self._out and not self._closing and time.monotonic() < next_poll:
-                    self._idle = True
+                while not self._closing and time.monotonic() < next_poll:
+                    due = self._due()
+                    if due == 0.0:
+                        break
+                    self._idle = not self._out
                     self._cv.notify_all()
-                    self._cv.wait(max(0.0, next_poll - time.monotonic()))
+                    self._cv.wait(max(0.0, min(next_poll - time.monotonic(), due if due is not None else math.inf)))
                 if self._closing and not self._out:
                     self._idle = True
                     self._cv.notify_all()
                     return
                 items = list(self._out)
                 self._out.clear()
+                self._records_since = None
                 self._idle = False
             # Everything queued since the last turn goes out in order, consecutive steps of one
             # attempt as one batch (one request, one transaction), however fast the loop runs.
