@@ -110,7 +110,9 @@ class Watch:
         self.th = None
         self._reducer: Reducer | None = None
         if thermometers is not False:
-            self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None)
+            # gradient norms read from .grad in the optimizer pre-hook (_before_optimizer_step)
+            self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None,
+                                 grad_hooks=False)
             if self.dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
                 self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
                 self._reducer = Reducer(self.th.names)
@@ -251,7 +253,7 @@ class Watch:
         return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
-        if self.th is not None:  # FSDP2: the grads are shards in .grad, which its hooks never see
+        if self.th is not None:  # the grads as the optimizer sees them (FSDP2: local shards, summed)
             self.th.grads_from_params(self.dist.sum_on_device)
         mult = multiplier_at(self._ids_step, self.lr_changes)
         if mult != 1.0:

@@ -121,7 +121,8 @@ def _attn_kind(name: str, mod: nn.Module, cfg: ThermometerConfig) -> str | None:
 class Thermometers:
     """Build with `instrument(model, config)`. `names` is the fixed order of `collect()`."""
 
-    def __init__(self, model: nn.Module, config: ThermometerConfig | None = None, device=None) -> None:
+    def __init__(self, model: nn.Module, config: ThermometerConfig | None = None, device=None, *,
+                 grad_hooks: bool = True) -> None:
         cfg = config or ThermometerConfig()
         self.model, self.config = model, cfg
         param = next(model.parameters(), None)
@@ -227,8 +228,9 @@ class Thermometers:
         self._pseen = [False] * len(params)
         self._src = torch.tensor(src, dtype=torch.long, device=self.device)
         self._dst = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for j, p in enumerate(params):
-            self._handles.append(p.register_hook(self._grad_hook(j)))
+        if grad_hooks:  # else the caller reads .grad before the optimizer step: grads_from_params
+            for j, p in enumerate(params):
+                self._handles.append(p.register_hook(self._grad_hook(j)))
         self._update = None
         if cfg.update_ratio:
             self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start,
@@ -369,9 +371,12 @@ class Thermometers:
         if not have:
             return
         grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in have]
-        norms = torch._foreach_norm(grads)  # one kernel launch per dtype, as clip_grad_norm_ does
-        idx = torch.tensor([j for j, _ in have], dtype=torch.long, device=self.device)
-        self._pnorm.index_copy_(0, idx, torch.stack(norms).to(device=self.device, dtype=torch.float32))
+        norms = torch.stack(torch._foreach_norm(grads)).to(device=self.device, dtype=torch.float32)  # as clip_grad_norm_
+        if len(have) == len(self._params):
+            self._pnorm.copy_(norms)
+        else:  # a parameter without a gradient this step (frozen, unused) keeps its zero
+            self._pnorm.zero_()
+            self._pnorm.index_copy_(0, torch.tensor([j for j, _ in have], dtype=torch.long, device=self.device), norms)
         self._pseen = [True] * len(self._pseen)
         self._sum_ranks = all_reduce if any(hasattr(g, "to_local") for _, g in have) else None
 
@@ -471,10 +476,16 @@ class Thermometers:
 _MAX_PENDING = 2  # one per pinned host buffer
 
 
-def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None) -> Thermometers:
+def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None, *,
+               grad_hooks: bool = True) -> Thermometers:
     """Attach thermometers to `model` (any nn.Module). See ThermometerConfig for what is measured.
 
     Call it once the model sits on its device (e.g. after `deepspeed.initialize`), or pass
     `device`: the slots are allocated there. Works on a ZeRO-3 model whose parameters are
-    already partitioned (hooks go on the Parameter objects, which ZeRO keeps)."""
-    return Thermometers(model, config, device)
+    already partitioned (hooks go on the Parameter objects, which ZeRO keeps).
+
+    `grad_hooks=False`: no hook per parameter; the caller calls `grads_from_params()` between
+    backward and the optimizer step (thermowatch.watch does, in its step pre-hook). One foreach
+    norm over the finished gradients: cheaper on a small model, the norm of what the optimizer
+    steps with (accumulated micro-batches summed, AMP's scale already removed)."""
+    return Thermometers(model, config, device, grad_hooks=grad_hooks)

@@ -395,3 +395,36 @@ def test_grad_norms_under_deepspeed_zero(stage, tmp_path):
     assert res["grads_gone"]  # ZeRO really took the gradients away from .grad
     for name, want in res["want"].items():
         assert res["got"][name] == pytest.approx(want, rel=2e-2), name  # bf16 rounding of ref .grad
+
+
+def test_grad_norms_read_from_grad_equal_the_hooks_and_are_the_optimizers_gradient_under_accumulation():
+    """instrument(..., grad_hooks=False) + grads_from_params() (thermowatch.watch's way, and FSDP2's
+    only way): on one micro-batch the same figures as the per-parameter hooks; over two, the norm
+    of the summed gradient the optimizer steps with (what clip_grad_norm_ reports), where the
+    hooks combine the micro-batches' norms."""
+    from tests.fixtures.nanogpt import NanoConfig, NanoGPT
+
+    torch.manual_seed(0)
+    a = NanoGPT(NanoConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    b = copy.deepcopy(a)
+    hooks, read = instrument(a), instrument(b, grad_hooks=False)
+    x = torch.randint(0, 64, (3, 4, 17))
+
+    def step(model, th, micro: int) -> dict[str, float]:
+        th.begin_step(1)
+        model.zero_grad(set_to_none=True)
+        for i in range(micro):
+            model(x[i, :, :-1], x[i, :, 1:])[1].backward()
+        if th is read:
+            th.grads_from_params()
+        th.end_step(loss=0.0)
+        return {k: v for k, v in th.as_dict(th.collect()).items() if k.startswith("grad_norm")}
+
+    one_h, one_r = step(a, hooks, 1), step(b, read, 1)
+    assert one_h.keys() == one_r.keys() and len(one_h) > 3
+    for k in one_h:
+        assert one_r[k] == pytest.approx(one_h[k], rel=1e-5), k
+    two_r = step(b, read, 2)
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in b.parameters() if p.grad is not None]))
+    assert two_r["grad_norm"] == pytest.approx(want, rel=1e-5)
+    assert two_r["grad_norm"] != pytest.approx(step(a, hooks, 2)["grad_norm"], rel=1e-3)
