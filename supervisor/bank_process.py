@@ -35,7 +35,8 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank
 log = logging.getLogger(__name__)
 
 # What the daemon may ask of a bank in the child: DetectorBank's methods that the responder calls.
-_CALLS = frozenset({"observe", "observe_many", "check", "reset", "state_parts", "mark_saved", "load_state_parts"})
+_CALLS = frozenset({"observe", "observe_many", "check", "reset", "release_latches", "state_parts", "mark_saved",
+                    "load_state_parts"})
 
 
 class BankLost(RuntimeError):
@@ -188,6 +189,9 @@ class RemoteBank:
 
     def reset(self, to_step=None):
         return self._call("reset", to_step)
+
+    def release_latches(self):
+        return self._call("release_latches")
 
     def state_parts(self, dirty_only=False):
         return self._call("state_parts", dirty_only)

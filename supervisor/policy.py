@@ -242,6 +242,10 @@ class Decision:
     page: bool = False  # page a human now
     requires_approval: bool = False  # advise-only: do nothing until a human approves
     rung: int = 0  # 0: no ladder step (noop/alert), 1..3: the rung taken
+    # NOOP/ALERT held back by a step cooldown: the step it ends. The responder then lets the
+    # detectors fire again on a condition that persists (their latches would keep it silent for
+    # the rest of the run: issue 22), so a recurrence climbs the ladder after the cooldown.
+    recheck_step: int | None = None
 
     @property
     def acts(self) -> bool:
@@ -342,7 +346,8 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
         if into is not None and _family(h.signal) == fam:
             return Decision(DecisionKind.NOOP, [
                 head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
-                      f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect"])
+                      f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect, judged again at "
+                      f"step {_cooldown_end(cfg, h)} if it persists"], recheck_step=_cooldown_end(cfg, h))
     auto = [h for h in inp.history if h.automatic and h.kind in ACTIONS]
     # Non-finite values cannot be trained through: waiting out a cooldown only burns compute.
     if f.signal is not Signal.NON_FINITE:
@@ -355,7 +360,8 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
                 return Decision(DecisionKind.ALERT, [
                     head, f"cooldown: the last automatic {h.kind.value} (step {h.step}) was {why}; not acting "
                           "again so soon; if it persists it is handled after the cooldown"],
-                    page=f.severity is Severity.CRITICAL)
+                    page=f.severity is Severity.CRITICAL,
+                    recheck_step=_cooldown_end(cfg, h) if into is not None else None)
     in_window = [h for h in auto if inp.now - h.time < cfg.intervention_window_s]
     if len(in_window) >= cfg.max_interventions:
         return _pause(head, f"{len(in_window)} automatic interventions in the last "
@@ -392,6 +398,11 @@ def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None
     took_effect = h.first_step if h.first_step is not None else h.step
     lo = took_effect if h.kind is DecisionKind.ROLLBACK else min(h.step, took_effect)
     return step - took_effect if lo <= step < took_effect + cfg.cooldown_steps else None
+
+
+def _cooldown_end(cfg: PolicyConfig, h: Intervention) -> int:
+    """The first step past `h`'s step cooldown."""
+    return (h.first_step if h.first_step is not None else h.step) + cfg.cooldown_steps
 
 
 def _since_text(h: Intervention, into: int | None) -> str:

@@ -58,6 +58,10 @@ class Responder:
         self._process = process
         self._banks: dict[str, DetectorBank | RemoteBank] = {}
         self._attempts: dict[str, int] = {}  # newest attempt per run: older ones are not judged
+        # run -> (attempt, step): a step cooldown held a finding back until that step; once the
+        # run's records reach it the detectors' latches are released, so a divergence that is
+        # still there fires again and the policy decides, with the cooldown over (issue 22).
+        self._recheck: dict[str, tuple[int, int]] = {}
         self._state_every = state_save_every_s
         self._state_saved: dict[str, float] = {}  # run -> monotonic time of the last state save
         self._state_whole: set[str] = set()  # runs whose next save replaces every stored part
@@ -110,6 +114,7 @@ class Responder:
             bank = self.bank(run_id)
             # With the attempt, the bank skips steps it already judged (a batch delivered twice).
             found = bank.observe_many(records, attempt)
+            self._release_after_cooldown(run_id, attempt, records, bank)
             try:
                 # The findings first, then the state: a state saved with this batch judged (and
                 # its latches set) before its findings are stored would skip the batch when it is
@@ -127,6 +132,23 @@ class Responder:
                 self._banks.pop(run_id, None)
                 raise
             return found
+
+    def _release_after_cooldown(self, run_id: str, attempt: int, records, bank) -> None:
+        due = self._recheck.get(run_id)
+        if due is None:
+            return
+        if due[0] != attempt:  # another attempt since (a rollback rewound the detectors already)
+            del self._recheck[run_id]
+            return
+        if isinstance(records, StepColumns):
+            last = int(records.steps.max()) if len(records.steps) else -1
+        else:
+            last = max((r.step for r in records), default=-1)
+        if last >= due[1]:
+            del self._recheck[run_id]
+            bank.release_latches()
+            log.info("run %s: the cooldown that held a finding back ended at step %d; the detectors fire again "
+                     "on what persists", run_id, due[1])
 
     def rewind(self, run_id: str, to_step: int) -> None:
         """After a rollback to `to_step` took effect: detectors forget what came after it."""
@@ -209,6 +231,8 @@ class Responder:
             findings_store.add_finding(s, run_id, finding, incident_id, attempt)
             self._distrust_checkpoints(s, run_id, finding)
             decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight), attempt), self._policy)
+            if decision.recheck_step is not None and attempt is not None:
+                self._recheck[run_id] = (attempt, decision.recheck_step)
             log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
                      finding.onset_step, finding.detect_step, decision.kind.value, "; ".join(decision.reasons))
             self._executor.carry_out(s, run_id, incident_id, finding, decision)

@@ -296,6 +296,14 @@ class DetectorBank:
         f = self.stall.check(now)
         return [f] if f is not None else []
 
+    def release_latches(self) -> None:
+        """Every detector fires again on a condition that persists, from its next point; nothing
+        judged is forgotten. The responder calls it when a step cooldown that held a finding
+        back ends: a latched detector would otherwise stay silent for the rest of the excursion."""
+        for bank in self.series.values():
+            bank.release_latches()
+        self.outlier.release_latches()
+
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback to `to_step`: forget buffered points at/after it and all latches,
         keep the healthy history before it (no new warm-up). None forgets everything."""

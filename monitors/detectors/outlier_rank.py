@@ -211,6 +211,10 @@ class OutlierRankDetector:
         slots = (R.pos[row] - k + np.arange(k)) % R.H
         return R.steps[row, slots], R.vals[row, slots].astype(np.int64)
 
+    def release_latches(self) -> None:
+        """Forget the ranks already reported: one still out of line is reported again."""
+        self._latched[:] = -1
+
     def reset(self, to_step: int | None = None) -> None:
         R = self._rows
         R.rewind(as_rows(range(len(R))), to_step)

@@ -225,6 +225,12 @@ class SeriesBank:
         None, forget everything (warm-up starts again)."""
         self.reset_rows(as_rows(range(len(self.rows))), to_step)
 
+    def release_latches(self) -> None:
+        """Drop every latch and keep everything else (the points, the excursion counters): a
+        condition that persists fires again on its next point. After a cooldown that held a
+        finding back (supervisor.respond)."""
+        self.rows.reset_latch(as_rows(range(len(self.rows))))
+
     def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
         R = self.rows
         dropped = R.rewind(rows, to_step)
@@ -339,6 +345,9 @@ class Single:
 
     def reset(self, to_step: int | None = None) -> None:
         self.bank.reset(to_step)
+
+    def release_latches(self) -> None:
+        self.bank.release_latches()
 
     def state_dict(self) -> dict[str, Any]:
         return {"key": self.key, **self.bank.state_dict()}

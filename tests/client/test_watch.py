@@ -213,3 +213,42 @@ def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowe
     assert first["ok"] and first["skipped"] and first["lr_change"] is None  # rung 1: roll back, skip
     assert second["ok"] and second["lr_change"]["multiplier"] < 1.0  # rung 2: and lower the LR
     assert len(attempts) >= 3 and tw.lr_multiplier < 1.0
+
+
+def test_a_divergence_that_recurs_inside_a_step_cooldown_is_judged_again_when_the_cooldown_ends(db, tmp_path):
+    """Issue 22, item 9: a recurrence inside `cooldown_steps` is held back (the rollback is given
+    time to take effect), but a latched detector would then stay silent for the rest of the
+    excursion: before the fix this run trained 90 diverged steps with nothing done. Now the
+    detectors' latches are released when the cooldown ends and the ladder climbs (rung 2)."""
+    from tests.fixtures.diverging import DETECTORS, POLICY
+
+    cooldown = 25
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
+    model = user_model(seq=32, heads=4, d=64)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS),
+                           policy={**POLICY, "cooldown_steps": cooldown})
+    tw = thermowatch.watch(model, opt, run="recur", steps=60, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=2, keep_checkpoints=40, supervisor_config=cfg, poll_interval_s=0.1)
+    for step in tw.steps():
+        tw.record(train_step(model, opt, *user_batch(data, tw.batch_ids(step), 32)))
+        if tw.paused:
+            break
+    tw.close()
+    from sqlalchemy import text
+
+    with db.sessions() as s:
+        rollbacks = [a for a in sorted(actions_store.actions(s, "recur"), key=lambda a: a.id)
+                     if a.kind == "rollback" and a.origin == "auto"]
+        incidents = s.execute(text("SELECT detect_step, resolution FROM incidents WHERE run_id = 'recur' "
+                                   "ORDER BY id")).all()
+    assert len(rollbacks) >= 2 and all(a.state == "done" for a in rollbacks), [(a.state, a.reason) for a in rollbacks]
+    first_step = rollbacks[0].result["step"]  # where the first rollback took effect
+    held = [d for d, r in incidents if r.startswith("noop")]
+    assert held and all(first_step <= d < first_step + cooldown for d in held), incidents  # inside the cooldown
+    # ... and acted on once it ended: rung 2, the LR lowered
+    second = rollbacks[1]
+    assert second.result["lr_change"]["multiplier"] < 1.0
+    acted = [d for d, r in incidents if r.startswith("rollback done")]
+    assert len(acted) >= 2 and acted[1] >= first_step + cooldown, incidents

@@ -123,6 +123,36 @@ def test_a_bank_in_the_child_judges_as_one_in_this_process():
         host.bank(RUN)
 
 
+def test_released_latches_fire_again_on_what_persists_in_the_child_as_here():
+    """DetectorBank.release_latches (a step cooldown that held a finding back has ended, issue 22):
+    a latched detector stays silent on a divergence that goes on; released, it fires again on
+    the next point, and nothing judged is forgotten. The same through the detectors' process."""
+    cfg = BankConfig.from_dict(DETECTORS)
+    host = BankProcess(cfg)
+    try:
+        local, remote = DetectorBank(cfg), host.bank(RUN)
+        recs = diverging_records()
+
+        def ceiling(found):
+            return sorted((f.module, f.detect_step) for f in found if f.signal.value == "attn_logit_ceiling")
+
+        first = [m for r in recs[:70] for m in ceiling(local.observe(r, 0))]
+        assert [m for r in recs[:70] for m in ceiling(remote.observe(r, 0))] == first
+        modules = [m for m, _ in first]
+        assert first, "the run crossed no ceiling: the test proves nothing"
+        later = ceiling(local.observe_many(recs[70:75], 0))
+        assert later == ceiling(remote.observe_many(recs[70:75], 0))
+        assert not {m for m, _ in later} & set(modules), later  # still above, still silent
+        local.release_latches()
+        remote.release_latches()
+        again = ceiling(local.observe(recs[75], 0))
+        assert again == ceiling(remote.observe(recs[75], 0))
+        assert {m for m, _ in again} & set(modules) and {s for _, s in again} == {recs[75].step}, again
+        assert remote.state_parts() == local.state_parts()
+    finally:
+        host.close()
+
+
 def test_the_daemon_judges_in_the_child_and_finds_what_the_embedded_mode_finds(db, tmp_path, reference):
     sup = make_sup(db.url, tmp_path / "a", judge_inline=False)
     try:
