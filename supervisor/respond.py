@@ -16,6 +16,7 @@ against their own diverged past, nor wait through a fresh warm-up).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 
 # Signals that say nothing about the weights: a checkpoint saved during them is still healthy.
 _NOT_DIVERGENCE = frozenset({Signal.STALL.value, Signal.OUTLIER_RANK.value})
+
+
+# The responder's own part of a run's saved detector state (beside the bank's parts).
+_RESPONDER_PART = "responder"
 
 
 class Responder:
@@ -81,6 +86,7 @@ class Responder:
                 bank = self._new_bank(run_id)
                 with self._session() as s:
                     saved = detector_state.load_parts(s, run_id)
+                self._load_recheck(run_id, saved.pop(_RESPONDER_PART, None))
                 if not saved:
                     self._state_whole.add(run_id)
                 else:
@@ -133,6 +139,17 @@ class Responder:
                 raise
             return found
 
+    def _load_recheck(self, run_id: str, part: bytes | None) -> None:
+        """The cooldown reminder saved with the detectors' state: a daemon restarted inside a
+        cooldown still releases the latches when it ends."""
+        try:
+            due = json.loads(part)["recheck"] if part else None
+        except (ValueError, KeyError, TypeError):
+            log.warning("run %s: unreadable cooldown reminder in the detector state; dropped", run_id)
+            due = None
+        if due:
+            self._recheck[run_id] = (int(due[0]), int(due[1]))
+
     def _release_after_cooldown(self, run_id: str, attempt: int, records, bank) -> None:
         due = self._recheck.get(run_id)
         if due is None:
@@ -166,11 +183,13 @@ class Responder:
     def _save_state(self, run_id: str) -> None:
         bank = self._banks[run_id]
         whole = run_id in self._state_whole
+        due = self._recheck.get(run_id)
+        mine = {_RESPONDER_PART: json.dumps({"recheck": list(due) if due else None}).encode()}
         with self._session.begin() as s:
             if whole:
-                detector_state.replace_parts(s, run_id, bank.state_parts())
+                detector_state.replace_parts(s, run_id, {**bank.state_parts(), **mine})
             else:
-                detector_state.save_parts(s, run_id, bank.state_parts(dirty_only=True))
+                detector_state.save_parts(s, run_id, {**bank.state_parts(dirty_only=True), **mine})
         # After the commit: a failed save leaves the chunks dirty for the next one.
         bank.mark_saved()
         self._state_whole.discard(run_id)

@@ -405,3 +405,30 @@ def test_a_good_token_starts_and_an_unreachable_slack_starts_degraded(db, tmp_pa
             assert any("slack:#training-alerts" in w and "HTTP 500" in w for w in r.json()["warnings"]), r.json()
         finally:
             sup.close()
+
+
+def test_a_cooldown_reminder_survives_a_daemon_restart_and_releases_the_latches_when_due(db, tmp_path):
+    """Issue 22, item 9: the step at which a held-back finding is judged again is saved with the
+    run's detector state, so a daemon restarted inside the cooldown still releases the latches
+    when the run reaches it (a latched detector would stay silent for the rest of the excursion)."""
+    recs = diverging_records()
+    a = make_sup(db, tmp_path)
+    try:
+        a.open_run(RunInfo(RUN, 1, 1))
+        a.responder.on_records(RUN, 1, recs[:60])  # the ceiling detectors latch (logits > 150 from ~44)
+        a.responder._recheck[RUN] = (1, 70)  # as handle() leaves it when a cooldown holds a finding back
+        a.responder._save_state(RUN)
+    finally:
+        a.close()
+    b = make_sup(db, tmp_path)
+    try:
+        b.responder.bank(RUN)  # loads the saved state, the reminder with it
+        assert b.responder._recheck[RUN] == (1, 70)
+        b.responder.on_records(RUN, 1, recs[60:65])
+        assert b.responder._recheck[RUN] == (1, 70)  # not due yet
+        b.responder.on_records(RUN, 1, recs[65:70])  # reaches step 70: released, and forgotten
+        assert RUN not in b.responder._recheck
+        found = b.responder.on_records(RUN, 1, recs[70:71])
+        assert any(f.signal.value == "attn_logit_ceiling" for f in found), found  # what persists fires again
+    finally:
+        b.close()
