@@ -188,8 +188,8 @@ def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowe
     model = user_model(seq=32, heads=4, d=64)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS), policy=dict(POLICY))
-    tw = thermowatch.watch(model, opt, run="hot", steps=80, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=2, keep_checkpoints=40, supervisor_config=cfg, poll_interval_s=0.1)
+    tw = thermowatch.watch(model, opt, run="hot", steps=400, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=2, keep_checkpoints=200, supervisor_config=cfg, poll_interval_s=0.1)
     human = threading.Event()
 
     def on_call():  # rung 3 pauses for a human: this one looks and stops the run
@@ -199,9 +199,17 @@ def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowe
                 return
 
     threading.Thread(target=on_call, daemon=True).start()
-    for step in tw.steps():
+
+    def rollbacks_done() -> int:
+        with db.sessions() as s:
+            return sum(a.kind == "rollback" and a.origin == "auto" and a.state == "done"
+                       for a in actions_store.actions(s, "hot"))
+
+    for step in tw.steps():  # until rung 2 is carried out (or a human stops it): not a race with the clock
         loss = train_step(model, opt, *user_batch(data, tw.batch_ids(step), 32))
         tw.record(loss)
+        if step % 5 == 0 and tw.attempt >= 3 and rollbacks_done() >= 2:
+            break
     human.set()
     tw.close()
     with db.sessions() as s:
@@ -229,11 +237,20 @@ def test_a_divergence_that_recurs_inside_a_step_cooldown_is_judged_again_when_th
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS),
                            policy={**POLICY, "cooldown_steps": cooldown})
-    tw = thermowatch.watch(model, opt, run="recur", steps=60, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=2, keep_checkpoints=40, supervisor_config=cfg, poll_interval_s=0.1)
+    tw = thermowatch.watch(model, opt, run="recur", steps=400, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=2, keep_checkpoints=200, supervisor_config=cfg, poll_interval_s=0.1)
+
+    def rollbacks_done() -> int:
+        with db.sessions() as s:
+            return sum(a.kind == "rollback" and a.origin == "auto" and a.state == "done"
+                       for a in actions_store.actions(s, "recur"))
+
+    # This toy's steps take milliseconds, the supervisor's round trip (records batched for up to
+    # 0.5 s, judged, polled) longer: train until the second rollback is carried out, not a fixed
+    # number of steps that a fast machine finishes before the supervisor answers.
     for step in tw.steps():
         tw.record(train_step(model, opt, *user_batch(data, tw.batch_ids(step), 32)))
-        if tw.paused:
+        if tw.paused or (step % 5 == 0 and tw.attempt >= 3 and rollbacks_done() >= 2):
             break
     tw.close()
     from sqlalchemy import text
