@@ -13,6 +13,8 @@ threads) / the plain block's in that round (one torch thread). No checkpoints ar
 (checkpoint_every is past the end): saving is the user's cost with or without thermowatch.
 
     python bench/client_overhead.py [--steps 200] [--json]
+    python bench/client_overhead.py --device cuda --layers 12 --d-model 768 --heads 12 --seq-len 1024 \
+        --vocab 50304 --batch 16 --threads 4      # a GPU: GPT-2 small, bf16 autocast, fused AdamW
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (a GPU: bf16 autocast, blocks timed after a sync)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (the default on cuda)")
+    ap.add_argument("--data-rows", type=int, default=4096)
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="cuda: one more block per variant under torch.cuda.set_sync_debug_mode, printing "
+                         "where each host-device synchronisation came from")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args()
 
@@ -69,20 +77,57 @@ def serve(tmp: Path) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def syncs(names: list[str], run_block) -> None:
+    """Where each variant makes the host wait for the GPU: torch's sync debug mode warns at every
+    synchronising call; one block per variant, the calls counted by their innermost frame here."""
+    import collections
+    import traceback
+    import warnings
+
+    for name in names:
+        seen: collections.Counter = collections.Counter()
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+            ours = [f for f in frames if "/torch/" not in f.filename][-3:]
+            seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(ours))] += 1
+
+        old = warnings.showwarning
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                run_block(name)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+        print(f"  syncs in one block of {name}: {sum(seen.values())}")
+        for where, n in seen.most_common(8):
+            print(f"    {n:4d}  {where}")
+
+
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    bf16 = args.bf16 or cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
                      n_embd=args.d_model)
-    base = NanoGPT(cfg)
-    data = torch.randint(0, args.vocab, (4096, args.seq_len + 1))
+    base = NanoGPT(cfg).to(dev)
+    # The batch is gathered on the host and copied as a loader with pin_memory does (pinned,
+    # non_blocking): the same for every variant, and no copy that waits for the GPU.
+    data = torch.randint(0, args.vocab, (args.data_rows, args.seq_len + 1))
     tmp = Path(tempfile.mkdtemp(prefix="tw-client-bench-"))
     daemon, url = serve(tmp)
-    total = args.warmup + args.steps + args.block
+    total = args.warmup + args.steps + 2 * args.block  # a spare block: the rounds, and --sync-debug
     try:
         models = {k: copy.deepcopy(base) for k in ("plain", "thermo", "watch")}
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=cuda or None) for k, m in models.items()}
         th = instrument(models["thermo"])
         tw = thermowatch.watch(models["watch"], opts["watch"], run="bench", steps=total, global_batch=args.batch,
                                server=url, token=TOKEN, checkpoint_dir=tmp / "ckpt", checkpoint_every=total + 1)
@@ -99,8 +144,12 @@ def main() -> None:
                 rows = torch.arange((s - 1) * args.batch, s * args.batch) % len(data)
                 if name == "thermo":
                     th.begin_step(s)
-            x, y = data[rows, :-1], data[rows, 1:]
-            _, loss = model(x, y)
+            xy = data[rows]
+            if cuda:
+                xy = xy.pin_memory().to(dev, non_blocking=True)
+            x, y = xy[:, :-1], xy[:, 1:]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(x, y)
             loss.backward()
             if name == "thermo":
                 with th.measure_update():
@@ -110,14 +159,17 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             if name == "thermo":
                 th.end_step(loss=loss, lr=1e-3)
-                th.collect()
+                while th.collect(block=False) is not None:  # a step late, as watch reads them
+                    pass
             elif name == "watch":
                 tw.record(loss)
 
         def block(name: str, n: int) -> tuple[float, float]:
+            sync()
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 one(name)
+            sync()
             return (time.perf_counter() - w0) / n * 1e3, (time.process_time() - c0) / n * 1e3
 
         names = list(models)
@@ -131,6 +183,8 @@ def main() -> None:
                 w, c = block(name, args.block)
                 wall[name].append(w)
                 cpu[name].append(c)
+        if args.sync_debug and cuda:
+            syncs(names, lambda name: block(name, args.block))
         sent_ok = tw.run.flush(60)
         tw.close()
         stored = httpx.get(f"{url}/api/runs/bench", headers={"Authorization": f"Bearer {TOKEN}"}).json()
@@ -139,7 +193,9 @@ def main() -> None:
         daemon.wait(30)
     ratio = {k: statistics.median(a / p for a, p in zip(wall[k], wall["plain"])) for k in names}
     cratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
-    print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} fp32, "
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
+          f"{'bf16 autocast' if bf16 else 'fp32'} on {where}, "
           f"{len(wall['plain'])} rounds of {args.block} steps, torch threads {torch.get_num_threads()}; "
           f"the daemon stored {stored.get('last_step')} steps (all sent: {sent_ok})")
     print(f"  {'variant':<8}{'wall ms/step':>14}{'wall ratio':>12}{'CPU ratio':>11}")

@@ -16,7 +16,14 @@ Variants:
                default with one group off: the attention entropy, activation max/min, the
                gradient norms, the update ratio (what each costs: default / it)
 
+  no_z         default without z/<head> (logsumexp over the vocabulary of every token)
+
+On a GPU (--device cuda: bf16 autocast, a block timed by the wall clock after a sync, the values
+read a step late with collect(block=False), as thermowatch.watch reads them):
+
     python bench/thermometer_overhead_any.py [--steps 100] [--json]
+    python bench/thermometer_overhead_any.py --device cuda --layers 12 --d-model 768 --heads 12 \
+        --seq-len 1024 --vocab 50304 --batch 16 --threads 4
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ _NEVER = 10**9  # a sampling interval no step reaches: the group is off
 VARIANTS = {"plain": None, "default": {}, "no_attn": {"attn_find": False}, "attn_exact": {"attn_mode": "exact"},
             # each group off in turn: where the default's cost goes (issue 22's <= 3% goal)
             "no_entropy": {"attn_entropy": False}, "no_act": {"act_every": _NEVER}, "no_grad": {"grad_every": _NEVER},
-            "no_update": {"update_ratio": False}}
+            "no_update": {"update_ratio": False}, "no_z": {"z_patterns": ()}}
 
 
 def parse() -> argparse.Namespace:
@@ -55,6 +62,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args()
 
@@ -65,27 +73,33 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
                      n_embd=args.d_model)
-    base = NanoGPT(cfg)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    base = NanoGPT(cfg).to(dev)
     models, thermos, opts = {}, {}, {}
     for name, over in VARIANTS.items():
         models[name] = copy.deepcopy(base)
         if over is not None:
             thermos[name] = instrument(models[name], ThermometerConfig(**over))
-        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
-    data = torch.randint(0, args.vocab, (64, args.seq_len + 1))
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3, fused=cuda or None)
+    data = torch.randint(0, args.vocab, (64, args.seq_len + 1), device=dev)
+    clock = time.perf_counter if cuda else time.process_time
     counter = dict.fromkeys(models, 0)
 
     def run(name: str, n: int) -> float:
         model, opt, th = models[name], opts[name], thermos.get(name)
-        c0 = time.process_time()
+        if cuda:
+            torch.cuda.synchronize()
+        c0 = clock()
         for _ in range(n):
             s = counter[name]
             counter[name] += 1
-            rows = torch.arange(s * args.batch, (s + 1) * args.batch) % len(data)
+            rows = torch.arange(s * args.batch, (s + 1) * args.batch, device=dev) % len(data)
             x, y = data[rows, :-1], data[rows, 1:]
             if th is not None:
                 th.begin_step(s)
-            _, loss = model(x, y)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                _, loss = model(x, y)
             loss.backward()
             if th is None:
                 opt.step()
@@ -93,9 +107,12 @@ def main() -> None:
                 with th.measure_update():
                     opt.step()
                 th.end_step(loss=loss, lr=1e-3)
-                th.collect()
+                while th.collect(block=not cuda) is not None:  # on a GPU a step late, as watch reads
+                    pass
             opt.zero_grad(set_to_none=True)
-        return (time.process_time() - c0) / n * 1e3
+        if cuda:
+            torch.cuda.synchronize()
+        return (clock() - c0) / n * 1e3
 
     names = list(models)
     for name in names:
@@ -108,9 +125,9 @@ def main() -> None:
     ratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
     found = [n for n in thermos["default"].names if n.startswith("attn_logit_max/")]
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
-          f"V{args.vocab} fp32, {len(found)} attention modules found, {len(cpu['plain'])} rounds of "
+          f"V{args.vocab} {'bf16 autocast on ' + torch.cuda.get_device_name() if cuda else 'fp32'}, {len(found)} attention modules found, {len(cpu['plain'])} rounds of "
           f"{args.block} steps, torch threads {torch.get_num_threads()}")
-    print(f"  {'variant':<12}{'CPU ms/step':>12}{'ratio':>8}")
+    print(f"  {'variant':<12}{'wall ms/step' if cuda else 'CPU ms/step':>12}{'ratio':>8}")
     for k in names:
         print(f"  {k:<12}{statistics.median(cpu[k]):>12.2f}{ratio[k]:>8.3f}")
     if args.json:

@@ -29,6 +29,11 @@ class ThermometerConfig:
     act_types: tuple[type, ...] = (nn.MultiheadAttention,)
     # Modules whose output is logits: z/<module> = max over tokens of logsumexp over the vocab.
     z_patterns: tuple[str, ...] = (r"(^|\.)(head|lm_head)$",)
+    # Sequences of the logits z covers (the first n of a [B, T, V] output; None = all, exact).
+    # A sample, like the attention figure's: the logit scale that z witnesses rises everywhere,
+    # while one fp32 logsumexp over B x T x V was the largest thermometer on a GPU (+20% of a
+    # GPT-2-small step on an H100 for B 16 T 1024, bench/thermometer_overhead_any.py).
+    z_batch: int | None = 1
     # Attention modules: every module exposing a `thermo_probe` slot (trainer.model's attention),
     # these types (nn.MultiheadAttention: explicit QK^T recomputed from its inputs; any other
     # class: its SDPA or softmax calls intercepted, or an error at instrument() if it makes none),
@@ -96,7 +101,7 @@ class ThermometerConfig:
                     raise ValueError(f"ThermometerConfig.{name} must hold nn.Module classes, got {t!r}")
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"ThermometerConfig.attn_mode={self.attn_mode!r} is not one of {ATTN_MODES}")
-        for name in ("attn_heads", "attn_entropy_batch"):
+        for name in ("attn_heads", "attn_entropy_batch", "z_batch"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1 or None, got {val!r}")

@@ -279,8 +279,12 @@ class Thermometers:
             t = _first_float_tensor(out)
             if t is not None and t.numel():
                 # Foreign models only (ours hand over their lse: ZProbe). Max over tokens (not
-                # the mean PaLM's z-loss penalises): one runaway token shows.
-                z = torch.logsumexp(t.detach().float(), dim=-1).amax()
+                # the mean PaLM's z-loss penalises): one runaway token shows. Over the first
+                # z_batch sequences: an fp32 logsumexp of every token's logits was ~20% of a
+                # GPT-2-small bf16 step on an H100 (BENCHMARKS.md), 1/B of it now.
+                n = self.config.z_batch
+                t = t.detach() if n is None or t.dim() < 3 else t.detach()[:n]
+                z = torch.logsumexp(t.float(), dim=-1).amax()
                 self._slots.put(slot, z.reshape(1))
 
         return hook

@@ -138,15 +138,23 @@ def test_z_is_the_logsumexp_of_the_head_output(kw):
     assert model.head.thermo_z_probe is None
 
 
-def test_z_hook_still_serves_models_without_a_probe():
+@pytest.mark.parametrize("z_batch", [1, 2, None])
+def test_z_hook_still_serves_models_without_a_probe(z_batch):
+    """A foreign head: the max over the first z_batch sequences' tokens (None: the whole batch)."""
     torch.manual_seed(0)
     custom = _Custom()
     out = {}
     custom.head.register_forward_hook(lambda m, a, o: out.__setitem__("o", o.detach()))
-    with instrument(custom) as th:
+    x = batch(0)[0]
+    assert x.shape[0] > 2
+    with instrument(custom, ThermometerConfig(z_batch=z_batch)) as th:
         th.begin_step(0)
-        custom(batch(0)[0])
+        custom(x)
         th.end_step()
         got = th.as_dict(th.collect())["z/head"]
     assert not hasattr(custom.head, "thermo_z_probe") and isinstance(custom.head, nn.Linear)
-    assert got == pytest.approx(torch.logsumexp(out["o"], -1).max().item(), rel=1e-6)
+    per_seq = torch.logsumexp(out["o"], -1).amax(-1)
+    assert got == pytest.approx(per_seq[:z_batch].max().item(), rel=1e-6)
+    if z_batch == 1:
+        assert got < per_seq.max().item()  # a sample: the batch's max sits in another sequence here
+
