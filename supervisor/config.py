@@ -89,6 +89,9 @@ class SupervisorConfig:
     advise_only: bool = False  # every action waits for a human's approval
     ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
     ack_retries: int = 2
+    # An open command of a run that has not polled for this long expires (it could never be
+    # carried out; `--wait` returns); a finished run's commands expire at once.
+    command_expiry_s: float = 900.0
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
     # The daemon's detectors run in a process of their own (supervisor.bank_process), so judging
     # never competes with storing for the interpreter lock; false: a thread in the daemon's process.
@@ -115,8 +118,9 @@ class SupervisorConfig:
             self.db_url = f"sqlite:///{(self.data_dir / 'thermowatch.db').resolve()}"
         if not (0 < int(self.port) < 65536):
             raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
-        if self.ack_timeout_s <= 0:
-            raise ConfigError(f"ack_timeout_s must be > 0, got {self.ack_timeout_s!r}")
+        for name in ("ack_timeout_s", "command_expiry_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.api_token_file and not self.api_token:
             try:
                 self.api_token = Path(self.api_token_file).read_text().strip()

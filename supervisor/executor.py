@@ -37,6 +37,7 @@ from thermowatch.monitors.contract import (
     Finding,
     Pause,
     Rollback,
+    RunFinished,
     SampleRange,
     SetLR,
     Severity,
@@ -63,12 +64,26 @@ from thermowatch.supervisor.store import steps as steps_store
 log = logging.getLogger(__name__)
 
 MANUAL_KINDS = {k.value for k in CommandKind}
-FINAL_STATES = ("done", "failed", "cancelled")
+FINAL_STATES = actions_store.FINAL_STATES
+
+
+def ended(s: Session, run_id: str) -> RunFinished | None:
+    """How the run ended, when its newest attempt has finished (contract.RunFinished); None while
+    it may still train. A relaunch opens a new attempt and the run takes commands again."""
+    latest = runs_store.latest_attempt(s, run_id)
+    return latest.finished if latest is not None else None
+
+
+def ended_words(run_id: str, fin: RunFinished) -> str:
+    loss = "no final loss" if fin.final_loss is None else f"final loss {fin.final_loss:.4g}"
+    return (f"run {run_id!r} has finished ({fin.reason.value} at step {fin.step}, {loss}); "
+            "no trainer will carry a command out. Relaunching it with the same run id opens a new attempt, "
+            "which takes commands again")
 
 
 class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
-                 ack_timeout_s: float = 120.0, ack_retries: int = 2,
+                 ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
                  on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None):
         self._session = session_factory
         self._flap = flap or FlapConfig()
@@ -76,6 +91,11 @@ class Executor:
         self._advise_only = advise_only
         self._ack_timeout = dt.timedelta(seconds=ack_timeout_s)
         self._ack_retries = ack_retries
+        # A run that has not polled for this long takes no command: its open actions expire. The
+        # last poll is kept in memory; a restarted daemon counts from its own start.
+        self._expiry = dt.timedelta(seconds=command_expiry_s)
+        self._started = dt.datetime.now(dt.timezone.utc)
+        self._last_poll: dict[str, dt.datetime] = {}
         self._on_rollback_done = on_rollback_done or (lambda run_id, step: None)
         # Alerts are rows written in the deciding transaction and sent by a background thread, so
         # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
@@ -89,12 +109,15 @@ class Executor:
         needs_ok = decision.requires_approval or self._advise_only
         ids: list[int] = []
         body = None
+        fin = ended(s, run_id) if decision.kind is not DecisionKind.NOOP else None
         try:
-            body = self._decision_body(s, run_id, decision)
+            body = None if fin is not None else self._decision_body(s, run_id, decision)
         except ContractError as exc:  # never write a command the trainer could not carry out
             log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.kind.value, exc)
             reasons.append(f"the decision is not a valid command ({exc}); pausing for a human instead")
             body = Pause()
+        if fin is not None:  # the judge caught up after the run's last step: nothing to act on
+            reasons.append(f"the run had finished ({fin.reason.value} at step {fin.step}): no action written")
         if body is not None:
             ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), "auto", "policy", incident_id, needs_ok))
         audit_store.audit(s, run_id, "policy", "decision", {
@@ -154,6 +177,9 @@ class Executor:
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}; `thermowatch runs` lists the known runs")
+            fin = ended(s, run_id)
+            if fin is not None:
+                raise Conflict(ended_words(run_id, fin))
             args = feasibility.resolve_relative(s, run_id, args or {})
             try:
                 body = parse_command(kind, args)
@@ -168,8 +194,17 @@ class Executor:
         return action_id
 
     def approve(self, action_id: int, who: str) -> None:
-        """Advise-only mode: a human lets a pending action go to the trainer."""
-        self._human_decides(action_id, who, "approved", lambda s: actions_store.approve_action(s, action_id, who))
+        """Advise-only mode: a human lets a pending action go to the trainer. Refused (409) once
+        the run has finished: the proposal then expires instead (expire)."""
+        def change(s: Session) -> None:
+            row = actions_store.get_action(s, action_id)
+            fin = ended(s, row.run_id) if row is not None else None
+            if fin is not None:
+                raise actions_store.ActionStateError(f"action {action_id} cannot be approved: "
+                                                     + ended_words(row.run_id, fin))
+            actions_store.approve_action(s, action_id, who)
+
+        self._human_decides(action_id, who, "approved", change)
 
     def cancel(self, action_id: int, who: str, *, only_awaiting_approval: bool = False) -> None:
         """`only_awaiting_approval`: refuse (Conflict) unless the action still waits for a human,
@@ -231,6 +266,7 @@ class Executor:
         """Pending (approved) actions for the run controller; they become `sent`. A stored row
         that is no valid command (written by an older version) fails instead of blocking the queue."""
         bad: list[tuple[actions_store.ActionRow, str]] = []
+        self._last_poll[run_id] = dt.datetime.now(dt.timezone.utc)
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
@@ -330,12 +366,32 @@ class Executor:
             return ack.step, resolved
         return None, resolved
 
-    def expire(self, now: dt.datetime | None = None) -> list[int]:
-        """Scheduler job: sent actions with no ack after the timeout are re-sent, then failed."""
+    def run_finished(self, run_id: str) -> list[int]:
+        """The run's newest attempt reported its finish: what is still open for it expires now."""
+        return self.expire(run_id=run_id)
+
+    def expire(self, now: dt.datetime | None = None, run_id: str | None = None) -> list[int]:
+        """Scheduler job: every open action reaches a final state on its own. Sent actions with no
+        ack after the timeout are re-sent, then failed. Open actions of a run that has finished, or
+        that has not polled for commands for `command_expiry_s` (and are older than that), expire:
+        no trainer will carry them out. Returns the ids failed or expired."""
         now = now or dt.datetime.now(dt.timezone.utc)
         failed = []
         with self._session.begin() as s:
-            for a in actions_store.open_actions(s):
+            finished: dict[str, RunFinished | None] = {}
+            for a in actions_store.open_actions(s, run_id):
+                if a.run_id not in finished:
+                    finished[a.run_id] = ended(s, a.run_id)
+                why = self._expiry_reason(a, finished[a.run_id], now)
+                if why is not None:
+                    actions_store.set_action_state(s, a.id, "expired", error=why)
+                    audit_store.audit(s, a.run_id, "supervisor", "expired", {"action_id": a.id, "why": why})
+                    failed.append(a.id)
+                    self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.INFO,
+                                               title=f"{a.run_id}: {a.kind} (action {a.id}) expired: {why}",
+                                               incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
+                                               status=f"{a.kind} (action {a.id}) expired, never carried out"))
+                    continue
                 if a.state != "sent" or a.updated_at + self._ack_timeout > now:
                     continue
                 if a.attempts <= self._ack_retries:
@@ -352,6 +408,17 @@ class Executor:
                                             broadcast=True, status=f"{a.kind} (action {a.id}) never acknowledged"))
         self.flush_alerts()
         return failed
+
+    def _expiry_reason(self, a: actions_store.ActionRow, fin: RunFinished | None, now: dt.datetime) -> str | None:
+        if fin is not None:
+            return f"the run finished ({fin.reason.value} at step {fin.step}) before the trainer carried it out"
+        if a.state == "acked":
+            return None  # the trainer has it: done or failed follows from its own ack
+        seen = max(self._last_poll.get(a.run_id, self._started), self._started)
+        if now - seen < self._expiry or now - _aware(a.created_at) < self._expiry:
+            return None
+        return (f"the run has not asked for commands for {int((now - seen).total_seconds())} s "
+                f"(command_expiry_s {int(self._expiry.total_seconds())}): is it still running?")
 
     # --- alerts ---------------------------------------------------------------------------------
 
@@ -376,6 +443,10 @@ class Executor:
 
     def close(self) -> None:
         self.outbox.close()
+
+
+def _aware(t: dt.datetime) -> dt.datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=dt.timezone.utc)  # SQLite drops the zone
 
 
 def _thread(action_id: int, incident_id: int | None) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.outcome import render
+from thermowatch.supervisor.store.actions import FINAL_STATES
 
 
 def _parse_range(text: str) -> list[int]:
@@ -139,11 +140,12 @@ def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 
 def _wait(api, action_id: int, timeout_s: float) -> dict[str, Any]:
-    """Poll the action until it is final (done, failed, cancelled) or the timeout passes."""
+    """Poll the action until it is final (done, failed, cancelled, expired: a finished or silent
+    run's actions expire on their own, Executor.expire) or the timeout passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         out = api.get(f"/api/actions/{action_id}")
-        if out["state"] in ("done", "failed", "cancelled") or time.monotonic() >= deadline:
+        if out["state"] in FINAL_STATES or time.monotonic() >= deadline:
             return out
         time.sleep(0.5)
 

@@ -1,7 +1,7 @@
 """What an action did, from its row and the trainer's typed ack: the one shape the CLI's
 `--wait`/`--json` print (and the HTTP API can serve unchanged when the CLI becomes its client).
 
-Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled), args (as asked),
+Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled, expired), args (as asked),
 checkpoint_step and checkpoint_path (what a rollback loaded), first_step (the first step trained
 after it), effective_lr_multiplier (in force at first_step), lr_change, skipped_ranges (what the
 trainer added to its ledger), ledger_digest, detail (the trainer's words), error.
@@ -49,10 +49,10 @@ def _requested_lr(args: dict[str, Any]) -> str | None:
 def render(o: dict[str, Any]) -> str:
     """Human lines for one outcome."""
     head = f"action {o['action_id']}: {o['kind']} {o['state']}"
-    if o["state"] not in ("done", "failed"):
+    if o["state"] not in ("done", "failed", "expired"):
         return head + " (no acknowledgement yet; `thermowatch actions RUN` shows it later)"
     lines = [head + (f": {o['detail']}" if o["detail"] else "")]
-    if o["state"] == "failed":
+    if o["state"] in ("failed", "expired"):
         lines.append(f"  error: {o['error'] or o['detail']}")
         return "\n".join(lines)
     if o["checkpoint_step"] is not None:
@@ -70,8 +70,8 @@ def render(o: dict[str, Any]) -> str:
 def summary(o: dict[str, Any]) -> str:
     """One line of what the trainer really did, for a Slack reply or a status line:
     "rolled back to checkpoint 20, first step trained 21, LR x0.5, skipped [1280, 1344)"."""
-    if o["state"] == "failed":
-        return f"{o['kind']} failed: {o['error'] or o['detail'] or 'no reason given'}"
+    if o["state"] in ("failed", "expired"):
+        return f"{o['kind']} {o['state']}: {o['error'] or o['detail'] or 'no reason given'}"
     parts = []
     if o["checkpoint_step"] is not None:
         parts.append(f"rolled back to checkpoint {o['checkpoint_step']}")

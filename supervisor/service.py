@@ -109,6 +109,7 @@ class Supervisor:
         policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
+                                 command_expiry_s=cfg.command_expiry_s,
                                  on_rollback_done=self._rewind, flap=cfg.slack.flap())
         bank_cfg = BankConfig.from_dict(cfg.detectors)
         # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
@@ -163,6 +164,7 @@ class Supervisor:
 
     def finish_run(self, run_id: str, attempt: int, finished: RunFinished, actor: str = "run-controller") -> None:
         self.ingestor.finish_run(run_id, attempt, finished, actor)
+        self.executor.run_finished(run_id)  # what is still open for it can never be carried out
 
     # --- CommandChannel -----------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The action queue: every command (automatic or manual) is written here before it is carried out.
 
 States: pending -> sent -> acked -> done | failed (failed is reachable from any open state;
-pending may also be cancelled). An action with requires_approval stays pending and is not
+pending may also be cancelled). `expired` is reachable from any open state too: the run ended
+(its newest attempt finished) or stopped asking for commands before the trainer carried it out,
+so no trainer ever will (supervisor.executor.Executor.expire); its `error` says which. An action with requires_approval stays pending and is not
 handed to the run controller until approve_action() clears the flag (advise-only mode).
 """
 
@@ -17,16 +19,18 @@ from sqlalchemy.orm import Session
 from thermowatch.supervisor.store._sql import jsonable
 from thermowatch.supervisor.store.orm import Action, utcnow
 
-STATES = ("pending", "sent", "acked", "done", "failed", "cancelled")
+STATES = ("pending", "sent", "acked", "done", "failed", "cancelled", "expired")
 ORIGINS = ("auto", "manual")
 TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"sent", "failed", "cancelled"}),
-    "sent": frozenset({"acked", "failed", "pending"}),  # sent -> pending: redeliver after a lost poll
-    "acked": frozenset({"done", "failed"}),
+    "pending": frozenset({"sent", "failed", "cancelled", "expired"}),
+    "sent": frozenset({"acked", "failed", "pending", "expired"}),  # sent -> pending: redeliver after a lost poll
+    "acked": frozenset({"done", "failed", "expired"}),
     "done": frozenset(),
     "failed": frozenset(),
     "cancelled": frozenset(),
+    "expired": frozenset(),
 }
+FINAL_STATES = tuple(s for s, nxt in TRANSITIONS.items() if not nxt)
 OPEN_STATES = ("pending", "sent", "acked")
 
 

@@ -65,6 +65,12 @@ def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
         assert status["state"] == "finished" and status["finish_reason"] == "stopped", status
         assert status["final_step"] == tw.step == status["last_step"]
         assert status["final_loss"] == pytest.approx(tw.final_loss)
+        # a finished run takes no command: refused at submit, naming the state (issue 23)
+        late = api.post("/api/runs/wire/actions", json={"kind": "rollback", "args": {"to_step": 10}, "who": "ana",
+                                                        "reason": "too late"})
+        assert late.status_code == 409, late.text
+        assert f"has finished (stopped at step {tw.step}" in late.json()["detail"]
+        assert len(api.get("/api/runs/wire/actions").json()["actions"]) == 2
     finally:
         proc.terminate()
         proc.wait(30)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import time
 
 import pytest
 
-from thermowatch.monitors.contract import Ack, RunInfo, SampleRange
+from thermowatch.monitors.contract import Ack, FinishReason, RunFinished, RunInfo, SampleRange
 from thermowatch.supervisor.config import SupervisorConfig
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
 from thermowatch.supervisor.notify.base import FanOut
@@ -138,11 +139,70 @@ def test_expire_leaves_pending_and_done_actions_alone(sup):
     sup.poll(RUN)
     sup.ack(RUN, Ack(a2, ok=True, step=2))
     a3 = skip(sup, 500, 600)  # pending, never polled
-    far = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)
-    sup.executor.expire(now=far)
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10)  # past the ack timeout, not the expiry
+    sup.executor.expire(now=later)
     assert action(sup, a1).state == "pending"  # redelivered (was sent)
     assert action(sup, a2).state == "done"
     assert action(sup, a3).state == "pending"
+    # a day without a poll: what is still open can never be carried out, and says so
+    far = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)
+    assert sorted(sup.executor.expire(now=far)) == [a1, a3]
+    for aid in (a1, a3):
+        row = action(sup, aid)
+        assert row.state == "expired" and "has not asked for commands for 864" in row.error, row
+    assert action(sup, a2).state == "done"
+    assert sup.executor.expire(now=far) == []  # final: nothing moves twice
+
+
+def test_a_polling_run_keeps_its_pending_proposal_and_a_silent_one_loses_it(db, tmp_path):
+    sup = make_sup(db, tmp_path, advise_only=True, command_expiry_s=0.5)
+    try:
+        aid = sup.executor.submit(RUN, "pause", {}, "bob", "look at it")  # manual: never needs approval
+        with sup.sessions() as s:
+            proposal = actions_store.enqueue_action(s, RUN, "pause", {}, "policy's", "auto", "policy",
+                                                    requires_approval=True)
+            s.commit()
+        assert [c.id for c in sup.poll(RUN)] == [aid]
+        time.sleep(0.6)
+        assert sup.poll(RUN) == []  # alive: the proposal waits for a human however old it is
+        assert sup.executor.expire() == [] and action(sup, proposal).state == "pending"
+        time.sleep(0.6)  # silent past command_expiry_s
+        assert sorted(sup.executor.expire()) == [aid, proposal]
+        assert {action(sup, a).state for a in (aid, proposal)} == {"expired"}
+        with sup.sessions() as s:
+            assert [e.event for e in audit_store.audit_log(s, RUN)].count("expired") == 2
+    finally:
+        sup.close()
+
+
+def test_a_finished_run_expires_what_is_open_and_refuses_new_commands_until_relaunched(sup):
+    sent = skip(sup)
+    sup.poll(RUN)
+    queued = skip(sup, 300, 400)
+    with sup.sessions() as s:
+        proposal = actions_store.enqueue_action(s, RUN, "pause", {}, "policy's", "auto", "policy",
+                                                requires_approval=True)
+        s.commit()
+    sup.finish_run(RUN, 0, RunFinished(step=31, final_loss=2.5, reason=FinishReason.STOPPED))
+    for aid in (sent, queued, proposal):
+        row = action(sup, aid)
+        assert row.state == "expired" and row.error == (
+            "the run finished (stopped at step 31) before the trainer carried it out"), row
+    assert any("expired" in a.text and str(queued) in a.text for a in alerts(sup))
+    with pytest.raises(Conflict, match=r"run 'ex' has finished \(stopped at step 31, final loss 2.5\)"):
+        skip(sup, 500, 600)
+    with sup.sessions() as s:
+        late = actions_store.enqueue_action(s, RUN, "pause", {}, "a proposal the judge wrote late", "auto", "policy",
+                                            requires_approval=True)
+        s.commit()
+    with pytest.raises(Conflict, match="cannot be approved: run 'ex' has finished"):
+        sup.executor.approve(late, "ana")
+    assert action(sup, late).state == "pending" and sup.executor.expire() == [late]
+    with sup.sessions() as s:
+        assert len(actions_store.actions(s, RUN)) == 4  # the refused submit wrote nothing
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1))  # relaunched: it takes commands again
+    again = skip(sup, 500, 600)
+    assert [c.id for c in sup.poll(RUN)] == [again]
 
 
 @pytest.mark.parametrize("kind, args, who, run, exc, match", [
