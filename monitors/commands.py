@@ -397,6 +397,34 @@ CommandBody = Union[Rollback, Skip, SetLR, Profile, Any]  # Pause, Resume, Stop:
 COMMAND_TYPES: dict[CommandKind, Any] = {c.kind: c for c in (Rollback, Skip, SetLR, Profile, Pause, Resume, Stop)}
 
 
+def describe(body: CommandBody) -> str:
+    """A command in plain words, for alerts and terminals (never a Python dict, issue 23):
+    "roll back to the newest healthy checkpoint at or before step 100, skip samples [200, 240),
+    LR x0.5"."""
+    if isinstance(body, Rollback):
+        words = [f"roll back to checkpoint {body.to_step}" if body.exact
+                 else f"roll back to the newest healthy checkpoint at or before step {body.to_step}"]
+        if body.skip:
+            words.append("skip samples " + ", ".join(str(r) for r in body.skip))
+        if body.lr is not None:
+            words.append(describe(body.lr))
+        if body.exclude_node:
+            words.append(f"without node {body.exclude_node}")
+        elif body.exclude_rank is not None:
+            words.append(f"without rank {body.exclude_rank}")
+        return ", ".join(words)
+    if isinstance(body, Skip):
+        return "skip samples " + ", ".join(str(r) for r in body.ranges)
+    if isinstance(body, SetLR):
+        rel = f" (x{body.factor:g} of the x{body.base:g} in force)" if body.factor is not None and body.base is not None else ""
+        span = f" for {body.steps} steps" if body.steps else ""
+        warm = f", re-warmed over {body.rewarmup_steps} steps" if body.rewarmup_steps else ""
+        return f"set the LR to x{body.multiplier:g} of the schedule{rel}{span}{warm}"
+    if isinstance(body, Profile):
+        return f"profile the next {body.steps} steps"
+    return body.kind.value  # pause, resume, stop
+
+
 def parse_command(kind: CommandKind | str, args: Mapping[str, Any] | None) -> CommandBody:
     """A command body from its kind and JSON args; ContractError names the bad field."""
     try:

@@ -41,6 +41,7 @@ from thermowatch.monitors.contract import (
     SampleRange,
     SetLR,
     Severity,
+    describe,
     Skip,
     parse_command,
 )
@@ -130,12 +131,14 @@ class Executor:
                 # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
                 title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
                 alert = dataclasses.replace(
-                    alert, title=f"{title} [action {ids[0]}]",
+                    alert, title=f"{title} [action {ids[0]}]", severity=Severity.CRITICAL, broadcast=True,
                     fields={"action": ids[0], **alert.fields},
                     commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
                     status=f"awaiting approval (action {ids[0]})", approve_action=ids[0])
-            # A pause stops the run and is never folded: a human must see that one at once.
-            fold = None if decision.kind is DecisionKind.PAUSE else flaps.decide_fold(
+            # Only alert-only repeats fold: a decision that wrote an action (a pause, a rollback,
+            # an approval to give) is a story of its own, never a counted reply in another
+            # incident's thread (issue 23: an approval hidden as "repeat 2 in 1 min").
+            fold = None if decision.kind is DecisionKind.PAUSE or ids else flaps.decide_fold(
                 s, self._flap, run_id, finding.signal.value, finding.module, incident_id)
             if fold is not None:  # a repeat of a flapping signal: a counted reply, no page, no chart
                 alert = dataclasses.replace(
@@ -188,7 +191,7 @@ class Executor:
             feasibility.check(s, run_id, body)
             action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
-                                       title=f"{run_id}: {who} asked for {kind} {body.to_args() or ''}".strip(),
+                                       title=f"{run_id}: {who} asked to {describe(body)}",
                                        text=reason, thread=_thread(action_id, None)))
         self.flush_alerts()
         return action_id

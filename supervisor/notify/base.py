@@ -133,14 +133,16 @@ class Alert:
         from thermowatch.supervisor.policy import DecisionKind
 
         kind = decision.kind
-        if kind is DecisionKind.PAUSE or decision.page:
+        # Severity follows what happened to the run, not how far the series is from its baseline
+        # (issue 23: nine alert-only notes read [CRITICAL] and the two real rollbacks [WARN]): a
+        # human is needed (a pause, a page, an approval) > the run was changed for them (an act)
+        # > nothing changed (alert-only, no action: INFO, never a page).
+        if kind is DecisionKind.PAUSE or decision.page or (decision.requires_approval and decision.acts):
             severity = Severity.CRITICAL
-        elif kind is DecisionKind.NOOP:
-            severity = Severity.INFO
         elif decision.acts:
             severity = Severity.WARN
         else:
-            severity = finding.severity
+            severity = Severity.INFO
         verb = {
             DecisionKind.ROLLBACK: f"rollback to step {decision.target_step}",
             DecisionKind.LOWER_LR: f"LR x{decision.lr_multiplier:g}" if decision.lr_multiplier else "lower LR",

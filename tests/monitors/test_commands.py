@@ -108,3 +108,24 @@ def test_nan_travels_as_data():
     assert math.isnan(loads(dumps({"v": math.nan}))["v"]) and loads(dumps([math.inf]))[0] == math.inf
     with pytest.raises(ContractError, match="not valid JSON"):
         loads(b"{nope")
+
+
+@pytest.mark.parametrize("kind, args, words", [
+    ("rollback", {"to_step": 100}, "roll back to the newest healthy checkpoint at or before step 100"),
+    ("rollback", {"to_step": 100, "exact": True, "skip_ranges": [[200, 240], [300, 310]], "lr_multiplier": 0.5},
+     "roll back to checkpoint 100, skip samples [200, 240), [300, 310), set the LR to x0.5 of the schedule"),
+    ("rollback", {"to_step": 7, "exclude_rank": 3}, "roll back to the newest healthy checkpoint at or before step 7, "
+                                                    "without rank 3"),
+    ("skip", {"skip_ranges": [[0, 64]]}, "skip samples [0, 64)"),
+    ("set_lr", {"lr_multiplier": 0.25, "lr_factor": 0.5, "lr_base": 0.5, "lr_steps": 100},
+     "set the LR to x0.25 of the schedule (x0.5 of the x0.5 in force) for 100 steps"),
+    ("profile", {"steps": 3}, "profile the next 3 steps"),
+    ("pause", {}, "pause"), ("stop", {}, "stop"),
+])
+def test_a_command_is_described_in_plain_words(kind, args, words):
+    """Alerts and the CLI say what a command does, never a Python dict (issue 23)."""
+    from thermowatch.monitors.contract import describe
+
+    text = describe(parse_command(kind, args))
+    assert text == words
+    assert "{" not in text and "'" not in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -113,7 +114,9 @@ def test_rollback_writes_a_manual_action(db, daemon, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     (row,) = actions(db)
-    assert f"action {row.id}: rollback" in out
+    assert (f"action {row.id} queued for run {RUN}: roll back to the newest healthy checkpoint at or before step 20, "
+            "skip samples [160, 320), [400, 416), set the LR to x0.5 of the schedule") in out
+    assert "{" not in out  # plain words, never a Python dict (issue 23)
     # Recorded under the token's name; --who rides along as the person's own claim.
     assert (row.kind, row.state, row.origin, row.who, row.reason, row.requires_approval) == (
         "rollback", "pending", "manual", "oncall (x)", "spike at 25", False)
@@ -295,6 +298,32 @@ def test_wait_exits_1_when_the_trainer_refuses(daemon, capsys):
     text = capsys.readouterr().out
     assert out["code"] == 1
     assert "rollback failed" in text and "no valid healthy checkpoint at or before step 20" in text
+
+
+def test_wait_returns_when_the_run_finishes_and_a_finished_run_refuses_with_exit_2(daemon, capsys):
+    """Issue 23: `--wait` on a command the run never took blocked ~10 minutes, then said
+    "pending". Now the run's finish expires it at once and --wait says so (exit 1); a command to
+    the finished run is refused at submit (409, exit 2) naming how it ended."""
+    import httpx
+
+    t, out = _in_thread(["pause", RUN, "--wait", "--who", "x", *daemon.flags])
+    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.trainer_token}"}) as api:
+        deadline = time.monotonic() + 30
+        reader = {"Authorization": f"Bearer {daemon.token}"}
+        while not httpx.get(f"{daemon.url}/api/runs/{RUN}/actions", headers=reader).json()["actions"]:
+            assert time.monotonic() < deadline, "the CLI never submitted its command"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = api.post(f"/api/runs/{RUN}/attempts/0/finished", json={"step": 30, "final_loss": 2.5, "reason": "closed"})
+        assert r.status_code == 200, r.text
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - t0 < 5
+    text = capsys.readouterr().out
+    assert out["code"] == 1, text
+    assert "pause expired" in text and "the run finished (closed at step 30) before the trainer carried it out" in text
+    assert main(["skip", RUN, "--skip", "0:8", "--who", "x", *daemon.flags]) == 2
+    err = capsys.readouterr().err
+    assert f"run '{RUN}' has finished (closed at step 30, final loss 2.5)" in err, err
 
 
 # --- the read commands for 3 a.m. (issue 12): --version, status, incidents, export ----------------

@@ -41,11 +41,12 @@ def slack():
         yield fake
 
 
-def make_sup(db, tmp_path, slack: FakeSlack, **slack_cfg) -> Supervisor:
+def make_sup(db, tmp_path, slack: FakeSlack, interactive: bool = False, **slack_cfg) -> Supervisor:
     cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY), detectors=TIGHT_GRAD,
                            slack=slack_cfg)
     notifier = FanOut([ConsoleNotifier(io.StringIO()),
-                       SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=1)])
+                       SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=1,
+                                     interactive=interactive)])
     sup = Supervisor(cfg, notifier=notifier)
     sup.executor.outbox.retry_s = 0.1
     sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
@@ -121,3 +122,40 @@ def test_flap_damping_follows_the_config(db, tmp_path, slack):
 def test_bad_flap_settings_are_refused_at_start(tmp_path, slack_cfg, match):
     with pytest.raises(ConfigError, match=match):
         SupervisorConfig(data_dir=tmp_path, slack=slack_cfg)
+
+
+def test_only_alert_only_repeats_fold_an_approval_gets_its_own_thread_and_buttons(db, tmp_path, slack):
+    """Issue 23: "Approval needed: rollback [action 3]" was posted as a "repeat 2 in 1 min" reply in
+    another incident's thread. With one thread allowed per signal and module, a repeat that asks a
+    human (an approval) or changes the run still starts a thread of its own, [CRITICAL] with its
+    buttons; an alert-only repeat folds and, having changed nothing, reads [INFO]."""
+    from thermowatch.monitors.contract import Finding, Signal
+    from thermowatch.supervisor.policy import Decision, DecisionKind
+
+    sup = make_sup(db, tmp_path, slack, flap_max_alerts=1, interactive=True)
+    try:
+        made = []
+        for n, (kind, approval) in enumerate([(DecisionKind.ALERT, False), (DecisionKind.ALERT, False),
+                                              (DecisionKind.LOWER_LR, True)]):
+            f = Finding(Signal.GRAD_SPIKE, "", Severity.CRITICAL, 100 + 10 * n, 101 + 10 * n, metric="grad_norm")
+            d = Decision(kind, [f"decision {n}"], lr_multiplier=0.5 if kind is DecisionKind.LOWER_LR else None,
+                         requires_approval=approval, rung=1 if approval else 0)
+            with sup.sessions.begin() as s:
+                inc = incidents_store.open_incident(s, RUN, f.signal.value, f.module, f.onset_step, f.detect_step,
+                                                    f.severity.value)
+                made.append((inc, sup.executor.carry_out(s, RUN, inc, f, d)))
+                incidents_store.resolve_incident(s, inc, "cleared")  # the next one is a new incident
+        assert len({inc for inc, _ in made}) == 3
+        assert sup.executor.outbox.drain(60)
+        (first, _), (second, _), (third, ids) = made
+        with sup.sessions() as s:
+            assert [e.detail["incident_id"] for e in audit_store.events(s, RUN, FOLDED)] == [second]
+        top = [m for m in slack.top_level() if "grad_spike" in m["text"]]
+        assert [m["text"].split(" ")[0] for m in top] == ["[INFO]", "[CRITICAL]"], [m["text"] for m in top]
+        ask = top[1]
+        assert f"[action {ids[0]}]" in ask["text"] and "approval needed" in ask["text"].lower()
+        assert f'"value": "{ids[0]}"' in json.dumps(ask["blocks"]) and "approve" in json.dumps(ask["blocks"])
+        folded = slack.thread(top[0]["ts"])[1:]
+        assert len(folded) == 1 and "(repeat 2 in " in folded[0]["text"] and folded[0]["text"].startswith("[INFO]")
+    finally:
+        sup.close()

@@ -114,7 +114,7 @@ def test_pending_alerts_survive_a_daemon_restart(db, tmp_path, slack):
         assert sup2.executor.outbox.drain(30)
         (row,) = _rows(sup2)
         assert row.state == "sent" and row.ok
-        assert [m["text"] for m in slack.posted()] == ["[INFO] ob: bob asked for pause: before the restart"]
+        assert [m["text"] for m in slack.posted()] == ["[INFO] ob: bob asked to pause: before the restart"]
     finally:
         sup2.close()
 
@@ -129,7 +129,7 @@ def test_a_message_slack_refuses_for_good_is_failed_and_the_next_goes_out(db, tm
         first, second = _rows(sup)
         assert (first.state, first.ok) == ("failed", False) and "msg_too_long" in first.error
         assert (second.state, second.ok) == ("sent", True)
-        assert [m["text"] for m in slack.posted()] == ["[INFO] ob: bob asked for resume: second"]
+        assert [m["text"] for m in slack.posted()] == ["[INFO] ob: bob asked to resume: second"]
     finally:
         sup.close()
 
