@@ -61,6 +61,7 @@ from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import story as story_store
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,29 @@ class Executor:
         return None, resolved
 
     def run_finished(self, run_id: str) -> list[int]:
-        """The run's newest attempt reported its finish: what is still open for it expires now."""
-        return self.expire(run_id=run_id)
+        """The run's newest attempt reported its finish: what is still open for it expires now,
+        its open incidents close (each thread's top message says so), and one "run finished"
+        message tells the story (store.story). Returns the action ids expired."""
+        expired = self.expire(run_id=run_id)
+        with self._session.begin() as s:
+            fin = ended(s, run_id)
+            if fin is None:  # a relaunch got in first
+                return expired
+            for inc in incidents_store.open_incidents(s, run_id):
+                incidents_store.resolve_incident(s, inc.id, f"the run ended ({fin.reason.value} at step {fin.step})")
+                self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
+                                           title=f"{run_id}: closed, the run ended ({fin.reason.value} at step {fin.step})",
+                                           status=f"closed: the run ended ({fin.reason.value} at step {fin.step})"))
+            told = story_store.story(s, run_id)
+            self._queue_alert(s, Alert(
+                run_id=run_id, severity=Severity.INFO, title=f"{run_id}: {told.ending()}", text=told.words(),
+                fields={"final step": fin.step, "final loss": "none" if fin.final_loss is None else f"{fin.final_loss:.4g}",
+                        "automatic rollbacks": told.auto_rollbacks, "steps re-trained": told.steps_retrained,
+                        "samples skipped": told.samples_skipped, "incidents": told.incidents,
+                        "LR multiplier": f"x{told.lr_multiplier:g}"}))
+            audit_store.audit(s, run_id, "supervisor", "run_finished_told", {"words": told.words()})
+        self.flush_alerts()
+        return expired
 
     def expire(self, now: dt.datetime | None = None, run_id: str | None = None) -> list[int]:
         """Scheduler job: every open action reaches a final state on its own. Sent actions with no

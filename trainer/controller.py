@@ -35,6 +35,8 @@ from thermowatch.monitors.contract import (
     Command,
     CommandChannel,
     RecordSink,
+    FinishReason,
+    RunFinished,
     RunInfo,
     StepRecord,
     multiplier_at,
@@ -176,6 +178,13 @@ class RunController:
                 self.gang.kill()
                 self.gang = None
         self._enter(Finished(self.step, self.stopped))
+        # The same finish report as thermowatch.watch's close(): the run reads "finished", what
+        # is still open for it expires, and the daemon tells its story (issue 23). A crash never
+        # gets here: a crash is not a finish.
+        reason = (FinishReason.STOPPED if self.stopped else
+                  FinishReason.COMPLETED if self.step >= self.cfg.steps else FinishReason.CLOSED)
+        self._tell(self.sink.finish_run, self.cfg.run_id, self.attempt,
+                   RunFinished(step=self.step, final_loss=self.result.final_loss, reason=reason))
         r = self.result
         r.final_step, r.attempt, r.stopped, r.wall_s = self.step, self.attempt, self.stopped, time.monotonic() - t0
         return r

@@ -29,6 +29,7 @@ from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import story as story_store
 from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.web.readable import pairs
 
@@ -124,6 +125,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         skips = skips_store.skip_ranges(s, run_id)
         lrs = lr_store.lr_changes(s, run_id)
         audit = audit_store.audit_log(s, run_id, limit=AUDIT_TAIL)
+        told = story_store.story(s, run_id)
 
     state = status["state"]
     parts = [
@@ -134,7 +136,9 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         f"<p class='facts'><span id='age' data-age='{e(status['last_record_age_s'])}'>{e(_age(status['last_record_age_s']))}"
         f"</span> &middot; step <b id='last-step'>{e(status['last_step'] if status['last_step'] is not None else '-')}</b>"
         + (f" of {status['planned_steps']}" if status["planned_steps"] else "")
-        + f" &middot; {len(attempts)} attempt(s) &middot; created {_ts(run.created_at)}</p></header>",
+        + f" &middot; {len(attempts)} attempt(s) &middot; created {_ts(run.created_at)}</p>"
+        # The story first, in words (issue 23): how it ended and what the supervisor did to it.
+        f"<p class='story' id='story'><b>{e(told.ending())}</b>: {e(told.words())}</p></header>",
         top,
     ]
     if selected is not None:

@@ -14,7 +14,7 @@ import pytest
 from thermowatch.monitors.contract import Ack, FinishReason, RunFinished, RunInfo, SampleRange
 from thermowatch.supervisor.config import SupervisorConfig
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
-from thermowatch.supervisor.notify.base import FanOut
+from thermowatch.supervisor.notify.base import Alert, FanOut
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.slack import SlackNotifier
 from thermowatch.supervisor.service import Supervisor
@@ -389,3 +389,52 @@ def test_done_and_failed_actions_report_in_their_thread(db, tmp_path, slack):
         assert failed["subtype"] == "thread_broadcast"
     finally:
         sup.close()
+
+
+def test_the_finish_closes_open_incidents_and_tells_the_story_in_one_message(db, tmp_path):
+    """Issue 23: a run finished with two incidents open and no word in Slack. Through the real
+    outbox and slack-sdk into the fake Slack: the open incident's thread says it closed (its top
+    message restated), and one top-level "run finished" message gives the numbers in words,
+    counted from the attempts, the actions and the skip ledger."""
+    from thermowatch.monitors.contract import CheckpointInfo, Finding, Severity as Sev, Signal, StepRecord
+    from thermowatch.supervisor.store import story as story_store
+
+    with FakeSlack() as fake:
+        sup = make_sup(db, tmp_path, SlackNotifier(fake.token, "#train", base_url=fake.base_url, retries=1))
+        try:
+            recs = lambda lo, hi: [StepRecord(step=s, values={"loss": 3.0 - s / 100}, sample_lo=8 * s,  # noqa: E731
+                                              sample_hi=8 * s + 8) for s in range(lo, hi + 1)]
+            sup.write(RUN, 0, recs(1, 60))
+            sup.checkpoint_saved(RUN, 0, CheckpointInfo(20, str(tmp_path / "c20"), 20 * 8, True))
+            with sup.sessions.begin() as s:  # what the policy writes when it rolls back (the responder's part)
+                inc = incidents_store.open_incident(s, RUN, "loss_spike", "", 50, 55, "critical")
+                rb = actions_store.enqueue_action(s, RUN, "rollback", {"to_step": 20, "skip_ranges": [[400, 480]]},
+                                                  "spike", "auto", "policy", incident_id=inc)
+            sup.executor.notify(Alert(RUN, Sev.CRITICAL, f"{RUN}: loss spike", incident_id=inc))
+            sup.poll(RUN)
+            sup.ack(RUN, Ack(rb, ok=True, step=21, checkpoint_step=20, checkpoint_path=str(tmp_path / "c20"),
+                             skipped=(SampleRange(400, 480),)))
+            sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=20))
+            sup.write(RUN, 1, recs(21, 100))
+            with sup.sessions.begin() as s:
+                still = incidents_store.open_incident(s, RUN, "attn_logit_growth", "blocks.1.attn", 90, 95, "warn")
+            sup.executor.notify(Alert(RUN, Sev.INFO, f"{RUN}: logits rising", incident_id=still))
+            sup.finish_run(RUN, 1, RunFinished(step=100, final_loss=2.0, reason=FinishReason.COMPLETED))
+            assert sup.executor.outbox.drain(30)
+            with sup.sessions() as s:
+                told = story_store.story(s, RUN)
+                assert [i.state for i in incidents_store.incidents(s, RUN)] == ["resolved", "resolved"]
+            assert (told.auto_rollbacks, told.steps_retrained, told.samples_skipped, told.attempts,
+                    told.open_incidents) == (1, 40, 80, 2, 0)
+            top = fake.top_level()
+            done = [m for m in top if "finished (completed at step 100)" in m["text"]]
+            assert len(done) == 1, [m["text"] for m in top]
+            blocks = json.dumps(done[0]["blocks"])
+            for words in ("final loss 2", "1 automatic rollback", "40 steps re-trained", "80 samples skipped",
+                          "2 incidents, 0 open", "2 attempts"):
+                assert words in blocks, (words, blocks)
+            thread = next(m for m in top if "logits rising" in m["text"])
+            assert "closed, the run ended (completed at step 100)" in fake.thread(thread["ts"])[-1]["text"]
+            assert "*now:* closed: the run ended" in json.dumps(fake.messages[thread["ts"]]["blocks"])
+        finally:
+            sup.close()

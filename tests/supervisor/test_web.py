@@ -216,6 +216,11 @@ def test_run_page_has_plots_incidents_and_actions(client, seeded):
     assert "<td>1440</td><td>1648</td>" in page  # skip range
     assert "/ckpt/200" in page and "/ckpt/100" in page
     assert "enqueued" in page  # audit tail
+    # the story first, in words (issue 23): what the supervisor did and what it cost
+    story = re.search(r"<p class='story' id='story'>(.*?)</p>", page).group(1)
+    for words in ("not finished, last step 260", "1 automatic rollback,", "208 samples skipped", "1 incident, 0 open",
+                  "2 attempts"):
+        assert words in story, (words, story)
 
 
 def test_incident_link_zooms_and_highlights(client, seeded):

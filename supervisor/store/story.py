@@ -1,0 +1,96 @@
+"""A run's story in numbers, for the people who were asleep (issue 23): how it ended, what the
+supervisor did to it and what that cost. One read for Slack's "run finished" message, the CLI and
+the page, so they never tell it differently.
+
+Steps re-trained are counted from the attempts, not from the actions: every attempt that starts
+from a checkpoint before the last step its predecessor stored re-trains the difference (a rollback, and a
+relaunch from an older checkpoint alike). Samples skipped are the run's merged skip ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from thermowatch.monitors.contract import RunFinished
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store.orm import Step
+
+
+@dataclass(frozen=True)
+class Story:
+    run_id: str
+    finished: RunFinished | None  # how the newest attempt ended; None while it may train
+    last_step: int | None
+    attempts: int
+    auto_rollbacks: int  # carried out
+    manual_actions: int  # carried out
+    lr_multiplier: float  # in force at last_step
+    steps_retrained: int
+    samples_skipped: int
+    incidents: int
+    open_incidents: int
+
+    def words(self) -> str:
+        """"2 automatic rollbacks, LR x0.2, 150 steps re-trained, 1,152 samples skipped; 11
+        incidents, 0 open"."""
+        did = []
+        if self.auto_rollbacks:
+            did.append(f"{self.auto_rollbacks} automatic rollback{'s' * (self.auto_rollbacks != 1)}")
+        if self.manual_actions:
+            did.append(f"{self.manual_actions} manual command{'s' * (self.manual_actions != 1)}")
+        if self.lr_multiplier != 1.0:
+            did.append(f"LR x{self.lr_multiplier:g}")
+        if self.steps_retrained:
+            did.append(f"{self.steps_retrained:,} steps re-trained")
+        if self.samples_skipped:
+            did.append(f"{self.samples_skipped:,} samples skipped")
+        head = ", ".join(did) if did else "nothing changed by the supervisor"
+        return (f"{head}; {self.incidents} incident{'s' * (self.incidents != 1)}, {self.open_incidents} open; "
+                f"{self.attempts} attempt{'s' * (self.attempts != 1)}")
+
+    def ending(self) -> str:
+        """"finished (completed at step 200), final loss 2.38" or "not finished, last step 120"."""
+        f = self.finished
+        if f is None:
+            return "not finished" + (f", last step {self.last_step}" if self.last_step is not None else ", no step yet")
+        loss = "no final loss" if f.final_loss is None else f"final loss {f.final_loss:.4g}"
+        return f"finished ({f.reason.value} at step {f.step}), {loss}"
+
+
+def last_steps(session: Session, run_id: str) -> dict[int, int]:
+    """The last step each attempt stored (one indexed group-by)."""
+    q = select(Step.attempt, func.max(Step.step)).where(Step.run_id == run_id).group_by(Step.attempt)
+    return {int(a): int(s) for a, s in session.execute(q)}
+
+
+def story(session: Session, run_id: str) -> Story:
+    attempts = runs_store.attempts(session, run_id)
+    last = last_steps(session, run_id)
+    retrained, reached = 0, None
+    for a in attempts:
+        if reached is not None and a.start_step < reached:  # start_step: the checkpoint it loaded
+            retrained += reached - a.start_step
+        reached = last.get(a.attempt, reached)
+    done = [r for r in actions_store.actions(session, run_id, limit=10_000) if r.state == "done"]
+    incs = incidents_store.incidents(session, run_id)
+    last_step = max(last.values()) if last else None
+    newest = attempts[-1] if attempts else None
+    if newest is not None and newest.attempt in last:
+        last_step = last[newest.attempt]
+    return Story(
+        run_id=run_id, finished=newest.finished if newest is not None else None, last_step=last_step,
+        attempts=len(attempts),
+        auto_rollbacks=sum(r.kind == "rollback" and r.origin == "auto" for r in done),
+        manual_actions=sum(r.origin == "manual" for r in done),
+        lr_multiplier=lr_store.multiplier_in_force(session, run_id, last_step) if last_step is not None else 1.0,
+        steps_retrained=retrained,
+        samples_skipped=sum(hi - lo for lo, hi in skips_store.skip_ranges(session, run_id)),
+        incidents=len(incs), open_incidents=sum(i.state == "open" for i in incs),
+    )
