@@ -426,10 +426,12 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     else:
         rung = 2
         if prev is not None:
+            gap = f.detect_step - prev.step  # negative: the re-trained steps diverged before the old spot
+            when = (f"{gap} steps after the {prev.kind.value} at step {prev.step}" if gap >= 0 else
+                    f"{-gap} steps short of step {prev.step}, where the {prev.kind.value} was decided")
             reasons.append(
-                f"rung 2: {f.signal.value} again at step {f.detect_step}, {f.detect_step - prev.step:+d} steps from "
-                f"the {prev.kind.value} at step {prev.step} (recurrence_window_steps={cfg.recurrence_window_steps}): "
-                f"the last {prev.kind.value} was not enough")
+                f"rung 2: {f.signal.value} again at step {f.detect_step}, {when} (recurrence_window_steps="
+                f"{cfg.recurrence_window_steps}): the last {prev.kind.value} was not enough")
         else:  # the LR forecast (monitors/detectors/witness.py): the harm is ahead, in the schedule
             reasons.append(f"rung 2 at once: {forecast}")
         # Rounded: 0.2 * 0.2 is 0.04000000000000001 in binary, and humans read this number.

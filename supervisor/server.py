@@ -174,6 +174,10 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     from thermowatch.supervisor.auth import bootstrap_admin, check_bind
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Start-up was 41 lines, 22 of them Alembic's per-revision notes and 11 APScheduler's job
+    # registrations (issue 23): their warnings and errors still show; -v style detail does not.
+    for noisy in ("alembic", "apscheduler"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     check_bind(cfg)  # before anything is opened: an open daemon on a network never starts
     sup = Supervisor(cfg, auto_upgrade=auto_upgrade, judge_inline=False)  # answer, then judge
     try:

@@ -13,6 +13,7 @@ to point elsewhere).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -210,10 +211,13 @@ def cmd_login(args: argparse.Namespace) -> int:
     """Check an address and token against the daemon, then remember them for this user."""
     import getpass
 
-    from thermowatch.supervisor.client import Client, resolve, save_login
+    from thermowatch.supervisor.client import TOKEN_ENV, Client, resolve, save_login
 
     token = args.token
     if token is None and not args.no_token:
+        if not sys.stdin.isatty():  # a script, a pipe, CI: nobody to type it (issue 23: a traceback)
+            raise UserError("login needs a token and there is no terminal to type it in: pass --token TOKEN "
+                            f"(or --no-token for a daemon with auth off), or set {TOKEN_ENV}")
         token = getpass.getpass("token (input hidden; empty for none): ").strip() or None
     ep = resolve(args.server, token)
     with Client(ep) as api:
@@ -282,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="database URL (default: SQLite in the data dir)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("replay", help="feed a recorded run (JSONL/CSV) through the detectors and the policy")
+    p = sub.add_parser("replay", help="feed a recorded run (JSONL/CSV) through the detectors and the policy",
+                       epilog="exit status: 0 no finding, 1 findings present (a script can test it), "
+                              "2 a bad file or setting")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="one JSON object per finding")
     p.add_argument("--detectors", help="detector settings that differ from defaults (YAML/JSON)")
@@ -365,6 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DaemonUnreachable as exc:
         print(f"thermowatch: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except BrokenPipeError:  # `thermowatch actions RUN | head`: the reader has all it wanted
+        try:  # as Python's docs advise: the interpreter's final flush must not raise it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -73,8 +73,10 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         result = RunController(tcfg, sink=sink, commands=announced_commands(commands), progress=progress).run()
     finally:
         closer()
+    # The result on stdout, what scripts grep; progress and logs stay on stderr (issue 23).
     print(f"run {result.run_id}: step {result.final_step}, final loss {result.final_loss:.4f}, "
-          f"attempts {result.attempts}, restarts {result.restarts}", file=sys.stderr)
+          f"attempts {result.attempts}, restarts {result.restarts}", flush=True)
+    _nothing_trained(result.run_id, result.final_step, result.steps_recorded, tcfg)
     return 0 if result.final_step >= tcfg.steps or result.stopped else 1
 
 
@@ -149,8 +151,20 @@ def follow(actor, run_id: str, total_steps: int, *, progress_every: int = 10, po
         return 1
     r = st["result"]
     print(f"run {r['run_id']}: step {r['final_step']}, final loss {r['final_loss']:.4f}, "
-          f"attempts {r['attempts']}, restarts {r['restarts']}", file=out)
+          f"attempts {r['attempts']}, restarts {r['restarts']}", file=sys.stdout if out is sys.stderr else out,
+          flush=True)
+    _nothing_trained(r["run_id"], r["final_step"], r.get("steps_recorded", 1), None, out)
     return 0 if r["final_step"] >= total_steps or r["stopped"] else 1
+
+
+def _nothing_trained(run_id: str, final_step: int, recorded: int, tcfg, out=None) -> None:
+    """A relaunch of a run that had already trained all its steps resumes at its last checkpoint
+    and trains nothing: say so, instead of a bare "final loss nan" (issue 23)."""
+    if recorded == 0 and final_step > 0:
+        where = f" ({tcfg.checkpoint.dir})" if tcfg is not None else ""
+        print(f"run {run_id}: nothing trained: it resumed at step {final_step}, its last, from its own checkpoints"
+              f"{where}. To train again, give the config another run_id or an empty checkpoint dir.",
+              file=out or sys.stderr, flush=True)
 
 
 def require_gpus(config_file: str, world_size: int, gpus: int, who: str) -> None:
@@ -213,6 +227,14 @@ def _describe_supervisor(cfg: SupervisorConfig) -> list[str]:
     ]
 
 
+def _count(n: float) -> str:
+    """2.1B, 350M, 0.8M: a tiny test model is not "~0.0B" (issue 23)."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def _describe_train(c) -> list[str]:
     m, d, k = c.gpt_config(), c.data, c.checkpoint
     params = 12 * m.n_layer * m.d_model**2 + m.vocab_size * m.d_model * (2 if m.untied_head else 1)
@@ -222,7 +244,7 @@ def _describe_train(c) -> list[str]:
         f"  run {c.run_id}: {c.world_size} ranks ({'GPU, NCCL' if c.use_gpu else 'CPU, gloo'}), ZeRO stage "
         f"{c.zero_stage}, placement {c.placement}, {c.steps} steps",
         f"  model: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, seq {m.seq_len}, vocab "
-        f"{m.vocab_size}: ~{params / 1e9:.1f}B parameters",
+        f"{m.vocab_size}: ~{_count(params)} parameters",
         f"  data: {d.source}{' ' + d.path if d.path else ''}, global batch {d.global_batch} x seq {d.seq_len}; {ramp}",
         f"  optim: lr {c.optim.lr:g}, warmup {c.optim.warmup_steps}, {c.optim.schedule}, clip {c.optim.grad_clip:g}",
         f"  checkpoints: every {k.every} steps to {k.dir}, keep last {k.keep_last} + one per {k.keep_every} steps",

@@ -85,6 +85,7 @@ class RunResult:
     acks: list[Ack] = field(default_factory=list)
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     wall_s: float = 0.0
+    steps_recorded: int = 0  # steps this controller trained and recorded (0: a relaunch found the run done)
 
 
 class RunController:
@@ -184,7 +185,8 @@ class RunController:
         reason = (FinishReason.STOPPED if self.stopped else
                   FinishReason.COMPLETED if self.step >= self.cfg.steps else FinishReason.CLOSED)
         self._tell(self.sink.finish_run, self.cfg.run_id, self.attempt,
-                   RunFinished(step=self.step, final_loss=self.result.final_loss, reason=reason))
+                   RunFinished(step=self.step, reason=reason,
+                               final_loss=self.result.final_loss if self.result.steps_recorded else None))
         r = self.result
         r.final_step, r.attempt, r.stopped, r.wall_s = self.step, self.attempt, self.stopped, time.monotonic() - t0
         return r
@@ -232,6 +234,7 @@ class RunController:
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
         self.result.final_loss = loss
+        self.result.steps_recorded += 1
         self._buffer.append((self.attempt, rec))
         self._flush()
         if self.progress is not None:

@@ -29,6 +29,8 @@ def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, tmp_path / "serve.log")
+        started = (tmp_path / "serve.log").read_text()  # a fresh database: every migration ran
+        assert "Running upgrade" not in started and "Added job" not in started, started  # issue 23: 41 lines
         api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
         made = api.post("/api/tokens", json={"name": "my-trainer", "scopes": ["ingest"]})
         assert made.status_code == 201, made.text

@@ -420,3 +420,25 @@ def test_incidents_and_export_replays_to_the_daemons_findings(db, diverging_daem
     assert sorted(map(key, replayed)) == sorted(map(key, stored))
     assert main(["export", "no-such-run", *d.flags, "--out", str(tmp_path / "x.jsonl")]) == 2
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_closed_pipe_and_no_terminal_end_with_a_reason_not_a_traceback(daemon, tmp_path):
+    """Issue 23's papercuts: `thermowatch actions RUN | head` printed a BrokenPipe traceback, and
+    `login` without --token in a non-interactive shell a getpass traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "THERMOWATCH_CLIENT_CONFIG": str(tmp_path / "client.json")}
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first line: every write fails with EPIPE
+    try:
+        p = subprocess.run([sys.executable, "-m", "thermowatch", "runs", *daemon.flags], stdout=w,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "thermowatch", "login", "--server", daemon.url], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "no terminal to type it in: pass --token TOKEN" in p.stderr

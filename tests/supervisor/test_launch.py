@@ -68,7 +68,7 @@ def test_train_against_a_running_daemon_is_repaired_over_http(tmp_path):
                                env={**env, "THERMOWATCH_TOKEN": made.stdout.strip()},
                                capture_output=True, text=True, timeout=1500)
         assert train.returncode == 0, train.stderr[-4000:]
-        assert "run cluster-1: step 100" in train.stderr
+        assert "run cluster-1: step 100" in train.stdout and "run cluster-1: step 100/" not in train.stdout
         # Progress every 10 steps, one line per command acknowledged, no HTTP poll log (issue 12.5).
         assert re.search(r"^cluster-1 step 10/100: loss \d+\.\d+, [\d,]+ tok/s, max attn logit (<= )?[\d.]+, ETA ",
                          train.stderr, re.M), train.stderr[-4000:]
@@ -121,7 +121,7 @@ def test_train_with_an_embedded_supervisor(tmp_path):
     train = subprocess.run([*cli, "train", str(tmp_path / "train.yaml"), "--config", str(tmp_path / "sup.yaml")],
                            capture_output=True, text=True, timeout=1500, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert train.returncode == 0, train.stderr[-4000:]
-    assert "run cluster-1: step 85" in train.stderr
+    assert "run cluster-1: step 85," in train.stdout, train.stdout
     # The embedded supervisor's database (no daemon here for the CLI to ask).
     from thermowatch.supervisor import db
     from thermowatch.supervisor.store import actions as actions_store
@@ -203,3 +203,20 @@ def test_train_asking_for_gpus_without_any_exits_2_at_once(tmp_path, monkeypatch
     with pytest.raises(UserError, match="Ray reports no GPU"):  # the cluster's count, once joined
         require_gpus("train.yaml", 8, 0, "Ray reports")
     require_gpus("train.yaml", 8, 4, "Ray reports")  # fewer than ranks: an autoscaler may add nodes
+
+
+def test_a_relaunch_that_trains_nothing_says_why(capsys):
+    """Issue 23: the README's second command on the same run id and checkpoint dir resumed at the
+    last step, trained nothing and printed a bare "final loss nan"."""
+    from types import SimpleNamespace
+
+    from thermowatch.launch import _nothing_trained
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir="checkpoints"))
+    _nothing_trained("local-1", 200, 0, cfg)
+    err = capsys.readouterr().err
+    assert "run local-1: nothing trained: it resumed at step 200, its last" in err and "(checkpoints)" in err
+    assert "another run_id or an empty checkpoint dir" in err
+    _nothing_trained("local-1", 200, 200, cfg)  # a run that trained (even to a NaN loss) says nothing more
+    _nothing_trained("local-1", 0, 0, cfg)
+    assert capsys.readouterr().err == ""

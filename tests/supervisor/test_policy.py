@@ -72,7 +72,7 @@ CASES = [
     ("rung2-recurrence-rollback-and-lower-lr",
      dict(finding=finding(onset=940, detect=950), checkpoints=CKPTS, history=[iv(step=1000)]), {},
      dict(kind=K.ROLLBACK, rung=2, target_step=800, skip_steps=(840, 950), lr_multiplier=0.5, lr_steps=None,
-          page=False, says=["rung 2", "-50 steps", "1 -> 0.5"])),
+          page=False, says=["rung 2", "50 steps short of step", "1 -> 0.5"])),
     ("rung2-at-once-on-the-lr-forecast",  # issue 8: a rollback alone would replay the same rising LR
      dict(finding=finding(S.ATTN_LOGIT_CEILING, module="blocks.1.attn", onset=940, detect=1000,
                           witnesses={"lr_forecast": "the schedule will still raise the LR x3.1"}),
@@ -195,7 +195,7 @@ CASES = [
     ("recurrence-past-cooldown-on-the-re-trained-attempt-climbs",  # issue 22: rollback to 850, again at 910
      dict(finding=finding(onset=900, detect=910), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
           attempt=1), {},
-     dict(kind=K.ROLLBACK, rung=2, target_step=800, lr_multiplier=0.5, says=["rung 2", "-90 steps"])),
+     dict(kind=K.ROLLBACK, rung=2, target_step=800, lr_multiplier=0.5, says=["rung 2", "90 steps short of step"])),
     ("late-finding-of-the-abandoned-attempt-is-noop",
      dict(finding=finding(onset=1100, detect=1200), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
           attempt=0), {},
