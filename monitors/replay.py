@@ -2,7 +2,10 @@
 
 Input: JSONL (one flat record per line, DESIGN.md "Metric names"; Python json's NaN, Infinity
 and -Infinity literals are values) or CSV (header row of keys; an empty cell is a missing
-value). Unknown metric keys are kept. A malformed line is reported on stderr with its line
+value). Unknown metric keys are kept. A record's `attempt` (what `thermowatch export` writes for
+every attempt of a run) is no metric: where it changes, the detectors forget what they saw from
+the new attempt's first step on, as the daemon's do when a rollback takes effect, so a replay of a
+rolled-back run finds each divergence an abandoned attempt had. A malformed line is reported on stderr with its line
 number and skipped: one torn line at the end of a log must not hide the divergence before it.
 
 Exit codes: 0 no finding, 1 at least one finding, 2 the file could not be read (or held no
@@ -19,6 +22,8 @@ from typing import Any, Callable, Iterator, TextIO
 
 from thermowatch.monitors.contract import RECORD_FIELDS, ContractError, Finding, StepRecord
 
+ATTEMPT = "attempt"  # a record's attempt: read beside the record, never a metric
+
 from .detectors import BankConfig, DetectorBank
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
@@ -29,7 +34,8 @@ def _coerce(obj: dict[str, Any], warned: set[str], where: str, err: TextIO) -> d
     non-numeric fields such as {"phase": "train"} with one warning per key."""
     out: dict[str, Any] = {}
     for key, val in obj.items():
-        if key in RECORD_FIELDS or val is None or (isinstance(val, (int, float)) and not isinstance(val, bool)):
+        if key in RECORD_FIELDS or key == ATTEMPT or val is None or (isinstance(val, (int, float))
+                                                                    and not isinstance(val, bool)):
             out[key] = val
             continue
         if isinstance(val, str):
@@ -44,7 +50,17 @@ def _coerce(obj: dict[str, Any], warned: set[str], where: str, err: TextIO) -> d
     return out
 
 
-def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, StepRecord]]:
+def _split(obj: dict[str, Any]) -> tuple[int | None, StepRecord]:
+    attempt = obj.pop(ATTEMPT, None)
+    if attempt is not None:
+        if isinstance(attempt, float) and attempt.is_integer():
+            attempt = int(attempt)
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise ContractError(f"'attempt' must be an integer >= 0, got {attempt!r}")
+    return attempt, StepRecord.from_json(obj)
+
+
+def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecord]]:
     warned: set[str] = set()
     with path.open("r", encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -55,7 +71,7 @@ def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, StepRecord]]:
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ContractError(f"expected a JSON object, got {type(obj).__name__}")
-                yield lineno, StepRecord.from_json(_coerce(obj, warned, where, err))
+                yield lineno, *_split(_coerce(obj, warned, where, err))
             except (json.JSONDecodeError, ContractError, TypeError, ValueError) as exc:
                 print(f"{where}: skipped malformed record: {exc}", file=err)
 
@@ -68,7 +84,7 @@ def _csv_value(key: str, cell: str) -> Any:
     return float(cell)  # float() reads nan, inf, -inf, Infinity
 
 
-def _csv(path: Path, err: TextIO) -> Iterator[tuple[int, StepRecord]]:
+def _csv(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecord]]:
     warned: set[str] = set()
     with path.open("r", encoding="utf-8", errors="replace", newline="") as fh:
         reader = csv.reader(fh)
@@ -93,18 +109,23 @@ def _csv(path: Path, err: TextIO) -> Iterator[tuple[int, StepRecord]]:
                         obj[key] = _csv_value(key, cell)
                     except ValueError:
                         obj[key] = cell  # let _coerce warn about a non-numeric column
-                yield lineno, StepRecord.from_json(_coerce(obj, warned, where, err))
+                yield lineno, *_split(_coerce(obj, warned, where, err))
             except (ContractError, TypeError, ValueError) as exc:
                 print(f"{where}: skipped malformed record: {exc}", file=err)
 
 
-def read_records(path: str | Path, err: TextIO | None = None) -> Iterator[tuple[int, StepRecord]]:
-    """(line number, record) for each good line; `.csv` files are CSV, anything else JSONL.
-    Raises OSError if the file cannot be opened (replay turns that into exit code 2)."""
+def read_attempts(path: str | Path, err: TextIO | None = None) -> Iterator[tuple[int, int | None, StepRecord]]:
+    """(line number, attempt or None, record) for each good line; `.csv` files are CSV, anything
+    else JSONL. Raises OSError if the file cannot be opened (replay turns that into exit code 2)."""
     p = Path(path)
     err = err if err is not None else sys.stderr
     reader = _csv if p.suffix.lower() == ".csv" else _jsonl
     return reader(p, err)
+
+
+def read_records(path: str | Path, err: TextIO | None = None) -> Iterator[tuple[int, StepRecord]]:
+    """(line number, record) for each good line (read_attempts without the attempt)."""
+    return ((lineno, rec) for lineno, _, rec in read_attempts(path, err))
 
 
 def _fmt(x: Any) -> str:
@@ -147,9 +168,13 @@ def replay(
     bank = DetectorBank(config)
     n_records = n_findings = 0
     try:
-        for _, record in read_records(p, err):
+        current: int | None = None
+        for _, attempt, record in read_attempts(p, err):
             n_records += 1
-            for finding in bank.observe(record):
+            if attempt is not None and current is not None and attempt != current:
+                bank.reset(record.step)  # the new attempt re-trains from here (Responder.rewind)
+            current = attempt if attempt is not None else current
+            for finding in bank.observe(record, attempt):
                 n_findings += 1
                 decision = policy(finding) if policy is not None else None
                 if json_out:

@@ -40,6 +40,10 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
     add_client_flags(p)
     p.add_argument("run_id")
     p.add_argument("--out", "-o", required=True, help="the JSONL file to write (replaced whole, never torn)")
+    p.add_argument("--attempts", choices=("newest", "all"), default="all",
+                   help="all (default): every attempt's own records in order, each with its `attempt`, so a "
+                        "replay sees each divergence a rollback abandoned, as the daemon did; newest: one "
+                        "record per step, the newest attempt's (the run's history as it stands)")
     p.set_defaults(func=cmd_export)
 
 
@@ -124,19 +128,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name such as {out / (args.run_id + '.jsonl')}")
-    by_step: dict[int, dict[str, Any]] = {}
+    every = getattr(args, "attempts", "all") == "all"
+    # (attempt, step) -> values; attempt None for the newest attempt's point per step
+    rows: dict[tuple[int | None, int], dict[str, Any]] = {}
     with _client(args) as api:
         keys = api.get(f"{run_path(args.run_id)}/series")["keys"]
-        for key in keys:  # the newest attempt's point per step (the history endpoint's default)
-            h = api.get(f"{run_path(args.run_id)}/history", key=key)
-            for step, value in zip(h["steps"], h["values"]):
-                by_step.setdefault(step, {})[key] = _NONFINITE.get(value, value) if isinstance(value, str) else value
+        for key in keys:
+            if every:  # each attempt's own points, the history endpoint's attempts=all
+                h = api.get(f"{run_path(args.run_id)}/history", key=key, attempts="all")["attempts"]
+                parts = [(int(a), p["steps"], p["values"]) for a, p in h.items()]
+            else:  # the newest attempt's point per step (the endpoint's default)
+                h = api.get(f"{run_path(args.run_id)}/history", key=key)
+                parts = [(None, h["steps"], h["values"])]
+            for attempt, steps, values in parts:
+                for step, value in zip(steps, values):
+                    rows.setdefault((attempt, step), {})[key] = (_NONFINITE.get(value, value)
+                                                                 if isinstance(value, str) else value)
     tmp = out.with_name(out.name + ".partial")
     with tmp.open("w", encoding="utf-8") as fh:
-        for step in sorted(by_step):
+        for (attempt, step) in sorted(rows, key=lambda k: (k[0] or 0, k[1])):
+            head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
             # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
-            fh.write(json.dumps({"step": step, **by_step[step]}) + "\n")
+            fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
     os.replace(tmp, out)
-    print(f"wrote {len(by_step)} records ({len(keys)} series) of run {args.run_id} to {out}; "
-          f"`thermowatch replay {out}` runs them through the detectors")
+    n_att = len({a for a, _ in rows})
+    print(f"wrote {len(rows)} records ({len(keys)} series{f', {n_att} attempts' if every else ''}) of run "
+          f"{args.run_id} to {out}; `thermowatch replay {out}` runs them through the detectors")
     return 0
