@@ -133,7 +133,7 @@ class Executor:
                 title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
                 alert = dataclasses.replace(
                     alert, title=f"{title} [action {ids[0]}]", severity=Severity.CRITICAL, broadcast=True,
-                    fields={"action": ids[0], **alert.fields},
+                    fields={"action": ids[0], **self._cost(s, run_id, body), **alert.fields},
                     commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
                     status=f"awaiting approval (action {ids[0]})", approve_action=ids[0])
             # Only alert-only repeats fold: a decision that wrote an action (a pause, a rollback,
@@ -152,6 +152,22 @@ class Executor:
                     title=f"{run_id}: {finding.metric} around the onset (incident {incident_id})",
                     chart=ChartRequest.around(finding)))
         return ids
+
+    @staticmethod
+    def _cost(s: Session, run_id: str, body: CommandBody | None) -> dict[str, str]:
+        """What approving a rollback throws away, for the person who must decide (issue 23: "roll
+        back to step 10" at step 557 never said it meant 547 steps)."""
+        if not isinstance(body, Rollback):
+            return {}
+        latest = runs_store.latest_attempt(s, run_id)
+        last = story_store.last_steps(s, run_id).get(latest.attempt) if latest is not None else None
+        out = {}
+        if last is not None and last > body.to_step:
+            out["discards"] = (f"steps {body.to_step + 1}-{last}: {last - body.to_step} steps to train again "
+                               f"(from checkpoint {body.to_step} or the newest healthy one before it)")
+        if body.skip:
+            out["skips"] = f"{sum(r.hi - r.lo for r in body.skip):,} samples: " + ", ".join(str(r) for r in body.skip)
+        return out
 
     def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
         lr = None
@@ -191,11 +207,34 @@ class Executor:
                 raise UserError(str(exc)) from None
             feasibility.check(s, run_id, body)
             action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
+            if body.kind in (CommandKind.ROLLBACK, CommandKind.SET_LR):
+                self._supersede(s, run_id, action_id, who, body)
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
                                        title=f"{run_id}: {who} asked to {describe(body)}",
                                        text=reason, thread=_thread(action_id, None)))
         self.flush_alerts()
         return action_id
+
+    def _supersede(self, s: Session, run_id: str, action_id: int, who: str, body: CommandBody) -> None:
+        """A person's rollback or LR change answers the run's open incidents (issue 23: in
+        advise-only mode an incident stayed open after the engineer fixed the run by hand, every
+        later checkpoint counted as unhealthy, and the next proposal went back 547 steps). Each
+        open incident whose only open actions are proposals awaiting approval is resolved as
+        superseded, and those proposals are cancelled, saying by what. An incident with an
+        automatic action already on its way is left to that action."""
+        by = f"{who}'s {body.kind.value.replace('_', ' ')} (action {action_id}: {describe(body)})"
+        for inc in incidents_store.open_incidents(s, run_id):
+            mine = [a for a in actions_store.open_actions(s, run_id) if a.incident_id == inc.id]
+            if any(not (a.state == "pending" and a.requires_approval) for a in mine):
+                continue
+            for a in mine:
+                actions_store.set_action_state(s, a.id, "cancelled", error=f"superseded by {by}")
+            incidents_store.resolve_incident(s, inc.id, f"superseded by {by}")
+            audit_store.audit(s, run_id, who, "superseded", {"incident_id": inc.id, "by_action": action_id,
+                                                            "cancelled": [a.id for a in mine]})
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
+                                       title=f"{run_id}: superseded by {by}",
+                                       status=f"superseded by {who}'s action {action_id}"))
 
     def approve(self, action_id: int, who: str) -> None:
         """Advise-only mode: a human lets a pending action go to the trainer. Refused (409) once

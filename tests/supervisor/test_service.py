@@ -15,6 +15,7 @@ from thermowatch.supervisor.notify.base import NotifyConfigError
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
@@ -275,8 +276,18 @@ def test_healthy_run_produces_no_action(sup, tmp_path):
 def test_advise_only_waits_for_approval(db, tmp_path):
     sup = make_sup(db, tmp_path, advise_only=True)
     try:
-        _recs, _last, _inc, act = diverge(sup, tmp_path)
+        _recs, last, _inc, act = diverge(sup, tmp_path)
         assert act.kind == "rollback" and act.requires_approval
+        # the question says what a yes costs (issue 23): the steps to train again, the samples skipped
+        from thermowatch.supervisor.store import alerts as alerts_store
+
+        with sup.sessions() as s:
+            asks = [r.payload["fields"] for r in alerts_store.alerts(s, RUN, limit=100)
+                    if r.payload and "approval needed" in r.payload.get("title", "")]
+        to = act.args["to_step"]
+        assert asks and asks[0]["discards"].startswith(f"steps {to + 1}-{last}: {last - to} steps to train again")
+        lo, hi = act.args["skip_ranges"][0]
+        assert asks[0]["skips"] == f"{hi - lo:,} samples: [{lo}, {hi})"
         assert sup.poll(RUN) == []
         assert sup.poll(RUN) == []
         with sup.sessions() as s:
@@ -432,3 +443,27 @@ def test_a_cooldown_reminder_survives_a_daemon_restart_and_releases_the_latches_
         assert any(f.signal.value == "attn_logit_ceiling" for f in found), found  # what persists fires again
     finally:
         b.close()
+
+
+def test_a_persons_rollback_supersedes_the_open_proposal_and_its_incident(db, tmp_path):
+    """Issue 23, advise-only: the engineer fixed the run by hand while the policy's proposal
+    waited; the incident stayed open, so every later checkpoint counted as unhealthy and the next
+    proposal went back hundreds of steps. A person's rollback now resolves the incident as
+    superseded and cancels the proposal, saying by what; the checkpoints after it are targets again."""
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        _recs, _last, inc, proposal = diverge(sup, tmp_path)
+        assert proposal.requires_approval and sup.responder.diverging_since(RUN) == inc.onset_step
+        mine = sup.executor.submit(RUN, "rollback", {"to_step": proposal.args["to_step"], "lr_multiplier": 0.5},
+                                   "bob", "fixing it myself")
+        with sup.sessions() as s:
+            row = actions_store.get_action(s, proposal.id)
+            closed = incidents_store.get_incident(s, inc.id)
+            events = [e.event for e in audit_store.audit_log(s, RUN)]
+        assert row.state == "cancelled" and f"superseded by bob's rollback (action {mine}: roll back to" in row.error
+        assert closed.state == "resolved" and closed.resolution.startswith(f"superseded by bob's rollback (action {mine}")
+        assert "superseded" in events
+        assert sup.responder.diverging_since(RUN) is None  # later checkpoints are healthy targets again
+        assert [c.id for c in sup.poll(RUN)] == [mine]  # the person's command goes; the proposal never does
+    finally:
+        sup.close()
