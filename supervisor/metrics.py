@@ -209,6 +209,22 @@ class DaemonCollector:
                 age.add_metric([r.run_id], max(0.0, (now - r.last_record_at).total_seconds()))
             incidents.add_metric([r.run_id], r.open_incidents)
             attempts.add_metric([r.run_id], r.attempts)
+        loss = GaugeMetricFamily("thermowatch_run_loss", "The loss of the newest step stored (absent until the "
+                                 "run's first batch since the daemon started).", labels=["run_id"])
+        step_s = GaugeMetricFamily("thermowatch_run_step_seconds", "Wall seconds per step over the newest batch "
+                                   "(the trainer's clock).", labels=["run_id"])
+        tps = GaugeMetricFamily("thermowatch_run_tokens_per_second", "Tokens per second of the newest step: the "
+                                "trainer's tokens_per_s, else tokens / step seconds.", labels=["run_id"])
+        for r in runs:
+            p = self.sup.progress.get(r.run_id)
+            if p is None:
+                continue
+            loss.add_metric([r.run_id], p.loss)
+            if p.step_s is not None:
+                step_s.add_metric([r.run_id], p.step_s)
+            if p.tokens_per_s is not None:
+                tps.add_metric([r.run_id], p.tokens_per_s)
+        yield from (loss, step_s, tps)
         by_state = GaugeMetricFamily("thermowatch_run_actions", "Actions of an active run by kind and state.",
                                      labels=["run_id", "kind", "state"])
         for run_id, kind, state, n in sorted(actions):

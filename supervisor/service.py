@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from thermowatch.monitors.columns import StepColumns
-from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunFinished, RunInfo, StepRecord
+from thermowatch.monitors.contract import (LOSS, TOKENS_PER_S, Ack, CheckpointInfo, Command, RunFinished, RunInfo,
+                                           StepRecord)
 from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor import db, jobs
 from thermowatch.supervisor.approvers import HOW_TO_CONFIGURE, Approvers
@@ -73,6 +77,50 @@ def build_approvers(cfg: SupervisorConfig, environ: Mapping[str, str] | None = N
     return Approvers(cfg.slack.approvers, cfg.slack.approver_groups, members, ttl_s=cfg.slack.approver_groups_ttl_s)
 
 
+@dataclass(frozen=True, slots=True)
+class RunProgress:
+    attempt: int
+    step: int
+    wall_time: float
+    loss: float
+    step_s: float | None  # seconds per step over the newest batch (or since the batch before)
+    tokens_per_s: float | None
+
+
+class Progress:
+    """The newest loss, step time and throughput of each run, from every committed batch's last
+    record (O(1) per batch, in the daemon's memory: /metrics reads it with no query; absent for a
+    run until its first batch after the daemon starts). Issue 23: Grafana users look for them."""
+
+    reads = (LOSS, TOKENS_PER_S)
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunProgress] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
+        if not records:
+            return
+        last, first = records[-1], records[0]
+        with self._lock:
+            prev = self._runs.get(run_id)
+            base = prev if prev is not None and prev.attempt == attempt and prev.step < first.step else None
+            lo_step, lo_wall = (base.step, base.wall_time) if base is not None else (first.step, first.wall_time)
+            step_s = (last.wall_time - lo_wall) / (last.step - lo_step) if last.step > lo_step else (
+                prev.step_s if prev is not None else None)
+            if step_s is not None and not (math.isfinite(step_s) and step_s > 0):
+                step_s = None
+            tps = last.values.get(TOKENS_PER_S)
+            if tps is None and step_s and last.tokens > 0:
+                tps = last.tokens / step_s
+            self._runs[run_id] = RunProgress(attempt, last.step, last.wall_time,
+                                             float(last.values.get(LOSS, math.nan)), step_s, tps)
+
+    def get(self, run_id: str) -> RunProgress | None:
+        with self._lock:
+            return self._runs.get(run_id)
+
+
 class Supervisor:
     def __init__(self, cfg: SupervisorConfig, notifier: Notifier | None = None, *, auto_upgrade: bool = True,
                  clock: Callable[[], float] = time.time, judge_inline: bool = True):
@@ -123,8 +171,9 @@ class Supervisor:
         # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
         self.judge = Judge(self.sessions, self.responder.on_records).start()
         self._judge_inline = judge_inline
+        self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
-                                 check_keys=self.consistency.reads + self.checkpoint_health.reads,
+                                 check_keys=self.consistency.reads + self.checkpoint_health.reads + Progress.reads,
                                  limits=Limits.from_dict(cfg.limits))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
@@ -179,7 +228,7 @@ class Supervisor:
     def _check_state(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         """After each committed batch: the trainer's state against the supervisor's record, and
         whether it still saves checkpoints. Each pages on its own; one failing skips no other."""
-        for check in (self.consistency, self.checkpoint_health):
+        for check in (self.consistency, self.checkpoint_health, self.progress):
             try:
                 check(run_id, attempt, records)
             except Exception:  # the batch is committed; a failing check must not bounce it

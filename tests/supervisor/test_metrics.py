@@ -69,7 +69,8 @@ def test_metrics_tell_what_the_daemon_holds_and_counted(sup, db):
             assert c.post("/api/runs", json={"run_id": "a", "attempt": 1, "world_size": 1}).status_code == 201
             for lo in (0, 10):
                 r = c.post("/api/runs/a/attempts/1/steps", json={"records": [
-                    {"step": i, "loss": 2.0, "grad_norm": 1.0} for i in range(lo, lo + 10)]})
+                    {"step": i, "loss": 3.0 - i / 100, "grad_norm": 1.0, "wall_time": 1000.0 + 0.5 * i, "tokens": 4096}
+                    for i in range(lo, lo + 10)]})
                 assert r.status_code == 200, r.text
             assert c.post("/api/runs/a/attempts/1/steps", json={"records": [{"step": "x"}]}).status_code == 422
             assert c.post("/api/runs/nope/attempts/0/steps", json={"records": [{"step": 1}]}).status_code == 404
@@ -91,6 +92,11 @@ def test_metrics_tell_what_the_daemon_holds_and_counted(sup, db):
     m = samples(text)
     run = lambda r: (("run_id", r),)  # noqa: E731
     assert m[("thermowatch_run_last_step", run("a"))] == 19
+    # what Grafana users look for (issue 23): the newest loss, step time and throughput
+    assert m[("thermowatch_run_loss", run("a"))] == pytest.approx(2.81)
+    assert m[("thermowatch_run_step_seconds", run("a"))] == pytest.approx(0.5)
+    assert m[("thermowatch_run_tokens_per_second", run("a"))] == pytest.approx(8192)
+    assert ("thermowatch_run_loss", run("b")) not in m
     assert ("thermowatch_run_last_step", run("b")) not in m  # no step yet: absent, not 0
     assert m[("thermowatch_run_attempts", run("a"))] == 2 and m[("thermowatch_run_attempts", run("b"))] == 1
     assert m[("thermowatch_run_open_incidents", run("a"))] == 1 and m[("thermowatch_run_open_incidents", run("b"))] == 0
