@@ -133,7 +133,7 @@ class Executor:
                 title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
                 alert = dataclasses.replace(
                     alert, title=f"{title} [action {ids[0]}]", severity=Severity.CRITICAL, broadcast=True,
-                    fields={"action": ids[0], **self._cost(s, run_id, body), **alert.fields},
+                    fields={"action": ids[0], **story_store.cost(s, run_id, body), **alert.fields},
                     commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
                     status=f"awaiting approval (action {ids[0]})", approve_action=ids[0])
             # Only alert-only repeats fold: a decision that wrote an action (a pause, a rollback,
@@ -152,22 +152,6 @@ class Executor:
                     title=f"{run_id}: {finding.metric} around the onset (incident {incident_id})",
                     chart=ChartRequest.around(finding)))
         return ids
-
-    @staticmethod
-    def _cost(s: Session, run_id: str, body: CommandBody | None) -> dict[str, str]:
-        """What approving a rollback throws away, for the person who must decide (issue 23: "roll
-        back to step 10" at step 557 never said it meant 547 steps)."""
-        if not isinstance(body, Rollback):
-            return {}
-        latest = runs_store.latest_attempt(s, run_id)
-        last = story_store.last_steps(s, run_id).get(latest.attempt) if latest is not None else None
-        out = {}
-        if last is not None and last > body.to_step:
-            out["discards"] = (f"steps {body.to_step + 1}-{last}: {last - body.to_step} steps to train again "
-                               f"(from checkpoint {body.to_step} or the newest healthy one before it)")
-        if body.skip:
-            out["skips"] = f"{sum(r.hi - r.lo for r in body.skip):,} samples: " + ", ".join(str(r) for r in body.skip)
-        return out
 
     def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
         lr = None

@@ -10,11 +10,12 @@ relaunch from an older checkpoint alike). Samples skipped are the run's merged s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.contract import RunFinished
+from thermowatch.monitors.contract import Rollback, RunFinished
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
@@ -62,6 +63,23 @@ class Story:
             return "not finished" + (f", last step {self.last_step}" if self.last_step is not None else ", no step yet")
         loss = "no final loss" if f.final_loss is None else f"final loss {f.final_loss:.4g}"
         return f"finished ({f.reason.value} at step {f.step}), {loss}"
+
+
+def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:
+    """What a rollback throws away, for the person who must approve it (issue 23: "roll back to
+    step 10" at step 557 never said it meant 547 steps): {"discards": ..., "skips": ...}, empty
+    for any other command. Slack's approval message and the page's approval card both show it."""
+    if not isinstance(body, Rollback):
+        return {}
+    latest = runs_store.latest_attempt(session, run_id)
+    last = last_steps(session, run_id).get(latest.attempt) if latest is not None else None
+    out = {}
+    if last is not None and last > body.to_step:
+        out["discards"] = (f"steps {body.to_step + 1}-{last}: {last - body.to_step} steps to train again "
+                           f"(from checkpoint {body.to_step} or the newest healthy one before it)")
+    if body.skip:
+        out["skips"] = f"{sum(r.hi - r.lo for r in body.skip):,} samples: " + ", ".join(str(r) for r in body.skip)
+    return out
 
 
 def last_steps(session: Session, run_id: str) -> dict[int, int]:

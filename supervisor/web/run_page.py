@@ -22,6 +22,7 @@ from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
 from thermowatch.monitors.detectors import BankConfig
+from thermowatch.monitors.contract import ContractError, describe, parse_command
 from thermowatch.supervisor.api.runs import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -62,7 +63,20 @@ def _age(seconds: float | None) -> str:
     return f"last record {seconds:.0f} s ago"
 
 
-def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts: list, selected: int | None) -> str:
+def _body(a):
+    try:
+        return parse_command(a.kind, a.args)
+    except ContractError:
+        return None
+
+
+def _words(a) -> str:
+    body = _body(a)
+    return describe(body) if body is not None else ", ".join(f"{k} {v}" for k, v in a.args.items())
+
+
+def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts: list, selected: int | None,
+              costs: dict[int, dict[str, str]] | None = None) -> str:
     """What waits for a person: open incidents and actions awaiting approval (also fetched alone
     by the script to refresh it: it is the page's #attention element)."""
     open_incs = [i for i in reversed(incs) if i["state"] == "open"]
@@ -74,8 +88,9 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
         cards.append(
             f"<div class='card approval' id='approval-{a.id}' data-action-id='{a.id}'>"
             f"<div class='what'><b>{e(a.kind)}</b> awaits approval (action {a.id}){inc}</div>"
-            f"<div class='args'>{pairs(a.args)}</div>"
-            f"<div class='why'>{e(a.reason)}</div>"
+            f"<div class='args'>{e(_words(a))}</div>"
+            + "".join(f"<div class='cost'><b>{e(k)}:</b> {e(v)}</div>" for k, v in (costs or {}).get(a.id, {}).items())
+            + f"<div class='why'>{e(a.reason)}</div>"
             f"<div class='buttons'><button class='approve' data-verb='approve' data-action-id='{a.id}'>Approve</button> "
             f"<button class='cancel' data-verb='cancel' data-action-id='{a.id}'>Cancel</button> "
             f"<span class='muted'>or <code>thermowatch approve {a.id}</code></span>"
@@ -115,7 +130,9 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
             if step_lo is None and step_hi is None:
                 step_lo, step_hi = zoom_window(s, run_id, incident, selected["onset_step"], selected["detect_step"])
         acts = actions_store.actions(s, run_id, limit=500)
-        top = attention(e, run_url, base, incs, acts, incident)
+        costs = {a.id: story_store.cost(s, run_id, _body(a)) for a in acts
+                 if a.requires_approval and a.state == "pending"}
+        top = attention(e, run_url, base, incs, acts, incident, costs)
         if only_attention:
             return HTMLResponse(top)
         status = run_status(s, run_id, stall_after_s=stall_s)

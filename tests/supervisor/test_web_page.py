@@ -118,6 +118,26 @@ def test_the_cookie_approves_only_from_our_own_page(db, daemon):
     assert state() == ("pending", False)  # approved: the trainer's next poll takes it
 
 
+def test_the_approval_card_says_what_a_yes_costs(daemon):
+    """Issue 23: the approval card showed raw args and not what the rollback discards."""
+    import html as html_mod
+    import re
+
+    sup, action = daemon
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, action)
+        last = max(thermometers.history(s, JUMP, "loss")[0].tolist())
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        page = c.get(f"/runs/{JUMP}").text
+    card = html_mod.unescape(re.search(rf"<div class='card approval' id='approval-{action}'.*?</div></div>", page,
+                                       re.S).group(0))
+    to = row.args["to_step"]
+    assert f"roll back to the newest healthy checkpoint at or before step {to}" in card
+    assert f"discards:</b> steps {to + 1}-{last}: {last - to} steps to train again" in card, card
+    lo, hi = row.args["skip_ranges"][0]
+    assert f"skips:</b> {hi - lo:,} samples: [{lo}, {hi})" in card
+
+
 def test_docs_and_page_assets_are_served_by_the_daemon(daemon):
     sup, _ = daemon
     with TestClient(build_app(sup), headers=AUTH) as c:
@@ -192,6 +212,10 @@ def test_run_page_in_chromium(db, daemon, tmp_path):
             assert b.js(f"document.getElementById('approval-{action}').getBoundingClientRect().top < "
                         "document.getElementById('charts').getBoundingClientRect().top")
             assert b.js("document.getElementById('age').textContent").startswith("last record")
+            # the approval says what it does in words and what a yes costs (issue 23)
+            card = b.js(f"document.getElementById('approval-{action}').textContent")
+            assert "roll back to the newest healthy checkpoint at or before step" in card, card
+            assert "discards: steps " in card and "steps to train again" in card and "{" not in card, card
 
             # the chart holds the run's data: at this width every step is its own bucket
             with sup.sessions() as s:
