@@ -86,7 +86,8 @@ def ended_words(run_id: str, fin: RunFinished) -> str:
 class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
-                 on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None):
+                 on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
+                 on_proposal_cancelled: Callable[[str], None] | None = None):
         self._session = session_factory
         self._flap = flap or FlapConfig()
         self._notifier = notifier
@@ -99,6 +100,9 @@ class Executor:
         self._started = dt.datetime.now(dt.timezone.utc)
         self._last_poll: dict[str, dt.datetime] = {}
         self._on_rollback_done = on_rollback_done or (lambda run_id, step: None)
+        # A person said no to the policy's proposal: the detectors must still speak up if the
+        # divergence goes on (issue 23: logits of 600-2,648 for 500 steps paged nobody).
+        self._on_proposal_cancelled = on_proposal_cancelled or (lambda run_id: None)
         # Alerts are rows written in the deciding transaction and sent by a background thread, so
         # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
         self.outbox = Outbox(session_factory, notifier).start()
@@ -244,8 +248,16 @@ class Executor:
                     f"{', approved by ' + row.who if row.state == 'pending' else ''}); "
                     f"`thermowatch cancel {action_id}` cancels it anyway")
             actions_store.set_action_state(s, action_id, "cancelled")
+            if row is not None and row.origin == "auto":
+                cancelled.append(row.run_id)
+                if row.incident_id is not None:  # declined: an open incident would keep later checkpoints unhealthy
+                    incidents_store.resolve_incident(s, row.incident_id, f"declined by {who} (action {action_id} "
+                                                     "cancelled); the detectors fire again if it goes on")
 
+        cancelled: list[str] = []
         self._human_decides(action_id, who, "cancelled", change)
+        for run_id in cancelled:
+            self._on_proposal_cancelled(run_id)
 
     def refuse(self, action_id: int, who: str, wanted: str, why: str) -> None:
         """A human's answer that is not theirs to give (a Slack user who is not an approver,

@@ -38,6 +38,7 @@ from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import story as story_store
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,23 @@ class Responder:
             bank.release_latches()
             log.info("run %s: the cooldown that held a finding back ended at step %d; the detectors fire again "
                      "on what persists", run_id, due[1])
+
+    def recheck_after(self, run_id: str, steps: int) -> None:
+        """Release the run's detector latches once its newest attempt has trained `steps` more
+        steps than it has now: a divergence a person declined to act on is judged again, so it
+        alerts (and proposes) again if it persists or worsens, instead of staying latched."""
+        with self._session() as s:
+            latest = runs_store.latest_attempt(s, run_id)
+            if latest is None:
+                return
+            last = story_store.last_steps(s, run_id).get(latest.attempt)
+        with self._lock:
+            due = (latest.attempt, (last if last is not None else latest.start_step) + max(1, steps))
+            cur = self._recheck.get(run_id)
+            if cur is None or cur[0] != due[0] or cur[1] > due[1]:
+                self._recheck[run_id] = due
+        log.info("run %s: a proposal was declined; the detectors fire again from step %d on what persists",
+                 run_id, due[1])
 
     def rewind(self, run_id: str, to_step: int) -> None:
         """After a rollback to `to_step` took effect: detectors forget what came after it."""

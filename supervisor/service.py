@@ -154,11 +154,12 @@ class Supervisor:
             db.check_current(self.engine)
         self.sessions = db.make_sessionmaker(self.engine)
         self.notifier = notifier
-        policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
+        policy = self.policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  command_expiry_s=cfg.command_expiry_s,
-                                 on_rollback_done=self._rewind, flap=cfg.slack.flap())
+                                 on_rollback_done=self._rewind, flap=cfg.slack.flap(),
+                                 on_proposal_cancelled=self._recheck_after_no)
         bank_cfg = BankConfig.from_dict(cfg.detectors)
         # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
         # waits for each judgement anyway, so it keeps them in its own.
@@ -236,6 +237,11 @@ class Supervisor:
 
     def _rewind(self, run_id: str, step: int) -> None:
         self.responder.rewind(run_id, step)
+
+    def _recheck_after_no(self, run_id: str) -> None:
+        """A proposal was cancelled: what persists `cooldown_steps` later fires again (and asks
+        again), the same release a cooldown ends with (Responder.recheck_after)."""
+        self.responder.recheck_after(run_id, self.policy.cooldown_steps)
 
     def notifier_status(self) -> dict:
         """For /healthz (the ops side): per channel, "ok" or why it could not be reached at

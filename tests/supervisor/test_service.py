@@ -467,3 +467,31 @@ def test_a_persons_rollback_supersedes_the_open_proposal_and_its_incident(db, tm
         assert [c.id for c in sup.poll(RUN)] == [mine]  # the person's command goes; the proposal never does
     finally:
         sup.close()
+
+
+def test_a_declined_proposal_does_not_silence_the_divergence_that_goes_on(db, tmp_path):
+    """Issue 23: after a cancelled approval, logits of 600-2,648 for 500 steps paged nobody (the
+    detectors stayed latched on the finding the person declined). Now a cancel releases them
+    `cooldown_steps` later: the declined detector, its divergence still there, fires again and the
+    policy asks again (without the release it stayed silent for the rest of this recorded run)."""
+    sup = make_sup(db, tmp_path, advise_only=True)
+    try:
+        recs, last, inc, proposal = diverge(sup, tmp_path)
+        sup.executor.cancel(proposal.id, "alice")
+        with sup.sessions() as s:  # declined: the incident closes (later checkpoints stay targets)
+            assert incidents_store.get_incident(s, inc.id).resolution.startswith("declined by alice")
+        rest = [r for r in recs if r.step > last]
+        assert len(rest) > 2 * POLICY["cooldown_steps"]
+        feed(sup, RUN, 0, rest, ckpt_root=tmp_path / "ckpt" / "a0", stop=lambda: bool(open_actions(sup)))
+        from thermowatch.supervisor.store import findings as findings_store
+
+        with sup.sessions() as s:  # the very detector the person declined, on the same module
+            again = [f.finding for f in findings_store.findings(s, RUN) if f.finding.detect_step > last
+                     and (f.finding.signal.value, f.finding.module) == (inc.signal, inc.module)]
+        assert again and again[0].detect_step >= last + POLICY["cooldown_steps"], again
+        asked = [i for i in incidents(sup) if i.id > inc.id and (i.signal, i.module) == (inc.signal, inc.module)]
+        assert asked and asked[0].detect_step == again[0].detect_step
+        asks = open_actions(sup)
+        assert asks and asks[0].requires_approval and asks[0].incident_id == asked[0].id
+    finally:
+        sup.close()
