@@ -110,7 +110,7 @@ class Watch:
         self.th = None
         self._reducer: Reducer | None = None
         if thermometers is not False:
-            # gradient norms read from .grad in the optimizer pre-hook (_before_optimizer_step)
+            # gradient norms read from .grad in the optimizer post-hook (_after_optimizer_step)
             self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None,
                                  grad_hooks=False)
             if self.dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
@@ -253,8 +253,6 @@ class Watch:
         return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
-        if self.th is not None:  # the grads as the optimizer sees them (FSDP2: local shards, summed)
-            self.th.grads_from_params(self.dist.sum_on_device)
         mult = multiplier_at(self._ids_step, self.lr_changes)
         if mult != 1.0:
             self._saved_lrs = [g["lr"] for g in opt.param_groups]
@@ -262,6 +260,13 @@ class Watch:
                 g["lr"] = g["lr"] * mult
 
     def _after_optimizer_step(self, opt, args, kwargs) -> None:
+        # The grads the step used (FSDP2: local shards, summed), read after it: a step given a
+        # closure (Lightning's automatic optimization, LBFGS) runs forward and backward inside
+        # step(), after the pre-hooks, which saw no grads on the first step (a NaN grad_norm that
+        # paused a healthy run) and the previous step's on every later one. A fused optimizer under
+        # a GradScaler has also unscaled them by now. optimizer.step() leaves .grad as it was.
+        if self.th is not None:
+            self.th.grads_from_params(self.dist.sum_on_device)
         if self._saved_lrs is not None:
             for g, lr in zip(opt.param_groups, self._saved_lrs):
                 g["lr"] = lr

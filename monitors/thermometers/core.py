@@ -228,7 +228,7 @@ class Thermometers:
         self._pseen = [False] * len(params)
         self._src = torch.tensor(src, dtype=torch.long, device=self.device)
         self._dst = torch.tensor(dst, dtype=torch.long, device=self.device)
-        if grad_hooks:  # else the caller reads .grad before the optimizer step: grads_from_params
+        if grad_hooks:  # else the caller reads .grad around the optimizer step: grads_from_params
             for j, p in enumerate(params):
                 self._handles.append(p.register_hook(self._grad_hook(j)))
         self._update = None
@@ -367,8 +367,9 @@ class Thermometers:
         no gradient: FSDP2 writes the reduce-scattered shard to `.grad` outside autograd, so the
         per-parameter hooks never fire. A DTensor's local shard is read; `all_reduce(t)` (SUM
         over the ranks, in place) then makes the group and global norms the whole model's.
-        Call after backward, before the optimizer step (thermowatch.watch does, in its step
-        pre-hook), on every rank alike; a no-op where the hooks measured."""
+        Call after backward, before or after the optimizer step (which leaves `.grad` as it is;
+        thermowatch.watch calls it in its step post-hook, after a closure's backward), on every
+        rank alike; a no-op where the hooks measured."""
         if not self._grad_on or any(self._pseen):
             return
         have = [(j, p.grad) for j, p in enumerate(self._params) if p.grad is not None]

@@ -105,3 +105,8 @@ def test_a_stop_ends_the_fit_and_the_run_reads_stopped(db, tmp_path):
         st = run_status(s, "pl-stop", stall_after_s=600)
     assert trainer.global_step == 4 and tw.step == 4
     assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "stopped", 4), st
+    from thermowatch.supervisor.store import thermometers
+
+    with db.sessions() as s:  # Lightning steps with a closure: the grads exist only after step() ran it
+        steps, norms = thermometers.history(s, "pl-stop", "grad_norm")
+    assert steps.tolist() == [1, 2, 3, 4] and all(0 < n < 1e3 for n in norms.tolist()), norms

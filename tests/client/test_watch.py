@@ -269,3 +269,35 @@ def test_a_divergence_that_recurs_inside_a_step_cooldown_is_judged_again_when_th
     assert second.result["lr_change"]["multiplier"] < 1.0
     acted = [d for d, r in incidents if r.startswith("rollback done")]
     assert len(acted) >= 2 and acted[1] >= first_step + cooldown, incidents
+
+
+def test_the_grad_norm_is_the_steps_own_when_the_step_takes_a_closure(db, tmp_path):
+    """`optimizer.step(closure)` (Lightning's automatic optimization, LBFGS) runs forward and
+    backward inside step(), after its pre-hooks: reading .grad there gave no grad on step 1 (a NaN
+    grad_norm, a non-finite finding that paused a healthy Lightning run in CI) and the previous
+    step's grads on every later step. Each recorded grad_norm must be the norm the closure made."""
+    from thermowatch.supervisor.store import thermometers
+
+    torch.manual_seed(0)
+    model = user_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
+    tw = thermowatch.watch(model, opt, run="closure", steps=6, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=100, supervisor_config=cfg, poll_interval_s=0.05)
+    made: dict[int, float] = {}
+    for step in tw.steps():
+        x, y = user_batch(DATA, tw.batch_ids(step))
+
+        def closure():
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            made[step] = float(torch.stack([p.grad.norm() for p in model.parameters()]).norm())
+            return loss
+
+        tw.record(opt.step(closure))
+    tw.close()
+    with db.sessions() as s:
+        steps, norms = thermometers.history(s, "closure", "grad_norm")
+    assert steps.tolist() == [1, 2, 3, 4, 5, 6]
+    assert norms.tolist() == pytest.approx([made[s] for s in range(1, 7)], rel=1e-5)

@@ -137,7 +137,7 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
             again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
             assert again.returncode == 0, again.stdout + again.stderr
             assert "attached to its controller" in again.stderr
-            assert f"run {run}: step {steps}," in again.stderr and "attempts [1]" in again.stderr, again.stderr
+            assert f"run {run}: step {steps}," in again.stdout and "attempts [1]" in again.stdout, again.stdout + again.stderr
 
 
             def collected():  # no controller left behind (ray.kill takes effect asynchronously)

@@ -80,7 +80,10 @@ class Harness:
         self.resumes = 0
 
     def _supervisor(self) -> Supervisor:
-        return Supervisor(SupervisorConfig(data_dir=self.root / "data", db_url=self.db.url, policy=dict(POLICY)),
+        # The ack watchdog is driven with a far-future clock (a dropped ack is re-sent at once);
+        # this run polls throughout, so nothing may expire as if it had gone silent.
+        return Supervisor(SupervisorConfig(data_dir=self.root / "data", db_url=self.db.url, policy=dict(POLICY),
+                                           command_expiry_s=1e12),
                           notifier=ConsoleNotifier(io.StringIO()))
 
     def restart_supervisor(self) -> None:
@@ -99,6 +102,9 @@ class Harness:
 
     def checkpoints_deleted(self, run_id, attempt, steps, reason):
         self.sup.checkpoints_deleted(run_id, attempt, steps, reason)
+
+    def finish_run(self, run_id, attempt, finished):
+        self.sup.finish_run(run_id, attempt, finished)
 
     def close(self):
         pass
