@@ -24,7 +24,12 @@ def test_the_page_has_its_examples():
 
 
 def _run(code: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("THERMOWATCH_")}
+    # As a user runs the script: no THERMOWATCH_ settings, and none of the torch.distributed
+    # rendezvous variables an earlier test's in-process Trainer or process group left in this
+    # worker's environment (one run failed with EADDRINUSE on the port they named).
+    dist_env = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("THERMOWATCH_", "TORCHELASTIC_", "ACCELERATE_"))
+           and k not in dist_env}
     env.update(XDG_CONFIG_HOME=str(cwd / "xdg"), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     (cwd / "example.py").write_text(code)
