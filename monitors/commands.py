@@ -434,6 +434,15 @@ def parse_command(kind: CommandKind | str, args: Mapping[str, Any] | None) -> Co
     return COMMAND_TYPES[k].from_args(args or {})
 
 
+def describe_args(kind: str, args: Mapping[str, Any]) -> str:
+    """describe() of a stored action's kind and args. A row that is no valid command (written by
+    an older version) is shown as its kind and raw arguments, never an error."""
+    try:
+        return describe(parse_command(kind, args))
+    except ContractError:
+        return f"{kind} " + ", ".join(f"{k} {v}" for k, v in (args or {}).items())
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     """One command from the supervisor's action queue. `id` is the action row's id."""

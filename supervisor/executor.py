@@ -77,8 +77,7 @@ def ended(s: Session, run_id: str) -> RunFinished | None:
 
 
 def ended_words(run_id: str, fin: RunFinished) -> str:
-    loss = "no final loss" if fin.final_loss is None else f"final loss {fin.final_loss:.4g}"
-    return (f"run {run_id!r} has finished ({fin.reason.value} at step {fin.step}, {loss}); "
+    return (f"run {run_id!r} has finished ({fin.reason.value} at step {fin.step}, {story_store.loss_words(fin.final_loss)}); "
             "no trainer will carry a command out. Relaunching it with the same run id opens a new attempt, "
             "which takes commands again")
 
@@ -211,8 +210,9 @@ class Executor:
         superseded, and those proposals are cancelled, saying by what. An incident with an
         automatic action already on its way is left to that action."""
         by = f"{who}'s {body.kind.value.replace('_', ' ')} (action {action_id}: {describe(body)})"
+        open_now = actions_store.open_actions(s, run_id)
         for inc in incidents_store.open_incidents(s, run_id):
-            mine = [a for a in actions_store.open_actions(s, run_id) if a.incident_id == inc.id]
+            mine = [a for a in open_now if a.incident_id == inc.id]
             if any(not (a.state == "pending" and a.requires_approval) for a in mine):
                 continue
             for a in mine:
@@ -474,8 +474,8 @@ class Executor:
             return f"the run finished ({fin.reason.value} at step {fin.step}) before the trainer carried it out"
         if a.state == "acked":
             return None  # the trainer has it: done or failed follows from its own ack
-        seen = max(self._last_poll.get(a.run_id, self._started), self._started)
-        if now - seen < self._expiry or now - _aware(a.created_at) < self._expiry:
+        seen = self._last_poll.get(a.run_id, self._started)  # a poll is never older than the daemon
+        if now - seen < self._expiry or now - a.created_at < self._expiry:
             return None
         return (f"the run has not asked for commands for {int((now - seen).total_seconds())} s "
                 f"(command_expiry_s {int(self._expiry.total_seconds())}): is it still running?")
@@ -503,10 +503,6 @@ class Executor:
 
     def close(self) -> None:
         self.outbox.close()
-
-
-def _aware(t: dt.datetime) -> dt.datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=dt.timezone.utc)  # SQLite drops the zone
 
 
 def _thread(action_id: int, incident_id: int | None) -> str | None:

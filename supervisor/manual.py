@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from thermowatch.monitors.contract import describe, parse_command
+from thermowatch.monitors.contract import describe_args
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.outcome import render
 from thermowatch.supervisor.store.actions import FINAL_STATES
@@ -115,7 +115,7 @@ def run_manual(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(out))
             else:
-                print(f"action {action_id} queued for run {args.run_id}: {describe(parse_command(kind, out['args']))}; "
+                print(f"action {action_id} queued for run {args.run_id}: {describe_args(kind, out['args'])}; "
                       f"the trainer carries it out between two steps (--wait to see what it did)")
             return 0
         out = _wait(api, action_id, args.timeout)

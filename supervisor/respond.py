@@ -176,7 +176,7 @@ class Responder:
             latest = runs_store.latest_attempt(s, run_id)
             if latest is None:
                 return
-            last = story_store.last_steps(s, run_id).get(latest.attempt)
+            last = story_store.last_step(s, run_id, latest.attempt)
         with self._lock:
             due = (latest.attempt, (last if last is not None else latest.start_step) + max(1, steps))
             cur = self._recheck.get(run_id)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thermowatch.monitors.contract import describe_args
 from thermowatch.supervisor.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
@@ -220,20 +221,12 @@ def print_summary(summary: dict[str, Any]) -> None:
               f"{i['detect_step']} ({len(i['findings'])} finding(s)); {i['state']}: {i['resolution']}", file=out)
     print(f"actions ({len(summary['actions'])}):", file=out)
     for a in summary["actions"]:
-        print(f"  #{a['id']} {a['kind']} {a['state']} (acknowledged at step {a['ack_step']}): {_words(a)}", file=out)
+        print(f"  #{a['id']} {a['kind']} {a['state']} (acknowledged at step {a['ack_step']}): "
+              f"{describe_args(a['kind'], a['args'])}", file=out)
     print(f"skipped sample ranges: {summary['skipped_sample_ranges']}", file=out)
     print(f"final loss (mean of the last 10 steps): {summary['final_loss']:.4f}", file=out)
     if "unsupervised_final_loss" in summary:
         print(f"same run without the supervisor:       {summary['unsupervised_final_loss']:.4f}", file=out)
-
-
-def _words(a: dict[str, Any]) -> str:
-    from thermowatch.monitors.contract import ContractError, describe, parse_command
-
-    try:
-        return describe(parse_command(a["kind"], a["args"]))
-    except ContractError:
-        return str(a["args"])
 
 
 def _json_default(o: Any) -> Any:

@@ -61,8 +61,12 @@ class Story:
         f = self.finished
         if f is None:
             return "not finished" + (f", last step {self.last_step}" if self.last_step is not None else ", no step yet")
-        loss = "no final loss" if f.final_loss is None else f"final loss {f.final_loss:.4g}"
-        return f"finished ({f.reason.value} at step {f.step}), {loss}"
+        return f"finished ({f.reason.value} at step {f.step}), {loss_words(f.final_loss)}"
+
+
+def loss_words(final_loss: float | None) -> str:
+    """"final loss 2.38", or "no final loss" when none was measured (NaN is a loss: "final loss nan")."""
+    return "no final loss" if final_loss is None else f"final loss {final_loss:.4g}"
 
 
 def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:
@@ -72,7 +76,7 @@ def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:
     if not isinstance(body, Rollback):
         return {}
     latest = runs_store.latest_attempt(session, run_id)
-    last = last_steps(session, run_id).get(latest.attempt) if latest is not None else None
+    last = last_step(session, run_id, latest.attempt) if latest is not None else None
     out = {}
     if last is not None and last > body.to_step:
         out["discards"] = (f"steps {body.to_step + 1}-{last}: {last - body.to_step} steps to train again "
@@ -82,15 +86,17 @@ def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:
     return out
 
 
-def last_steps(session: Session, run_id: str) -> dict[int, int]:
-    """The last step each attempt stored (one indexed group-by)."""
-    q = select(Step.attempt, func.max(Step.step)).where(Step.run_id == run_id).group_by(Step.attempt)
-    return {int(a): int(s) for a, s in session.execute(q)}
+def last_step(session: Session, run_id: str, attempt: int) -> int | None:
+    """The last step the attempt stored: one seek on ix_steps_run_id_attempt_step. (A GROUP BY over
+    the run's steps reads all of them: the run page calls this on every refresh, at 10^6 steps.)"""
+    q = select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == attempt)
+    found = session.execute(q).scalar()
+    return None if found is None else int(found)
 
 
 def story(session: Session, run_id: str) -> Story:
     attempts = runs_store.attempts(session, run_id)
-    last = last_steps(session, run_id)
+    last = {a.attempt: n for a in attempts if (n := last_step(session, run_id, a.attempt)) is not None}
     retrained, reached = 0, None
     for a in attempts:
         if reached is not None and a.start_step < reached:  # start_step: the checkpoint it loaded
@@ -98,16 +104,16 @@ def story(session: Session, run_id: str) -> Story:
         reached = last.get(a.attempt, reached)
     done = [r for r in actions_store.actions(session, run_id, limit=10_000) if r.state == "done"]
     incs = incidents_store.incidents(session, run_id)
-    last_step = max(last.values()) if last else None
+    now = max(last.values()) if last else None
     newest = attempts[-1] if attempts else None
     if newest is not None and newest.attempt in last:
-        last_step = last[newest.attempt]
+        now = last[newest.attempt]
     return Story(
-        run_id=run_id, finished=newest.finished if newest is not None else None, last_step=last_step,
+        run_id=run_id, finished=newest.finished if newest is not None else None, last_step=now,
         attempts=len(attempts),
         auto_rollbacks=sum(r.kind == "rollback" and r.origin == "auto" for r in done),
         manual_actions=sum(r.origin == "manual" for r in done),
-        lr_multiplier=lr_store.multiplier_in_force(session, run_id, last_step) if last_step is not None else 1.0,
+        lr_multiplier=lr_store.multiplier_in_force(session, run_id, now) if now is not None else 1.0,
         steps_retrained=retrained,
         samples_skipped=sum(hi - lo for lo, hi in skips_store.skip_ranges(session, run_id)),
         incidents=len(incs), open_incidents=sum(i.state == "open" for i in incs),

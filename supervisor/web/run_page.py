@@ -22,7 +22,7 @@ from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
 from thermowatch.monitors.detectors import BankConfig
-from thermowatch.monitors.contract import ContractError, describe, parse_command
+from thermowatch.monitors.contract import ContractError, describe_args, parse_command
 from thermowatch.supervisor.api.runs import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -70,11 +70,6 @@ def _body(a):
         return None
 
 
-def _words(a) -> str:
-    body = _body(a)
-    return describe(body) if body is not None else ", ".join(f"{k} {v}" for k, v in a.args.items())
-
-
 def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts: list, selected: int | None,
               costs: dict[int, dict[str, str]] | None = None) -> str:
     """What waits for a person: open incidents and actions awaiting approval (also fetched alone
@@ -88,7 +83,7 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
         cards.append(
             f"<div class='card approval' id='approval-{a.id}' data-action-id='{a.id}'>"
             f"<div class='what'><b>{e(a.kind)}</b> awaits approval (action {a.id}){inc}</div>"
-            f"<div class='args'>{e(_words(a))}</div>"
+            f"<div class='args'>{e(describe_args(a.kind, a.args))}</div>"
             + "".join(f"<div class='cost'><b>{e(k)}:</b> {e(v)}</div>" for k, v in (costs or {}).get(a.id, {}).items())
             + f"<div class='why'>{e(a.reason)}</div>"
             f"<div class='buttons'><button class='approve' data-verb='approve' data-action-id='{a.id}'>Approve</button> "
