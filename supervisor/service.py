@@ -88,37 +88,50 @@ class RunProgress:
 
 
 class Progress:
-    """The newest loss, step time and throughput of each run, from every committed batch's last
-    record (O(1) per batch, in the daemon's memory: /metrics reads it with no query; absent for a
-    run until its first batch after the daemon starts). Issue 23: Grafana users look for them."""
-
-    reads = (LOSS, TOKENS_PER_S)
+    """The newest loss, step time and throughput of each run, from the first and last row of every
+    stored batch (O(1) per batch, in the daemon's memory: /metrics reads it with no query; absent
+    for a run until its first batch after the daemon starts). Issue 23: Grafana users look for them."""
 
     def __init__(self) -> None:
         self._runs: dict[str, RunProgress] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
-        if not records:
+    def note(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
+        if not len(batch):
             return
-        last, first = records[-1], records[0]
+        if isinstance(batch, StepColumns):
+            first, last = (int(batch.steps[0]), float(batch.wall_time[0])), (int(batch.steps[-1]),
+                                                                              float(batch.wall_time[-1]))
+            tokens, loss, tps = int(batch.tokens[-1]), _last_cell(batch, LOSS), _last_cell(batch, TOKENS_PER_S)
+        else:
+            first, last = (batch[0].step, batch[0].wall_time), (batch[-1].step, batch[-1].wall_time)
+            tokens, loss, tps = batch[-1].tokens, batch[-1].values.get(LOSS), batch[-1].values.get(TOKENS_PER_S)
         with self._lock:
             prev = self._runs.get(run_id)
-            base = prev if prev is not None and prev.attempt == attempt and prev.step < first.step else None
-            lo_step, lo_wall = (base.step, base.wall_time) if base is not None else (first.step, first.wall_time)
-            step_s = (last.wall_time - lo_wall) / (last.step - lo_step) if last.step > lo_step else (
+            base = prev if prev is not None and prev.attempt == attempt and prev.step < first[0] else None
+            lo_step, lo_wall = (base.step, base.wall_time) if base is not None else first
+            step_s = (last[1] - lo_wall) / (last[0] - lo_step) if last[0] > lo_step else (
                 prev.step_s if prev is not None else None)
             if step_s is not None and not (math.isfinite(step_s) and step_s > 0):
                 step_s = None
-            tps = last.values.get(TOKENS_PER_S)
-            if tps is None and step_s and last.tokens > 0:
-                tps = last.tokens / step_s
-            self._runs[run_id] = RunProgress(attempt, last.step, last.wall_time,
-                                             float(last.values.get(LOSS, math.nan)), step_s, tps)
+            if tps is None and step_s and tokens > 0:
+                tps = tokens / step_s
+            self._runs[run_id] = RunProgress(attempt, last[0], last[1], math.nan if loss is None else float(loss),
+                                             step_s, tps)
 
     def get(self, run_id: str) -> RunProgress | None:
         with self._lock:
             return self._runs.get(run_id)
+
+
+def _last_cell(cols: StepColumns, key: str) -> float | None:
+    """The batch's last row's value of `key`; None where it was not sent."""
+    if key not in cols.keys:
+        return None
+    j = cols.keys.index(key)
+    if cols.present is not None and not cols.present[-1, j]:
+        return None
+    return float(cols.values[-1, j])
 
 
 class Supervisor:
@@ -174,7 +187,7 @@ class Supervisor:
         self._judge_inline = judge_inline
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
-                                 check_keys=self.consistency.reads + self.checkpoint_health.reads + Progress.reads,
+                                 check_keys=self.consistency.reads + self.checkpoint_health.reads,
                                  limits=Limits.from_dict(cfg.limits))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
@@ -186,6 +199,7 @@ class Supervisor:
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
         n = self.ingestor.write(run_id, attempt, records)
+        self.progress.note(run_id, attempt, records)
         if self._judge_inline:
             self.judge.wait()
         return n
@@ -193,6 +207,7 @@ class Supervisor:
     def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
         """write() for a batch sent as columns (monitors.columns; the HTTP sink's form)."""
         n = self.ingestor.write_columns(run_id, attempt, cols)
+        self.progress.note(run_id, attempt, cols)
         if self._judge_inline:
             self.judge.wait()
         return n
@@ -229,7 +244,7 @@ class Supervisor:
     def _check_state(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         """After each committed batch: the trainer's state against the supervisor's record, and
         whether it still saves checkpoints. Each pages on its own; one failing skips no other."""
-        for check in (self.consistency, self.checkpoint_health, self.progress):
+        for check in (self.consistency, self.checkpoint_health):
             try:
                 check(run_id, attempt, records)
             except Exception:  # the batch is committed; a failing check must not bounce it

@@ -192,3 +192,31 @@ def test_a_scrape_lists_only_active_runs_in_a_few_statements_whatever_the_run_co
     listed = {dict(k)["run_id"] for (name, k) in capped if name.startswith("thermowatch_run_")}
     assert listed == {"incident", "waiting"}
     assert capped[("thermowatch_runs_active", ())] == 4 and capped[("thermowatch_runs_listed", ())] == 2
+
+
+def test_progress_reads_the_same_from_records_and_from_columns():
+    """The daemon's per-run progress (thermowatch_run_loss, _step_seconds, _tokens_per_second)
+    comes from a batch's first and last row, sent as JSON records or as the sink's columns."""
+    import math
+
+    from thermowatch.monitors.columns import StepColumns
+    from thermowatch.monitors.contract import StepRecord
+    from thermowatch.supervisor.service import Progress
+
+    def batch(lo, tps=None):
+        return [StepRecord(step=s, values={"loss": 3.0 - s / 100, **({"tokens_per_s": tps} if tps else {})},
+                           wall_time=1000.0 + 0.5 * s, tokens=4096) for s in range(lo, lo + 10)]
+
+    as_records, as_columns = Progress(), Progress()
+    for lo in (0, 10):
+        as_records.note("r", 1, batch(lo))
+        as_columns.note("r", 1, StepColumns.from_records(batch(lo)))
+    assert as_records.get("r") == as_columns.get("r")
+    got = as_columns.get("r")
+    assert (got.step, got.loss, got.step_s, got.tokens_per_s) == (19, pytest.approx(2.81), 0.5, 8192)
+    as_columns.note("r", 1, StepColumns.from_records(batch(20, tps=5000.0)))  # the trainer's own figure wins
+    assert as_columns.get("r").tokens_per_s == 5000.0
+    mixed = batch(30)
+    del mixed[-1].values["loss"]  # the last row without a loss: NaN, not the row before's
+    as_columns.note("r", 1, StepColumns.from_records(mixed))
+    assert math.isnan(as_columns.get("r").loss)
