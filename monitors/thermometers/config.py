@@ -59,6 +59,12 @@ class ThermometerConfig:
     # "exact" mode and nn.MultiheadAttention: from the explicit softmax of the heads computed
     # that step, over the whole batch (no extra cost: the T x T scores exist already).
     attn_entropy: bool = True
+    # Sampled every attn_entropy_every steps (on attention steps: step % it == 0 and
+    # step % attn_every == 0); NaN in between, which the witness skips as it does the update
+    # ratio's. Entropy collapse is a slow witness, read as a median of its last points against
+    # a baseline: one step in 10 keeps its trend, where every step was the largest single cost
+    # of a found attention's figure on CPU (~1.5% of a 4L d128 step, bench/thermometer_overhead_any.py).
+    attn_entropy_every: int = 10
     # Sequences of each micro-batch the extra pass covers (the first n); None = all (exact).
     # Also the sequences a found module's q k^T covers outside attn_mode "exact".
     # 1: the pass costs 1/B of an attention forward, and the mean over one sequence's T query
@@ -105,7 +111,7 @@ class ThermometerConfig:
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1 or None, got {val!r}")
-        for name in ("act_every", "attn_every", "grad_every", "update_every"):
+        for name in ("act_every", "attn_every", "attn_entropy_every", "grad_every", "update_every"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1, got {val!r}")

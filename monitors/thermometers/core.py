@@ -267,8 +267,7 @@ class Thermometers:
                 return
             t = _first_float_tensor(out)
             if t is not None and t.numel():
-                mn, mx = torch.aminmax(t.detach())
-                self._slots.put_minmax(slot, mn, mx)
+                self._slots.put_aminmax(slot, t.detach())
 
         return hook
 
@@ -330,8 +329,10 @@ class Thermometers:
         if self._grad_on:
             self._pnorm.zero_()
             self._pseen = [False] * len(self._pseen)
+        entropy_on = step % cfg.attn_entropy_every == 0
         for a in self._attn:
             a.probe.mode = a.mode if self._attn_on else None
+            a.probe.entropy = entropy_on and a.probe.entropy_slot is not None
             a.probe.heads = self._heads(step, a.probe.n_head) if a.mode in ("exact", "sample") else None
 
     def _heads(self, step: int, n_head: int) -> torch.Tensor | None:

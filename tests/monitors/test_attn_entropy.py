@@ -35,12 +35,12 @@ def split_qk(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor
 def test_entropy_min_equals_explicit_softmax(mode, dtype):
     model = gpt(dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)  # train a little: heads stop being uniform
-    th = instrument(model, ThermometerConfig(attn_mode=mode, attn_entropy_batch=None))  # every sequence
+    th = instrument(model, ThermometerConfig(attn_mode=mode, attn_entropy_batch=None, attn_entropy_every=1))  # every sequence
     for s in range(4):
         step(model, th, s, opt)
     vals = step(model, th, 4)
     th.detach()
-    with instrument(model, ThermometerConfig(attn_mode=mode)) as th1:  # default: the first sequence
+    with instrument(model, ThermometerConfig(attn_mode=mode, attn_entropy_every=1)) as th1:  # the first sequence
         first = step(model, th1, 4)
     ref = qkv_outputs(model, 4)
     tol = 1e-4 if dtype == "float32" else 2e-3  # bf16: the kernel's bf16 output in the second pass
@@ -73,7 +73,7 @@ def test_entropy_of_a_collapsed_distribution_stays_accurate_in_bf16():
 
 def test_entropy_rotating_heads_and_micro_batches_take_the_min():
     model = gpt(dtype="float32")
-    th = instrument(model, ThermometerConfig(attn_mode="exact", attn_heads=2))
+    th = instrument(model, ThermometerConfig(attn_mode="exact", attn_heads=2, attn_entropy_every=1))
     th.begin_step(1)  # heads 2 and 3 this step
     for off in (0, 3):  # two micro-batches
         model(*batch(off))[1].backward()
@@ -82,6 +82,35 @@ def test_entropy_rotating_heads_and_micro_batches_take_the_min():
     th.detach()
     want = min(eager_entropy(*split_qk(qkv_outputs(model, off)[0], 4))[2:].min().item() for off in (0, 3))
     assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("model_kind", ["bundled", "sdpa"])
+def test_entropy_is_sampled_every_attn_entropy_every_steps(model_kind):
+    """The default cadence (10): the entropy on steps 0, 10, 20, NaN in between (which the
+    witness skips), while the attention logits are read every step; every step with 1."""
+    from tests.fixtures.nanogpt import NanoConfig, NanoGPT
+
+    torch.manual_seed(0)
+    model = gpt(dtype="float32") if model_kind == "bundled" else NanoGPT(NanoConfig(block_size=T))
+    x, y = batch(0)
+    for every, seen in ((None, {0, 10, 20}), (1, set(range(21)))):
+        cfg = ThermometerConfig() if every is None else ThermometerConfig(attn_entropy_every=every)
+        with instrument(model, cfg) as th:
+            ent, logits = set(), set()
+            for s in range(21):
+                th.begin_step(s)
+                model(x, y)[1].backward()
+                th.end_step()
+                vals = th.as_dict(th.collect())
+                key = next(k for k in vals if k.startswith("attn_entropy_min/"))
+                if math.isfinite(vals[key]):
+                    ent.add(s)
+                if all(math.isfinite(v) for k, v in vals.items() if k.startswith("attn_logit")):
+                    logits.add(s)
+        assert ent == seen, every
+        assert logits == set(range(21))
+    with pytest.raises(ValueError, match="attn_entropy_every"):
+        ThermometerConfig(attn_entropy_every=0)
 
 
 def test_entropy_on_foreign_multihead_attention():
@@ -109,9 +138,10 @@ def test_huge_learning_rate_collapses_attention_entropy():
     for lr in (0.1, 3e-3):
         model = gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        th = instrument(model)
+        th = instrument(model)  # the default cadence: the entropy of steps 0 and 10
         keys = [n for n in th.names if n.startswith("attn_entropy_min/")]
-        ends[lr] = [min(step(model, th, s, opt)[k] for k in keys) for s in range(10)]
+        vals = [step(model, th, s, opt) for s in range(11)]
+        ends[lr] = [min(vals[s][k] for k in keys) for s in (0, 10)]
     assert ends[0.1][-1] < 0.5 * ends[3e-3][-1], ends
     assert ends[3e-3][-1] > 0.8 * ends[3e-3][0], ends[3e-3]
 
