@@ -36,9 +36,13 @@ from thermowatch.supervisor.api.runs import (
     resolve_keys,
     runs_page,
 )
+from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import metrics as metrics_store
+from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.web.readable import ago
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
 CHARTS = [
@@ -55,13 +59,20 @@ AUDIT_TAIL = 50
 INDEX_PAGE = 100  # runs on one page of the index (the API's default page)
 ZOOM_MIN_PAD = 50  # steps shown either side of an incident, at least
 
+# Light and dark (the reader's system preference): every colour below is a variable, and
+# run.js reads --ink / --grid / --empty for what it draws on canvases.
 CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.2em 2em;color:#222}
-h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.1em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:.3em 0;font-size:13px} td,th{border:1px solid #ddd;padding:3px 7px;
-vertical-align:top;text-align:left} th{background:#f4f4f4} tr.open td:first-child{border-left:4px solid #d33}
-tr.selected{background:#fff3c4;outline:2px solid #e0a800} .muted{color:#888} .bad{color:#c00;font-weight:600}
-.banner{background:#fff3c4;border:1px solid #e0a800;padding:.5em .8em;margin:.6em 0}
+:root{color-scheme:light dark;--bg:#fff;--ink:#222;--line:#ddd;--head:#f4f4f4;--card:#fff;--warnbg:#fff3c4;
+--grid:rgba(0,0,0,.07);--empty:#f3f3f3;--link:#0645ad}
+@media (prefers-color-scheme:dark){:root{--bg:#15181d;--ink:#d8dde3;--line:#3a4048;--head:#22272e;--card:#1c2128;
+--warnbg:#3a3114;--grid:rgba(255,255,255,.08);--empty:#22272e;--link:#6cb6ff}}
+body{font:14px/1.4 system-ui,sans-serif;margin:1.2em 2em;color:var(--ink);background:var(--bg)} a{color:var(--link)}
+h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.1em;margin:1.4em 0 .4em;border-bottom:1px solid var(--line)}
+table{border-collapse:collapse;margin:.3em 0;font-size:13px} td,th{border:1px solid var(--line);padding:3px 7px;
+vertical-align:top;text-align:left} th{background:var(--head)} tr.open td:first-child{border-left:4px solid #d33}
+tr.selected{background:var(--warnbg);outline:2px solid #e0a800} .muted{color:#888} .bad{color:#e5534b;font-weight:600}
+.state{font-weight:600} .state-running{color:#1a7f37} .state-stalled{color:#e5534b} .state-finished{color:#888}
+.banner{background:var(--warnbg);border:1px solid #e0a800;padding:.5em .8em;margin:.6em 0}
 img.plot{display:block;max-width:100%;margin:.3em 0;border:1px solid #eee} img.broken{border:2px solid #c00}
 code{font-size:12px;white-space:pre-wrap;word-break:break-all} ul.findings{margin:0;padding-left:1.1em}
 """
@@ -150,15 +161,34 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
     @router.get("/", response_class=HTMLResponse)
     def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs")
               ) -> HTMLResponse:
+        # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
+        # its loss, what is open and when it last reported; a page of runs in three statements.
+        stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+        now = dt.datetime.now(dt.timezone.utc)
         with sup.sessions() as s:
             page = runs_page(s, INDEX_PAGE, cursor)
+            ids = [r["run_id"] for r in page["runs"]]
+            seen = {g.run_id: g.last_record_at for g in metrics_store.run_gauges(s, ids)}
+            ends = runs_store.newest_finishes(s, ids)
         rows = []
         for r in page["runs"]:  # newest first
-            n_open = r["open_incidents"]
-            rows.append("<tr>" + _cells(
-                f"<a href='{e(run_url(r['run_id']))}'>{e(r['run_id'])}</a>", e(r["created_at"][:19].replace("T", " ") + "Z"),
-                e(r["last_step"] if r["last_step"] is not None else "-"), e(r["attempts"]),
-                f"<span class='bad'>{n_open}</span>" if n_open else "0") + "</tr>")
+            n_open, rid = r["open_incidents"], r["run_id"]
+            end, at = ends.get(rid), seen.get(rid)
+            age = (now - at).total_seconds() if at is not None else None
+            prog = sup.progress.get(rid)
+            if end is not None:
+                state, loss = "finished", end.final_loss
+            else:
+                state = ("starting" if r["last_step"] is None else "stalled" if age is None or age > stall_s
+                         else "running")
+                loss = prog.loss if prog is not None else None
+            rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
+                f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
+                e(r["last_step"] if r["last_step"] is not None else "-"),
+                e(f"{loss:.4g}" if loss is not None else "-"),
+                f"<span class='bad'>{n_open}</span>" if n_open else "0",
+                e(ago(age) if age is not None else "-"), e(r["attempts"]),
+                e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
         links = []
         if cursor:
             links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
@@ -167,7 +197,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
                 "<button type='submit' id='sign-out'>sign out</button></form>"
                 "<h1>thermowatch: runs</h1>"
-                + _table(["run", "created (UTC)", "last step", "attempts", "open incidents"], rows,
+                + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
                          "no runs yet: a run appears when its run controller first reports"
                          if not cursor else "no older runs")
                 + (f"<p>{' | '.join(links)}</p>" if links else ""))

@@ -47,3 +47,11 @@ def pairs(obj: Any) -> str:
         return f"<span class='kv'>{e(_value(obj))}</span>"
     return " ".join(f"<span class='kv'><span class='k'>{e(k)}</span> {e(_value(v))}</span>"
                     for k, v in sorted(obj.items()))
+
+
+def ago(seconds: float) -> str:
+    """"12 s ago", "5 min ago", "3 h ago", "2 d ago": when a run last reported, at a glance."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(0.0, seconds):.0f} s ago"

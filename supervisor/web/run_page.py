@@ -32,7 +32,7 @@ from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import story as story_store
 from thermowatch.supervisor.store import thermometers
-from thermowatch.supervisor.web.readable import pairs
+from thermowatch.supervisor.web.readable import ago, pairs
 
 AUDIT_TAIL = 50
 REFRESH_S = 10  # the script polls /status this often, and redraws the charts unless zoomed
@@ -55,12 +55,7 @@ def _cells(*values: str) -> str:
 
 
 def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "no record yet"
-    for unit, n in (("h", 3600), ("min", 60)):
-        if seconds >= 2 * n:
-            return f"last record {seconds / n:.0f} {unit} ago"
-    return f"last record {seconds:.0f} s ago"
+    return "no record yet" if seconds is None else f"last record {ago(seconds)}"
 
 
 def _body(a):
@@ -140,6 +135,9 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         told = story_store.story(s, run_id)
 
     state = status["state"]
+    # The badge and the story agree: a run that reached its planned steps (or was stopped) without
+    # a finish report reads "finished (why)", not "not finished".
+    ending = told.ending() if told.finished is not None or state != "finished" else f"finished ({status['why']})"
     parts = [
         f"<header><p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a> &middot; "
         f"<a href='{e(base)}/docs'>API</a></p>"
@@ -150,7 +148,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         + (f" of {status['planned_steps']}" if status["planned_steps"] else "")
         + f" &middot; {len(attempts)} attempt(s) &middot; created {_ts(run.created_at)}</p>"
         # The story first, in words (issue 23): how it ended and what the supervisor did to it.
-        f"<p class='story' id='story'><b>{e(told.ending())}</b>: {e(told.words())}</p></header>",
+        f"<p class='story' id='story'><b>{e(ending)}</b>: {e(told.words())}</p></header>",
         top,
     ]
     if selected is not None:
@@ -170,6 +168,8 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
            else "the whole run")
         + "</span> <button id='reset' type='button' hidden>reset zoom</button> "
           "<label class='auto'><input type='checkbox' id='auto' checked> auto-refresh</label> "
+          "<label>smoothing <select id='smooth'><option value='0'>off</option><option value='0.6'>0.6</option>"
+          "<option value='0.9'>0.9</option><option value='0.97'>0.97</option></select></label> "
           "<span id='chart-status' class='muted'></span></div>"
           "<p class='muted hint'>Drag across a chart to zoom (the data is fetched again at the finer resolution); "
           "hover for values.</p>")
@@ -187,6 +187,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
             parts.append(
                 f"<figure class='chart' data-metric='{e(metric)}' data-log='{int(logy)}' "
                 f"data-layers='{int(per_layer)}'><figcaption>{e(title)}</figcaption><div class='plot-area'></div>"
+                "<div class='marks-info muted'></div>"
                 + ("<div class='heat'><canvas class='heatmap'></canvas><div class='heat-info muted'></div></div>"
                    if per_layer else "")
                 + f"<noscript><img class='plot' data-metric='{e(metric)}' alt='{e(title)}' src='{e(src)}' "
@@ -207,14 +208,19 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
     return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
 
 
+FINDINGS_SHOWN = 3  # per incident in the table; the rest behind a click
+
+
 def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit) -> str:
     parts = ["<h2>incidents</h2>"]
     rows = []
     for i in reversed(incs):
         cls = " ".join(c for c in ("open" if i["state"] == "open" else "", "selected" if i is selected else "") if c)
-        finds = "".join(
-            f"<li>{e(f['signal'])} {e(f['metric'] or f['module'])} ({e(f['severity'])}) onset {f['onset_step']} "
-            f"detect {f['detect_step']} {pairs(f['evidence'])}</li>" for f in i["findings"])
+        items = [f"<li>{e(f['signal'])} {e(f['metric'] or f['module'])} ({e(f['severity'])}) onset {f['onset_step']} "
+                 f"detect {f['detect_step']} {pairs(f['evidence'])}</li>" for f in i["findings"]]
+        finds = "".join(items[:FINDINGS_SHOWN]) + (  # pruned: the first few, the rest one click away
+            f"<li><details><summary>{len(items) - FINDINGS_SHOWN} more findings</summary><ul>"
+            f"{''.join(items[FINDINGS_SHOWN:])}</ul></details></li>" if len(items) > FINDINGS_SHOWN else "")
         rows.append(f"<tr id='incident-{i['id']}' class='{cls}'>" + _cells(
             f"<a href='{e(run_url(run_id, incident=i['id']))}'>#{i['id']}</a>", e(i["signal"]), e(i["module"]),
             e(i["severity"]), str(i["onset_step"]), str(i["detect_step"]), e(i["state"]), e(i["resolution"]),
@@ -242,12 +248,22 @@ def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpt
     parts.append(_table(e, ["from step", "multiplier", "for steps", "action"], [
         "<tr>" + _cells(str(c.start_step), f"{c.multiplier:g}", e(c.steps if c.steps is not None else "for good"),
                         e(c.action_id if c.action_id is not None else "")) + "</tr>" for c in lrs], "none"))
-    parts.append("<h2>checkpoints</h2>")
-    parts.append(_table(e, ["step", "attempt", "healthy", "path", "sample cursor", "saved (UTC)"], [
-        f"<tr class='{'muted' if c.deleted else ''}'>" + _cells(
+    # Pruned: the checkpoints a rollback could still use; the deleted ones (most of them on a long
+    # run) are folded away below, still listed for whoever wants the full record.
+    head = ["step", "attempt", "healthy", "path", "sample cursor", "saved (UTC)"]
+
+    def ckpt_row(c) -> str:
+        return (f"<tr class='{'muted' if c.deleted else ''}'>" + _cells(
             str(c.step), str(c.attempt), "yes" if c.healthy else "<span class='bad'>no</span>",
-            e(c.path) + (" (deleted)" if c.deleted else ""), str(c.sample_cursor), _ts(c.created_at)) + "</tr>"
-        for c in reversed(ckpts)], "no checkpoints reported"))
+            e(c.path) + (" (deleted)" if c.deleted else ""), str(c.sample_cursor), _ts(c.created_at)) + "</tr>")
+
+    kept, gone = [c for c in reversed(ckpts) if not c.deleted], [c for c in reversed(ckpts) if c.deleted]
+    parts.append("<h2>checkpoints</h2>")
+    parts.append(_table(e, head, [ckpt_row(c) for c in kept],
+                        "no checkpoint on disk" if gone else "no checkpoints reported"))
+    if gone:
+        parts.append(f"<details id='deleted-checkpoints'><summary class='muted'>{len(gone)} deleted checkpoint(s)"
+                     "</summary>" + _table(e, head, [ckpt_row(c) for c in gone], "") + "</details>")
     parts.append("<h2>attempts</h2>")
     parts.append(_table(e, ["attempt", "started (UTC)", "start step", "world size"], [
         "<tr>" + _cells(str(a.attempt), _ts(a.started_at), str(a.start_step), str(a.world_size)) + "</tr>"

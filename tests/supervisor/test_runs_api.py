@@ -16,6 +16,7 @@ from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Seve
 from thermowatch.supervisor.api import runs as runs_api
 from thermowatch.supervisor.api.runs import envelope
 from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.service import Progress
 from thermowatch.supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
 from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, guard
@@ -28,6 +29,7 @@ LAYERS = 3
 class Sup:
     sessions: sessionmaker
     cfg: SupervisorConfig = field(default_factory=SupervisorConfig)  # detectors.stall for /status
+    progress: Progress = field(default_factory=Progress)  # the newest loss per run (the runs index)
 
 
 @dataclass

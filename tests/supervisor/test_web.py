@@ -19,6 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from thermowatch.monitors.contract import StepRecord
 from thermowatch.supervisor.api import chart as chart_api
 from thermowatch.supervisor.api import events as events_api
 from thermowatch.supervisor.api import runs as runs_api
@@ -176,6 +177,30 @@ def test_index_lists_runs_with_links(client, seeded):
     assert f"href='/runs/{RUN}'" in r.text
     assert html.escape(seeded.evil_run, quote=True) in r.text
     assert seeded.evil_run not in r.text  # never raw
+
+
+def test_index_says_each_runs_state_step_loss_and_last_report(db, seeded):
+    """Issue 23: the runs index reads like W&B's: state, step, loss, open incidents, last seen."""
+    from thermowatch.monitors.contract import FinishReason, RunFinished
+    from thermowatch.supervisor.store import judged
+    from thermowatch.supervisor.store import runs as runs_store
+
+    sup = Sup(db.sessions)
+    with db.sessions.begin() as s:
+        runs_store.finish_attempt(s, seeded.evil_run, 0, RunFinished(step=7, final_loss=2.375,
+                                                                     reason=FinishReason.COMPLETED))
+        judged.mark(s, RUN, 1, 260)  # the daemon judged RUN's attempt 1 through step 260 just now
+    sup.progress.note(RUN, 1, [StepRecord(step=260, values={"loss": 3.25}, wall_time=time.time())])
+    app = FastAPI()
+    app.include_router(pages.make_router(sup, guard=guard(db.sessions)))
+    with TestClient(app, headers=AUTH) as c:
+        page = c.get("/").text
+    rows = {m[0]: m[1] for m in re.findall(r"<tr class='run-row' data-run='([^']*)'>(.*?)</tr>", page)}
+    cells = {k: [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>(.*?)</td>", v)] for k, v in rows.items()}
+    assert cells[RUN][1:6] == ["running", "260", "3.25", "0", "0 s ago"], cells[RUN]
+    evil = cells[html.escape(seeded.evil_run, quote=True)]
+    assert evil[1] == "finished" and evil[3] == "2.375" and evil[5] == "-", evil
+    assert "<th>state</th><th>step</th><th>loss</th><th>open incidents</th><th>last seen</th>" in page
 
 
 def test_index_shows_the_newest_page_and_links_the_next(db, client):

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -319,3 +320,100 @@ def test_run_page_in_chromium(db, daemon, tmp_path):
     assert len(urls) > 10
     outside = [u for u in urls if not u.startswith(base) and not u.startswith("data:")]
     assert not outside, outside  # no CDN, no font, nothing leaves the daemon
+
+
+def _crowded(sup, run_id: str = "crowded") -> str:
+    """A run with eleven incidents detected two steps apart (a demo-length divergence that flaps),
+    a rollback and an LR change among them: the case whose labels overprinted into a smear."""
+    from thermowatch.supervisor.store import incidents as incidents_store
+    from thermowatch.supervisor.store import lr_changes as lr_store
+    from thermowatch.supervisor.store import runs as runs_store
+    from thermowatch.supervisor.store import steps as steps_store
+
+    recs = [StepRecord(step=st, values={"loss": 3.0 + (2.0 if 150 <= st < 175 else 0.0) + 0.01 * math.sin(st),
+                                        "grad_norm": 1.0 + 0.1 * math.cos(st)},
+                       sample_lo=8 * st, sample_hi=8 * st + 8) for st in range(1, 301)]
+    with sup.sessions.begin() as s:
+        runs_store.open_attempt(s, RunInfo(run_id, 0, world_size=1, config={"steps": 300}))
+        thermometers.append(s, run_id, 0, recs)
+        steps_store.record_steps(s, run_id, 0, recs)
+        for k in range(11):
+            inc = incidents_store.open_incident(s, run_id, "loss_spike", "", 148 + 2 * k, 150 + 2 * k, severity="warning")
+            incidents_store.resolve_incident(s, inc, "cleared")  # a flapping signal: the next one is new
+        lr_store.add_lr_change(s, run_id, 0.5, 160, None)
+    return run_id
+
+
+@pytest.mark.timeout(120)
+def test_markers_zoom_link_smoothing_and_dark_mode_in_chromium(db, daemon, tmp_path):
+    """Issue 23: eleven incident labels never overprint (merged, then left out, with the hidden
+    ones under the cursor); the zoom and the smoothing are in the address, so a reload or a
+    shared link shows the same view; the page follows a dark system theme."""
+    from tests.supervisor.cdp import Browser
+
+    if not os.path.exists(CHROMIUM) and not os.environ.get("CI"):
+        pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
+    sup, _ = daemon
+    run = _crowded(sup)
+    reader = make_token(sup.sessions, "rita", "read")
+    tw = "window.thermowatch"
+    with running(build_app(sup)) as base:
+        b = Browser(CHROMIUM, tmp_path / "profile", "--disable-quic", "--window-size=1280,1000")
+        try:
+            for domain in ("Runtime.enable", "Log.enable"):
+                b.page(domain)
+            b.goto(f"{base}/login?next=/runs/{run}")
+            b.js(f"document.getElementById('token').value = {json.dumps(reader)}; document.getElementById('sign-in').click()")
+            b.wait_for(f"location.pathname === '/runs/{run}' && !!window.thermowatch && {tw}.loads >= 1")
+            for width, mobile in ((1280, False), (390, True)):
+                b.page("Emulation.setDeviceMetricsOverride", width=width, height=900, deviceScaleFactor=1, mobile=mobile)
+                b.js(f"{tw}.reload()")
+                b.wait_for(f"{tw}.charts.loss && {tw}.charts.loss.uplot.width <= {width} && !!{tw}.charts.loss.marks")
+                marks = b.js(f"{tw}.charts.loss.marks")
+                labels = marks["labels"]
+                for row in {m["row"] for m in labels}:  # no two labels of a row share a pixel
+                    spans = sorted((m["x"], m["x"] + m["w"]) for m in labels if m["row"] == row)
+                    assert all(a[1] <= b_[0] for a, b_ in zip(spans, spans[1:])), (width, spans)
+                assert len(labels) <= 4, labels  # 11 incidents + an LR change, merged: not 12 labels
+                assert any(re.search(r"#\d+ loss_spike \+\d+", m["text"]) for m in labels), labels
+                _shot(b, f"crowded_{width}.png", width, 900, tmp_path, mobile=mobile, full=False)
+            # hovering the crowd names every event near the cursor, the ones without a label too
+            box = b.js("(() => { const u = window.thermowatch.charts.loss.uplot, r = u.over.getBoundingClientRect();"
+                       "return [r.left + u.valToPos(154, 'x'), r.top + r.height / 2]; })()")
+            b.page("Input.dispatchMouseEvent", type="mouseMoved", x=box[0], y=box[1])
+            near = b.wait_for("(() => { const t = document.querySelector(\"figure[data-metric='loss'] .marks-info\")"
+                              ".textContent; return t.includes('loss_spike') && t; })()")
+            assert near.count("loss_spike") >= 2, near
+
+            # the zoom and the smoothing go into the address; a reload shows the same view
+            b.page("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)
+            b.js(f"{tw}.zoom(120, 200)")
+            b.wait_for(f"{tw}.charts.loss.response.step_lo === 120")
+            b.js("(() => { const s = document.getElementById('smooth'); s.value = '0.9'; "
+                 "s.dispatchEvent(new Event('change')); })()")
+            b.wait_for(f"{tw}.charts.loss.labels.some((l) => l.endsWith('(smoothed)'))")
+            assert b.js("location.search") == "?step_lo=120&step_hi=200&smooth=0.9"
+            raw, smooth = b.js(f"(() => {{ const c = {tw}.charts.loss; const i = c.labels.indexOf('loss (smoothed)');"
+                               "return [c.data[1], c.data[i]]; })()")
+            assert len(raw) == len(smooth) and float(np.std(np.diff(smooth))) < float(np.std(np.diff(raw)))
+            b.goto(b.js("location.href"))
+            b.wait_for(f"!!window.thermowatch && {tw}.loads >= 1 && !!{tw}.charts.loss")
+            assert b.js(f"[{tw}.window.lo, {tw}.window.hi, {tw}.smooth, document.getElementById('smooth').value]") == \
+                [120, 200, 0.9, "0.9"]
+            assert b.js(f"{tw}.charts.loss.response.step_lo") == 120
+            b.js(f"{tw}.reset()")
+            b.wait_for("location.search === '?smooth=0.9'")
+
+            # dark mode: the system's preference, on the page and on the canvases
+            b.page("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": "dark"}])
+            b.js(f"{tw}.reload()")
+            b.wait_for(f"{tw}.loads >= 3")
+            bg = b.js("getComputedStyle(document.body).backgroundColor")
+            assert bg == "rgb(21, 24, 29)", bg
+            shot = _shot(b, "dark.png", 1280, 900, tmp_path, full=False)
+            assert shot[..., :3].mean() < 0.35  # mostly dark pixels (imread gives 0..1)
+        finally:
+            b.close()
+    errors = [ev for ev in b.events if ev["method"] == "Runtime.exceptionThrown"
+              or (ev["method"] == "Runtime.consoleAPICalled" and ev["params"]["type"] == "error")]
+    assert not errors, errors

@@ -37,6 +37,9 @@
     return `rgba(${n >> 16},${(n >> 8) & 255},${n & 255},${a})`;
   }
   const natural = new Intl.Collator(undefined, {numeric: true}).compare;
+  // colours from run.css's variables: light or dark as the reader's system prefers
+  const cssVar = (name, dflt) => getComputedStyle(document.body).getPropertyValue(name).trim() || dflt;
+  const ink = () => cssVar("--ink", "#333"), grid = () => cssVar("--grid", "rgba(0,0,0,0.07)");
 
   async function getJSON(url) {
     tw.requests.push(url);
@@ -87,51 +90,94 @@
   }
 
   // --- annotations (events) drawn on the canvas ----------------------------------------------------
-  function drawMarks(u, metric, nonfinite) {
+  // Lines for every event; labels laid out so that none overprints another (issue 23): events
+  // closer than MERGE_PX share one label ("#7 loss_spike +3"), a label that finds no free room in
+  // LABEL_ROWS rows is left out, and hovering a chart lists every event near the cursor.
+  const MERGE_PX = 8, LABEL_ROWS = 2;
+  function marksOf(ev) {  // [{step, kind, color, dash, width, text}] for the lines, from /events
+    const out = [];
+    if (!ev) return out;
+    for (const c of ev.lr_changes) out.push({step: c.start_step, color: "#0969da", dash: [1, 3], text: `LR ×${fmt(c.multiplier)}`});
+    for (const a of ev.actions) {
+      if (a.kind !== "rollback" || a.to_step == null || !["acked", "done"].includes(a.state)) continue;
+      out.push({step: a.to_step, color: "#444", dash: [2, 2], text: `rollback #${a.id} to checkpoint ${a.to_step}`});
+    }
+    for (const i of ev.incidents) {
+      const sel = i.id === selectedIncident;
+      out.push({step: i.onset_step, color: "#e36209", dash: [4, 3], width: sel ? 2 : 1, text: null,
+                hover: `onset of #${i.id} ${i.signal}`});
+      out.push({step: i.detect_step, color: "#cf222e", dash: [], width: sel ? 2.5 : 1, text: `#${i.id} ${i.signal}`,
+                incident: true});
+    }
+    for (const sk of ev.skips) if (sk.step_lo != null) out.push({step: sk.step_lo, color: "#6f42c1", dash: null, text: "skipped"});
+    return out;
+  }
+  function layoutLabels(ctx, marks, X, left, right, pr) {  // -> [{x, row, text, color}], hidden count
+    // An event whose line falls under the label of the one before it (same kind) joins its group:
+    // "#7 loss_spike +3" rather than four labels over each other.
+    const groups = [];
+    for (const m of marks.filter((m) => m.text).sort((a, b) => a.step - b.step)) {
+      const x = X(m.step);
+      const g = groups.findLast((g) => g.incident === !!m.incident);
+      if (g && x - g.x < Math.max(MERGE_PX * pr, ctx.measureText(`${g.text} +99`).width + 8 * pr)) { g.n++; continue; }
+      groups.push({x, n: 1, text: m.text, color: m.color, incident: !!m.incident});
+    }
+    const ends = new Array(LABEL_ROWS).fill(-Infinity), placed = [];
+    let hidden = 0;
+    for (const g of groups) {
+      if (g.x < left || g.x > right) continue;
+      const text = g.n > 1 ? `${g.text} +${g.n - 1}` : g.text;
+      const w = ctx.measureText(text).width + 8 * pr;
+      const x = Math.min(g.x + 3 * pr, right - w);
+      const row = ends.findIndex((e) => x > e);
+      if (row < 0) { hidden += g.n; continue; }
+      ends[row] = x + w;
+      placed.push({x, row, text, color: g.color, w});
+    }
+    return {placed, hidden};
+  }
+  function drawMarks(u, metric, nonfinite, fig, entry) {
     const ev = tw.events;
     const ctx = u.ctx, {left, top, width, height} = u.bbox, pr = uPlot.pxRatio;
     const X = (v) => u.valToPos(v, "x", true);
     const inView = (a, b) => b >= u.scales.x.min && a <= u.scales.x.max;
+    const fg = ink();
     ctx.save();
     ctx.beginPath(); ctx.rect(left, top, width, height); ctx.clip();
     ctx.font = `${11 * pr}px system-ui, sans-serif`;
     ctx.textAlign = "left"; ctx.textBaseline = "alphabetic";  // uPlot leaves its axes' alignment set
-    let row = 0;
-    const label = (x, text, color) => {
-      ctx.fillStyle = color;
-      ctx.fillText(text, x + 3 * pr, top + (12 + 12 * (row++ % 4)) * pr);
-    };
     const band = (a, b, color) => {
       if (!inView(a, b)) return;
       ctx.fillStyle = color;
       ctx.fillRect(X(a), top, Math.max(pr, X(b) - X(a)), height);
     };
-    const vline = (s, color, dash, text, w) => {
-      if (!inView(s, s)) return;
-      ctx.strokeStyle = color; ctx.lineWidth = (w || 1) * pr; ctx.setLineDash(dash.map((d) => d * pr));
-      ctx.beginPath(); ctx.moveTo(X(s), top); ctx.lineTo(X(s), top + height); ctx.stroke();
-      ctx.setLineDash([]);
-      if (text) label(X(s), text, color);
-    };
     if (ev) {
-      for (const sk of ev.skips) {
-        if (sk.step_lo != null) { band(sk.step_lo, sk.step_hi + 1, "rgba(130,80,200,0.13)"); }
-      }
-      for (const c of ev.lr_changes) {
-        if (c.steps) band(c.start_step, c.start_step + c.steps, "rgba(9,105,218,0.05)");
-        vline(c.start_step, "#0969da", [1, 3], `LR ×${fmt(c.multiplier)}`);
-      }
+      for (const sk of ev.skips) if (sk.step_lo != null) band(sk.step_lo, sk.step_hi + 1, "rgba(130,80,200,0.13)");
+      for (const c of ev.lr_changes) if (c.steps) band(c.start_step, c.start_step + c.steps, "rgba(9,105,218,0.05)");
       for (const a of ev.actions) {
-        if (a.kind !== "rollback" || a.to_step == null || !["acked", "done"].includes(a.state)) continue;
-        if (a.from_step != null) band(a.to_step, a.from_step, "rgba(110,110,110,0.10)");
-        vline(a.to_step, "#444", [2, 2], `rollback #${a.id} to checkpoint ${a.to_step}`);
+        if (a.kind === "rollback" && a.to_step != null && a.from_step != null && ["acked", "done"].includes(a.state)) {
+          band(a.to_step, a.from_step, "rgba(110,110,110,0.10)");
+        }
       }
-      for (const i of ev.incidents) {
-        const sel = i.id === selectedIncident;
-        vline(i.onset_step, "#e36209", [4, 3], null, sel ? 2 : 1);
-        vline(i.detect_step, "#cf222e", [], `#${i.id} ${i.signal}`, sel ? 2.5 : 1);
-      }
-      for (const sk of ev.skips) if (sk.step_lo != null && inView(sk.step_lo, sk.step_hi)) label(X(sk.step_lo), "skipped", "#6f42c1");
+    }
+    const marks = marksOf(ev);
+    for (const m of marks) {
+      if (!m.dash || !inView(m.step, m.step)) continue;
+      ctx.strokeStyle = m.color === "#444" ? fg : m.color; ctx.lineWidth = (m.width || 1) * pr;
+      ctx.setLineDash(m.dash.map((d) => d * pr));
+      ctx.beginPath(); ctx.moveTo(X(m.step), top); ctx.lineTo(X(m.step), top + height); ctx.stroke();
+    }
+    ctx.setLineDash([]);
+    const {placed, hidden} = layoutLabels(ctx, marks, X, left, left + width, pr);
+    const paper = cssVar("--bg", "#fff");
+    for (const p of placed) {  // on a patch of the page's background: lines never run through the words
+      const y = top + (12 + 13 * p.row) * pr;
+      ctx.globalAlpha = 0.85; ctx.fillStyle = paper;
+      ctx.fillRect(p.x - 2 * pr, y - 10 * pr, p.w - 4 * pr, 13 * pr);
+      ctx.globalAlpha = 1; ctx.fillStyle = p.color === "#444" ? fg : p.color;
+      ctx.fillText(p.text, p.x, y);
+    }
+    if (ev) {
       for (const t of ev.thresholds) {
         if (t.metric !== metric) continue;
         const y = u.valToPos(t.value, "y", true);
@@ -146,6 +192,27 @@
     ctx.fillStyle = "#ff0000";  // a NaN / Inf cannot sit on the y axis: a red tick along the top
     for (const s of nonfinite) if (inView(s, s)) ctx.fillRect(X(s) - pr, top, 2 * pr, 8 * pr);
     ctx.restore();
+    if (entry) entry.marks = {labels: placed.map((p) => ({x: p.x, w: p.w, row: p.row, text: p.text})), hidden};
+    const info = fig && fig.querySelector(".marks-info");
+    if (info) info.dataset.hidden = String(hidden);
+  }
+  function marksNear(u, step) {  // the events within MERGE_PX of a step, in words (the hover line)
+    const px = u.valToPos(step, "x");
+    return marksOf(tw.events).filter((m) => Math.abs(u.valToPos(m.step, "x") - px) <= MERGE_PX)
+      .map((m) => `${m.text || m.hover} (step ${m.step})`);
+  }
+
+  function ema(vals, w, logy) {  // debiased EMA (TensorBoard's), in log space on a log axis; gaps stay gaps
+    const out = new Array(vals.length).fill(null);
+    let acc = 0, n = 0;
+    vals.forEach((v, i) => {
+      if (v == null) return;
+      const x = logy ? Math.log(v) : v;
+      acc = w * acc + (1 - w) * x; n++;
+      const y = acc / (1 - w ** n);
+      out[i] = logy ? Math.exp(y) : y;
+    });
+    return out;
   }
 
   // --- one chart ---------------------------------------------------------------------------
@@ -164,10 +231,18 @@
                    width: 1.2, dash: [5, 4], value: (u, v) => fmt(v), abandoned: true});
       data.push(d.plot(g.vals));
     }
+    const sm = tw.smooth || 0;
     for (const k of d.shown) {
-      series.push({label: d.keys.length > 1 ? k.split("/").slice(1).join("/") : k, stroke: color(k), width: 1.6,
-                   value: (u, v) => fmt(v)});
+      series.push({label: d.keys.length > 1 ? k.split("/").slice(1).join("/") : k,
+                   stroke: sm ? alpha(color(k), 0.3) : color(k), width: sm ? 1 : 1.6, value: (u, v) => fmt(v)});
       data.push(d.plot(d.live.get(k)));
+    }
+    if (sm) {  // the smoothed lines over the faded raw ones; the legend shows both values, as TensorBoard's
+      for (const k of d.shown) {
+        series.push({label: `${d.keys.length > 1 ? k.split("/").slice(1).join("/") : k} (smoothed)`, stroke: color(k),
+                     width: 1.8, value: (u, v) => fmt(v), smoothed: true});
+        data.push(ema(d.plot(d.live.get(k)), sm, logy));
+      }
     }
     const range = (u, lo, hi) => {
       if (lo == null || hi == null) return [logy ? 1 : 0, logy ? 10 : 1];
@@ -177,7 +252,8 @@
     const opts = {
       width: Math.max(200, area.clientWidth), height: chartHeight(),
       scales: {x: {time: false}, y: logy ? {distr: 3, log: 10, range} : {range}},
-      axes: [{label: "step"}, {size: 56, values: (u, vals) => vals.map(tick)}],
+      axes: [{label: "step", stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}},
+             {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}],
       series,
       cursor: {drag: {x: true, y: false, setScale: false}, sync: {key: "tw-run"}},
       legend: {live: true},
@@ -190,7 +266,14 @@
           if (hi > lo) tw.zoom(lo, hi);
         }],
         // after every redraw (sizes are final only then): the marks, and the heatmap aligned to the plot
-        draw: [(u) => { drawMarks(u, metric, d.nonfinite); if (fig.dataset.layers === "1") heatmap(fig, u, d, logy, entry); }],
+        draw: [(u) => { drawMarks(u, metric, d.nonfinite, fig, entry); if (fig.dataset.layers === "1") heatmap(fig, u, d, logy, entry); }],
+        setCursor: [(u) => {  // the events under the cursor, in words: labels that did not fit are here
+          const info = fig.querySelector(".marks-info"), i = u.cursor.idx;
+          if (!info) return;
+          const near = i == null ? [] : marksNear(u, u.data[0][i]);
+          const hid = Number(info.dataset.hidden || 0);
+          info.textContent = near.length ? near.join(" · ") : (hid ? `${hid} event label(s) hidden here: hover the lines` : "");
+        }],
       },
     };
     const entry = {uplot: null, response: resp, data, labels: series.map((s) => s.label),
@@ -209,6 +292,7 @@
       d.keys.length > TOP_LINES ? `lines: top ${TOP_LINES} of ${d.keys.length} layers by ${d.useMin ? "lowest minimum" : "peak"}` : "",
       d.bucketSteps > 1 ? `${d.useMin ? "min" : "max"} per ${d.bucketSteps} steps` : "every step",
       logy ? "log scale" : "",
+      sm ? `smoothed ${sm}` : "",
     ].filter(Boolean).join(" · ");
     entry.uplot = u;
     tw.charts[metric] = entry;
@@ -233,7 +317,7 @@
     const tf = (v) => (logy ? Math.log10(Math.max(v, 1e-30)) : v);
     let lo = Infinity, hi = -Infinity;
     for (const k of rows) for (const v of d.live.get(k)) if (v != null && Number.isFinite(v)) { lo = Math.min(lo, tf(v)); hi = Math.max(hi, tf(v)); }
-    ctx.fillStyle = "#f3f3f3"; ctx.fillRect(left, 0, width, canvas.height);
+    ctx.fillStyle = cssVar("--empty", "#f3f3f3"); ctx.fillRect(left, 0, width, canvas.height);
     const X = (v) => u.valToPos(v, "x", true);
     let cells = 0;
     rows.forEach((k, r) => {
@@ -248,7 +332,7 @@
         cells++;
       });
     });
-    ctx.fillStyle = "#333"; ctx.font = `${10 * pr}px system-ui, sans-serif`; ctx.textAlign = "right";
+    ctx.fillStyle = ink(); ctx.font = `${10 * pr}px system-ui, sans-serif`; ctx.textAlign = "right";
     const every = Math.ceil(11 / rowH);  // row labels where they fit
     rows.forEach((k, r) => { if (r % every === 0) ctx.fillText(k.split("/").pop().replace(/^blocks\./, "b"), left - 4 * pr, (r * rowH + rowH / 2 + 4) * pr); });
     canvas.onmousemove = (e) => {
@@ -297,8 +381,29 @@
       setStatus(`could not load the charts: ${err.message || err}`, true);
     }
   }
-  tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); return loadAll(); };
-  tw.reset = () => { tw.window = null; windowText(); return loadAll(); };
+  function toURL() {  // the view is in the address: a zoom or a smoothing can be shared as a link
+    const q = new URLSearchParams(location.search);
+    for (const [k, v] of [["step_lo", tw.window && tw.window.lo], ["step_hi", tw.window && tw.window.hi],
+                          ["smooth", tw.smooth || null]]) {
+      if (v == null) q.delete(k); else q.set(k, String(v));
+    }
+    const qs = q.toString();
+    history.replaceState(null, "", location.pathname + (qs ? `?${qs}` : "") + location.hash);
+  }
+  tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return loadAll(); };
+  tw.reset = () => { tw.window = null; windowText(); toURL(); return loadAll(); };
+  // Smoothing: an exponential moving average of the live lines (TensorBoard's slider), drawn over
+  // the raw line faded; 0 = off. The heatmap, the legend's raw values and the marks stay raw.
+  const smoothEl = document.getElementById("smooth");
+  tw.smooth = Math.min(0.99, Math.max(0, Number(new URLSearchParams(location.search).get("smooth")) || 0));
+  if (smoothEl) {
+    smoothEl.value = String(tw.smooth);
+    if (smoothEl.value !== String(tw.smooth)) { smoothEl.value = "0"; tw.smooth = 0; }
+    smoothEl.addEventListener("change", () => { tw.smooth = Number(smoothEl.value); toURL(); redrawAll(); });
+  }
+  function redrawAll() {
+    figures().forEach((fig) => { const c = tw.charts[fig.dataset.metric]; if (c) render(fig, c.response); });
+  }
   tw.reload = loadAll;
   document.getElementById("reset").addEventListener("click", () => tw.reset());
 
@@ -370,10 +475,7 @@
   let resizing = null;
   window.addEventListener("resize", () => {
     clearTimeout(resizing);
-    resizing = setTimeout(() => figures().forEach((fig) => {
-      const c = tw.charts[fig.dataset.metric];
-      if (c) render(fig, c.response);
-    }), 150);
+    resizing = setTimeout(redrawAll, 150);
   });
 
   windowText();
