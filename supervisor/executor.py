@@ -227,15 +227,36 @@ class Executor:
     def approve(self, action_id: int, who: str) -> None:
         """Advise-only mode: a human lets a pending action go to the trainer. Refused (409) once
         the run has finished: the proposal then expires instead (expire)."""
-        def change(s: Session) -> None:
+        def change(s: Session) -> str | None:
             row = actions_store.get_action(s, action_id)
             fin = ended(s, row.run_id) if row is not None else None
             if fin is not None:
                 raise actions_store.ActionStateError(f"action {action_id} cannot be approved: "
                                                      + ended_words(row.run_id, fin))
+            said = self._rederive(s, row) if row is not None and row.kind == "rollback" else None
             actions_store.approve_action(s, action_id, who)
+            return said
 
         self._human_decides(action_id, who, "approved", change)
+
+    @staticmethod
+    def _rederive(s: Session, row: actions_store.ActionRow) -> str | None:
+        """A rollback proposal, re-read against the run as it is when a person says yes (issue
+        23): the checkpoint it will load now (retention may have deleted, or a later finding
+        distrusted, the one proposed) and what that discards. Refused when no healthy checkpoint
+        at or before its step is left: approving it could only fail at the trainer."""
+        try:
+            body = parse_command(row.kind, row.args)
+        except ContractError:
+            return None  # delivered as it is and failed there, with the reason (deliver)
+        target = ckpt_store.newest_healthy_before(s, row.run_id, body.to_step + 1)
+        if target is None or (body.exact and target.step != body.to_step):
+            raise actions_store.ActionStateError(
+                f"action {row.id} cannot be approved: no healthy checkpoint at or before step {body.to_step} is left "
+                "(deleted by retention or distrusted since it was proposed); cancel it "
+                f"(`thermowatch cancel {row.id}`) and roll back by hand to a step that has one")
+        cost = story_store.cost(s, row.run_id, dataclasses.replace(body, to_step=target.step, exact=True))
+        return "; ".join([f"loads checkpoint {target.step}", *cost.values()])
 
     def cancel(self, action_id: int, who: str, *, only_awaiting_approval: bool = False) -> None:
         """`only_awaiting_approval`: refuse (Conflict) unless the action still waits for a human,
@@ -275,19 +296,20 @@ class Executor:
                                            thread=_thread(action_id, row.incident_id)))
         self.flush_alerts()
 
-    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], Any]) -> None:
+    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], str | None]) -> None:
         with self._session.begin() as s:
             row = actions_store.get_action(s, action_id)
             if row is None:
                 raise NotFound(f"no action {action_id}")
             try:
-                change(s)
+                said = change(s)
             except actions_store.ActionStateError as exc:
                 raise Conflict(str(exc)) from exc
-            audit_store.audit(s, row.run_id, who, event, {"action_id": action_id})
+            audit_store.audit(s, row.run_id, who, event, {"action_id": action_id, **({"said": said} if said else {})})
             self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
                                        title=f"{row.run_id}: {who} {event} {row.kind} (action {action_id})",
-                                       incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
+                                       text=said or "", incident_id=row.incident_id,
+                                       thread=_thread(action_id, row.incident_id),
                                        status=f"{row.kind} (action {action_id}) {event} by {who}"))
         self.flush_alerts()
 

@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 from thermowatch.monitors.contract import Reduce, reduction
 from thermowatch.supervisor.store import chart as chart_store
 from thermowatch.supervisor.web.plots import Chart, Marks, render
+from thermowatch.supervisor.web.readable import LOG_METRICS
 
 MAX_LINES = 8  # more keys than this: the hottest as lines, all of them as a band
-LOG_METRICS = {"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"}  # drawn on a log y axis
 
 
 def _envelope(s: chart_store.ChartSeries) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import HTMLResponse, Response
 from sqlalchemy.orm import Session
 
@@ -42,7 +42,7 @@ from thermowatch.supervisor.store import metrics as metrics_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import thermometers
-from thermowatch.supervisor.web.readable import ago
+from thermowatch.supervisor.web.readable import LOG_METRICS, ago
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
 CHARTS = [
@@ -54,9 +54,9 @@ CHARTS = [
     ("act_max", "activation max, per module", True),
     ("act_min", "activation min, per module (layers ranked by their lowest value)", False),
 ]
-LOG_METRICS = {"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"}
 AUDIT_TAIL = 50
 INDEX_PAGE = 100  # runs on one page of the index (the API's default page)
+COMPARE_MAX = 8  # runs on one comparison chart: the palette's colours, and a bounded page
 ZOOM_MIN_PAD = 50  # steps shown either side of an incident, at least
 
 # Light and dark (the reader's system preference): every colour below is a variable, and
@@ -183,6 +183,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
                          else "running")
                 loss = prog.loss if prog is not None else None
             rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
+                f"<input type='checkbox' name='run' value='{e(rid)}' form='compare' aria-label='compare {e(rid)}'> "
                 f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
                 e(r["last_step"] if r["last_step"] is not None else "-"),
                 e(f"{loss:.4g}" if loss is not None else "-"),
@@ -197,11 +198,56 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
                 "<button type='submit' id='sign-out'>sign out</button></form>"
                 "<h1>thermowatch: runs</h1>"
+                f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
+                f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
                 + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
                          "no runs yet: a run appears when its run controller first reports"
                          if not cursor else "no older runs")
                 + (f"<p>{' | '.join(links)}</p>" if links else ""))
         return _page("thermowatch: runs", body)
+
+    @router.get("/compare", response_class=HTMLResponse)
+    def compare(
+        run: list[str] = Query([], description=f"the runs to overlay (1 to {COMPARE_MAX}; repeat the parameter)"),
+        metric: str = Query("loss", max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$",
+                            description="the thermometer; a per-layer one is drawn as its worst layer per bucket"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+    ) -> HTMLResponse:
+        """Runs on one chart (issue 23: W&B's first habit): each run's live path of `metric`."""
+        ids = list(dict.fromkeys(r for r in run if r))
+        if not 1 <= len(ids) <= COMPARE_MAX:
+            raise HTTPException(422, f"compare takes 1 to {COMPARE_MAX} runs (?run=a&run=b), got {len(ids)}")
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            for rid in ids:
+                require_run(s, rid)
+        opts = "".join(f"<option value='{e(m)}'{' selected' if m == metric else ''}>{e(t)}</option>"
+                       for m, t, _ in CHARTS)
+        if metric not in {m for m, _, _ in CHARTS}:
+            opts += f"<option value='{e(metric)}' selected>{e(metric)}</option>"
+        hidden = "".join(f"<input type='hidden' name='run' value='{e(r)}'>" for r in ids)
+        logy = metric.split("/", 1)[0] in LOG_METRICS
+        body = (f"<p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a></p>"
+                f"<h1>compare {len(ids)} run(s)</h1>"
+                f"<form method='get' action='{e(base)}/compare' class='toolbar'>{hidden}"
+                f"<label>thermometer <select name='metric' id='metric' onchange='this.form.submit()'>{opts}</select></label>"
+                "<noscript><button type='submit'>show</button></noscript></form>"
+                f"<section id='compare' data-runs='{e(json.dumps(ids))}' data-metric='{e(metric)}' "
+                f"data-log='{int(logy)}' data-base='{e(base)}' "
+                f"data-lo='{e(step_lo if step_lo is not None else '')}' data-hi='{e(step_hi if step_hi is not None else '')}'>"
+                "<p class='toolbar'><span id='window'></span> <button id='reset' type='button' hidden>reset zoom</button> "
+                "<span id='chart-status' class='muted'></span></p>"
+                f"<figure class='chart'><figcaption>{e(metric)}</figcaption><div class='plot-area'></div></figure>"
+                "<p class='muted hint'>Each run's live path (the newest attempt at each step); a per-layer thermometer "
+                "is drawn as its worst layer per bucket. Drag to zoom.</p>"
+                "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
+                "</section>")
+        head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
+                f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
+        scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
+                   f"<script src='{e(base)}/static/run.js'></script>")
+        return _page(f"compare: {', '.join(ids)}", head, body + scripts)
 
     @router.get("/runs/{run_id}/plot.png")
     def plot(

@@ -9,6 +9,8 @@ import math
 from typing import Any
 
 MAX_ITEMS = 8  # a list longer than this is cut, saying how many more there were
+# Thermometers drawn on a log y axis (the page, its PNGs, Slack's charts): they grow by factors.
+LOG_METRICS = frozenset({"grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z"})
 
 
 def e(value: Any) -> str:

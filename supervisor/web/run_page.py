@@ -188,7 +188,9 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
                 f"<figure class='chart' data-metric='{e(metric)}' data-log='{int(logy)}' "
                 f"data-layers='{int(per_layer)}'><figcaption>{e(title)}</figcaption><div class='plot-area'></div>"
                 "<div class='marks-info muted'></div>"
-                + ("<div class='heat'><canvas class='heatmap'></canvas><div class='heat-info muted'></div></div>"
+                + ("<div class='heat'><label class='muted heat-pick' hidden>heatmap of <select class='heat-attempt'>"
+                   "<option value=''>the live path</option></select></label>"
+                   "<canvas class='heatmap'></canvas><div class='heat-info muted'></div></div>"
                    if per_layer else "")
                 + f"<noscript><img class='plot' data-metric='{e(metric)}' alt='{e(title)}' src='{e(src)}' "
                   f"width='1100' height='320'></noscript></figure>")

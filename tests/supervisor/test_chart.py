@@ -106,6 +106,33 @@ def test_whole_run_keeps_abandoned_attempts_and_current_drops_them(client):
     assert [x["current"] for x in cur["series"]] == [True, True] and cur["series"][0]["module"] is None
 
 
+def test_a_hundred_layer_chart_for_a_phone_is_under_a_megabyte(db):
+    """Issue 23: a 100-series chart was 6.9 MB of JSON. At a phone's 390 buckets, with only the
+    array the page draws (fields=max), 100 layers x 2,000 steps: under 1 MB, and the same
+    maxima as the full response."""
+    run = "hundred"
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(run, 0, world_size=1))
+    rng = np.random.default_rng(0)
+    for lo in range(0, 2000, 500):
+        recs = [StepRecord(step=st, values={f"act_max/blocks.{i}.mlp": float(rng.lognormal(2.0, 0.5)) for i in range(100)})
+                for st in range(lo, lo + 500)]
+        with db.sessions.begin() as s:
+            thermometers.append(s, run, 0, recs)
+    app = FastAPI()
+    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
+    with TestClient(app, headers=AUTH) as c:
+        params = {"metric": "act_max", "buckets": 390}
+        full = c.get(f"/api/runs/{run}/chart", params=params)
+        thin = c.get(f"/api/runs/{run}/chart", params={**params, "fields": "max"})
+        assert c.get(f"/api/runs/{run}/chart", params={**params, "fields": "max,mean"}).status_code == 422
+    assert len(thin.json()["series"]) == 100
+    assert len(thin.content) < 1_000_000 < len(full.content), (len(thin.content), len(full.content))
+    for a, b in zip(full.json()["series"], thin.json()["series"]):
+        assert set(b) == {"key", "module", "attempt", "current", "step", "max"}
+        assert a["step"] == b["step"] and a["max"] == b["max"]
+
+
 @pytest.mark.parametrize("path, params, status, words", [
     ("/api/runs/nope/chart", {"metric": "loss"}, 404, ["nope"]),
     (f"/api/runs/{RUN}/chart", {"metric": "attn_logit"}, 404, ["attn_logit", "attn_logit_max", "loss"]),

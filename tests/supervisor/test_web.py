@@ -203,6 +203,24 @@ def test_index_says_each_runs_state_step_loss_and_last_report(db, seeded):
     assert "<th>state</th><th>step</th><th>loss</th><th>open incidents</th><th>last seen</th>" in page
 
 
+def test_compare_page_takes_one_to_eight_known_runs(client, seeded):
+    r = client.get("/compare", params=[("run", RUN), ("run", seeded.evil_run), ("metric", "attn_logit_max")])
+    assert r.status_code == 200 and "compare 2 run(s)" in r.text
+    assert html.escape(json.dumps([RUN, seeded.evil_run]), quote=True) in r.text  # data-runs, escaped
+    assert seeded.evil_run not in r.text
+    assert "<option value='attn_logit_max' selected>" in r.text and "data-log='1'" in r.text
+    r = client.get("/compare")
+    assert r.status_code == 422 and "1 to 8 runs" in r.json()["detail"]
+    r = client.get("/compare", params=[("run", f"r{i}") for i in range(9)])
+    assert r.status_code == 422 and "got 9" in r.json()["detail"]
+    r = client.get("/compare", params=[("run", RUN), ("run", "nope")])
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+    assert client.get("/compare", params={"run": RUN, "metric": "<x>"}).status_code == 422
+    index = client.get("/").text
+    assert f"<input type='checkbox' name='run' value='{RUN}' form='compare'" in index
+    assert "<form id='compare' method='get' action='/compare'>" in index
+
+
 def test_index_shows_the_newest_page_and_links_the_next(db, client):
     """At 10^5 runs the page lists 100 and links the rest (issue 21, item 4), newest first."""
     newest_first = _bulk_runs(db, 130)

@@ -158,6 +158,38 @@ def test_docs_and_page_assets_are_served_by_the_daemon(daemon):
     assert '{"ratio"' not in page
 
 
+def test_approval_rereads_the_rollback_against_the_checkpoints_left(daemon):
+    """Issue 23: a proposal is re-derived when approved. Its checkpoint deleted by retention since
+    it was proposed: the yes loads the newest healthy one before it and says what that discards;
+    none left: 409 naming what to do, and the proposal still waits."""
+    from thermowatch.supervisor.store import checkpoints as ckpt_store
+
+    sup, action = daemon
+    with sup.sessions.begin() as s:
+        to = actions_store.get_action(s, action).args["to_step"]
+        last = max(thermometers.history(s, JUMP, "loss")[0].tolist())
+        usable = [c for c in ckpt_store.checkpoints(s, JUMP) if c.healthy and c.step <= to]
+        assert len(usable) >= 2, usable
+        ckpt_store.mark_deleted(s, JUMP, [c.step for c in usable])  # retention took every one
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        r = c.post(f"/api/actions/{action}/approve", json={"who": "olga"})
+        assert r.status_code == 409, r.text
+        assert f"no healthy checkpoint at or before step {to} is left" in r.json()["detail"]
+        assert f"thermowatch cancel {action}" in r.json()["detail"]
+        keep = usable[-2]  # an older one is back (restored from cold storage)
+        with sup.sessions.begin() as s:
+            ckpt_store.mark_checkpoint(s, keep.id, deleted=False)
+        r = c.post(f"/api/actions/{action}/approve", json={"who": "olga"})
+        assert r.status_code == 200, r.text
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, action)
+        said = [a.detail.get("said") for a in audit_store.audit_log(s, JUMP) if a.event == "approved"]
+    assert (row.state, row.requires_approval) == ("pending", False)
+    assert said == [f"loads checkpoint {keep.step}; discards: steps {keep.step + 1}-{last}: "
+                    f"{last - keep.step} steps to train again (from checkpoint {keep.step} or the newest healthy "
+                    "one before it); skips: " + said[0].split("skips: ")[1]], said
+
+
 # --- the browser ---------------------------------------------------------------------------------
 
 
@@ -276,6 +308,14 @@ def test_run_page_in_chromium(db, daemon, tmp_path):
             labels = b.js(f"{tw}.charts.attn_logit_max.labels")
             assert any("(abandoned)" in x for x in labels) and labels[-1] == "blocks.2.attn"
             assert b.js(f"{tw}.charts.attn_logit_max.response.step_lo") == 48  # the incident's window
+            # the heatmap of the abandoned attempt: its blow-up, layer by layer (issue 23)
+            pick = "document.querySelector(\"figure[data-metric='attn_logit_max'] select.heat-attempt\")"
+            assert b.js(f"[...{pick}.options].map((o) => o.value)") == ["", "0"]
+            assert b.js(f"{pick}.closest('label').hidden") is False
+            live = b.js(f"{tw}.charts.attn_logit_max.heatmap")
+            b.js(f"{pick}.value = '0'; {pick}.dispatchEvent(new Event('change'))")
+            gone = b.wait_for(f"{tw}.charts.attn_logit_max.heatmap.attempt === 0 && {tw}.charts.attn_logit_max.heatmap")
+            assert live["attempt"] is None and gone["drawn"] and gone["cells"] != live["cells"], (live, gone)
             _shot(b, "incident_view.png", 1280, 1000, tmp_path)
 
             # phone width: nothing wider than the screen, the charts resized to fit
@@ -384,6 +424,27 @@ def test_markers_zoom_link_smoothing_and_dark_mode_in_chromium(db, daemon, tmp_p
             near = b.wait_for("(() => { const t = document.querySelector(\"figure[data-metric='loss'] .marks-info\")"
                               ".textContent; return t.includes('loss_spike') && t; })()")
             assert near.count("loss_spike") >= 2, near
+
+            # the runs index: tick two runs, compare them on one chart
+            b.goto(f"{base}/")
+            b.js(f"document.querySelector(\"input[value='{run}']\").click();"
+                 f"document.querySelector(\"input[value='{JUMP}']\").click();"
+                 "document.querySelector('#compare button').click()")
+            b.wait_for(f"location.pathname === '/compare' && !!window.thermowatch && {tw}.loads >= 1")
+            cmp = b.js(f"(() => {{ const c = {tw}.charts.compare; return [c.labels, c.runs, c.data[0].length]; }})()")
+            assert sorted(cmp[0][1:]) == sorted([run, JUMP]) and all(r["points"] > 100 for r in cmp[1]), cmp
+            with sup.sessions() as s:
+                steps, loss = thermometers.history(s, run, "loss")
+            mine = b.js(f"(() => {{ const c = {tw}.charts.compare, i = c.labels.indexOf({json.dumps(run)});"
+                        "return c.data[0].map((x, j) => [x, c.data[i][j]]).filter((p) => p[1] != null); })()")
+            if cmp[1][cmp[0].index(run) - 1]["bucketSteps"] == 1:  # full resolution: the stored points exactly
+                assert [p[0] for p in mine] == steps.tolist()
+                assert np.allclose([p[1] for p in mine], loss)
+            _shot(b, "compare.png", 1280, 700, tmp_path, full=False)
+            b.js(f"{tw}.zoom(140, 180)")
+            b.wait_for(f"{tw}.charts.compare.data[0][0] >= 140 && location.search.includes('step_lo=140')")
+            b.goto(f"{base}/runs/{run}")
+            b.wait_for(f"!!window.thermowatch && {tw}.loads >= 1 && !!{tw}.charts.loss")
 
             # the zoom and the smoothing go into the address; a reload shows the same view
             b.page("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)

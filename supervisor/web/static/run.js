@@ -4,16 +4,18 @@
  * the page and for the browser tests (tests/supervisor/test_web_page.py). */
 "use strict";
 (function () {
-  const root = document.getElementById("charts");
-  if (!root || !window.uPlot) return;
-  const RUN = root.dataset.run, BASE = root.dataset.base || "";
-  const REFRESH_MS = 1000 * Number(root.dataset.refresh || 10);
+  // Two pages: a run's (#charts) and the comparison of runs (#compare, compareRuns below).
+  const root = document.getElementById("charts"), cmp = document.getElementById("compare");
+  const host = root || cmp;
+  if (!host || !window.uPlot) return;
+  const RUN = root ? root.dataset.run : null, BASE = host.dataset.base || "";
+  const REFRESH_MS = 1000 * Number((root && root.dataset.refresh) || 10);
   const TOP_LINES = 5;  // per-layer charts draw this many layers as lines; the heatmap shows them all
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-  const initial = root.dataset.lo !== "" || root.dataset.hi !== ""
-    ? {lo: root.dataset.lo === "" ? null : Number(root.dataset.lo), hi: root.dataset.hi === "" ? null : Number(root.dataset.hi)}
+  const initial = host.dataset.lo !== "" || host.dataset.hi !== ""
+    ? {lo: host.dataset.lo === "" ? null : Number(host.dataset.lo), hi: host.dataset.hi === "" ? null : Number(host.dataset.hi)}
     : null;
-  const selectedIncident = root.dataset.incident === "" ? null : Number(root.dataset.incident);
+  const selectedIncident = !root || root.dataset.incident === "" ? null : Number(root.dataset.incident);
   const tw = window.thermowatch = {charts: {}, requests: [], errors: [], events: null, status: null,
                                    window: initial, loads: 0, lastAction: null};
   const runApi = (p) => `${BASE}/api/runs/${encodeURIComponent(RUN)}${p}`;
@@ -55,6 +57,86 @@
     const el = document.getElementById("chart-status");
     if (el) { el.textContent = text; el.className = bad ? "chart-error" : "muted"; }
   }
+  function toURL() {  // the view is in the address: a zoom or a smoothing can be shared as a link
+    const q = new URLSearchParams(location.search);
+    for (const [k, v] of [["step_lo", tw.window && tw.window.lo], ["step_hi", tw.window && tw.window.hi],
+                          ["smooth", tw.smooth || null]]) {
+      if (v == null) q.delete(k); else q.set(k, String(v));
+    }
+    const qs = q.toString();
+    history.replaceState(null, "", location.pathname + (qs ? `?${qs}` : "") + location.hash);
+  }
+  function windowText() {
+    const el = document.getElementById("window"), reset = document.getElementById("reset");
+    const w = tw.window;
+    el.textContent = w ? `steps ${w.lo ?? 0}–${w.hi ?? "end"}` : "the whole run";
+    reset.hidden = !w;
+  }
+  function dragZoom(u) {  // a uPlot setSelect hook: the dragged steps become the window
+    if (u.select.width < 4) return;
+    const lo = Math.max(0, Math.floor(u.posToVal(u.select.left, "x")));
+    const hi = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
+    u.setSelect({left: 0, top: 0, width: 0, height: 0}, false);
+    if (hi > lo) tw.zoom(lo, hi);
+  }
+  const axes = () => [{label: "step", stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}},
+                      {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}];
+
+  // --- the comparison page: each run's live path of one thermometer, on one chart ---------------
+  function compareRuns() {
+    const runs = JSON.parse(cmp.dataset.runs), metric = cmp.dataset.metric, logy = cmp.dataset.log === "1";
+    const useMin = /_min$/.test(metric.split("/")[0]);
+    const worse = useMin ? Math.min : Math.max;
+    const fig = cmp.querySelector("figure.chart"), area = fig.querySelector(".plot-area");
+    async function load() {
+      const w = tw.window;
+      setStatus("loading…");
+      try {
+        const per = await Promise.all(runs.map(async (run) => {
+          const q = new URLSearchParams({metric, attempts: "current", fields: useMin ? "min" : "max",
+                                         buckets: String(Math.min(5000, Math.max(10, Math.round(area.clientWidth || 600))))});
+          if (w && w.lo != null) q.set("step_lo", String(w.lo));
+          if (w && w.hi != null) q.set("step_hi", String(w.hi));
+          const resp = await getJSON(`${BASE}/api/runs/${encodeURIComponent(run)}/chart?${q}`);
+          const pts = new Map();  // step -> the worst layer's value in that bucket (one key: itself)
+          for (const s of resp.series) {
+            s.step.forEach((st, i) => {
+              const v = num((useMin ? s.min : s.max)[i]);
+              if (!Number.isFinite(v) || (logy && v <= 0)) return;
+              pts.set(st, pts.has(st) ? worse(pts.get(st), v) : v);
+            });
+          }
+          return {run, pts, bucketSteps: resp.bucket_steps, keys: new Set(resp.series.map((s) => s.key)).size};
+        }));
+        if (w !== tw.window) return;
+        const xs = [...new Set(per.flatMap((p) => [...p.pts.keys()]))].sort((a, b) => a - b);
+        const data = [xs, ...per.map((p) => xs.map((x) => (p.pts.has(x) ? p.pts.get(x) : null)))];
+        const series = [{label: "step"}, ...per.map((p, i) => ({
+          label: p.keys > 1 ? `${p.run} (worst of ${p.keys})` : p.run, stroke: PALETTE[i % PALETTE.length], width: 1.6,
+          spanGaps: true, value: (u, v) => fmt(v)}))];
+        const opts = {width: Math.max(200, area.clientWidth), height: chartHeight(),
+                      scales: {x: {time: false}, y: logy ? {distr: 3, log: 10} : {}}, axes: axes(), series,
+                      cursor: {drag: {x: true, y: false, setScale: false}}, legend: {live: true},
+                      hooks: {setSelect: [dragZoom]}};
+        if (tw.charts.compare) tw.charts.compare.uplot.destroy();
+        area.textContent = "";
+        tw.charts.compare = {uplot: new uPlot(opts, data, area), data, labels: series.map((s) => s.label),
+                             runs: per.map((p) => ({run: p.run, points: p.pts.size, bucketSteps: p.bucketSteps}))};
+        tw.loads++;
+        setStatus(`updated ${new Date().toLocaleTimeString()}`);
+      } catch (err) {
+        tw.errors.push(String(err.message || err));
+        setStatus(`could not load the chart: ${err.message || err}`, true);
+      }
+    }
+    tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return load(); };
+    tw.reset = () => { tw.window = null; windowText(); toURL(); return load(); };
+    tw.reload = load;
+    document.getElementById("reset").addEventListener("click", () => tw.reset());
+    windowText();
+    load();
+  }
+  if (cmp) { compareRuns(); return; }
 
   // --- one chart's data from the endpoint's buckets --------------------------------------------
   function shape(resp, logy) {
@@ -62,7 +144,7 @@
     const worse = useMin ? Math.min : Math.max;
     const xs = [...new Set(resp.series.flatMap((s) => s.step))].sort((a, b) => a - b);
     const at = new Map(xs.map((x, i) => [x, i]));
-    const live = new Map(), gone = [];
+    const live = new Map(), gone = [], attempts = new Map();  // attempts: abandoned part per attempt, every key
     for (const s of resp.series) {
       const vals = (useMin ? s.min : s.max).map(num);
       let arr;
@@ -72,6 +154,8 @@
       } else {
         arr = new Array(xs.length).fill(null);
         gone.push({key: s.key, attempt: s.attempt, vals: arr});
+        if (!attempts.has(s.attempt)) attempts.set(s.attempt, new Map());
+        attempts.get(s.attempt).set(s.key, arr);
       }
       s.step.forEach((st, i) => {  // a bucket across a rollback holds two attempts' live points
         const j = at.get(st), v = vals[i];
@@ -85,7 +169,7 @@
     const plot = (arr) => arr.map((v) => (v == null || !Number.isFinite(v) || (logy && v <= 0) ? null : v));
     const nonfinite = new Set();
     for (const k of keys) live.get(k).forEach((v, i) => { if (v != null && !Number.isFinite(v)) nonfinite.add(xs[i]); });
-    return {xs, live, gone: gone.filter((g) => shown.includes(g.key)), keys, shown, useMin, plot,
+    return {xs, live, attempts, gone: gone.filter((g) => shown.includes(g.key)), keys, shown, useMin, plot,
             nonfinite: [...nonfinite], bucketSteps: resp.bucket_steps};
   }
 
@@ -252,19 +336,12 @@
     const opts = {
       width: Math.max(200, area.clientWidth), height: chartHeight(),
       scales: {x: {time: false}, y: logy ? {distr: 3, log: 10, range} : {range}},
-      axes: [{label: "step", stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}},
-             {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}],
+      axes: axes(),
       series,
       cursor: {drag: {x: true, y: false, setScale: false}, sync: {key: "tw-run"}},
       legend: {live: true},
       hooks: {
-        setSelect: [(u) => {
-          if (u.select.width < 4) return;
-          const lo = Math.max(0, Math.floor(u.posToVal(u.select.left, "x")));
-          const hi = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
-          u.setSelect({left: 0, top: 0, width: 0, height: 0}, false);
-          if (hi > lo) tw.zoom(lo, hi);
-        }],
+        setSelect: [dragZoom],
         // after every redraw (sizes are final only then): the marks, and the heatmap aligned to the plot
         draw: [(u) => { drawMarks(u, metric, d.nonfinite, fig, entry); if (fig.dataset.layers === "1") heatmap(fig, u, d, logy, entry); }],
         setCursor: [(u) => {  // the events under the cursor, in words: labels that did not fit are here
@@ -307,6 +384,21 @@
   }
   function heatmap(fig, u, d, logy, entry) {
     const canvas = fig.querySelector("canvas.heatmap"), info = fig.querySelector(".heat-info");
+    // Which trajectory: the live path, or an attempt a rollback abandoned (its blow-up, issue 23).
+    const pick = fig.querySelector("select.heat-attempt");
+    if (pick) {
+      const want = [...d.attempts.keys()].sort((a, b) => a - b).map(String);
+      const have = [...pick.options].slice(1).map((o) => o.value);
+      if (want.join() !== have.join()) {
+        const keep = pick.value;
+        pick.replaceChildren(new Option("the live path", ""), ...want.map((a) => new Option(`attempt ${a}, abandoned part`, a)));
+        pick.value = want.includes(keep) ? keep : "";
+        pick.onchange = () => u.redraw(false);
+      }
+      pick.closest("label").hidden = want.length === 0;
+    }
+    const att = pick && pick.value !== "" ? d.attempts.get(Number(pick.value)) : null;
+    const src = (k) => (att ? att.get(k) || [] : d.live.get(k));
     const pr = uPlot.pxRatio, rows = d.keys, n = rows.length;
     const rowH = Math.max(3, Math.min(14, Math.floor(260 / n)));
     const cssH = rowH * n;
@@ -316,12 +408,12 @@
     const left = u.bbox.left, width = u.bbox.width;  // canvas px, aligned with the chart's plot area
     const tf = (v) => (logy ? Math.log10(Math.max(v, 1e-30)) : v);
     let lo = Infinity, hi = -Infinity;
-    for (const k of rows) for (const v of d.live.get(k)) if (v != null && Number.isFinite(v)) { lo = Math.min(lo, tf(v)); hi = Math.max(hi, tf(v)); }
+    for (const k of rows) for (const v of src(k)) if (v != null && Number.isFinite(v)) { lo = Math.min(lo, tf(v)); hi = Math.max(hi, tf(v)); }
     ctx.fillStyle = cssVar("--empty", "#f3f3f3"); ctx.fillRect(left, 0, width, canvas.height);
     const X = (v) => u.valToPos(v, "x", true);
     let cells = 0;
     rows.forEach((k, r) => {
-      const vals = d.live.get(k), y = r * rowH * pr;
+      const vals = src(k), y = r * rowH * pr;
       vals.forEach((v, i) => {
         if (v == null) return;
         // whole device pixels: fractional edges blend neighbouring cells into stripes
@@ -341,24 +433,18 @@
       if (r < 0 || r >= n || !Number.isFinite(step)) { info.textContent = ""; return; }
       let i = d.xs.findIndex((x) => x > step) - 1;
       if (i < 0) i = d.xs.length - 1;
-      info.textContent = `${rows[r]} · step ${d.xs[i]}${d.bucketSteps > 1 ? `–${d.xs[i] + d.bucketSteps - 1}` : ""} · ${fmt(d.live.get(rows[r])[i])}`;
+      info.textContent = `${rows[r]} · step ${d.xs[i]}${d.bucketSteps > 1 ? `–${d.xs[i] + d.bucketSteps - 1}` : ""} · ${fmt(src(rows[r])[i])}`;
     };
     canvas.onmouseleave = () => {
       info.textContent = `layer × step heatmap: ${n} layers, ${d.useMin ? "min" : "max"} per bucket${logy ? " (log colour)" : ""}; ` +
         `${fmt(logy ? 10 ** lo : lo)} dark → ${fmt(logy ? 10 ** hi : hi)} yellow; red: NaN/Inf`;
     };
     canvas.onmouseleave();
-    entry.heatmap = {rows: n, cols: d.xs.length, cells, drawn: cells > 0};
+    entry.heatmap = {rows: n, cols: d.xs.length, cells, drawn: cells > 0, attempt: att ? Number(pick.value) : null};
   }
 
   // --- loading, zoom, refresh -------------------------------------------------------------------
   const figures = () => [...root.querySelectorAll("figure.chart")];
-  function windowText() {
-    const el = document.getElementById("window"), reset = document.getElementById("reset");
-    const w = tw.window;
-    el.textContent = w ? `steps ${w.lo ?? 0}–${w.hi ?? "end"}` : "the whole run";
-    reset.hidden = !w;
-  }
   async function loadAll() {
     const w = tw.window;
     setStatus("loading…");
@@ -366,7 +452,8 @@
       tw.events = await getJSON(runApi("/events"));
       await Promise.all(figures().map(async (fig) => {
         const area = fig.querySelector(".plot-area");
-        const q = new URLSearchParams({metric: fig.dataset.metric,
+        // only the array it draws (the max, or the min of an *_min metric): ~0.4 of the bytes on a phone
+        const q = new URLSearchParams({metric: fig.dataset.metric, fields: /_min$/.test(fig.dataset.metric) ? "min" : "max",
                                        buckets: String(Math.min(5000, Math.max(10, Math.round(area.clientWidth || 600))))});
         if (w && w.lo != null) q.set("step_lo", String(w.lo));
         if (w && w.hi != null) q.set("step_hi", String(w.hi));
@@ -380,15 +467,6 @@
       tw.errors.push(String(err.message || err));
       setStatus(`could not load the charts: ${err.message || err}`, true);
     }
-  }
-  function toURL() {  // the view is in the address: a zoom or a smoothing can be shared as a link
-    const q = new URLSearchParams(location.search);
-    for (const [k, v] of [["step_lo", tw.window && tw.window.lo], ["step_hi", tw.window && tw.window.hi],
-                          ["smooth", tw.smooth || null]]) {
-      if (v == null) q.delete(k); else q.set(k, String(v));
-    }
-    const qs = q.toString();
-    history.replaceState(null, "", location.pathname + (qs ? `?${qs}` : "") + location.hash);
   }
   tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return loadAll(); };
   tw.reset = () => { tw.window = null; windowText(); toURL(); return loadAll(); };
