@@ -3,8 +3,8 @@
 In loss or grad norm it means the optimizer step is poisoned (or, with an fp16 loss scaler,
 skipped): CRITICAL and outcome act at once, no warm-up, no confirmation. Other metrics
 (tokens_per_s, update_ratio ...) are WARN with outcome watch: stored and drawn, nobody paged.
-NaN in an `unmeasured_nan` metric means "not measured at this step" (the update ratio is
-sampled every few steps) and is not a finding; +-Inf there still is. In other metrics it is WARN unless the
+NaN in an `unmeasured_nan` metric means "not measured at this step" (the update ratio and the
+attention entropy are sampled every few steps) and is not a finding; +-Inf there still is. In other metrics it is WARN unless the
 metric is in `critical_metrics` (an Inf activation in bf16 is an overflow, not noise).
 The onset is searched over the finite values buffered before the first NaN: a loss that
 climbed for 30 steps before turning NaN is rolled back to where the climb began.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from thermowatch.monitors.contract import ACT_MAX, ACT_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, UPDATE_RATIO, Z
+from thermowatch.monitors.contract import (ACT_MAX, ACT_MIN, ATTN_ENTROPY_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM,
+                                           LOSS, UPDATE_RATIO, Z)
 import numpy as np
 
 from thermowatch.monitors.contract import Outcome, Severity, Signal
@@ -30,8 +31,9 @@ from .series import Found, SeriesBank, Single, slogs
 class NonFiniteConfig:
     # Metric names (key before "/") whose NaN/Inf means the run is broken right now.
     critical_metrics: tuple[str, ...] = (LOSS, GRAD_NORM, ATTN_LOGIT_MAX, ATTN_LOGIT_LSE, ACT_MAX, ACT_MIN, Z)
-    # Metrics whose NaN means "not sampled at this step" (monitors/thermometers/update.py).
-    unmeasured_nan: tuple[str, ...] = (UPDATE_RATIO,)
+    # Metrics whose NaN means "not sampled at this step": the update ratio and the attention
+    # entropy are read every few steps (ThermometerConfig.update_every, attn_entropy_every).
+    unmeasured_nan: tuple[str, ...] = (UPDATE_RATIO, ATTN_ENTROPY_MIN)
     # Finite points before the latch clears: with an fp16 loss scaler Inf grad norms come and
     # go every few steps, one finding per burst is enough.
     clear_steps: int = 10

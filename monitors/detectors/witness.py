@@ -49,17 +49,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from thermowatch.monitors.contract import (ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR, LR_PEAK_AHEAD, UPDATE_RATIO, Z,
-                               StepRecord)
+from thermowatch.monitors.contract import (ATTN_ENTROPY_MIN, ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, GRAD_NORM, LOSS, LR,
+                                           LR_PEAK_AHEAD, UPDATE_RATIO, Z, StepRecord)
 from thermowatch.monitors.contract import split_key
 
 from .arrays import Rows, as_rows, parts_from_json, parts_to_json
 from .base import History, at_least, positive
 from .series import logs, median_rows
 
-# The entropy thermometer's metric name (monitors/thermometers, issue 8 item 3). Spelled here so
-# the witness works whether or not this trainer records it.
-ATTN_ENTROPY_MIN = "attn_entropy_min"
 WITNESSES = ("loss_behind", "grad_growth", "z_growth", "entropy_collapse", "update_growth")
 
 
