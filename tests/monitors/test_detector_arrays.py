@@ -26,13 +26,18 @@ from tests.fixtures import streams
 # recorded on an AVX-512 Xeon failed on an AMD EPYC without AVX-512 (same counts, last bits of
 # evidence values); regenerated there after checking that the per-series design
 # (`_per_series_run`) gives exactly the banks' findings on these 12 streams.
+# Regenerated 2026-11-26 (issue 22: the attention entropy is sampled every 10 steps, its NaN in
+# between is "not measured", NonFiniteConfig.unmeasured_nan): checked first that the old config
+# (unmeasured_nan = update_ratio only) still gives every digest below's predecessor, that the
+# findings that went are exactly the non-finite findings on attn_entropy_min, and that
+# `_per_series_run` gives the banks' findings on all 12 streams.
 PER_SERIES_DESIGN = {
-    "0/small": (203, "63015ec6ae8cffa0"), "0/default": (159, "2ab1ae8d53533260"),
-    "1/small": (218, "01942875042eea79"), "1/default": (166, "734011150dd20dab"),
-    "2/small": (249, "e17881b7c633578f"), "2/default": (176, "3d86b5816c68af01"),
-    "3/small": (271, "e2f9ffb69e0e2119"), "3/default": (201, "07e15357db60bfff"),
-    "4/small": (249, "69dde61852b72f58"), "4/default": (183, "036c3a40cd383c4a"),
-    "5/small": (254, "ecb4482d7ba08c32"), "5/default": (196, "f630a1cae38db801"),
+    "0/small": (189, "0c3e7298c6fd6924"), "0/default": (147, "48067cb8eec62e8d"),
+    "1/small": (210, "2e24931b945e0cc9"), "1/default": (158, "c8475c740ef57c05"),
+    "2/small": (231, "08cfc668430c1166"), "2/default": (162, "359f01a42174fa26"),
+    "3/small": (256, "07bf111db5575a1f"), "3/default": (187, "9542a18050185a06"),
+    "4/small": (241, "63151600347561d5"), "4/default": (176, "9380301b29aa9f18"),
+    "5/small": (245, "f3d268ef7062eea5"), "5/default": (187, "5238626029899dc2"),
 }
 CONFIGS = {"small": streams.CFG, "default": {}}
 
