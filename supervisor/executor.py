@@ -256,7 +256,7 @@ class Executor:
                 "(deleted by retention or distrusted since it was proposed); cancel it "
                 f"(`thermowatch cancel {row.id}`) and roll back by hand to a step that has one")
         cost = story_store.cost(s, row.run_id, dataclasses.replace(body, to_step=target.step, exact=True))
-        return "; ".join([f"loads checkpoint {target.step}", *cost.values()])
+        return "; ".join([f"loads checkpoint {target.step}", *(f"{k}: {v}" for k, v in cost.items())])
 
     def cancel(self, action_id: int, who: str, *, only_awaiting_approval: bool = False) -> None:
         """`only_awaiting_approval`: refuse (Conflict) unless the action still waits for a human,
