@@ -363,7 +363,10 @@ def test_approval_alert_carries_the_action_id_the_commands_and_the_run_page(db, 
         sup.executor.approve(act.id, "alice")  # the decision is a reply, and the top message says so
         assert sup.executor.outbox.drain(30)
         (top,) = [m for m in slack.top_level() if m["text"] == msg["text"]]
-        assert slack.thread(top["ts"])[-1]["text"] == f"[INFO] {RUN}: alice approved rollback (action {act.id})"
+        # the reply says what the yes does now: the checkpoint it loads and what that discards (issue 23)
+        reply = slack.thread(top["ts"])[-1]["text"]
+        assert reply.startswith(f"[INFO] {RUN}: alice approved rollback (action {act.id}): loads checkpoint "), reply
+        assert "discards: steps " in reply and "steps to train again" in reply, reply
         assert f"*now:* rollback (action {act.id}) approved by alice" in json.dumps(top["blocks"])
     finally:
         sup.close()

@@ -163,7 +163,8 @@ def test_a_signed_click_approves_as_the_slack_user_and_replies_in_the_thread(db,
         assert (state, needs_ok, who, decided) == ("pending", False, "slack:alice (U0ALICE)", 1)
         with sup.sessions() as s:
             (row,) = [r for r in audit_store.audit_log(s, RUN) if r.event == "approved"]
-        assert row.actor == "slack:alice (U0ALICE)" and row.detail == {"action_id": act.id}
+        assert row.actor == "slack:alice (U0ALICE)" and row.detail["action_id"] == act.id
+        assert row.detail["said"].startswith("loads checkpoint ")  # re-read at approval (issue 23)
         assert [c.id for c in sup.poll(RUN)] == [act.id]  # approved: it goes to the trainer
         # The reply is in the incident's thread; the top message says so and has no buttons left.
         assert sup.executor.outbox.drain(30)
