@@ -3,6 +3,7 @@ from the rollups (supervisor/store/chart.py), as JSON for the interactive page a
 for `thermowatch plot` (and anything else that wants a picture). Scope `read`.
 
     GET /api/runs/{run_id}/chart?metric=&step_lo=&step_hi=&buckets=1000&attempts=all|current&fields=min,max,last,count
+    GET /api/runs/{run_id}/times?step_lo=&step_hi=&points=1000   -> the live path's wall-clock time at those steps
         -> {"run_id", "metric", "step_lo", "step_hi", "bucket_steps",
             "series": [{"key", "module", "attempt", "current", "step", "min", "max", "last", "count"}]}
     GET /api/runs/{run_id}/chart.png?metric=&step_lo=&step_hi=&attempts=&onset=&incident=&logy=&width=&height=
@@ -27,6 +28,7 @@ from thermowatch.supervisor.api.auth import Guard
 from thermowatch.supervisor.api.runs import require_run, values_json
 from thermowatch.supervisor.errors import NotFound, UserError
 from thermowatch.supervisor.store import chart as chart_store
+from thermowatch.supervisor.store import steps as steps_store
 
 
 def _values(values: np.ndarray) -> np.ndarray | list:
@@ -89,6 +91,20 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
             except UserError as exc:
                 raise _http(exc) from None
         return Response(chart_body(data, tuple(fields.split(","))), media_type="application/json")
+
+    @router.get("/runs/{run_id}/times")
+    def times(
+        run_id: str,
+        step_lo: int | None = Query(None, ge=0, description="first step of the window (default: 0)"),
+        step_hi: int | None = Query(None, ge=0, description="last step of the window, inclusive (default: the last)"),
+        points: int = Query(1000, ge=2, le=chart_store.MAX_BUCKETS, description="at most this many steps, evenly spread"),
+    ) -> dict:
+        """When the live path trained its steps (unix seconds, the trainer's clock): the run page's
+        wall-clock axis. {"run_id", "step": [...], "wall_time": [...]}."""
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            steps, walls = steps_store.live_wall_times(s, run_id, step_lo, step_hi, points)
+        return {"run_id": run_id, "step": steps, "wall_time": walls}
 
     @router.get("/runs/{run_id}/chart.png", response_class=Response, responses={200: {
         "description": "the chart as a PNG", "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}})

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.columns import StepColumns
 from thermowatch.monitors.contract import StepRecord
-from thermowatch.supervisor.store.orm import Step
+from thermowatch.supervisor.store.orm import Attempt, Step
 
 
 def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
@@ -79,3 +81,29 @@ def steps_of_samples(session: Session, run_id: str, sample_lo: int, sample_hi: i
         .where(Step.run_id == run_id, Step.sample_hi > sample_lo, Step.sample_lo < sample_hi)
     ).one()
     return None if lo is None else (int(lo), int(hi))
+
+
+def live_wall_times(session: Session, run_id: str, step_lo: int | None, step_hi: int | None,
+                    points: int) -> tuple[list[int], list[float]]:
+    """(steps, wall times) of the run's live path (each step's newest attempt) at up to `points`
+    steps spread evenly over [step_lo, step_hi] (default: the whole run): what the page needs to
+    put its charts on a wall-clock axis. One IN query on the steps' primary key, whatever the run's
+    length; steps a gap skipped, or without a wall time, are left out."""
+    if step_hi is None:  # the newest step of any attempt: one seek per attempt on the primary key
+        attempts = session.execute(select(Attempt.attempt).where(Attempt.run_id == run_id)).scalars().all()
+        lasts = [session.execute(select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == a)).scalar()
+                 for a in attempts]
+        if not any(x is not None for x in lasts):
+            return [], []
+        step_hi = max(x for x in lasts if x is not None)
+    step_lo = 0 if step_lo is None else step_lo
+    if step_hi < step_lo:
+        return [], []
+    grid = np.unique(np.linspace(step_lo, step_hi, max(2, points)).round().astype(np.int64)).tolist()
+    newest: dict[int, tuple[int, float]] = {}
+    for step, attempt, wall in session.execute(select(Step.step, Step.attempt, Step.wall_time)
+                                               .where(Step.run_id == run_id, Step.step.in_(grid))).all():
+        if wall is not None and math.isfinite(wall) and wall > 0 and (step not in newest or attempt > newest[step][0]):
+            newest[step] = (attempt, float(wall))
+    steps = sorted(newest)
+    return steps, [newest[st][1] for st in steps]

@@ -168,6 +168,8 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
            else "the whole run")
         + "</span> <button id='reset' type='button' hidden>reset zoom</button> "
           "<label class='auto'><input type='checkbox' id='auto' checked> auto-refresh</label> "
+          "<label>x <select id='xaxis'><option value='step'>step</option><option value='time'>wall clock</option>"
+          "</select></label> "
           "<label>smoothing <select id='smooth'><option value='0'>off</option><option value='0.6'>0.6</option>"
           "<option value='0.9'>0.9</option><option value='0.97'>0.97</option></select></label> "
           "<span id='chart-status' class='muted'></span></div>"

@@ -106,6 +106,32 @@ def test_whole_run_keeps_abandoned_attempts_and_current_drops_them(client):
     assert [x["current"] for x in cur["series"]] == [True, True] and cur["series"][0]["module"] is None
 
 
+def test_times_are_the_live_paths_wall_clock(db):
+    """GET .../times (the page's wall-clock axis): each step's newest attempt's time, sampled
+    evenly; a rolled-back stretch reads the re-training's times, not the abandoned ones."""
+    from thermowatch.supervisor.store import steps as steps_store
+
+    run = "clock"
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(run, 0, world_size=1))
+        runs.open_attempt(s, RunInfo(run, 1, world_size=1, start_step=100))
+        for attempt, lo, hi, t0 in ((0, 0, 200, 1000.0), (1, 100, 300, 5000.0)):
+            recs = [StepRecord(step=st, values={"loss": 1.0}, wall_time=t0 + st) for st in range(lo, hi)]
+            steps_store.record_steps(s, run, attempt, recs)
+    app = FastAPI()
+    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
+    with TestClient(app, headers=AUTH) as c:
+        whole = c.get(f"/api/runs/{run}/times", params={"points": 300}).json()
+        few = c.get(f"/api/runs/{run}/times", params={"points": 10, "step_lo": 50, "step_hi": 150}).json()
+        assert c.get(f"/api/runs/{run}/times", params={"points": 1}).status_code == 422
+        assert c.get("/api/runs/nope/times").status_code == 404
+    got = dict(zip(whole["step"], whole["wall_time"]))
+    assert whole["step"] == list(range(300))
+    assert got[50] == 1050.0 and got[99] == 1099.0 and got[150] == 5150.0 and got[299] == 5299.0
+    assert len(few["step"]) == 10 and few["step"][0] == 50 and few["step"][-1] == 150
+    assert all(w == (1000.0 if st < 100 else 5000.0) + st for st, w in zip(few["step"], few["wall_time"]))
+
+
 def test_a_hundred_layer_chart_for_a_phone_is_under_a_megabyte(db):
     """Issue 23: a 100-series chart was 6.9 MB of JSON. At a phone's 390 buckets, with only the
     array the page draws (fields=max), 100 layers x 2,000 steps: under 1 MB, and the same

@@ -362,6 +362,11 @@ def test_run_page_in_chromium(db, daemon, tmp_path):
     assert not outside, outside  # no CDN, no font, nothing leaves the daemon
 
 
+def _wall(step: int) -> float:
+    """The crowded run's clock: 10 s a step, and a one-hour stall before step 201."""
+    return 1.7e9 + 10.0 * step + (3600.0 if step > 200 else 0.0)
+
+
 def _crowded(sup, run_id: str = "crowded") -> str:
     """A run with eleven incidents detected two steps apart (a demo-length divergence that flaps),
     a rollback and an LR change among them: the case whose labels overprinted into a smear."""
@@ -372,7 +377,7 @@ def _crowded(sup, run_id: str = "crowded") -> str:
 
     recs = [StepRecord(step=st, values={"loss": 3.0 + (2.0 if 150 <= st < 175 else 0.0) + 0.01 * math.sin(st),
                                         "grad_norm": 1.0 + 0.1 * math.cos(st)},
-                       sample_lo=8 * st, sample_hi=8 * st + 8) for st in range(1, 301)]
+                       sample_lo=8 * st, sample_hi=8 * st + 8, wall_time=_wall(st)) for st in range(1, 301)]
     with sup.sessions.begin() as s:
         runs_store.open_attempt(s, RunInfo(run_id, 0, world_size=1, config={"steps": 300}))
         thermometers.append(s, run_id, 0, recs)
@@ -426,6 +431,7 @@ def test_markers_zoom_link_smoothing_and_dark_mode_in_chromium(db, daemon, tmp_p
             assert near.count("loss_spike") >= 2, near
 
             # the runs index: tick two runs, compare them on one chart
+            b.page("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)
             b.goto(f"{base}/")
             b.js(f"document.querySelector(\"input[value='{run}']\").click();"
                  f"document.querySelector(\"input[value='{JUMP}']\").click();"
@@ -464,6 +470,26 @@ def test_markers_zoom_link_smoothing_and_dark_mode_in_chromium(db, daemon, tmp_p
             assert b.js(f"{tw}.charts.loss.response.step_lo") == 120
             b.js(f"{tw}.reset()")
             b.wait_for("location.search === '?smooth=0.9'")
+
+            # the wall-clock axis: positions by time, so the one-hour stall is a gap; zoom still by step
+            b.js("(() => { const s = document.getElementById('xaxis'); s.value = 'time'; "
+                 "s.dispatchEvent(new Event('change')); })()")
+            b.wait_for(f"!!{tw}.times && {tw}.charts.loss.uplot.scales.x.time === true")
+            xs, steps = b.js(f"(() => {{ const c = {tw}.charts.loss; return [c.data[0], c.response.series[0].step]; }})()")
+            assert len(xs) == len(steps) and all(x == pytest.approx(_wall(st)) for x, st in zip(xs, steps))
+            assert "x=time" in b.js("location.search")
+            assert b.js("document.querySelector(\"figure[data-metric='loss'] .u-axis\") !== null")
+            b.js(f"{tw}.charts.loss.uplot.setSelect({{left: {tw}.charts.loss.uplot.valToPos({_wall(160)}, 'x'), "
+                 f"width: {tw}.charts.loss.uplot.valToPos({_wall(220)}, 'x') - {tw}.charts.loss.uplot.valToPos({_wall(160)}, 'x'), "
+                 "top: 0, height: 10})")
+            b.wait_for(f"{tw}.window !== null && {tw}.charts.loss.response.step_lo === {tw}.window.lo")
+            lo, hi = b.js(f"[{tw}.window.lo, {tw}.window.hi]")
+            assert 155 <= lo <= 165 and 215 <= hi <= 225, (lo, hi)  # the drag's times, read back as steps
+            _shot(b, "wall_clock.png", 1280, 900, tmp_path, full=False)
+            b.js(f"{tw}.reset()")
+            b.js("(() => { const s = document.getElementById('xaxis'); s.value = 'step'; "
+                 "s.dispatchEvent(new Event('change')); })()")
+            b.wait_for(f"{tw}.charts.loss.uplot.scales.x.time === false")
 
             # dark mode: the system's preference, on the page and on the canvases
             b.page("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": "dark"}])

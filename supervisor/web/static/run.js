@@ -42,6 +42,20 @@
   // colours from run.css's variables: light or dark as the reader's system prefers
   const cssVar = (name, dflt) => getComputedStyle(document.body).getPropertyValue(name).trim() || dflt;
   const ink = () => cssVar("--ink", "#333"), grid = () => cssVar("--grid", "rgba(0,0,0,0.07)");
+  // The wall-clock axis: charts keep their data by step; with ?x=time their x positions become
+  // the live path's wall-clock times (GET .../times, interpolated between its sampled steps), so
+  // a stall or a restart shows as a gap. toX / fromX convert everywhere a step meets the axis.
+  function interp(xs, ys, v) {
+    if (!xs.length) return v;
+    let lo = 0, hi = xs.length - 1;
+    if (v <= xs[0]) return ys[0];
+    if (v >= xs[hi]) return ys[hi];
+    while (hi - lo > 1) { const m = (lo + hi) >> 1; if (xs[m] <= v) lo = m; else hi = m; }
+    return ys[lo] + (ys[hi] - ys[lo]) * (v - xs[lo]) / ((xs[hi] - xs[lo]) || 1);
+  }
+  const timeMode = () => tw.xmode === "time" && !!tw.times && tw.times.step.length >= 2;
+  const toX = (step) => (timeMode() ? interp(tw.times.step, tw.times.wall_time, step) : step);
+  const fromX = (x) => (timeMode() ? interp(tw.times.wall_time, tw.times.step, x) : x);
 
   async function getJSON(url) {
     tw.requests.push(url);
@@ -60,7 +74,7 @@
   function toURL() {  // the view is in the address: a zoom or a smoothing can be shared as a link
     const q = new URLSearchParams(location.search);
     for (const [k, v] of [["step_lo", tw.window && tw.window.lo], ["step_hi", tw.window && tw.window.hi],
-                          ["smooth", tw.smooth || null]]) {
+                          ["smooth", tw.smooth || null], ["x", tw.xmode === "time" ? "time" : null]]) {
       if (v == null) q.delete(k); else q.set(k, String(v));
     }
     const qs = q.toString();
@@ -74,12 +88,13 @@
   }
   function dragZoom(u) {  // a uPlot setSelect hook: the dragged steps become the window
     if (u.select.width < 4) return;
-    const lo = Math.max(0, Math.floor(u.posToVal(u.select.left, "x")));
-    const hi = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
+    const lo = Math.max(0, Math.floor(fromX(u.posToVal(u.select.left, "x"))));
+    const hi = Math.ceil(fromX(u.posToVal(u.select.left + u.select.width, "x")));
     u.setSelect({left: 0, top: 0, width: 0, height: 0}, false);
     if (hi > lo) tw.zoom(lo, hi);
   }
-  const axes = () => [{label: "step", stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}},
+  const axes = () => [{label: timeMode() ? "wall clock (your time zone)" : "step", stroke: ink(), grid: {stroke: grid()},
+                       ticks: {stroke: grid()}},
                       {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}];
 
   // --- the comparison page: each run's live path of one thermometer, on one chart ---------------
@@ -133,6 +148,8 @@
     tw.reset = () => { tw.window = null; windowText(); toURL(); return load(); };
     tw.reload = load;
     document.getElementById("reset").addEventListener("click", () => tw.reset());
+    let resizing = null;
+    window.addEventListener("resize", () => { clearTimeout(resizing); resizing = setTimeout(load, 150); });
     windowText();
     load();
   }
@@ -223,8 +240,8 @@
   function drawMarks(u, metric, nonfinite, fig, entry) {
     const ev = tw.events;
     const ctx = u.ctx, {left, top, width, height} = u.bbox, pr = uPlot.pxRatio;
-    const X = (v) => u.valToPos(v, "x", true);
-    const inView = (a, b) => b >= u.scales.x.min && a <= u.scales.x.max;
+    const X = (v) => u.valToPos(toX(v), "x", true);
+    const inView = (a, b) => toX(b) >= u.scales.x.min && toX(a) <= u.scales.x.max;
     const fg = ink();
     ctx.save();
     ctx.beginPath(); ctx.rect(left, top, width, height); ctx.clip();
@@ -281,8 +298,8 @@
     if (info) info.dataset.hidden = String(hidden);
   }
   function marksNear(u, step) {  // the events within MERGE_PX of a step, in words (the hover line)
-    const px = u.valToPos(step, "x");
-    return marksOf(tw.events).filter((m) => Math.abs(u.valToPos(m.step, "x") - px) <= MERGE_PX)
+    const px = u.valToPos(toX(step), "x");
+    return marksOf(tw.events).filter((m) => Math.abs(u.valToPos(toX(m.step), "x") - px) <= MERGE_PX)
       .map((m) => `${m.text || m.hover} (step ${m.step})`);
   }
 
@@ -307,10 +324,12 @@
     const area = fig.querySelector(".plot-area");
     const d = shape(resp, logy);
     const thr = tw.events ? tw.events.thresholds.filter((t) => t.metric === metric).map((t) => t.value) : [];
-    const series = [{label: "step", value: (u, v) => (v == null ? "–" : String(v))}];
-    const data = [d.xs];
+    const T = timeMode();
+    const series = [{label: "step", value: (u, v, si, i) => (v == null ? "–" : T
+      ? `${d.xs[i]} · ${new Date(v * 1000).toLocaleString()}` : String(v))}];
+    const data = [T ? d.xs.map(toX) : d.xs];
     const color = (k) => PALETTE[d.shown.indexOf(k) % PALETTE.length];
-    for (const g of d.gone) {  // first: drawn beneath the live path
+    for (const g of T ? [] : d.gone) {  // first: drawn beneath the live path (not on the wall clock: other times)
       series.push({label: `${g.key.split("/").pop()} attempt ${g.attempt} (abandoned)`, stroke: alpha(color(g.key), 0.4),
                    width: 1.2, dash: [5, 4], value: (u, v) => fmt(v), abandoned: true});
       data.push(d.plot(g.vals));
@@ -335,7 +354,7 @@
     };
     const opts = {
       width: Math.max(200, area.clientWidth), height: chartHeight(),
-      scales: {x: {time: false}, y: logy ? {distr: 3, log: 10, range} : {range}},
+      scales: {x: {time: T}, y: logy ? {distr: 3, log: 10, range} : {range}},
       axes: axes(),
       series,
       cursor: {drag: {x: true, y: false, setScale: false}, sync: {key: "tw-run"}},
@@ -347,7 +366,7 @@
         setCursor: [(u) => {  // the events under the cursor, in words: labels that did not fit are here
           const info = fig.querySelector(".marks-info"), i = u.cursor.idx;
           if (!info) return;
-          const near = i == null ? [] : marksNear(u, u.data[0][i]);
+          const near = i == null ? [] : marksNear(u, d.xs[i]);
           const hid = Number(info.dataset.hidden || 0);
           info.textContent = near.length ? near.join(" · ") : (hid ? `${hid} event label(s) hidden here: hover the lines` : "");
         }],
@@ -410,7 +429,7 @@
     let lo = Infinity, hi = -Infinity;
     for (const k of rows) for (const v of src(k)) if (v != null && Number.isFinite(v)) { lo = Math.min(lo, tf(v)); hi = Math.max(hi, tf(v)); }
     ctx.fillStyle = cssVar("--empty", "#f3f3f3"); ctx.fillRect(left, 0, width, canvas.height);
-    const X = (v) => u.valToPos(v, "x", true);
+    const X = (v) => u.valToPos(toX(v), "x", true);
     let cells = 0;
     rows.forEach((k, r) => {
       const vals = src(k), y = r * rowH * pr;
@@ -429,7 +448,7 @@
     rows.forEach((k, r) => { if (r % every === 0) ctx.fillText(k.split("/").pop().replace(/^blocks\./, "b"), left - 4 * pr, (r * rowH + rowH / 2 + 4) * pr); });
     canvas.onmousemove = (e) => {
       const rect = canvas.getBoundingClientRect(), r = Math.floor((e.clientY - rect.top) / rowH);
-      const step = u.posToVal((e.clientX - rect.left) * (canvas.width / rect.width) / pr - left / pr, "x");
+      const step = fromX(u.posToVal((e.clientX - rect.left) * (canvas.width / rect.width) / pr - left / pr, "x"));
       if (r < 0 || r >= n || !Number.isFinite(step)) { info.textContent = ""; return; }
       let i = d.xs.findIndex((x) => x > step) - 1;
       if (i < 0) i = d.xs.length - 1;
@@ -450,6 +469,12 @@
     setStatus("loading…");
     try {
       tw.events = await getJSON(runApi("/events"));
+      if (tw.xmode === "time") {
+        const q = new URLSearchParams({points: "1000"});
+        if (w && w.lo != null) q.set("step_lo", String(w.lo));
+        if (w && w.hi != null) q.set("step_hi", String(w.hi));
+        tw.times = await getJSON(runApi(`/times?${q}`));
+      }
       await Promise.all(figures().map(async (fig) => {
         const area = fig.querySelector(".plot-area");
         // only the array it draws (the max, or the min of an *_min metric): ~0.4 of the bytes on a phone
@@ -478,6 +503,12 @@
     smoothEl.value = String(tw.smooth);
     if (smoothEl.value !== String(tw.smooth)) { smoothEl.value = "0"; tw.smooth = 0; }
     smoothEl.addEventListener("change", () => { tw.smooth = Number(smoothEl.value); toURL(); redrawAll(); });
+  }
+  const xEl = document.getElementById("xaxis");
+  tw.xmode = new URLSearchParams(location.search).get("x") === "time" ? "time" : "step";
+  if (xEl) {
+    xEl.value = tw.xmode;
+    xEl.addEventListener("change", () => { tw.xmode = xEl.value; toURL(); loadAll(); });
   }
   function redrawAll() {
     figures().forEach((fig) => { const c = tw.charts[fig.dataset.metric]; if (c) render(fig, c.response); });
