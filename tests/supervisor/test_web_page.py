@@ -376,7 +376,7 @@ def _crowded(sup, run_id: str = "crowded") -> str:
     from thermowatch.supervisor.store import steps as steps_store
 
     recs = [StepRecord(step=st, values={"loss": 3.0 + (2.0 if 150 <= st < 175 else 0.0) + 0.01 * math.sin(st),
-                                        "grad_norm": 1.0 + 0.1 * math.cos(st)},
+                                        "grad_norm": 1.0 + 0.1 * math.cos(st), "grad_norm/blocks.0": 0.5},
                        sample_lo=8 * st, sample_hi=8 * st + 8, wall_time=_wall(st)) for st in range(1, 301)]
     with sup.sessions.begin() as s:
         runs_store.open_attempt(s, RunInfo(run_id, 0, world_size=1, config={"steps": 300}))
@@ -422,6 +422,8 @@ def test_markers_zoom_link_smoothing_and_dark_mode_in_chromium(db, daemon, tmp_p
                 assert len(labels) <= 4, labels  # 11 incidents + an LR change, merged: not 12 labels
                 assert any(re.search(r"#\d+ loss_spike \+\d+", m["text"]) for m in labels), labels
                 _shot(b, f"crowded_{width}.png", width, 900, tmp_path, mobile=mobile, full=False)
+            # the global gradient norm beside the per-layer ones is named so, not uPlot's "Value"
+            assert sorted(b.js(f"{tw}.charts.grad_norm.labels")) == ["blocks.0", "global", "step"]
             # hovering the crowd names every event near the cursor, the ones without a label too
             box = b.js("(() => { const u = window.thermowatch.charts.loss.uplot, r = u.over.getBoundingClientRect();"
                        "return [r.left + u.valToPos(154, 'x'), r.top + r.height / 2]; })()")

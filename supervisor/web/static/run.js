@@ -303,6 +303,9 @@
       .map((m) => `${m.text || m.hover} (step ${m.step})`);
   }
 
+  // A line's legend name: the module of a per-layer key; the bare metric of a chart that mixes
+  // both (grad_norm beside grad_norm/<module>) is the global figure (uPlot named it "Value").
+  const lineName = (k, d) => (d.keys.length < 2 ? k : k.includes("/") ? k.split("/").slice(1).join("/") : "global");
   function ema(vals, w, logy) {  // debiased EMA (TensorBoard's), in log space on a log axis; gaps stay gaps
     const out = new Array(vals.length).fill(null);
     let acc = 0, n = 0;
@@ -336,13 +339,13 @@
     }
     const sm = tw.smooth || 0;
     for (const k of d.shown) {
-      series.push({label: d.keys.length > 1 ? k.split("/").slice(1).join("/") : k,
+      series.push({label: lineName(k, d),
                    stroke: sm ? alpha(color(k), 0.3) : color(k), width: sm ? 1 : 1.6, value: (u, v) => fmt(v)});
       data.push(d.plot(d.live.get(k)));
     }
     if (sm) {  // the smoothed lines over the faded raw ones; the legend shows both values, as TensorBoard's
       for (const k of d.shown) {
-        series.push({label: `${d.keys.length > 1 ? k.split("/").slice(1).join("/") : k} (smoothed)`, stroke: color(k),
+        series.push({label: `${lineName(k, d)} (smoothed)`, stroke: color(k),
                      width: 1.8, value: (u, v) => fmt(v), smoothed: true});
         data.push(ema(d.plot(d.live.get(k)), sm, logy));
       }
