@@ -204,3 +204,12 @@ def read_mapping(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
     return data
+
+
+def judged_with(detectors: dict[str, Any]) -> dict[str, float]:
+    """The thresholds a run page draws, as a daemon with these detector settings judges them:
+    written into each attempt's audit row when it opens (Ingestor), read back by the run's events."""
+    from thermowatch.monitors.detectors import BankConfig
+
+    attn = BankConfig.from_dict(detectors).attn
+    return {"attn_ceiling": attn.ceiling, "attn_lse_ceiling": attn.ceiling + attn.lse_ceiling_offset}

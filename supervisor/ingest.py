@@ -67,8 +67,12 @@ class Ingestor:
 
     def __init__(self, session_factory: sessionmaker, on_records: OnRecords | None = None,
                  limits: IngestLimits | None = None, check_state: OnRecords | None = None,
-                 check_keys: Sequence[str] | None = None) -> None:
+                 check_keys: Sequence[str] | None = None, judged_with: dict[str, float] | None = None) -> None:
         self._sessions = session_factory
+        # The thresholds this daemon judges with, written into each new attempt's audit row, so the
+        # run page draws the ceiling the run was judged at, whichever daemon later serves it (a
+        # `thermowatch demo` judged at 150, served by a `thermowatch serve` whose default is 100).
+        self._judged_with = dict(judged_with or {})
         self._on_records = on_records
         # supervisor.consistency: the trainer's reported LR multiplier and ledger digest against
         # the supervisor's record, after the commit (it pages; it never fails the ingest).
@@ -92,7 +96,8 @@ class Ingestor:
                 quota.check_new_run(s, actor, self.limits)  # past the limit: QuotaExceeded, rolled back
             if new:
                 audit_store.audit(s, info.run_id, actor, "attempt_opened",
-                                  {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step})
+                                  {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step,
+                                   **({"judged_with": self._judged_with} if self._judged_with else {})})
         self._attempts.add((info.run_id, info.attempt))
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:

@@ -25,7 +25,7 @@ from thermowatch.monitors.contract import (LOSS, TOKENS_PER_S, Ack, CheckpointIn
 from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor import db, jobs
 from thermowatch.supervisor.approvers import HOW_TO_CONFIGURE, Approvers
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.config import SupervisorConfig, judged_with
 from thermowatch.supervisor.bank_process import BankProcess
 from thermowatch.supervisor.checkpoint_health import CheckpointFailures
 from thermowatch.supervisor.consistency import ConsistencyCheck
@@ -188,7 +188,7 @@ class Supervisor:
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
                                  check_keys=self.consistency.reads + self.checkpoint_health.reads,
-                                 limits=Limits.from_dict(cfg.limits))
+                                 limits=Limits.from_dict(cfg.limits), judged_with=judged_with(cfg.detectors))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- RecordSink ---------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.api.auth import Guard
 from thermowatch.supervisor.api.runs import (
     incidents_with_findings,
@@ -36,7 +35,9 @@ from thermowatch.supervisor.api.runs import (
     jsonable,
     require_run,
 )
+from thermowatch.supervisor.config import judged_with
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
@@ -45,11 +46,15 @@ from thermowatch.supervisor.store import steps as steps_store
 MAX_ACTIONS = 2000  # a run with more has bigger problems than a crowded chart
 
 
-def thresholds(detectors: dict[str, Any]) -> list[dict[str, Any]]:
-    attn = BankConfig.from_dict(detectors).attn
-    return [{"metric": "attn_logit_max", "value": attn.ceiling, "label": "attention ceiling"},
-            {"metric": "attn_logit_lse", "value": attn.ceiling + attn.lse_ceiling_offset,
-             "label": "attention ceiling (lse bound)"}]
+def thresholds(s: Session, run_id: str, detectors: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ceilings the run was judged at: those its newest attempt was opened under (the
+    daemon that judged it wrote them into the attempt_opened audit row), else this daemon's."""
+    opened = audit_store.events(s, run_id, "attempt_opened", limit=1)
+    judged = opened[0].detail.get("judged_with") if opened else None
+    if not isinstance(judged, dict) or not {"attn_ceiling", "attn_lse_ceiling"} <= set(judged):
+        judged = judged_with(detectors)
+    return [{"metric": "attn_logit_max", "value": judged["attn_ceiling"], "label": "attention ceiling"},
+            {"metric": "attn_logit_lse", "value": judged["attn_lse_ceiling"], "label": "attention ceiling (lse bound)"}]
 
 
 def _rollback_steps(a: actions_store.ActionRow, detect: dict[int, int]) -> tuple[int | None, int | None]:
@@ -95,7 +100,7 @@ def run_events(s: Session, run_id: str, detectors: dict[str, Any]) -> dict[str, 
         "skips": skips,
         "attempts": [{"attempt": a.attempt, "start_step": a.start_step, "started_at": a.started_at.isoformat()}
                      for a in runs_store.attempts(s, run_id)],
-        "thresholds": thresholds(detectors),
+        "thresholds": thresholds(s, run_id, detectors),
     }
 
 

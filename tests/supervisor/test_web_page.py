@@ -84,6 +84,28 @@ def test_events_hold_incidents_rollbacks_skips_lr_and_the_ceiling(daemon):
     assert len(pending) == 1 and jump["incidents"][0]["outcome"] == "rollback pending"
 
 
+def test_the_ceiling_drawn_is_the_one_the_run_was_judged_at(db, tmp_path):
+    """Issue 23: `thermowatch demo` judges at a ceiling of 150; `thermowatch serve` on its data
+    (default 100) drew 100. The judging daemon writes its ceilings into the attempt's audit row."""
+    judge = Supervisor(SupervisorConfig(data_dir=tmp_path / "a", db_url=db.url, api_token=ADMIN_TOKEN,
+                                        detectors={"attn": {"ceiling": 150.0}}), notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        judge.open_run(RunInfo("judged-150", 0, world_size=1))
+    finally:
+        judge.close()
+    serve = Supervisor(SupervisorConfig(data_dir=tmp_path / "b", db_url=db.url, api_token=ADMIN_TOKEN),
+                       notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        with TestClient(build_app(serve), headers=AUTH) as c:
+            drawn = c.get("/api/runs/judged-150/events").json()["thresholds"]
+            assert {"metric": "attn_logit_max", "value": 150.0, "label": "attention ceiling"} in drawn
+            serve.open_run(RunInfo("judged-100", 0, world_size=1))  # one this daemon opened: its own 100
+            drawn = c.get("/api/runs/judged-100/events").json()["thresholds"]
+            assert {"metric": "attn_logit_max", "value": 100.0, "label": "attention ceiling"} in drawn
+    finally:
+        serve.close()
+
+
 def test_the_cookie_approves_only_from_our_own_page(db, daemon):
     """The page's Approve / Cancel buttons send the sign-in cookie; the API takes it on those two
     routes only, only same-origin, and only with the token's own scopes."""
