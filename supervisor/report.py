@@ -11,6 +11,7 @@ literals. Replaying it with the daemon's detector settings finds what the daemon
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -39,7 +40,11 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
     p = sub.add_parser("export", help="write a run's thermometer history as the JSONL `thermowatch replay` reads")
     add_client_flags(p)
     p.add_argument("run_id")
-    p.add_argument("--out", "-o", required=True, help="the JSONL file to write (replaced whole, never torn)")
+    p.add_argument("--out", "-o", required=True, help="the file to write (replaced whole, never torn)")
+    p.add_argument("--format", choices=("jsonl", "csv"), default=None,
+                   help="jsonl (what `thermowatch replay` reads) or csv (a spreadsheet's: one row per record, "
+                        "attempt and step first, then one column per series, empty where a record has none); "
+                        "default: csv for an --out ending in .csv, else jsonl")
     p.add_argument("--attempts", choices=("newest", "all"), default="all",
                    help="all (default): every attempt's own records in order, each with its `attempt`, so a "
                         "replay sees each divergence a rollback abandoned, as the daemon did; newest: one "
@@ -144,14 +149,25 @@ def cmd_export(args: argparse.Namespace) -> int:
                 for step, value in zip(steps, values):
                     rows.setdefault((attempt, step), {})[key] = (_NONFINITE.get(value, value)
                                                                  if isinstance(value, str) else value)
+    fmt = args.format or ("csv" if out.suffix.lower() == ".csv" else "jsonl")
+    order = sorted(rows, key=lambda k: (k[0] or 0, k[1]))
     tmp = out.with_name(out.name + ".partial")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for (attempt, step) in sorted(rows, key=lambda k: (k[0] or 0, k[1])):
-            head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
-            # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
-            fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
+    with tmp.open("w", encoding="utf-8", newline="") as fh:
+        if fmt == "csv":
+            w = csv.writer(fh)
+            w.writerow((["attempt"] if every else []) + ["step", *keys])
+            for attempt, step in order:
+                vals = rows[(attempt, step)]
+                # repr of a float: exact, and NaN / inf as Python and pandas read them back
+                w.writerow(([attempt] if every else []) + [step, *(repr(float(vals[k])) if k in vals else "" for k in keys)])
+        else:
+            for attempt, step in order:
+                head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
+                # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
+                fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
     os.replace(tmp, out)
     n_att = len({a for a, _ in rows})
     print(f"wrote {len(rows)} records ({len(keys)} series{f', {n_att} attempts' if every else ''}) of run "
-          f"{args.run_id} to {out}; `thermowatch replay {out}` runs them through the detectors")
+          f"{args.run_id} to {out}" + (f"; `thermowatch replay {out}` runs them through the detectors"
+                                        if fmt == "jsonl" else " as CSV"))
     return 0

@@ -418,6 +418,22 @@ def test_incidents_and_export_replays_to_the_daemons_findings(db, diverging_daem
         return f["signal"], f["module"], f["metric"], f["onset_step"], f["detect_step"]
 
     assert sorted(map(key, replayed)) == sorted(map(key, stored))
+    # the same history as CSV (issue 23): a row per record, the same values, NaN kept as NaN
+    import csv
+    import math
+
+    assert main(["export", "div", *d.flags, "--out", str(tmp_path / "div.csv")]) == 0
+    assert "as CSV" in capsys.readouterr().out
+    with (tmp_path / "div.csv").open(newline="") as fh:
+        table = list(csv.DictReader(fh))
+    rows = [json.loads(line) for line in lines]
+    assert len(table) == len(rows) and list(table[0])[:2] == ["attempt", "step"]
+    for got, want in zip(table, rows):
+        assert int(got["step"]) == want["step"] and int(got["attempt"]) == want["attempt"]
+        for k, v in want.items():
+            if k not in ("step", "attempt"):
+                f = float(got[k])
+                assert (math.isnan(f) and math.isnan(v)) or f == v, (k, got[k], v)
     assert main(["export", "no-such-run", *d.flags, "--out", str(tmp_path / "x.jsonl")]) == 2
     assert not (tmp_path / "x.jsonl").exists()
 
