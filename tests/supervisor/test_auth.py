@@ -61,6 +61,7 @@ SCOPE = {
     ("GET", "/api/runs/{run_id}/history"): "read",
     ("GET", "/api/runs/{run_id}/status"): "read",
     ("GET", "/api/runs/{run_id}/chart"): "read",
+    ("GET", "/api/runs/{run_id}/times"): "read",
     ("GET", "/api/runs/{run_id}/chart.png"): "read",
     ("GET", "/api/runs/{run_id}/events"): "read",
     ("GET", "/api/runs/{run_id}/incidents"): "read",
@@ -71,6 +72,7 @@ SCOPE = {
     ("GET", "/"): "read",
     ("GET", "/runs/{run_id}/plot.png"): "read",
     ("GET", "/runs/{run_id}"): "read",
+    ("GET", "/compare"): "read",
     ("GET", "/runs/{run_id}/attention"): "read",
 }
 # A token holding every scope but the one a route needs (admin would imply it).
