@@ -45,7 +45,7 @@ def main() -> int:
     if args.compare:
         q = urlencode([("run", r) for r in args.compare.split(",")] + [("metric", args.metric)])
         pages.append(("compare", f"/compare?{q}"))
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:  # chromium may still write
         b = Browser(chromium, Path(profile), "--disable-quic")
         try:
             b.page("Runtime.enable")
