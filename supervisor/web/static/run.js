@@ -93,6 +93,17 @@
     u.setSelect({left: 0, top: 0, width: 0, height: 0}, false);
     if (hi > lo) tw.zoom(lo, hi);
   }
+  function wireView(load) {  // zoom, reset and reload of either page, through the address
+    tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return load(); };
+    tw.reset = () => { tw.window = null; windowText(); toURL(); return load(); };
+    tw.reload = load;
+    document.getElementById("reset").addEventListener("click", () => tw.reset());
+  }
+  function loaded() { tw.loads++; setStatus(`updated ${new Date().toLocaleTimeString()}`); }
+  function failed(err, what) {
+    tw.errors.push(String(err.message || err));
+    setStatus(`could not load ${what}: ${err.message || err}`, true);
+  }
   const axes = () => [{label: timeMode() ? "wall clock (your time zone)" : "step", stroke: ink(), grid: {stroke: grid()},
                        ticks: {stroke: grid()}},
                       {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}];
@@ -137,17 +148,12 @@
         area.textContent = "";
         tw.charts.compare = {uplot: new uPlot(opts, data, area), data, labels: series.map((s) => s.label),
                              runs: per.map((p) => ({run: p.run, points: p.pts.size, bucketSteps: p.bucketSteps}))};
-        tw.loads++;
-        setStatus(`updated ${new Date().toLocaleTimeString()}`);
+        loaded();
       } catch (err) {
-        tw.errors.push(String(err.message || err));
-        setStatus(`could not load the chart: ${err.message || err}`, true);
+        failed(err, "the chart");
       }
     }
-    tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return load(); };
-    tw.reset = () => { tw.window = null; windowText(); toURL(); return load(); };
-    tw.reload = load;
-    document.getElementById("reset").addEventListener("click", () => tw.reset());
+    wireView(load);
     let resizing = null;
     window.addEventListener("resize", () => { clearTimeout(resizing); resizing = setTimeout(load, 150); });
     windowText();
@@ -489,15 +495,12 @@
         if (w !== tw.window) return;  // a newer zoom superseded this one
         render(fig, resp);
       }));
-      tw.loads++;
-      setStatus(`updated ${new Date().toLocaleTimeString()}`);
+      loaded();
     } catch (err) {
-      tw.errors.push(String(err.message || err));
-      setStatus(`could not load the charts: ${err.message || err}`, true);
+      failed(err, "the charts");
     }
   }
-  tw.zoom = (lo, hi) => { tw.window = {lo, hi}; windowText(); toURL(); return loadAll(); };
-  tw.reset = () => { tw.window = null; windowText(); toURL(); return loadAll(); };
+  wireView(loadAll);
   // Smoothing: an exponential moving average of the live lines (TensorBoard's slider), drawn over
   // the raw line faded; 0 = off. The heatmap, the legend's raw values and the marks stay raw.
   const smoothEl = document.getElementById("smooth");
@@ -516,8 +519,6 @@
   function redrawAll() {
     figures().forEach((fig) => { const c = tw.charts[fig.dataset.metric]; if (c) render(fig, c.response); });
   }
-  tw.reload = loadAll;
-  document.getElementById("reset").addEventListener("click", () => tw.reset());
 
   function ageText(s) {
     if (s == null) return "no record yet";
