@@ -536,7 +536,8 @@ def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dic
                 resolved: bool) -> Alert:
     """The reply that says what the trainer really did, from its typed ack (supervisor.outcome)."""
     o = outcome(dataclasses.replace(row, state="done", result=result, ack_step=ack.step))
-    lines = render(o).splitlines()[1:]
+    # The title's summary already says the first step trained: the text adds only what it does not.
+    lines = [ln for ln in render(o).splitlines()[1:] if not ln.strip().startswith("first step trained:")]
     if resolved:
         lines.append(f"incident {row.incident_id} resolved")
     return Alert(run_id=run_id, severity=Severity.INFO,

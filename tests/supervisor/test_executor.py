@@ -386,6 +386,7 @@ def test_done_and_failed_actions_report_in_their_thread(db, tmp_path, slack):
         assert len(parents) == 2 and all(p["reply_count"] == 1 for p in parents)
         done = slack.thread(parents[0]["ts"])[1]
         assert f"skip (action {ok}) done: skip applied, first step trained 12, skipped [100, 200)" in done["text"]
+        assert done["text"].count("first step trained") == 1, done["text"]  # said once (issue 23's wording)
         assert "subtype" not in done
         failed = slack.thread(parents[1]["ts"])[1]
         assert "FAILED" in failed["text"] and "read-only" in failed["text"]
