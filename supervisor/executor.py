@@ -51,7 +51,7 @@ from thermowatch.supervisor.notify import flap as flaps
 from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier
 from thermowatch.supervisor.notify.flap import FlapConfig
 from thermowatch.supervisor.notify.outbox import Outbox
-from thermowatch.supervisor.outcome import outcome, render, summary
+from thermowatch.supervisor.outcome import details, outcome, summary
 from thermowatch.supervisor.policy import Decision, DecisionKind
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -536,12 +536,11 @@ def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dic
                 resolved: bool) -> Alert:
     """The reply that says what the trainer really did, from its typed ack (supervisor.outcome)."""
     o = outcome(dataclasses.replace(row, state="done", result=result, ack_step=ack.step))
-    # The title's summary already says the first step trained: the text adds only what it does not.
-    lines = [ln for ln in render(o).splitlines()[1:] if not ln.strip().startswith("first step trained:")]
+    lines = details(o, first_step=False)  # the title's summary says the first step trained
     if resolved:
         lines.append(f"incident {row.incident_id} resolved")
     return Alert(run_id=run_id, severity=Severity.INFO,
                  title=f"{run_id}: {row.kind} (action {row.id}) done: {summary(o)}",
-                 text="\n".join(line.strip() for line in lines) or (ack.detail or ""),
+                 text="\n".join(lines) or (ack.detail or ""),
                  incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
                  status=f"{'resolved' if resolved else 'done'}: {summary(o)}")

@@ -55,16 +55,23 @@ def render(o: dict[str, Any]) -> str:
     if o["state"] in ("failed", "expired"):
         lines.append(f"  error: {o['error'] or o['detail']}")
         return "\n".join(lines)
+    return "\n".join(lines + [f"  {line}" for line in details(o)])
+
+
+def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
+    """A done outcome's facts, a line each. `first_step=False` leaves out the first step trained,
+    for a message whose title already says it (summary())."""
+    lines = []
     if o["checkpoint_step"] is not None:
-        lines.append(f"  checkpoint loaded: step {o['checkpoint_step']} ({o['checkpoint_path']})")
-    if o["first_step"] is not None and o["kind"] != "stop":
-        lines.append(f"  first step trained: {o['first_step']}")
+        lines.append(f"checkpoint loaded: step {o['checkpoint_step']} ({o['checkpoint_path']})")
+    if first_step and o["first_step"] is not None and o["kind"] != "stop":
+        lines.append(f"first step trained: {o['first_step']}")
     if o["effective_lr_multiplier"] is not None:
         asked = f" (asked {o['requested_lr']})" if o["requested_lr"] else ""
-        lines.append(f"  effective LR multiplier: x{o['effective_lr_multiplier']:g}{asked}")
+        lines.append(f"effective LR multiplier: x{o['effective_lr_multiplier']:g}{asked}")
     if o["skipped_ranges"]:
-        lines.append("  ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
-    return "\n".join(lines)
+        lines.append("ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    return lines
 
 
 def summary(o: dict[str, Any]) -> str:
