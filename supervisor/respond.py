@@ -38,7 +38,7 @@ from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
-from thermowatch.supervisor.store import story as story_store
+from thermowatch.supervisor.store import steps as steps_store
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Responder:
             latest = runs_store.latest_attempt(s, run_id)
             if latest is None:
                 return
-            last = story_store.last_step(s, run_id, latest.attempt)
+            last = steps_store.last_step(s, run_id, latest.attempt)
         with self._lock:
             due = (latest.attempt, (last if last is not None else latest.start_step) + max(1, steps))
             cur = self._recheck.get(run_id)

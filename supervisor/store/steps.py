@@ -83,6 +83,14 @@ def steps_of_samples(session: Session, run_id: str, sample_lo: int, sample_hi: i
     return None if lo is None else (int(lo), int(hi))
 
 
+def last_step(session: Session, run_id: str, attempt: int) -> int | None:
+    """The last step the attempt stored: one seek on ix_steps_run_id_attempt_step. (A GROUP BY over
+    the run's steps reads all of them: the run page calls this on every refresh, at 10^6 steps.)"""
+    q = select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == attempt)
+    found = session.execute(q).scalar()
+    return None if found is None else int(found)
+
+
 def live_wall_times(session: Session, run_id: str, step_lo: int | None, step_hi: int | None,
                     points: int) -> tuple[list[int], list[float]]:
     """(steps, wall times) of the run's live path (each step's newest attempt) at up to `points`
@@ -91,11 +99,10 @@ def live_wall_times(session: Session, run_id: str, step_lo: int | None, step_hi:
     length; steps a gap skipped, or without a wall time, are left out."""
     if step_hi is None:  # the newest step of any attempt: one seek per attempt on the primary key
         attempts = session.execute(select(Attempt.attempt).where(Attempt.run_id == run_id)).scalars().all()
-        lasts = [session.execute(select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == a)).scalar()
-                 for a in attempts]
-        if not any(x is not None for x in lasts):
+        lasts = [n for a in attempts if (n := last_step(session, run_id, a)) is not None]
+        if not lasts:
             return [], []
-        step_hi = max(x for x in lasts if x is not None)
+        step_hi = max(lasts)
     step_lo = 0 if step_lo is None else step_lo
     if step_hi < step_lo:
         return [], []

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.contract import Rollback, RunFinished
@@ -21,7 +20,7 @@ from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
-from thermowatch.supervisor.store.orm import Step
+from thermowatch.supervisor.store.steps import last_step
 
 
 @dataclass(frozen=True)
@@ -84,14 +83,6 @@ def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:
     if body.skip:
         out["skips"] = f"{sum(r.hi - r.lo for r in body.skip):,} samples: " + ", ".join(str(r) for r in body.skip)
     return out
-
-
-def last_step(session: Session, run_id: str, attempt: int) -> int | None:
-    """The last step the attempt stored: one seek on ix_steps_run_id_attempt_step. (A GROUP BY over
-    the run's steps reads all of them: the run page calls this on every refresh, at 10^6 steps.)"""
-    q = select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == attempt)
-    found = session.execute(q).scalar()
-    return None if found is None else int(found)
 
 
 def story(session: Session, run_id: str) -> Story:
