@@ -45,10 +45,12 @@ FIELDS_PATTERN = r"^(min|max|last|count)(,(min|max|last|count))*$"
 
 
 def series_json(s: chart_store.ChartSeries, fields: tuple[str, ...] = FIELDS) -> dict:
-    arrays = {"min": lambda: _values(s.min), "max": lambda: _values(s.max), "last": lambda: _values(s.last),
-              "count": lambda: np.ascontiguousarray(s.count, np.int64)}
-    return {"key": s.key, "module": s.module, "attempt": s.attempt, "current": s.current,
-            "step": np.ascontiguousarray(s.step, np.int64), **{f: arrays[f]() for f in FIELDS if f in fields}}
+    out = {"key": s.key, "module": s.module, "attempt": s.attempt, "current": s.current,
+           "step": np.ascontiguousarray(s.step, np.int64)}
+    for f in FIELDS:  # in this order, whatever order they were asked in
+        if f in fields:
+            out[f] = np.ascontiguousarray(s.count, np.int64) if f == "count" else _values(getattr(s, f))
+    return out
 
 
 def chart_json(data: chart_store.ChartData, fields: tuple[str, ...] = FIELDS) -> dict:
