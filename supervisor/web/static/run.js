@@ -86,6 +86,17 @@
     el.textContent = w ? `steps ${w.lo ?? 0}–${w.hi ?? "end"}` : "the whole run";
     reset.hidden = !w;
   }
+  const drawsMin = (metric) => /_min$/.test(metric.split("/")[0]);  // act_min: the minimum is the news
+  function windowQuery(params, w) {  // a request's query, with the zoom window's steps
+    const q = new URLSearchParams(params);
+    if (w && w.lo != null) q.set("step_lo", String(w.lo));
+    if (w && w.hi != null) q.set("step_hi", String(w.hi));
+    return q;
+  }
+  function chartQuery(metric, area, w, extra) {  // only the array it draws: ~0.4 of the bytes on a phone
+    return windowQuery({metric, fields: drawsMin(metric) ? "min" : "max", ...extra,
+                        buckets: String(Math.min(5000, Math.max(10, Math.round(area.clientWidth || 600))))}, w);
+  }
   function dragZoom(u) {  // a uPlot setSelect hook: the dragged steps become the window
     if (u.select.width < 4) return;
     const lo = Math.max(0, Math.floor(fromX(u.posToVal(u.select.left, "x"))));
@@ -111,7 +122,7 @@
   // --- the comparison page: each run's live path of one thermometer, on one chart ---------------
   function compareRuns() {
     const runs = JSON.parse(cmp.dataset.runs), metric = cmp.dataset.metric, logy = cmp.dataset.log === "1";
-    const useMin = /_min$/.test(metric.split("/")[0]);
+    const useMin = drawsMin(metric);
     const worse = useMin ? Math.min : Math.max;
     const fig = cmp.querySelector("figure.chart"), area = fig.querySelector(".plot-area");
     async function load() {
@@ -119,10 +130,7 @@
       setStatus("loading…");
       try {
         const per = await Promise.all(runs.map(async (run) => {
-          const q = new URLSearchParams({metric, attempts: "current", fields: useMin ? "min" : "max",
-                                         buckets: String(Math.min(5000, Math.max(10, Math.round(area.clientWidth || 600))))});
-          if (w && w.lo != null) q.set("step_lo", String(w.lo));
-          if (w && w.hi != null) q.set("step_hi", String(w.hi));
+          const q = chartQuery(metric, area, w, {attempts: "current"});
           const resp = await getJSON(`${BASE}/api/runs/${encodeURIComponent(run)}/chart?${q}`);
           const pts = new Map();  // step -> the worst layer's value in that bucket (one key: itself)
           for (const s of resp.series) {
@@ -163,7 +171,7 @@
 
   // --- one chart's data from the endpoint's buckets --------------------------------------------
   function shape(resp, logy) {
-    const useMin = /_min$/.test(resp.metric.split("/")[0]);  // act_min: the minimum is the news
+    const useMin = drawsMin(resp.metric);
     const worse = useMin ? Math.min : Math.max;
     const xs = [...new Set(resp.series.flatMap((s) => s.step))].sort((a, b) => a - b);
     const at = new Map(xs.map((x, i) => [x, i]));
@@ -479,18 +487,10 @@
     try {
       tw.events = await getJSON(runApi("/events"));
       if (tw.xmode === "time") {
-        const q = new URLSearchParams({points: "1000"});
-        if (w && w.lo != null) q.set("step_lo", String(w.lo));
-        if (w && w.hi != null) q.set("step_hi", String(w.hi));
-        tw.times = await getJSON(runApi(`/times?${q}`));
+        tw.times = await getJSON(runApi(`/times?${windowQuery({points: "1000"}, w)}`));
       }
       await Promise.all(figures().map(async (fig) => {
-        const area = fig.querySelector(".plot-area");
-        // only the array it draws (the max, or the min of an *_min metric): ~0.4 of the bytes on a phone
-        const q = new URLSearchParams({metric: fig.dataset.metric, fields: /_min$/.test(fig.dataset.metric) ? "min" : "max",
-                                       buckets: String(Math.min(5000, Math.max(10, Math.round(area.clientWidth || 600))))});
-        if (w && w.lo != null) q.set("step_lo", String(w.lo));
-        if (w && w.hi != null) q.set("step_hi", String(w.hi));
+        const q = chartQuery(fig.dataset.metric, fig.querySelector(".plot-area"), w);
         const resp = await getJSON(runApi(`/chart?${q}`));
         if (w !== tw.window) return;  // a newer zoom superseded this one
         render(fig, resp);
