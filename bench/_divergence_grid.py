@@ -25,6 +25,9 @@ RUNS: tuple[tuple[str, dict, tuple[int, ...] | None], ...] = (
     ("jump", dict(peak_lr=1e-3, steps=400, jump_at=200, jump_factor=30.0), None),  # mid-run LR jump
     ("jump-qkln", dict(peak_lr=1e-3, steps=400, jump_at=200, jump_factor=100.0, qk_layernorm=True), None),
     ("qkln-high-lr", dict(peak_lr=1e-1, steps=300, qk_layernorm=True), None),  # degrades, no logit growth
+    # An operator's raise x4 at step 200 whose cost should be transient (issue 24, item 2): the
+    # LR-jump detector must leave it alone unless the loss stays behind its pre-raise trend.
+    ("jump-x4", dict(peak_lr=1e-3, steps=500, jump_at=200, jump_factor=4.0), None),
 )
 
 

@@ -50,7 +50,8 @@ from thermowatch.monitors.detectors.baselines import PeerBank
 from thermowatch.monitors.replay import read_records
 from thermowatch.supervisor.replay_policy import replay_decider
 
-SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite")
+SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite",
+           "lr_jump")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
 ACTS = ("rollback", "lower_lr", "pause")
 CEILING = 100.0  # the fixed reference: QK-clip tau (Kimi K2), Megatron-LM's --qk-clip

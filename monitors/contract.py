@@ -222,6 +222,9 @@ class Signal(str, enum.Enum):
     ATTN_LOGIT_CEILING = "attn_logit_ceiling"
     LOSS_SPIKE = "loss_spike"
     LOSS_DEGRADATION = "loss_degradation"  # behind its own trend, no attention signal needed
+    # An LR raise the schedule did not plan, the loss still behind its pre-raise trend a window
+    # later (detectors/lr_jump.py): the policy sets the LR back to what it was before the raise.
+    LR_JUMP = "lr_jump"
     GRAD_SPIKE = "grad_spike"
     NON_FINITE = "non_finite"
     ACT_OVERFLOW = "act_overflow"

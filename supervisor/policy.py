@@ -22,6 +22,11 @@ The ladder (DESIGN.md, "Rollback semantics"):
             ceiling while the schedule will still raise the LR, monitors/detectors/witness.py):
             -> lower the LR in place. Nothing is damaged yet, so there is nothing to roll back,
                and a rollback that kept the schedule would replay the same rise.
+    rung 2  for an LR jump (monitors/detectors/lr_jump.py: a raise the schedule did not plan, the
+            loss still behind its pre-raise trend a window later)
+            -> set the LR back to what it was before the raise, in place. The damage is slow and
+               the LR explains it; a rollback would keep the weights' history no better. Off with
+               `revert_lr_jumps: false` (then it alerts).
     rung 3  too many automatic interventions in `intervention_window_s`, the per-day rollback
             cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
             -> PAUSE and page a human.
@@ -143,6 +148,9 @@ class PolicyConfig:
     # Grad spikes, activation overflow and loss degradation are left out on purpose (see
     # _ALERT_ONLY_WHY); add loss_degradation to act on a run falling behind its own trend.
     rollback_signals: frozenset[Signal] = DEFAULT_ROLLBACK_SIGNALS
+    # Set the LR back after an LR jump that did lasting harm (the signal lr_jump). A jump's
+    # finding is an act only when its harm outlasted the detector's window, so this is on.
+    revert_lr_jumps: bool = True
     # Alert-only signals that also page: a stalled run burns GPU hours until someone looks.
     page_signals: frozenset[Signal] = frozenset({Signal.STALL})
     # Tell Slack about ranks far from the others (OPT-175B hunted bad nodes for weeks).
@@ -279,6 +287,11 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
                                          "believes; pausing instead of stacking another action on top"))
     if f.signal is Signal.OUTLIER_RANK:
         return _finish(cfg, _outlier(inp, cfg, head))
+    if f.signal is Signal.LR_JUMP:
+        if not cfg.revert_lr_jumps:
+            return Decision(DecisionKind.ALERT, [head, "revert_lr_jumps is off: alert only; set the LR by hand "
+                                                       "(thermowatch lr RUN --multiplier M)"])
+        return _finish(cfg, _guards(inp, cfg, head) or _revert_lr(inp, head))
     if f.signal not in cfg.rollback_signals:
         why = _ALERT_ONLY_WHY.get(f.signal, f"{f.signal.value} is not in rollback_signals: alert only")
         return Decision(DecisionKind.ALERT, [head, why], page=f.signal in cfg.page_signals)
@@ -468,6 +481,29 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from {start} to detection)")
     return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
                     skip_steps=skip, rung=rung, **lr)
+
+
+def _revert_lr(inp: PolicyInput, head: str) -> Decision:
+    """Back to the LR before an unplanned raise: the multiplier on the schedule times
+    before/after, so the effective LR is the one the run trained well at. No floor applies
+    (min_lr_multiplier): the target is an LR this run already trained at, whatever the schedule
+    now says."""
+    ev = inp.finding.evidence
+    before, after = float(ev["lr_before"]), float(ev["lr_after"])
+    # 6 significant digits: the LRs come from fp32 records (0.01 would read 0.010000000326)
+    new = float(f"{inp.current_lr_multiplier * before / after:.6g}")
+    jump, peak = ev.get("jump_step", inp.finding.onset_step), ev.get("planned_peak")
+    planned = (f"past the schedule's own forecast of at most {peak:.3g}" if peak is not None else
+               "after a flat LR, and the trainer sends no forecast of its schedule")
+    return Decision(DecisionKind.LOWER_LR, [
+        head,
+        f"the LR rose x{after / before:.3g} at step {jump} (from {before:.3g} to {after:.3g}), {planned}: "
+        "a change nobody planned in the schedule (an edit, or a resume with another config)",
+        f"{inp.finding.detect_step - jump} steps later the loss is still {ev.get('above_trend', 0):.0%} above its "
+        f"trend from before the raise, {ev.get('points_behind')} smoothed points in a row past the "
+        f"{ev.get('margin', 0):.0%} margin: the raise is doing lasting harm, not a transient cost",
+        f"setting the LR back to {before:.3g}, as before the raise: multiplier {inp.current_lr_multiplier:g} -> "
+        f"{new:g} for the rest of the run"], rung=2, lr_multiplier=new, lr_steps=None)
 
 
 def _newest_first(history: Sequence[Intervention]) -> list[Intervention]:

@@ -53,6 +53,7 @@ from .attn_logit import AttnLogitGrowthDetector
 from .base import SeriesDetector
 from .degradation import DegradationBank, DegradationConfig, DegradationDetector
 from .grad_spike import GradSpikeBank, GradSpikeConfig, GradSpikeDetector
+from .lr_jump import LrJumpConfig, LrJumpDetector
 from .loss_spike import LossSpikeBank, LossSpikeConfig, LossSpikeDetector
 from .non_finite import NonFiniteBank, NonFiniteConfig, NonFiniteDetector
 from .series import SeriesBank, Single
@@ -80,12 +81,13 @@ class BankConfig:
     outlier: OutlierRankConfig = field(default_factory=OutlierRankConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     witness: WitnessConfig = field(default_factory=WitnessConfig)
-    # Route names (ROUTES, plus "outlier_rank", "stall") to switch off, e.g. for a benchmark.
+    lr_jump: LrJumpConfig = field(default_factory=LrJumpConfig)
+    # Route names (ROUTES, plus "outlier_rank", "stall", "lr_jump") to switch off, e.g. for a benchmark.
     disabled: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.disabled = tuple(self.disabled)
-        known = {r.name for r in ROUTES} | {"outlier_rank", "stall"}
+        known = {r.name for r in ROUTES} | {"outlier_rank", "stall", "lr_jump"}
         unknown = set(self.disabled) - known
         if unknown:
             raise ValueError(f"unknown detector names in disabled: {sorted(unknown)}; known: {sorted(known)}")
@@ -149,6 +151,7 @@ class DetectorBank:
         self._routes = [r for r in ROUTES if r.name not in self.config.disabled]
         self.outlier = OutlierRankDetector(self.config.outlier)
         self.stall = StallDetector(self.config.stall)
+        self.lr_jump = LrJumpDetector(self.config.lr_jump)
         self.witnesses = run_witnesses(self.config)
         # One bank per route: every series of that route is a row in it.
         self.series: dict[str, SeriesBank] = {r.name: r.make(self.config, self.witnesses) for r in self._routes}
@@ -216,6 +219,10 @@ class DetectorBank:
             _note_origin(findings, keys, values)
         if "outlier_rank" not in self.config.disabled and ranks:
             findings.extend(self.outlier.observe_ranks(step, ranks))
+        if "lr_jump" not in self.config.disabled:
+            jumped = self.lr_jump.observe(step, get)
+            if jumped is not None:
+                findings.append(jumped)
         self.stall.update(step, math.nan, wall)
         return findings
 
@@ -311,6 +318,7 @@ class DetectorBank:
             bank.reset(to_step)
         self.outlier.reset(to_step)
         self.stall.reset(to_step)
+        self.lr_jump.reset(to_step)
         self.witnesses.reset(to_step)
         if self.judged is not None:
             # The steps from to_step on are trained again (in a new attempt, or this one).
@@ -322,7 +330,7 @@ class DetectorBank:
         """The state as named parts. With `dirty_only`, the ring chunks not written since the
         last `mark_saved()` are left out (the store keeps their previous rows): a save after k
         steps writes O(k x series) bytes plus the per-row counters, not the whole history."""
-        meta = {"version": STATE_VERSION, "stall": self.stall.state_dict(),
+        meta = {"version": STATE_VERSION, "stall": self.stall.state_dict(), "lr_jump": self.lr_jump.state_dict(),
                 "judged": list(self.judged) if self.judged is not None else None,
                 "routes": [r.name for r in self._routes]}
         parts = {"meta": json.dumps(meta, separators=(",", ":")).encode()}
@@ -350,6 +358,7 @@ class DetectorBank:
                 bank.load(route.name, parts)
         self.outlier.load("outlier", parts)
         self.stall.load_state_dict(meta["stall"])
+        self.lr_jump.load_state_dict(meta.get("lr_jump") or {})  # absent in a state saved before it existed
         self.judged = (int(meta["judged"][0]), int(meta["judged"][1])) if meta.get("judged") else None
         self.mark_saved()
 
@@ -403,6 +412,6 @@ __all__ = [
     "ActOverflowConfig", "ActOverflowDetector", "AttnLogitCeilingDetector", "AttnLogitConfig",
     "AttnLogitGrowthDetector", "BankConfig", "DegradationConfig", "DegradationDetector", "DetectorBank",
     "WitnessConfig", "Witnesses", "run_witnesses", "GradSpikeConfig", "GradSpikeDetector",
-    "LossSpikeConfig", "LossSpikeDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
+    "LossSpikeConfig", "LossSpikeDetector", "LrJumpConfig", "LrJumpDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
     "OutlierRankDetector", "ROUTES", "Route", "SeriesDetector", "StallConfig", "StallDetector",
 ]
