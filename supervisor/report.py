@@ -51,6 +51,16 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
                         "record per step, the newest attempt's (the run's history as it stands)")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("quarantine", help="the samples a rollback skipped and whose skip held: the divergence did "
+                                          "not come back on the re-trained path (for the data team)")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="the daemon's answer: every verdict and the quarantine")
+    p.add_argument("--ids", action="store_true", help="the quarantined sample ids, one per line")
+    p.add_argument("--horizon", type=int, default=None,
+                   help="steps past the old detection the re-trained path must run clean (default: the daemon's, 100)")
+    p.set_defaults(func=cmd_quarantine)
+
 
 def _client(args: argparse.Namespace):
     from thermowatch.supervisor.client import Client, resolve
@@ -125,6 +135,35 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     if not rows:
         print("(none)")
     return 0
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.client import run_path
+
+    with _client(args) as api:
+        q = api.get(f"{run_path(args.run_id)}/quarantine", horizon=args.horizon)
+    if args.json:
+        print(json.dumps(q))
+    elif args.ids:
+        for lo, hi in q["quarantine"]:
+            print("\n".join(str(i) for i in range(lo, hi)))
+    else:
+        print(render_quarantine(q))
+    return 0
+
+
+def render_quarantine(q: dict[str, Any]) -> str:
+    ranges = q["quarantine"]
+    lines = [f"run {q['run_id']}: {len(q['verdicts'])} rollback(s) with skipped samples; quarantine: "
+             f"{q['samples']:,} samples in {len(ranges)} range(s)"]
+    for v in q["verdicts"]:
+        where = f"{v['signal']} detected at step {v['detect_step']}" if v["signal"] else "manual rollback"
+        lines.append(f"  #{v['action_id']} {where}, back to checkpoint {v['checkpoint_step']}, skipped "
+                     + ", ".join(f"[{lo}, {hi})" for lo, hi in v["ranges"]) + f" ({v['samples']:,} samples): "
+                     + f"{v['status'].upper()}: {v['why']}")
+    if ranges:
+        lines.append("quarantined sample ranges [lo, hi): " + ", ".join(f"[{lo}, {hi})" for lo, hi in ranges))
+    return "\n".join(lines)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

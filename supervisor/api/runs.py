@@ -50,6 +50,7 @@ from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.api.auth import Guard
 from thermowatch.supervisor.outcome import outcome
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import quarantine as quarantine_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import findings as findings_store
@@ -387,6 +388,20 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         if row is None:
             raise HTTPException(404, f"no action {action_id}; GET /api/runs/{{run_id}}/actions lists a run's actions")
         return json_response(outcome(row))
+
+    @router.get("/runs/{run_id}/quarantine")
+    def quarantine(run_id: str, horizon: int = Query(
+            quarantine_store.HORIZON, ge=1, le=10_000_000,
+            description="steps past the old detection the re-trained path must run without the divergence")) -> Response:
+        """Which samples did it (issue 24): every rollback that skipped samples, whether its
+        divergence came back on the path re-trained without them (quarantine, recurred, pending),
+        and the sample ranges [lo, hi) whose skip held: the quarantine."""
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            found = quarantine_store.verdicts(s, run_id, horizon)
+        held = quarantine_store.quarantined(found)
+        return json_response({"run_id": run_id, "horizon": horizon, "verdicts": [v.to_json() for v in found],
+                              "quarantine": [list(r) for r in held], "samples": sum(hi - lo for lo, hi in held)})
 
     @router.get("/runs/{run_id}/audit")
     def audit(run_id: str, limit: int = Query(200, ge=1, le=10_000)) -> Response:

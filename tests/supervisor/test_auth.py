@@ -67,6 +67,7 @@ SCOPE = {
     ("GET", "/api/runs/{run_id}/incidents"): "read",
     ("GET", "/api/runs/{run_id}/actions"): "read",
     ("GET", "/api/runs/{run_id}/audit"): "read",
+    ("GET", "/api/runs/{run_id}/quarantine"): "read",
     ("GET", "/api/actions/{action_id}"): "read",
     ("GET", "/metrics"): "read",
     ("GET", "/"): "read",

@@ -1,0 +1,108 @@
+"""Which samples did it (issue 24, item 5): after a rollback that skipped samples, did the
+divergence come back on the re-trained path?
+
+PaLM found that replaying the same batches from an earlier checkpoint often did not spike: the
+data alone was not always the cause. So a skip is a hypothesis, and the re-trained path tests it.
+For each rollback the trainer carried out with a skip (`result.skipped`, the ack's ranges):
+
+- `recurred`: an incident of the same signal family (attention growth and ceiling are one) was
+  detected on the re-trained path, from the rollback's first re-trained step to `horizon` steps
+  past the old detection. The skipped samples were not (alone) the cause: the optimizer state,
+  the LR or the model were; they are not quarantined.
+- `quarantine`: the re-trained path ran `horizon` steps past the old detection without it. The
+  skipped samples are the likely cause: the data team gets them (`thermowatch quarantine RUN`).
+- `pending`: the re-trained path has not got that far yet.
+
+A manual rollback (no incident) is judged against any rollback signal. Derived on read from the
+action, incident and step rows: nothing to keep in step, and a verdict changes the moment the
+run reaches the horizon or the divergence recurs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import steps as steps_store
+
+# Past the old detection: the policy's rollback margin (100), so a divergence the skipped data
+# caused had the whole stretch it came from to come back in.
+HORIZON = 100
+_ROLLBACK_SIGNALS = ("attn_logit", "loss_spike", "non_finite")  # families (policy.DEFAULT_ROLLBACK_SIGNALS)
+
+
+def _family(signal: str) -> str:
+    return "attn_logit" if signal in ("attn_logit_growth", "attn_logit_ceiling") else signal
+
+
+@dataclass(frozen=True)
+class SkipVerdict:
+    action_id: int
+    incident_id: int | None
+    signal: str | None  # the incident's signal; None for a manual rollback
+    detect_step: int  # where it was detected before the rollback (a manual one: its first re-trained step)
+    checkpoint_step: int | None
+    first_step: int  # the first step trained after the rollback
+    ranges: list[tuple[int, int]]  # the samples it skipped, [lo, hi)
+    samples: int
+    status: str  # quarantine | recurred | pending
+    why: str
+    recurrence_incident: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ranges"] = [list(r) for r in self.ranges]
+        return out
+
+
+def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[SkipVerdict]:
+    """One verdict per carried-out rollback that skipped samples, oldest first."""
+    acts = [a for a in actions_store.actions(session, run_id, limit=10_000)
+            if a.kind == "rollback" and a.state == "done" and (a.result or {}).get("skipped")]
+    if not acts:
+        return []
+    incs = incidents_store.incidents(session, run_id)
+    by_id = {i.id: i for i in incs}
+    attempts = runs_store.attempts(session, run_id)
+    reached = steps_store.last_step(session, run_id, attempts[-1].attempt) if attempts else None
+    out = []
+    for a in sorted(acts, key=lambda a: a.id):
+        res = a.result or {}
+        ranges = [(int(lo), int(hi)) for lo, hi in res["skipped"]]
+        first = int(res["step"])
+        inc = by_id.get(a.incident_id) if a.incident_id is not None else None
+        detect = inc.detect_step if inc is not None else first
+        families = (_family(inc.signal),) if inc is not None else _ROLLBACK_SIGNALS
+        # Incidents opened after this one (ids rise) and detected on the re-trained stretch.
+        after = inc.id if inc is not None else -1
+        again = next((j for j in incs if j.id > after and j.opened_at >= a.created_at
+                      and _family(j.signal) in families and first <= j.detect_step <= detect + horizon), None)
+        what = f"{inc.signal} detected at step {detect}" if inc is not None else f"the manual rollback #{a.id}"
+        if again is not None:
+            status = "recurred"
+            why = (f"{again.signal} came back at step {again.detect_step} (incident #{again.id}) on the path "
+                   f"re-trained without these samples: they were not (alone) the cause of {what}")
+        elif reached is not None and reached >= detect + horizon:
+            status = "quarantine"
+            why = (f"the re-trained path reached step {reached}, {reached - detect} steps past {what}, without it "
+                   "coming back: these samples are the likely cause")
+        else:
+            status = "pending"
+            why = (f"the re-trained path is at step {reached if reached is not None else '-'}; the verdict comes at "
+                   f"step {detect + horizon} ({horizon} steps past {what}) or when it comes back")
+        out.append(SkipVerdict(a.id, inc.id if inc is not None else None, inc.signal if inc is not None else None,
+                               detect, res.get("checkpoint_step"), first, ranges, sum(hi - lo for lo, hi in ranges),
+                               status, why, again.id if again is not None else None))
+    return out
+
+
+def quarantined(found: list[SkipVerdict]) -> list[tuple[int, int]]:
+    """The sample ranges whose skip held (status quarantine), sorted and merged."""
+    from thermowatch.monitors.contract import merge_ranges
+
+    return [(r.lo, r.hi) for r in merge_ranges([r for v in found if v.status == "quarantine" for r in v.ranges])]
