@@ -237,6 +237,14 @@ class Signal(str, enum.Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"
 
 
+def signal_family(signal: "Signal | str") -> str:
+    """The divergence a signal belongs to: attention-logit growth and ceiling are two views of one
+    blowup ("attn_logit"); every other signal is its own. What a recurrence is judged by (the
+    policy's ladder, the quarantine's verdicts)."""
+    value = signal.value if isinstance(signal, Signal) else str(signal)
+    return "attn_logit" if value in (Signal.ATTN_LOGIT_GROWTH.value, Signal.ATTN_LOGIT_CEILING.value) else value
+
+
 def _outcome(value: Any) -> Outcome:
     if value is None or value == "":
         return DEFAULT_OUTCOME

@@ -48,7 +48,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal, signal_family
 from thermowatch.supervisor.errors import UserError
 
 DAY_S = 86_400.0
@@ -321,10 +321,7 @@ def _why_alert(f: Finding, inp: PolicyInput) -> str:
 
 
 def _family(signal: Signal | None) -> str | None:
-    # Growth and ceiling are two views of one attention-logit blowup.
-    if signal in (Signal.ATTN_LOGIT_GROWTH, Signal.ATTN_LOGIT_CEILING):
-        return "attn_logit"
-    return signal.value if signal else None
+    return signal_family(signal) if signal else None
 
 
 def _pause(head: str, why: str) -> Decision:

@@ -43,6 +43,7 @@ import numpy as np
 from thermowatch.monitors.contract import LOSS, LR, LR_PEAK_AHEAD, Finding, Outcome, Severity, Signal
 
 from .base import at_least, positive
+from .witness import line_fit
 
 
 @dataclass
@@ -121,14 +122,12 @@ class LrJumpDetector:
             return
         xs = np.log(np.maximum(np.array([s for s, _ in pts], float), 1.0))
         ys = np.array([v for _, v in pts])
-        xm, ym = float(xs.mean()), float(ys.mean())
-        sxx = float(((xs - xm) ** 2).sum())
-        slope = float(((xs - xm) * (ys - ym)).sum() / sxx) if sxx > 0 else 0.0
-        resid = ys - (ym + slope * (xs - xm))
+        xm, ym, slope, resid = line_fit(xs, ys)
         # The trend's slope may only fall or stay flat: a loss fitted as still rising before the
         # raise would excuse any rise after it.
         slope = min(slope, 0.0)
-        self.jump = {"step": step, "lr_before": before, "lr_after": after, "xm": xm, "ym": ym, "slope": slope,
+        self.jump = {"step": step, "lr_before": before, "lr_after": after, "xm": float(xm), "ym": float(ym),
+                     "slope": slope,
                      "margin": max(math.log1p(c.margin), 3.0 * float(resid.std())), "worst": math.inf,
                      "planned_peak": self.prev_peak}
         self.behind = 0

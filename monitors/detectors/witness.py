@@ -123,6 +123,14 @@ class WitnessConfig:
         at_least("baseline", self.baseline, 8)
 
 
+def line_fit(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float, float, np.ndarray]:
+    """Least squares ys = ym + slope (xs - xm): (xm, ym, slope, residuals); slope 0 for one x."""
+    xm, ym = xs.mean(), ys.mean()
+    sxx = float(((xs - xm) ** 2).sum())
+    slope = float(((xs - xm) * (ys - ym)).sum() / sxx) if sxx > 0 else 0.0
+    return xm, ym, slope, ys - (ym + slope * (xs - xm))
+
+
 class LossTrend:
     """The loss against its own trend in log-log space. `update` returns how far above the
     trend the smoothed loss stands (log ratio) and the margin it must clear, or None while
@@ -159,10 +167,7 @@ class LossTrend:
             return None
         ys = self.history.tail(n_fit, skip_last=c.trend_gap)
         xs = np.log(np.maximum(self.history.tail_steps(n_fit + c.trend_gap)[:n_fit], 1.0))
-        xm, ym = xs.mean(), ys.mean()
-        sxx = float(((xs - xm) ** 2).sum())
-        slope = float(((xs - xm) * (ys - ym)).sum() / sxx) if sxx > 0 else 0.0
-        resid = ys - (ym + slope * (xs - xm))
+        xm, ym, slope, resid = line_fit(xs, ys)
         pred = ym + slope * (math.log(max(step, 1)) - xm)
         excess = self.history.values[-1] - pred
         margin = max(math.log1p(c.loss_margin), 3.0 * float(resid.std()))

@@ -25,6 +25,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from thermowatch.monitors.contract import merge_ranges, signal_family
+from thermowatch.supervisor.policy import DEFAULT_ROLLBACK_SIGNALS
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import runs as runs_store
@@ -33,11 +35,8 @@ from thermowatch.supervisor.store import steps as steps_store
 # Past the old detection: the policy's rollback margin (100), so a divergence the skipped data
 # caused had the whole stretch it came from to come back in.
 HORIZON = 100
-_ROLLBACK_SIGNALS = ("attn_logit", "loss_spike", "non_finite")  # families (policy.DEFAULT_ROLLBACK_SIGNALS)
-
-
-def _family(signal: str) -> str:
-    return "attn_logit" if signal in ("attn_logit_growth", "attn_logit_ceiling") else signal
+# A manual rollback names no signal: any of the default policy's rollback signals coming back counts.
+_ROLLBACK_FAMILIES = frozenset(signal_family(s) for s in DEFAULT_ROLLBACK_SIGNALS)
 
 
 @dataclass(frozen=True)
@@ -77,11 +76,11 @@ def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[Skip
         first = int(res["step"])
         inc = by_id.get(a.incident_id) if a.incident_id is not None else None
         detect = inc.detect_step if inc is not None else first
-        families = (_family(inc.signal),) if inc is not None else _ROLLBACK_SIGNALS
+        families = {signal_family(inc.signal)} if inc is not None else _ROLLBACK_FAMILIES
         # Incidents opened after this one (ids rise) and detected on the re-trained stretch.
         after = inc.id if inc is not None else -1
         again = next((j for j in incs if j.id > after and j.opened_at >= a.created_at
-                      and _family(j.signal) in families and first <= j.detect_step <= detect + horizon), None)
+                      and signal_family(j.signal) in families and first <= j.detect_step <= detect + horizon), None)
         what = f"{inc.signal} detected at step {detect}" if inc is not None else f"the manual rollback #{a.id}"
         if again is not None:
             status = "recurred"
@@ -103,6 +102,4 @@ def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[Skip
 
 def quarantined(found: list[SkipVerdict]) -> list[tuple[int, int]]:
     """The sample ranges whose skip held (status quarantine), sorted and merged."""
-    from thermowatch.monitors.contract import merge_ranges
-
     return [(r.lo, r.hi) for r in merge_ranges([r for v in found if v.status == "quarantine" for r in v.ranges])]
