@@ -28,6 +28,14 @@ RUNS: tuple[tuple[str, dict, tuple[int, ...] | None], ...] = (
     # An operator's raise x4 at step 200 whose cost should be transient (issue 24, item 2): the
     # LR-jump detector must leave it alone unless the loss stays behind its pre-raise trend.
     ("jump-x4", dict(peak_lr=1e-3, steps=500, jump_at=200, jump_factor=4.0), None),
+    # Issue 24, items 1 and 3. qk-LN models compare only with qk-LN models (another model
+    # config), so the qk-LN family gets its own healthy run to be compared with; ...
+    ("healthy-qkln", dict(peak_lr=3e-3, steps=400, qk_layernorm=True), None),
+    # ... a qk-LN run at an LR that degrades it with no logit growth (ends >= 0.3 nats behind);
+    ("qkln-degrade", dict(peak_lr=3e-1, steps=400, qk_layernorm=True), None),
+    # ... and one that runs behind, then blows up over ~20-50 steps as its long warm-up takes the
+    # LR past ~0.6 (loss and gradient norm rising together, logits bounded by qk-LN).
+    ("qkln-blowup", dict(peak_lr=1.0, warmup_steps=300, steps=400, qk_layernorm=True), None),
 )
 
 

@@ -27,7 +27,9 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank
 def keys(n: int) -> list[str]:
     metrics = ["act_max", "act_min", "attn_logit_max", "grad_norm", "update_ratio", "z", "param_norm", "act_rms",
                "attn_logit_lse", "grad_max"]
-    return [f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(n)]
+    # The run's own loss and global gradient norm come first, as every real record has them (the
+    # record-level detectors read them: lr_jump.py, co_rise.py).
+    return ["loss", "grad_norm", *(f"{metrics[i % 10]}/blocks.{i // 10}.mlp" for i in range(max(0, n - 2)))]
 
 
 WORLD = 8  # the ranks the benches' runs open with

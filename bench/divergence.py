@@ -51,7 +51,7 @@ from thermowatch.monitors.replay import read_records
 from thermowatch.supervisor.replay_policy import replay_decider
 
 SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite",
-           "lr_jump")
+           "lr_jump", "loss_grad_rise")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
 ACTS = ("rollback", "lower_lr", "pause")
 CEILING = 100.0  # the fixed reference: QK-clip tau (Kimi K2), Megatron-LM's --qk-clip

@@ -225,6 +225,9 @@ class Signal(str, enum.Enum):
     # An LR raise the schedule did not plan, the loss still behind its pre-raise trend a window
     # later (detectors/lr_jump.py): the policy sets the LR back to what it was before the raise.
     LR_JUMP = "lr_jump"
+    # The loss and the gradient norm rising together against their own recent past, a few steps
+    # in a row (detectors/co_rise.py): a blow-up that builds, acted on before it is a spike.
+    LOSS_GRAD_RISE = "loss_grad_rise"
     GRAD_SPIKE = "grad_spike"
     NON_FINITE = "non_finite"
     ACT_OVERFLOW = "act_overflow"
@@ -239,10 +242,14 @@ class Signal(str, enum.Enum):
 
 def signal_family(signal: "Signal | str") -> str:
     """The divergence a signal belongs to: attention-logit growth and ceiling are two views of one
-    blowup ("attn_logit"); every other signal is its own. What a recurrence is judged by (the
+    blowup ("attn_logit"), a building loss-and-gradient rise and a loss spike of one loss
+    divergence ("loss_spike"); every other signal is its own. What a recurrence is judged by (the
     policy's ladder, the quarantine's verdicts)."""
     value = signal.value if isinstance(signal, Signal) else str(signal)
-    return "attn_logit" if value in (Signal.ATTN_LOGIT_GROWTH.value, Signal.ATTN_LOGIT_CEILING.value) else value
+    if value in (Signal.ATTN_LOGIT_GROWTH.value, Signal.ATTN_LOGIT_CEILING.value):
+        return "attn_logit"
+    # A building blow-up is a loss spike seen early: one loss divergence, two views of it.
+    return Signal.LOSS_SPIKE.value if value == Signal.LOSS_GRAD_RISE.value else value
 
 
 def _outcome(value: Any) -> Outcome:

@@ -68,7 +68,7 @@ ACTIONS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.
 _LADDER_KINDS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR})
 
 DEFAULT_ROLLBACK_SIGNALS = frozenset(
-    {Signal.ATTN_LOGIT_GROWTH, Signal.ATTN_LOGIT_CEILING, Signal.LOSS_SPIKE, Signal.NON_FINITE}
+    {Signal.ATTN_LOGIT_GROWTH, Signal.ATTN_LOGIT_CEILING, Signal.LOSS_SPIKE, Signal.LOSS_GRAD_RISE, Signal.NON_FINITE}
 )
 # A rollback cannot fix these: a stall is not in the weights, an outlier rank is hardware.
 _NEVER_ROLLBACK = frozenset({Signal.STALL, Signal.OUTLIER_RANK})

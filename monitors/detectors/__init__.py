@@ -10,7 +10,7 @@
 Routing (ROUTES): every key -> non_finite; attn_logit_max/* and attn_logit_lse/* -> attention
 growth + ceiling; loss -> loss spike + loss degradation; grad_norm and grad_norm/* -> grad spike;
 act_max/* and act_min/* -> activation overflow; record.ranks -> outlier rank; record.wall_time ->
-stall. One bank per route (series.py): every key of the route is a row in it, added on first
+stall; lr with loss -> LR jump (lr_jump.py); loss with grad_norm -> a building blow-up (co_rise.py). One bank per route (series.py): every key of the route is a row in it, added on first
 sight of the key, and a record is judged with a few numpy operations per route across all its
 keys (issue 10 item 4); `Route.build(key)` gives one series alone (a bank of one row). Before them,
 the run's witnesses of harm (witness.py) read the whole record: the attention detectors ask
@@ -53,6 +53,7 @@ from .attn_logit import AttnLogitGrowthDetector
 from .base import SeriesDetector
 from .degradation import DegradationBank, DegradationConfig, DegradationDetector
 from .grad_spike import GradSpikeBank, GradSpikeConfig, GradSpikeDetector
+from .co_rise import CoRiseConfig, CoRiseDetector
 from .lr_jump import LrJumpConfig, LrJumpDetector
 from .loss_spike import LossSpikeBank, LossSpikeConfig, LossSpikeDetector
 from .non_finite import NonFiniteBank, NonFiniteConfig, NonFiniteDetector
@@ -61,6 +62,8 @@ from .outlier_rank import OutlierRankConfig, OutlierRankDetector
 from .stall import StallConfig, StallDetector
 from .witness import WitnessConfig, Witnesses
 
+# Detectors that read the whole record rather than one route's series (disable by these names).
+RECORD_LEVEL = ("outlier_rank", "stall", "lr_jump", "co_rise")
 # 2: witnesses, degradation, the judged (attempt, step); 3: rows in arrays, saved as parts; 4: the
 # outlier-rank windows as rows too (saved incrementally, no longer one JSON of every key's window)
 STATE_VERSION = 4
@@ -82,12 +85,13 @@ class BankConfig:
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     witness: WitnessConfig = field(default_factory=WitnessConfig)
     lr_jump: LrJumpConfig = field(default_factory=LrJumpConfig)
-    # Route names (ROUTES, plus "outlier_rank", "stall", "lr_jump") to switch off, e.g. for a benchmark.
+    co_rise: CoRiseConfig = field(default_factory=CoRiseConfig)
+    # Route names (ROUTES, plus the record-level RECORD_LEVEL) to switch off, e.g. for a benchmark.
     disabled: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.disabled = tuple(self.disabled)
-        known = {r.name for r in ROUTES} | {"outlier_rank", "stall", "lr_jump"}
+        known = {r.name for r in ROUTES} | set(RECORD_LEVEL)
         unknown = set(self.disabled) - known
         if unknown:
             raise ValueError(f"unknown detector names in disabled: {sorted(unknown)}; known: {sorted(known)}")
@@ -152,6 +156,7 @@ class DetectorBank:
         self.outlier = OutlierRankDetector(self.config.outlier)
         self.stall = StallDetector(self.config.stall)
         self.lr_jump = LrJumpDetector(self.config.lr_jump)
+        self.co_rise = CoRiseDetector(self.config.co_rise)
         self.witnesses = run_witnesses(self.config)
         # One bank per route: every series of that route is a row in it.
         self.series: dict[str, SeriesBank] = {r.name: r.make(self.config, self.witnesses) for r in self._routes}
@@ -223,6 +228,10 @@ class DetectorBank:
             jumped = self.lr_jump.observe(step, get)
             if jumped is not None:
                 findings.append(jumped)
+        if "co_rise" not in self.config.disabled:
+            rose = self.co_rise.observe(step, get)
+            if rose is not None:
+                findings.append(rose)
         self.stall.update(step, math.nan, wall)
         return findings
 
@@ -274,6 +283,8 @@ class DetectorBank:
             ranked: list[tuple[str, int]] = []
             if len(cols) > 1:
                 self.witnesses.prepare_arrays(keys, steps, values)
+                if "co_rise" not in self.config.disabled and LOSS in keys and GRAD_NORM in keys:
+                    self.co_rise.prepare(steps, values[:, keys.index(LOSS)], values[:, keys.index(GRAD_NORM)])
                 for i, bank, pos, rows in plan:
                     done = bank.judge_bulk(steps, rows, values[:, pos])
                     if done.any():
@@ -292,6 +303,7 @@ class DetectorBank:
                 out.extend(self._observe(step, keys, row, wall, _getter(col, row), ranks, attempt, rest, plan))
         finally:
             self.witnesses.prepare([])  # nothing judged ahead outlives its batch
+            self.co_rise.end_batch()
             for bank in self.series.values():
                 bank.end_batch()
         return out
@@ -319,6 +331,7 @@ class DetectorBank:
         self.outlier.reset(to_step)
         self.stall.reset(to_step)
         self.lr_jump.reset(to_step)
+        self.co_rise.reset(to_step)
         self.witnesses.reset(to_step)
         if self.judged is not None:
             # The steps from to_step on are trained again (in a new attempt, or this one).
@@ -331,6 +344,7 @@ class DetectorBank:
         last `mark_saved()` are left out (the store keeps their previous rows): a save after k
         steps writes O(k x series) bytes plus the per-row counters, not the whole history."""
         meta = {"version": STATE_VERSION, "stall": self.stall.state_dict(), "lr_jump": self.lr_jump.state_dict(),
+                "co_rise": self.co_rise.state_dict(),
                 "judged": list(self.judged) if self.judged is not None else None,
                 "routes": [r.name for r in self._routes]}
         parts = {"meta": json.dumps(meta, separators=(",", ":")).encode()}
@@ -359,6 +373,7 @@ class DetectorBank:
         self.outlier.load("outlier", parts)
         self.stall.load_state_dict(meta["stall"])
         self.lr_jump.load_state_dict(meta.get("lr_jump") or {})  # absent in a state saved before it existed
+        self.co_rise.load_state_dict(meta.get("co_rise") or {})
         self.judged = (int(meta["judged"][0]), int(meta["judged"][1])) if meta.get("judged") else None
         self.mark_saved()
 
@@ -412,6 +427,6 @@ __all__ = [
     "ActOverflowConfig", "ActOverflowDetector", "AttnLogitCeilingDetector", "AttnLogitConfig",
     "AttnLogitGrowthDetector", "BankConfig", "DegradationConfig", "DegradationDetector", "DetectorBank",
     "WitnessConfig", "Witnesses", "run_witnesses", "GradSpikeConfig", "GradSpikeDetector",
-    "LossSpikeConfig", "LossSpikeDetector", "LrJumpConfig", "LrJumpDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
+    "CoRiseConfig", "CoRiseDetector", "LossSpikeConfig", "LossSpikeDetector", "LrJumpConfig", "LrJumpDetector", "NonFiniteConfig", "NonFiniteDetector", "OutlierRankConfig",
     "OutlierRankDetector", "ROUTES", "Route", "SeriesDetector", "StallConfig", "StallDetector",
 ]
