@@ -30,6 +30,9 @@ from thermowatch.supervisor.store import incidents as incidents_store
 RAISE_AT, STEPS, B = 100, 270, 16
 
 
+# PostgreSQL only (CI time): the seam, not the store, is under test; the quarantine's seam runs
+# on SQLite.
+@pytest.mark.parametrize("db", ["postgres"], indirect=True)
 def test_an_unplanned_raise_that_hurts_is_set_back_by_the_policy(db, tmp_path):
     torch.manual_seed(0)
     model = user_model()

@@ -8,6 +8,7 @@ daemon's API and `thermowatch quarantine`.
 from __future__ import annotations
 
 import httpx
+import pytest
 import torch
 
 import thermowatch
@@ -53,6 +54,9 @@ def train(db, tmp_path, run: str):
     return tw.run.supervisor, poisoned_steps
 
 
+# SQLite only (CI time): the quarantine's queries run on both databases in
+# tests/supervisor/test_quarantine_store.py; this is the seam, client to CLI.
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
     sup, poisoned_steps = train(db, tmp_path, "poisoned")
     with sup.sessions() as s:
