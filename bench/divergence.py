@@ -21,6 +21,7 @@ first act's rollback goes, against a ceiling action at the crossing). Peers (eac
   megatron_lm   loss >= 10 x the max of the first 100 losses
 
     python bench/divergence.py [--reuse] [--seeds 3] [--archs ln-gelu,rms-relu2] [--json]
+    python bench/divergence.py --reuse --drop-keys lr_peak_ahead   # as a trainer without the forecast
 """
 
 from __future__ import annotations
@@ -259,6 +260,9 @@ def parse() -> argparse.Namespace:
                     + " (default: both, or ln-gelu where trainer.model lacks the norm/activation options)")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained side by side, one torch thread each")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
+    ap.add_argument("--drop-keys", default="", metavar="KEYS",
+                    help="comma-separated record keys removed before the replay, e.g. lr_peak_ahead: the grid as "
+                         "a trainer that does not send the schedule's forecast (issue 24, items 4 and 6)")
     ap.add_argument("--detectors", default=None, metavar="JSON",
                     help='detector settings that differ from the defaults, as in the supervisor config\'s '
                          '`detectors:` section, e.g. \'{"witness": {"lr_rise": 3}}\' (default: the defaults)')
@@ -302,6 +306,11 @@ def main() -> None:
 
     t_replay = time.perf_counter()
     all_runs = [Run(s, runs.paths(out, s)[0], [rec for _, rec in read_records(runs.paths(out, s)[0])]) for s in specs]
+    drop = [k for k in args.drop_keys.split(",") if k]
+    for r in all_runs:  # before label(): the ground truth reads the loss only, never these keys
+        for rec in r.records:
+            for k in drop:
+                rec.values.pop(k, None)
     label(all_runs)
     for r in all_runs:
         replay(r, json.loads(args.detectors) if args.detectors else None)
