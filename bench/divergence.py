@@ -48,11 +48,12 @@ import _divergence_runs as runs
 from thermowatch.monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, Severity, StepRecord
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.monitors.detectors.baselines import PeerBank
+from thermowatch.monitors.envelope import Curve, behind_peers
 from thermowatch.monitors.replay import read_records
 from thermowatch.supervisor.replay_policy import replay_decider
 
 SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite",
-           "lr_jump", "loss_grad_rise")
+           "lr_jump", "loss_grad_rise", "loss_behind_peers")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
 ACTS = ("rollback", "lower_lr", "pause")
 CEILING = 100.0  # the fixed reference: QK-clip tau (Kimi K2), Megatron-LM's --qk-clip
@@ -153,6 +154,41 @@ def replay(r: Run, detectors: dict | None = None) -> None:
     r.findings["ours"] = found
     for name in PEERS:
         r.findings[name] = PeerBank(name).observe_many(r.records)
+
+
+def _model(r: Run) -> tuple:
+    return (r.spec.norm, r.spec.activation, r.spec.qk_layernorm)
+
+
+def _curve(r: Run) -> Curve:
+    return Curve(r.label, np.array([x.step for x in r.records]), r.loss,
+                 np.array([x.values.get("lr", math.nan) for x in r.records]))
+
+
+def envelope(all_runs: list[Run]) -> None:
+    """supervisor.jobs.peer_envelope on the grid: every other run of the same model config is in
+    the database already (a sweep); its finding joins the run's own (an alert that pages)."""
+    curves = {id(r): _curve(r) for r in all_runs}
+    for r in all_runs:
+        peers = [curves[id(p)] for p in all_runs if p is not r and _model(p) == _model(r)]
+        f = behind_peers(curves[id(r)], peers)
+        if f is not None:
+            r.findings["ours"].append(f)
+            r.decisions.append((f, {"kind": "alert"}))
+
+
+DEGRADED = 0.3  # nats: issue 24's "the final loss ends >= 0.3 nats behind"
+
+
+def degraded(r: Run, all_runs: list[Run]) -> bool:
+    """Not damaged by the ground truth, yet at its last step its trailing-10 loss stands >= 0.3
+    nats above the lowest one, at that step, of the runs of its model config and seed (any LR)."""
+    if r.damaged:
+        return False
+    k = len(r.records) - 1
+    others = [o.smooth[k] for o in all_runs if o is not r and _model(o) == _model(r) and o.spec.seed == r.spec.seed
+              and len(o.records) > k]
+    return bool(others) and r.smooth[k] - min(others) >= DEGRADED
 
 
 def _acts(r: Run, det: str) -> list[int]:
@@ -314,6 +350,7 @@ def main() -> None:
     label(all_runs)
     for r in all_runs:
         replay(r, json.loads(args.detectors) if args.detectors else None)
+    envelope(all_runs)
     replay_s = time.perf_counter() - t_replay
 
     dets = ["policy", *SIGNALS, *PEERS]
@@ -347,6 +384,15 @@ def main() -> None:
               f"{m['healthy_alerted']:>11}/{m['n_healthy']:<4}{_fmt(m['lead_ratio_min']):>17}"
               f"{_fmt(m['lead_ratio_median']):>7}{m['lead_ratio_ge_0.9']:>4}/{m['lead_vs_ceiling_runs']:<2}")
     print(f"\nmissed by the default policy: {', '.join(rows['policy']['missed']) or 'none'}")
+    deg = [r for r in all_runs if degraded(r, all_runs)]
+    calm = [r for r in all_runs if not r.damaged and r not in deg]
+    paged = lambda r: bool(_alerts(r, "loss_behind_peers"))  # noqa: E731
+    degradation = {"degraded": [r.label for r in deg], "degraded_alerted": sum(map(paged, deg)),
+                   "other_healthy_alerted": [r.label for r in calm if paged(r)], "n_other_healthy": len(calm)}
+    print(f"degraded (healthy by the ground truth, the last trailing-10 loss >= {DEGRADED} nats behind a run of the "
+          f"same model and seed): {len(deg)}; alerted by loss_behind_peers: {degradation['degraded_alerted']}/{len(deg)}"
+          f"; the other healthy runs alerted by it: {len(degradation['other_healthy_alerted'])}/{len(calm)} "
+          f"{degradation['other_healthy_alerted'] or ''}")
     tl = target_lead(all_runs)
     print("\nRuns whose logits crossed 100 before the damage. act lead = (damage - first act) / (damage - "
           "crossing); reach = (damage - onset the first act rolls back before) / (damage - onset of the ceiling's "
@@ -362,7 +408,7 @@ def main() -> None:
     summary = json.dumps({
         "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
         "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
-        "target_lead": tl,
+        "target_lead": tl, "degradation": degradation,
         "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
                   "rise_step": r.rise_step, "behind_step": r.behind_step, "ceiling_step": r.ceiling_step,
                   "attn_max": float(np.nanmax(r.attn)), "first_act": min(_acts(r, "policy"), default=None),

@@ -228,6 +228,9 @@ class Signal(str, enum.Enum):
     # The loss and the gradient norm rising together against their own recent past, a few steps
     # in a row (detectors/co_rise.py): a blow-up that builds, acted on before it is a spike.
     LOSS_GRAD_RISE = "loss_grad_rise"
+    # The loss behind the runs of the same model config that trained with no more LR so far
+    # (monitors/envelope.py, judged by a supervisor job over the database): alert and page.
+    LOSS_BEHIND_PEERS = "loss_behind_peers"
     GRAD_SPIKE = "grad_spike"
     NON_FINITE = "non_finite"
     ACT_OVERFLOW = "act_overflow"

@@ -6,6 +6,8 @@ retention         thin old thermometers so a 10^6-step run stays bounded
 checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
                   (a backstop: the trainer reports its own retention deletes as it makes them)
 daily digest      one message a day: steps, incidents, actions per run active that day
+peer envelope     a run active today whose loss is behind the runs of its model config that
+                  trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
 
 Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
 made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
@@ -22,7 +24,10 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import sessionmaker
 
-from thermowatch.monitors.contract import Severity
+import numpy as np
+
+from thermowatch.monitors.contract import LOSS, LR, Finding, Severity
+from thermowatch.monitors.envelope import Curve, EnvelopeConfig, behind_peers
 from thermowatch.monitors.manifest import MANIFEST, files_problem
 from thermowatch.supervisor.notify.base import Alert
 from thermowatch.supervisor.scheduler import Job
@@ -58,6 +63,7 @@ def default_jobs(sup: Daemon) -> list[Job]:
         Job("retention", lambda: retention(sup), every_s=3600.0, jitter=60.0),
         Job("checkpoint_scan", lambda: checkpoint_scan(sup), every_s=900.0, jitter=30.0),
         Job("daily_digest", lambda: daily_digest(sup), every_s=86400.0),
+        Job("peer_envelope", lambda: peer_envelope(sup), every_s=300.0, jitter=30.0),
     ]
 
 
@@ -142,3 +148,62 @@ def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
             sup.executor.outbox.enqueue(s, alert)
     sup.executor.flush_alerts()
     return sent
+
+
+# The runs a run is compared with: the newest this many (with the active ones), of the same model.
+PEER_RUNS = 200
+
+
+def model_key(config: dict[str, Any] | None) -> str | None:
+    """What makes runs comparable: the `model` section of the run's config (the bundled trainer's
+    GPTConfig), canonical JSON; None (never compared) for a run that does not say."""
+    model = (config or {}).get("model")
+    return json.dumps(model, sort_keys=True, default=str) if isinstance(model, dict) and model else None
+
+
+def _curve(s, run_id: str) -> Curve:
+    """The run's loss and LR by step, the newest value of a step re-trained after a rollback."""
+    def newest(key: str) -> tuple[np.ndarray, np.ndarray]:
+        steps, values = thermo_store.history(s, run_id, key)
+        uniq, idx = np.unique(steps[::-1], return_index=True)
+        return uniq, values[::-1][idx]
+    steps, loss = newest(LOSS)
+    lr_steps, lr = newest(LR)
+    lr_at = np.full(len(steps), np.nan)
+    if len(lr_steps):
+        at = np.minimum(np.searchsorted(lr_steps, steps), len(lr_steps) - 1)
+        lr_at = np.where(lr_steps[at] == steps, lr[at], np.nan)
+    return Curve(run_id, steps, loss, lr_at)
+
+
+def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConfig | None = None
+                  ) -> list[tuple[str, Finding]]:
+    """Judge each run active in the last day against its comparable runs; hand a finding to the
+    responder, which records it once per attempt (a later tick finds the same stretch again and
+    is not decided twice) and alerts."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    found: list[tuple[str, Finding, int | None]] = []
+    with sup.sessions() as s:
+        active = runs_store.active_since(s, now - runs_store.ACTIVE_WINDOW)
+        if not active:
+            return []
+        keys = {}
+        for rid in sorted(set(runs_store.newest_run_ids(s, PEER_RUNS)) | set(active)):
+            row = runs_store.get_run(s, rid)
+            keys[rid] = model_key(row.config) if row is not None else None
+        curves: dict[str, Curve] = {}
+        for rid in active:
+            key = keys.get(rid)
+            peers = [p for p, k in keys.items() if key is not None and k == key and p != rid]
+            if not peers:
+                continue
+            for r in (rid, *peers):
+                if r not in curves:
+                    curves[r] = _curve(s, r)
+            finding = behind_peers(curves[rid], [curves[p] for p in peers], cfg)
+            if finding is not None:
+                att = runs_store.latest_attempt(s, rid)
+                found.append((rid, finding, att.attempt if att is not None else None))
+    for rid, finding, attempt in found:
+        sup.responder.handle(rid, finding, attempt)
+    return [(rid, f) for rid, f, _ in found]

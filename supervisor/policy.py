@@ -87,6 +87,10 @@ _ALERT_ONLY_WHY = {
         "activation overflow only alerts by default: it becomes a non-finite finding if it matters; "
         "add act_overflow to rollback_signals to act on it directly"
     ),
+    Signal.LOSS_BEHIND_PEERS: (
+        "a run behind the runs of its model config that trained with no more LR learns worse than it "
+        "could: a rollback replays the same LR, so a human should decide (lower the LR, or compare the configs)"
+    ),
     Signal.LOSS_DEGRADATION: (
         "a loss falling behind its own trend only alerts by default: a rollback replays the same LR, "
         "so a human should decide (lower the LR by hand, or add loss_degradation to rollback_signals)"
@@ -151,8 +155,9 @@ class PolicyConfig:
     # Set the LR back after an LR jump that did lasting harm (the signal lr_jump). A jump's
     # finding is an act only when its harm outlasted the detector's window, so this is on.
     revert_lr_jumps: bool = True
-    # Alert-only signals that also page: a stalled run burns GPU hours until someone looks.
-    page_signals: frozenset[Signal] = frozenset({Signal.STALL})
+    # Alert-only signals that also page: a stalled run burns GPU hours until someone looks; a run
+    # behind its peers (issue 24, item 1: "degradation that pages") learns worse by the hour.
+    page_signals: frozenset[Signal] = frozenset({Signal.STALL, Signal.LOSS_BEHIND_PEERS})
     # Tell Slack about ranks far from the others (OPT-175B hunted bad nodes for weeks).
     outlier_rank_alerts: bool = True
     # Restart from the newest healthy checkpoint without the outlier's node. Off: draining a

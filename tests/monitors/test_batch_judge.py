@@ -50,7 +50,7 @@ def test_batches_of_a_real_trace_judge_as_one_step_at_a_time(name):
         got, bank = _batched(records, {}, size, columns=columns)
         assert got == want, (name, size, columns)
         _same_state(one, bank)
-    if name != "healthy":
+    if not name.startswith("healthy"):
         assert want  # the diverging traces do raise findings: the comparison is not of empty lists
 
 
