@@ -6,8 +6,8 @@ retention         thin old thermometers so a 10^6-step run stays bounded
 checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
                   (a backstop: the trainer reports its own retention deletes as it makes them)
 daily digest      one message a day: steps, incidents, actions per run active that day
-peer envelope     a run active today whose loss is behind the runs of its model config that
-                  trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
+peer envelope     a run active today (of the 200 newest) whose loss is behind the runs of its
+                  model config that trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
 
 Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
 made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
@@ -150,7 +150,8 @@ def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     return sent
 
 
-# The runs a run is compared with: the newest this many (with the active ones), of the same model.
+# The runs judged and compared: the newest this many (those active in the last day are judged,
+# against the others of the same model among them).
 PEER_RUNS = 200
 
 
@@ -184,11 +185,14 @@ def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConf
     now = now or dt.datetime.now(dt.timezone.utc)
     found: list[tuple[str, Finding, int | None]] = []
     with sup.sessions() as s:
-        active = runs_store.active_since(s, now - runs_store.ACTIVE_WINDOW)
+        # Bounded whatever the database holds (an ingest token can make 10^5 runs: issue 21):
+        # the newest PEER_RUNS runs are the candidates, the active ones among them are judged.
+        newest = runs_store.newest_run_ids(s, PEER_RUNS)
+        active = sorted(set(runs_store.active_since(s, now - runs_store.ACTIVE_WINDOW)) & set(newest))
         if not active:
             return []
         keys = {}
-        for rid in sorted(set(runs_store.newest_run_ids(s, PEER_RUNS)) | set(active)):
+        for rid in newest:
             row = runs_store.get_run(s, rid)
             keys[rid] = model_key(row.config) if row is not None else None
         curves: dict[str, Curve] = {}
