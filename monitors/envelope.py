@@ -76,13 +76,15 @@ def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None 
     own, area = _smoothed(run, cfg.smooth), _area(run)
     best = np.full(len(run.steps), np.inf)
     who = np.full(len(run.steps), -1)
+    areas: list[np.ndarray] = []  # each peer's cumulative LR, for the evidence too
     for i, p in enumerate(peers):
+        areas.append(_area(p))
         if len(p.steps) == 0:
             continue
         at = np.searchsorted(p.steps, run.steps)
         have = (at < len(p.steps)) & (p.steps[np.minimum(at, len(p.steps) - 1)] == run.steps)
         j = np.minimum(at, len(p.steps) - 1)
-        ps, pa = _smoothed(p, cfg.smooth)[j], _area(p)[j]
+        ps, pa = _smoothed(p, cfg.smooth)[j], areas[i][j]
         eligible = have & (pa <= area * (1 + 1e-9)) & np.isfinite(ps)
         better = eligible & (ps < best)
         best, who = np.where(better, ps, best), np.where(better, i, who)
@@ -101,5 +103,5 @@ def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None 
         detect_step=int(run.steps[k]), metric=LOSS, outcome=Outcome.ALERT,
         evidence={"value": float(own[k]), "envelope": float(best[k]), "gap_nats": float(gap[k]),
                   "threshold_nats": cfg.gap_nats, "peer_run": peer.run_id, "peers": len(peers),
-                  "lr_area": float(area[k]), "peer_lr_area": float(_area(peer)[np.searchsorted(peer.steps, run.steps[k])]),
+                  "lr_area": float(area[k]), "peer_lr_area": float(areas[int(who[k])][np.searchsorted(peer.steps, run.steps[k])]),
                   "steps_behind": cfg.confirm, "onset_method": "envelope"})
