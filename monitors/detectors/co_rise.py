@@ -72,16 +72,18 @@ class CoRiseConfig:
         at_least("history", self.history, self.recent + self.baseline)
 
 
-def _stats(c: CoRiseConfig, loss: np.ndarray, logg: np.ndarray) -> list[np.ndarray]:
+def _stats(c: CoRiseConfig, loss: np.ndarray, grad: np.ndarray) -> list[np.ndarray]:
     """Per window (one row each: `baseline` points, then `recent`): the recent mean loss, the
     baseline median, the bar the mean must clear above it, the robust spread, and the recent and
-    baseline medians of log gradient norm."""
+    baseline medians of gradient norm. Only + - x / and order statistics: a transcendental (log)
+    differs in its last bit between numpy's SIMD loop and libm, and the batch path must give
+    exactly the findings of one step at a time on every CPU."""
     base, rec = loss[:, : c.baseline], loss[:, c.baseline:]
     med = np.median(base, axis=1)
     spread = _MAD_SIGMA * np.median(np.abs(base - med[:, None]), axis=1)
     bar = np.maximum(c.z * spread / math.sqrt(c.recent), c.min_rel_rise * np.abs(med))
-    return [rec.mean(axis=1), med, bar, spread, np.median(logg[:, c.baseline:], axis=1),
-            np.median(logg[:, : c.baseline], axis=1)]
+    return [rec.mean(axis=1), med, bar, spread, np.median(grad[:, c.baseline:], axis=1),
+            np.median(grad[:, : c.baseline], axis=1)]
 
 
 class CoRiseDetector:
@@ -92,7 +94,7 @@ class CoRiseDetector:
     def __init__(self, config: CoRiseConfig | None = None) -> None:
         self.config = config or CoRiseConfig()
         c = self.config
-        # (step, loss, log gradient norm), the newest `recent + baseline` finite points
+        # (step, loss, gradient norm), the newest `recent + baseline` finite points
         self.points: deque[tuple[int, float, float]] = deque(maxlen=c.history)
         self.n = c.recent + c.baseline  # the window judged: the newest n points
         self.seen = 0
@@ -113,7 +115,7 @@ class CoRiseDetector:
             return
         hist = np.array(self._tail(n - 1), dtype=np.float64).reshape(-1, 3)
         l = np.concatenate([hist[:, 1], loss[ok]])
-        g = np.concatenate([hist[:, 2], np.log(grad[ok])])
+        g = np.concatenate([hist[:, 2], grad[ok]])
         if len(l) < n:
             return
         stats = _stats(c, sliding_window_view(l, n), sliding_window_view(g, n))
@@ -142,7 +144,7 @@ class CoRiseDetector:
         if loss is None or grad is None or not (math.isfinite(loss) and math.isfinite(grad) and grad > 0):
             return None  # non_finite.py owns NaN/Inf; a trainer without grad_norm gets nothing here
         c = self.config
-        self.points.append((step, float(loss), math.log(grad)))
+        self.points.append((step, float(loss), float(grad)))
         self.seen += 1
         full = len(self.points) >= self.n
         pre = self._prepared(step) if full else None
@@ -152,7 +154,7 @@ class CoRiseDetector:
             arr = np.array(self._tail(self.n), dtype=np.float64)
             pre = tuple(float(a[0]) for a in _stats(c, arr[None, :, 1], arr[None, :, 2]))
         mean, med, bar, spread, g_rec, g_base = pre
-        rising = mean - med >= bar and g_rec - g_base >= math.log(c.grad_ratio)
+        rising = mean - med >= bar and g_rec >= c.grad_ratio * g_base
         if self.latched:
             self.quiet = 0 if rising else self.quiet + 1
             if self.quiet >= c.clear_steps:
@@ -172,8 +174,7 @@ class CoRiseDetector:
             detect_step=step, metric=LOSS, outcome=Outcome.ACT,
             evidence={"value": mean, "baseline": med, "threshold": med + bar, "robust_sigma": spread,
                       "rise": mean / med - 1.0 if med else math.inf,
-                      "grad_norm_recent": math.exp(g_rec), "grad_norm_baseline": math.exp(g_base),
-                      "grad_ratio": math.exp(g_rec - g_base), "recent": c.recent, "baseline_points": c.baseline,
+                      "grad_norm_recent": g_rec, "grad_norm_baseline": g_base, "grad_ratio": g_rec / g_base, "recent": c.recent, "baseline_points": c.baseline,
                       "steps_in_a_row": self.run, "onset_method": "co_rise"})
 
     def reset(self, to_step: int | None = None) -> None:
@@ -187,11 +188,13 @@ class CoRiseDetector:
         self.run, self.first, self.latched, self.quiet = 0, -1, False, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"points": [list(p) for p in self.points], "seen": self.seen, "run": self.run, "first": self.first,
+        return {"grad_points": [list(p) for p in self.points], "seen": self.seen, "run": self.run, "first": self.first,
                 "latched": self.latched, "quiet": self.quiet}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.__init__(self.config)
-        self.points.extend((int(s), float(v), float(g)) for s, v, g in d.get("points", []))
+        # "grad_points": (step, loss, gradient norm). State saved before held log norms under
+        # "points"; it is not read back, and the detector warms up again.
+        self.points.extend((int(s), float(v), float(g)) for s, v, g in d.get("grad_points", []))
         self.seen, self.run, self.first = int(d.get("seen", 0)), int(d.get("run", 0)), int(d.get("first", -1))
         self.latched, self.quiet = bool(d.get("latched", False)), int(d.get("quiet", 0))

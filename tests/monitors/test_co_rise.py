@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from thermowatch.monitors.contract import GRAD_NORM, LOSS, Outcome, Severity, Signal, signal_family
@@ -134,6 +134,8 @@ def test_config_refuses_what_cannot_work():
 
 
 @settings(max_examples=8, deadline=None)
+# CI's CPU: np.log's SIMD loop and math.log differed in the last bit of one window's median
+@example(seed=4048, rise_at=120, cuts=[1, 6])
 @given(seed=st.integers(0, 10_000), rise_at=st.sampled_from([None, 120, 200, 260]),
        cuts=st.lists(st.integers(1, 120), min_size=1, max_size=6))
 def test_batches_judge_as_one_step_at_a_time(seed, rise_at, cuts):
