@@ -472,13 +472,56 @@ class Command:
         return cls(id=_int("command", "id", o.get("id"), 0, INT32_MAX), body=parse_command(o.get("kind"), o.get("args")))
 
 
+BISECT_OUTCOMES = ("narrowed", "inseparable", "budget")
+
+
+@dataclass(frozen=True, slots=True)
+class Bisected:
+    """A precise skip's search (thermowatch/precise_skip.py): the rollback's suspect samples,
+    how many probes and training steps the search spent re-training from the checkpoint and in
+    how many seconds, and its outcome: narrowed (the ack's `skipped` is fewer than the suspects),
+    inseparable (no half spiked alone: all of them skipped) or budget (it ran out of steps or time:
+    what it had not cleared is skipped)."""
+
+    suspects: tuple[SampleRange, ...]
+    probes: int
+    steps: int
+    seconds: float
+    outcome: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "suspects", tuple(self.suspects))
+        _int("bisected", "probes", self.probes, 0, INT32_MAX)
+        _int("bisected", "steps", self.steps)
+        object.__setattr__(self, "seconds", _float("bisected", "seconds", self.seconds, 0.0, 1e9, lo_open=False))
+        if self.outcome not in BISECT_OUTCOMES:
+            raise ContractError(f"bisected: outcome must be one of {BISECT_OUTCOMES}, got {self.outcome!r}")
+
+    @property
+    def samples(self) -> int:
+        return sum(len(r) for r in self.suspects)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"suspects": [r.to_json() for r in self.suspects], "probes": self.probes, "steps": self.steps,
+                "seconds": self.seconds, "outcome": self.outcome}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Bisected":
+        o = _only("bisected", obj, {"suspects", "probes", "steps", "seconds", "outcome"})
+        for name in ("suspects", "probes", "steps", "seconds", "outcome"):
+            if name not in o:
+                raise ContractError(f"bisected: missing field {name!r}")
+        return cls(ranges_from_json(o["suspects"]), o["probes"], o["steps"], o["seconds"], o["outcome"])
+
+
 @dataclass(frozen=True, slots=True)
 class Ack:
     """The run controller's answer, carrying what really happened. `step` is the first step
     trained after the command took effect; the rest say what it did: the checkpoint loaded
     (rollback), the effective LR multiplier at `step`, the LR change it applied and that
     change's position in the trainer's list (`lr_seq`, the order changes are applied in), the
-    ranges it added to the skip ledger, and the ledger's digest afterwards."""
+    ranges it added to the skip ledger, and the ledger's digest afterwards; `bisected`, when a
+    precise skip searched the rollback's suspects for the ones it skipped (Bisected)."""
 
     command_id: int
     ok: bool
@@ -491,6 +534,7 @@ class Ack:
     lr_seq: int | None = None
     skipped: tuple[SampleRange, ...] = ()
     ledger_digest: str = ""
+    bisected: Bisected | None = None
 
     def __post_init__(self) -> None:
         _int("ack", "command_id", self.command_id, 0, INT32_MAX)
@@ -517,12 +561,13 @@ class Ack:
                 "checkpoint_step": self.checkpoint_step, "checkpoint_path": self.checkpoint_path,
                 "lr_multiplier": self.lr_multiplier,
                 "lr_change": None if self.lr_change is None else self.lr_change.to_json(), "lr_seq": self.lr_seq,
-                "skipped": [r.to_json() for r in self.skipped], "ledger_digest": self.ledger_digest}
+                "skipped": [r.to_json() for r in self.skipped], "ledger_digest": self.ledger_digest,
+                "bisected": None if self.bisected is None else self.bisected.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any) -> "Ack":
         o = _only("ack", obj, {"command_id", "ok", "step", "detail", "checkpoint_step", "checkpoint_path",
-                               "lr_multiplier", "lr_change", "lr_seq", "skipped", "ledger_digest"})
+                               "lr_multiplier", "lr_change", "lr_seq", "skipped", "ledger_digest", "bisected"})
         for name in ("command_id", "ok", "step"):
             if name not in o:
                 raise ContractError(f"ack: missing field {name!r}")
@@ -531,6 +576,7 @@ class Ack:
                    _opt_str("ack", "checkpoint_path", path), o.get("lr_multiplier"),
                    None if o.get("lr_change") is None else LRChange.from_json(o["lr_change"]), o.get("lr_seq"),
                    # issue 21: [x, x) is schema-valid (JSON Schema cannot say lo < hi) and skipped nothing
-                   ranges_from_json(o.get("skipped"), drop_empty=True), o.get("ledger_digest", ""))
+                   ranges_from_json(o.get("skipped"), drop_empty=True), o.get("ledger_digest", ""),
+                   None if o.get("bisected") is None else Bisected.from_json(o["bisected"]))
 
 

@@ -4,7 +4,8 @@
 Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled, expired), args (as asked),
 checkpoint_step and checkpoint_path (what a rollback loaded), first_step (the first step trained
 after it), effective_lr_multiplier (in force at first_step), lr_change, skipped_ranges (what the
-trainer added to its ledger), ledger_digest, detail (the trainer's words), error.
+trainer added to its ledger), ledger_digest, bisected (a precise skip's search), detail (the
+trainer's words), error.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def outcome(row) -> dict[str, Any]:
         "requested_lr": _requested_lr(args),
         "skipped_ranges": [r.to_json() for r in ack.skipped] if ack else [],
         "ledger_digest": ack.ledger_digest if ack else "",
+        "bisected": ack.bisected.to_json() if ack and ack.bisected else None,
         "detail": ack.detail if ack else "",
         "error": row.error or "",
     }
@@ -71,6 +73,10 @@ def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
         lines.append(f"effective LR multiplier: x{o['effective_lr_multiplier']:g}{asked}")
     if o["skipped_ranges"]:
         lines.append("ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    b = o.get("bisected")
+    if b:
+        lines.append(f"precise skip ({b['outcome']}): {b['probes']} probes, {b['steps']:,} steps re-trained, "
+                     f"{b['seconds']:.1f} s, over {sum(hi - lo for lo, hi in b['suspects']):,} suspect samples")
     return lines
 
 

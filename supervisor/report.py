@@ -161,6 +161,11 @@ def render_quarantine(q: dict[str, Any]) -> str:
         lines.append(f"  #{v['action_id']} {where}, back to checkpoint {v['checkpoint_step']}, skipped "
                      + ", ".join(f"[{lo}, {hi})" for lo, hi in v["ranges"]) + f" ({v['samples']:,} samples): "
                      + f"{v['status'].upper()}: {v['why']}")
+        b = v.get("bisected")
+        if b:
+            lines.append(f"    precise skip: {v['samples']:,} of {sum(hi - lo for lo, hi in b['suspects']):,} suspect "
+                         f"samples ({b['outcome']}), found in {b['probes']} probes, {b['steps']:,} steps re-trained "
+                         f"from the checkpoint, {b['seconds']:.1f} s")
     if ranges:
         lines.append("quarantined sample ranges [lo, hi): " + ", ".join(f"[{lo}, {hi})" for lo, hi in ranges))
     return "\n".join(lines)

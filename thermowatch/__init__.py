@@ -29,7 +29,8 @@ _PUBLIC = {
     "Skip": "thermowatch.monitors.contract", "SetLR": "thermowatch.monitors.contract",
     "Pause": "thermowatch.monitors.contract", "Resume": "thermowatch.monitors.contract",
     "Stop": "thermowatch.monitors.contract", "SampleRange": "thermowatch.monitors.contract",
-    "LRChange": "thermowatch.monitors.contract",
+    "LRChange": "thermowatch.monitors.contract", "Bisected": "thermowatch.monitors.contract",
+    "PreciseSkip": "thermowatch.precise_skip",
 }
 __all__ = sorted(_PUBLIC)
 

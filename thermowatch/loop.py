@@ -19,6 +19,11 @@ Every command is carried out here, on the training thread, between two steps:
   `optimizer.step()` (a pre- and post-hook), so the scheduler itself never sees it and a
   chainable scheduler (ExponentialLR) does not compound it.
 - pause / resume / stop: `steps()` blocks while paused and ends on stop.
+- precise skip (opt-in, `precise_skip=True`, thermowatch/precise_skip.py): a rollback that skips
+  samples first re-trains from its checkpoint in halves to find the offending ones; `steps()`
+  yields the probes' steps (the user's loop trains them as any step; nothing of them is sent or
+  checkpointed), then the checkpoint is loaded again and only the offenders are skipped. The
+  rollback's ack leaves when the search ends, with what it cost.
 
 The ack says what was really done (the checkpoint loaded, the change applied, the ledger's
 digest). Sends and polls run on a background thread (thermowatch.run.Run).
@@ -34,6 +39,7 @@ its shards; the scheduler and each rank's RNG beside them) in a `checkpoint_dir`
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import math
@@ -51,13 +57,14 @@ import torch
 
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
-    LR_MULTIPLIER, LR_PEAK_AHEAD, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
+    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
     StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
 from thermowatch.protocol import CheckpointRef, Outcome, ack_for
 from thermowatch.run import Run
 
@@ -76,7 +83,8 @@ class Watch:
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 50,
                  keep_checkpoints: int = 5, scheduler: Any = None,
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
-                 poll_interval_s: float = 1.0, supervisor_config: Any = None) -> None:
+                 poll_interval_s: float = 1.0, supervisor_config: Any = None,
+                 precise_skip: PreciseSkip | bool = False) -> None:
         if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
                              f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
@@ -117,6 +125,14 @@ class Watch:
                 self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
                 self._reducer = Reducer(self.th.names)
         self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
+        self.precise = PreciseSkip() if precise_skip is True else precise_skip or None
+        if self.precise is not None and self.dist.world > 1:
+            log.warning("thermowatch: precise_skip is not supported under torchrun yet; rollbacks skip their whole window")
+            self.precise = None
+        self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
+        self._probing: _Probing | None = None
+        self._waiting: list[Command] = []  # commands that came with a rollback that is still probing
+        self._cmd: Command | None = None
         self._saved_lrs: list[Any] | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -131,8 +147,16 @@ class Watch:
         while True:
             if self._started and not self._recorded:
                 raise RuntimeError(f"step {self._ids_step}: call record(loss) once per step before the next one")
+            if self._probing is not None:
+                nxt = self._probe_next()
+                if nxt is not None:
+                    self._prepare(nxt)
+                    yield nxt
+                    continue
             self._after_step()
             self._obey()
+            if self._probing is not None:  # a rollback that bisects before it resumes: probes first
+                continue
             while self.paused and not self.stopped:
                 time.sleep(min(self.run.poll_interval_s, 0.2))
                 self._obey()
@@ -160,6 +184,11 @@ class Watch:
         if self._recorded:
             raise RuntimeError(f"record() called twice for step {step}, or before steps() yielded one")
         lo, hi, mult, peak, lr = self._meta[step]
+        if self._probing is not None:  # a precise skip's probe: judged here, never sent
+            self._meta.pop(step)
+            self._probing.observe(self._ids, self.dist.mean(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+            self.cursor, self.step, self._recorded = hi, step, True
+            return
         if self.th is not None:
             self.th.end_step(loss=loss, lr=lr)
             self._drain(False, values)
@@ -200,20 +229,27 @@ class Watch:
         return self.run.attempt
 
     @property
+    def probing(self) -> bool:
+        """True while the steps being trained are a precise skip's probes (`precise_skip`): they
+        are re-trained from a checkpoint and thrown away, so a loop's own logging may leave them out."""
+        return self._probing is not None
+
+    @property
     def lr_multiplier(self) -> float:
         return multiplier_at(self.step + 1, self.lr_changes)
 
     # --- per step -----------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> None:
-        ids = self.ledger.take(self.cursor, self.global_batch)
+        probe = self._probing
+        ids = (probe.ledger if probe is not None else self.ledger).take(self.cursor, self.global_batch)
         self._ids, self._ids_step, self._recorded = ids, step, False
         mult = multiplier_at(step, self.lr_changes)
         k = step - 1 - self._peak_base
         peak = float(self._peak[k]) if 0 <= k < len(self._peak) else math.nan
         # the LR this step trains at: the schedule's now (the user's scheduler.step() comes after)
         self._meta[step] = (int(ids[0]), int(ids[-1]) + 1, mult, peak * mult, self._schedule_lr() * mult)
-        if self.th is not None:
+        if self.th is not None and probe is None:
             self.th.begin_step(step)
 
     def _drain(self, block: bool, extra: dict[str, float]) -> None:
@@ -234,6 +270,7 @@ class Watch:
         loss = vals.get("loss", math.nan)
         self._healthy &= math.isfinite(loss)
         self.final_loss = loss
+        self._losses.append((step, loss))
         self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
                                  ranks=ranks or {}, ledger_digest=ledger_digest(self.ledger.ranges)))
 
@@ -301,8 +338,11 @@ class Watch:
     # --- commands -----------------------------------------------------------------------------
 
     def _obey(self) -> None:
-        for cmd in self.dist.agree(self.run.commands):
+        cmds = self._waiting + self.dist.agree(self.run.commands)
+        self._waiting = []
+        for i, cmd in enumerate(cmds):
             out, error = None, None
+            self._cmd = cmd  # the command a probing rollback answers when its search ends
             try:
                 out = self._carry_out(cmd)
             except _Refused as exc:
@@ -310,10 +350,16 @@ class Watch:
             except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
                 log.exception("thermowatch: command %s failed", cmd)
                 error = f"{type(exc).__name__}: {exc}"
-            ack = ack_for(cmd, out, error, first_step=self.step + 1, lr_changes=self.lr_changes,
-                          skip_ranges=self.ledger.ranges)
-            # remembered with the ledger and the LR changes before it leaves (thermowatch.protocol)
-            self.run.ack(ack, cmd, lr_changes=self.lr_changes, skip_ranges=self.ledger.ranges)
+            if self._probing is not None:  # answered when its search ends; the rest wait for it
+                self._waiting = cmds[i + 1:]
+                return
+            self._answer(cmd, out, error)
+
+    def _answer(self, cmd: Command, out: Outcome | None, error: str | None) -> None:
+        ack = ack_for(cmd, out, error, first_step=self.step + 1, lr_changes=self.lr_changes,
+                      skip_ranges=self.ledger.ranges)
+        # remembered with the ledger and the LR changes before it leaves (thermowatch.protocol)
+        self.run.ack(ack, cmd, lr_changes=self.lr_changes, skip_ranges=self.ledger.ranges)
 
     def _carry_out(self, cmd: Command) -> Outcome:
         body = cmd.body
@@ -351,7 +397,12 @@ class Watch:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable (the log says why)")
         if loaded is None:
             raise _Refused(f"no readable checkpoint at or before step {cmd.to_step} in {self.dir}; nothing to roll back to")
-        self.ledger.add_many([r.to_json() for r in cmd.skip])
+        suspects = ids_of(cmd.skip)
+        if self.precise is not None and len(suspects):
+            suspects = suspects[~self.ledger.contains(suspects)]  # already skipped: not suspects
+        precise = self.precise is not None and len(suspects) > 0
+        if not precise:
+            self.ledger.add_many([r.to_json() for r in cmd.skip])
         change = seq = None
         if cmd.lr is not None:
             change = cmd.lr.change(loaded + 1)
@@ -372,10 +423,55 @@ class Watch:
         self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
         self._peak = self._forecast()
         detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
-                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
+                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip and not precise else "")
                   + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
-        return Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
-                       lr_seq=seq, skipped=cmd.skip)
+        out = Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
+                      lr_seq=seq, skipped=() if precise else cmd.skip)
+        if precise:
+            healthy = [v for s, v in self._losses if s <= loaded]
+            budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))
+            self._probing = _Probing(self._cmd, out, loaded, self.ledger.copy(), suspects,
+                                     Search(suspects, self.precise.min_samples or self.global_batch),
+                                     healthy, self.precise, budget)
+        return out
+
+    # --- precise skip: probes from the rollback's checkpoint ------------------------------------
+
+    def _probe_next(self) -> int | None:
+        """The next probe step to train, or None once the search has ended (the checkpoint
+        loaded again, the offenders skipped, the rollback answered)."""
+        p = self._probing
+        over = p.steps >= p.budget or time.monotonic() - p.t0 >= self.precise.max_seconds
+        if p.under_way():
+            ended = p.spiked or p.after >= self.precise.settle or self.step >= self.total
+            if not (ended or over):
+                return self.step + 1
+            if ended:  # its verdict (a probe cut short by the budget has none)
+                p.close()
+            self._load(p.checkpoint)
+        if over:
+            p.search.give_up()  # what is not cleared yet, the probe cut short included, is skipped
+        probe = p.search.next()
+        if probe is not None:
+            p.open(probe)
+            return self.step + 1
+        self._probing = None
+        found = p.search.offenders()
+        skipped = ranges_of(found)
+        self.ledger.add_many([r.to_json() for r in skipped])
+        self._save_state()
+        bisected = Bisected(ranges_of(p.suspects), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
+                            p.search.outcome)
+        what = (f"{len(found):,} of {len(p.suspects):,} suspect samples" if len(found) < len(p.suspects)
+                else f"all {len(p.suspects):,} suspect samples ({bisected.outcome})")
+        detail = (p.out.detail + f"; precise skip: {bisected.probes} probes, {bisected.steps} steps, "
+                  f"{bisected.seconds:.1f} s; skipping {what}"
+                  + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
+        out = Outcome(detail, checkpoint=p.out.checkpoint, lr_change=p.out.lr_change, lr_seq=p.out.lr_seq,
+                      skipped=skipped, bisected=bisected)
+        log.info("thermowatch: %s", detail)
+        self._answer(p.cmd, out, None)
+        return None
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -477,6 +573,50 @@ class Watch:
 
 class _Refused(Exception):
     """A command that cannot be carried out as asked; the ack says why."""
+
+
+class _Probing:
+    """A precise skip under way (thermowatch/precise_skip.py): the rollback it answers, the
+    search, and the probe being trained (its ledger: the base ledger with the other suspects
+    skipped)."""
+
+    def __init__(self, cmd: Command, out: Outcome, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
+                 search: Search, healthy: list[float], cfg: PreciseSkip, budget: int) -> None:
+        self.cmd, self.out, self.checkpoint, self.base = cmd, out, checkpoint, base
+        self.suspects, self.search, self.healthy, self.cfg, self.budget = suspects, search, healthy, cfg, budget
+        self.t0 = time.monotonic()
+        self.steps = 0
+        self.probe: np.ndarray | None = None
+        self.ledger = base
+
+    def under_way(self) -> bool:
+        return self.probe is not None
+
+    def open(self, probe: np.ndarray) -> None:
+        self.probe, self.last = probe, int(probe[-1])
+        self.ledger = self.base.copy()
+        self.ledger.add_many([r.to_json() for r in ranges_of(np.setdiff1d(self.suspects, probe, assume_unique=True))])
+        self.bar = SpikeBar(self.healthy, self.cfg)
+        self.trained: list[np.ndarray] = []
+        self.spiked = False
+        self.after = -1  # steps trained since the probe's last sample was (-1: not yet)
+
+    def observe(self, ids: np.ndarray, loss: float) -> None:
+        self.steps += 1
+        self.trained.append(ids)
+        self.spiked = self.bar.spiked(loss)
+        if self.after >= 0:
+            self.after += 1
+        elif int(ids[-1]) >= self.last:
+            self.after = 0
+
+    def close(self) -> None:
+        seen = np.intersect1d(self.probe, np.concatenate(self.trained)) if self.spiked else np.zeros(0, np.int64)
+        last = np.intersect1d(self.probe, self.trained[-1]) if self.spiked else None
+        log.debug("thermowatch: precise skip probe %s: %d steps, %s", ranges_of(self.probe), len(self.trained),
+                  f"spiked, {len(seen)} of its samples trained by then" if self.spiked else "clean")
+        self.search.report(self.spiked, seen, last)
+        self.probe = None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from thermowatch.monitors.contract import (
-    Ack, Command, ContractError, LRChange, SampleRange, ledger_digest, merge_ranges, multiplier_at,
+    Ack, Bisected, Command, ContractError, LRChange, SampleRange, ledger_digest, merge_ranges, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 
@@ -133,6 +133,7 @@ class Outcome:
     lr_change: LRChange | None = None
     lr_seq: int | None = None
     skipped: tuple[SampleRange, ...] = ()
+    bisected: Bisected | None = None  # a precise skip's search (thermowatch/precise_skip.py)
 
 
 def ack_for(cmd: Command, out: Outcome | None, error: str | None, *, first_step: int,
@@ -144,4 +145,4 @@ def ack_for(cmd: Command, out: Outcome | None, error: str | None, *, first_step:
                checkpoint_path=out.checkpoint.path if out and out.checkpoint else None,
                lr_multiplier=multiplier_at(first_step, lr_changes), lr_change=out.lr_change if out else None,
                lr_seq=out.lr_seq if out else None, skipped=out.skipped if out else (),
-               ledger_digest=ledger_digest(skip_ranges))
+               ledger_digest=ledger_digest(skip_ranges), bisected=out.bisected if out else None)

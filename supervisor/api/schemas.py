@@ -126,6 +126,18 @@ _LR_CHANGE_WITH_SEQ = {"anyOf": [
     {"properties": {"lr_change": {"type": "null"}, "lr_seq": {"type": "null"}}}]}
 
 
+class BisectedBody(BaseModel):
+    """thermowatch.monitors.commands.Bisected: a precise skip's search of a rollback's suspects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    suspects: list[Annotated[tuple[_Sample, _Sample], Field(description="[lo, hi)")]]
+    probes: int = Field(ge=0, le=INT32_MAX)
+    steps: int = Field(ge=0, le=INT64_MAX, description="training steps the probes took")
+    seconds: float = Field(ge=0, le=1e9)
+    outcome: Literal["narrowed", "inseparable", "budget"]
+
+
 class AckBody(BaseModel):
     """thermowatch.monitors.commands.Ack as JSON: what the trainer really did with a command."""
 
@@ -144,6 +156,7 @@ class AckBody(BaseModel):
         default_factory=list, description="[lo, hi) sample ranges added to the ledger; an empty one (lo >= hi) is "
                                           "nothing and is dropped")
     ledger_digest: str = ""
+    bisected: BisectedBody | None = Field(None, description="a precise skip's search, when one ran")
 
 
 # --- manual actions: args per kind (validated by monitors.commands' from_args) -------------------

@@ -3,7 +3,8 @@ divergence come back on the re-trained path?
 
 PaLM found that replaying the same batches from an earlier checkpoint often did not spike: the
 data alone was not always the cause. So a skip is a hypothesis, and the re-trained path tests it.
-For each rollback the trainer carried out with a skip (`result.skipped`, the ack's ranges):
+For each rollback the trainer carried out with a skip (`result.skipped`, the ack's ranges; after
+a precise skip, only the offenders its search found among the suspects, `result.bisected`):
 
 - `recurred`: an incident of the same signal family (attention growth and ceiling are one) was
   detected on the re-trained path, from the rollback's first re-trained step to `horizon` steps
@@ -52,6 +53,9 @@ class SkipVerdict:
     status: str  # quarantine | recurred | pending
     why: str
     recurrence_incident: int | None = None
+    # a precise skip's search (Ack.bisected): the suspects it narrowed `ranges` from, its probes,
+    # steps, seconds and outcome; None for a blunt skip
+    bisected: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -96,7 +100,7 @@ def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[Skip
                    f"step {detect + horizon} ({horizon} steps past {what}) or when it comes back")
         out.append(SkipVerdict(a.id, inc.id if inc is not None else None, inc.signal if inc is not None else None,
                                detect, res.get("checkpoint_step"), first, ranges, sum(hi - lo for lo, hi in ranges),
-                               status, why, again.id if again is not None else None))
+                               status, why, again.id if again is not None else None, res.get("bisected")))
     return out
 
 

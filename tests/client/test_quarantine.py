@@ -1,8 +1,9 @@
 """Which samples did it (issue 24, item 5), end to end: a user's loop under thermowatch.watch
-(embedded supervisor, both databases) trains on data with a poisoned stretch (uniformly random
-tokens); the loss spikes, the policy rolls back and skips the window, the re-trained path runs
-clean past the old detection, and the skipped ids become the run's quarantine, read through the
-daemon's API and `thermowatch quarantine`.
+(embedded supervisor) trains on data with a poisoned stretch (uniformly random tokens); the loss
+spikes, the policy rolls back and skips the window; with precise skip on, the client first
+re-trains the window from the checkpoint in halves and skips only the offenders it finds; the
+re-trained path runs clean past the old detection, and the skipped ids become the run's
+quarantine, read through the daemon's API and `thermowatch quarantine`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 from thermowatch.cli import main
 from thermowatch.supervisor.server import build_app
 from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.outcome import outcome
+from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import quarantine as quarantine_store
 
 B = 16
@@ -36,18 +39,19 @@ def batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train(db, tmp_path, run: str):
+def train(db, tmp_path, run: str, precise: bool = True):
     torch.manual_seed(0)
     model = user_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, api_token=ADMIN_TOKEN)
     tw = thermowatch.watch(model, opt, run=run, steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=25, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.05)
+                           checkpoint_every=25, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.05,
+                           precise_skip=precise)
     poisoned_steps = 0
     for step in tw.steps():
         ids = torch.as_tensor(tw.batch_ids(step))
-        poisoned_steps += any(int(i) in POISON for i in ids)
+        poisoned_steps += any(int(i) in POISON for i in ids) and not tw.probing  # probes are thrown away
         tw.record(train_step(model, opt, *batch(ids)))
         sched.step()
     tw.close()
@@ -69,9 +73,15 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
     ids = {i for lo, hi in quarantined for i in range(lo, hi)}
     assert set(POISON) <= ids  # every poisoned sample is in it ...
     assert poisoned_steps == 2  # ... and the re-trained path never saw one again
-    # the price of a blunt skip: every sample from the checkpoint to the detection (51x the poison
-    # here), which precise skip (bisecting the window) is to cut down
-    assert first.samples == len(ids) == (first.detect_step - first.checkpoint_step) * B
+    # A blunt skip would have taken every sample from the checkpoint to the detection (51x the
+    # poison here): those are the suspects; the search skipped the poison and little else.
+    b = first.bisected
+    assert sum(hi - lo for lo, hi in b["suspects"]) == (first.detect_step - first.checkpoint_step) * B
+    assert b["outcome"] == "narrowed" and b["probes"] >= 2 and b["steps"] > 0
+    assert first.samples == len(ids) <= len(POISON) + B  # at most one step's batch beside the poison
+    with sup.sessions() as s:
+        done = [outcome(a) for a in actions_store.actions(s, "poisoned") if a.kind == "rollback"]
+    assert done[0]["bisected"] == b and done[0]["skipped_ranges"] == [list(r) for r in first.ranges]
 
     # the same through the daemon's API and the CLI, as the data team reads it
     with running(build_app(sup)) as url:
@@ -85,6 +95,7 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
         assert main(["quarantine", "poisoned", *flags]) == 0
         text = capsys.readouterr().out
         assert f"quarantine: {len(ids):,} samples" in text and "loss_spike detected at step" in text
+        assert f"precise skip: {len(ids):,} of {(first.detect_step - first.checkpoint_step) * B:,} suspect" in text
         assert main(["quarantine", "poisoned", "--ids", *flags]) == 0
         assert [int(x) for x in capsys.readouterr().out.split()] == sorted(ids)
         assert main(["quarantine", "nope", *flags]) != 0

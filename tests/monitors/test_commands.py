@@ -10,6 +10,7 @@ import pytest
 from thermowatch.monitors.contract import (
     INT64_MAX,
     Ack,
+    Bisected,
     Command,
     ContractError,
     LRChange,
@@ -77,6 +78,20 @@ def test_acks_are_strict_and_bounded():
         with pytest.raises(ContractError) as exc:
             Ack.from_json({**Ack(3, True, 31).to_json(), **bad})
         assert words in str(exc.value), (bad, exc.value)
+
+
+def test_an_ack_says_what_a_precise_skip_searched():
+    b = Bisected((SampleRange(800, 2432),), probes=16, steps=216, seconds=11.7, outcome="narrowed")
+    ack = Ack(3, True, 51, "rolled back", skipped=(SampleRange(2396, 2432),), bisected=b)
+    assert Ack.from_json(loads(dumps(ack.to_json()))) == ack and b.samples == 1632
+    assert Ack.from_json(Ack(3, True, 51).to_json()).bisected is None
+    for bad, words in (({"outcome": "found"}, "outcome must be one of"), ({"probes": -1}, "probes"),
+                       ({"seconds": math.inf}, "seconds"), ({"extra": 1}, "unknown field")):
+        with pytest.raises(ContractError) as exc:
+            Ack.from_json({**ack.to_json(), "bisected": {**b.to_json(), **bad}})
+        assert words in str(exc.value), (bad, exc.value)
+    with pytest.raises(ContractError, match="missing field 'steps'"):
+        Ack.from_json({**ack.to_json(), "bisected": {k: v for k, v in b.to_json().items() if k != "steps"}})
 
 
 def test_an_ack_empty_skip_range_is_nothing_not_an_error():

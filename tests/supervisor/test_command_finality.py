@@ -130,3 +130,26 @@ def _read_response(sock) -> bytes:
             break
         body += chunk
     return head + b"\r\n\r\n" + body
+
+
+def test_a_precise_skips_ack_travels_and_a_bad_one_is_refused(served):
+    """Ack.bisected over HTTP (AckBody): stored with the action and shown by its outcome; a search
+    the contract does not allow (an unknown outcome) is a 422 that names it."""
+    from thermowatch.monitors.contract import Bisected, SampleRange
+    from thermowatch.supervisor.outcome import details, outcome
+
+    sup, url, _ = served
+    b = Bisected((SampleRange(0, 64),), probes=4, steps=20, seconds=1.5, outcome="narrowed")
+    with httpx.Client(base_url=url, headers=AUTH) as c:
+        aid, other = (c.post(f"/api/runs/{RUN}/actions", json={"kind": "skip", "args": {"skip_ranges": [[0, 64]]},
+                                                                "who": "bob"}).json()["action_id"] for _ in range(2))
+        c.get(f"/api/runs/{RUN}/commands")
+        good = Ack(aid, True, 7, skipped=(SampleRange(8, 16),), bisected=b).to_json()
+        assert c.post(f"/api/runs/{RUN}/acks", json=good).status_code < 300
+        bad = {**Ack(other, True, 7).to_json(), "bisected": {**b.to_json(), "outcome": "x"}}
+        r = c.post(f"/api/runs/{RUN}/acks", json=bad)
+        assert r.status_code == 422 and "outcome" in r.text, r.text
+    o = outcome(_row(sup, aid))
+    assert o["bisected"] == b.to_json() and o["skipped_ranges"] == [[8, 16]]
+    assert "precise skip (narrowed): 4 probes, 20 steps re-trained, 1.5 s, over 64 suspect samples" in details(o)
+    assert _row(sup, other).state == "failed"  # the trainer will not send it differently

@@ -1,0 +1,77 @@
+"""Precise skip's search (thermowatch/precise_skip.py), alone: adaptive group testing against an
+oracle that spikes exactly when a probe trains an offender, at the first one it trains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from thermowatch.monitors.contract import SampleRange
+from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
+
+
+def run(suspects: np.ndarray, bad: set[int], min_samples: int, max_probes: int | None = None) -> Search:
+    search = Search(suspects, min_samples)
+    while (probe := search.next()) is not None:
+        if max_probes is not None and search.probes >= max_probes:
+            search.give_up()
+            break
+        hits = np.flatnonzero(np.isin(probe, list(bad)))
+        spiked = len(hits) > 0
+        search.report(spiked, probe[: hits[0] + 1] if spiked else probe[:0])
+    return search
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), lo=st.integers(0, 10**6), min_samples=st.integers(1, 64),
+       bad=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 40)), max_size=3), budget=st.none() | st.integers(0, 12))
+def test_every_offender_is_found_and_little_else(n, lo, min_samples, bad, budget):
+    suspects = np.arange(lo, lo + n, dtype=np.int64)
+    culprits = {lo + int(f * (n - 1)) + k for f, width in bad for k in range(width) if int(f * (n - 1)) + k < n}
+    search = run(suspects, culprits, min_samples, budget)
+    found = search.offenders()
+    assert culprits <= set(found.tolist())  # never resumes onto an offender, whatever the budget
+    assert set(found.tolist()) <= set(suspects.tolist())
+    if search.outcome == "budget":
+        return
+    if culprits:
+        # each found group is a known group of <= min_samples holding an offender
+        assert len(found) <= len(culprits) * min_samples
+        assert search.inseparable == 0
+        assert search.outcome == ("narrowed" if len(found) < n else "inseparable")
+    else:  # no half spikes alone: not the data; everything stays skipped, said so
+        assert search.outcome == "inseparable" and len(found) == n and search.probes == (2 if n > min_samples else 0)
+
+
+def test_probes_halve_and_count():
+    search = run(np.arange(0, 1024), {700}, 16)
+    found = search.offenders().tolist()
+    assert 700 in found and len(found) <= 16 and found == list(range(found[0], found[0] + len(found)))
+    assert search.outcome == "narrowed"
+    assert search.probes <= 2 * 7  # two probes a halving, 1024 -> 16
+    with pytest.raises(RuntimeError, match="without a probe"):
+        search.report(True, np.arange(3))
+
+
+def test_ranges_and_ids_round_trip():
+    ranges = (SampleRange(5, 9), SampleRange(12, 13), SampleRange(100, 140))
+    assert ranges_of(ids_of(ranges)) == ranges
+    assert ranges_of(np.array([3, 1, 2, 2, 7])) == (SampleRange(1, 4), SampleRange(7, 8))
+    assert ranges_of(np.zeros(0, np.int64)) == () and len(ids_of([])) == 0
+
+
+def test_the_spike_bar_follows_a_falling_loss_and_catches_a_jump():
+    falling = list(np.linspace(5.0, 3.0, 16))  # early training: a steep fall, little noise around it
+    bar = SpikeBar(falling, PreciseSkip())
+    assert not any(bar.spiked(v) for v in np.linspace(2.95, 2.7, 10))  # the fall goes on: no spike
+    assert bar.spiked(3.6)  # 30 % over the newest level
+    assert bar.spiked(float("nan")) and bar.spiked(float("inf"))
+
+
+def test_the_config_says_what_is_wrong():
+    for bad, word in (({"max_steps": 0}, "max_steps"), ({"min_samples": 0}, "min_samples"),
+                      ({"max_seconds": 0}, "max_seconds"), ({"settle": -1}, "settle"), ({"window": 2}, "window")):
+        with pytest.raises(ValueError, match=word):
+            PreciseSkip(**bad)

@@ -1,0 +1,198 @@
+"""Precise skip (issue 24, item 5): which of the samples a rollback was told to skip did it?
+
+The policy skips every sample from its onset margin to the detection (1,152 samples for the
+demo's two-step spike). With `thermowatch.watch(..., precise_skip=True)` the client finds the
+offending ones before it resumes, by re-training from the rollback's checkpoint:
+
+- The suspects S (the rollback's new skip ranges) are halved. Each half is *probed*: training
+  from the checkpoint with the other half skipped, through the half's last sample and `settle`
+  steps more, or until the loss spikes (a non-finite loss, or one above the median of the
+  newest 4 by max(z robust sigmas of the step-to-step change, min_rise x that median)). The trailing window starts with the losses of
+  the steps up to the checkpoint, the healthy path.
+- A half that spiked holds an offender among the samples it had trained by the spike's step (a
+  later sample cannot have caused it). Those are split again: the samples of the spike's own
+  step, probed first (bad data shows in its own batch's loss: one step), and the rest; the
+  half's samples after that step are probed on their own (a poisoned stretch may go on past
+  it). A part that ran clean is released. Every half that spikes is followed (a poisoned stretch cut in two by a
+  halving is found in both). A group of `min_samples` or fewer is an offender as it is.
+- Neither half spiking alone means the divergence needs both, or was not the data at all (PaLM
+  found that replaying the same batches from an earlier checkpoint often did not spike): the
+  group is skipped whole and the result says "inseparable".
+- The search is bounded by `max_steps` probe steps and `max_seconds`: the rollback's ack leaves
+  only when it ends (it says what was really skipped), and the daemon retries a command not
+  acknowledged within its `ack_timeout_s` (120 s by default). Past the budget every group not
+  yet cleared is skipped.
+
+Then the checkpoint is loaded once more, only the offenders join the skip ledger, and the ack
+carries `skipped` (the offenders) and `bisected` (the suspects, probes, steps and seconds spent).
+`Search` is the pure part (no torch): the loop (thermowatch/loop.py) trains its probes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from thermowatch.monitors.contract import SampleRange
+
+# A robust sigma from the median absolute deviation (normal data).
+_MAD_SIGMA = 1.4826
+
+
+@dataclass(frozen=True)
+class PreciseSkip:
+    """`thermowatch.watch(..., precise_skip=PreciseSkip(...))`; `precise_skip=True` is the defaults."""
+
+    max_steps: int | None = None  # probe steps in all; None: 4x the suspects' steps (4 x len(S) / global batch)
+    max_seconds: float = 90.0  # keep it under the daemon's ack_timeout_s (120 s by default)
+    min_samples: int | None = None  # a group this small is not halved again; None: one step's global batch
+    settle: int = 2  # steps trained past a probe's last sample before the probe is called clean
+    z: float = 6.0
+    min_rise: float = 0.25  # the spike bar is at least this fraction above the trailing median
+    window: int = 16  # trailing losses the bar is computed from
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"precise_skip.max_steps must be >= 1, got {self.max_steps}")
+        if self.min_samples is not None and self.min_samples < 1:
+            raise ValueError(f"precise_skip.min_samples must be >= 1, got {self.min_samples}")
+        if not (self.max_seconds > 0 and self.z > 0 and self.min_rise > 0):
+            raise ValueError("precise_skip: max_seconds, z and min_rise must be > 0")
+        if self.settle < 0 or self.window < 4:
+            raise ValueError(f"precise_skip: settle must be >= 0 and window >= 4, got {self.settle}, {self.window}")
+
+
+def ids_of(ranges: Iterable[SampleRange | Sequence[int]]) -> np.ndarray:
+    """The sorted unique ids of [lo, hi) ranges (int64)."""
+    parts = [np.arange(r.lo, r.hi) if isinstance(r, SampleRange) else np.arange(int(r[0]), int(r[1]))
+             for r in ranges]
+    return np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def ranges_of(ids: np.ndarray) -> tuple[SampleRange, ...]:
+    """Sorted unique ids as merged [lo, hi) ranges (vectorised)."""
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    if not len(ids):
+        return ()
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    lo = ids[np.concatenate([[0], breaks])]
+    hi = ids[np.concatenate([breaks - 1, [len(ids) - 1]])] + 1
+    return tuple(SampleRange(int(a), int(b)) for a, b in zip(lo, hi))
+
+
+class SpikeBar:
+    """Judges a probe's losses one by one against a trailing window seeded with healthy ones."""
+
+    def __init__(self, healthy: Sequence[float], cfg: PreciseSkip) -> None:
+        self.cfg = cfg
+        self.trail: deque[float] = deque((float(v) for v in healthy if math.isfinite(v)), maxlen=cfg.window)
+
+    def spiked(self, loss: float) -> bool:
+        if not math.isfinite(loss):
+            return True
+        if len(self.trail) >= 4:
+            # the level: the newest few; the spread: of the step-to-step changes, so the early
+            # steps' steep fall (a checkpoint may sit there) does not pass for noise
+            t = np.fromiter(self.trail, float)
+            level = float(np.median(t[-4:]))
+            d = np.diff(t)
+            sigma = _MAD_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+            if loss > level + max(self.cfg.z * sigma, self.cfg.min_rise * abs(level)):
+                return True
+        self.trail.append(loss)
+        return False
+
+
+class Search:
+    """Adaptive group testing over sorted suspect ids. `next()` gives the ids the next probe
+    trains on (the rest of the suspects skipped), or None when done; `report(spiked, seen)`
+    gives its result, `seen` the probe's ids trained up to the spike's step. `give_up()` ends it
+    with every group not yet cleared counted as an offender.
+
+    The work is groups of two kinds: *known* to hold an offender (the suspects; the part of a
+    probe trained by its spike) and *untested* (the part of a spiking probe after the spike's
+    step: a poisoned stretch may go on past it). A known group is split in two and both parts
+    are probed; an untested group is probed whole. A known group from a spike is split into the
+    samples of the spike's own step (`last`: a batch of bad data shows in its own loss, so they
+    are probed first, in one step) and the rest; the suspects are halved. Halving alone failed
+    on real data: a halving that cuts a poisoned stretch spreads it over two batches, each too
+    diluted to spike, and the whole group had to be skipped."""
+
+    def __init__(self, suspects: np.ndarray, min_samples: int) -> None:
+        self.suspects = np.asarray(suspects, dtype=np.int64)
+        self.min_samples = max(1, int(min_samples))
+        empty = np.zeros(0, np.int64)
+        self.work: deque[tuple[np.ndarray, bool, np.ndarray]] = (
+            deque([(self.suspects, True, empty)]) if len(self.suspects) else deque())
+        self.found: list[np.ndarray] = []
+        self.group: np.ndarray | None = None  # the known group being halved, or None for an untested one
+        self.probes_due: list[np.ndarray] = []
+        self.results: list[tuple[bool, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.probes = 0
+        self.inseparable = 0  # known groups where neither half spiked alone
+        self.gave_up = False
+
+    def next(self) -> np.ndarray | None:
+        while not self.probes_due:
+            if not self.work:
+                return None
+            g, known, last = self.work.popleft()
+            if known and len(g) <= self.min_samples:
+                self.found.append(g)
+            elif known and 0 < len(last) < len(g):
+                self.group, self.probes_due, self.results = g, [last, np.setdiff1d(g, last, assume_unique=True)], []
+            elif known:
+                mid = len(g) // 2
+                self.group, self.probes_due, self.results = g, [g[:mid], g[mid:]], []
+            else:
+                self.group, self.probes_due, self.results = None, [g], []
+        return self.probes_due[len(self.results)]
+
+    def report(self, spiked: bool, seen: np.ndarray, last: np.ndarray | None = None) -> None:
+        """A probe's result: whether it spiked, its ids trained by the spike's step (`seen`) and
+        those of that step itself (`last`)."""
+        if not self.probes_due:
+            raise RuntimeError("report() without a probe under way")
+        self.probes += 1
+        probe = self.probes_due[len(self.results)]
+        seen = np.asarray(seen, dtype=np.int64)
+        last = np.zeros(0, np.int64) if last is None else np.intersect1d(last, seen)
+        # a spike before any of the probe was trained is not the probe's doing
+        self.results.append((bool(spiked) and len(seen) > 0, seen, probe, last))
+        if len(self.results) < len(self.probes_due):
+            return
+        hit = False
+        for spiked, seen, probe, last in self.results:
+            if spiked:
+                hit = True
+                self.work.append((seen, True, last))
+                rest = np.setdiff1d(probe, seen, assume_unique=True)
+                if len(rest):
+                    self.work.append((rest, False, np.zeros(0, np.int64)))
+        if not hit and self.group is not None:  # neither half alone: both together, or not the data
+            self.found.append(self.group)
+            self.inseparable += 1
+        self.group, self.probes_due, self.results = None, [], []
+
+    def give_up(self) -> None:
+        self.gave_up = True
+        if self.probes_due:
+            self.found.append(self.group if self.group is not None else self.probes_due[0])
+        self.found.extend(g for g, _, _ in self.work)
+        self.work.clear()
+        self.group, self.probes_due, self.results = None, [], []
+
+    def offenders(self) -> np.ndarray:
+        return np.unique(np.concatenate(self.found)) if self.found else np.zeros(0, np.int64)
+
+    @property
+    def outcome(self) -> str:
+        """narrowed (fewer than the suspects), inseparable (all of them: no half spiked alone),
+        or budget (the budget ran out; what was not cleared is skipped)."""
+        if self.gave_up:
+            return "budget"
+        return "narrowed" if len(self.offenders()) < len(self.suspects) else "inseparable"
