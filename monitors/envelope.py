@@ -12,7 +12,8 @@ the comparable runs that trained with *no more* LR so far (cumulative LR, the su
     behind = smoothed loss - envelope >= gap_nats, for `confirm` steps in a row, from step `start`
 
 Pure, like the detectors: `behind_peers(run, peers)` over arrays; supervisor.jobs reads the
-runs from the store and hands the finding to the responder (an alert that pages by default).
+runs from the store (supervisor/store/peers.py) and hands the finding to the responder (an alert
+that pages by default); the run page draws `envelope(run, peers)` on its loss chart.
 """
 
 from __future__ import annotations
@@ -68,11 +69,22 @@ def _area(c: Curve) -> np.ndarray:
     return np.cumsum(np.where(np.isfinite(c.lr) & (c.lr > 0), c.lr, 0.0))
 
 
-def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = None) -> Finding | None:
-    """The first confirmed stretch of `run` behind its envelope, as a finding (None: not behind)."""
+@dataclass(frozen=True)
+class Envelope:
+    """Per step of the run: its smoothed loss, the envelope (inf where no peer is eligible), the
+    index of the peer that sets it (-1: none), the run's cumulative LR, and each peer's."""
+
+    own: np.ndarray
+    best: np.ndarray
+    who: np.ndarray
+    area: np.ndarray
+    peer_areas: list[np.ndarray]
+
+
+def envelope(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = None) -> Envelope:
+    """The lowest smoothed loss, at each of the run's steps, among the peers that had trained
+    with no more cumulative LR by then (the rule behind_peers judges, and the run page draws)."""
     cfg = cfg or EnvelopeConfig()
-    if len(run.steps) < cfg.confirm or not peers:
-        return None
     own, area = _smoothed(run, cfg.smooth), _area(run)
     best = np.full(len(run.steps), np.inf)
     who = np.full(len(run.steps), -1)
@@ -88,6 +100,16 @@ def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None 
         eligible = have & (pa <= area * (1 + 1e-9)) & np.isfinite(ps)
         better = eligible & (ps < best)
         best, who = np.where(better, ps, best), np.where(better, i, who)
+    return Envelope(own, best, who, area, areas)
+
+
+def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = None) -> Finding | None:
+    """The first confirmed stretch of `run` behind its envelope, as a finding (None: not behind)."""
+    cfg = cfg or EnvelopeConfig()
+    if len(run.steps) < cfg.confirm or not peers:
+        return None
+    env = envelope(run, peers, cfg)
+    own, best, who, area, areas = env.own, env.best, env.who, env.area, env.peer_areas
     gap = own - best
     hit = (run.steps >= cfg.start) & np.isfinite(gap) & (gap >= cfg.gap_nats)
     # The first index closing a run of `confirm` hits in a row.

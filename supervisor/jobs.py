@@ -24,9 +24,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import sessionmaker
 
-import numpy as np
-
-from thermowatch.monitors.contract import LOSS, LR, Finding, Severity
+from thermowatch.monitors.contract import Finding, Severity
 from thermowatch.monitors.envelope import Curve, EnvelopeConfig, behind_peers
 from thermowatch.monitors.manifest import MANIFEST, files_problem
 from thermowatch.supervisor.notify.base import Alert
@@ -34,6 +32,7 @@ from thermowatch.supervisor.scheduler import Job
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import peers as peers_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import thermometers as thermo_store
 
@@ -152,31 +151,6 @@ def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
 
 # The runs judged and compared: the newest this many (those active in the last day are judged,
 # against the others of the same model among them).
-PEER_RUNS = 200
-
-
-def model_key(config: dict[str, Any] | None) -> str | None:
-    """What makes runs comparable: the `model` section of the run's config (the bundled trainer's
-    GPTConfig), canonical JSON; None (never compared) for a run that does not say."""
-    model = (config or {}).get("model")
-    return json.dumps(model, sort_keys=True, default=str) if isinstance(model, dict) and model else None
-
-
-def _curve(s, run_id: str) -> Curve:
-    """The run's loss and LR by step, the newest value of a step re-trained after a rollback."""
-    def newest(key: str) -> tuple[np.ndarray, np.ndarray]:
-        steps, values = thermo_store.history(s, run_id, key)
-        uniq, idx = np.unique(steps[::-1], return_index=True)
-        return uniq, values[::-1][idx]
-    steps, loss = newest(LOSS)
-    lr_steps, lr = newest(LR)
-    lr_at = np.full(len(steps), np.nan)
-    if len(lr_steps):
-        at = np.minimum(np.searchsorted(lr_steps, steps), len(lr_steps) - 1)
-        lr_at = np.where(lr_steps[at] == steps, lr[at], np.nan)
-    return Curve(run_id, steps, loss, lr_at)
-
-
 def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConfig | None = None
                   ) -> list[tuple[str, Finding]]:
     """Judge each run active in the last day against its comparable runs; hand a finding to the
@@ -187,23 +161,19 @@ def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConf
     with sup.sessions() as s:
         # Bounded whatever the database holds (an ingest token can make 10^5 runs: issue 21):
         # the newest PEER_RUNS runs are the candidates, the active ones among them are judged.
-        newest = runs_store.newest_run_ids(s, PEER_RUNS)
+        newest = runs_store.newest_run_ids(s, peers_store.PEER_RUNS)
         active = sorted(set(runs_store.active_since(s, now - runs_store.ACTIVE_WINDOW)) & set(newest))
         if not active:
             return []
-        keys = {}
-        for rid in newest:
-            row = runs_store.get_run(s, rid)
-            keys[rid] = model_key(row.config) if row is not None else None
+        keys = peers_store.model_keys(s, newest)
         curves: dict[str, Curve] = {}
         for rid in active:
-            key = keys.get(rid)
-            peers = [p for p, k in keys.items() if key is not None and k == key and p != rid]
+            peers = peers_store.comparable(keys, rid)
             if not peers:
                 continue
             for r in (rid, *peers):
                 if r not in curves:
-                    curves[r] = _curve(s, r)
+                    curves[r] = peers_store.curve(s, r)
             finding = behind_peers(curves[rid], [curves[p] for p in peers], cfg)
             if finding is not None:
                 att = runs_store.latest_attempt(s, rid)

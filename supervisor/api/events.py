@@ -12,6 +12,9 @@ step axis.
         "attempts":   [{attempt, start_step, started_at}],
         "thresholds": [{metric, value, label}]}
 
+    GET /api/runs/{run_id}/envelope (scope read): the loss envelope of the run's comparable runs
+    (issue 24, item 1), drawn on the loss chart with the band a run must stay under.
+
 `from_step`/`to_step` of a rollback: its incident's detection step and the checkpoint training
 resumed from (the one the trainer's ack says it loaded, else the one asked for); `ack_step` is
 the first step trained again, the checkpoint's + 1. `outcome`: the incident's resolution when
@@ -22,6 +25,7 @@ strings "NaN"/"Infinity" (supervisor.api.runs).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -39,11 +43,13 @@ from thermowatch.supervisor.config import judged_with
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import peers as peers_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import steps as steps_store
 
 MAX_ACTIONS = 2000  # a run with more has bigger problems than a crowded chart
+ENVELOPE_TTL_S = 30.0
 
 
 def thresholds(s: Session, run_id: str, detectors: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,5 +117,24 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     def events(run_id: str) -> Response:
         with sup.sessions() as s:
             return json_response(jsonable(run_events(s, run_id, sup.cfg.detectors)))
+
+    cache: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    @router.get("/runs/{run_id}/envelope")
+    def peer_envelope(run_id: str) -> Response:
+        """The loss envelope of the run's comparable runs (supervisor/store/peers.py), drawn on
+        the run page's loss chart: {run_id, peers, gap_nats, start, confirm, steps, envelope,
+        peer (an index into peers, per point)}; no peers: empty arrays. Read at most every
+        ENVELOPE_TTL_S per run: the page asks on every refresh, and it reads every peer's loss."""
+        now = time.monotonic()
+        hit = cache.get(run_id)
+        if hit is None or now - hit[0] > ENVELOPE_TTL_S:
+            with sup.sessions() as s:
+                require_run(s, run_id)
+                hit = (now, peers_store.envelope_view(s, run_id))
+            if len(cache) > 1000:
+                cache.clear()
+            cache[run_id] = hit
+        return json_response(jsonable(hit[1]))
 
     return router

@@ -6,6 +6,7 @@ curve never turns up; it just ends ~0.5 nats behind."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from thermowatch.supervisor.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.service import Supervisor
 from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import peers as peers_store
 from tests.fixtures import traces
+from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 
 QKLN = {"n_layer": 3, "d_model": 64, "n_head": 4, "qk_layernorm": True}
 
@@ -29,7 +32,8 @@ def stream():
 
 @pytest.fixture
 def sup(db, tmp_path, stream):
-    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url), notifier=ConsoleNotifier(stream))
+    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
+                   notifier=ConsoleNotifier(stream))
     yield s
     s.close()
 
@@ -88,5 +92,67 @@ def _curve(name: str, trace: str, lr_scale: float = 1.0, loss_shift: float = 0.0
 def test_config_refuses_nonsense():
     with pytest.raises(ValueError, match="gap_nats"):
         EnvelopeConfig(gap_nats=0)
-    assert jobs.model_key({}) is None and jobs.model_key({"model": {"a": 1, "b": 2}}) == jobs.model_key(
+    assert peers_store.model_key({}) is None and peers_store.model_key({"model": {"a": 1, "b": 2}}) == peers_store.model_key(
         {"model": {"b": 2, "a": 1}})
+
+
+def test_the_run_page_reads_the_envelope_it_was_judged_against(sup):
+    """GET /api/runs/{run}/envelope: the comparable runs' envelope at the run's steps (what the
+    loss chart draws, with the band the run must stay under), the rule's own numbers."""
+    from fastapi.testclient import TestClient
+
+    from thermowatch.supervisor.server import build_app
+
+    _train(sup, "healthy", "healthy_qkln", QKLN)
+    _train(sup, "degrade", "qkln_degrade", QKLN)
+    _train(sup, "alone", "qkln_degrade", {**QKLN, "d_model": 128})
+    finding = jobs.peer_envelope(sup)[0][1]
+    with TestClient(build_app(sup)) as c:
+        got = c.get("/api/runs/degrade/envelope", headers=AUTH).json()
+        assert got["peers"] == ["healthy"] and got["gap_nats"] == EnvelopeConfig().gap_nats
+        assert len(got["steps"]) == len(got["envelope"]) == len(got["peer"]) > 100 and set(got["peer"]) == {0}
+        at = got["steps"].index(finding.detect_step)
+        assert got["envelope"][at] == pytest.approx(finding.evidence["envelope"])
+        alone = c.get("/api/runs/alone/envelope", headers=AUTH).json()
+        assert alone["peers"] == [] and alone["steps"] == []
+        assert c.get("/api/runs/nope/envelope", headers=AUTH).status_code == 404
+        assert c.get("/api/runs/degrade/envelope").status_code == 401
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)  # the page's side; both databases above
+def test_the_loss_chart_draws_the_envelope_in_chromium(sup, tmp_path):
+    """The evidence on the run page: the comparable run's envelope as a dashed green line, with
+    the band above it, on the loss chart of the run that fell behind."""
+    import os
+    import shutil
+
+    from tests.live_server import running
+    from tests.supervisor.auth_helpers import make_token
+    from tests.supervisor.cdp import Browser
+    from thermowatch.supervisor.server import build_app
+
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium) and not os.environ.get("CI"):
+        pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
+    _train(sup, "healthy", "healthy_qkln", QKLN)
+    _train(sup, "degrade", "qkln_degrade", QKLN)
+    reader = make_token(sup.sessions, "rita", "read")
+    tw = "window.thermowatch"
+    with running(build_app(sup)) as base:
+        b = Browser(chromium, tmp_path / "profile", "--window-size=1280,1000")
+        try:
+            b.goto(f"{base}/login?next=/runs/degrade")
+            b.js(f"document.getElementById('token').value = {json.dumps(reader)}; document.getElementById('sign-in').click()")
+            b.wait_for(f"location.pathname === '/runs/degrade' && !!window.thermowatch && {tw}.loads >= 1")
+            env = b.wait_for(f"{tw}.charts.loss && {tw}.charts.loss.envelope")
+            assert env["peers"] == ["healthy"] and env["points"] > 100, env
+            # the line is on the canvas: pixels of its green
+            green = b.js("""(() => { const c = document.querySelector("figure[data-metric='loss'] canvas");
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+                for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - 26) < 30 && Math.abs(d[i + 1] - 127) < 30
+                    && Math.abs(d[i + 2] - 55) < 30 && d[i + 3] > 200) n++;
+                return n; })()""")
+            assert green > 200, green
+        finally:
+            b.close()

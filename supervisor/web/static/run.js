@@ -304,6 +304,25 @@
         ctx.fillText(text, Math.max(left + 4 * pr, left + width - ctx.measureText(text).width - 6 * pr), y - 3 * pr);
       }
     }
+    const env = tw.envelope;
+    if (metric === "loss" && env && env.steps.length) {  // behind comparable runs: above the band pages
+      const xs = env.steps.map((st) => X(st));
+      const lo = env.envelope.map((v) => u.valToPos(v, "y", true));
+      const hi = env.envelope.map((v) => u.valToPos(v + env.gap_nats, "y", true));
+      ctx.fillStyle = "rgba(26,127,55,0.12)";
+      ctx.beginPath();
+      xs.forEach((x, i) => (i ? ctx.lineTo(x, hi[i]) : ctx.moveTo(x, hi[i])));
+      for (let i = xs.length - 1; i >= 0; i--) ctx.lineTo(xs[i], lo[i]);
+      ctx.closePath(); ctx.fill();
+      ctx.strokeStyle = "#1a7f37"; ctx.lineWidth = 1.5 * pr; ctx.setLineDash([5 * pr, 3 * pr]);
+      ctx.beginPath();
+      xs.forEach((x, i) => (i ? ctx.lineTo(x, lo[i]) : ctx.moveTo(x, lo[i])));
+      ctx.stroke(); ctx.setLineDash([]);
+      const text = `best of ${env.peers.length} comparable run${env.peers.length > 1 ? "s" : ""} (+${fmt(env.gap_nats)} band)`;
+      ctx.fillStyle = "#1a7f37";
+      ctx.fillText(text, left + width - ctx.measureText(text).width - 6 * pr, top + height - 6 * pr);
+      if (entry) entry.envelope = {points: xs.length, peers: env.peers.slice()};
+    }
     ctx.fillStyle = "#ff0000";  // a NaN / Inf cannot sit on the y axis: a red tick along the top
     for (const s of nonfinite) if (inView(s, s)) ctx.fillRect(X(s) - pr, top, 2 * pr, 8 * pr);
     ctx.restore();
@@ -486,6 +505,8 @@
     setStatus("loading…");
     try {
       tw.events = await getJSON(runApi("/events"));
+      // the comparable runs' loss envelope (issue 24, item 1): drawn on the loss chart
+      tw.envelope = await getJSON(runApi("/envelope")).catch(() => null);
       if (tw.xmode === "time") {
         tw.times = await getJSON(runApi(`/times?${windowQuery({points: "1000"}, w)}`));
       }
