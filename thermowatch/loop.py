@@ -96,7 +96,10 @@ class Watch:
         self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
         self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
         self.dir.mkdir(parents=True, exist_ok=True)
-        cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every}, **(config or {})}
+        # `model`: what makes runs comparable for the peer envelope (supervisor/store/peers.py);
+        # a config that names its own model section keeps it
+        cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every},
+               "model": model_fingerprint(model), **(config or {})}
         # Rank 0 talks to the supervisor; the others hear its commands through _agree().
         self.run: Run | _Quiet = Run(
             run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token, state_dir=self.dir,
@@ -186,7 +189,7 @@ class Watch:
         lo, hi, mult, peak, lr = self._meta[step]
         if self._probing is not None:  # a precise skip's probe: judged here, never sent
             self._meta.pop(step)
-            self._probing.observe(self._ids, self.dist.mean(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+            self._probing.observe(self._ids, self.dist.mean(loss))
             self.cursor, self.step, self._recorded = hi, step, True
             return
         if self.th is not None:
@@ -571,6 +574,20 @@ class Watch:
         self._ids_step = self.step
 
 
+def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's architecture as the supervisor compares runs by (the peer envelope): its class,
+    parameter count and a digest of every parameter's name, shape and dtype. Two runs of the same
+    architecture match whatever their weights, LR or data; another width or depth does not."""
+    import hashlib
+
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    n = 0
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        n += p.numel()
+    return {"class": type(model).__qualname__, "parameters": n, "fingerprint": h.hexdigest()[:16]}
+
+
 class _Refused(Exception):
     """A command that cannot be carried out as asked; the ack says why."""
 
@@ -690,6 +707,8 @@ class _Ranks:
 
     def mean(self, loss: torch.Tensor | float) -> float:
         """The loss averaged over the ranks (thermometers off; with them the reducer does it)."""
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
         if self.world == 1:
             return float(loss)
         import torch.distributed as dist
