@@ -84,11 +84,14 @@ class Watch:
                  keep_checkpoints: int = 5, scheduler: Any = None,
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
                  poll_interval_s: float = 1.0, supervisor_config: Any = None,
-                 precise_skip: PreciseSkip | bool = False) -> None:
+                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None) -> None:
         if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
                              f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise ValueError(f"lr_schedule must be a function of the step (1-based) giving its LR, got {lr_schedule!r}")
+        self.lr_schedule = lr_schedule  # a loop that sets its LR by hand: the forecast from it
         self.dist = _Ranks.detect(model)
         if global_batch % self.dist.world:
             raise ValueError(f"global_batch ({global_batch}) must divide among the {self.dist.world} ranks")
@@ -294,6 +297,9 @@ class Watch:
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
         mult = multiplier_at(self._ids_step, self.lr_changes)
+        meta = self._meta.get(self._ids_step)
+        if meta is not None:  # the LR the step really trains at: a loop that sets it by hand has by now
+            self._meta[self._ids_step] = (*meta[:4], self._schedule_lr() * mult)
         if mult != 1.0:
             self._saved_lrs = [g["lr"] for g in opt.param_groups]
             for g in opt.param_groups:
@@ -314,9 +320,18 @@ class Watch:
 
     def _forecast(self) -> np.ndarray:
         """lr_peak_ahead on the schedule alone: peak[k] = the largest LR from step base+k+1 on,
-        from a dry run of a copy of the user's scheduler on a stand-in optimizer (never theirs)."""
+        from `lr_schedule(step)` when given (a loop that sets its LR by hand, as nanoGPT's
+        get_lr does), else a dry run of a copy of the user's scheduler on a stand-in optimizer
+        (never theirs). Once at the start and after each rollback, not per step."""
         self._peak_base = self.step
         n = min(self.total - self.step, FORECAST_HORIZON)
+        if self.lr_schedule is not None and n > 0:
+            try:
+                lrs = np.array([float(self.lr_schedule(self.step + 1 + i)) for i in range(n)])
+            except Exception as exc:  # noqa: BLE001 - the user's function: no forecast, say so once
+                log.warning("thermowatch: lr_schedule failed (%s); the LR forecast is off", exc)
+                return np.zeros(0)
+            return np.maximum.accumulate(lrs[::-1])[::-1]
         now = self._schedule_lr()
         if self.scheduler is None or n <= 0:
             return np.full(max(n, 0), now)
