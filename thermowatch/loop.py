@@ -63,6 +63,7 @@ from thermowatch.monitors.contract import (
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.reduce import Reducer
+from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
 from thermowatch.protocol import CheckpointRef, Outcome, ack_for
@@ -72,6 +73,11 @@ log = logging.getLogger(__name__)
 
 _CKPT = re.compile(r"^step_(\d{8,})\.pt$")
 _CKPT_DIR = re.compile(r"^step_(\d{8,})$")  # a torch.distributed.checkpoint directory (torchrun)
+# Retention (monitors/retention.py, the bundled trainer's rule): besides the newest keep_checkpoints,
+# one per KEEP_EVERY-step span and the newest checkpoint at least KEEP_BEHIND steps old: the
+# policy's target for a divergence found now (onset - 100 steps by default, + 10 for the detection
+# and the command's trip) is still there when its rollback arrives.
+KEEP_EVERY, KEEP_BEHIND = 1000, 110
 FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (one pass, at start)
 
 
@@ -533,10 +539,13 @@ class Watch:
         self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=self._healthy,
                                   manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
         self._healthy = True
-        old = self._checkpoints()[:-self.keep_checkpoints]
+        steps = self._checkpoints()
+        keep = retained(steps, self.keep_checkpoints, KEEP_EVERY, now=step, behind=KEEP_BEHIND)
+        old = [s for s in steps if s not in keep]
         for s in old:
             self._remove(s)
-        self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.keep_checkpoints}")
+        self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.keep_checkpoints}, one per "
+                                          f"{KEEP_EVERY} steps, the newest {KEEP_BEHIND}+ steps old")
         if self.dist.world > 1:
             self.dist.barrier()
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Protocol
 from thermowatch.monitors.contract import CheckpointInfo
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
+from thermowatch.monitors.retention import retained
 
 log = logging.getLogger(__name__)
 
@@ -311,14 +312,9 @@ class CheckpointStore:
     # --- retention ----------------------------------------------------------------------------
 
     def retained(self, steps: list[int]) -> set[int]:
-        """Which of `steps` the retention rule keeps (before the newest-valid/healthy guards)."""
-        keep = set(steps[-self.retention.keep_last :])
-        if self.retention.keep_every:
-            first_in_span: dict[int, int] = {}
-            for s in steps:  # one per checkpoint, not per element of anything large
-                first_in_span.setdefault(s // self.retention.keep_every, s)
-            keep |= set(first_in_span.values())
-        return keep
+        """Which of `steps` the retention rule keeps (before the newest-valid/healthy guards):
+        monitors/retention.py, the client's rule too."""
+        return retained(steps, self.retention.keep_last, self.retention.keep_every)
 
     def prune(self) -> list[int]:
         """Delete what retention does not keep; returns the deleted steps."""

@@ -24,7 +24,11 @@ from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import quarantine as quarantine_store
 
 B = 16
-POISON = range(150 * B, 152 * B)  # the samples of steps 150-151 on the first pass: 32 ids
+# The samples of steps 171-172 on the first pass: 32 ids. Late enough that the checkpoint the
+# policy picks (step 50, for onset 171 - margin 100) is one retention would have deleted by the
+# time the command arrives, had it kept only the newest 5 (checkpoint_every 25, keep 5 saves
+# step 175 around then): the rollback failed so in bench/precise_skip.py.
+POISON = range(170 * B, 172 * B)
 STEPS = 280
 
 
@@ -67,16 +71,18 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
         found = quarantine_store.verdicts(s, "poisoned")
     assert found, "the poisoned stretch must have been rolled back and skipped"
     first = found[0]
-    assert first.signal == "loss_spike" and 150 <= first.detect_step <= 160, first
+    assert first.signal == "loss_spike" and 170 <= first.detect_step <= 180, first
+    assert first.checkpoint_step == 50, first  # the policy's target, kept by retention (KEEP_BEHIND)
     assert first.status == "quarantine", first.why
     quarantined = quarantine_store.quarantined(found)
     ids = {i for lo, hi in quarantined for i in range(lo, hi)}
     assert set(POISON) <= ids  # every poisoned sample is in it ...
     assert poisoned_steps == 2  # ... and the re-trained path never saw one again
-    # A blunt skip would have taken every sample from the checkpoint to the detection (51x the
+    # A blunt skip would have taken every sample from the onset margin to the detection (51x the
     # poison here): those are the suspects; the search skipped the poison and little else.
     b = first.bisected
-    assert sum(hi - lo for lo, hi in b["suspects"]) == (first.detect_step - first.checkpoint_step) * B
+    onset = 171  # the first poisoned step; the window runs from onset - margin 100 to the detection
+    assert sum(hi - lo for lo, hi in b["suspects"]) == (first.detect_step - (onset - 100) + 1) * B
     assert b["outcome"] == "narrowed" and b["probes"] >= 2 and b["steps"] > 0
     assert first.samples == len(ids) <= len(POISON) + B  # at most one step's batch beside the poison
     with sup.sessions() as s:
@@ -95,7 +101,7 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
         assert main(["quarantine", "poisoned", *flags]) == 0
         text = capsys.readouterr().out
         assert f"quarantine: {len(ids):,} samples" in text and "loss_spike detected at step" in text
-        assert f"precise skip: {len(ids):,} of {(first.detect_step - first.checkpoint_step) * B:,} suspect" in text
+        assert f"precise skip: {len(ids):,} of {(first.detect_step - (onset - 100) + 1) * B:,} suspect" in text
         assert main(["quarantine", "poisoned", "--ids", *flags]) == 0
         assert [int(x) for x in capsys.readouterr().out.split()] == sorted(ids)
         assert main(["quarantine", "nope", *flags]) != 0
