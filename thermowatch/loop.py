@@ -412,6 +412,7 @@ class Watch:
         if cmd.exclude_rank is not None or cmd.exclude_node:
             raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
         target = min(cmd.to_step, self.step)
+        trained_to = self.cursor  # the abandoned path trained every id below this
         usable = self.dist.from_rank0(lambda: [s for s in self._checkpoints() if s <= target])
         if cmd.exact and cmd.to_step not in usable:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} is not in {self.dir} "
@@ -423,6 +424,9 @@ class Watch:
             raise _Refused(f"no readable checkpoint at or before step {cmd.to_step} in {self.dir}; nothing to roll back to")
         suspects = ids_of(cmd.skip)
         if self.precise is not None and len(suspects):
+            # The samples trained after the window (between the detection and this command) were on
+            # the abandoned path too: a poisoned stretch can run past the detection step.
+            suspects = np.union1d(suspects, np.arange(suspects[-1] + 1, max(trained_to, suspects[-1] + 1)))
             suspects = suspects[~self.ledger.contains(suspects)]  # already skipped: not suspects
         precise = self.precise is not None and len(suspects) > 0
         if not precise:

@@ -4,9 +4,10 @@ The policy skips every sample from its onset margin to the detection (1,152 samp
 demo's two-step spike). With `thermowatch.watch(..., precise_skip=True)` the client finds the
 offending ones before it resumes, by re-training from the rollback's checkpoint:
 
-- The suspects S (the rollback's new skip ranges) are halved. Each half is *probed*: training
-  from the checkpoint with the other half skipped, through the half's last sample and `settle`
-  steps more, or until the loss spikes (a non-finite loss, or one above the median of the
+- The suspects S (the rollback's new skip ranges, and the samples the abandoned path trained
+  after them, between the detection and the command) are halved. Each half is *probed*: training
+  from the checkpoint with the other half skipped, through the half's last sample (and `settle`
+  steps more), or until the loss spikes (a non-finite loss, or one above the median of the
   newest 4 by max(z robust sigmas of the step-to-step change, min_rise x that median)). The trailing window starts with the losses of
   the steps up to the checkpoint, the healthy path.
 - A half that spiked holds an offender among the samples it had trained by the spike's step (a
@@ -50,7 +51,10 @@ class PreciseSkip:
     max_steps: int | None = None  # probe steps in all; None: 4x the suspects' steps (4 x len(S) / global batch)
     max_seconds: float = 90.0  # keep it under the daemon's ack_timeout_s (120 s by default)
     min_samples: int | None = None  # a group this small is not halved again; None: one step's global batch
-    settle: int = 2  # steps trained past a probe's last sample before the probe is called clean
+    # Steps trained past a probe's last sample before it is called clean. 0: what comes after a
+    # probe is data no path has trained yet (the other suspects are skipped), and a spike there is
+    # not the probe's (a poisoned stretch running past the suspects spiked every probe at 2).
+    settle: int = 0
     z: float = 6.0
     min_rise: float = 0.25  # the spike bar is at least this fraction above the trailing median
     window: int = 16  # trailing losses the bar is computed from
