@@ -132,7 +132,7 @@ def middle_cursor(url: str) -> str:
     """The cursor of a page halfway down the list, as the API would hand it out."""
     from sqlalchemy import func, select
 
-    from thermowatch.supervisor.api.runs import encode_cursor
+    from thermowatch.supervisor.store.views import encode_cursor
     from thermowatch.supervisor.db import make_engine, make_sessionmaker
     from thermowatch.supervisor.store.orm import Run
     from thermowatch.supervisor.store.runs import RunKey
@@ -151,7 +151,7 @@ def explain(url: str, cursor: str) -> str:
     way to the driver."""
     from sqlalchemy import event
 
-    from thermowatch.supervisor.api.runs import decode_cursor
+    from thermowatch.supervisor.store.views import decode_cursor
     from thermowatch.supervisor.db import make_engine, make_sessionmaker
     from thermowatch.supervisor.store import runs as runs_store
 

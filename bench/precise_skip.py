@@ -33,7 +33,8 @@ from thermowatch.supervisor.store import quarantine as quarantine_store  # noqa:
 B, STEPS = 16, 280
 # (name, first poisoned step on the first pass, poisoned steps): where the stretch sits in the
 # skipped window changes how the halves cut it
-CASES = (("2 steps at 150", 150, 2), ("5 steps at 120", 120, 5), ("1 step at 180", 180, 1))
+CASES = (("2 steps at 150", 150, 2), ("5 steps at 170", 170, 5), ("1 step at 200", 200, 1))
+# (a poisoned step before 126 has no checkpoint 100 steps before its onset: the policy pauses)
 
 
 def run(poison: range, precise: bool, tmp: Path) -> dict:

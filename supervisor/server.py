@@ -111,10 +111,11 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the supervisor log"}, 500)
 
-    from thermowatch.supervisor.api import install_input_limits  # every path/query/body bounded; input errors are 4xx
+    from thermowatch.supervisor.api import install_error_handlers, install_input_limits
     from thermowatch.supervisor.api.body import InFlight
 
-    install_input_limits(app, sup.limits, InFlight(sup.limits.max_body_bytes_in_flight))
+    install_input_limits(app, sup.limits, InFlight(sup.limits.max_body_bytes_in_flight))  # every input bounded: 4xx
+    install_error_handlers(app)  # the store's NotFound / UserError / Conflict as 404 / 422 / 409
     from thermowatch.supervisor.api import openapi
 
     openapi.install(app)  # the document says what the routes answer; 422s are one sentence

@@ -164,3 +164,18 @@ def document_bodies(router: APIRouter, bodies: Mapping[tuple[str, str], type]) -
     missing = set(bodies) - found
     if missing:
         raise RuntimeError(f"document_bodies: no route for {sorted(missing)}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """supervisor.errors as HTTP answers: NotFound 404, Conflict 409, QuotaExceeded 429 (with
+    Retry-After), any other UserError 422, each with its message as `detail`. The read model and
+    the rest of the store raise these, never an HTTP type (supervisor/store/views.py); call() maps
+    the same for the routes that run through it."""
+    def user_error(status: int):
+        async def answer(request: Request, exc: Exception) -> JSONResponse:
+            headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QuotaExceeded) else None
+            return JSONResponse({"detail": str(exc)}, status, headers=headers)
+        return answer
+
+    for cls, status in ((NotFound, 404), (Conflict, 409), (QuotaExceeded, 429), (UserError, 422)):
+        app.add_exception_handler(cls, user_error(status))

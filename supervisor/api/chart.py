@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
 from thermowatch.supervisor.api.auth import Guard
-from thermowatch.supervisor.api.runs import require_run, values_json
+from thermowatch.supervisor.store.views import require_run, values_json
 from thermowatch.supervisor.errors import NotFound, UserError
 from thermowatch.supervisor.store import chart as chart_store
 from thermowatch.supervisor.store import steps as steps_store

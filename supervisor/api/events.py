@@ -33,12 +33,8 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.api.auth import Guard
-from thermowatch.supervisor.api.runs import (
-    incidents_with_findings,
-    json_response,
-    jsonable,
-    require_run,
-)
+from thermowatch.supervisor.api.runs import json_response
+from thermowatch.supervisor.store.views import incidents_with_findings, jsonable, require_run
 from thermowatch.supervisor.config import judged_with
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store

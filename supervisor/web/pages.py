@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse, Response
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.api.auth import Guard
-from thermowatch.supervisor.api.runs import (
+from thermowatch.supervisor.store.views import (
     check_window,
     incidents_with_findings,
     require_run,
@@ -41,7 +41,6 @@ from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import metrics as metrics_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import lr_changes as lr_store
-from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.web.readable import LOG_METRICS, ago
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.

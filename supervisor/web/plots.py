@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from thermowatch.supervisor.api.runs import envelope
+from thermowatch.supervisor.store.views import envelope
 
 _MARGIN_PX = (58, 14, 24, 40)  # left, right, top, bottom
 MAX_LEGEND = 8  # more lines than this: the legend names the ones with the highest peaks

@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse
 
 from thermowatch.monitors.detectors import BankConfig
 from thermowatch.monitors.contract import ContractError, describe_args, parse_command
-from thermowatch.supervisor.api.runs import incidents_with_findings, require_run, run_status
+from thermowatch.supervisor.store.views import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store

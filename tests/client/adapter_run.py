@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thermowatch.monitors.ledger import SkipLedger
-from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.store.views import run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import runs as runs_store
 

@@ -15,7 +15,7 @@ from tests.client.adapter_run import (
     ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
 )
 from thermowatch.integrations.lightning import ThermowatchCallback
-from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.store.views import run_status
 from thermowatch.supervisor.config import SupervisorConfig
 
 

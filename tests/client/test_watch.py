@@ -17,7 +17,7 @@ import torch
 
 import thermowatch
 from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.api.runs import run_status
+from thermowatch.supervisor.store.views import run_status
 from thermowatch.supervisor.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import runs as runs_store

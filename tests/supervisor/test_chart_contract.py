@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from thermowatch.supervisor.api import install_error_handlers
 from thermowatch.supervisor.api import chart as chart_api
 from tests.supervisor.auth_helpers import AUTH, guard
 from tests.supervisor.test_runs_api import RUN, Sup, seed
@@ -19,6 +20,7 @@ from tests.supervisor.test_runs_api import RUN, Sup, seed
 def client(db):
     seed(db)
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
     with TestClient(app, headers=AUTH) as c:
         yield c

@@ -13,8 +13,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
+from thermowatch.supervisor.api import install_error_handlers
 from thermowatch.supervisor.api import runs as runs_api
-from thermowatch.supervisor.api.runs import envelope
+from thermowatch.supervisor.store import views
+from thermowatch.supervisor.store.views import envelope
 from thermowatch.supervisor.config import SupervisorConfig
 from thermowatch.supervisor.service import Progress
 from thermowatch.supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
@@ -107,6 +109,7 @@ def seeded(db):
 @pytest.fixture
 def client(db):
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(runs_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
     with TestClient(app, headers=AUTH) as c:
         yield c
@@ -308,7 +311,7 @@ def test_run_status_follows_the_rows(db, client):
 
     def status(at=now):
         with db.sessions() as s:
-            return runs_api.run_status(s, RUN, stall_after_s=600, now=at)
+            return views.run_status(s, RUN, stall_after_s=600, now=at)
 
     st = status()
     assert (st["state"], st["last_step"], st["attempt"]) == ("running", 260, 1)
@@ -346,11 +349,11 @@ def test_run_status_is_finished_when_the_newest_attempt_says_so(db, client):
 
     seed(db)
     with db.sessions() as s:
-        assert runs_api.run_status(s, RUN, stall_after_s=600)["state"] == "running"
+        assert views.run_status(s, RUN, stall_after_s=600)["state"] == "running"
     with db.sessions.begin() as s:
         assert runs.finish_attempt(s, RUN, 0, RunFinished(150, 9.0, "closed")) is None
     with db.sessions() as s:  # an older attempt finishing says nothing of the newest
-        assert runs_api.run_status(s, RUN, stall_after_s=600)["state"] == "running"
+        assert views.run_status(s, RUN, stall_after_s=600)["state"] == "running"
     with db.sessions.begin() as s:
         runs.finish_attempt(s, RUN, 1, RunFinished(260, math.nan, "closed"))
     st = client.get(f"/api/runs/{RUN}/status").json()

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import StepRecord
+from thermowatch.supervisor.api import install_error_handlers
 from thermowatch.supervisor.api import chart as chart_api
 from thermowatch.supervisor.api import events as events_api
 from thermowatch.supervisor.api import runs as runs_api
@@ -35,6 +36,7 @@ def _app(db, requests: list | None = None, public_url: str = "") -> FastAPI:
     sup = Sup(db.sessions)
     g = guard(db.sessions)
     app = FastAPI(docs_url=None, redoc_url=None)
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(runs_api.make_router(sup, guard=g))
     app.include_router(chart_api.make_router(sup, guard=g))
     app.include_router(events_api.make_router(sup, guard=g))
@@ -192,6 +194,7 @@ def test_index_says_each_runs_state_step_loss_and_last_report(db, seeded):
         judged.mark(s, RUN, 1, 260)  # the daemon judged RUN's attempt 1 through step 260 just now
     sup.progress.note(RUN, 1, [StepRecord(step=260, values={"loss": 3.25}, wall_time=time.time())])
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(pages.make_router(sup, guard=guard(db.sessions)))
     with TestClient(app, headers=AUTH) as c:
         page = c.get("/").text
@@ -420,6 +423,7 @@ def test_pages_with_a_bearer_token_and_public_read(db, seeded):
     sup = Sup(db.sessions)
     g = guard(db.sessions, public_read=True)
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(runs_api.make_router(sup, guard=g))
     app.include_router(pages.make_router(sup, guard=g))
     with TestClient(app) as c:
