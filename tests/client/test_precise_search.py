@@ -75,3 +75,13 @@ def test_the_config_says_what_is_wrong():
                       ({"max_seconds": 0}, "max_seconds"), ({"settle": -1}, "settle"), ({"window": 2}, "window")):
         with pytest.raises(ValueError, match=word):
             PreciseSkip(**bad)
+
+
+def test_the_framework_callbacks_refuse_precise_skip_with_the_reason():
+    """Probes re-train from a checkpoint with their own ledger; the HF / Lightning data iterator
+    follows the Watch only at a boundary, so the callbacks say so instead of skipping wrongly."""
+    from thermowatch.integrations.core import Adapter
+
+    with pytest.raises(ValueError, match="precise_skip is not supported by the Hugging Face and Lightning"):
+        Adapter(run="r", precise_skip=True)
+    assert Adapter(run="r", precise_skip=False).run_id == "r"

@@ -112,6 +112,11 @@ class Adapter:
     client = "thermowatch.integrations"
 
     def __init__(self, *, run: str, checkpoint_dir: str | Path | None = None, **watch_kwargs: Any) -> None:
+        if watch_kwargs.get("precise_skip"):
+            # Probes re-train from a checkpoint again and again with their own ledger; the framework's
+            # data iterator follows the Watch's cursor and ledger at a boundary, not a probe's.
+            raise ValueError("precise_skip is not supported by the Hugging Face and Lightning callbacks yet: "
+                             "it needs a loop that calls tw.steps() and tw.batch_ids() itself")
         for k in ("model", "optimizer", "steps", "global_batch", "scheduler"):
             if k in watch_kwargs:
                 raise TypeError(f"{k}= comes from the trainer; pass only run=, checkpoint_dir= and watch's other keywords")
