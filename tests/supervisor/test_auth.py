@@ -64,6 +64,7 @@ SCOPE = {
     ("GET", "/api/runs/{run_id}/times"): "read",
     ("GET", "/api/runs/{run_id}/chart.png"): "read",
     ("GET", "/api/runs/{run_id}/events"): "read",
+    ("GET", "/api/runs/{run_id}/envelope"): "read",
     ("GET", "/api/runs/{run_id}/incidents"): "read",
     ("GET", "/api/runs/{run_id}/actions"): "read",
     ("GET", "/api/runs/{run_id}/audit"): "read",

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.supervisor.api import install_error_handlers
 from thermowatch.supervisor.api import chart as chart_api
 from thermowatch.cli import main
 from thermowatch.supervisor.config import SupervisorConfig
@@ -60,6 +61,7 @@ def seeded(db):
 @pytest.fixture
 def client(seeded):
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(chart_api.make_router(Sup(seeded.sessions), guard=guard(seeded.sessions)))
     with TestClient(app, headers=AUTH) as c:
         yield c
@@ -119,6 +121,7 @@ def test_times_are_the_live_paths_wall_clock(db):
             recs = [StepRecord(step=st, values={"loss": 1.0}, wall_time=t0 + st) for st in range(lo, hi)]
             steps_store.record_steps(s, run, attempt, recs)
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
     with TestClient(app, headers=AUTH) as c:
         whole = c.get(f"/api/runs/{run}/times", params={"points": 300}).json()
@@ -146,6 +149,7 @@ def test_a_hundred_layer_chart_for_a_phone_is_under_a_megabyte(db):
         with db.sessions.begin() as s:
             thermometers.append(s, run, 0, recs)
     app = FastAPI()
+    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
     with TestClient(app, headers=AUTH) as c:
         params = {"metric": "act_max", "buckets": 390}
