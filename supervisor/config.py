@@ -104,11 +104,15 @@ class SupervisorConfig:
                                       metadata=schema("thermowatch.monitors.detectors:BankConfig"))
     limits: dict[str, Any] = field(default_factory=dict,  # supervisor.limits.Limits fields that differ
                                    metadata=schema("thermowatch.supervisor.limits:Limits"))
+    # The peer envelope (loss_behind_peers; supervisor/jobs.py and the run page): EnvelopeConfig
+    # fields that differ (gap_nats, confirm, start, smooth, min_peers)
+    envelope: dict[str, Any] = field(default_factory=dict,
+                                     metadata=schema("thermowatch.monitors.envelope:EnvelopeConfig"))
 
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
         # anywhere under them (issue 12), before any class below sees the value.
-        for name in ("slack", "policy", "detectors", "limits"):
+        for name in ("slack", "policy", "detectors", "limits", "envelope"):
             try:
                 check_tree(type(self), {name: getattr(self, name)})
             except ConfigTreeError as exc:
@@ -145,8 +149,10 @@ class SupervisorConfig:
 
         # Build each section once now, so a value out of range stops `serve` at start-up
         # with the section's name, not at the first finding.
+        from thermowatch.monitors.envelope import EnvelopeConfig
+
         for name, build in (("limits", Limits.from_dict), ("detectors", BankConfig.from_dict),
-                            ("policy", lambda d: PolicyConfig(**d))):
+                            ("policy", lambda d: PolicyConfig(**d)), ("envelope", lambda d: EnvelopeConfig(**d))):
             try:
                 build(getattr(self, name))
             except (TypeError, ValueError, UserError) as exc:

@@ -32,6 +32,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
+from thermowatch.monitors.envelope import EnvelopeConfig
 from thermowatch.supervisor.api.auth import Guard
 from thermowatch.supervisor.api.runs import json_response
 from thermowatch.supervisor.store.views import incidents_with_findings, jsonable, require_run
@@ -127,7 +128,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         if hit is None or now - hit[0] > ENVELOPE_TTL_S:
             with sup.sessions() as s:
                 require_run(s, run_id)
-                hit = (now, peers_store.envelope_view(s, run_id))
+                hit = (now, peers_store.envelope_view(s, run_id, EnvelopeConfig(**sup.cfg.envelope)))
             if len(cache) > 1000:
                 cache.clear()
             cache[run_id] = hit

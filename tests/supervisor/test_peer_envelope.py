@@ -156,3 +156,24 @@ def test_the_loss_chart_draws_the_envelope_in_chromium(sup, tmp_path):
             assert green > 200, green
         finally:
             b.close()
+
+
+def test_the_envelope_section_of_the_daemons_config(db, tmp_path, stream):
+    """`envelope:` in the supervisor config: checked at start-up by key and by value, and what the
+    job and the page judge with."""
+    from thermowatch.supervisor.config import ConfigError
+
+    with pytest.raises(ConfigError, match="gap_nat"):
+        SupervisorConfig(data_dir=tmp_path / "x", db_url=db.url, envelope={"gap_nat": 0.5})
+    with pytest.raises(ConfigError, match="envelope: gap_nats must be > 0"):
+        SupervisorConfig(data_dir=tmp_path / "x", db_url=db.url, envelope={"gap_nats": 0})
+    wide = Supervisor(SupervisorConfig(data_dir=tmp_path / "d", db_url=db.url, envelope={"gap_nats": 5.0}),
+                      notifier=ConsoleNotifier(stream))
+    try:
+        _train(wide, "healthy", "healthy_qkln", QKLN)
+        _train(wide, "degrade", "qkln_degrade", QKLN)
+        assert jobs.peer_envelope(wide) == []  # 0.4-0.6 nats behind is inside a 5-nat band
+        with wide.sessions() as s:
+            assert peers_store.envelope_view(s, "degrade", EnvelopeConfig(gap_nats=5.0))["gap_nats"] == 5.0
+    finally:
+        wide.close()
