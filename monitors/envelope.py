@@ -34,7 +34,7 @@ class EnvelopeConfig:
     confirm: int = 30
     start: int = 150  # steps before any verdict: runs at different LRs part ways in their warm-ups
     smooth: int = 10  # trailing mean: one batch is ~0.1 nats of noise here
-    min_peers: int = 1
+    min_peers: int = 1  # fewer comparable runs than this: no verdict
 
     def __post_init__(self) -> None:
         if not self.gap_nats > 0:
@@ -106,7 +106,7 @@ def envelope(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = No
 def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = None) -> Finding | None:
     """The first confirmed stretch of `run` behind its envelope, as a finding (None: not behind)."""
     cfg = cfg or EnvelopeConfig()
-    if len(run.steps) < cfg.confirm or not peers:
+    if len(run.steps) < cfg.confirm or len(peers) < cfg.min_peers:
         return None
     env = envelope(run, peers, cfg)
     own, best, who, area, areas = env.own, env.best, env.who, env.area, env.peer_areas

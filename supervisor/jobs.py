@@ -149,8 +149,6 @@ def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     return sent
 
 
-# The runs judged and compared: the newest this many (those active in the last day are judged,
-# against the others of the same model among them).
 def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConfig | None = None
                   ) -> list[tuple[str, Finding]]:
     """Judge each run active in the last day against its comparable runs; hand a finding to the

@@ -144,7 +144,6 @@ class Watch:
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
         self._probing: _Probing | None = None
         self._waiting: list[Command] = []  # commands that came with a rollback that is still probing
-        self._cmd: Command | None = None
         self._saved_lrs: list[Any] | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -366,7 +365,6 @@ class Watch:
         self._waiting = []
         for i, cmd in enumerate(cmds):
             out, error = None, None
-            self._cmd = cmd  # the command a probing rollback answers when its search ends
             try:
                 out = self._carry_out(cmd)
             except _Refused as exc:
@@ -405,10 +403,11 @@ class Watch:
             return Outcome(f"{body.describe()} from step {change.start_step}", lr_change=change,
                            lr_seq=len(self.lr_changes) - 1)
         if isinstance(body, Rollback):
-            return self._rollback(body)
+            return self._rollback(body, cmd)
         raise _Refused(f"{cmd.kind.value} is not supported by thermowatch.watch; the bundled trainer supports it")
 
-    def _rollback(self, cmd: Rollback) -> Outcome:
+    def _rollback(self, cmd: Rollback, command: Command) -> Outcome:
+        """`command`: the one a precise skip answers when its search ends (its ack waits for it)."""
         if cmd.exclude_rank is not None or cmd.exclude_node:
             raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
         target = min(cmd.to_step, self.step)
@@ -422,13 +421,14 @@ class Watch:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable (the log says why)")
         if loaded is None:
             raise _Refused(f"no readable checkpoint at or before step {cmd.to_step} in {self.dir}; nothing to roll back to")
-        suspects = ids_of(cmd.skip)
-        if self.precise is not None and len(suspects):
+        suspects = np.zeros(0, np.int64)
+        if self.precise is not None and cmd.skip:  # a blunt skip never lists its ids
+            suspects = ids_of(cmd.skip)
             # The samples trained after the window (between the detection and this command) were on
             # the abandoned path too: a poisoned stretch can run past the detection step.
             suspects = np.union1d(suspects, np.arange(suspects[-1] + 1, max(trained_to, suspects[-1] + 1)))
             suspects = suspects[~self.ledger.contains(suspects)]  # already skipped: not suspects
-        precise = self.precise is not None and len(suspects) > 0
+        precise = len(suspects) > 0
         if not precise:
             self.ledger.add_many([r.to_json() for r in cmd.skip])
         change = seq = None
@@ -458,7 +458,7 @@ class Watch:
         if precise:
             healthy = [v for s, v in self._losses if s <= loaded]
             budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))
-            self._probing = _Probing(self._cmd, out, loaded, self.ledger.copy(), suspects,
+            self._probing = _Probing(command, out, loaded, self.ledger.copy(), suspects,
                                      Search(suspects, self.precise.min_samples or self.global_batch),
                                      healthy, self.precise, budget)
         return out

@@ -7,15 +7,16 @@ offending ones before it resumes, by re-training from the rollback's checkpoint:
 - The suspects S (the rollback's new skip ranges, and the samples the abandoned path trained
   after them, between the detection and the command) are halved. Each half is *probed*: training
   from the checkpoint with the other half skipped, through the half's last sample (and `settle`
-  steps more), or until the loss spikes (a non-finite loss, or one above the median of the
-  newest 4 by max(z robust sigmas of the step-to-step change, min_rise x that median)). The trailing window starts with the losses of
-  the steps up to the checkpoint, the healthy path.
+  steps more), or until the loss spikes: a non-finite loss, or one above the median of the
+  newest 4 by max(z robust sigmas of the step-to-step change, min_rise x that median). The
+  trailing window starts with the losses of the steps up to the checkpoint, the healthy path.
 - A half that spiked holds an offender among the samples it had trained by the spike's step (a
   later sample cannot have caused it). Those are split again: the samples of the spike's own
   step, probed first (bad data shows in its own batch's loss: one step), and the rest; the
   half's samples after that step are probed on their own (a poisoned stretch may go on past
-  it). A part that ran clean is released. Every half that spikes is followed (a poisoned stretch cut in two by a
-  halving is found in both). A group of `min_samples` or fewer is an offender as it is.
+  it). A part that ran clean is released. Every half that spikes is followed (a poisoned
+  stretch cut in two by a halving is found in both). A group of `min_samples` or fewer is an
+  offender as it is.
 - Neither half spiking alone means the divergence needs both, or was not the data at all (PaLM
   found that replaying the same batches from an earlier checkpoint often did not spike): the
   group is skipped whole and the result says "inseparable".
@@ -39,9 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from thermowatch.monitors.contract import SampleRange
-
-# A robust sigma from the median absolute deviation (normal data).
-_MAD_SIGMA = 1.4826
+from thermowatch.monitors.detectors.base import MAD_TO_SIGMA
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class SpikeBar:
             t = np.fromiter(self.trail, float)
             level = float(np.median(t[-4:]))
             d = np.diff(t)
-            sigma = _MAD_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+            sigma = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
             if loss > level + max(self.cfg.z * sigma, self.cfg.min_rise * abs(level)):
                 return True
         self.trail.append(loss)

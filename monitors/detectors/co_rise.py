@@ -39,10 +39,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from thermowatch.monitors.contract import GRAD_NORM, LOSS, Finding, Outcome, Severity, Signal
 
-from .base import at_least, positive
+from .base import MAD_TO_SIGMA, at_least, positive
 
-# A robust sigma from the median absolute deviation (normal data).
-_MAD_SIGMA = 1.4826
 
 
 @dataclass
@@ -80,7 +78,7 @@ def _stats(c: CoRiseConfig, loss: np.ndarray, grad: np.ndarray) -> list[np.ndarr
     exactly the findings of one step at a time on every CPU."""
     base, rec = loss[:, : c.baseline], loss[:, c.baseline:]
     med = np.median(base, axis=1)
-    spread = _MAD_SIGMA * np.median(np.abs(base - med[:, None]), axis=1)
+    spread = MAD_TO_SIGMA * np.median(np.abs(base - med[:, None]), axis=1)
     bar = np.maximum(c.z * spread / math.sqrt(c.recent), c.min_rel_rise * np.abs(med))
     return [rec.mean(axis=1), med, bar, spread, np.median(grad[:, c.baseline:], axis=1),
             np.median(grad[:, : c.baseline], axis=1)]

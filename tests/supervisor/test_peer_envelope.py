@@ -81,6 +81,9 @@ def test_a_slow_run_behind_faster_runs_is_not_behind_its_peers():
     f = behind_peers(slow, [_curve("low-lr", "healthy_qkln", lr_scale=0.01, loss_shift=-0.5)])
     assert f is not None and f.evidence["gap_nats"] == pytest.approx(0.5) and f.onset_step == 150
     assert behind_peers(slow, []) is None
+    # `min_peers`: one comparable run is not enough when the config asks for two
+    assert behind_peers(slow, [_curve("low-lr", "healthy_qkln", lr_scale=0.01, loss_shift=-0.5)],
+                        EnvelopeConfig(min_peers=2)) is None
 
 
 def _curve(name: str, trace: str, lr_scale: float = 1.0, loss_shift: float = 0.0) -> Curve:
