@@ -4,6 +4,7 @@ server configured (the embedded supervisor), and leaves what it says in the data
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +22,7 @@ TORCHRUN = re.findall(r"<!-- example: torchrun -->\n```python\n(.*?)```", DOC.re
 
 
 def test_the_page_has_its_examples():
-    assert len(EXAMPLES) == 4 and all("import thermowatch" in e for e in EXAMPLES)
+    assert len(EXAMPLES) == 5 and all("import thermowatch" in e for e in EXAMPLES)
 
 
 def _run(code: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -51,10 +53,26 @@ def test_each_example_runs_as_written(i, tmp_path):
             "step_00000010.pt", "step_00000020.pt", "step_00000030.pt", "step_00000040.pt"]
         keys = {k for (k,) in db.execute("SELECT metric FROM series")}
         assert {"loss", "lr", "attn_logit_max", "lr_multiplier"} <= keys, keys
-    elif i == 1:
+    elif i == 1:  # LR set by hand, its forecast from lr_schedule; precise skip on (nothing to skip)
+        assert "run by-hand: step 20, attempt 1" in r.stdout and "step 20 lr " in r.stdout, r.stdout
+        assert runs == {"by-hand": 20}
+        from sqlalchemy import create_engine
+        from sqlalchemy.orm import Session
+
+        from thermowatch.supervisor.store import thermometers as thermo_store
+
+        with Session(create_engine(f"sqlite:///{tmp_path / '.thermowatch' / 'thermowatch.db'}")) as s:
+            steps, peak = thermo_store.history(s, "by-hand", "lr_peak_ahead")
+        # the forecast from lr_schedule: at each step, the largest LR the example's get_lr gives
+        # from there on (the peak 1e-3 through the warm-up, then the cosine's own LR)
+        lrs = [1e-3 * (it + 1) / 8 if it < 8 else 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * (it - 8) / 12)))
+               for it in range(20)]
+        assert steps.tolist() == list(range(1, 21))
+        assert peak == pytest.approx(np.maximum.accumulate(np.array(lrs)[::-1])[::-1])
+    elif i == 2:
         assert runs == {"own-ckpt": 20}
     else:  # the Hugging Face Trainer and Lightning adapters: the same run, checkpoints and finish
-        run = "hf-run" if i == 2 else "pl-run"
+        run = "hf-run" if i == 3 else "pl-run"
         assert f"run {run}: step 20, attempt 1" in r.stdout, r.stdout
         assert runs == {run: 20}
         ckpts = sorted(s for (s,) in db.execute("SELECT step FROM checkpoints WHERE run_id = ?", (run,)))
