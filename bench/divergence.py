@@ -50,7 +50,7 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.monitors.detectors.baselines import PeerBank
 from thermowatch.monitors.envelope import Curve, behind_peers
 from thermowatch.monitors.replay import read_records
-from thermowatch.supervisor.replay_policy import replay_decider
+from thermowatch.supervisor.decide.replay_policy import replay_decider
 
 SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite",
            "lr_jump", "loss_grad_rise", "loss_behind_peers")
@@ -166,7 +166,7 @@ def _curve(r: Run) -> Curve:
 
 
 def envelope(all_runs: list[Run]) -> None:
-    """supervisor.jobs.peer_envelope on the grid: every other run of the same model config is in
+    """supervisor.app.jobs.peer_envelope on the grid: every other run of the same model config is in
     the database already (a sweep); its finding joins the run's own (an alert that pages)."""
     curves = {id(r): _curve(r) for r in all_runs}
     for r in all_runs:

@@ -47,7 +47,7 @@ PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgr
 
 
 def serve(url: str, port: int, mode: str = "daemon") -> None:
-    """Subprocess entry. mode "daemon": the daemon as deployed (supervisor.server.build_app over a
+    """Subprocess entry. mode "daemon": the daemon as deployed (supervisor.serve.server.build_app over a
     Supervisor: detectors, policy and alerts on; it answers, then judges). mode "write_only": the
     ingest router over a bare Ingestor, no detectors (last round's figure, kept beside it)."""
     import tempfile
@@ -61,10 +61,10 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
     if mode in ("daemon", "daemon_thread"):
         import io
 
-        from thermowatch.supervisor.config import SupervisorConfig
+        from thermowatch.supervisor.app.config import SupervisorConfig
         from thermowatch.supervisor.notify.console import ConsoleNotifier
-        from thermowatch.supervisor.server import build_app, settle_heap
-        from thermowatch.supervisor.service import Supervisor
+        from thermowatch.supervisor.serve.server import build_app, settle_heap
+        from thermowatch.supervisor.app.service import Supervisor
 
         cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-daemon-")), db_url=url,
                                api_token=os.environ["THERMOWATCH_API_TOKEN"],  # auth on, as deployed
@@ -72,10 +72,10 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
         app = build_app(Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False))
         settle_heap()  # as `thermowatch serve` does once the app is built
     else:
-        from thermowatch.supervisor.api.auth import Guard
-        from thermowatch.supervisor.api.ingest import make_router
-        from thermowatch.supervisor.auth import Authenticator
-        from thermowatch.supervisor.ingest import Ingestor
+        from thermowatch.supervisor.serve.guard import Guard
+        from thermowatch.supervisor.serve.api.ingest import make_router
+        from thermowatch.supervisor.serve.auth import Authenticator
+        from thermowatch.supervisor.ingest.ingestor import Ingestor
 
         sessions = make_sessionmaker(make_engine(url))
         app = FastAPI()
@@ -189,7 +189,7 @@ def bench_inprocess(url: str, bodies: list[bytes], n_values: int) -> float:
     from thermowatch.monitors.columns import StepColumns
     from thermowatch.monitors.contract import RunInfo
     from thermowatch.supervisor.db import make_engine, make_sessionmaker, upgrade
-    from thermowatch.supervisor.ingest import Ingestor
+    from thermowatch.supervisor.ingest.ingestor import Ingestor
 
     upgrade(url)
     eng = make_engine(url)
@@ -412,8 +412,8 @@ def bench_validation(steps: int, batch: int, n_values: int, reps: int = 7) -> di
     ingest does not do. Process CPU time, best of `reps`: less disturbed by a shared machine."""
     from pydantic import TypeAdapter
 
-    from thermowatch.supervisor.api.schemas import StepsBody
-    from thermowatch.supervisor.ingest import Ingestor, records_from_json
+    from thermowatch.supervisor.serve.api.schemas import StepsBody
+    from thermowatch.supervisor.ingest.ingestor import Ingestor, records_from_json
 
     bodies = _bodies(steps, batch, _keys(n_values), np.random.default_rng(0), "json")
     objs = [json.loads(b) for b in bodies]

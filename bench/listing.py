@@ -176,10 +176,10 @@ def serve(url: str, port: int) -> None:
 
     import uvicorn
 
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.server import build_app, settle_heap
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.serve.server import build_app, settle_heap
+    from thermowatch.supervisor.app.service import Supervisor
 
     cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-listing-")), db_url=url,
                            api_token=os.environ["THERMOWATCH_API_TOKEN"],
@@ -195,7 +195,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-# The read budget and gate off (supervisor.api.reads): the daemon as it was before them.
+# The read budget and gate off (supervisor.serve.api.reads): the daemon as it was before them.
 UNBOUNDED_READS = {"max_reads_per_client_per_minute": 10**9, "max_reads_in_flight": 10**6}
 
 

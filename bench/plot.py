@@ -134,10 +134,10 @@ def serve(url: str, port: int) -> None:
 
     import uvicorn
 
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.server import build_app, settle_heap
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.serve.server import build_app, settle_heap
+    from thermowatch.supervisor.app.service import Supervisor
 
     cfg = SupervisorConfig(data_dir=Path(tempfile.mkdtemp(prefix="tw-bench-plot-")), db_url=url,
                            api_token=os.environ["THERMOWATCH_API_TOKEN"])
@@ -226,7 +226,7 @@ OLD_PLOT = r"""
 import resource, sys, time
 from thermowatch.supervisor.db import make_engine, make_sessionmaker
 from thermowatch.supervisor.store import thermometers
-from thermowatch.supervisor.web.plots import Chart, render
+from thermowatch.supervisor.charts.plots import Chart, render
 url, run_id, family = sys.argv[1:4]
 sessions = make_sessionmaker(make_engine(url))
 render(Chart("warm-up", [("x", __import__("numpy").arange(3), __import__("numpy").arange(3.0))]))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import thermowatch  # noqa: E402
 from tests.client.user_loop import DATA, train_step, user_batch, user_model  # noqa: E402
-from thermowatch.supervisor.config import SupervisorConfig  # noqa: E402
+from thermowatch.supervisor.app.config import SupervisorConfig  # noqa: E402
 from thermowatch.supervisor.store import quarantine as quarantine_store  # noqa: E402
 
 B, STEPS = 16, 280

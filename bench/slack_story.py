@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fakes.slack_server import FakeSlack  # noqa: E402
 from thermowatch.demo import DEMO_DETECTORS, DEMO_POLICY, DemoOptions, _NoHumanOnCall, train_config  # noqa: E402
-from thermowatch.supervisor.config import SupervisorConfig  # noqa: E402
+from thermowatch.supervisor.app.config import SupervisorConfig  # noqa: E402
 from thermowatch.supervisor.notify.slack import SlackNotifier  # noqa: E402
-from thermowatch.supervisor.service import Supervisor  # noqa: E402
+from thermowatch.supervisor.app.service import Supervisor  # noqa: E402
 
 
 def _text(blocks) -> str:

@@ -36,7 +36,7 @@ from ingest import PG_URL, _keys, _pg_url, running_daemon  # noqa: E402  (the sa
 
 
 def _rss_mb(pid: int) -> float:
-    """The daemon's RSS plus its children's (the detectors' process, supervisor.bank_process)."""
+    """The daemon's RSS plus its children's (the detectors' process, supervisor.judge.bank_process)."""
     total = 0.0
     for p in [pid, *_children(pid)]:
         try:

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, Sequence, Union
 
+import numpy as np
+
 
 class ContractError(ValueError):
     """A record, command or ack that does not match the contract. The message names the field."""
@@ -39,6 +41,23 @@ def dumps(obj: Any) -> str:
     """The one JSON encoder for what crosses a process: NaN and +-Infinity are data and travel
     as the literals Python's json writes and reads (a finding's evidence, a step's values)."""
     return json.dumps(obj, allow_nan=True, separators=(",", ":"))
+
+
+def json_safe(obj: Any) -> Any:
+    """What is stored as JSON (a finding's evidence, a detector's state, an action's args, an audit
+    entry): non-finite floats become the strings "nan", "inf", "-inf" (PostgreSQL's json type
+    rejects NaN literals; Python's float() reads the strings back), numpy scalars plain numbers.
+    The HTTP API's answers spell them "NaN"/"Infinity" instead, for JavaScript's Number()
+    (supervisor/store/views.py, to_wire)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, (np.floating, np.integer)):
+        return json_safe(obj.item())
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def loads(text: str | bytes) -> Any:
@@ -473,6 +492,21 @@ class Command:
 
 
 BISECT_OUTCOMES = ("narrowed", "inseparable", "budget")
+
+# An action's life (the command queue's rows, supervisor/store/actions.py): its states and the
+# moves between them. One vocabulary for the store, the executor, the API and the CLI's `--wait`.
+ACTION_STATES = ("pending", "sent", "acked", "done", "failed", "cancelled", "expired")
+ACTION_TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset({"sent", "failed", "cancelled", "expired"}),
+    "sent": frozenset({"acked", "failed", "pending", "expired"}),  # sent -> pending: redeliver after a lost poll
+    "acked": frozenset({"done", "failed", "expired"}),
+    "done": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+    "expired": frozenset(),
+}
+FINAL_STATES = tuple(s for s, nxt in ACTION_TRANSITIONS.items() if not nxt)
+OPEN_STATES = ("pending", "sent", "acked")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ UPDATE_RATIO = "update_ratio"  # ||dW|| / ||W|| of one step; identical on every 
 TOKENS_PER_S = "tokens_per_s"
 SKIPPED_STEPS = "skipped_steps"
 # The LR multiplier on the schedule the trainer really used for the step (contract.multiplier_at
-# of its own LR changes); the supervisor compares it with its own view (supervisor.consistency).
+# of its own LR changes); the supervisor compares it with its own view (supervisor.judge.consistency).
 LR_MULTIPLIER = "lr_multiplier"
 # The largest LR the trainer's schedule will train at from this step on, under the multiplier in
 # force (warm-up still to climb, or the current LR once it only decays). A forecast only the
@@ -40,7 +40,7 @@ LR_MULTIPLIER = "lr_multiplier"
 LR_PEAK_AHEAD = "lr_peak_ahead"
 # Consecutive checkpoint saves that failed (disk full, read-only volume, a rank's save raising),
 # set by the controller in every record while it is above 0 and once more at 0 when a save
-# succeeds again; the supervisor pages on it (supervisor.checkpoint_health).
+# succeeds again; the supervisor pages on it (supervisor.judge.checkpoint_health).
 CHECKPOINT_FAILURES = "checkpoint_failures"
 
 SEP = "/"
@@ -237,11 +237,18 @@ class Signal(str, enum.Enum):
     STALL = "stall"
     OUTLIER_RANK = "outlier_rank"
     # The trainer's effective LR multiplier or skip-ledger digest differs from the supervisor's
-    # record of the commands it acknowledged (supervisor.consistency): page, never act.
+    # record of the commands it acknowledged (supervisor.judge.consistency): page, never act.
     STATE_MISMATCH = "state_mismatch"
-    # The trainer could not save a checkpoint (supervisor.checkpoint_health): page, never act.
+    # The trainer could not save a checkpoint (supervisor.judge.checkpoint_health): page, never act.
     CHECKPOINT_FAILED = "checkpoint_failed"
 
+
+
+# The divergences a rollback can fix, by default (a policy setting, `rollback_signals`): they live in
+# the weights. The policy's default, and what the quarantine counts as the skipped data coming back.
+DEFAULT_ROLLBACK_SIGNALS = frozenset(
+    {Signal.ATTN_LOGIT_GROWTH, Signal.ATTN_LOGIT_CEILING, Signal.LOSS_SPIKE, Signal.LOSS_GRAD_RISE, Signal.NON_FINITE}
+)
 
 def signal_family(signal: "Signal | str") -> str:
     """The divergence a signal belongs to: attention-logit growth and ceiling are two views of one

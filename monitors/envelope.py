@@ -11,7 +11,7 @@ the comparable runs that trained with *no more* LR so far (cumulative LR, the su
 
     behind = smoothed loss - envelope >= gap_nats, for `confirm` steps in a row, from step `start`
 
-Pure, like the detectors: `behind_peers(run, peers)` over arrays; supervisor.jobs reads the
+Pure, like the detectors: `behind_peers(run, peers)` over arrays; supervisor.app.jobs reads the
 runs from the store (supervisor/store/peers.py) and hands the finding to the responder (an alert
 that pages by default); the run page draws `envelope(run, peers)` on its loss chart.
 """

@@ -19,7 +19,7 @@ class Conflict(UserError):
 
 
 class QuotaExceeded(UserError):
-    """A caller used up a budget over time (supervisor.quota): HTTP 429 with Retry-After.
+    """A caller used up a budget over time (supervisor.ingest.quota): HTTP 429 with Retry-After.
     Nothing was stored."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:

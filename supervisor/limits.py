@@ -11,7 +11,7 @@ Two kinds of limit live here:
   request or one run may hold, so no single client can make every later read slow (issue 11: a
   run config of 10^6 keys made every GET /api/runs take 6 s; 10^6 metric names in one step spent
   25 s and ended in a 500), and how many runs one token may open per hour (issue 21, item 4;
-  supervisor.quota, answered 429).
+  supervisor.ingest.quota, answered 429).
 
 Every refusal is a ContractError (422) or LimitExceeded (413) whose message names the field and
 the limit; nothing is stored, because the checks run before the transaction opens.
@@ -60,22 +60,22 @@ class Limits:
     max_manifest_keys: int = 100_000  # a checkpoint manifest lists every file with its size and crc
     max_manifest_bytes: int = 8 << 20
     # The body of a route that declares no size of its own (commands, acks, approvals, tokens):
-    # supervisor.api.body refuses more with 413 before reading it.
+    # supervisor.serve.body refuses more with 413 before reading it.
     max_small_body_bytes: int = 1 << 20
-    # Request bodies the daemon reads at once, all routes together (supervisor.api.body): 4
+    # Request bodies the daemon reads at once, all routes together (supervisor.serve.body): 4
     # batches of the largest size (max_body_bytes, 64 MB), or ~100 of a 48-layer run's 2.4 MB;
     # past it a request gets 503 with Retry-After and the trainer's sink sends it again later.
     max_body_bytes_in_flight: int = 256 << 20
-    # New runs (not new attempts of a run) one token may open in any hour (supervisor.quota).
+    # New runs (not new attempts of a run) one token may open in any hour (supervisor.ingest.quota).
     # A person or a CI job launches a few to tens an hour, a large sweep a few hundred; a hostile
     # ingest token made 400-600 a second (issue 21, item 4). At 1000 an hour it takes 100 hours
     # to reach 10^5 runs, and every list stays paged and indexed whatever the count.
     max_new_runs_per_token_per_hour: int = 1000
-    # Active runs with series of their own in a `/metrics` scrape (supervisor.metrics); the rest
+    # Active runs with series of their own in a `/metrics` scrape (supervisor.serve.metrics); the rest
     # are counted. ~6 series a run, so a scrape stays under ~10^4 series however many tokens flood.
     max_runs_in_metrics: int = 1000
     # Reads (GET/HEAD but the trainer's command poll, probes and static files) one client may
-    # make a minute, up to a sixth of them at once (supervisor.api.reads): an open run page reads
+    # make a minute, up to a sixth of them at once (supervisor.serve.api.reads): an open run page reads
     # a few a second, a script that pages through 10^5 runs ~10. Past it: 429 with Retry-After.
     max_reads_per_client_per_minute: int = 1200
     # Reads served at once, all clients together; the rest wait their turn (up to 10 s, then 503).

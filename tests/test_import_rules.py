@@ -31,7 +31,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
-            # `from supervisor import jobs` imports the module supervisor.jobs
+            # `from supervisor import jobs` imports the module supervisor.app.jobs
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
     return out
 
@@ -95,11 +95,73 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
-def test_no_import_cycles_inside_the_supervisor():
-    """A cycle (jobs <-> service was one, hidden behind TYPE_CHECKING and a function-level import)
-    means two modules are one concept split in two files, or a missing seam."""
-    paths = {"thermowatch." + _module(p): p for p in (ROOT / "supervisor").rglob("*.py")}
-    graph = {m: {n for _, n in _imports(p) if n in paths and n != m} for m, p in paths.items()}
+# Inside the supervisor, one folder per stage of its loop (supervisor/__init__.py,
+# docs/architecture.md "Where things are"); each may import only the stages named here (and itself).
+# "root" is supervisor/{errors,db,limits}.py, which every stage may import.
+STAGES = {
+    "root": set(),
+    "store": {"root"},
+    "charts": {"store", "root"},
+    "ingest": {"store", "root"},
+    "decide": {"store", "root"},
+    "notify": {"decide", "charts", "store", "root"},
+    "judge": {"notify", "store", "root"},
+    "act": {"judge", "decide", "notify", "store", "root"},
+    "simulate": {"app", "decide", "root"},  # offline replay of the policy; reads a config file
+    "app": {"ingest", "judge", "decide", "act", "notify", "charts", "store", "root"},
+    "serve": {"app", "ingest", "judge", "decide", "act", "notify", "charts", "store", "root"},
+    "operate": {"act", "root"},  # clients of the HTTP API; act.outcome is how an outcome prints
+}
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["thermowatch", "supervisor"]:
+        return None
+    return parts[2] if len(parts) > 2 and (ROOT / "supervisor" / parts[2]).is_dir() else "root"
+
+
+def _graph(paths: dict[str, Path]) -> dict[str, set[str]]:
+    return {m: {n for _, n in _imports(p) if n in paths and n != m} for m, p in paths.items()}
+
+
+def _all_modules() -> dict[str, Path]:
+    out = {}
+    for package in (*PACKAGES, "thermowatch"):
+        for p in (ROOT / package).rglob("*.py"):
+            name = _module(p)
+            out[name if package == "thermowatch" else "thermowatch." + name] = p
+    return out
+
+
+def test_each_supervisor_stage_imports_only_the_stages_below_it():
+    modules = {m: p for m, p in _all_modules().items() if _stage(m)}
+    assert set(STAGES) == {_stage(m) for m in modules}, "a new folder under supervisor/ needs a row in STAGES"
+    bad = []
+    for m, p in sorted(modules.items()):
+        here = _stage(m)
+        for line, name in _imports(p):
+            there = _stage(name)
+            if there and there != here and there not in STAGES[here]:
+                bad.append(f"{p.relative_to(ROOT)}:{line} ({here}) imports {name} ({there})")
+    assert bad == [], "imports against the stage table:\n" + "\n".join(bad)
+
+
+def test_the_api_and_the_web_pages_never_import_each_other():
+    """They share the store's read model (store/views.py), serve.guard and charts/, not each other."""
+    modules = _all_modules()
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
+           for m, p in modules.items() for side, other in (("api", "web"), ("web", "api"))
+           if m.startswith(f"thermowatch.supervisor.serve.{side}")
+           for line, name in _imports(p) if name.startswith(f"thermowatch.supervisor.serve.{other}")]
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_import_cycles_in_any_package():
+    """A cycle (jobs <-> service was one, hidden behind TYPE_CHECKING and a function-level import;
+    the controller and its command handlers were another) means two modules are one concept split
+    in two files, or a missing seam."""
+    graph = _graph(_all_modules())
     cycles, state = [], {}
 
     def visit(m, stack):

@@ -45,7 +45,7 @@ def test_the_wheel_installs_only_thermowatch(wheel):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"thermowatch", wheel.name.split("-py")[0] + ".dist-info"}, tops
     assert "thermowatch/migrations/versions/0001_initial.py" in names
-    assert "thermowatch/supervisor/web/static/run.js" in names
+    assert "thermowatch/supervisor/serve/web/static/run.js" in names
 
 
 def test_the_installed_layout_imports_migrates_and_runs(wheel, tmp_path):

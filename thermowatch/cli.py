@@ -2,7 +2,7 @@
 
 Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
 and `replay` never starts Ray. The manual commands, the read commands (status, incidents,
-export: supervisor.report) and `login` talk to the daemon over HTTP (supervisor.client); only
+export: supervisor.operate.report) and `login` talk to the daemon over HTTP (supervisor.operate.client); only
 `serve`, `train`, `demo`, `db` and `token` open a database; `validate-config` and `simulate` touch
 neither. Exit codes: 0 ok, 1 the job ran
 and failed, 2 bad usage or bad input, or a request the daemon refused (the message says which
@@ -24,7 +24,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def _supervisor_config(args: argparse.Namespace):
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
 
     return SupervisorConfig.load(
         getattr(args, "config", None),
@@ -36,7 +36,7 @@ def _supervisor_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from thermowatch.supervisor.server import serve
+    from thermowatch.supervisor.serve.server import serve
 
     return serve(_supervisor_config(args), auto_upgrade=not args.no_upgrade)
 
@@ -66,12 +66,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from thermowatch.monitors.detectors import BankConfig
     from thermowatch.monitors.replay import replay
-    from thermowatch.supervisor.replay_policy import replay_decider
+    from thermowatch.supervisor.decide.replay_policy import replay_decider
 
     from thermowatch.monitors.config_tree import ConfigTreeError, check_tree
-    from thermowatch.supervisor.config import ConfigError
-    from thermowatch.supervisor.policy import PolicyConfig
-    from thermowatch.supervisor.replay_policy import REPLAY_KEYS
+    from thermowatch.supervisor.app.config import ConfigError
+    from thermowatch.supervisor.decide.policy import PolicyConfig
+    from thermowatch.supervisor.decide.replay_policy import REPLAY_KEYS
 
     policy, detectors = _load_mapping(args.policy), _load_mapping(args.detectors)
     policy_fields = {k: v for k, v in policy.items() if k not in REPLAY_KEYS}  # replay's own keys aside
@@ -151,7 +151,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     with the daemon down or locked; whoever holds the database URL is an admin anyway. Remote
     admins use POST /api/tokens with an admin token."""
     from thermowatch.supervisor import db
-    from thermowatch.supervisor.api import tokens as tokens_api
+    from thermowatch.supervisor.serve.api import tokens as tokens_api
 
     cfg = _supervisor_config(args)
     engine = db.make_engine(cfg.db_url)
@@ -185,7 +185,7 @@ def cmd_manual(args: argparse.Namespace) -> int:
     """rollback / skip / lr / pause / resume / stop / approve / actions / runs: through the
     daemon's API, which writes the same action rows the automatic policy writes, so one
     executor and one audit trail serve both."""
-    from thermowatch.supervisor.manual import run_manual
+    from thermowatch.supervisor.operate.manual import run_manual
 
     return run_manual(args)
 
@@ -193,7 +193,7 @@ def cmd_manual(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     """A chart of one metric (a key or a family prefix) as a PNG file, through the daemon's
     GET /api/runs/{run}/chart.png (read from the rollups: fast at any history length)."""
-    from thermowatch.supervisor.client import Client, resolve, run_path
+    from thermowatch.supervisor.operate.client import Client, resolve, run_path
 
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -211,7 +211,7 @@ def cmd_login(args: argparse.Namespace) -> int:
     """Check an address and token against the daemon, then remember them for this user."""
     import getpass
 
-    from thermowatch.supervisor.client import TOKEN_ENV, Client, resolve, save_login
+    from thermowatch.supervisor.operate.client import TOKEN_ENV, Client, resolve, save_login
 
     token = args.token
     if token is None and not args.no_token:
@@ -229,13 +229,13 @@ def cmd_login(args: argparse.Namespace) -> int:
 
 
 def _load_mapping(path: str | None) -> dict:
-    from thermowatch.supervisor.config import read_mapping
+    from thermowatch.supervisor.app.config import read_mapping
 
     return read_mapping(Path(path)) if path else {}
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    from thermowatch.supervisor.client import SERVER_ENV, TOKEN_ENV
+    from thermowatch.supervisor.operate.client import SERVER_ENV, TOKEN_ENV
 
     p.add_argument("--server", help=f"the daemon's URL (default: ${SERVER_ENV}, then `thermowatch login`'s, "
                                     "then http://127.0.0.1:8765)")
@@ -328,11 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db_flags(tp)
     p.set_defaults(func=cmd_token)
 
-    from thermowatch.supervisor.manual import add_manual_commands
+    from thermowatch.supervisor.operate.manual import add_manual_commands
 
     add_manual_commands(sub, _add_client_flags, cmd_manual)
 
-    from thermowatch.supervisor.report import add_read_commands
+    from thermowatch.supervisor.operate.report import add_read_commands
 
     add_read_commands(sub, _add_client_flags)
 

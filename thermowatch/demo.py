@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thermowatch.monitors.contract import describe_args
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _progress(total: int, enabled: bool, desc: str):
 def run_demo(opts: DemoOptions) -> int:
     import ray
 
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.trainer.controller import RunController
     from thermowatch.trainer.local import ListSink, QueueCommands
 

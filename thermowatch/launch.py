@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.errors import UserError
 
 
@@ -20,7 +20,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
           verbose: bool = False, progress_every: int = 10, detach: bool = False, restarts: int = 10) -> int:
     import ray
 
-    from thermowatch.supervisor.train_output import announced_commands, Progress, quiet_http_logs
+    from thermowatch.train_output import announced_commands, Progress, quiet_http_logs
     from thermowatch.trainer.config import ConfigError, TrainConfig
     from thermowatch.trainer.controller import RunController
 
@@ -59,7 +59,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         raise UserError("--detach needs --supervisor URL: a detached controller outlives this process, and an "
                         "embedded supervisor would not")
     else:
-        from thermowatch.supervisor.service import Supervisor
+        from thermowatch.supervisor.app.service import Supervisor
 
         sup = Supervisor(sup_config)
         sink = commands = sup
@@ -112,7 +112,7 @@ def follow(actor, run_id: str, total_steps: int, *, progress_every: int = 10, po
     import ray
 
     from thermowatch.monitors.contract import Ack, StepRecord
-    from thermowatch.supervisor.train_output import Progress, ack_line
+    from thermowatch.train_output import Progress, ack_line
     from thermowatch.trainer import detached
 
     out = out or sys.stderr
@@ -185,7 +185,7 @@ def validate_config(path: str, kind: str = "auto") -> list[str]:
     and `train` do (the config tree check, then each class's own range checks) and describe what
     was checked. Starts nothing, needs no GPU, reads no environment: it judges the file alone.
     Lives here because a training config is the trainer's class (DESIGN.md's import rule)."""
-    from thermowatch.supervisor.config import read_mapping
+    from thermowatch.supervisor.app.config import read_mapping
     from thermowatch.trainer.config import ConfigError as TrainConfigError
     from thermowatch.trainer.config import TrainConfig
 

@@ -41,7 +41,7 @@ def resolve_server(server: str | None, token: str | None) -> tuple[str | None, s
     """The daemon's address and token, resolved as the command line resolves them (arguments, then
     THERMOWATCH_SERVER / THERMOWATCH_TOKEN, then `thermowatch login`'s file); no server named
     anywhere is None (the embedded supervisor), not the command line's default address."""
-    from thermowatch.supervisor.client import FROM_DEFAULT, resolve  # httpx and stdlib only
+    from thermowatch.supervisor.operate.client import FROM_DEFAULT, resolve  # httpx and stdlib only
 
     found = resolve(server, token)
     return (None if found.server_from == FROM_DEFAULT else found.server), found.token
@@ -74,8 +74,8 @@ class Run:
             self._channel: Any = HttpCommandChannel(self.server, token=token)
             self._closers: list[Callable[[], None]] = [self._sink.close, self._channel.close]
         else:
-            from thermowatch.supervisor.config import SupervisorConfig
-            from thermowatch.supervisor.service import Supervisor
+            from thermowatch.supervisor.app.config import SupervisorConfig
+            from thermowatch.supervisor.app.service import Supervisor
 
             sup = Supervisor(supervisor_config or SupervisorConfig.load())
             self._sink = self._channel = self.supervisor = sup

@@ -371,7 +371,7 @@ class RunController:
         raising) does not end the run: the partial save is removed, the run trains on from the
         checkpoints it has, and every following record carries `checkpoint_failures` (the
         consecutive failures) until a save succeeds, which the supervisor pages on
-        (supervisor/checkpoint_health.py). A rank that dies or hangs in the save is a gang
+        (supervisor/judge/checkpoint_health.py). A rank that dies or hangs in the save is a gang
         failure as anywhere else. Returns None when the save failed."""
         import ray
 

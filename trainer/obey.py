@@ -16,10 +16,11 @@ Outcome and the ack are thermowatch.protocol's: the same code as thermowatch.wat
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from thermowatch.monitors.contract import (
     Ack,
+    CheckpointInfo,
     Command,
     ContractError,
     LRChange,
@@ -31,15 +32,37 @@ from thermowatch.monitors.contract import (
     Skip,
     Stop,
 )
-from thermowatch.protocol import CheckpointRef, Outcome, ack_for
-
-
-if TYPE_CHECKING:
-    from thermowatch.trainer.controller import RunController
+from thermowatch.protocol import CheckpointRef, CommandBook, Outcome, ack_for
+from thermowatch.trainer.checkpoint import CheckpointStore
+from thermowatch.trainer.config import TrainConfig
+from thermowatch.trainer.data import SkipLedger
 
 log = logging.getLogger(__name__)
 
 ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
+
+
+class Controlled(Protocol):
+    """What the handlers read and change on the run controller (trainer.controller.RunController),
+    typed here so this module never imports the controller back (no cycle)."""
+
+    cfg: TrainConfig
+    store: CheckpointStore
+    commands_state: CommandBook
+    ledger: SkipLedger
+    lr_changes: list
+    excluded_nodes: list[str]
+    deleted_steps: set[int]
+    loaded_checkpoint: CheckpointInfo | None
+    gang: Any
+    step: int
+    attempt: int
+    paused: bool
+    stopped: bool
+
+    def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None: ...
+
+    def rollback_target(self, max_step: int) -> CheckpointInfo | None: ...
 
 
 class Refused(Exception):
@@ -49,7 +72,7 @@ class Refused(Exception):
 class Obey:
     """The handler table: command type -> handler(controller, body) -> Outcome."""
 
-    def __init__(self, ctl: "RunController") -> None:
+    def __init__(self, ctl: Controlled) -> None:
         self.ctl = ctl
         self.handlers: dict[type, Callable[[Any], Outcome]] = {
             Pause: self._pause, Resume: self._resume, Stop: self._stop, Skip: self._skip,

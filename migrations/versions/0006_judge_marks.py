@@ -1,4 +1,4 @@
-"""The judge's durable marker: commit, answer, then judge (supervisor.judge).
+"""The judge's durable marker: commit, answer, then judge (supervisor.judge.judge).
 
 Existing attempts are marked judged through their newest stored step: before this revision
 every batch was judged inside its ingest request, so nothing is waiting.

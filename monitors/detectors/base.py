@@ -42,19 +42,6 @@ def severity_rank(s: Severity) -> int:
     return _RANK[s]
 
 
-def jsonable(x: Any) -> Any:
-    """Strict-JSON form of evidence: non-finite floats become "nan"/"inf"/"-inf" strings."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, (np.floating, np.integer)):
-        return jsonable(x.item())
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
-
-
 class History:
     """Bounded (step, value) buffer. Appends are O(1); `rewind` drops points from a rolled-back
     stretch so repeated steps after a rollback do not sit next to their first run."""

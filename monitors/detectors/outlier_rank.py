@@ -24,7 +24,9 @@ import numpy as np
 from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal, StepRecord, split_key
 
 from .arrays import BOUND_BLOCK, NO_STEP, Rows, as_rows, block_starts
-from .base import at_least, jsonable
+from thermowatch.monitors.commands import json_safe
+
+from .base import at_least
 
 
 @dataclass
@@ -127,7 +129,7 @@ class OutlierRankDetector:
             # Outcome act: persistence over a whole window is the evidence a restart without the
             # rank needs; the policy only does that with restart_without_outlier (off by default).
             out.append(Finding(signal=self.signal, module=key, severity=Severity.WARN, onset_step=onset,
-                               detect_step=step, metric=key, evidence=jsonable(evidence), outcome=Outcome.ACT))
+                               detect_step=step, metric=key, evidence=json_safe(evidence), outcome=Outcome.ACT))
         return out
 
     @property

@@ -9,15 +9,15 @@ A `Single` is a bank of one row, so there is one implementation of each detector
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from thermowatch.monitors.commands import json_safe
 from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal, split_key
 
 from .arrays import NO_STEP, Rows, as_rows, parts_from_json, parts_to_json, window_bounds, window_medians
-from .base import MAD_TO_SIGMA, jsonable
+from .base import MAD_TO_SIGMA
 from .onset import estimate_onset
 
 Found = list[tuple[int, Finding]]  # (index into the rows given to observe, finding)
@@ -228,7 +228,7 @@ class SeriesBank:
     def release_latches(self) -> None:
         """Drop every latch and keep everything else (the points, the excursion counters): a
         condition that persists fires again on its next point. After a cooldown that held a
-        finding back (supervisor.respond)."""
+        finding back (supervisor.act.respond)."""
         self.rows.reset_latch(as_rows(range(len(self.rows))))
 
     def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
@@ -281,7 +281,7 @@ class SeriesBank:
             onset_step=onset,
             detect_step=step,
             metric=self.rows.keys[row],
-            evidence=jsonable(evidence),
+            evidence=json_safe(evidence),
             outcome=outcome if outcome is not None else self.outcome_for(severity),
         )
 

@@ -14,7 +14,9 @@ from typing import Any
 
 from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal
 
-from .base import jsonable, positive
+from thermowatch.monitors.commands import json_safe
+
+from .base import positive
 
 
 @dataclass
@@ -65,7 +67,7 @@ class StallDetector:
                                     "now": now, "silent_s": silent, "threshold_s": c.timeout_s}
         # Alert (and page, by the policy's page_signals): a stall is not in the weights.
         return Finding(signal=self.signal, module="", severity=severity, onset_step=self.last_step,
-                       detect_step=self.last_step, metric="step", evidence=jsonable(evidence),
+                       detect_step=self.last_step, metric="step", evidence=json_safe(evidence),
                        outcome=Outcome.ALERT)
 
     def reset(self, to_step: int | None = None) -> None:

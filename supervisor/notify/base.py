@@ -16,7 +16,7 @@ from thermowatch.monitors.contract import Finding, Severity
 from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
-    from thermowatch.supervisor.policy import Decision
+    from thermowatch.supervisor.decide.policy import Decision
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Alert:
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
                       incident_id: int | str | None = None, thread_ts: str | None = None) -> "Alert":
         """The alert the executor sends for a policy decision."""
-        from thermowatch.supervisor.policy import DecisionKind
+        from thermowatch.supervisor.decide.policy import DecisionKind
 
         kind = decision.kind
         # Severity follows what happened to the run, not how far the series is from its baseline

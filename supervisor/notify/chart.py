@@ -1,9 +1,10 @@
 """The PNG uploaded into an incident's Slack thread: the finding's thermometer around its onset.
 
 Called by the outbox's sender thread (supervisor.notify.outbox) when an upload row's turn comes,
-so neither the ingest path nor a text alert ever waits for matplotlib. It draws through the web
-page's renderer (supervisor.web.plots.render, imported here only: STYLE.md 6), with the same
-faded superseded attempts, and marks this incident's onset and detection.
+so neither the ingest path nor a text alert ever waits for matplotlib. It draws through the one
+chart path (supervisor.charts.png.chart_png: the rollups' min/max buckets, the same faded superseded
+attempts as the web page; matplotlib imported here only, STYLE.md 6), and marks this incident's
+onset and detection.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.notify.base import ChartRequest, NotifyError
-from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.errors import UserError
 
 WIDTH_PX, HEIGHT_PX = 900, 360  # readable on a phone's Slack preview; ~40 KB
 
@@ -19,20 +20,16 @@ WIDTH_PX, HEIGHT_PX = 900, 360  # readable on a phone's Slack preview; ~40 KB
 def render_chart(s: Session, run_id: str, incident_id: int | str | None, req: ChartRequest) -> bytes:
     """PNG bytes of `req.metric` for steps [step_lo, step_hi]. A metric with no points there is a
     NotifyError that retrying cannot fix (the outbox marks the upload failed, the text is sent)."""
-    from thermowatch.supervisor.web.plots import Chart, IncidentMark, Marks, render
+    from thermowatch.supervisor.charts.plots import IncidentMark, Marks
+    from thermowatch.supervisor.charts.png import chart_png
 
-    (steps, values), old = thermometers.split_superseded(
-        thermometers.history_by_attempt(s, run_id, req.metric, req.step_lo, req.step_hi))
-    if len(steps) == 0 and not old:
-        raise NotifyError(f"no points of {req.metric!r} in run {run_id!r} between steps {req.step_lo} and "
-                          f"{req.step_hi}; nothing to draw", retryable=False)
-    superseded = [(0, attempt, st, v) for attempt, (st, v) in old.items()]
-    logy = req.metric.split("/", 1)[0] in ("grad_norm", "attn_logit_max", "attn_logit_lse", "act_max", "z")
     ident = int(incident_id) if isinstance(incident_id, int) or str(incident_id or "").isdigit() else 0
     marks = Marks(incidents=[IncidentMark(ident, req.label or req.metric.split("/", 1)[0], req.onset_step, req.detect_step,
                                           open=True, selected=True)])
     title = f"{run_id}: {req.metric}, steps {req.step_lo}-{req.step_hi} (onset {req.onset_step}, " \
             f"detected {req.detect_step})"
-    chart = Chart(title, [(req.metric, steps, values)], superseded, logy=logy, step_lo=req.step_lo,
-                  step_hi=req.step_hi, width_px=WIDTH_PX, height_px=HEIGHT_PX)
-    return render(chart, marks)
+    try:
+        return chart_png(s, run_id, req.metric, req.step_lo, req.step_hi, marks=marks, width_px=WIDTH_PX,
+                         height_px=HEIGHT_PX, title=title, empty_ok=False)
+    except UserError as exc:  # NotFound included: an unknown metric, or no point in the window
+        raise NotifyError(f"{exc}; nothing to draw", retryable=False) from None

@@ -11,7 +11,7 @@ the thread's top message says "flapping (5 times in 12 min)".
 The fold is written to the audit trail in the deciding transaction ("alert folded": which
 incident, into which thread, the count), so every later alert of a folded incident (its action
 done, approved, failed) joins the same thread, after a restart too. Plain Python over the
-store; the executor calls it (supervisor.executor).
+store; the executor calls it (supervisor.act.executor).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Alerts to Slack with slack-sdk's WebClient (chat.postMessage, chat.update, files_upload_v2,
 Block Kit built with slack_sdk.models.blocks).
 
-With supervisor.api.slack (the interactivity endpoint), the only module that imports slack_sdk
+With supervisor.serve.api.slack (the interactivity endpoint), the only module that imports slack_sdk
 (STYLE.md 6); SlackGroupMembers here reads the user groups of `slack.approver_groups` for
-supervisor.approvers. The bot token comes from an environment variable or a mounted secret
+supervisor.decide.approvers. The bot token comes from an environment variable or a mounted secret
 file, never from a config file. Rate limits (HTTP 429 +
 Retry-After), 5xx answers and dropped connections are retried with slack-sdk's RetryHandlers;
 after the last retry a NotifyError says what to check.
@@ -48,14 +48,14 @@ _CHANNEL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived"}
 # Errors about the message itself: sending it again cannot succeed (the outbox marks it failed).
 _MESSAGE_ERRORS = {"invalid_blocks", "invalid_blocks_format", "msg_too_long", "no_text", "invalid_arguments",
                    "too_many_attachments", "invalid_attachments"}
-# The buttons' action ids: what the interactivity endpoint (supervisor.api.slack) accepts.
+# The buttons' action ids: what the interactivity endpoint (supervisor.serve.api.slack) accepts.
 APPROVE, CANCEL = "thermowatch_approve", "thermowatch_cancel"
 # Block Kit limits: header text 150 chars, section text 3000, 10 fields of 2000 each.
 _HEADER_MAX, _SECTION_MAX, _FIELDS_MAX = 150, 3000, 10
 
 
 class SlackSettings(Protocol):
-    """What from_config reads; supervisor.config.SlackConfig has these fields."""
+    """What from_config reads; supervisor.app.config.SlackConfig has these fields."""
 
     channel: str
     token_env: str
@@ -160,7 +160,7 @@ class SlackNotifier:
         self.web_base_url = web_base_url.rstrip("/") if web_base_url else None
         self.token_source = token_source
         # Buttons only where a click can be verified and acted on: a signing secret is configured
-        # (supervisor.api.slack); without one the commands in the message are the way to answer.
+        # (supervisor.serve.api.slack); without one the commands in the message are the way to answer.
         self.interactive = interactive
         backoff = BackoffRetryIntervalCalculator(backoff_factor=0.5)
         handlers = [
@@ -179,7 +179,7 @@ class SlackNotifier:
         token, source = resolve_token(cfg.token_env, cfg.token_file, environ)
         secret = resolve_signing_secret(getattr(cfg, "signing_secret_env", ""), getattr(cfg, "signing_secret_file", ""),
                                         environ)
-        # Buttons only where someone may click them (supervisor.approvers: closed by default).
+        # Buttons only where someone may click them (supervisor.decide.approvers: closed by default).
         approvers = bool(getattr(cfg, "approvers", None) or getattr(cfg, "approver_groups", None))
         return cls(token, cfg.channel, base_url=cfg.base_url, retries=retries,
                    web_base_url=web_base_url, token_source=source, interactive=secret is not None and approvers)
@@ -314,7 +314,7 @@ class SlackNotifier:
 
 
 class SlackGroupMembers:
-    """thermowatch.supervisor.approvers.GroupMembers over usergroups.users.list (bot scope usergroups:read).
+    """thermowatch.supervisor.decide.approvers.GroupMembers over usergroups.users.list (bot scope usergroups:read).
     One try with a short timeout and no retries: Slack waits 3 s for the answer to a click, and
     a group that cannot be read refuses the click (closed), which the clicker may simply repeat."""
 
@@ -362,7 +362,7 @@ def _section(text: str) -> SectionBlock:
 
 def approval_buttons(action_id: int) -> ActionsBlock:
     """Approve / Cancel for one action. Slack posts a click to the interactivity URL
-    (supervisor.api.slack), which checks the signature and acts as the Slack user."""
+    (supervisor.serve.api.slack), which checks the signature and acts as the Slack user."""
     return ActionsBlock(block_id=f"approval:{action_id}", elements=[
         ButtonElement(text="Approve", action_id=APPROVE, value=str(action_id), style="primary",
                       confirm=ConfirmObject(title="Approve?", text=f"Send action {action_id} to the trainer.",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from thermowatch.monitors.config_tree import ConfigTreeError, check_tree
-from thermowatch.supervisor.config import ConfigError, read_mapping
+from thermowatch.supervisor.app.config import ConfigError, read_mapping
 
 # Crashes per GPU per day, from interruption counts over a run's length and size. Hardware
 # failures scale with the number of GPUs, so a rate per GPU-day carries over to 800 GPUs.

@@ -16,15 +16,3 @@ def insert_ignore(session: Session, table: Table):
     else:  # pragma: no cover - only the two dialects are supported
         raise NotImplementedError(f"dialect {name!r} is not supported; use SQLite or PostgreSQL")
     return insert(table).on_conflict_do_nothing()
-
-
-def jsonable(obj):
-    """JSON columns: PostgreSQL's json type rejects NaN/Infinity, so non-finite floats are
-    stored as the strings 'nan', 'inf', '-inf' (Python's float() reads them back)."""
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
-        return repr(obj)
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj

@@ -3,7 +3,7 @@
 States: pending -> sent -> acked -> done | failed (failed is reachable from any open state;
 pending may also be cancelled). `expired` is reachable from any open state too: the run ended
 (its newest attempt finished) or stopped asking for commands before the trainer carried it out,
-so no trainer ever will (supervisor.executor.Executor.expire); its `error` says which. An action with requires_approval stays pending and is not
+so no trainer ever will (supervisor.act.executor.Executor.expire); its `error` says which. An action with requires_approval stays pending and is not
 handed to the run controller until approve_action() clears the flag (advise-only mode).
 """
 
@@ -16,22 +16,11 @@ from typing import Any, Sequence
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.monitors.commands import ACTION_STATES, ACTION_TRANSITIONS, OPEN_STATES
+from thermowatch.monitors.commands import json_safe
 from thermowatch.supervisor.store.orm import Action, utcnow
 
-STATES = ("pending", "sent", "acked", "done", "failed", "cancelled", "expired")
 ORIGINS = ("auto", "manual")
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"sent", "failed", "cancelled", "expired"}),
-    "sent": frozenset({"acked", "failed", "pending", "expired"}),  # sent -> pending: redeliver after a lost poll
-    "acked": frozenset({"done", "failed", "expired"}),
-    "done": frozenset(),
-    "failed": frozenset(),
-    "cancelled": frozenset(),
-    "expired": frozenset(),
-}
-FINAL_STATES = tuple(s for s, nxt in TRANSITIONS.items() if not nxt)
-OPEN_STATES = ("pending", "sent", "acked")
 
 
 class ActionStateError(ValueError):
@@ -81,7 +70,7 @@ def enqueue_action(session: Session, run_id: str, kind: str, args: dict[str, Any
     """Write a pending action; returns its id (the command id the run controller acks)."""
     if origin not in ORIGINS:
         raise ActionStateError(f"origin must be one of {ORIGINS}, got {origin!r}")
-    a = Action(run_id=run_id, kind=str(kind), args=jsonable(dict(args)), state="pending", origin=origin, who=who,
+    a = Action(run_id=run_id, kind=str(kind), args=json_safe(dict(args)), state="pending", origin=origin, who=who,
                reason=reason, incident_id=incident_id, requires_approval=requires_approval)
     session.add(a)
     session.flush()
@@ -98,15 +87,15 @@ def set_action_state(session: Session, action_id: int, state: str, *, ack_step: 
     """Move an action along its state machine; raises ActionStateError on an illegal move.
     Moving to `sent` counts a delivery attempt. Uses a compare-and-set on the old state, so two
     writers cannot both move the same action."""
-    if state not in STATES:
-        raise ActionStateError(f"unknown action state {state!r}; expected one of {STATES}")
+    if state not in ACTION_STATES:
+        raise ActionStateError(f"unknown action state {state!r}; expected one of {ACTION_STATES}")
     cur = session.execute(select(Action.state, Action.attempts).where(Action.id == action_id)).first()
     if cur is None:
         raise ActionStateError(f"no action with id {action_id}")
     old, attempts = cur
-    if state not in TRANSITIONS[old]:
+    if state not in ACTION_TRANSITIONS[old]:
         raise ActionStateError(f"action {action_id}: cannot go from {old!r} to {state!r} "
-                               f"(allowed: {sorted(TRANSITIONS[old]) or 'none, it is final'})")
+                               f"(allowed: {sorted(ACTION_TRANSITIONS[old]) or 'none, it is final'})")
     values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
     if state == "sent":
         values["attempts"] = attempts + 1
@@ -115,7 +104,7 @@ def set_action_state(session: Session, action_id: int, state: str, *, ack_step: 
     if error is not None:
         values["error"] = error
     if result is not None:
-        values["result"] = jsonable(result)
+        values["result"] = json_safe(result)
     res = session.execute(update(Action).where(Action.id == action_id, Action.state == old).values(**values))
     if res.rowcount != 1:
         raise ActionStateError(f"action {action_id} changed state concurrently (was {old!r})")

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.monitors.commands import json_safe
 from thermowatch.supervisor.store.orm import AuditEntry
 
 
@@ -24,7 +24,7 @@ class AuditRow:
 
 
 def audit(session: Session, run_id: str | None, actor: str, event: str, detail: dict[str, Any] | None = None) -> int:
-    row = AuditEntry(run_id=run_id, actor=actor, event=event, detail=jsonable(detail or {}))
+    row = AuditEntry(run_id=run_id, actor=actor, event=event, detail=json_safe(detail or {}))
     session.add(row)
     session.flush()
     return row.id

@@ -1,7 +1,7 @@
 """A chart's data: every series of a metric (or a family of per-module series) in a step
 window, as at most `buckets` min/max/last/count buckets per series, read from the rollups
-(store/rollups.py). The JSON contract is supervisor/api/chart.py's; the PNGs
-(supervisor/web/chart_png.py) draw the same data.
+(store/rollups.py). The JSON contract is supervisor/serve/api/chart.py's; the PNGs
+(supervisor/charts/png.py) draw the same data.
 
 Reads: series in groups of READ_GROUP, one query per stored width per group (the rows of every
 series and attempt of the group at once), so memory stays bounded at 100+ layers.

@@ -96,7 +96,7 @@ def mark_checkpoint(session: Session, checkpoint_id: int, *, healthy: bool | Non
 
 @dataclass(frozen=True, slots=True)
 class CheckpointPath:
-    """What the checkpoint scan needs of a checkpoint (supervisor.jobs): no manifest."""
+    """What the checkpoint scan needs of a checkpoint (supervisor.app.jobs): no manifest."""
 
     id: int
     run_id: str

@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.contract import Finding
-from thermowatch.supervisor.store._sql import jsonable
+from thermowatch.monitors.commands import json_safe
 from thermowatch.supervisor.store.orm import FindingRow
 
 
@@ -64,7 +64,7 @@ def add_finding(session: Session, run_id: str, finding: Finding, incident_id: in
     row = FindingRow(run_id=run_id, incident_id=incident_id, signal=finding.signal.value, module=finding.module,
                      metric=finding.metric, severity=finding.severity.value, outcome=finding.outcome.value,
                      onset_step=finding.onset_step, detect_step=finding.detect_step,
-                     evidence=jsonable(finding.evidence), key=key)
+                     evidence=json_safe(finding.evidence), key=key)
     try:
         with session.begin_nested():  # a racing writer with the same key: keep theirs
             session.add(row)

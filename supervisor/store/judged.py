@@ -1,7 +1,7 @@
 """The judge's durable marker: the newest step of each attempt the detectors have judged.
 
 Written after a batch is judged; read at start-up (and after the judge's in-memory queue
-overflowed) to find steps that were committed but never judged. See supervisor.judge.
+overflowed) to find steps that were committed but never judged. See supervisor.judge.judge.
 """
 
 from __future__ import annotations

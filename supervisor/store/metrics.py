@@ -1,4 +1,4 @@
-"""Aggregate reads for `/metrics` and `/healthz` (supervisor.metrics, supervisor.health).
+"""Aggregate reads for `/metrics` and `/healthz` (supervisor.serve.metrics, supervisor.serve.health).
 
 Each function is one or a few GROUP BY queries returning plain tuples: a scrape every 15 s must
 cost the same for a run with 10 incidents as for one with 10,000, and for 10 runs as for 10^5
@@ -16,7 +16,7 @@ from sqlalchemy import func, literal_column, select, text
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.store import runs as runs_store
-from thermowatch.supervisor.store.actions import OPEN_STATES
+from thermowatch.monitors.commands import OPEN_STATES
 from thermowatch.supervisor.store.orm import Action, Alert, Attempt, Incident, JudgeMark, Run
 
 

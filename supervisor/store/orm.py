@@ -102,7 +102,7 @@ class Run(Base):
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     # The actor that opened the run (a token's name; "" for runs from before 0011): the
-    # run-creation quota counts a token's recent runs (supervisor.quota).
+    # run-creation quota counts a token's recent runs (supervisor.ingest.quota).
     created_by: Mapped[str] = mapped_column(String(200), default="", server_default="")
     # Newest-first keyset pages of the list; a token's runs of the last hour (0011).
     __table_args__ = (Index(None, "created_at", "run_id"), Index(None, "created_by", "created_at"))
@@ -328,7 +328,7 @@ class Alert(Base):
 
 
 class JudgeMark(Base):
-    """How far the detectors have judged each attempt (supervisor.judge): the durable marker of
+    """How far the detectors have judged each attempt (supervisor.judge.judge): the durable marker of
     "commit, answer, then judge". Steps stored beyond it are judged again after a crash."""
 
     __tablename__ = "judge_marks"

@@ -26,8 +26,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.contract import merge_ranges, signal_family
-from thermowatch.supervisor.policy import DEFAULT_ROLLBACK_SIGNALS
+from thermowatch.monitors.contract import DEFAULT_ROLLBACK_SIGNALS, merge_ranges, signal_family
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import runs as runs_store

@@ -51,7 +51,7 @@ def create_run(session: Session, run_id: str, config: dict[str, Any] | None = No
 
 def open_attempt(session: Session, info: RunInfo, created_by: str = "") -> bool:
     """Record a run's (re)start; creates the run on its first attempt. Idempotent per attempt.
-    True when this call created the run (the run-creation quota counts those, supervisor.quota)."""
+    True when this call created the run (the run-creation quota counts those, supervisor.ingest.quota)."""
     created = create_run(session, info.run_id, info.config, created_by)
     session.execute(
         insert_ignore(session, Attempt.__table__),
@@ -187,7 +187,7 @@ def active_since(session: Session, since: dt.datetime) -> list[str]:
 def nth_newest_created_by(session: Session, created_by: str, since: dt.datetime, n: int) -> dt.datetime | None:
     """When `created_by` created its n-th newest run (1: the newest) among those created at or
     after `since`; None when it created fewer than n. Reads at most n entries of
-    ix_runs_created_by_created_at, however many runs it made (supervisor.quota)."""
+    ix_runs_created_by_created_at, however many runs it made (supervisor.ingest.quota)."""
     q = (select(Run.created_at).where(Run.created_by == created_by, Run.created_at >= since)
          .order_by(Run.created_at.desc()).offset(n - 1).limit(1))
     return session.execute(q).scalar()

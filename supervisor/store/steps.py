@@ -24,7 +24,7 @@ def record_steps(session: Session, run_id: str, attempt: int, records: Sequence[
 def record_step_columns(session: Session, run_id: str, attempt: int, cols: StepColumns) -> None:
     """One row per step, inserted plainly: a step already stored for this attempt is a unique
     violation, never silently skipped, so the database decides who stored it first (ingest
-    compares a re-sent step with what is stored before it gets here: supervisor.ingest)."""
+    compares a re-sent step with what is stored before it gets here: supervisor.ingest.ingestor)."""
     if len(cols):
         session.execute(insert(Step.__table__), [
             {"run_id": run_id, "attempt": attempt, "step": st, "sample_lo": lo, "sample_hi": hi, "tokens": tok,

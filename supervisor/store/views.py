@@ -1,9 +1,9 @@
 """The read model (issue 25): what the API's routers and the web pages both read, so that
 `api/` and `web/` never import each other. Plain functions over a session, like the rest of
 store/: they return JSON-ready values and raise supervisor.errors (NotFound -> 404, UserError ->
-422, mapped once in supervisor.api's exception handlers), never an HTTP type.
+422, mapped once in supervisor.serve.api's exception handlers), never an HTTP type.
 
-- the JSON codec for read answers: `jsonable` (rows, datetimes, non-finite floats as "NaN",
+- the JSON codec for read answers: `to_wire` (rows, datetimes, non-finite floats as "NaN",
   "Infinity", "-Infinity"), `values_json` (an array);
 - `envelope`: the min/max-per-bucket downsampler of raw history;
 - `require_run`, `resolve_keys`, `check_window`, the runs list's cursor and page, `run_detail`,
@@ -41,18 +41,18 @@ NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 # --- encoding --------------------------------------------------------------------------------
 
 
-def jsonable(obj: Any) -> Any:
+def to_wire(obj: Any) -> Any:
     """Rows (dataclasses), datetimes and non-finite floats -> plain JSON values."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else NONFINITE[repr(obj)]
     if isinstance(obj, dt.datetime):
         return obj.isoformat()
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {str(k): to_wire(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
+        return [to_wire(v) for v in obj]
     if hasattr(obj, "value") and hasattr(obj, "name"):  # enums (Signal, Severity)
         return obj.value
     return obj
@@ -194,12 +194,12 @@ def runs_page(s: Session, limit: int = PAGE_DEFAULT, cursor: str | None = None) 
 def run_detail(s: Session, run_id: str) -> dict[str, Any]:
     run = require_run(s, run_id)
     return {
-        "run_id": run.run_id, "created_at": run.created_at.isoformat(), "config": jsonable(run.config),
+        "run_id": run.run_id, "created_at": run.created_at.isoformat(), "config": to_wire(run.config),
         "last_step": thermometers.latest_step(s, run_id),
-        "attempts": jsonable(runs_store.attempts(s, run_id)),
-        "checkpoints": jsonable(ckpt_store.checkpoints(s, run_id)),
+        "attempts": to_wire(runs_store.attempts(s, run_id)),
+        "checkpoints": to_wire(ckpt_store.checkpoints(s, run_id)),
         "skip_ranges": [[lo, hi] for lo, hi in skips_store.skip_ranges(s, run_id)],
-        "lr_changes": jsonable(lr_store.lr_changes(s, run_id)),
+        "lr_changes": to_wire(lr_store.lr_changes(s, run_id)),
     }
 
 
@@ -250,12 +250,12 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
         # What the newest attempt said when it ended (null: it has not): reason, step, final loss.
         "finish_reason": finished.reason.value if finished else None,
         "final_step": finished.step if finished else None,
-        "final_loss": jsonable(finished.final_loss) if finished else None,
+        "final_loss": to_wire(finished.final_loss) if finished else None,
         "last_record_at": seen.isoformat() if seen else None,
         "last_record_age_s": round(age, 3) if age is not None else None,
-        "open_incidents": [{k: v for k, v in jsonable(i).items() if k not in ("closed_at", "resolution", "run_id")}
+        "open_incidents": [{k: v for k, v in to_wire(i).items() if k not in ("closed_at", "resolution", "run_id")}
                            for i in open_inc],
-        "pending_approvals": [{"id": a.id, "kind": a.kind, "args": jsonable(a.args), "reason": a.reason,
+        "pending_approvals": [{"id": a.id, "kind": a.kind, "args": to_wire(a.args), "reason": a.reason,
                                "created_at": a.created_at.isoformat(),
                                "approve": f"thermowatch approve {a.id}", "cancel": f"thermowatch cancel {a.id}"}
                               for a in waiting],
@@ -270,8 +270,8 @@ def incidents_with_findings(s: Session, run_id: str) -> list[dict[str, Any]]:
     by_incident: dict[int | None, list] = {}
     for f in findings_store.findings(s, run_id):
         by_incident.setdefault(f.incident_id, []).append(
-            {"id": f.id, "created_at": f.created_at.isoformat() if f.created_at else None, **jsonable(f.finding.to_json())})
+            {"id": f.id, "created_at": f.created_at.isoformat() if f.created_at else None, **to_wire(f.finding.to_json())})
     out = []
     for inc in incidents_store.incidents(s, run_id):
-        out.append({**jsonable(inc), "findings": by_incident.get(inc.id, [])})
+        out.append({**to_wire(inc), "findings": by_incident.get(inc.id, [])})
     return out

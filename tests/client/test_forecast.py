@@ -13,7 +13,7 @@ import torch
 
 import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import thermometers as thermo_store
 
 STEPS, WARMUP, PEAK = 12, 8, 1e-3

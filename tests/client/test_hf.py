@@ -14,7 +14,7 @@ from tests.client.adapter_run import (
 )
 from thermowatch.integrations.hf import ThermowatchCallback
 from thermowatch.supervisor.store.views import run_status
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 
 
 class Recorder(TrainerCallback):

@@ -16,7 +16,7 @@ from tests.client.adapter_run import (
 )
 from thermowatch.integrations.lightning import ThermowatchCallback
 from thermowatch.supervisor.store.views import run_status
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 
 
 class TinyLM(pl.LightningModule):

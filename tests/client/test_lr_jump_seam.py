@@ -23,7 +23,7 @@ import torch
 
 import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 

@@ -8,7 +8,7 @@ import torch
 import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
 from thermowatch.loop import model_fingerprint
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import peers as peers_store
 
 

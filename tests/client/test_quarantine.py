@@ -17,9 +17,9 @@ from tests.client.user_loop import DATA, train_step, user_batch, user_model
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 from thermowatch.cli import main
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.config import SupervisorConfig
-from thermowatch.supervisor.outcome import outcome
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.act.outcome import outcome
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import quarantine as quarantine_store
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 
 db_url, data_dir, out, wrap = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo")

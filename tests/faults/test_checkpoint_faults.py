@@ -29,9 +29,9 @@ def _mount(*args: str) -> None:
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)
 def test_a_full_then_read_only_checkpoint_volume_pages_and_the_run_trains_through(db, tmp_path, caplog):
     from thermowatch.monitors.contract import CHECKPOINT_FAILURES, LOSS, Signal
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.supervisor.store import findings as findings_store
     from thermowatch.supervisor.store import thermometers as thermo_store
     from thermowatch.supervisor.store.orm import Step

@@ -89,10 +89,10 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
     import ray
     import yaml
 
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.server import build_app
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.serve.server import build_app
+    from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.supervisor.store.orm import Run, Step
     from tests.live_server import running
     from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
@@ -175,9 +175,9 @@ def test_a_detached_controller_survives_its_driver_and_its_own_death_as_new_atte
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)  # the at-scale database; SQLite: tests/supervisor
 def test_a_lost_node_restarts_the_gang_on_the_remaining_nodes_with_every_step_stored_once(cluster, db, tmp_path):
     from thermowatch.monitors.contract import LOSS, Signal
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.supervisor.store import actions as actions_store
     from thermowatch.supervisor.store import findings as findings_store
     from thermowatch.supervisor.store import thermometers as thermo_store

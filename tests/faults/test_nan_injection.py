@@ -32,9 +32,9 @@ def test_nan_in_one_layers_output_is_named_rolled_back_and_skipped(db, tmp_path)
     import torch
 
     from thermowatch.monitors.contract import LOSS
-    from thermowatch.supervisor.config import SupervisorConfig
+    from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.notify.console import ConsoleNotifier
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.supervisor.store import actions as actions_store
     from thermowatch.supervisor.store import findings as findings_store
     from thermowatch.supervisor.store import incidents as incidents_store

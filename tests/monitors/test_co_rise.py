@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from thermowatch.monitors.contract import GRAD_NORM, LOSS, Outcome, Severity, Signal, signal_family
 from thermowatch.monitors.columns import StepColumns
 from thermowatch.monitors.detectors import BankConfig, CoRiseConfig, CoRiseDetector, DetectorBank
-from thermowatch.supervisor.policy import DEFAULT_ROLLBACK_SIGNALS
-from thermowatch.supervisor.replay_policy import replay_decider
+from thermowatch.monitors.contract import DEFAULT_ROLLBACK_SIGNALS
+from thermowatch.supervisor.decide.replay_policy import replay_decider
 from tests.fixtures import traces
 
 ACTS = {"rollback", "lower_lr", "pause"}

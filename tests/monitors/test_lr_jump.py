@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from thermowatch.monitors.contract import LOSS, LR, LR_PEAK_AHEAD, CheckpointInfo, Outcome, Severity, Signal
 from thermowatch.monitors.contract import StepRecord
 from thermowatch.monitors.detectors import BankConfig, DetectorBank, LrJumpConfig, LrJumpDetector
-from thermowatch.supervisor.policy import DecisionKind, PolicyConfig, PolicyInput, make_decision
+from thermowatch.supervisor.decide.policy import DecisionKind, PolicyConfig, PolicyInput, make_decision
 
 JUMP = 200
 

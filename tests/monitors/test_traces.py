@@ -7,7 +7,7 @@ import pytest
 
 from thermowatch.monitors.contract import LR, LR_PEAK_AHEAD, Outcome, Signal
 from thermowatch.monitors.detectors import BankConfig, DetectorBank, Witnesses
-from thermowatch.supervisor.replay_policy import replay_decider
+from thermowatch.supervisor.decide.replay_policy import replay_decider
 from tests.fixtures import traces
 
 ACTS = {"rollback", "lower_lr", "pause"}

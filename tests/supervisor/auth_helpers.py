@@ -4,8 +4,8 @@ token made in the real token table."""
 
 from __future__ import annotations
 
-from thermowatch.supervisor.api.auth import Guard
-from thermowatch.supervisor.auth import CONFIG_TOKEN_NAME, Authenticator
+from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.auth import CONFIG_TOKEN_NAME, Authenticator
 from thermowatch.supervisor.store import tokens as tokens_store
 
 ADMIN_TOKEN = "tw_test-suite-admin-token-0123456789abcdef"

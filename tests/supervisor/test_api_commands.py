@@ -1,4 +1,4 @@
-"""The command channel and manual actions over HTTP (supervisor.api.commands via
+"""The command channel and manual actions over HTTP (supervisor.serve.api.commands via
 server.build_app): happy paths, every 4xx with its message, token auth, and that a bad
 request changes nothing stored. One test runs a real uvicorn server on a free port."""
 
@@ -15,10 +15,10 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import skips as skips_store

@@ -1,4 +1,4 @@
-"""Who may answer from Slack (supervisor.approvers, issue 21): the allow-list's decisions, with
+"""Who may answer from Slack (supervisor.decide.approvers, issue 21): the allow-list's decisions, with
 user groups read by the real slack-sdk client (supervisor.notify.slack.SlackGroupMembers) from
 the fake Slack Web API, and a hand-turned clock for the cache. The route that acts on them:
 test_slack_api.py."""
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from thermowatch.supervisor.approvers import Approvers
+from thermowatch.supervisor.decide.approvers import Approvers
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.notify.slack import SlackGroupMembers
 from tests.fakes.slack_server import FakeSlack, fake_slack  # noqa: F401 - the fixture
@@ -91,6 +91,6 @@ def test_the_start_up_check_stops_on_a_group_slack_refuses_and_only_logs_an_outa
                                         r"\(no_such_subteam\)"):
         approvers(fake_slack, Clock(), groups=("S0ONCALL", "S0NOPE")).check()
     fake_slack.server_error(1, "usergroups.users.list")
-    with caplog.at_level(logging.CRITICAL, logger="thermowatch.supervisor.approvers"):
+    with caplog.at_level(logging.CRITICAL, logger="thermowatch.supervisor.decide.approvers"):
         approvers(fake_slack, Clock()).check()  # Slack down at start: the daemon still starts
     assert [m for m in caplog.messages if "S0ONCALL could not be read at start-up" in m]

@@ -24,12 +24,12 @@ from fastapi.testclient import TestClient
 
 from tests.live_server import wait_healthy
 from thermowatch.monitors.contract import RunInfo, StepRecord
-from thermowatch.supervisor.auth import Authenticator, bootstrap_admin, check_bind, is_loopback
+from thermowatch.supervisor.serve.auth import Authenticator, bootstrap_admin, check_bind, is_loopback
 from thermowatch.cli import main
-from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import tokens as tokens_store
 from thermowatch.supervisor.store.orm import load_models

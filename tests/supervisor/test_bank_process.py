@@ -1,4 +1,4 @@
-"""The detectors in a process of their own (supervisor.bank_process), with records from a real
+"""The detectors in a process of their own (supervisor.judge.bank_process), with records from a real
 diverging run: a bank in the child judges exactly as one in the daemon's process; the daemon
 finds what the embedded mode finds; a child killed mid-run loses no finding and judges nothing
 twice (a new child takes over from the saved state); a SIGKILLed daemon leaves no child behind.
@@ -18,10 +18,10 @@ import pytest
 from thermowatch.monitors.columns import StepColumns
 from thermowatch.monitors.contract import RunInfo
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
-from thermowatch.supervisor.bank_process import BankLost, BankProcess
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.judge.bank_process import BankLost, BankProcess
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import judged as judged_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
@@ -214,9 +214,9 @@ def test_a_killed_detectors_process_loses_no_finding_and_judges_nothing_twice(db
 _DAEMON = """
 import io, sys, time
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from tests.fixtures.diverging import diverging_records
 sup = Supervisor(SupervisorConfig(data_dir=sys.argv[1], db_url=sys.argv[2]), notifier=ConsoleNotifier(io.StringIO()),
                  judge_inline=False)

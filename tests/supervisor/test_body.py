@@ -1,4 +1,4 @@
-"""thermowatch.supervisor.api.body: every route bounds the body it reads before it reads it (issue 21).
+"""thermowatch.supervisor.serve.body: every route bounds the body it reads before it reads it (issue 21).
 
 Against the daemon's app served by a real uvicorn on a real port, on both databases: the client
 streams its body from a generator that counts what the server pulled, so "refused before it was
@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.api.body import InFlight
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.serve.body import InFlight
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import thermometers
 from tests.live_server import running
 from tests.supervisor.auth_helpers import AUTH, ADMIN_TOKEN

@@ -1,4 +1,4 @@
-"""The chart endpoints (supervisor/api/chart.py) and `thermowatch plot` on real SQLite and
+"""The chart endpoints (supervisor/serve/api/chart.py) and `thermowatch plot` on real SQLite and
 PostgreSQL: the JSON contract, full-zoom exactness, abandoned attempts, non-finite values as
 strings, 404/422 with their messages, the PNG (with an onset line) over real HTTP."""
 
@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
-from thermowatch.supervisor.api import install_error_handlers
-from thermowatch.supervisor.api import chart as chart_api
+from thermowatch.supervisor.serve.api import install_error_handlers
+from thermowatch.supervisor.serve.api import chart as chart_api
 from thermowatch.cli import main
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import runs, thermometers
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, guard
 
@@ -208,8 +208,8 @@ def test_png_draws_the_chart_and_the_onset(client):
 
 
 def test_thermowatch_plot_writes_the_png_over_http(seeded, tmp_path, capsys):
-    from thermowatch.supervisor.server import build_app
-    from thermowatch.supervisor.service import Supervisor
+    from thermowatch.supervisor.serve.server import build_app
+    from thermowatch.supervisor.app.service import Supervisor
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "d", db_url=seeded.url, api_token=ADMIN_TOKEN),
@@ -230,8 +230,8 @@ def test_thermowatch_plot_writes_the_png_over_http(seeded, tmp_path, capsys):
 
 def test_many_layers_draw_the_hottest_as_lines_over_a_band_of_all():
     from thermowatch.supervisor.store.chart import ChartData, ChartSeries
-    from thermowatch.supervisor.web.chart_png import MAX_LINES, to_chart
-    from thermowatch.supervisor.web.plots import render
+    from thermowatch.supervisor.charts.png import MAX_LINES, to_chart
+    from thermowatch.supervisor.charts.plots import render
 
     st = np.arange(0, 1000, 10)
 

@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from thermowatch.supervisor.api import install_error_handlers
-from thermowatch.supervisor.api import chart as chart_api
+from thermowatch.supervisor.serve.api import install_error_handlers
+from thermowatch.supervisor.serve.api import chart as chart_api
 from tests.supervisor.auth_helpers import AUTH, guard
 from tests.supervisor.test_runs_api import RUN, Sup, seed
 

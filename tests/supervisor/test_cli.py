@@ -13,9 +13,9 @@ import pytest
 
 from thermowatch.monitors.contract import RunInfo
 from thermowatch.cli import main
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
@@ -60,7 +60,7 @@ class Daemon:
 def daemon(db, run, tmp_path):
     """`thermowatch serve`'s app on the test database, over real HTTP: the manual commands are
     its clients and never open the database themselves."""
-    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.serve.server import build_app
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
@@ -370,7 +370,7 @@ def test_status_running_then_awaiting_approval_then_paused(db, daemon, capsys):
 @pytest.fixture
 def diverging_daemon(db, tmp_path):
     """A daemon that judged a real diverging run (tests.fixtures.diverging) as the trainer sends it."""
-    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.serve.server import build_app
     from tests.live_server import running
 
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "div", db_url=db.url, api_token=ADMIN_TOKEN,

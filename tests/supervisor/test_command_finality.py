@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from thermowatch.monitors.contract import Ack, RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.transport import HttpCommandChannel
@@ -136,7 +136,7 @@ def test_a_precise_skips_ack_travels_and_a_bad_one_is_refused(served):
     """Ack.bisected over HTTP (AckBody): stored with the action and shown by its outcome; a search
     the contract does not allow (an unknown outcome) is a 422 that names it."""
     from thermowatch.monitors.contract import Bisected, SampleRange
-    from thermowatch.supervisor.outcome import details, outcome
+    from thermowatch.supervisor.act.outcome import details, outcome
 
     sup, url, _ = served
     b = Bisected((SampleRange(0, 64),), probes=4, steps=20, seconds=1.5, outcome="narrowed")

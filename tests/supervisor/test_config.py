@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from thermowatch.cli import main
-from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_slack_approvers_are_read_and_checked_when_built_in_code_too():
     assert (cfg.slack.approvers, cfg.slack.approver_groups, cfg.slack.approver_groups_ttl_s) == (
         ["U0ALICE", "W0GRID"], ["S0ONCALL"], 30)
     assert SupervisorConfig().slack.approvers == [] and SupervisorConfig().slack.approver_groups == []  # closed
-    from thermowatch.supervisor.config import SlackConfig
+    from thermowatch.supervisor.app.config import SlackConfig
 
     with pytest.raises(ConfigError, match=r"slack\.approvers must be a list of ids, got 'U0ALICE'"):
         SlackConfig(approvers="U0ALICE")  # a bare string is not a list of its letters

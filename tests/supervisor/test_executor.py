@@ -1,4 +1,4 @@
-"""thermowatch.supervisor.executor: the action state machine through poll/ack/expire, manual submits,
+"""thermowatch.supervisor.act.executor: the action state machine through poll/ack/expire, manual submits,
 approve/cancel conflicts, and alerts (the fake Slack server for the one thing off the machine),
 on SQLite and PostgreSQL."""
 
@@ -12,12 +12,12 @@ import time
 import pytest
 
 from thermowatch.monitors.contract import Ack, FinishReason, RunFinished, RunInfo, SampleRange
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
 from thermowatch.supervisor.notify.base import Alert, FanOut
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.slack import SlackNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store import audit as audit_store

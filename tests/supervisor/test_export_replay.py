@@ -11,7 +11,7 @@ from collections import Counter
 
 from thermowatch.cli import main
 from thermowatch.monitors.contract import Ack, RunInfo
-from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.serve.server import build_app
 from tests.fixtures.diverging import DETECTORS, after_skip
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN

@@ -13,12 +13,12 @@ import json
 import pytest
 
 from thermowatch.monitors.contract import RunInfo, Severity
-from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.notify.base import Alert, FanOut
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.flap import FOLDED
 from thermowatch.supervisor.notify.slack import SlackNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import incidents as incidents_store
@@ -130,7 +130,7 @@ def test_only_alert_only_repeats_fold_an_approval_gets_its_own_thread_and_button
     human (an approval) or changes the run still starts a thread of its own, [CRITICAL] with its
     buttons; an alert-only repeat folds and, having changed nothing, reads [INFO]."""
     from thermowatch.monitors.contract import Finding, Signal
-    from thermowatch.supervisor.policy import Decision, DecisionKind
+    from thermowatch.supervisor.decide.policy import Decision, DecisionKind
 
     sup = make_sup(db, tmp_path, slack, flap_max_alerts=1, interactive=True)
     try:

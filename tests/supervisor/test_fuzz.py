@@ -28,11 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.serve.server import build_app
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import checkpoints as checkpoints_store
 from thermowatch.supervisor.store import judged
 from thermowatch.supervisor.store import steps as steps_store

@@ -16,12 +16,12 @@ from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
 from thermowatch.supervisor import db as dbmod
-from thermowatch.supervisor.config import SupervisorConfig
-from thermowatch.supervisor.health import Health, HealthConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.serve.health import Health, HealthConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.scheduler import Job, Scheduler
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.scheduler import Job, Scheduler
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store.orm import Alert
 from tests.live_server import free_port

@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 
 from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE
 from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, RunInfo, Rollback, SampleRange, StepRecord
-from thermowatch.supervisor.api.ingest import make_router
+from thermowatch.supervisor.serve.api.ingest import make_router
 from thermowatch.supervisor.db import make_engine, make_sessionmaker
-from thermowatch.supervisor.ingest import Ingestor
+from thermowatch.supervisor.ingest.ingestor import Ingestor
 from thermowatch.supervisor.store import checkpoints, runs, thermometers
 from thermowatch.transport import HttpCommandChannel, HttpSink
 from tests.supervisor.auth_helpers import guard

@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import CheckpointInfo, ContractError, FinishReason, RunFinished, RunInfo, StepRecord
-from thermowatch.supervisor.api.ingest import make_router
-from thermowatch.supervisor.ingest import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
+from thermowatch.supervisor.serve.api.ingest import make_router
+from thermowatch.supervisor.ingest.ingestor import BatchTooLarge, HistoryConflict, IngestLimits, Ingestor, UnknownRun
 from thermowatch.supervisor.store import audit, checkpoints, runs, thermometers
 from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
@@ -307,7 +307,7 @@ def test_batch_around_a_stored_step_is_not_a_resend(db, ingestor):
 
 def test_a_deleted_checkpoints_reason_is_bounded_as_documented():
     """The OpenAPI says reason <= 10,000 characters (issue 21: a longer one was stored and cut)."""
-    from thermowatch.supervisor.ingest import MAX_DELETED_REASON, deleted_from_json
+    from thermowatch.supervisor.ingest.ingestor import MAX_DELETED_REASON, deleted_from_json
 
     assert deleted_from_json({"steps": [3], "reason": "x" * MAX_DELETED_REASON}) == ([3], "x" * 200)
     with pytest.raises(ContractError, match="reason"):
@@ -339,7 +339,7 @@ def test_http_finished_is_idempotent_and_once(db, client):
         r = client.post(FINISHED, json=bad)
         assert r.status_code == 422 and needle in r.json()["detail"], (bad, r.text)
     route = client.app.openapi()["paths"]["/api/runs/{run_id}/attempts/{attempt}/finished"]["post"]
-    assert route["x-max-body-bytes"] == 4096  # supervisor.api.body's middleware refuses more with 413
+    assert route["x-max-body-bytes"] == 4096  # supervisor.serve.body's middleware refuses more with 413
     with db.sessions() as s:
         (att,) = runs.attempts(s, "r")
         got = att.finished

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns, as_records
 from thermowatch.monitors.contract import RunInfo, StepRecord
-from thermowatch.supervisor.api.ingest import make_router
-from thermowatch.supervisor.ingest import HistoryConflict, IngestLimits, Ingestor
+from thermowatch.supervisor.serve.api.ingest import make_router
+from thermowatch.supervisor.ingest.ingestor import HistoryConflict, IngestLimits, Ingestor
 from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import bearer, guard, make_token

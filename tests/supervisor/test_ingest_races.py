@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
 from thermowatch.monitors.contract import ContractError, RunInfo, StepRecord
-from thermowatch.supervisor.api.ingest import make_router
-from thermowatch.supervisor.ingest import HistoryConflict, Ingestor
+from thermowatch.supervisor.serve.api.ingest import make_router
+from thermowatch.supervisor.ingest.ingestor import HistoryConflict, Ingestor
 from thermowatch.supervisor.store import thermometers
 from tests.supervisor.auth_helpers import AUTH, guard
 

@@ -1,4 +1,4 @@
-"""The daemon's periodic jobs (supervisor.jobs) on SQLite and PostgreSQL: checkpoint scan,
+"""The daemon's periodic jobs (supervisor.app.jobs) on SQLite and PostgreSQL: checkpoint scan,
 retention, daily digest, and the stall check with an injected clock."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from thermowatch.monitors.contract import CheckpointInfo, RunInfo
-from thermowatch.supervisor import jobs
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app import jobs
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import incidents as incidents_store

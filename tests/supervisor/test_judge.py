@@ -1,4 +1,4 @@
-"""Commit, answer, then judge (supervisor.judge), on SQLite and PostgreSQL, with records from a
+"""Commit, answer, then judge (supervisor.judge.judge), on SQLite and PostgreSQL, with records from a
 real diverging run: a crash between the commit and the judgement loses no finding and judges
 nothing twice; a judge whose queue overflows catches up from the database; a re-sent batch is
 not judged again."""
@@ -10,9 +10,9 @@ import io
 import pytest
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import judged as judged_store
 from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
@@ -101,7 +101,7 @@ def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, r
     import sqlite3
     import time
 
-    from thermowatch.supervisor.judge import Judge
+    from thermowatch.supervisor.judge.judge import Judge
 
     path = tmp_path / "locked.db"
     sup = make_sup(f"sqlite:///{path}", tmp_path / "d", judge_inline=False)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import detector_state
 from thermowatch.supervisor.store import findings as findings_store

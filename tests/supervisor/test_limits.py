@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 from thermowatch.monitors.commands import CommandKind
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
-from thermowatch.supervisor.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.limits import Limits, check_json
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
+from thermowatch.supervisor.serve.server import build_app
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 
 RUN = "base"
 KEYS = ["loss", "grad_norm", "attn_logit_max/blocks.0.attn"]

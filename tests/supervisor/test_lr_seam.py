@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from thermowatch.monitors.contract import LR, LR_MULTIPLIER, Finding, Outcome, RunInfo, Severity, Signal
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import findings as findings_store

@@ -14,11 +14,11 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.scheduler import Job, Scheduler
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.scheduler import Job, Scheduler
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store import incidents as incidents_store
@@ -201,7 +201,7 @@ def test_progress_reads_the_same_from_records_and_from_columns():
 
     from thermowatch.monitors.columns import StepColumns
     from thermowatch.monitors.contract import StepRecord
-    from thermowatch.supervisor.service import Progress
+    from thermowatch.supervisor.app.service import Progress
 
     def batch(lo, tps=None):
         return [StepRecord(step=s, values={"loss": 3.0 - s / 100, **({"tokens_per_s": tps} if tps else {})},

@@ -13,7 +13,7 @@ import pytest
 from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
 from thermowatch.supervisor.notify import Alert, ConsoleNotifier, FanOut, NotifyConfigError, NotifyError, NullNotifier
 from thermowatch.supervisor.notify.slack import SlackNotifier, resolve_token
-from thermowatch.supervisor.policy import PolicyInput, make_decision
+from thermowatch.supervisor.decide.policy import PolicyInput, make_decision
 from tests.fakes.slack_server import FakeSlack, fake_slack  # noqa: F401 - the fixture
 
 NOW = 1_800_000_000.0

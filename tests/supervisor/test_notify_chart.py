@@ -126,7 +126,7 @@ def test_a_chart_with_nothing_to_draw_fails_at_once_and_the_text_behind_it_goes_
         sup.executor.notify(Alert(RUN, Severity.INFO, f"{RUN}: after the chart"))
         assert sup.executor.outbox.drain(30)
         (chart,) = _rows(sup, uploads=True)
-        assert (chart.state, chart.attempts) == ("failed", 1) and "no points of 'z/nowhere'" in chart.error
+        assert (chart.state, chart.attempts) == ("failed", 1) and "no series 'z/nowhere'" in chart.error
         assert [m["text"] for m in slack.posted()] == [f"[INFO] {RUN}: after the chart"]
         assert not slack.calls("files.getUploadURLExternal")  # nothing was sent to Slack for it
     finally:

@@ -44,7 +44,7 @@ def daemon(db, tmp_path):
     env = dict(os.environ, THERMOWATCH_API_TOKEN=TOKEN, SLACK_SIGNING_SECRET="s" * 32)
     log = open(tmp_path / "serve.log", "w")
     # schemathesis is one client reading ~100 times a second, far past the per-client read budget
-    # (supervisor.api.reads, tested in test_reads.py); every case must reach its route here.
+    # (supervisor.serve.api.reads, tested in test_reads.py); every case must reach its route here.
     (tmp_path / "sup.yaml").write_text("limits:\n  max_reads_per_client_per_minute: 100000000\n")
     proc = subprocess.Popen([sys.executable, "-m", "thermowatch.cli", "serve", "--data-dir", str(tmp_path / "data"),
                              "--db", db.url, "--port", str(port), "--config", str(tmp_path / "sup.yaml")],

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from thermowatch.monitors.contract import Ack, RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.base import FanOut
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.slack import SlackNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import alerts as alerts_store
 from tests.fakes.slack_server import FakeSlack

@@ -1,5 +1,5 @@
 """A run behind the runs of its model config pages (issue 24, item 1: monitors/envelope.py, run by
-supervisor.jobs.peer_envelope), on SQLite and PostgreSQL, with real recorded runs
+supervisor.app.jobs.peer_envelope), on SQLite and PostgreSQL, with real recorded runs
 (tests/fixtures/traces): qk-LN at 3e-3 and at 3e-1, whose logits never grow and whose own loss
 curve never turns up; it just ends ~0.5 nats behind."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from thermowatch.monitors.contract import RunInfo, Signal
 from thermowatch.monitors.envelope import Curve, EnvelopeConfig, behind_peers
-from thermowatch.supervisor import jobs
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app import jobs
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import peers as peers_store
 from tests.fixtures import traces
@@ -104,7 +104,7 @@ def test_the_run_page_reads_the_envelope_it_was_judged_against(sup):
     loss chart draws, with the band the run must stay under), the rule's own numbers."""
     from fastapi.testclient import TestClient
 
-    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.serve.server import build_app
 
     _train(sup, "healthy", "healthy_qkln", QKLN)
     _train(sup, "degrade", "qkln_degrade", QKLN)
@@ -133,7 +133,7 @@ def test_the_loss_chart_draws_the_envelope_in_chromium(sup, tmp_path):
     from tests.live_server import running
     from tests.supervisor.auth_helpers import make_token
     from tests.supervisor.cdp import Browser
-    from thermowatch.supervisor.server import build_app
+    from thermowatch.supervisor.serve.server import build_app
 
     chromium = shutil.which("chromium") or "/usr/bin/chromium"
     if not os.path.exists(chromium) and not os.environ.get("CI"):
@@ -164,7 +164,7 @@ def test_the_loss_chart_draws_the_envelope_in_chromium(sup, tmp_path):
 def test_the_envelope_section_of_the_daemons_config(db, tmp_path, stream):
     """`envelope:` in the supervisor config: checked at start-up by key and by value, and what the
     job and the page judge with."""
-    from thermowatch.supervisor.config import ConfigError
+    from thermowatch.supervisor.app.config import ConfigError
 
     with pytest.raises(ConfigError, match="gap_nat"):
         SupervisorConfig(data_dir=tmp_path / "x", db_url=db.url, envelope={"gap_nat": 0.5})

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
-from thermowatch.supervisor.policy import (
+from thermowatch.supervisor.decide.policy import (
     DEFAULT_ROLLBACK_SIGNALS,
     Decision,
     DecisionKind,

@@ -1,4 +1,4 @@
-"""The run-creation quota (supervisor.quota, issue 21 item 4) on real SQLite and PostgreSQL: in
+"""The run-creation quota (supervisor.ingest.quota, issue 21 item 4) on real SQLite and PostgreSQL: in
 process (Ingestor.open_run) and over HTTP (POST /api/runs answers 429 with Retry-After)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.api.ingest import make_router
+from thermowatch.supervisor.serve.api.ingest import make_router
 from thermowatch.supervisor.errors import QuotaExceeded
-from thermowatch.supervisor.ingest import Ingestor
+from thermowatch.supervisor.ingest.ingestor import Ingestor
 from thermowatch.supervisor.limits import Limits
 from tests.supervisor.auth_helpers import bearer, guard, make_token
 

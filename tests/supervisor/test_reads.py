@@ -1,4 +1,4 @@
-"""thermowatch.supervisor.api.reads: a read budget per client and a gate for all reads (issue 21,
+"""thermowatch.supervisor.serve.api.reads: a read budget per client and a gate for all reads (issue 21,
 item 4: four clients reading back to back tripled ingest's latency).
 
 The budget against the daemon's app on a real uvicorn and both databases; the gate's queueing
@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.api.reads import Buckets, ReadGate, is_read
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.serve.api.reads import Buckets, ReadGate, is_read
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from tests.live_server import running
 from tests.supervisor.auth_helpers import AUTH, ADMIN_TOKEN, bearer, make_token
 

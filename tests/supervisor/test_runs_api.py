@@ -1,4 +1,4 @@
-"""The read API (supervisor.api.runs) on real SQLite and PostgreSQL, seeded through the store."""
+"""The read API (supervisor.serve.api.runs) on real SQLite and PostgreSQL, seeded through the store."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
-from thermowatch.supervisor.api import install_error_handlers
-from thermowatch.supervisor.api import runs as runs_api
+from thermowatch.supervisor.serve.api import install_error_handlers
+from thermowatch.supervisor.serve.api import runs as runs_api
 from thermowatch.supervisor.store import views
 from thermowatch.supervisor.store.views import envelope
-from thermowatch.supervisor.config import SupervisorConfig
-from thermowatch.supervisor.service import Progress
+from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.app.service import Progress
 from thermowatch.supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
 from thermowatch.supervisor.store import steps as steps_store
 from tests.supervisor.auth_helpers import AUTH, guard
@@ -345,7 +345,7 @@ def test_run_status_is_finished_when_the_newest_attempt_says_so(db, client):
     finished once its newest attempt reported it, with the reason and the final loss; a newer
     attempt that has not reported it reads as before."""
     from thermowatch.monitors.contract import RunFinished
-    from thermowatch.supervisor.report import render_status
+    from thermowatch.supervisor.operate.report import render_status
 
     seed(db)
     with db.sessions() as s:

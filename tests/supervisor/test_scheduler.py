@@ -9,7 +9,7 @@ import time
 import pytest
 
 from thermowatch.supervisor.errors import NotFound, UserError
-from thermowatch.supervisor.scheduler import Job, Scheduler
+from thermowatch.supervisor.app.scheduler import Job, Scheduler
 
 
 def wait_for(predicate, timeout_s: float = 5.0) -> bool:
@@ -48,7 +48,7 @@ class Counter:
 def test_a_raising_job_is_retried_while_another_keeps_running(caplog):
     bad, good = Counter(fail_always=True), Counter()
     sched = Scheduler([Job("bad", bad, every_s=0.05), Job("good", good, every_s=0.05)])
-    with caplog.at_level(logging.ERROR, logger="thermowatch.supervisor.scheduler"), sched:
+    with caplog.at_level(logging.ERROR, logger="thermowatch.supervisor.app.scheduler"), sched:
         assert wait_for(lambda: bad.calls >= 4 and good.calls >= 4)
         assert sched.running
         status = sched.status()

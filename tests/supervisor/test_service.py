@@ -1,4 +1,4 @@
-"""thermowatch.supervisor.service.Supervisor end to end, fed with thermometer records from a real diverging
+"""thermowatch.supervisor.app.service.Supervisor end to end, fed with thermometer records from a real diverging
 training run (tests/fixtures/diverging.py), on SQLite and PostgreSQL: detect -> incident ->
 rollback action -> poll/ack -> skip ledger, LR change, rewound detectors, rung 2, advise-only."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from thermowatch.monitors.contract import Ack, CommandKind, RunInfo
 from thermowatch import cli
-from thermowatch.supervisor.config import SlackConfig, SupervisorConfig
+from thermowatch.supervisor.app.config import SlackConfig, SupervisorConfig
 from thermowatch.supervisor.notify.base import NotifyConfigError
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
@@ -408,7 +408,7 @@ def test_a_good_token_starts_and_an_unreachable_slack_starts_degraded(db, tmp_pa
             # /healthz: still 200 (the daemon works, alerts wait), with a warning that says why.
             from starlette.testclient import TestClient
 
-            from thermowatch.supervisor.server import build_app
+            from thermowatch.supervisor.serve.server import build_app
 
             with TestClient(build_app(sup), raise_server_exceptions=False) as c:
                 r = c.get("/healthz")

@@ -1,4 +1,4 @@
-"""Approve / Cancel from Slack (supervisor.api.slack): the buttons on an approval alert and the
+"""Approve / Cancel from Slack (supervisor.serve.api.slack): the buttons on an approval alert and the
 interactivity endpoint, over real HTTP (uvicorn) with requests signed as Slack signs them, on the
 real Supervisor with a real divergence in advise-only mode, the real outbox, slack-sdk and the
 fake Slack, on SQLite and PostgreSQL. A correctly signed click by an approver (slack.approvers,
@@ -24,12 +24,12 @@ from fastapi.testclient import TestClient
 from slack_sdk.signature import SignatureVerifier
 
 from thermowatch.monitors.contract import RunInfo
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.base import FanOut
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.slack import APPROVE, CANCEL, SlackNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from tests.fakes.slack_server import FakeSlack
@@ -309,7 +309,7 @@ def test_control_characters_in_a_slack_name_never_reach_the_database(db, tmp_pat
         sup.close()
 
 
-# --- who may click (issue 21; supervisor.approvers) -------------------------------------------------
+# --- who may click (issue 21; supervisor.decide.approvers) -------------------------------------------------
 
 
 def _refusals(sup) -> list:
@@ -325,7 +325,7 @@ def test_a_click_by_someone_not_in_slack_approvers_is_refused_logged_audited_and
         assert sup.executor.outbox.drain(60)
         (top,) = [m for m in slack.top_level() if f"[action {act.id}]" in m["text"]]
         before = _state(sup, act.id)
-        with running(build_app(sup)) as base, caplog.at_level(logging.WARNING, logger="thermowatch.supervisor.api.slack"):
+        with running(build_app(sup)) as base, caplog.at_level(logging.WARNING, logger="thermowatch.supervisor.serve.api.slack"):
             approve, cancel = click(base, act.id, user="mallory"), click(base, act.id, CANCEL, user="mallory")
             assert (approve.status_code, cancel.status_code) == (403, 403)
             assert approve.json()["detail"] == (

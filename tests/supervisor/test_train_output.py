@@ -7,7 +7,7 @@ import logging
 
 from thermowatch.monitors.commands import Ack, Command, Rollback, SampleRange
 from thermowatch.monitors.contract import StepRecord
-from thermowatch.supervisor.train_output import announced_commands, Progress, quiet_http_logs
+from thermowatch.train_output import announced_commands, Progress, quiet_http_logs
 
 
 def _rec(step: int, **values: float) -> StepRecord:

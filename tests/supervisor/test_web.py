@@ -20,11 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import StepRecord
-from thermowatch.supervisor.api import install_error_handlers
-from thermowatch.supervisor.api import chart as chart_api
-from thermowatch.supervisor.api import events as events_api
-from thermowatch.supervisor.api import runs as runs_api
-from thermowatch.supervisor.web import assets, login, pages
+from thermowatch.supervisor.serve.api import install_error_handlers
+from thermowatch.supervisor.serve.api import chart as chart_api
+from thermowatch.supervisor.serve.api import events as events_api
+from thermowatch.supervisor.serve.api import runs as runs_api
+from thermowatch.supervisor.serve.web import assets, login, pages
 from tests.supervisor.auth_helpers import AUTH, bearer, guard, make_token
 from tests.supervisor.test_runs_api import RUN, Sup, _bulk_runs, seed
 

@@ -23,10 +23,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
-from thermowatch.supervisor.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.server import build_app
-from thermowatch.supervisor.service import Supervisor
+from thermowatch.supervisor.serve.server import build_app
+from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import thermometers

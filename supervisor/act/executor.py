@@ -1,0 +1,546 @@
+"""Carries decisions out: action rows first, then commands, alerts and the audit trail.
+
+Order matters (STYLE.md rule 2, Ray Train's "bookkeeping before side effects"): a decision is
+written as a `pending` action row inside the caller's transaction; the run controller picks it
+up on its next poll (`deliver`: pending -> sent), and acknowledges it with the step at which it
+took effect (`acknowledge`: sent -> acked -> done, or failed). A supervisor that dies anywhere
+in between finds the row in its state on restart: pending rows are delivered again, sent rows
+are re-sent after the ack timeout (the controller ignores a command id it already applied and
+acknowledges it again), so no action is lost or applied twice.
+
+Every row holds a typed command (monitors.contract): the policy's decision, a manual request
+and a delivered command are all built by the same constructors, so they cannot disagree on
+what is valid. The acknowledgement is stored with the row (`result`) and its effects (skip
+ranges, the LR change with its place in the trainer's list) are booked from what the trainer
+says it did. An ack the supervisor cannot accept fails its action, loudly, and is answered with
+the reason (a 4xx), so the trainer moves on to the next one.
+
+Manual commands (CLI, HTTP API, web) call `submit`, which writes the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+from typing import Any, Callable
+
+from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from thermowatch.monitors.commands import FINAL_STATES
+from thermowatch.monitors.contract import (
+    Ack,
+    Command,
+    CommandBody,
+    CommandKind,
+    ContractError,
+    Finding,
+    Pause,
+    Rollback,
+    RunFinished,
+    SampleRange,
+    SetLR,
+    Severity,
+    describe,
+    Skip,
+    parse_command,
+)
+from thermowatch.supervisor.decide import feasibility
+from thermowatch.supervisor.errors import Conflict, NotFound, UserError
+from thermowatch.supervisor.notify import flap as flaps
+from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier
+from thermowatch.supervisor.notify.flap import FlapConfig
+from thermowatch.supervisor.notify.outbox import Outbox
+from thermowatch.supervisor.act.outcome import details, outcome, summary
+from thermowatch.supervisor.decide.policy import Decision, DecisionKind
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import lr_changes as lr_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import skips as skips_store
+from thermowatch.supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import story as story_store
+
+log = logging.getLogger(__name__)
+
+MANUAL_KINDS = {k.value for k in CommandKind}
+
+
+def ended(s: Session, run_id: str) -> RunFinished | None:
+    """How the run ended, when its newest attempt has finished (contract.RunFinished); None while
+    it may still train. A relaunch opens a new attempt and the run takes commands again."""
+    latest = runs_store.latest_attempt(s, run_id)
+    return latest.finished if latest is not None else None
+
+
+def ended_words(run_id: str, fin: RunFinished) -> str:
+    return (f"run {run_id!r} has finished ({fin.reason.value} at step {fin.step}, {story_store.loss_words(fin.final_loss)}); "
+            "no trainer will carry a command out. Relaunching it with the same run id opens a new attempt, "
+            "which takes commands again")
+
+
+class Executor:
+    def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
+                 ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
+                 on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
+                 on_proposal_cancelled: Callable[[str], None] | None = None):
+        self._session = session_factory
+        self._flap = flap or FlapConfig()
+        self._notifier = notifier
+        self._advise_only = advise_only
+        self._ack_timeout = dt.timedelta(seconds=ack_timeout_s)
+        self._ack_retries = ack_retries
+        # A run that has not polled for this long takes no command: its open actions expire. The
+        # last poll is kept in memory; a restarted daemon counts from its own start.
+        self._expiry = dt.timedelta(seconds=command_expiry_s)
+        self._started = dt.datetime.now(dt.timezone.utc)
+        self._last_poll: dict[str, dt.datetime] = {}
+        self._on_rollback_done = on_rollback_done or (lambda run_id, step: None)
+        # A person said no to the policy's proposal: the detectors must still speak up if the
+        # divergence goes on (issue 23: logits of 600-2,648 for 500 steps paged nobody).
+        self._on_proposal_cancelled = on_proposal_cancelled or (lambda run_id: None)
+        # Alerts are rows written in the deciding transaction and sent by a background thread, so
+        # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
+        self.outbox = Outbox(session_factory, notifier).start()
+
+    # --- decisions -> rows ---------------------------------------------------------------------
+
+    def carry_out(self, s: Session, run_id: str, incident_id: int, finding: Finding, decision: Decision) -> list[int]:
+        """Write what `decision` asks for as action rows (in the caller's transaction)."""
+        reasons = list(decision.reasons)
+        needs_ok = decision.requires_approval or self._advise_only
+        ids: list[int] = []
+        body = None
+        fin = ended(s, run_id) if decision.kind is not DecisionKind.NOOP else None
+        try:
+            body = None if fin is not None else self._decision_body(s, run_id, decision)
+        except ContractError as exc:  # never write a command the trainer could not carry out
+            log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.kind.value, exc)
+            reasons.append(f"the decision is not a valid command ({exc}); pausing for a human instead")
+            body = Pause()
+        if fin is not None:  # the judge caught up after the run's last step: nothing to act on
+            reasons.append(f"the run had finished ({fin.reason.value} at step {fin.step}): no action written")
+        if body is not None:
+            ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), "auto", "policy", incident_id, needs_ok))
+        audit_store.audit(s, run_id, "policy", "decision", {
+            "incident_id": incident_id, "finding": finding.to_json(), "decision": decision.kind.value,
+            "rung": decision.rung, "reasons": reasons, "actions": ids,
+            "requires_approval": needs_ok})
+        if decision.kind is not DecisionKind.NOOP:
+            alert = Alert.from_decision(run_id, finding, decision, incident_id)
+            if needs_ok and ids:  # what the reader types: the id and the exact commands
+                # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
+                title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"
+                alert = dataclasses.replace(
+                    alert, title=f"{title} [action {ids[0]}]", severity=Severity.CRITICAL, broadcast=True,
+                    fields={"action": ids[0], **story_store.cost(s, run_id, body), **alert.fields},
+                    commands=(f"thermowatch approve {ids[0]}", f"thermowatch cancel {ids[0]}"),
+                    status=f"awaiting approval (action {ids[0]})", approve_action=ids[0])
+            # Only alert-only repeats fold: a decision that wrote an action (a pause, a rollback,
+            # an approval to give) is a story of its own, never a counted reply in another
+            # incident's thread (issue 23: an approval hidden as "repeat 2 in 1 min").
+            fold = None if decision.kind is DecisionKind.PAUSE or ids else flaps.decide_fold(
+                s, self._flap, run_id, finding.signal.value, finding.module, incident_id)
+            if fold is not None:  # a repeat of a flapping signal: a counted reply, no page, no chart
+                alert = dataclasses.replace(
+                    alert, title=f"{alert.title} (repeat {fold.count} in {fold.minutes} min)",
+                    thread=f"incident:{fold.into}", broadcast=False, fold_count=fold.count, status=fold.status)
+            self._queue_alert(s, alert)
+            if fold is None and finding.metric:
+                self._queue_alert(s, Alert(
+                    run_id=run_id, severity=Severity.INFO, incident_id=incident_id,
+                    title=f"{run_id}: {finding.metric} around the onset (incident {incident_id})",
+                    chart=ChartRequest.around(finding)))
+        return ids
+
+    def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
+        lr = None
+        if decision.lr_multiplier is not None:
+            lr = SetLR(decision.lr_multiplier, decision.lr_steps, decision.rewarmup_steps or 0)
+        if decision.kind is DecisionKind.ROLLBACK:
+            skip: tuple[SampleRange, ...] = ()
+            if decision.skip_steps is not None:
+                rng = steps_store.sample_range(s, run_id, decision.skip_steps[0], decision.skip_steps[1])
+                if rng is not None and rng[0] < rng[1]:
+                    skip = (SampleRange(int(rng[0]), int(rng[1])),)
+            return Rollback(to_step=decision.target_step, checkpoint=decision.target_path, skip=skip, lr=lr,
+                            exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
+        if decision.kind is DecisionKind.LOWER_LR:
+            return lr
+        if decision.kind is DecisionKind.PAUSE:
+            return Pause()
+        return None
+
+    def submit(self, run_id: str, kind: str, args: dict[str, Any], who: str, reason: str) -> int:
+        """A manual command (CLI, API, web): same rows, same executor, never needs approval.
+        Refused (UserError, nothing stored) when the contract or the run's state rules it out."""
+        if kind not in MANUAL_KINDS:
+            raise UserError(f"unknown command {kind!r}; expected one of {sorted(MANUAL_KINDS)}")
+        if not who:
+            raise UserError("a manual command needs a `who` (your name), for the audit trail")
+        with self._session.begin() as s:
+            if runs_store.get_run(s, run_id) is None:
+                raise NotFound(f"no run {run_id!r}; `thermowatch runs` lists the known runs")
+            fin = ended(s, run_id)
+            if fin is not None:
+                raise Conflict(ended_words(run_id, fin))
+            args = feasibility.resolve_relative(s, run_id, args or {})
+            try:
+                body = parse_command(kind, args)
+            except ContractError as exc:
+                raise UserError(str(exc)) from None
+            feasibility.check(s, run_id, body)
+            action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
+            if body.kind in (CommandKind.ROLLBACK, CommandKind.SET_LR):
+                self._supersede(s, run_id, action_id, who, body)
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
+                                       title=f"{run_id}: {who} asked to {describe(body)}",
+                                       text=reason, thread=_thread(action_id, None)))
+        self.flush_alerts()
+        return action_id
+
+    def _supersede(self, s: Session, run_id: str, action_id: int, who: str, body: CommandBody) -> None:
+        """A person's rollback or LR change answers the run's open incidents (issue 23: in
+        advise-only mode an incident stayed open after the engineer fixed the run by hand, every
+        later checkpoint counted as unhealthy, and the next proposal went back 547 steps). Each
+        open incident whose only open actions are proposals awaiting approval is resolved as
+        superseded, and those proposals are cancelled, saying by what. An incident with an
+        automatic action already on its way is left to that action."""
+        by = f"{who}'s {body.kind.value.replace('_', ' ')} (action {action_id}: {describe(body)})"
+        open_now = actions_store.open_actions(s, run_id)
+        for inc in incidents_store.open_incidents(s, run_id):
+            mine = [a for a in open_now if a.incident_id == inc.id]
+            if any(not (a.state == "pending" and a.requires_approval) for a in mine):
+                continue
+            for a in mine:
+                actions_store.set_action_state(s, a.id, "cancelled", error=f"superseded by {by}")
+            incidents_store.resolve_incident(s, inc.id, f"superseded by {by}")
+            audit_store.audit(s, run_id, who, "superseded", {"incident_id": inc.id, "by_action": action_id,
+                                                            "cancelled": [a.id for a in mine]})
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
+                                       title=f"{run_id}: superseded by {by}",
+                                       status=f"superseded by {who}'s action {action_id}"))
+
+    def approve(self, action_id: int, who: str) -> None:
+        """Advise-only mode: a human lets a pending action go to the trainer. Refused (409) once
+        the run has finished: the proposal then expires instead (expire)."""
+        def change(s: Session) -> str | None:
+            row = actions_store.get_action(s, action_id)
+            fin = ended(s, row.run_id) if row is not None else None
+            if fin is not None:
+                raise actions_store.ActionStateError(f"action {action_id} cannot be approved: "
+                                                     + ended_words(row.run_id, fin))
+            said = self._rederive(s, row) if row is not None and row.kind == "rollback" else None
+            actions_store.approve_action(s, action_id, who)
+            return said
+
+        self._human_decides(action_id, who, "approved", change)
+
+    @staticmethod
+    def _rederive(s: Session, row: actions_store.ActionRow) -> str | None:
+        """A rollback proposal, re-read against the run as it is when a person says yes (issue
+        23): the checkpoint it will load now (retention may have deleted, or a later finding
+        distrusted, the one proposed) and what that discards. Refused when no healthy checkpoint
+        at or before its step is left: approving it could only fail at the trainer."""
+        try:
+            body = parse_command(row.kind, row.args)
+        except ContractError:
+            return None  # delivered as it is and failed there, with the reason (deliver)
+        target = ckpt_store.newest_healthy_before(s, row.run_id, body.to_step + 1)
+        if target is None or (body.exact and target.step != body.to_step):
+            raise actions_store.ActionStateError(
+                f"action {row.id} cannot be approved: no healthy checkpoint at or before step {body.to_step} is left "
+                "(deleted by retention or distrusted since it was proposed); cancel it "
+                f"(`thermowatch cancel {row.id}`) and roll back by hand to a step that has one")
+        cost = story_store.cost(s, row.run_id, dataclasses.replace(body, to_step=target.step, exact=True))
+        return "; ".join([f"loads checkpoint {target.step}", *(f"{k}: {v}" for k, v in cost.items())])
+
+    def cancel(self, action_id: int, who: str, *, only_awaiting_approval: bool = False) -> None:
+        """`only_awaiting_approval`: refuse (Conflict) unless the action still waits for a human,
+        for a Slack button clicked on a question someone else already answered."""
+        def change(s: Session) -> None:
+            row = actions_store.get_action(s, action_id)
+            if only_awaiting_approval and row is not None and not (row.state == "pending" and row.requires_approval):
+                raise actions_store.ActionStateError(
+                    f"action {action_id} no longer awaits approval (it is {row.state}"
+                    f"{', approved by ' + row.who if row.state == 'pending' else ''}); "
+                    f"`thermowatch cancel {action_id}` cancels it anyway")
+            actions_store.set_action_state(s, action_id, "cancelled")
+            if row is not None and row.origin == "auto":
+                cancelled.append(row.run_id)
+                if row.incident_id is not None:  # declined: an open incident would keep later checkpoints unhealthy
+                    incidents_store.resolve_incident(s, row.incident_id, f"declined by {who} (action {action_id} "
+                                                     "cancelled); the detectors fire again if it goes on")
+
+        cancelled: list[str] = []
+        self._human_decides(action_id, who, "cancelled", change)
+        for run_id in cancelled:
+            self._on_proposal_cancelled(run_id)
+
+    def refuse(self, action_id: int, who: str, wanted: str, why: str) -> None:
+        """A human's answer that is not theirs to give (a Slack user who is not an approver,
+        supervisor.decide.approvers): the action is left as it is; the audit trail and the action's
+        thread say who tried what and why it was refused. An unknown action id is audited too."""
+        with self._session.begin() as s:
+            row = actions_store.get_action(s, action_id)
+            audit_store.audit(s, row.run_id if row else None, who, "refused",
+                              {"action_id": action_id, "wanted": wanted, "why": why})
+            if row is not None:
+                self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
+                                           title=f"{row.run_id}: {who} may not {wanted} {row.kind} "
+                                                 f"(action {action_id}); nothing changed",
+                                           text=why, incident_id=row.incident_id,
+                                           thread=_thread(action_id, row.incident_id)))
+        self.flush_alerts()
+
+    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], str | None]) -> None:
+        with self._session.begin() as s:
+            row = actions_store.get_action(s, action_id)
+            if row is None:
+                raise NotFound(f"no action {action_id}")
+            try:
+                said = change(s)
+            except actions_store.ActionStateError as exc:
+                raise Conflict(str(exc)) from exc
+            audit_store.audit(s, row.run_id, who, event, {"action_id": action_id, **({"said": said} if said else {})})
+            self._queue_alert(s, Alert(run_id=row.run_id, severity=Severity.INFO,
+                                       title=f"{row.run_id}: {who} {event} {row.kind} (action {action_id})",
+                                       text=said or "", incident_id=row.incident_id,
+                                       thread=_thread(action_id, row.incident_id),
+                                       status=f"{row.kind} (action {action_id}) {event} by {who}"))
+        self.flush_alerts()
+
+    def _enqueue(self, s: Session, run_id: str, body: CommandBody, reason: str, origin: str,
+                 who: str, incident_id: int | None, needs_ok: bool) -> int:
+        args = body.to_args()
+        action_id = actions_store.enqueue_action(s, run_id, body.kind.value, args, reason, origin, who,
+                                                 incident_id=incident_id, requires_approval=needs_ok)
+        audit_store.audit(s, run_id, who, "enqueued", {"action_id": action_id, "kind": body.kind.value, "args": args})
+        return action_id
+
+    # --- the command channel ------------------------------------------------------------------
+
+    def deliver(self, run_id: str) -> list[Command]:
+        """Pending (approved) actions for the run controller; they become `sent`. A stored row
+        that is no valid command (written by an older version) fails instead of blocking the queue."""
+        bad: list[tuple[actions_store.ActionRow, str]] = []
+        self._last_poll[run_id] = dt.datetime.now(dt.timezone.utc)
+        with self._session.begin() as s:
+            if runs_store.get_run(s, run_id) is None:
+                raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
+            out = []
+            for a in actions_store.pending_actions(s, run_id):
+                try:
+                    cmd = Command(id=a.id, body=parse_command(a.kind, a.args))
+                except ContractError as exc:
+                    bad.append((a, str(exc)))
+                    continue
+                actions_store.set_action_state(s, a.id, "sent")
+                out.append(cmd)
+        for a, why in bad:
+            self.fail(run_id, a.id, f"not a valid command: {why}")
+        return out
+
+    def acknowledge(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
+        """The run controller says what the command did (or that it failed). An ack that cannot
+        be booked fails the action with an alert and raises UserError (a 4xx) with the reason."""
+        rollback_to = None
+        try:
+            with self._session.begin() as s:
+                row = actions_store.get_action(s, ack.command_id)
+                if row is None or row.run_id != run_id:
+                    raise NotFound(f"run {run_id!r} has no action {ack.command_id}")
+                if row.state in FINAL_STATES:
+                    log.info("action %s already %s; duplicate ack ignored", row.id, row.state)
+                    return
+                if row.requires_approval:
+                    raise Conflict(f"action {row.id} awaits a human's approval and was never sent; "
+                                   f"an acknowledgement for it cannot be right")
+                result = ack.to_json()
+                if not ack.ok:
+                    actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it",
+                                                   result=result)
+                    audit_store.audit(s, run_id, actor, "failed", {"action_id": row.id, "detail": ack.detail})
+                    self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
+                                            title=f"{run_id}: {row.kind} (action {row.id}) FAILED",
+                                            text=ack.detail or "the run controller refused the command",
+                                            incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
+                                            broadcast=True, status=f"{row.kind} (action {row.id}) FAILED"))
+                else:
+                    if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
+                        actions_store.set_action_state(s, row.id, "sent")
+                    actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step, result=result)
+                    rollback_to, resolved = self._book(s, run_id, row, ack)
+                    actions_store.set_action_state(s, row.id, "done")
+                    self._queue_alert(s, _done_alert(run_id, row, ack, result, resolved))
+                    audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
+                                                               "detail": ack.detail})
+        except (ContractError, DataError, IntegrityError, actions_store.ActionStateError) as exc:
+            why = f"the acknowledgement could not be booked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self.fail(run_id, ack.command_id, why, result=ack.to_json())
+            raise UserError(f"action {ack.command_id}: {why}") from None
+        if rollback_to is not None:
+            self._on_rollback_done(run_id, rollback_to)
+        self.flush_alerts()
+
+    def fail(self, run_id: str, action_id: int, why: str, result: dict[str, Any] | None = None) -> bool:
+        """Fail an open action with an alert (a bad ack, an undeliverable row). False if there is
+        no such open action of this run."""
+        with self._session.begin() as s:
+            row = actions_store.get_action(s, action_id)
+            if row is None or row.run_id != run_id or row.state in FINAL_STATES:
+                return False
+            actions_store.set_action_state(s, action_id, "failed", error=why, result=result)
+            audit_store.audit(s, run_id, "supervisor", "failed", {"action_id": action_id, "detail": why})
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
+                                    title=f"{run_id}: {row.kind} (action {action_id}) FAILED", text=why,
+                                    incident_id=row.incident_id, thread=_thread(action_id, row.incident_id),
+                                    broadcast=True, status=f"{row.kind} (action {action_id}) FAILED"))
+        self.flush_alerts()
+        return True
+
+    def _book(self, s: Session, run_id: str, row: actions_store.ActionRow, ack: Ack) -> tuple[int | None, bool]:
+        """The lasting effects of an acknowledged command, as the trainer reports them (a bare
+        ack, from an older trainer, books what the command asked for). Returns the step a
+        rollback went back to (or None) and whether it resolved the action's incident."""
+        body = parse_command(row.kind, row.args)
+        asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
+        for r in ack.skipped or asked_ranges:
+            skips_store.add_skip_range(s, run_id, r.lo, r.hi, action_id=row.id)
+        change, seq = ack.lr_change, ack.lr_seq
+        if change is None and ack.checkpoint_step is None:
+            lr = body if isinstance(body, SetLR) else body.lr if isinstance(body, Rollback) else None
+            change = lr.change(max(1, ack.step)) if lr is not None else None
+        if change is not None:
+            lr_store.add_lr_change(s, run_id, change.multiplier, change.start_step, change.steps, action_id=row.id,
+                                   rewarmup_steps=change.rewarmup_steps, seq=seq)
+        resolved = False
+        if row.incident_id is not None and row.kind in ("rollback", "set_lr", "skip"):
+            resolved = incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
+        if row.kind == "rollback":
+            # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
+            # they belong to the trajectory left behind and are never a target again.
+            ckpt_store.distrust_from(s, run_id, ack.step)
+            return ack.step, resolved
+        return None, resolved
+
+    def run_finished(self, run_id: str) -> list[int]:
+        """The run's newest attempt reported its finish: what is still open for it expires now,
+        its open incidents close (each thread's top message says so), and one "run finished"
+        message tells the story (store.story). Returns the action ids expired."""
+        expired = self.expire(run_id=run_id)
+        with self._session.begin() as s:
+            fin = ended(s, run_id)
+            if fin is None:  # a relaunch got in first
+                return expired
+            for inc in incidents_store.open_incidents(s, run_id):
+                incidents_store.resolve_incident(s, inc.id, f"the run ended ({fin.reason.value} at step {fin.step})")
+                self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
+                                           title=f"{run_id}: closed, the run ended ({fin.reason.value} at step {fin.step})",
+                                           status=f"closed: the run ended ({fin.reason.value} at step {fin.step})"))
+            told = story_store.story(s, run_id)
+            self._queue_alert(s, Alert(
+                run_id=run_id, severity=Severity.INFO, title=f"{run_id}: {told.ending()}", text=told.words(),
+                fields={"final step": fin.step, "final loss": "none" if fin.final_loss is None else f"{fin.final_loss:.4g}",
+                        "automatic rollbacks": told.auto_rollbacks, "steps re-trained": told.steps_retrained,
+                        "samples skipped": told.samples_skipped, "incidents": told.incidents,
+                        "LR multiplier": f"x{told.lr_multiplier:g}"}))
+            audit_store.audit(s, run_id, "supervisor", "run_finished_told", {"words": told.words()})
+        self.flush_alerts()
+        return expired
+
+    def expire(self, now: dt.datetime | None = None, run_id: str | None = None) -> list[int]:
+        """Scheduler job: every open action reaches a final state on its own. Sent actions with no
+        ack after the timeout are re-sent, then failed. Open actions of a run that has finished, or
+        that has not polled for commands for `command_expiry_s` (and are older than that), expire:
+        no trainer will carry them out. Returns the ids failed or expired."""
+        now = now or dt.datetime.now(dt.timezone.utc)
+        failed = []
+        with self._session.begin() as s:
+            finished: dict[str, RunFinished | None] = {}
+            for a in actions_store.open_actions(s, run_id):
+                if a.run_id not in finished:
+                    finished[a.run_id] = ended(s, a.run_id)
+                why = self._expiry_reason(a, finished[a.run_id], now)
+                if why is not None:
+                    actions_store.set_action_state(s, a.id, "expired", error=why)
+                    audit_store.audit(s, a.run_id, "supervisor", "expired", {"action_id": a.id, "why": why})
+                    failed.append(a.id)
+                    self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.INFO,
+                                               title=f"{a.run_id}: {a.kind} (action {a.id}) expired: {why}",
+                                               incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
+                                               status=f"{a.kind} (action {a.id}) expired, never carried out"))
+                    continue
+                if a.state != "sent" or a.updated_at + self._ack_timeout > now:
+                    continue
+                if a.attempts <= self._ack_retries:
+                    actions_store.set_action_state(s, a.id, "pending")
+                    audit_store.audit(s, a.run_id, "supervisor", "redeliver", {"action_id": a.id,
+                                                                               "attempts": a.attempts})
+                else:
+                    actions_store.set_action_state(s, a.id, "failed", error="no acknowledgement from the trainer")
+                    failed.append(a.id)
+                    self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.CRITICAL,
+                                            title=f"{a.run_id}: {a.kind} (action {a.id}) was never acknowledged",
+                                            text=f"sent {a.attempts} times; is the run controller alive?",
+                                            incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
+                                            broadcast=True, status=f"{a.kind} (action {a.id}) never acknowledged"))
+        self.flush_alerts()
+        return failed
+
+    def _expiry_reason(self, a: actions_store.ActionRow, fin: RunFinished | None, now: dt.datetime) -> str | None:
+        if fin is not None:
+            return f"the run finished ({fin.reason.value} at step {fin.step}) before the trainer carried it out"
+        if a.state == "acked":
+            return None  # the trainer has it: done or failed follows from its own ack
+        seen = self._last_poll.get(a.run_id, self._started)  # a poll is never older than the daemon
+        if now - seen < self._expiry or now - a.created_at < self._expiry:
+            return None
+        return (f"the run has not asked for commands for {int((now - seen).total_seconds())} s "
+                f"(command_expiry_s {int(self._expiry.total_seconds())}): is it still running?")
+
+    # --- alerts ---------------------------------------------------------------------------------
+
+    def notify(self, alert: Alert) -> None:
+        """Queue an alert in a transaction of its own (callers outside the executor's ones)."""
+        with self._session.begin() as s:
+            self._queue_alert(s, alert)
+        self.flush_alerts()
+
+    def _queue_alert(self, s: Session, alert: Alert) -> None:
+        """Write `alert` to the outbox in the caller's transaction (sent once it commits). An
+        incident folded into a flapping signal's thread has every later alert there too."""
+        if alert.incident_id is not None and alert.thread is None and not alert.fold_count:
+            into = flaps.thread_of(s, alert.run_id, int(alert.incident_id))
+            if into is not None:
+                alert = dataclasses.replace(alert, thread=f"incident:{into}")
+        self.outbox.enqueue(s, alert)
+
+    def flush_alerts(self) -> None:
+        """Wake the alert sender after a transaction that queued alerts has committed. Never waits."""
+        self.outbox.wake()
+
+    def close(self) -> None:
+        self.outbox.close()
+
+
+def _thread(action_id: int, incident_id: int | None) -> str | None:
+    """An action's story: its incident's thread, or (a manual command) a thread of its own."""
+    return None if incident_id is not None else f"action:{action_id}"
+
+
+def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dict[str, Any],
+                resolved: bool) -> Alert:
+    """The reply that says what the trainer really did, from its typed ack (supervisor.act.outcome)."""
+    o = outcome(dataclasses.replace(row, state="done", result=result, ack_step=ack.step))
+    lines = details(o, first_step=False)  # the title's summary says the first step trained
+    if resolved:
+        lines.append(f"incident {row.incident_id} resolved")
+    return Alert(run_id=run_id, severity=Severity.INFO,
+                 title=f"{run_id}: {row.kind} (action {row.id}) done: {summary(o)}",
+                 text="\n".join(lines) or (ack.detail or ""),
+                 incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
+                 status=f"{'resolved' if resolved else 'done'}: {summary(o)}")

@@ -1,0 +1,221 @@
+"""The daemon's configuration: one dataclass, read from a YAML file and the environment.
+
+A YAML file lists only what differs from these defaults. Environment variables win over the
+file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
+`THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
+`THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`,
+`THERMOWATCH_SLACK_SIGNING_SECRET_FILE`), so a systemd unit or a Kubernetes
+secret can override one field without a file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.supervisor.errors import UserError
+
+if TYPE_CHECKING:
+    from thermowatch.supervisor.notify.flap import FlapConfig
+
+
+class ConfigError(UserError):
+    """A configuration value that cannot work. The message names the field and the fix."""
+
+
+@dataclass
+class SlackConfig:
+    channel: str = ""  # empty: no Slack, console alerts only (the embedded default)
+    token_env: str = "SLACK_BOT_TOKEN"  # a bot token never lives in a config file
+    token_file: str = ""  # or a mounted secret file (Kubernetes)
+    base_url: str | None = None  # only tests point this at a local fake of the Slack API
+    # Interactivity (Approve / Cancel buttons): the Slack app's signing secret, from the
+    # environment or a mounted file; unset means no buttons and POST /api/slack/interactions 404s.
+    signing_secret_env: str = "SLACK_SIGNING_SECRET"
+    signing_secret_file: str = ""
+    # Who may click them (supervisor.decide.approvers; issue 21: Slack's signature admits any workspace
+    # member). Closed by default: none listed, no buttons, and a click is refused with 403.
+    approvers: list[str] = field(default_factory=list)  # Slack member ids, U... (ids: names change)
+    approver_groups: list[str] = field(default_factory=list)  # user-group ids, S...; bot scope usergroups:read
+    approver_groups_ttl_s: float = 60.0  # a member removed from a group may still approve for this long
+    # Flap damping (supervisor.notify.flap), for every channel: after this many threads for one
+    # (run, signal, module) within flap_window_s, later incidents of it are counted replies there.
+    flap_max_alerts: int = 3
+    flap_window_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        from thermowatch.supervisor.decide.approvers import GROUP_ID, USER_ID
+
+        for name, pattern, what in (("approvers", USER_ID, "a Slack member id (U... or W...; a profile's "
+                                                             "\u22ee menu, 'Copy member ID'), not a name"),
+                                    ("approver_groups", GROUP_ID, "a Slack user-group id (S...; the group's "
+                                                                  "page in Slack, or usergroups.list)")):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+                raise ConfigError(f"slack.{name} must be a list of ids, got {ids!r}")
+            for i, v in enumerate(ids):
+                if not isinstance(v, str) or not pattern.fullmatch(v):
+                    raise ConfigError(f"slack.{name}[{i}]: {v!r} is not {what}")
+            setattr(self, name, list(ids))
+        ttl = self.approver_groups_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
+            raise ConfigError(f"slack.approver_groups_ttl_s must be in (0, 3600] seconds, got {ttl!r}")
+
+    def flap(self) -> "FlapConfig":
+        from thermowatch.supervisor.notify.flap import FlapConfig
+
+        return FlapConfig(self.flap_max_alerts, self.flap_window_s)
+
+
+@dataclass
+class SupervisorConfig:
+    data_dir: Path = Path(".thermowatch")
+    # SQLite in the data dir is the embedded default; PostgreSQL by URL at scale.
+    db_url: str = ""
+    host: str = "127.0.0.1"  # never listen on all interfaces by default: the API can roll runs back
+    port: int = 8765
+    # Auth is on by default (supervisor.serve.auth): every route but /healthz needs a scoped token.
+    # `auth: false` is a loopback-only escape hatch for a laptop; serve refuses it on any other host.
+    auth: bool = True
+    public_read: bool = False  # true: read routes and the web page need no token (operate/ingest still do)
+    # An admin token provided up front (scripts, tests, a Kubernetes secret), accepted as the actor
+    # "config-admin" and never stored. Prefer the file (systemd LoadCredential=) over the env var.
+    api_token: str = ""
+    api_token_file: str = ""
+    public_url: str = ""  # where the web page is reachable, for links in alerts
+    advise_only: bool = False  # every action waits for a human's approval
+    ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
+    ack_retries: int = 2
+    # An open command of a run that has not polled for this long expires (it could never be
+    # carried out; `--wait` returns); a finished run's commands expire at once.
+    command_expiry_s: float = 900.0
+    max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
+    # The daemon's detectors run in a process of their own (supervisor.judge.bank_process), so judging
+    # never competes with storing for the interpreter lock; false: a thread in the daemon's process.
+    judge_process: bool = True
+    slack: SlackConfig = field(default_factory=SlackConfig)
+    # The sections below are checked key by key against the class named in `schema` (config_tree).
+    policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
+                                   metadata=schema("thermowatch.supervisor.decide.policy:PolicyConfig"))
+    detectors: dict[str, Any] = field(default_factory=dict,  # DetectorBank config that differs
+                                      metadata=schema("thermowatch.monitors.detectors:BankConfig"))
+    limits: dict[str, Any] = field(default_factory=dict,  # supervisor.limits.Limits fields that differ
+                                   metadata=schema("thermowatch.supervisor.limits:Limits"))
+    # The peer envelope (loss_behind_peers; supervisor/app/jobs.py and the run page): EnvelopeConfig
+    # fields that differ (gap_nats, confirm, start, smooth, min_peers)
+    envelope: dict[str, Any] = field(default_factory=dict,
+                                     metadata=schema("thermowatch.monitors.envelope:EnvelopeConfig"))
+
+    def __post_init__(self) -> None:
+        # The sections a person writes by hand: one message naming the dotted path of a typo
+        # anywhere under them (issue 12), before any class below sees the value.
+        for name in ("slack", "policy", "detectors", "limits", "envelope"):
+            try:
+                check_tree(type(self), {name: getattr(self, name)})
+            except ConfigTreeError as exc:
+                raise ConfigError(str(exc)) from None
+        self.data_dir = Path(self.data_dir)
+        if not self.db_url:
+            self.db_url = f"sqlite:///{(self.data_dir / 'thermowatch.db').resolve()}"
+        if not (0 < int(self.port) < 65536):
+            raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
+        for name in ("ack_timeout_s", "command_expiry_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.api_token_file and not self.api_token:
+            try:
+                self.api_token = Path(self.api_token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"api_token_file: cannot read {self.api_token_file} ({exc.strerror}); check the path "
+                                  f"and that the daemon's user may read it") from None
+            if not self.api_token:
+                raise ConfigError(f"api_token_file: {self.api_token_file} is empty; write the admin token into it")
+        for name in ("auth", "public_read", "judge_process"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.slack, Mapping):
+            self.slack = SlackConfig(**self.slack)
+        try:
+            self.slack.flap()
+        except UserError as exc:
+            raise ConfigError(str(exc)) from None
+        from thermowatch.supervisor.limits import Limits
+
+        from thermowatch.monitors.detectors import BankConfig
+        from thermowatch.supervisor.decide.policy import PolicyConfig
+
+        # Build each section once now, so a value out of range stops `serve` at start-up
+        # with the section's name, not at the first finding.
+        from thermowatch.monitors.envelope import EnvelopeConfig
+
+        for name, build in (("limits", Limits.from_dict), ("detectors", BankConfig.from_dict),
+                            ("policy", lambda d: PolicyConfig(**d)), ("envelope", lambda d: EnvelopeConfig(**d))):
+            try:
+                build(getattr(self, name))
+            except (TypeError, ValueError, UserError) as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> "SupervisorConfig":
+        """Defaults <- YAML file <- environment <- explicit overrides (CLI flags)."""
+        values: dict[str, Any] = {}
+        if path:
+            values.update(read_mapping(Path(path)))
+        env = os.environ if env is None else env
+        for name, key in (("db_url", "THERMOWATCH_DB_URL"), ("data_dir", "THERMOWATCH_DATA_DIR"),
+                          ("host", "THERMOWATCH_HOST"), ("port", "THERMOWATCH_PORT"),
+                          ("api_token", "THERMOWATCH_API_TOKEN"), ("api_token_file", "THERMOWATCH_API_TOKEN_FILE")):
+            if env.get(key):
+                values[name] = env[key]
+        if env.get("THERMOWATCH_DB_URL_FILE") and not env.get("THERMOWATCH_DB_URL"):
+            # A URL with a password is a secret: systemd's LoadCredential= hands it over as a file.
+            path = env["THERMOWATCH_DB_URL_FILE"]
+            try:
+                values["db_url"] = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
+        if env.get("THERMOWATCH_ADVISE_ONLY"):
+            values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
+        for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE"),
+                                   ("signing_secret_file", "THERMOWATCH_SLACK_SIGNING_SECRET_FILE")):
+            if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
+                values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("port"), str):  # THERMOWATCH_PORT is text
+            try:
+                values["port"] = int(values["port"])
+            except ValueError as exc:
+                raise ConfigError(f"port must be an integer, got {values['port']!r}") from exc
+        try:
+            check_tree(cls, values)
+        except ConfigTreeError as exc:
+            where = f"{path}: " if path else ""
+            raise ConfigError(f"{where}{exc}") from None
+        return cls(**values)
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """A YAML (or JSON: a subset of YAML) file holding a mapping of settings."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such file") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def judged_with(detectors: dict[str, Any]) -> dict[str, float]:
+    """The thresholds a run page draws, as a daemon with these detector settings judges them:
+    written into each attempt's audit row when it opens (Ingestor), read back by the run's events."""
+    from thermowatch.monitors.detectors import BankConfig
+
+    attn = BankConfig.from_dict(detectors).attn
+    return {"attn_ceiling": attn.ceiling, "attn_lse_ceiling": attn.ceiling + attn.lse_ceiling_offset}

@@ -1,0 +1,182 @@
+"""The daemon's periodic jobs (run by supervisor.app.scheduler; each one logs and carries on per item).
+
+ack watchdog      sent commands with no acknowledgement are re-sent, then failed loudly
+stall check       no step for detectors.stall.timeout_s -> stall finding -> policy (page)
+retention         thin old thermometers so a 10^6-step run stays bounded
+checkpoint scan   recorded checkpoints whose files vanished are marked deleted, broken ones distrusted
+                  (a backstop: the trainer reports its own retention deletes as it makes them)
+daily digest      one message a day: steps, incidents, actions per run active that day
+peer envelope     a run active today (of the 200 newest) whose loss is behind the runs of its
+                  model config that trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
+
+Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
+made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
+pages through live checkpoints, the digest covers the runs active in the last 24 h.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy.orm import sessionmaker
+
+from thermowatch.monitors.contract import Finding, Severity
+from thermowatch.monitors.envelope import Curve, EnvelopeConfig, behind_peers
+from thermowatch.monitors.manifest import MANIFEST, files_problem
+from thermowatch.supervisor.notify.base import Alert
+from thermowatch.supervisor.app.scheduler import Job
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import checkpoints as ckpt_store
+from thermowatch.supervisor.store import incidents as incidents_store
+from thermowatch.supervisor.store import peers as peers_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.store import thermometers as thermo_store
+
+
+class Daemon(Protocol):
+    """What the jobs need of the daemon (supervisor.app.service.Supervisor provides it). A Protocol,
+    not an import: service builds the jobs, so jobs must not import service back."""
+
+    cfg: Any
+    sessions: sessionmaker
+    executor: Any
+    responder: Any
+    notifier: Any
+
+log = logging.getLogger(__name__)
+
+# Keep full resolution for the newest 100k steps; thin older points to one in 10 (max/min kept
+# by the store's per-metric reduction, so a spike never disappears from the plot).
+RETENTION_FULL_STEPS = 100_000
+RETENTION_EVERY = 10
+
+
+def default_jobs(sup: Daemon) -> list[Job]:
+    return [
+        Job("ack_watchdog", lambda: sup.executor.expire(), every_s=min(30.0, sup.cfg.ack_timeout_s / 2)),
+        Job("stall_check", lambda: sup.responder.check_stalls(), every_s=30.0),
+        Job("retention", lambda: retention(sup), every_s=3600.0, jitter=60.0),
+        Job("checkpoint_scan", lambda: checkpoint_scan(sup), every_s=900.0, jitter=30.0),
+        Job("daily_digest", lambda: daily_digest(sup), every_s=86400.0),
+        Job("peer_envelope", lambda: peer_envelope(sup), every_s=300.0, jitter=30.0),
+    ]
+
+
+def retention(sup: Daemon, full_steps: int = RETENTION_FULL_STEPS, every: int = RETENTION_EVERY) -> int:
+    thinned = 0
+    for page in runs_store.each_page(sup.sessions):
+        # Only runs longer than what is kept in full get a transaction: a page's last steps came
+        # with it, so 10^5 short runs cost 100 page reads.
+        for run in page:
+            if run.last_step is None or run.last_step <= full_steps:
+                continue
+            try:
+                with sup.sessions.begin() as s:
+                    last = thermo_store.latest_step(s, run.run_id)
+                    if last is not None and last > full_steps:
+                        thinned += thermo_store.downsample(s, run.run_id, last - full_steps, every)
+            except Exception:  # noqa: BLE001 - one bad run must not stop the others
+                log.exception("retention for run %s failed", run.run_id)
+    return thinned
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why a recorded checkpoint cannot be a rollback target any more, or None. The file check
+    is the trainer's own (monitors.manifest), so both sides agree on what "intact" means."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"directory {path} is gone"
+    manifest = p / MANIFEST
+    try:
+        data = json.loads(manifest.read_text())
+        return files_problem(p, data)
+    except FileNotFoundError:
+        return f"{manifest} is missing (half-written checkpoint)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{manifest} is unreadable or malformed: {type(exc).__name__}: {exc}"
+
+
+def checkpoint_scan(sup: Daemon) -> list[tuple[str, int, str]]:
+    """Marks checkpoints whose files are gone or broken unhealthy, so the policy never picks them."""
+    bad = []
+    after = 0
+    while True:
+        with sup.sessions() as s:
+            page = ckpt_store.live_checkpoints(s, after)
+        if not page:
+            return bad
+        after = page[-1].id
+        bad += _scan(sup, page)
+
+
+def _scan(sup: Daemon, rows: list[ckpt_store.CheckpointPath]) -> list[tuple[str, int, str]]:
+    bad = []
+    for c in rows:
+        try:
+            problem = checkpoint_problem(c.path)
+        except Exception as exc:  # noqa: BLE001
+            problem = f"scan failed: {exc}"
+        if problem and (c.healthy or not Path(c.path).is_dir()):
+            with sup.sessions.begin() as s:
+                # Gone from disk: deleted (the page and the policy stop offering it); there but
+                # broken: kept in the list, distrusted.
+                ckpt_store.mark_checkpoint(s, c.id, healthy=False, deleted=not Path(c.path).is_dir() or None)
+            log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, problem)
+            bad.append((c.run_id, c.step, problem))
+    return bad
+
+
+def daily_digest(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    since = now - runs_store.ACTIVE_WINDOW
+    sent = []
+    with sup.sessions() as s:
+        for run_id in runs_store.active_since(s, since):
+            incs = [i for i in incidents_store.incidents(s, run_id) if i.opened_at >= since]
+            acts = [a for a in actions_store.actions(s, run_id) if a.created_at >= since]
+            last = thermo_store.latest_step(s, run_id)
+            text = (f"last step {last}; {len(incs)} incident(s), {len(acts)} action(s) in the last 24 h"
+                    + "".join(f"\n- {i.signal} on {i.module or '-'} onset {i.onset_step} ({i.state})" for i in incs[:10]))
+            sent.append(Alert(run_id=run_id, severity=Severity.INFO, title=f"{run_id}: daily digest", text=text))
+    with sup.sessions.begin() as s:  # through the outbox: in order, retried, recorded
+        for alert in sent:
+            sup.executor.outbox.enqueue(s, alert)
+    sup.executor.flush_alerts()
+    return sent
+
+
+def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConfig | None = None
+                  ) -> list[tuple[str, Finding]]:
+    """Judge each run active in the last day against its comparable runs; hand a finding to the
+    responder, which records it once per attempt (a later tick finds the same stretch again and
+    is not decided twice) and alerts."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    cfg = cfg or EnvelopeConfig(**sup.cfg.envelope)  # the daemon's `envelope:` section
+    found: list[tuple[str, Finding, int | None]] = []
+    with sup.sessions() as s:
+        # Bounded whatever the database holds (an ingest token can make 10^5 runs: issue 21):
+        # the newest PEER_RUNS runs are the candidates, the active ones among them are judged.
+        newest = runs_store.newest_run_ids(s, peers_store.PEER_RUNS)
+        active = sorted(set(runs_store.active_since(s, now - runs_store.ACTIVE_WINDOW)) & set(newest))
+        if not active:
+            return []
+        keys = peers_store.model_keys(s, newest)
+        curves: dict[str, Curve] = {}
+        for rid in active:
+            peers = peers_store.comparable(keys, rid)
+            if not peers:
+                continue
+            for r in (rid, *peers):
+                if r not in curves:
+                    curves[r] = peers_store.curve(s, r)
+            finding = behind_peers(curves[rid], [curves[p] for p in peers], cfg)
+            if finding is not None:
+                att = runs_store.latest_attempt(s, rid)
+                found.append((rid, finding, att.attempt if att is not None else None))
+    for rid, finding, attempt in found:
+        sup.responder.handle(rid, finding, attempt)
+    return [(rid, f) for rid, f, _ in found]

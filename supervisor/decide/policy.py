@@ -1,0 +1,618 @@
+"""The supervisor's decision: a pure function from one finding and the run's state to an action.
+
+Only a finding whose outcome is `act` can change the run (DESIGN.md, Trust: three outcomes):
+`watch` is recorded (NOOP), `alert` tells a human (ALERT), whatever the signal, the severity or
+the state of the run. An `act` finding still only acts if its signal is in `rollback_signals`
+and its severity is at least `act_min_severity` (critical by default: a warning never acts).
+
+Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
+no I/O. The executor gathers a `PolicyInput`, calls `make_decision`, writes the action row and
+carries it out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
+
+The ladder (DESIGN.md, "Rollback semantics"):
+
+    rung 1  a rollback signal (attention-logit growth/ceiling, loss spike, non-finite)
+            -> roll back to the newest HEALTHY checkpoint at or before onset - margin and skip the
+               samples of the steps from onset - margin to the detection step (PaLM: restart
+               ~100 steps before the spike, skip 200-500 batches).
+    rung 2  the same signal again within `recurrence_window_steps` of a rollback
+            -> roll back again AND lower the LR, one command (OPT-175B did this by hand; YaLM:
+               halving the LR cost ~30% speed, which is why it is the second rung, not the first).
+    rung 2  at once, for an attention finding that acts on the LR forecast alone (a logit over the
+            ceiling while the schedule will still raise the LR, monitors/detectors/witness.py):
+            -> lower the LR in place. Nothing is damaged yet, so there is nothing to roll back,
+               and a rollback that kept the schedule would replay the same rise.
+    rung 2  for an LR jump (monitors/detectors/lr_jump.py: a raise the schedule did not plan, the
+            loss still behind its pre-raise trend a window later)
+            -> set the LR back to what it was before the raise, in place. The damage is slow and
+               the LR explains it; a rollback would keep the weights' history no better. Off with
+               `revert_lr_jumps: false` (then it alerts).
+    rung 3  too many automatic interventions in `intervention_window_s`, the per-day rollback
+            cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
+            -> PAUSE and page a human.
+
+Cooldowns count steps, not seconds (issue 22: a fast loop trains hundreds of steps in a 600 s
+cooldown and re-diverged unchecked). An action's cooldown runs from the step it took effect
+(the ack's first trained step: T + 1 after a rollback to T) for `cooldown_steps` steps of the
+trajectory it left running. Findings of an attempt a rollback left behind are never acted on.
+`cooldown_s` adds a wall-clock cooldown for teams who want one (off by default).
+
+Time is epoch seconds (float) everywhere. A checkpoint at step s holds the weights after step s,
+so a rollback to s replays from step s + 1; `skip_steps` is an inclusive step range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from thermowatch.monitors.contract import (DEFAULT_ROLLBACK_SIGNALS, CheckpointInfo, Finding, Outcome, Severity, Signal,
+                                          signal_family)
+from thermowatch.supervisor.errors import UserError
+
+DAY_S = 86_400.0
+
+
+class DecisionKind(str, enum.Enum):
+    NOOP = "noop"
+    ALERT = "alert"
+    ROLLBACK = "rollback"
+    LOWER_LR = "lower_lr"
+    PAUSE = "pause"
+
+
+# Kinds that change the run (need approval in advise-only mode, count towards the caps).
+ACTIONS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE})
+# Kinds after which the same signal coming back counts as a recurrence (rung 2).
+_LADDER_KINDS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR})
+
+# A rollback cannot fix these: a stall is not in the weights, an outlier rank is hardware.
+_NEVER_ROLLBACK = frozenset({Signal.STALL, Signal.OUTLIER_RANK})
+
+_SEVERITY_ORDER = {Severity.INFO: 0, Severity.WARN: 1, Severity.CRITICAL: 2}
+
+# Why a signal that is not a rollback signal only alerts (shown in the Slack message).
+_ALERT_ONLY_WHY = {
+    Signal.GRAD_SPIKE: (
+        "gradient-norm spikes alone only alert: most are transient and absorbed by clipping "
+        "(OPT-175B and PaLM logged many that never diverged); a loss or attention-logit signal "
+        "confirms a real divergence and triggers the rollback"
+    ),
+    Signal.STALL: "a stall is not in the weights, so a rollback cannot fix it; someone needs to look at the run",
+    Signal.ACT_OVERFLOW: (
+        "activation overflow only alerts by default: it becomes a non-finite finding if it matters; "
+        "add act_overflow to rollback_signals to act on it directly"
+    ),
+    Signal.LOSS_BEHIND_PEERS: (
+        "a run behind the runs of its model config that trained with no more LR learns worse than it "
+        "could: a rollback replays the same LR, so a human should decide (lower the LR, or compare the configs)"
+    ),
+    Signal.LOSS_DEGRADATION: (
+        "a loss falling behind its own trend only alerts by default: a rollback replays the same LR, "
+        "so a human should decide (lower the LR by hand, or add loss_degradation to rollback_signals)"
+    ),
+}
+
+
+class PolicyConfigError(UserError):
+    """A PolicyConfig field out of range. The message names the field, the value and the fix."""
+
+
+def _signals(value: Iterable[Signal | str], name: str) -> frozenset[Signal]:
+    try:
+        return frozenset(Signal(v) for v in value)
+    except ValueError as exc:
+        known = ", ".join(s.value for s in Signal)
+        raise PolicyConfigError(f"{name}: {exc}; known signals: {known}") from exc
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Per-run policy settings. YAML lists only what differs from these defaults."""
+
+    # PaLM restarted ~100 steps before a spike; small runs (checkpoints every ~50 steps) use ~20.
+    rollback_margin_steps: int = 100
+    # The same signal within this many steps of a rollback means skipping data was not enough.
+    recurrence_window_steps: int = 500
+    # Rung 2 factor on the LR schedule; YaLM: halving cost ~30% speed, so it is not rung 1.
+    lr_multiplier: float = 0.5
+    # Floor for the cumulative multiplier: below it the run barely learns; a human should decide.
+    min_lr_multiplier: float = 0.1
+    # None = lower for good (OPT-175B lowered it by hand and kept it); N = for N steps only.
+    lr_steps: int | None = None
+    # With lr_steps: steps to ramp back up to the schedule afterwards (a jump back can re-spike).
+    rewarmup_steps: int = 0
+    # Rung 2 rolls back again and lowers the LR in one command; False lowers the LR in place
+    # (cheaper when checkpoints are far apart and the run has not diverged yet).
+    recurrence_rollback: bool = True
+    # More automatic actions than this within intervention_window_s -> rung 3 (pause, page).
+    max_interventions: int = 4
+    intervention_window_s: float = 6 * 3600.0
+    # A finding within this many steps of where an action took effect (after a rollback to T:
+    # from T + 1, on the re-trained attempt) is waiting for it to work: the same signal is the
+    # same incident (noop), another one alerts. Steps, not seconds: step time varies 1000x
+    # between a CPU toy and a cluster (issue 22). Keep it below rollback_margin_steps, so a
+    # recurrence at the old onset is past it.
+    cooldown_steps: int = 50
+    # Also a wall-clock cooldown after any automatic action (0 or None: off). A fast loop trains
+    # hundreds of steps in 600 s with nothing acting (issue 22), so it is off by default.
+    cooldown_s: float | None = 0.0
+    # OPT-175B: 105 restarts in ~2 months (~2/day) by hand; many more a day means it is not working.
+    max_rollbacks_per_day: int = 8
+    # Every action (rollback, lower LR, pause) needs a human's approval; alerts go out as usual.
+    advise_only: bool = False
+    # A second gate after the outcome: `act` findings below this severity only alert. Critical
+    # by default, so no finding labelled a warning can roll a run back (issue 8: warn-level
+    # attention growth on healthy runs rolled them back when this was "warn").
+    act_min_severity: Severity = Severity.CRITICAL
+    # Grad spikes, activation overflow and loss degradation are left out on purpose (see
+    # _ALERT_ONLY_WHY); add loss_degradation to act on a run falling behind its own trend.
+    rollback_signals: frozenset[Signal] = DEFAULT_ROLLBACK_SIGNALS
+    # Set the LR back after an LR jump that did lasting harm (the signal lr_jump). A jump's
+    # finding is an act only when its harm outlasted the detector's window, so this is on.
+    revert_lr_jumps: bool = True
+    # Alert-only signals that also page: a stalled run burns GPU hours until someone looks; a run
+    # behind its peers (issue 24, item 1: "degradation that pages") learns worse by the hour.
+    page_signals: frozenset[Signal] = frozenset({Signal.STALL, Signal.LOSS_BEHIND_PEERS})
+    # Tell Slack about ranks far from the others (OPT-175B hunted bad nodes for weeks).
+    outlier_rank_alerts: bool = True
+    # Restart from the newest healthy checkpoint without the outlier's node. Off: draining a
+    # node is a cluster decision, and a wrong call loses a node's worth of throughput.
+    restart_without_outlier: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept strings from YAML for the enum fields.
+        object.__setattr__(self, "rollback_signals", _signals(self.rollback_signals, "rollback_signals"))
+        object.__setattr__(self, "page_signals", _signals(self.page_signals, "page_signals"))
+        try:
+            object.__setattr__(self, "act_min_severity", Severity(self.act_min_severity))
+        except ValueError as exc:
+            raise PolicyConfigError(
+                f"act_min_severity={self.act_min_severity!r}; use one of info, warn, critical"
+            ) from exc
+        bad = self.rollback_signals & _NEVER_ROLLBACK
+        if bad:
+            names = ", ".join(sorted(s.value for s in bad))
+            raise PolicyConfigError(
+                f"rollback_signals contains {names}: a rollback cannot fix it; remove it "
+                "(outlier ranks are handled by restart_without_outlier)"
+            )
+        for name in ("rollback_margin_steps", "cooldown_steps", "rewarmup_steps"):
+            if getattr(self, name) < 0:
+                raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("recurrence_window_steps", "max_interventions", "max_rollbacks_per_day"):
+            if getattr(self, name) < 1:
+                raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.intervention_window_s <= 0:
+            raise PolicyConfigError(f"intervention_window_s={self.intervention_window_s} must be > 0 seconds")
+        if self.cooldown_s is None:
+            object.__setattr__(self, "cooldown_s", 0.0)
+        if self.cooldown_s < 0:
+            raise PolicyConfigError(f"cooldown_s={self.cooldown_s} must be >= 0 seconds (0 disables it)")
+        if not 0.0 < self.lr_multiplier < 1.0:
+            raise PolicyConfigError(
+                f"lr_multiplier={self.lr_multiplier} must be in (0, 1): it lowers the LR (0.5 halves it)"
+            )
+        if not 0.0 < self.min_lr_multiplier <= 1.0:
+            raise PolicyConfigError(f"min_lr_multiplier={self.min_lr_multiplier} must be in (0, 1]")
+        if self.lr_steps is not None and self.lr_steps < 1:
+            raise PolicyConfigError(f"lr_steps={self.lr_steps} must be >= 1, or None to lower the LR for good")
+
+
+@dataclass(frozen=True, slots=True)
+class Intervention:
+    """One past action on this run (from the action rows), newest last or in any order."""
+
+    kind: DecisionKind
+    signal: Signal | None  # None for manual actions not tied to a finding
+    module: str
+    step: int  # the run's step when the action was decided (the finding's detect step)
+    time: float  # epoch seconds when it was decided
+    ok: bool  # False: it failed
+    automatic: bool = True  # False: issued by a human (CLI, web); not counted against the caps
+    # ROLLBACK: the step it went back to, and whether it also lowered the LR. After a rollback
+    # that kept the LR (rung 1), rung 2 goes back no later than that target: the checkpoints
+    # saved since were trained at the very LR that diverged again.
+    target_step: int | None = None
+    lowered_lr: bool = False
+    # The first step trained after it took effect (the ack's step; after a rollback to T, T + 1);
+    # None until it is acknowledged. Cooldowns count from here.
+    first_step: int | None = None
+    # The attempt its finding was judged on; a rollback leaves this attempt (and older) behind.
+    attempt: int | None = None
+    seq: int = 0  # orders actions decided in the same second (the action row's id: higher is newer)
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    finding: Finding
+    now: float  # epoch seconds
+    checkpoints: Sequence[CheckpointInfo] = ()
+    history: Sequence[Intervention] = ()
+    current_lr_multiplier: float = 1.0  # the multiplier on the schedule in force now
+    failed_action_pending: bool = False  # an action row ended `failed` and nobody resolved it
+    action_in_flight: bool = False  # an action row is pending/sent, not yet acked
+    paused: bool = False
+    attempt: int | None = None  # the attempt the finding was judged on (None: unknown)
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: DecisionKind
+    reasons: list[str]
+    target_step: int | None = None  # ROLLBACK: checkpoint step to load
+    target_path: str | None = None  # ROLLBACK: that checkpoint's path (steps can repeat across attempts)
+    skip_steps: tuple[int, int] | None = None  # inclusive steps whose samples to skip
+    lr_multiplier: float | None = None  # new multiplier on the schedule (absolute, not relative)
+    lr_steps: int | None = None  # None = permanent
+    rewarmup_steps: int | None = None
+    exclude_rank: int | None = None  # restart without this rank (outlier rank)
+    exclude_node: str | None = None
+    page: bool = False  # page a human now
+    requires_approval: bool = False  # advise-only: do nothing until a human approves
+    rung: int = 0  # 0: no ladder step (noop/alert), 1..3: the rung taken
+    # NOOP/ALERT held back by a step cooldown: the step it ends. The responder then lets the
+    # detectors fire again on a condition that persists (their latches would keep it silent for
+    # the rest of the run: issue 22), so a recurrence climbs the ladder after the cooldown.
+    recheck_step: int | None = None
+
+    @property
+    def acts(self) -> bool:
+        return self.kind in ACTIONS
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["kind"] = self.kind.value
+        out["skip_steps"] = list(self.skip_steps) if self.skip_steps else None
+        return out
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+
+def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision:
+    """Decide what to do about `inp.finding`. Pure: same input, same decision."""
+    cfg = cfg or PolicyConfig()
+    f = inp.finding
+    head = _describe(f)
+    # First, before any state of the run is looked at: only `act` may change the run.
+    if f.outcome is Outcome.WATCH:
+        return Decision(DecisionKind.NOOP, [head, "outcome watch: recorded and drawn on the run's page"])
+    if f.outcome is not Outcome.ACT:
+        return Decision(DecisionKind.ALERT, [head, _why_alert(f, inp)], page=f.signal in cfg.page_signals)
+    if inp.paused:
+        return Decision(DecisionKind.NOOP, [head, "the run is paused: findings are recorded, a human decides "
+                                                  "when to resume"])
+    if inp.failed_action_pending:
+        return _finish(cfg, _pause(head, "a previous action failed, so the run is not in the state the supervisor "
+                                         "believes; pausing instead of stacking another action on top"))
+    if f.signal is Signal.OUTLIER_RANK:
+        return _finish(cfg, _outlier(inp, cfg, head))
+    if f.signal is Signal.LR_JUMP:
+        if not cfg.revert_lr_jumps:
+            return Decision(DecisionKind.ALERT, [head, "revert_lr_jumps is off: alert only; set the LR by hand "
+                                                       "(thermowatch lr RUN --multiplier M)"])
+        return _finish(cfg, _guards(inp, cfg, head) or _revert_lr(inp, head))
+    if f.signal not in cfg.rollback_signals:
+        why = _ALERT_ONLY_WHY.get(f.signal, f"{f.signal.value} is not in rollback_signals: alert only")
+        return Decision(DecisionKind.ALERT, [head, why], page=f.signal in cfg.page_signals)
+    if _SEVERITY_ORDER[f.severity] < _SEVERITY_ORDER[cfg.act_min_severity]:
+        return Decision(DecisionKind.ALERT, [head, f"severity {f.severity.value} is below act_min_severity="
+                                                   f"{cfg.act_min_severity.value}: alert only"])
+    return _finish(cfg, _guards(inp, cfg, head) or _ladder(inp, cfg, head))
+
+
+def _describe(f: Finding) -> str:
+    where = f.module or f.metric or "the run"
+    origin = f.evidence.get("origin")  # non_finite: the first module whose output broke
+    began = (f"; it began in {origin}, the first non-finite output of the forward pass"
+             if origin and origin != f.metric else "")
+    return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step} "
+            f"(severity {f.severity.value}, outcome {f.outcome.value}){began}")
+
+
+def _why_alert(f: Finding, inp: PolicyInput) -> str:
+    why = f.evidence.get("outcome_why") if isinstance(f.evidence, dict) else None
+    out = "outcome alert: a human is told, the run is not changed"
+    if why:
+        out += f" ({why})"
+    if inp.failed_action_pending:
+        out += "; note: an earlier action failed and nobody has resolved it"
+    return out
+
+
+def _family(signal: Signal | None) -> str | None:
+    return signal_family(signal) if signal else None
+
+
+def _pause(head: str, why: str) -> Decision:
+    return Decision(DecisionKind.PAUSE, [head, f"rung 3: {why}"], page=True, rung=3)
+
+
+def _finish(cfg: PolicyConfig, d: Decision) -> Decision:
+    if cfg.advise_only and d.acts:
+        return dataclasses.replace(
+            d, requires_approval=True, page=True,
+            reasons=[*d.reasons, "advise-only: nothing happens until a human approves this"],
+        )
+    return d
+
+
+def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
+    """Reasons not to act now: an action in flight, a late finding of an abandoned attempt, the
+    same incident, a cooldown, the caps."""
+    f = inp.finding
+    if inp.action_in_flight:
+        return Decision(DecisionKind.NOOP, [head, "an action for this run is in flight; waiting for its "
+                                                  "acknowledgement before deciding again"])
+    fam = _family(f.signal)
+    live = _live(inp.history)
+    for h in live:
+        if _abandoned(inp, h):
+            return Decision(DecisionKind.NOOP, [
+                head, f"late finding of attempt {inp.attempt}, which the rollback to step {h.target_step} (decided "
+                      f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
+                      "on its own"])
+        into = _cooling(inp, cfg, h)
+        if into is not None and _family(h.signal) == fam:
+            return Decision(DecisionKind.NOOP, [
+                head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
+                      f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect, judged again at "
+                      f"step {_cooldown_end(cfg, h)} if it persists"], recheck_step=_cooldown_end(cfg, h))
+    auto = [h for h in inp.history if h.automatic and h.kind in ACTIONS]
+    # Non-finite values cannot be trained through: waiting out a cooldown only burns compute.
+    if f.signal is not Signal.NON_FINITE:
+        for h in _newest_first([h for h in auto if h.ok]):
+            into = _cooling(inp, cfg, h) if h in live else None
+            age = inp.now - h.time
+            if into is not None or age < cfg.cooldown_s:
+                why = (f"{_since_text(h, into)} (cooldown_steps={cfg.cooldown_steps})" if into is not None
+                       else f"{age:.0f}s ago (cooldown_s={cfg.cooldown_s:g})")
+                return Decision(DecisionKind.ALERT, [
+                    head, f"cooldown: the last automatic {h.kind.value} (step {h.step}) was {why}; not acting "
+                          "again so soon; if it persists it is handled after the cooldown"],
+                    page=f.severity is Severity.CRITICAL,
+                    recheck_step=_cooldown_end(cfg, h) if into is not None else None)
+    in_window = [h for h in auto if inp.now - h.time < cfg.intervention_window_s]
+    if len(in_window) >= cfg.max_interventions:
+        return _pause(head, f"{len(in_window)} automatic interventions in the last "
+                            f"{_hours(cfg.intervention_window_s)} (max_interventions={cfg.max_interventions}); "
+                            "the ladder is not holding, pausing for a human")
+    return None
+
+
+def _live(history: Sequence[Intervention]) -> list[Intervention]:
+    """Actions that took no effect are left out, and so is everything before the newest rollback
+    that took effect: their step windows belong to a trajectory that rollback abandoned (after
+    rolling back twice, the first rollback's re-trained steps are being trained over again)."""
+    out = []
+    for h in _newest_first(history):
+        if h.kind in ACTIONS and h.ok:
+            out.append(h)
+            if h.kind is DecisionKind.ROLLBACK and h.first_step is not None:
+                break
+    return out
+
+
+def _abandoned(inp: PolicyInput, h: Intervention) -> bool:
+    """The finding was judged on an attempt that rollback `h` left behind (it arrived late)."""
+    return (h.kind is DecisionKind.ROLLBACK and h.ok and h.first_step is not None
+            and inp.attempt is not None and h.attempt is not None and inp.attempt <= h.attempt)
+
+
+def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None:
+    """Steps from where `h` took effect to the finding, if the finding falls in h's cooldown;
+    else None. After a rollback the cooldown runs over the re-trained steps from its first step;
+    after an LR change or a pause it also covers the steps between the decision and the ack,
+    which the action had not reached yet."""
+    step = inp.finding.detect_step
+    took_effect = h.first_step if h.first_step is not None else h.step
+    lo = took_effect if h.kind is DecisionKind.ROLLBACK else min(h.step, took_effect)
+    return step - took_effect if lo <= step < took_effect + cfg.cooldown_steps else None
+
+
+def _cooldown_end(cfg: PolicyConfig, h: Intervention) -> int:
+    """The first step past `h`'s step cooldown."""
+    return (h.first_step if h.first_step is not None else h.step) + cfg.cooldown_steps
+
+
+def _since_text(h: Intervention, into: int | None) -> str:
+    if h.first_step is None:
+        return f"{into} steps after it"
+    if into is not None and into < 0:
+        return f"before it took effect at step {h.first_step}"
+    where = "the re-trained attempt" if h.kind is DecisionKind.ROLLBACK else "its effect"
+    return f"{into} steps into {where} (first step {h.first_step})"
+
+
+def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
+    f = inp.finding
+    reasons = [head]
+    prev = _recurrence(inp, cfg)
+    forecast = (f.evidence.get("witnesses") or {}).get("lr_forecast")
+    lr: dict[str, Any] = {}
+    if prev is None and not forecast:
+        reasons.append(f"rung 1: {f.signal.value} is a rollback signal")
+        rung = 1
+    else:
+        rung = 2
+        if prev is not None:
+            gap = f.detect_step - prev.step  # negative: the re-trained steps diverged before the old spot
+            when = (f"{gap} steps after the {prev.kind.value} at step {prev.step}" if gap >= 0 else
+                    f"{-gap} steps short of step {prev.step}, where the {prev.kind.value} was decided")
+            reasons.append(
+                f"rung 2: {f.signal.value} again at step {f.detect_step}, {when} (recurrence_window_steps="
+                f"{cfg.recurrence_window_steps}): the last {prev.kind.value} was not enough")
+        else:  # the LR forecast (monitors/detectors/witness.py): the harm is ahead, in the schedule
+            reasons.append(f"rung 2 at once: {forecast}")
+        # Rounded: 0.2 * 0.2 is 0.04000000000000001 in binary, and humans read this number.
+        new = round(inp.current_lr_multiplier * cfg.lr_multiplier, 12)
+        if new < cfg.min_lr_multiplier * (1 - 1e-9):
+            return _pause(head, f"lowering the LR again would take its multiplier from {inp.current_lr_multiplier:g} "
+                                f"to {new:g}, below min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human")
+        lr = {"lr_multiplier": new, "lr_steps": cfg.lr_steps,
+              "rewarmup_steps": cfg.rewarmup_steps if cfg.lr_steps is not None else None}
+        reasons.append(_lr_reason(inp.current_lr_multiplier, new, cfg))
+        if prev is None:
+            reasons.append("no witness of harm yet, so nothing to roll back: lowering the LR in place before the "
+                           "schedule raises it further")
+            return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)
+        if not cfg.recurrence_rollback:
+            reasons.append("recurrence_rollback is off: lowering the LR in place, no rollback")
+            return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)
+
+    rollbacks = [h for h in inp.history if h.automatic and h.kind is DecisionKind.ROLLBACK
+                 and inp.now - h.time < DAY_S]
+    if len(rollbacks) >= cfg.max_rollbacks_per_day:
+        return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
+                            f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
+    cap = (prev.target_step if prev is not None and prev.kind is DecisionKind.ROLLBACK and not prev.lowered_lr
+           else None)
+    target, why = _pick_checkpoint(inp, cfg, cap)
+    if target is None:
+        return _pause(head, why)
+    reasons.append(why)
+    skip = _skip_range(f, cfg, target.step)
+    if skip:
+        start = (f"onset {f.onset_step} - margin {cfg.rollback_margin_steps}"
+                 if skip[0] == f.onset_step - cfg.rollback_margin_steps else "the checkpoint")
+        reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from {start} to detection)")
+    return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
+                    skip_steps=skip, rung=rung, **lr)
+
+
+def _revert_lr(inp: PolicyInput, head: str) -> Decision:
+    """Back to the LR before an unplanned raise: the multiplier on the schedule times
+    before/after, so the effective LR is the one the run trained well at. No floor applies
+    (min_lr_multiplier): the target is an LR this run already trained at, whatever the schedule
+    now says."""
+    ev = inp.finding.evidence
+    before, after = float(ev["lr_before"]), float(ev["lr_after"])
+    # 6 significant digits: the LRs come from fp32 records (0.01 would read 0.010000000326)
+    new = float(f"{inp.current_lr_multiplier * before / after:.6g}")
+    jump, peak = ev.get("jump_step", inp.finding.onset_step), ev.get("planned_peak")
+    planned = (f"past the schedule's own forecast of at most {peak:.3g}" if peak is not None else
+               "after a flat LR, and the trainer sends no forecast of its schedule")
+    return Decision(DecisionKind.LOWER_LR, [
+        head,
+        f"the LR rose x{after / before:.3g} at step {jump} (from {before:.3g} to {after:.3g}), {planned}: "
+        "a change nobody planned in the schedule (an edit, or a resume with another config)",
+        f"{inp.finding.detect_step - jump} steps later the loss is still {ev.get('above_trend', 0):.0%} above its "
+        f"trend from before the raise, {ev.get('points_behind')} smoothed points in a row past the "
+        f"{ev.get('margin', 0):.0%} margin: the raise is doing lasting harm, not a transient cost",
+        f"setting the LR back to {before:.3g}, as before the raise: multiplier {inp.current_lr_multiplier:g} -> "
+        f"{new:g} for the rest of the run"], rung=2, lr_multiplier=new, lr_steps=None)
+
+
+def _newest_first(history: Sequence[Intervention]) -> list[Intervention]:
+    return sorted(history, key=lambda h: (h.time, h.seq), reverse=True)
+
+
+def _recurrence(inp: PolicyInput, cfg: PolicyConfig) -> Intervention | None:
+    """The newest successful rollback/LR change on the same signal within the step window.
+
+    The window is symmetric: after a rollback to step T < detect, the signal may come back
+    before the run even reaches the old detection step again.
+    """
+    fam = _family(inp.finding.signal)
+    for h in _newest_first(inp.history):
+        if (h.ok and h.kind in _LADDER_KINDS and _family(h.signal) == fam
+                and abs(inp.finding.detect_step - h.step) <= cfg.recurrence_window_steps):
+            return h
+    return None
+
+
+def _lr_reason(old: float, new: float, cfg: PolicyConfig) -> str:
+    if cfg.lr_steps is None:
+        span = "for the rest of the run"
+    else:
+        span = f"for {cfg.lr_steps} steps" + (f", then re-warm-up over {cfg.rewarmup_steps} steps"
+                                              if cfg.rewarmup_steps else "")
+    return f"lowering the LR x{cfg.lr_multiplier:g}: multiplier {old:g} -> {new:g} {span}"
+
+
+def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,
+                     cap: int | None = None) -> tuple[CheckpointInfo | None, str]:
+    """Newest healthy checkpoint at or before onset - margin (and at or before `cap`, the previous
+    rollback's target on a recurrence); never one saved while unhealthy."""
+    f = inp.finding
+    limit = f.onset_step - cfg.rollback_margin_steps
+    healthy = [c for c in inp.checkpoints if c.healthy]
+    capped = cap is not None and cap < limit
+    best = _newest_at_or_before(healthy, cap if capped else limit)
+    if best is not None:
+        why = (f"roll back to the checkpoint at step {best.step}, the newest healthy one at or before "
+               f"onset {f.onset_step} - margin {cfg.rollback_margin_steps} = step {limit}")
+        if capped:
+            why += (f" and at or before step {cap}, where the previous rollback went (the checkpoints since "
+                    f"were trained at the settings that diverged again)")
+        return best, why + _passed_over(inp.checkpoints, best.step, limit)
+    if f.signal is Signal.NON_FINITE:
+        # Non-finite weights cannot be trained through: any healthy checkpoint before the onset
+        # beats none, even inside the margin.
+        best = _newest_at_or_before(healthy, f.onset_step - 1)
+        if best is not None:
+            why = (f"no healthy checkpoint at or before step {limit}; non-finite values cannot be trained "
+                   f"through, so rolling back inside the margin to step {best.step}, the newest healthy "
+                   f"checkpoint before the onset at step {f.onset_step}")
+            return best, why + _passed_over(inp.checkpoints, best.step, f.onset_step - 1)
+    steps_ok = sorted(c.step for c in healthy)
+    steps_bad = sorted(c.step for c in inp.checkpoints if not c.healthy)
+    return None, (f"no healthy checkpoint at or before step {limit} (onset {f.onset_step} - margin "
+                  f"{cfg.rollback_margin_steps}); healthy checkpoints at {steps_ok or 'none'}, unhealthy at "
+                  f"{steps_bad or 'none'}; a human has to pick a target (or lower rollback_margin_steps)")
+
+
+def _newest_at_or_before(ckpts: Iterable[CheckpointInfo], step: int) -> CheckpointInfo | None:
+    eligible = [c for c in ckpts if c.step <= step]
+    # The same step can exist in several attempts (re-trained after a rollback); the store lists
+    # them by (step, attempt), and max() keeps the first of equals: search from the newest.
+    return max(reversed(eligible), key=lambda c: c.step) if eligible else None
+
+
+def _passed_over(ckpts: Iterable[CheckpointInfo], after: int, upto: int) -> str:
+    bad = sorted(c.step for c in ckpts if not c.healthy and after < c.step <= upto)
+    if not bad:
+        return ""
+    return f"; passed over the checkpoint(s) at step {', '.join(map(str, bad))}: saved while unhealthy"
+
+
+def _skip_range(f: Finding, cfg: PolicyConfig, target_step: int) -> tuple[int, int] | None:
+    # Steps up to target_step are already inside the checkpoint's weights: nothing to skip there.
+    lo = max(f.onset_step - cfg.rollback_margin_steps, target_step + 1)
+    return (lo, f.detect_step) if lo <= f.detect_step else None
+
+
+def _outlier(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
+    f = inp.finding
+    rank = f.evidence.get("rank")
+    node = f.evidence.get("node") or f.evidence.get("host")
+    who = f"rank {rank if rank is not None else '?'}" + (f" on node {node}" if node else "")
+    if not cfg.outlier_rank_alerts:
+        return Decision(DecisionKind.NOOP, [head, f"{who} is an outlier; outlier_rank_alerts is off"])
+    seen = f"{who} is an outlier on {f.metric or 'its metrics'} (a slow or faulty GPU/node drags every step)"
+    if not cfg.restart_without_outlier:
+        return Decision(DecisionKind.ALERT, [head, seen, "restart_without_outlier is off: a human decides "
+                                                         "whether to drain the node"])
+    if rank is None:
+        return Decision(DecisionKind.ALERT, [head, seen, "the finding names no rank, so the run cannot be "
+                                                         "restarted without it; alert only"])
+    guard = _guards(inp, cfg, head)
+    if guard is not None:
+        return guard
+    best = max((c for c in inp.checkpoints if c.healthy and c.step <= f.detect_step),
+               key=lambda c: c.step, default=None)
+    if best is None:
+        return _pause(head, f"{seen}; no healthy checkpoint to restart from without it")
+    # The data is not at fault, so nothing is skipped.
+    return Decision(DecisionKind.ROLLBACK, [
+        head, seen, f"restart_without_outlier: restarting from the checkpoint at step {best.step} "
+                    f"(newest healthy) without {who}; no data skipped"],
+        target_step=best.step, target_path=best.path, exclude_rank=int(rank),
+        exclude_node=str(node) if node else None, rung=1)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"

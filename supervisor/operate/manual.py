@@ -1,0 +1,161 @@
+"""Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|runs|actions`.
+
+They are clients of the daemon's HTTP API (supervisor.operate.client: address and token from flags,
+the environment or `thermowatch login`; no database access), and the daemon writes the same
+action rows as the automatic policy (origin `manual`, with who and why), so the run
+controller, the executor and the audit trail treat both alike.
+
+What is valid is decided once: the contract's command types and the run's limits
+(supervisor.decide.feasibility), through Executor.submit in the daemon; its 422 exits 2 naming the
+value and the limit. `--wait` blocks until the trainer acknowledges and prints what it actually did (from the
+action row and its typed ack: supervisor.act.outcome), exiting 1 if it failed; `--json` prints the
+same as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from thermowatch.monitors.contract import describe_args
+from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.act.outcome import render
+from thermowatch.monitors.commands import FINAL_STATES
+
+
+def _parse_range(text: str) -> list[int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UserError(f"--skip takes LO:HI (absolute sample indices), got {text!r}") from None
+    return [lo, hi]
+
+
+def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> None:
+    def cmd(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        add_client_flags(p)
+        p.set_defaults(func=handler, manual=name)
+        return p
+
+    for name, help in (("rollback", "roll a run back to a checkpoint (optionally skip samples, lower LR)"),
+                       ("skip", "skip absolute sample ranges from now on"),
+                       ("lr", "set the LR multiplier on the schedule"),
+                       ("pause", "pause a run between steps"), ("resume", "resume a paused run"),
+                       ("stop", "stop a run after its current step"),
+                       ("profile", "trace the next steps with torch.profiler")):
+        p = cmd(name, help)
+        p.add_argument("run_id")
+        p.add_argument("--who", default=None, help="your name for the audit trail (default: login name)")
+        p.add_argument("--reason", default="", help="why, for the audit trail and the alert")
+        p.add_argument("--wait", action="store_true",
+                       help="block until the trainer acknowledges; print what it did; exit 1 if it failed")
+        p.add_argument("--timeout", type=float, default=600.0, help="--wait gives up after this many seconds")
+        p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
+        if name == "rollback":
+            p.add_argument("--to-step", type=int, required=True,
+                           help="load the newest healthy checkpoint at or before this step")
+            p.add_argument("--exact", action="store_true", help="refuse unless the checkpoint at --to-step itself exists")
+        if name in ("rollback", "skip"):
+            p.add_argument("--skip", action="append", default=[], metavar="LO:HI",
+                           help="absolute sample index range to skip (repeatable)")
+        if name in ("rollback", "lr"):
+            g = p.add_mutually_exclusive_group(required=name == "lr")
+            g.add_argument("--multiplier", type=float, help="the LR multiplier on the schedule (absolute: 0.5 = half "
+                                                            "the schedule, whatever was set before)")
+            g.add_argument("--factor", type=float, help="relative: multiply the multiplier in force now (0.5 halves it)")
+            p.add_argument("--for-steps", type=int, default=None, help="only for this many steps")
+        if name == "profile":
+            p.add_argument("--steps", type=int, default=5)
+    for name in ("approve", "cancel"):
+        p = cmd(name, f"{name} a pending action (advise-only mode)")
+        p.add_argument("action_id", type=int)
+        p.add_argument("--who", default=None)
+    p = cmd("runs", "list runs with their last step and open incidents, newest first")
+    p.add_argument("--limit", type=int, default=100, help="runs to list (1-1000; default 100)")
+    p.add_argument("--cursor", help="list the runs after a previous listing's last one (it prints the cursor)")
+    p.add_argument("--json", action="store_true")
+    p = cmd("actions", "list a run's actions with their states")
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true")
+
+
+def run_manual(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.operate.client import Client, resolve, run_path
+
+    with Client(resolve(args.server, args.token)) as api:
+        who = getattr(args, "who", None) or getpass.getuser()
+        name = args.manual
+        if name == "runs":
+            page = api.get("/api/runs", limit=args.limit, cursor=args.cursor)
+            _print(page["runs"], args.json,
+                   "{run_id}  last step {last_step}  attempts {attempts}  open incidents {open_incidents}")
+            if page.get("next_cursor"):  # on stderr: --json's stdout stays one JSON list
+                print(f"more runs: thermowatch runs --limit {args.limit} --cursor {page['next_cursor']}", file=sys.stderr)
+            return 0
+        if name == "actions":
+            rows = [{**a, "did": (a.get("result") or {}).get("detail") or a.get("error")}
+                    for a in api.get(f"{run_path(args.run_id)}/actions")["actions"]]
+            _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}"
+                                    "\n      {did}")
+            return 0
+        if name in ("approve", "cancel"):
+            api.post(f"/api/actions/{args.action_id}/{name}", {"who": who})
+            print(f"action {args.action_id} {({'approve': 'approved', 'cancel': 'cancelled'})[name]} by {who}")
+            return 0
+        kind, payload = _command(name, args)
+        action_id = api.post(f"{run_path(args.run_id)}/actions",
+                             {"kind": kind, "args": payload, "who": who, "reason": args.reason})["action_id"]
+        out = api.get(f"/api/actions/{action_id}")
+        if not args.wait:
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"action {action_id} queued for run {args.run_id}: {describe_args(kind, out['args'])}; "
+                      f"the trainer carries it out between two steps (--wait to see what it did)")
+            return 0
+        out = _wait(api, action_id, args.timeout)
+        print(json.dumps(out) if args.json else render(out))
+        return 0 if out["state"] == "done" else 1
+
+
+def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    payload: dict[str, Any] = {}
+    if name == "rollback":
+        payload["to_step"] = args.to_step
+        if args.exact:
+            payload["exact"] = True
+    if name in ("rollback", "skip") and args.skip:
+        payload["skip_ranges"] = [_parse_range(t) for t in args.skip]
+    if name in ("rollback", "lr") and (args.multiplier is not None or args.factor is not None):
+        payload["lr_multiplier" if args.multiplier is not None else "lr_factor"] = (
+            args.multiplier if args.multiplier is not None else args.factor)
+        payload["lr_steps"] = args.for_steps
+    if name == "profile":
+        payload["steps"] = args.steps
+    return {"lr": "set_lr"}.get(name, name), payload
+
+
+def _wait(api, action_id: int, timeout_s: float) -> dict[str, Any]:
+    """Poll the action until it is final (done, failed, cancelled, expired: a finished or silent
+    run's actions expire on their own, Executor.expire) or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = api.get(f"/api/actions/{action_id}")
+        if out["state"] in FINAL_STATES or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.5)
+
+
+def _print(rows: list[dict], as_json: bool, fmt: str) -> None:
+    if as_json:
+        print(json.dumps(rows, default=str))
+        return
+    for r in rows:
+        print(fmt.format(**r))
+    if not rows:
+        print("(none)")

@@ -1,0 +1,217 @@
+"""The CLI's read commands for 3 a.m. (issue 12): `thermowatch status RUN`, `incidents RUN`,
+`export RUN --out FILE`. Clients of the daemon's read API (supervisor.operate.client), like the
+manual commands: an address and a `read` token, no database.
+
+`export` writes the JSONL that `thermowatch replay` reads (monitors.replay; DESIGN.md "Metric
+names"): one flat record per step, the newest attempt's value where a rollback re-trained a
+step (what the run's history is now), non-finite values as Python json's NaN / Infinity
+literals. Replaying it with the daemon's detector settings finds what the daemon found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from thermowatch.supervisor.errors import UserError
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def add_read_commands(sub, add_client_flags: Callable) -> None:
+    p = sub.add_parser("status", help="a run's state, last step and record age, open incidents, pending approvals")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="the daemon's answer as one JSON object")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("incidents", help="a run's incidents with their findings")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="one JSON list, findings included")
+    p.add_argument("--open", action="store_true", help="only incidents still open")
+    p.set_defaults(func=cmd_incidents)
+
+    p = sub.add_parser("export", help="write a run's thermometer history as the JSONL `thermowatch replay` reads")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--out", "-o", required=True, help="the file to write (replaced whole, never torn)")
+    p.add_argument("--format", choices=("jsonl", "csv"), default=None,
+                   help="jsonl (what `thermowatch replay` reads) or csv (a spreadsheet's: one row per record, "
+                        "attempt and step first, then one column per series, empty where a record has none); "
+                        "default: csv for an --out ending in .csv, else jsonl")
+    p.add_argument("--attempts", choices=("newest", "all"), default="all",
+                   help="all (default): every attempt's own records in order, each with its `attempt`, so a "
+                        "replay sees each divergence a rollback abandoned, as the daemon did; newest: one "
+                        "record per step, the newest attempt's (the run's history as it stands)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("quarantine", help="the samples a rollback skipped and whose skip held: the divergence did "
+                                          "not come back on the re-trained path (for the data team)")
+    add_client_flags(p)
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true", help="the daemon's answer: every verdict and the quarantine")
+    p.add_argument("--ids", action="store_true", help="the quarantined sample ids, one per line")
+    p.add_argument("--horizon", type=int, default=None,
+                   help="steps past the old detection the re-trained path must run clean (default: the daemon's, 100)")
+    p.set_defaults(func=cmd_quarantine)
+
+
+def _client(args: argparse.Namespace):
+    from thermowatch.supervisor.operate.client import Client, resolve
+
+    return Client(resolve(args.server, args.token))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.operate.client import run_path
+
+    with _client(args) as api:
+        st = api.get(f"{run_path(args.run_id)}/status")
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    print(render_status(st))
+    return 0
+
+
+def render_status(st: dict[str, Any]) -> str:
+    age = st["last_record_age_s"]
+    step = "no step yet" if st["last_step"] is None else f"step {st['last_step']}"
+    if st.get("planned_steps"):
+        step += f" of {st['planned_steps']}"
+    lines = [f"run {st['run_id']}: {st['state'].upper()} ({st['why']})",
+             f"  {step}, attempt {st['attempt'] if st['attempt'] is not None else '-'}, last record "
+             + (f"{_ago(age)} ago" if age is not None else "never")]
+    if st.get("finish_reason"):
+        loss = st["final_loss"]
+        lines.append(f"  finished: {st['finish_reason']} at step {st['final_step']}, final loss "
+                     + ("none measured" if loss is None else f"{loss:.6g}" if isinstance(loss, float) else str(loss)))
+    inc = st["open_incidents"]
+    lines.append(f"  open incidents: {len(inc) or 'none'}")
+    for i in inc:
+        lines.append(f"    #{i['id']} {i['severity']:8} {i['signal']} {i['module'] or '-'}  onset step "
+                     f"{i['onset_step']}, detected at {i['detect_step']}")
+    waiting = st["pending_approvals"]
+    lines.append(f"  awaiting your approval: {len(waiting) or 'none'}")
+    for a in waiting:
+        lines.append(f"    #{a['id']} {a['kind']} {json.dumps(a['args'])}  {a['reason']}".rstrip())
+        lines.append(f"        {a['approve']}    or    {a['cancel']}")
+    lines.append("  last actions:" + ("" if st["last_actions"] else " none"))
+    for a in st["last_actions"]:
+        lines.append(f"    #{a['id']} {a['kind']:8} {a['state']:9} {a['origin']:6} by {a['who']}"
+                     + (f"  at step {a['ack_step']}" if a["ack_step"] is not None else "")
+                     + (f": {a['did']}" if a["did"] else ""))
+    return "\n".join(lines)
+
+
+def _ago(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.operate.client import run_path
+
+    with _client(args) as api:
+        rows = api.get(f"{run_path(args.run_id)}/incidents")["incidents"]
+    if args.open:
+        rows = [i for i in rows if i["state"] == "open"]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for i in rows:
+        print(f"#{i['id']} {i['state']:8} {i['severity']:8} {i['signal']} {i['module'] or '-'}  onset step "
+              f"{i['onset_step']}, detected at {i['detect_step']}, opened {i['opened_at'][:19]}Z"
+              + (f"; {i['resolution']}" if i.get("resolution") else ""))
+        for f in i["findings"]:
+            print(f"      {f['signal']} {f['metric'] or f['module'] or '-'} onset {f['onset_step']} "
+                  f"detect {f['detect_step']} ({f['severity']}, {f.get('outcome', 'alert')})")
+    if not rows:
+        print("(none)")
+    return 0
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.operate.client import run_path
+
+    with _client(args) as api:
+        q = api.get(f"{run_path(args.run_id)}/quarantine", horizon=args.horizon)
+    if args.json:
+        print(json.dumps(q))
+    elif args.ids:
+        for lo, hi in q["quarantine"]:
+            print("\n".join(str(i) for i in range(lo, hi)))
+    else:
+        print(render_quarantine(q))
+    return 0
+
+
+def render_quarantine(q: dict[str, Any]) -> str:
+    ranges = q["quarantine"]
+    lines = [f"run {q['run_id']}: {len(q['verdicts'])} rollback(s) with skipped samples; quarantine: "
+             f"{q['samples']:,} samples in {len(ranges)} range(s)"]
+    for v in q["verdicts"]:
+        where = f"{v['signal']} detected at step {v['detect_step']}" if v["signal"] else "manual rollback"
+        lines.append(f"  #{v['action_id']} {where}, back to checkpoint {v['checkpoint_step']}, skipped "
+                     + ", ".join(f"[{lo}, {hi})" for lo, hi in v["ranges"]) + f" ({v['samples']:,} samples): "
+                     + f"{v['status'].upper()}: {v['why']}")
+        b = v.get("bisected")
+        if b:
+            lines.append(f"    precise skip: {v['samples']:,} of {sum(hi - lo for lo, hi in b['suspects']):,} suspect "
+                         f"samples ({b['outcome']}), found in {b['probes']} probes, {b['steps']:,} steps re-trained "
+                         f"from the checkpoint, {b['seconds']:.1f} s")
+    if ranges:
+        lines.append("quarantined sample ranges [lo, hi): " + ", ".join(f"[{lo}, {hi})" for lo, hi in ranges))
+    return "\n".join(lines)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from thermowatch.supervisor.operate.client import run_path
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name such as {out / (args.run_id + '.jsonl')}")
+    every = getattr(args, "attempts", "all") == "all"
+    # (attempt, step) -> values; attempt None for the newest attempt's point per step
+    rows: dict[tuple[int | None, int], dict[str, Any]] = {}
+    with _client(args) as api:
+        keys = api.get(f"{run_path(args.run_id)}/series")["keys"]
+        for key in keys:
+            if every:  # each attempt's own points, the history endpoint's attempts=all
+                h = api.get(f"{run_path(args.run_id)}/history", key=key, attempts="all")["attempts"]
+                parts = [(int(a), p["steps"], p["values"]) for a, p in h.items()]
+            else:  # the newest attempt's point per step (the endpoint's default)
+                h = api.get(f"{run_path(args.run_id)}/history", key=key)
+                parts = [(None, h["steps"], h["values"])]
+            for attempt, steps, values in parts:
+                for step, value in zip(steps, values):
+                    rows.setdefault((attempt, step), {})[key] = (_NONFINITE.get(value, value)
+                                                                 if isinstance(value, str) else value)
+    fmt = args.format or ("csv" if out.suffix.lower() == ".csv" else "jsonl")
+    order = sorted(rows, key=lambda k: (k[0] or 0, k[1]))
+    tmp = out.with_name(out.name + ".partial")
+    with tmp.open("w", encoding="utf-8", newline="") as fh:
+        if fmt == "csv":
+            w = csv.writer(fh)
+            w.writerow((["attempt"] if every else []) + ["step", *keys])
+            for attempt, step in order:
+                vals = rows[(attempt, step)]
+                # repr of a float: exact, and NaN / inf as Python and pandas read them back
+                w.writerow(([attempt] if every else []) + [step, *(repr(float(vals[k])) if k in vals else "" for k in keys)])
+        else:
+            for attempt, step in order:
+                head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
+                # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
+                fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
+    os.replace(tmp, out)
+    n_att = len({a for a, _ in rows})
+    print(f"wrote {len(rows)} records ({len(keys)} series{f', {n_att} attempts' if every else ''}) of run "
+          f"{args.run_id} to {out}" + (f"; `thermowatch replay {out}` runs them through the detectors"
+                                        if fmt == "jsonl" else " as CSV"))
+    return 0

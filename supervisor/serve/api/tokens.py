@@ -1,0 +1,75 @@
+"""Token administration over HTTP (`admin` scope). The same store functions serve
+`thermowatch token ...` (thermowatch.cli), which talks to the database directly.
+
+    GET  /api/tokens                    -> {"tokens": [{name, scopes, created_at, revoked_at}]}
+    POST /api/tokens                    {"name", "scopes": [...]} -> 201 {"name", "scopes", "secret"}
+         (the secret is in this answer and nowhere else: only its digest is stored)
+    POST /api/tokens/{name}/revoke      -> {"name", "revoked_at"}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ConfigDict, BaseModel, Field
+
+from thermowatch.supervisor.serve.api import call
+from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.api.commands import _parse
+from thermowatch.supervisor.serve.auth import Principal
+from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import tokens as tokens_store
+
+
+class NewToken(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=100, pattern=tokens_store.NAME_RE.pattern,
+                      description="who or what holds it: trainer-run42, alice")
+    scopes: list[Literal["ingest", "read", "operate", "admin"]] = Field(min_length=1)
+
+
+def create(sessions, name: str, scopes, actor: str) -> tuple[tokens_store.TokenRow, str]:
+    with sessions.begin() as s:
+        row, secret = tokens_store.create_token(s, name, scopes)
+        audit_store.audit(s, None, actor, "token_created", {"name": row.name, "scopes": list(row.scopes)})
+    return row, secret
+
+
+def revoke(sessions, name: str, actor: str) -> tokens_store.TokenRow:
+    with sessions.begin() as s:
+        row = tokens_store.revoke(s, name)
+        audit_store.audit(s, None, actor, "token_revoked", {"name": name})
+    return row
+
+
+def listing(sessions) -> list[dict]:
+    with sessions() as s:
+        return [{"name": t.name, "scopes": list(t.scopes), "created_at": t.created_at.isoformat(),
+                 "revoked_at": t.revoked_at.isoformat() if t.revoked_at else None}
+                for t in tokens_store.list_tokens(s)]
+
+
+def make_router(sup, *, guard: Guard) -> APIRouter:
+    router = APIRouter(prefix="/api", tags=["tokens"])
+    admin = Depends(guard.require("admin"))
+
+    @router.get("/tokens")
+    async def list_tokens(_: Principal = admin) -> dict:
+        return {"tokens": await call(listing, sup.sessions)}
+
+    @router.post("/tokens", status_code=201)
+    async def create_token(request: Request, who: Principal = admin) -> dict:
+        body = await _parse(request, NewToken)
+        row, secret = await call(create, sup.sessions, body.name, body.scopes, who.name)
+        return {"name": row.name, "scopes": list(row.scopes), "secret": secret}
+
+    @router.post("/tokens/{name}/revoke")
+    async def revoke_token(name: str, who: Principal = admin) -> dict:
+        row = await call(revoke, sup.sessions, name, who.name)
+        return {"name": row.name, "revoked_at": row.revoked_at.isoformat() if row.revoked_at else None}
+
+    from thermowatch.supervisor.serve.api import document_bodies
+
+    document_bodies(router, {("POST", "/api/tokens"): NewToken})  # read by _parse after the token check
+    return router

@@ -1,0 +1,271 @@
+"""HTML pages: the runs list, the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
+rendered by run_page.py) and one chart as a PNG.
+
+    GET /?cursor=                          runs table, newest first, a page at a time
+    GET /runs/{run_id}?incident=&step_lo=&step_hi=
+                                           state, what waits (incidents, approvals), charts, tables
+    GET /runs/{run_id}/attention?incident= the page's open incidents and approvals alone (its refresh)
+    GET /runs/{run_id}/plot.png?metric=&step_lo=&step_hi=&incident=&logy=
+                                           one chart (matplotlib): the <noscript> fallback; metric is a
+                                           full key or a metric prefix (attn_logit_max = every layer)
+
+With ?incident=N the page zooms every chart to the steps around that incident (onset, detection
+and the rollback target), highlights its row and puts a summary banner above the charts.
+Every string that came from a run (ids, module names, reasons, audit details) is HTML-escaped.
+Every page needs the `read` scope (or `public_read: true`): a bearer token, or the cookie of the
+sign-in form (web/login.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import json
+from typing import Any
+from urllib.parse import quote, urlencode, urlparse
+
+from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi.responses import HTMLResponse, Response
+from sqlalchemy.orm import Session
+
+from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.store.views import (
+    check_window,
+    require_run,
+    resolve_keys,
+    runs_page,
+)
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import metrics as metrics_store
+from thermowatch.supervisor.store import runs as runs_store
+from thermowatch.supervisor.charts.plots import LOG_METRICS
+from thermowatch.supervisor.serve.web.readable import ago
+
+# (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
+CHARTS = [
+    ("loss", "loss", False),
+    ("grad_norm", "gradient norm (global, before clipping)", True),
+    ("lr", "learning rate", False),
+    ("attn_logit_max", "max attention logit, every layer", True),
+    ("attn_logit_lse", "attention logit log-sum-exp bound, every layer", True),
+    ("act_max", "activation max, per module", True),
+    ("act_min", "activation min, per module (layers ranked by their lowest value)", False),
+]
+AUDIT_TAIL = 50
+INDEX_PAGE = 100  # runs on one page of the index (the API's default page)
+COMPARE_MAX = 8  # runs on one comparison chart: the palette's colours, and a bounded page
+ZOOM_MIN_PAD = 50  # steps shown either side of an incident, at least
+
+# Light and dark (the reader's system preference): every colour below is a variable, and
+# run.js reads --ink / --grid / --empty for what it draws on canvases.
+CSS = """
+:root{color-scheme:light dark;--bg:#fff;--ink:#222;--line:#ddd;--head:#f4f4f4;--card:#fff;--warnbg:#fff3c4;
+--grid:rgba(0,0,0,.07);--empty:#f3f3f3;--link:#0645ad}
+@media (prefers-color-scheme:dark){:root{--bg:#15181d;--ink:#d8dde3;--line:#3a4048;--head:#22272e;--card:#1c2128;
+--warnbg:#3a3114;--grid:rgba(255,255,255,.08);--empty:#22272e;--link:#6cb6ff}}
+body{font:14px/1.4 system-ui,sans-serif;margin:1.2em 2em;color:var(--ink);background:var(--bg)} a{color:var(--link)}
+h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.1em;margin:1.4em 0 .4em;border-bottom:1px solid var(--line)}
+table{border-collapse:collapse;margin:.3em 0;font-size:13px} td,th{border:1px solid var(--line);padding:3px 7px;
+vertical-align:top;text-align:left} th{background:var(--head)} tr.open td:first-child{border-left:4px solid #d33}
+tr.selected{background:var(--warnbg);outline:2px solid #e0a800} .muted{color:#888} .bad{color:#e5534b;font-weight:600}
+.state{font-weight:600} .state-running{color:#1a7f37} .state-stalled{color:#e5534b} .state-finished{color:#888}
+.banner{background:var(--warnbg);border:1px solid #e0a800;padding:.5em .8em;margin:.6em 0}
+img.plot{display:block;max-width:100%;margin:.3em 0;border:1px solid #eee} img.broken{border:2px solid #c00}
+code{font-size:12px;white-space:pre-wrap;word-break:break-all} ul.findings{margin:0;padding-left:1.1em}
+"""
+
+
+def e(value: Any) -> str:
+    """HTML-escape anything shown on the page (quotes too: values land in attributes)."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _ts(t: dt.datetime | None) -> str:
+    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if t is not None else ""
+
+
+def _args(obj: Any) -> str:
+    return f"<code>{e(json.dumps(obj, sort_keys=True, default=str))}</code>" if obj else ""
+
+
+def _page(title: str, body: str, head_or_body: str | None = None) -> HTMLResponse:
+    """_page(title, body) or _page(title, extra head elements, body)."""
+    head, body = (body, head_or_body) if head_or_body is not None else ("", body)
+    return HTMLResponse(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'><link rel='icon' href='data:,'>"
+        f"<style>{CSS}</style>{head}</head>"
+        f"<body>{body}</body></html>")
+
+
+def _table(headers: list[str], rows: list[str], empty: str) -> str:
+    if not rows:
+        return f"<p class='muted'>{e(empty)}</p>"
+    head = "".join(f"<th>{e(h)}</th>" for h in headers)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _cells(*values: str) -> str:
+    """Cells already escaped/rendered by the caller."""
+    return "".join(f"<td>{v}</td>" for v in values)
+
+
+def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: int) -> tuple[int, int]:
+    """Steps around an incident: from before its onset (or the rollback target, if earlier) to
+    after its detection, padded by half the span (at least ZOOM_MIN_PAD steps)."""
+    lo, hi = onset, detect
+    for a in actions_store.actions(s, run_id, limit=10_000):
+        if a.incident_id == incident_id and a.kind == "rollback":
+            if a.rollback_to is not None:
+                lo = min(lo, a.rollback_to)
+    pad = max(ZOOM_MIN_PAD, (hi - lo) // 2)
+    return max(0, lo - pad), hi + pad
+
+
+def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
+    router = APIRouter(tags=["web"], include_in_schema=False,
+                       dependencies=[Depends(guard.require("read", cookie=True))])
+    # Behind an ingress that serves us under a path (https://host/thermowatch), links carry it.
+    base = urlparse(public_url).path.rstrip("/") if public_url else ""
+
+    def run_url(run_id: str, suffix: str = "", **query: Any) -> str:
+        q = urlencode({k: v for k, v in query.items() if v is not None})
+        return f"{base}/runs/{quote(run_id, safe='')}{suffix}" + (f"?{q}" if q else "")
+
+    @router.get("/", response_class=HTMLResponse)
+    def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs")
+              ) -> HTMLResponse:
+        # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
+        # its loss, what is open and when it last reported; a page of runs in three statements.
+        stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+        now = dt.datetime.now(dt.timezone.utc)
+        with sup.sessions() as s:
+            page = runs_page(s, INDEX_PAGE, cursor)
+            ids = [r["run_id"] for r in page["runs"]]
+            seen = {g.run_id: g.last_record_at for g in metrics_store.run_gauges(s, ids)}
+            ends = runs_store.newest_finishes(s, ids)
+        rows = []
+        for r in page["runs"]:  # newest first
+            n_open, rid = r["open_incidents"], r["run_id"]
+            end, at = ends.get(rid), seen.get(rid)
+            age = (now - at).total_seconds() if at is not None else None
+            prog = sup.progress.get(rid)
+            if end is not None:
+                state, loss = "finished", end.final_loss
+            else:
+                state = ("starting" if r["last_step"] is None else "stalled" if age is None or age > stall_s
+                         else "running")
+                loss = prog.loss if prog is not None else None
+            rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
+                f"<input type='checkbox' name='run' value='{e(rid)}' form='compare' aria-label='compare {e(rid)}'> "
+                f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
+                e(r["last_step"] if r["last_step"] is not None else "-"),
+                e(f"{loss:.4g}" if loss is not None else "-"),
+                f"<span class='bad'>{n_open}</span>" if n_open else "0",
+                e(ago(age) if age is not None else "-"), e(r["attempts"]),
+                e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
+        links = []
+        if cursor:
+            links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
+        if page["next_cursor"]:
+            links.append(f"<a href='{e(base)}/?{urlencode({'cursor': page['next_cursor']})}' id='older'>older runs</a>")
+        body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
+                "<button type='submit' id='sign-out'>sign out</button></form>"
+                "<h1>thermowatch: runs</h1>"
+                f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
+                f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
+                + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
+                         "no runs yet: a run appears when its run controller first reports"
+                         if not cursor else "no older runs")
+                + (f"<p>{' | '.join(links)}</p>" if links else ""))
+        return _page("thermowatch: runs", body)
+
+    @router.get("/compare", response_class=HTMLResponse)
+    def compare(
+        run: list[str] = Query([], description=f"the runs to overlay (1 to {COMPARE_MAX}; repeat the parameter)"),
+        metric: str = Query("loss", max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$",
+                            description="the thermometer; a per-layer one is drawn as its worst layer per bucket"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+    ) -> HTMLResponse:
+        """Runs on one chart (issue 23: W&B's first habit): each run's live path of `metric`."""
+        ids = list(dict.fromkeys(r for r in run if r))
+        if not 1 <= len(ids) <= COMPARE_MAX:
+            raise HTTPException(422, f"compare takes 1 to {COMPARE_MAX} runs (?run=a&run=b), got {len(ids)}")
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            for rid in ids:
+                require_run(s, rid)
+        opts = "".join(f"<option value='{e(m)}'{' selected' if m == metric else ''}>{e(t)}</option>"
+                       for m, t, _ in CHARTS)
+        if metric not in {m for m, _, _ in CHARTS}:
+            opts += f"<option value='{e(metric)}' selected>{e(metric)}</option>"
+        hidden = "".join(f"<input type='hidden' name='run' value='{e(r)}'>" for r in ids)
+        logy = metric.split("/", 1)[0] in LOG_METRICS
+        body = (f"<p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a></p>"
+                f"<h1>compare {len(ids)} run(s)</h1>"
+                f"<form method='get' action='{e(base)}/compare' class='toolbar'>{hidden}"
+                f"<label>thermometer <select name='metric' id='metric' onchange='this.form.submit()'>{opts}</select></label>"
+                "<noscript><button type='submit'>show</button></noscript></form>"
+                f"<section id='compare' data-runs='{e(json.dumps(ids))}' data-metric='{e(metric)}' "
+                f"data-log='{int(logy)}' data-base='{e(base)}' "
+                f"data-lo='{e(step_lo if step_lo is not None else '')}' data-hi='{e(step_hi if step_hi is not None else '')}'>"
+                "<p class='toolbar'><span id='window'></span> <button id='reset' type='button' hidden>reset zoom</button> "
+                "<span id='chart-status' class='muted'></span></p>"
+                f"<figure class='chart'><figcaption>{e(metric)}</figcaption><div class='plot-area'></div></figure>"
+                "<p class='muted hint'>Each run's live path (the newest attempt at each step); a per-layer thermometer "
+                "is drawn as its worst layer per bucket. Drag to zoom.</p>"
+                "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
+                "</section>")
+        head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
+                f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
+        scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
+                   f"<script src='{e(base)}/static/run.js'></script>")
+        return _page(f"compare: {', '.join(ids)}", head, body + scripts)
+
+    @router.get("/runs/{run_id}/plot.png")
+    def plot(
+        run_id: str,
+        metric: str = Query(min_length=1, description="a full key (loss) or a metric prefix (attn_logit_max)"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+        incident: int | None = Query(None, description="incident to draw heavier"),
+        logy: bool | None = Query(None, description="log y axis (default: by metric)"),
+        width: int = Query(1100, ge=200, le=4000),
+        height: int = Query(320, ge=120, le=2000),
+    ) -> Response:
+        from thermowatch.supervisor.charts.png import chart_png, marks_for
+
+        check_window(step_lo, step_hi)
+        with sup.sessions() as s:
+            require_run(s, run_id)
+            resolve_keys(s, run_id, metric)  # the 404 with close matches
+            marks = marks_for(s, run_id, incident)
+            # through the rollups (store/chart.py): one bucket per pixel column at any history length
+            png = chart_png(s, run_id, metric, step_lo, step_hi, marks=marks, width_px=width, height_px=height,
+                            logy=(metric.split("/", 1)[0] in LOG_METRICS) if logy is None else logy)
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
+
+    @router.get("/runs/{run_id}", response_class=HTMLResponse)
+    def run_page(
+        run_id: str,
+        incident: int | None = Query(None, description="the incident to show (the Slack link sets it)"),
+        step_lo: int | None = Query(None, ge=0),
+        step_hi: int | None = Query(None, ge=0),
+    ) -> HTMLResponse:
+        from thermowatch.supervisor.serve.web import run_page as rp
+
+        check_window(step_lo, step_hi)
+        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, step_lo, step_hi)
+
+    @router.get("/runs/{run_id}/attention", response_class=HTMLResponse)
+    def attention(run_id: str, incident: int | None = Query(None)) -> HTMLResponse:
+        """The page's #attention section alone (open incidents, approvals): the script swaps it in
+        when /status says what waits has changed."""
+        from thermowatch.supervisor.serve.web import run_page as rp
+
+        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, None, None,
+                         only_attention=True)
+
+    return router
