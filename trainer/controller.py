@@ -41,7 +41,7 @@ from thermowatch.monitors.contract import (
     StepRecord,
     multiplier_at,
 )
-from thermowatch.trainer.checkpoint import CheckpointError, CheckpointStore, Retention, make_manifest
+from thermowatch.trainer.checkpoint import CheckpointError, CheckpointStorage, CheckpointStore, Retention, make_manifest
 from thermowatch.trainer.config import TrainConfig
 from thermowatch.trainer.data import SkipLedger
 from thermowatch.trainer.lifecycle import (
@@ -50,6 +50,8 @@ from thermowatch.trainer.lifecycle import (
     FailureDecision,
     FailureStatus,
     Finished,
+    GangFactory,
+    GangLike,
     Initializing,
     Paused,
     Restarting,
@@ -95,8 +97,8 @@ class RunController:
         sink: RecordSink,
         commands: CommandChannel,
         progress: Callable[[StepRecord, int], None] | None = None,
-        store: CheckpointStore | None = None,
-        gang_factory: Callable[..., Any] | None = None,
+        store: CheckpointStorage | None = None,
+        gang_factory: GangFactory | None = None,
     ) -> None:
         self.cfg = config
         self.sink, self.commands, self.progress = sink, commands, progress
@@ -105,7 +107,7 @@ class RunController:
         self._gang_factory = gang_factory
         root = Path(config.checkpoint.dir) / config.run_id
         c = config.checkpoint
-        self.store = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
+        self.store: CheckpointStorage = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
         self.deleted_steps: set[int] = set()  # what retention removed, reported as it happens
         self.store.on_deleted = self._deleted
         self.commands_state = CommandBook(self.store.root)
@@ -116,7 +118,7 @@ class RunController:
         self.lr_changes: list[LRChange] = []
         self.step = 0
         self.attempt = -1
-        self.gang = None
+        self.gang: GangLike | None = None
         # Ray node ids no gang may use again (a rollback that excludes an outlier's node); in
         # every attempt's RunInfo.config, so the supervisor records them.
         self.excluded_nodes: list[str] = []
@@ -305,7 +307,7 @@ class RunController:
         except Exception as exc:
             log.error("%s failed: %r", getattr(fn, "__name__", fn), exc)
 
-    def _build_gang(self, data_state: dict[str, Any]):
+    def _build_gang(self, data_state: dict[str, Any]) -> GangLike:
         if self._gang_factory is not None:
             return self._gang_factory(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
         from thermowatch.trainer.worker import Gang

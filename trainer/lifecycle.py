@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,19 @@ def make_decision(status: FailureStatus) -> FailureDecision:
     """Pure: a gang failure is retried until the run has used up `max_restarts` (a bring-up that
     fails too counts as one more; the node may still be down)."""
     return FailureDecision.RESTART if status.failures <= status.max_restarts else FailureDecision.RAISE
+
+
+class GangLike(Protocol):
+    """The seam between the controller and its ranks: trainer.worker.Gang (Ray actors, one per
+    rank) and trainer.local.InProcessGang (one rank in this process, for tests) both fit it."""
+
+    names: list[str]  # the thermometer keys of a step's vector, in order
+    hosts: dict[int, str]  # rank -> host
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list: ...
+
+    def kill(self) -> None: ...
+
+
+# Builds a gang: (the TrainConfig, attempt, data_state, lr_changes as JSON) -> a gang.
+GangFactory = Callable[[Any, int, dict[str, Any], list[dict[str, Any]]], GangLike]

@@ -33,9 +33,10 @@ from thermowatch.monitors.contract import (
     Stop,
 )
 from thermowatch.protocol import CheckpointRef, CommandBook, Outcome, ack_for
-from thermowatch.trainer.checkpoint import CheckpointStore
+from thermowatch.trainer.checkpoint import CheckpointStorage
 from thermowatch.trainer.config import TrainConfig
 from thermowatch.trainer.data import SkipLedger
+from thermowatch.trainer.lifecycle import GangLike
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,14 @@ class Controlled(Protocol):
     typed here so this module never imports the controller back (no cycle)."""
 
     cfg: TrainConfig
-    store: CheckpointStore
+    store: CheckpointStorage
     commands_state: CommandBook
     ledger: SkipLedger
     lr_changes: list
     excluded_nodes: list[str]
     deleted_steps: set[int]
     loaded_checkpoint: CheckpointInfo | None
-    gang: Any
+    gang: GangLike | None
     step: int
     attempt: int
     paused: bool

@@ -165,6 +165,12 @@ class DetectorBank:
         # re-delivery and is not judged again.
         self.judged: tuple[int, int] | None = None
 
+    @property
+    def lost(self) -> bool:
+        """An in-process bank never loses its state; the daemon's RemoteBank does, with its child
+        process (supervisor/judge/bank_process.py), and the responder then reloads it."""
+        return False
+
     def _plan(self, keys: tuple[str, ...]) -> Plan:
         plan = self._plans.get(keys)
         if plan is None:

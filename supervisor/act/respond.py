@@ -81,7 +81,7 @@ class Responder:
     def bank(self, run_id: str) -> DetectorBank | RemoteBank:
         with self._lock:
             bank = self._banks.get(run_id)
-            if bank is None or getattr(bank, "lost", False):
+            if bank is None or bank.lost:
                 # Not loaded yet, or its process died: from the state saved in the DB (what came
                 # after the last save is judged again from the judge's marker, as after a SIGKILL).
                 bank = self._new_bank(run_id)
@@ -195,7 +195,7 @@ class Responder:
         """Write every loaded bank's state (on close)."""
         with self._lock:
             for run_id, bank in list(self._banks.items()):
-                if not getattr(bank, "lost", False):  # a lost bank's state died with its process
+                if not bank.lost:  # a lost bank's state died with its process
                     self._save_state(run_id)
 
     def _save_state(self, run_id: str) -> None:

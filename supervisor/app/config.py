@@ -108,6 +108,13 @@ class SupervisorConfig:
     # fields that differ (gap_nats, confirm, start, smooth, min_peers)
     envelope: dict[str, Any] = field(default_factory=dict,
                                      metadata=schema("thermowatch.monitors.envelope:EnvelopeConfig"))
+    # The four sections above, built once at load into their typed classes (a value out of range
+    # stops `serve` at start-up, naming the section); everything past load reads these.
+    # (Typed Any here: the classes are imported at load, and the config tree resolves these hints.)
+    policy_config: Any = field(init=False, repr=False, compare=False)  # PolicyConfig, advise_only folded in
+    bank_config: Any = field(init=False, repr=False, compare=False)  # monitors.detectors.BankConfig
+    limits_config: Any = field(init=False, repr=False, compare=False)  # supervisor.limits.Limits
+    envelope_config: Any = field(init=False, repr=False, compare=False)  # monitors.envelope.EnvelopeConfig
 
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
@@ -151,10 +158,12 @@ class SupervisorConfig:
         # with the section's name, not at the first finding.
         from thermowatch.monitors.envelope import EnvelopeConfig
 
-        for name, build in (("limits", Limits.from_dict), ("detectors", BankConfig.from_dict),
-                            ("policy", lambda d: PolicyConfig(**d)), ("envelope", lambda d: EnvelopeConfig(**d))):
+        for name, attr, build in (
+                ("limits", "limits_config", Limits.from_dict), ("detectors", "bank_config", BankConfig.from_dict),
+                ("policy", "policy_config", lambda d: PolicyConfig(**{"advise_only": self.advise_only, **d})),
+                ("envelope", "envelope_config", lambda d: EnvelopeConfig(**d))):
             try:
-                build(getattr(self, name))
+                setattr(self, attr, build(getattr(self, name)))
             except (TypeError, ValueError, UserError) as exc:
                 raise ConfigError(f"{name}: {exc}") from None
 

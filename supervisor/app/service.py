@@ -22,7 +22,6 @@ from typing import Callable, Mapping, Sequence
 from thermowatch.monitors.columns import StepColumns
 from thermowatch.monitors.contract import (LOSS, TOKENS_PER_S, Ack, CheckpointInfo, Command, RunFinished, RunInfo,
                                            StepRecord)
-from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor import db
 from thermowatch.supervisor.app import jobs
 from thermowatch.supervisor.decide.approvers import HOW_TO_CONFIGURE, Approvers
@@ -33,10 +32,8 @@ from thermowatch.supervisor.judge.consistency import ConsistencyCheck
 from thermowatch.supervisor.act.executor import Executor
 from thermowatch.supervisor.ingest.ingestor import Ingestor
 from thermowatch.supervisor.judge.judge import Judge
-from thermowatch.supervisor.limits import Limits
 from thermowatch.supervisor.notify.base import FanOut, Notifier, NotifyConfigError
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.decide.policy import PolicyConfig
 from thermowatch.supervisor.act.respond import Responder
 from thermowatch.supervisor.app.scheduler import Job
 
@@ -168,13 +165,13 @@ class Supervisor:
             db.check_current(self.engine)
         self.sessions = db.make_sessionmaker(self.engine)
         self.notifier = notifier
-        policy = self.policy = PolicyConfig(**{"advise_only": cfg.advise_only, **cfg.policy})
+        policy = self.policy = cfg.policy_config
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  command_expiry_s=cfg.command_expiry_s,
                                  on_rollback_done=self._rewind, flap=cfg.slack.flap(),
                                  on_proposal_cancelled=self._recheck_after_no)
-        bank_cfg = BankConfig.from_dict(cfg.detectors)
+        bank_cfg = cfg.bank_config
         # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
         # waits for each judgement anyway, so it keeps them in its own.
         self.bank_process = BankProcess(bank_cfg) if cfg.judge_process and not judge_inline else None
@@ -189,7 +186,7 @@ class Supervisor:
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
                                  check_keys=self.consistency.reads + self.checkpoint_health.reads,
-                                 limits=Limits.from_dict(cfg.limits), judged_with=judged_with(cfg.detectors))
+                                 limits=cfg.limits_config, judged_with=judged_with(cfg.detectors))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- RecordSink ---------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.envelope import EnvelopeConfig
 from thermowatch.supervisor.serve.guard import Guard
 from thermowatch.supervisor.serve.api.runs import json_response
 from thermowatch.supervisor.store.views import incidents_with_findings, to_wire, require_run
@@ -128,7 +127,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         if hit is None or now - hit[0] > ENVELOPE_TTL_S:
             with sup.sessions() as s:
                 require_run(s, run_id)
-                hit = (now, peers_store.envelope_view(s, run_id, EnvelopeConfig(**sup.cfg.envelope)))
+                hit = (now, peers_store.envelope_view(s, run_id, sup.cfg.envelope_config))
             if len(cache) > 1000:
                 cache.clear()
             cache[run_id] = hit

@@ -38,7 +38,6 @@ from fastapi import Path as FPath
 from fastapi.responses import Response
 
 from thermowatch.monitors.contract import INT32_MAX
-from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.serve.guard import Guard
 from thermowatch.supervisor.act.outcome import outcome
 from thermowatch.supervisor.store import actions as actions_store
@@ -119,7 +118,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
 
     @router.get("/runs/{run_id}/status")
     def status(run_id: str) -> Response:
-        stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+        stall_s = sup.cfg.bank_config.stall.timeout_s
         with sup.sessions() as s:
             return json_response(run_status(s, run_id, stall_after_s=stall_s))
 

@@ -35,7 +35,6 @@ from thermowatch.supervisor.store.views import (
     resolve_keys,
     runs_page,
 )
-from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import metrics as metrics_store
 from thermowatch.supervisor.store import runs as runs_store
@@ -138,7 +137,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
               ) -> HTMLResponse:
         # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
         # its loss, what is open and when it last reported; a page of runs in three statements.
-        stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+        stall_s = sup.cfg.bank_config.stall.timeout_s
         now = dt.datetime.now(dt.timezone.utc)
         with sup.sessions() as s:
             page = runs_page(s, INDEX_PAGE, cursor)

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
-from thermowatch.monitors.detectors import BankConfig
 from thermowatch.monitors.contract import ContractError, describe_args, parse_command
 from thermowatch.supervisor.store.views import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
@@ -105,7 +104,7 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
 def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str, charts: list,
            zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
            step_hi: int | None, *, only_attention: bool = False) -> HTMLResponse:
-    stall_s = BankConfig.from_dict(sup.cfg.detectors).stall.timeout_s
+    stall_s = sup.cfg.bank_config.stall.timeout_s
     with sup.sessions() as s:
         run = require_run(s, run_id)
         incs = incidents_with_findings(s, run_id)
