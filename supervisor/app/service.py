@@ -94,16 +94,11 @@ class Progress:
         self._runs: dict[str, RunProgress] = {}
         self._lock = threading.Lock()
 
-    def note(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
+    def note(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         if not len(batch):
             return
-        if isinstance(batch, StepColumns):
-            first, last = (int(batch.steps[0]), float(batch.wall_time[0])), (int(batch.steps[-1]),
-                                                                              float(batch.wall_time[-1]))
-            tokens, loss, tps = int(batch.tokens[-1]), _last_cell(batch, LOSS), _last_cell(batch, TOKENS_PER_S)
-        else:
-            first, last = (batch[0].step, batch[0].wall_time), (batch[-1].step, batch[-1].wall_time)
-            tokens, loss, tps = batch[-1].tokens, batch[-1].values.get(LOSS), batch[-1].values.get(TOKENS_PER_S)
+        first, last = (int(batch.steps[0]), float(batch.wall_time[0])), (int(batch.steps[-1]), float(batch.wall_time[-1]))
+        tokens, loss, tps = int(batch.tokens[-1]), _last_cell(batch, LOSS), _last_cell(batch, TOKENS_PER_S)
         with self._lock:
             prev = self._runs.get(run_id)
             base = prev if prev is not None and prev.attempt == attempt and prev.step < first[0] else None
@@ -196,14 +191,12 @@ class Supervisor:
         self.responder.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
-        n = self.ingestor.write(run_id, attempt, records)
-        self.progress.note(run_id, attempt, records)
-        if self._judge_inline:
-            self.judge.wait()
-        return n
+        """A batch as StepRecords (the in-process sink, the JSON body): converted to columns at the
+        edge, then write_columns, the one path."""
+        return self.write_columns(run_id, attempt, self.ingestor.to_columns(run_id, attempt, records))
 
     def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
-        """write() for a batch sent as columns (monitors.columns; the HTTP sink's form)."""
+        """Store a batch (monitors.columns; the HTTP sink's form), then judge it."""
         n = self.ingestor.write_columns(run_id, attempt, cols)
         self.progress.note(run_id, attempt, cols)
         if self._judge_inline:

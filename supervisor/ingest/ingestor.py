@@ -1,9 +1,11 @@
 """Ingest: the supervisor's side of contract.RecordSink, in-process and behind the HTTP router.
 
+One path: a batch of StepRecords (the JSON body, an in-process sink) is checked as records and
+converted to columns at the edge (`to_columns`); from there every batch takes `write_columns`.
 Each call is one transaction. After a batch commits, `on_records(run_id, attempt, batch)` runs
-(the detectors hang there; `batch` is the StepRecords, or the StepColumns of a batch that came
-as columns: monitors.columns.as_records reads either); its failure is logged and never undoes or fails the ingest,
-because the data is already safely stored and the run controller must not retry it.
+with the new steps as StepColumns (the judge hangs there); its failure is logged and never undoes
+or fails the ingest, because the data is already safely stored and the run controller must not
+retry it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 
 _INT64 = 2**63
 _RACE_RETRIES = 2  # a batch that lost a race for its steps is compared again (then 409 or nothing new)
-OnRecords = Callable[[str, int, Sequence[StepRecord]], Any]
+OnRecords = Callable[[str, int, StepColumns], Any]  # the judge: a committed batch, as columns
+CheckState = Callable[[str, int, Sequence[StepRecord]], Any]  # records of the keys it reads
 
 
 class IngestError(ValueError):
@@ -66,7 +69,7 @@ class Ingestor:
     """Implements contract.RecordSink on top of the store (same semantics as the HTTP API)."""
 
     def __init__(self, session_factory: sessionmaker, on_records: OnRecords | None = None,
-                 limits: IngestLimits | None = None, check_state: OnRecords | None = None,
+                 limits: IngestLimits | None = None, check_state: CheckState | None = None,
                  check_keys: Sequence[str] | None = None, judged_with: dict[str, float] | None = None) -> None:
         self._sessions = session_factory
         # The thresholds this daemon judges with, written into each new attempt's audit row, so the
@@ -101,22 +104,20 @@ class Ingestor:
         self._attempts.add((info.run_id, info.attempt))
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
-        """Store a batch; returns the number of values it carried. Idempotent on retries. The
-        records are checked as records (their types), then stored as columns: one path."""
+        """Store a batch given as StepRecords (the JSON body, an in-process sink); returns the
+        number of values it carried. Converted to columns at the edge (to_columns), then the one
+        columns path: the same checks, transaction, judge and state checks as write_columns."""
+        return self.write_columns(run_id, attempt, self.to_columns(run_id, attempt, records))
+
+    def to_columns(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> StepColumns:
+        """The edge: records checked as records (their Python types, which columns cannot show),
+        then as columns. ContractError/LimitExceeded naming the field and the limit."""
         records = list(records)
-        n_values, _ = self._validate_batch(run_id, attempt, records)
-        if not records:
-            return 0
+        self._validate_batch(run_id, attempt, records)
         try:
-            cols = StepColumns.from_records(records)
+            return StepColumns.from_records(records)
         except OverflowError:  # an int beyond float64
             raise ContractError("a metric value is an integer too large for a float64") from None
-        check_columns(run_id, attempt, cols, self.limits, BatchTooLarge)  # what the columns path checks
-        new = self._store(run_id, attempt, cols)
-        if len(new):  # the judge and the state checks take the records themselves, as they came
-            fresh = set(new.steps.tolist())
-            self._committed(run_id, attempt, [r for r in records if r.step in fresh])
-        return n_values
 
     def write_columns(self, run_id: str, attempt: int, cols: StepColumns) -> int:
         """Store a batch given as columns (monitors.columns; what the trainer's sink sends): the
@@ -157,14 +158,11 @@ class Ingestor:
         self._cache.merge(view)  # only after the commit
         return new
 
-    def _committed(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
+    def _committed(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         if self._check_state is not None:
-            try:
-                if isinstance(batch, StepColumns):
-                    recs = (batch if self.check_keys is None else batch.only(self.check_keys)).to_records()
-                else:
-                    recs = batch
-                self._check_state(run_id, attempt, recs)
+            try:  # records of the few keys the checks name: no dict per step of every series
+                self._check_state(run_id, attempt, (batch if self.check_keys is None else batch.only(self.check_keys))
+                                  .to_records())
             except Exception:  # the batch is committed; a failing check must not bounce it
                 log.exception("state check failed for run %s attempt %s", run_id, attempt)
         self._notify(run_id, attempt, batch)
@@ -266,14 +264,14 @@ class Ingestor:
                                 f"{lim.max_series_per_run} (limits.max_series_per_run)")
         return n_values, keys
 
-    def _notify(self, run_id: str, attempt: int, batch: Sequence[StepRecord] | StepColumns) -> None:
+    def _notify(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         if self._on_records is None:
             return
         try:
             self._on_records(run_id, attempt, batch)
         except Exception:  # the batch is committed; a detector bug must not bounce it
-            steps = batch.steps.tolist() if isinstance(batch, StepColumns) else [r.step for r in batch]
-            log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt, steps[0], steps[-1])
+            log.exception("on_records failed for run %s attempt %s (steps %s..%s)", run_id, attempt,
+                          int(batch.steps[0]), int(batch.steps[-1]))
 
 
 def _is_step_race(exc: IntegrityError) -> bool:

@@ -29,19 +29,17 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.columns import StepColumns
-from thermowatch.monitors.contract import StepRecord
 from thermowatch.supervisor.store import judged as judged_store
 from thermowatch.supervisor.store import thermometers
 
 log = logging.getLogger(__name__)
 
-Batch = Sequence[StepRecord] | StepColumns  # as ingest committed it (columns) or as a catch-up read it
-OnRecords = Callable[[str, int, Batch], object]
+OnRecords = Callable[[str, int, StepColumns], object]  # a committed batch, as columns
 _CATCH_UP_STEPS = 500  # steps read back per catch-up batch
 
 
@@ -50,7 +48,7 @@ class Judge:
         self._sessions = sessions
         self._on_records = on_records
         self.max_queued_batches = max_queued_batches
-        self._queue: collections.deque[tuple[str, int, Batch]] = collections.deque()
+        self._queue: collections.deque[tuple[str, int, StepColumns]] = collections.deque()
         self._cv = threading.Condition()
         self._busy = False
         self._catch_up = True  # at start: steps committed by an earlier process but never judged
@@ -65,14 +63,14 @@ class Judge:
 
     # --- the ingest side ---------------------------------------------------------------------------
 
-    def submit(self, run_id: str, attempt: int, batch: Batch) -> None:
+    def submit(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         """Queue a committed batch for judging. Never blocks."""
         with self._cv:
             if len(self._queue) >= self.max_queued_batches:
                 self.dropped += 1
                 self._catch_up = True  # it is in the database: read it back from there
             else:
-                self._queue.append((run_id, attempt, batch if isinstance(batch, StepColumns) else list(batch)))
+                self._queue.append((run_id, attempt, batch))
             self._cv.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -142,15 +140,11 @@ class Judge:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _judge(self, run_id: str, attempt: int, batch: Batch) -> None:
+    def _judge(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         done = self._marker(run_id, attempt)
-        if isinstance(batch, StepColumns):
-            new = batch.steps > done
-            fresh: Batch = batch if new.all() else batch.select(new)
-            top = int(fresh.steps.max()) if len(fresh) else done
-        else:
-            fresh = [r for r in batch if r.step > done]
-            top = max((r.step for r in fresh), default=done)
+        new = batch.steps > done
+        fresh = batch if new.all() else batch.select(new)
+        top = int(fresh.steps.max()) if len(fresh) else done
         if not len(fresh):
             return
         self._on_records(run_id, attempt, fresh)
@@ -216,7 +210,7 @@ class Judge:
                     break
                 log.info("judge: catching up run %s attempt %d, steps %d..%d", run_id, attempt,
                          recs[0].step, recs[-1].step)
-                self._judge(run_id, attempt, recs)
+                self._judge(run_id, attempt, StepColumns.from_records(recs))  # what ingest hands over
                 n += len(recs)
                 through = recs[-1].step
         return n

@@ -39,7 +39,7 @@ def seen():
 
 @pytest.fixture
 def ingestor(db, seen):
-    return Ingestor(db.sessions, on_records=lambda run, att, recs: seen.append((run, att, [r.step for r in recs])),
+    return Ingestor(db.sessions, on_records=lambda run, att, cols: seen.append((run, att, cols.steps.tolist())),
                     limits=IngestLimits(max_records=100, max_values=1000))
 
 

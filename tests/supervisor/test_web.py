@@ -19,6 +19,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from thermowatch.monitors.columns import StepColumns
 from thermowatch.monitors.contract import StepRecord
 from thermowatch.supervisor.serve.api import install_error_handlers
 from thermowatch.supervisor.serve.api import chart as chart_api
@@ -192,7 +193,7 @@ def test_index_says_each_runs_state_step_loss_and_last_report(db, seeded):
         runs_store.finish_attempt(s, seeded.evil_run, 0, RunFinished(step=7, final_loss=2.375,
                                                                      reason=FinishReason.COMPLETED))
         judged.mark(s, RUN, 1, 260)  # the daemon judged RUN's attempt 1 through step 260 just now
-    sup.progress.note(RUN, 1, [StepRecord(step=260, values={"loss": 3.25}, wall_time=time.time())])
+    sup.progress.note(RUN, 1, StepColumns.from_records([StepRecord(step=260, values={"loss": 3.25}, wall_time=time.time())]))
     app = FastAPI()
     install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
     app.include_router(pages.make_router(sup, guard=guard(db.sessions)))
