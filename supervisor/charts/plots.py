@@ -11,8 +11,8 @@ in the daemon, whose start-up heap `thermowatch serve` freezes (server.settle_he
 then scans only what came after), ~60 ms in a process that froze nothing; RSS stays flat.
 
 What a chart shows, for the engineer who opens it at 8 a.m.:
-  - every series of the metric (one line per module), downsampled to a min/max envelope per
-    pixel column so a one-step spike is never averaged away;
+  - every series of the metric (one line per module), as charts/png.py hands it over: one min/max
+    pair per pixel column from the rollups, so a one-step spike is never averaged away;
   - under each series, faded and dashed in its color, the points of older attempts that a newer
     attempt re-trained: the trajectory a rollback abandoned (usually the spike that caused it),
     which the current line alone no longer shows;
@@ -36,7 +36,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from thermowatch.supervisor.store.views import envelope
 
 _MARGIN_PX = (58, 14, 24, 40)  # left, right, top, bottom
 # Metrics drawn on a log axis by default (they grow by orders of magnitude when a run diverges).
@@ -139,7 +138,7 @@ def _draw(chart: Chart, marks: Marks) -> bytes:
             peaks.append(-np.inf)
             continue
         any_points = True
-        s, v = envelope(steps, values, 2 * chart.width_px, chart.step_lo, chart.step_hi)
+        s, v = steps, values  # already one min/max pair per pixel column (charts/png.py, the rollups)
         color = colors[i]
         # zorder 3: data above the incident/rollback lines, so a spike at the detection step shows
         ax.plot(s, np.where(np.isfinite(v), v, np.nan), lw=0.9, color=color, label=label, zorder=3)
@@ -196,7 +195,7 @@ def _draw_superseded(ax, top, chart: Chart, colors: list) -> bool:
         if len(steps) == 0:
             continue
         drawn = True
-        s, v = envelope(steps, values, 2 * chart.width_px, chart.step_lo, chart.step_hi)
+        s, v = steps, values
         label = None
         if attempt not in labelled:
             labelled.add(attempt)
