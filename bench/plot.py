@@ -227,6 +227,7 @@ import resource, sys, time
 from thermowatch.supervisor.db import make_engine, make_sessionmaker
 from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.charts.plots import Chart, render
+from thermowatch.supervisor.store.views import envelope
 url, run_id, family = sys.argv[1:4]
 sessions = make_sessionmaker(make_engine(url))
 render(Chart("warm-up", [("x", __import__("numpy").arange(3), __import__("numpy").arange(3.0))]))
@@ -236,8 +237,8 @@ with sessions() as s:  # the plot path before rollups (pages.plot before issue 1
     series, superseded = [], []
     for i, k in enumerate(ks):
         (st, v), old = thermometers.split_superseded(thermometers.history_by_attempt(s, run_id, k))
-        series.append((k.split("/", 1)[1], st, v))
-        superseded.extend((i, a, st_, v_) for a, (st_, v_) in old.items())
+        series.append((k.split("/", 1)[1], *envelope(st, v, 2200)))  # plots.py thinned each line then
+        superseded.extend((i, a, *envelope(st_, v_, 2200)) for a, (st_, v_) in old.items())
 png = render(Chart(run_id, series, superseded, logy=True))
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, len(png))
 """
