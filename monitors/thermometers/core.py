@@ -118,6 +118,25 @@ def _attn_kind(name: str, mod: nn.Module, cfg: ThermometerConfig) -> str | None:
     return "found" if find(name, mod, isinstance(mod, cfg.attn_types), cfg.attn_find) else None
 
 
+def _select(model: nn.Module, cfg: ThermometerConfig):
+    """The modules each group instruments, by the config's patterns and types: (act, z, attention
+    with its kind, grad-norm groups), in the model's module order."""
+    act, z, attn, groups = [], [], [], []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        if cfg.matches(cfg.act_patterns, name) or isinstance(mod, cfg.act_types):
+            act.append((name, mod))
+        if cfg.matches(cfg.z_patterns, name):
+            z.append((name, mod))
+        kind = _attn_kind(name, mod, cfg)
+        if kind is not None:
+            attn.append((name, mod, kind))
+        if cfg.matches(cfg.grad_patterns, name):
+            groups.append((name, mod))
+    return act, z, attn, groups
+
+
 class Thermometers:
     """Build with `instrument(model, config)`. `names` is the fixed order of `collect()`."""
 
@@ -128,20 +147,29 @@ class Thermometers:
         param = next(model.parameters(), None)
         # The slots must live where the activations do, or every hook becomes a D2H sync.
         self.device = torch.device(device) if device is not None else param.device if param is not None else torch.device("cpu")
+        act, z, attn, groups = _select(model, cfg)
+        names, act_slots, z_slots, attn_slots, update_start = self._layout(act, z, attn, groups)
+        self.names: list[str] = names
+        self._slots = Slots(len(names), self.device)
+
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._act_on = self._attn_on = self._grad_on = self._update_on = False
+        self._detached = False
+        # Filled as hooks and probes go on, so a failed _claim() can detach() what is there.
+        self._z_probes: list[tuple[nn.Module, ZProbe]] = []
+        self._attn: list[_Attn] = []
+        self._head_index: dict[tuple[int, int], torch.Tensor] = {}
+        self._intercept = Interceptor()
+        self._hook_forward(act, act_slots, z, z_slots, attn_slots)
+        self._hook_grads(model, groups, grad_hooks, update_start)
+        self._host_buffers(len(names))
+
+    def _layout(self, act, z, attn, groups):
+        """Every key's slot in the step's vector: the scalars, act max/min per module, z, the
+        attention figures (and per head, entropy), grad norms, update ratios. Returns (names,
+        act slots, z slots, attention slot specs, the update ratios' first slot)."""
+        cfg = self.config
         names: list[str] = list(_SCALARS)
-        act, z, attn, groups = [], [], [], []
-        for name, mod in model.named_modules():
-            if not name:
-                continue
-            if cfg.matches(cfg.act_patterns, name) or isinstance(mod, cfg.act_types):
-                act.append((name, mod))
-            if cfg.matches(cfg.z_patterns, name):
-                z.append((name, mod))
-            kind = _attn_kind(name, mod, cfg)
-            if kind is not None:
-                attn.append((name, mod, kind))
-            if cfg.matches(cfg.grad_patterns, name):
-                groups.append((name, mod))
         act_slots = {}
         for name, _ in act:
             act_slots[name] = len(names)
@@ -178,15 +206,11 @@ class Thermometers:
         if cfg.update_ratio:
             names.append(UPDATE_RATIO)
             names += [metric_key(UPDATE_RATIO, name) for name, _ in groups]
-        self.names: list[str] = names
-        self._slots = Slots(len(names), self.device)
+        return names, act_slots, z_slots, attn_slots, update_start
 
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._act_on = self._attn_on = self._grad_on = self._update_on = False
-        self._detached = False
-        # Filled as hooks and probes go on, so a failed _claim() can detach() what is there.
-        self._z_probes: list[tuple[nn.Module, ZProbe]] = []
-        self._attn: list[_Attn] = []
+    def _hook_forward(self, act, act_slots, z, z_slots, attn_slots) -> None:
+        """The forward's hooks and probes: activations, z, and each attention by its kind."""
+        cfg = self.config
         for name, mod in act:
             self._handles.append(mod.register_forward_hook(self._act_hook(act_slots[name])))
         for name, mod in z:
@@ -197,8 +221,6 @@ class Thermometers:
                 self._z_probes.append((mod, zp))
             else:
                 self._handles.append(mod.register_forward_hook(self._z_hook(z_slots[name])))
-        self._head_index: dict[tuple[int, int], torch.Tensor] = {}
-        self._intercept = Interceptor()
         for name, mod, slot, n_head, kind, mode, ent_slot in attn_slots:
             probe = AttnProbe(self._slots, slot, n_head, cfg.per_head, ent_slot)
             probe.entropy_batch = cfg.attn_entropy_batch
@@ -211,7 +233,9 @@ class Thermometers:
                 mod.thermo_probe = probe
             self._attn.append(_Attn(name, mod, probe, kind, mode))
 
-        # Gradient norms: one slot per unique trainable parameter, summed into groups at end_step.
+    def _hook_grads(self, model: nn.Module, groups, grad_hooks: bool, update_start: int) -> None:
+        """Gradient norms: one slot per unique trainable parameter, summed into groups at end_step;
+        the update ratio around the optimizer step over the same groups."""
         params, index = [], {}
         for p in model.parameters():
             if p.requires_grad and id(p) not in index:
@@ -232,10 +256,11 @@ class Thermometers:
             for j, p in enumerate(params):
                 self._handles.append(p.register_hook(self._grad_hook(j)))
         self._update = None
-        if cfg.update_ratio:
+        if self.config.update_ratio:
             self._update = UpdateRatio(params, self._src, self._dst, len(groups), self._slots.buf, update_start,
-                                       split=cfg.update_split)
+                                       split=self.config.update_split)
 
+    def _host_buffers(self, size: int) -> None:
         # Maps the step's slot buffer to what is copied to the host, on the device and before
         # the one copy (the trainer's cross-rank reduction, monitors.collective); None = the
         # buffer itself. `finish_args` are host values for it, set before end_step.
@@ -243,7 +268,7 @@ class Thermometers:
         self.finish_args: tuple = ()
         self._host: list[torch.Tensor] = []
         if self.device.type == "cuda":  # two pinned buffers: step k+1's copy never overwrites k's
-            self._host = [torch.empty(len(names), dtype=torch.float32, pin_memory=True) for _ in range(2)]
+            self._host = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self._ring = 0
         # Ended steps not yet collected, oldest first: at most one per host buffer.
         self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
