@@ -76,6 +76,7 @@ class DemoOptions:
     json_summary: Path | None = None
     compare: bool = False
     steps: int | None = None
+    dtype: str = "bfloat16"  # the model's weights; float32 for CPUs that emulate bf16 (CI)
     progress: bool = True
     run_id: str | None = None
     db_url: str = ""  # default: SQLite in the data dir
@@ -86,6 +87,7 @@ def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):
 
     over = json.loads(json.dumps(DEMO_TRAIN))
     over.update(run_id=run_id, steps=opts.steps or DEMO_STEPS)
+    over["model"]["dtype"] = opts.dtype
     over["checkpoint"]["dir"] = str(ckpt_dir)
     return TrainConfig.from_dict(over)
 
@@ -129,7 +131,8 @@ def run_demo(opts: DemoOptions) -> int:
     t0 = time.monotonic()
     try:
         print(f"thermowatch demo: run {run_id}, {tcfg.steps} steps, {tcfg.world_size} ranks, ZeRO-{tcfg.zero_stage} "
-              f"bf16 on CPU, peak LR {tcfg.optim.lr:g} (diverges); database {cfg.db_url}", file=sys.stderr)
+              f"{'bf16' if opts.dtype == 'bfloat16' else 'fp32'} on CPU, peak LR {tcfg.optim.lr:g} (diverges); "
+              f"database {cfg.db_url}", file=sys.stderr)
         bar, update = _progress(tcfg.steps, opts.progress, "supervised")
         result = RunController(tcfg, sink=sup, commands=_NoHumanOnCall(sup), progress=update).run()
         bar.close()
