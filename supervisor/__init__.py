@@ -1,4 +1,4 @@
-"""The supervisor daemon, one folder per stage of its loop (docs/architecture.md, "Where things are"):
+"""The supervisor daemon, one folder per stage of its loop (docs/architecture.md, its tree):
 
 store    the database's tables and the read model every reader calls
 charts   the PNG charts, drawn from the store's rollups
@@ -10,7 +10,7 @@ act      action rows, sending, acknowledgements, outcomes
 app      config, the Supervisor service that wires the stages, the scheduler and its jobs
 serve    the HTTP app: API, web pages, auth, health, metrics
 operate  the CLI's commands, clients of the HTTP API
-simulate offline replay of the policy over recorded runs
+simulate a long run's goodput under public failure rates (`thermowatch simulate`)
 
 At this folder's root: errors, db (engines, sessions, migrations) and limits, which every stage
 may import. tests/test_import_rules.py holds which stage may import which."""

@@ -96,7 +96,7 @@ def _module(path: Path) -> str:
 
 
 # Inside the supervisor, one folder per stage of its loop (supervisor/__init__.py,
-# docs/architecture.md "Where things are"); each may import only the stages named here (and itself).
+# docs/architecture.md's tree); each may import only the stages named here (and itself).
 # "root" is supervisor/{errors,db,limits}.py, which every stage may import.
 STAGES = {
     "root": set(),
@@ -107,7 +107,7 @@ STAGES = {
     "notify": {"decide", "charts", "store", "root"},
     "judge": {"notify", "store", "root"},
     "act": {"judge", "decide", "notify", "store", "root"},
-    "simulate": {"app", "decide", "root"},  # offline replay of the policy; reads a config file
+    "simulate": {"app", "decide", "root"},  # `thermowatch simulate`: goodput at scale; reads a config file
     "app": {"ingest", "judge", "decide", "act", "notify", "charts", "store", "root"},
     "serve": {"app", "ingest", "judge", "decide", "act", "notify", "charts", "store", "root"},
     "operate": {"act", "root"},  # clients of the HTTP API; act.outcome is how an outcome prints
