@@ -66,7 +66,7 @@ from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
-from thermowatch.protocol import CheckpointRef, Outcome, ack_for
+from thermowatch.protocol import CheckpointRef, Directive, Outcome, ack_for, directed
 from thermowatch.run import Run
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class Watch:
         self.cursor = 0  # the next absolute sample id to consider
         self.ledger = SkipLedger()
         self.lr_changes: list[LRChange] = []
-        self.paused = self.stopped = False
+        self.directive = Directive.RUN  # set only in _obey, from the Outcome a command returns
         self.final_loss = math.nan
         self._ids: np.ndarray | None = None
         self._ids_step = 0
@@ -249,6 +249,16 @@ class Watch:
     def lr_multiplier(self) -> float:
         return multiplier_at(self.step + 1, self.lr_changes)
 
+    @property
+    def paused(self) -> bool:
+        """An operator paused the run (`thermowatch pause`): `steps()` waits until a resume."""
+        return self.directive is Directive.PAUSE
+
+    @property
+    def stopped(self) -> bool:
+        """An operator stopped the run (`thermowatch stop`): `steps()` ends after this step."""
+        return self.directive is Directive.STOP
+
     # --- per step -----------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> None:
@@ -367,6 +377,8 @@ class Watch:
             out, error = None, None
             try:
                 out = self._carry_out(cmd)
+                if out.directive is not None:
+                    self.directive = out.directive
             except _Refused as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
@@ -385,15 +397,8 @@ class Watch:
 
     def _carry_out(self, cmd: Command) -> Outcome:
         body = cmd.body
-        if isinstance(body, Pause):
-            self.paused = True
-            return Outcome(f"paused before step {self.step + 1}")
-        if isinstance(body, Resume):
-            was, self.paused = self.paused, False
-            return Outcome("resumed" if was else "was not paused")
-        if isinstance(body, Stop):
-            self.stopped = True
-            return Outcome(f"stopping after step {self.step}")
+        if isinstance(body, (Pause, Resume, Stop)):
+            return directed(self.directive, body, self.step)
         if isinstance(body, Skip):
             self.ledger.add_many([r.to_json() for r in body.ranges])
             return Outcome(f"skipping {', '.join(map(str, body.ranges))}", skipped=body.ranges)

@@ -18,12 +18,14 @@ import json
 import logging
 import os
 import time
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from thermowatch.monitors.contract import (
-    Ack, Bisected, Command, ContractError, LRChange, SampleRange, ledger_digest, merge_ranges, multiplier_at,
+    Ack, Bisected, Command, ContractError, LRChange, Pause, Resume, SampleRange, Stop, ledger_digest, merge_ranges,
+    multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 
@@ -124,9 +126,33 @@ class CheckpointRef(NamedTuple):
     path: str
 
 
+class Directive(str, enum.Enum):
+    """What the operator's commands ask of a loop between two steps: train on, wait, or end. The
+    one piece of loop state the pause / resume / stop handlers change, and only by returning it
+    (Outcome.directive): the loop (thermowatch.loop.Watch, trainer.controller.RunController)
+    applies it in one place and reads `paused` / `stopped` from it."""
+
+    RUN = "run"
+    PAUSE = "pause"
+    STOP = "stop"
+
+
+def directed(current: Directive, body: Any, step: int) -> Outcome:
+    """The pure transition for Pause / Resume / Stop after `step`, with the ack's words. A stopped
+    loop stays stopped (a resume after a stop does not restart it)."""
+    if isinstance(body, Stop) or current is Directive.STOP:
+        return Outcome(f"stopping after step {step}", directive=Directive.STOP)
+    if isinstance(body, Pause):
+        return Outcome(f"paused before step {step + 1}", directive=Directive.PAUSE)
+    if isinstance(body, Resume):
+        return Outcome("resumed" if current is Directive.PAUSE else "was not paused", directive=Directive.RUN)
+    raise TypeError(f"not a pause, resume or stop: {type(body).__name__}")
+
+
 @dataclass
 class Outcome:
-    """What carrying a command out did: `detail` for people, the rest for the ack's fields."""
+    """What carrying a command out did: `detail` for people, the rest for the ack's fields, and
+    `directive`, the loop's next Directive where the command changes it."""
 
     detail: str
     checkpoint: CheckpointRef | None = None  # the checkpoint a rollback loaded
@@ -134,6 +160,7 @@ class Outcome:
     lr_seq: int | None = None
     skipped: tuple[SampleRange, ...] = ()
     bisected: Bisected | None = None  # a precise skip's search (thermowatch/precise_skip.py)
+    directive: Directive | None = None  # pause / resume / stop: what the loop does next
 
 
 def ack_for(cmd: Command, out: Outcome | None, error: str | None, *, first_step: int,

@@ -60,7 +60,7 @@ from thermowatch.trainer.lifecycle import (
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.monitors.reduce import Reducer
-from thermowatch.protocol import CommandBook, next_attempt
+from thermowatch.protocol import CommandBook, Directive, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Obey
 
@@ -122,7 +122,9 @@ class RunController:
         # Ray node ids no gang may use again (a rollback that excludes an outlier's node); in
         # every attempt's RunInfo.config, so the supervisor records them.
         self.excluded_nodes: list[str] = []
-        self.paused = self.stopped = False
+        # What the operator's commands ask (run, pause, stop): set only in _apply, from the
+        # Outcome a handler returns; `paused` and `stopped` read it.
+        self.directive = Directive.RUN
         self.state: ControllerState = Initializing()
         self.states: list[ControllerState] = [self.state]  # every state entered, in order
         self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
@@ -469,8 +471,18 @@ class RunController:
             self._flush(force=True)
             time.sleep(self.cfg.poll_every_s)
 
+    @property
+    def paused(self) -> bool:
+        return self.directive is Directive.PAUSE
+
+    @property
+    def stopped(self) -> bool:
+        return self.directive is Directive.STOP
+
     def _apply(self, cmd: Command) -> None:
-        ack = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
+        ack, directive = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
+        if directive is not None:
+            self.directive = directive
         self.result.acks.append(ack)
         try:
             self.commands.ack(self.cfg.run_id, ack)

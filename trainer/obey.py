@@ -32,7 +32,7 @@ from thermowatch.monitors.contract import (
     Skip,
     Stop,
 )
-from thermowatch.protocol import CheckpointRef, CommandBook, Outcome, ack_for
+from thermowatch.protocol import CheckpointRef, CommandBook, Directive, Outcome, ack_for, directed
 from thermowatch.trainer.checkpoint import CheckpointStorage
 from thermowatch.trainer.config import TrainConfig
 from thermowatch.trainer.data import SkipLedger
@@ -58,8 +58,7 @@ class Controlled(Protocol):
     gang: GangLike | None
     step: int
     attempt: int
-    paused: bool
-    stopped: bool
+    directive: Directive  # read here; set by the controller from the Outcome a handler returns
 
     def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None: ...
 
@@ -81,11 +80,13 @@ class Obey:
         }
 
     def apply(self, cmd: Command, on_gang_failure: Callable[[BaseException], None],
-              gang_failures: tuple[type[BaseException], ...]) -> Ack:
+              gang_failures: tuple[type[BaseException], ...]) -> tuple[Ack, Directive | None]:
+        """The command's ack, and the loop's next Directive where the command changes it (pause,
+        resume, stop; None otherwise, and for a command answered before)."""
         ctl = self.ctl
         done = ctl.commands_state.answered(cmd)
         if done is not None:
-            return done
+            return done, None
         out: Outcome | None = None
         error: str | None = None
         try:
@@ -102,21 +103,14 @@ class Obey:
         ack = ack_for(cmd, out, error, first_step=ctl.step + 1, lr_changes=ctl.lr_changes,
                       skip_ranges=ctl.ledger.ranges)
         ctl.commands_state.record(ack, cmd, lr_changes=ctl.lr_changes, skip_ranges=ctl.ledger.ranges)
-        return ack
+        return ack, (out.directive if out is not None else None)
 
     # --- handlers --------------------------------------------------------------------------
 
-    def _pause(self, cmd) -> Outcome:
-        self.ctl.paused = True
-        return Outcome(f"paused before step {self.ctl.step + 1}")
+    def _pause(self, cmd: Pause) -> Outcome:
+        return directed(self.ctl.directive, cmd, self.ctl.step)
 
-    def _resume(self, cmd) -> Outcome:
-        was, self.ctl.paused = self.ctl.paused, False
-        return Outcome("resumed" if was else "was not paused")
-
-    def _stop(self, cmd) -> Outcome:
-        self.ctl.stopped = True
-        return Outcome(f"stopping after step {self.ctl.step}")
+    _resume = _stop = _pause  # one pure transition (thermowatch.protocol.directed) for the three
 
     def _skip(self, cmd: Skip) -> Outcome:
         ctl = self.ctl

@@ -29,6 +29,7 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from thermowatch.protocol import Directive
 from thermowatch.monitors.contract import LR, Finding, Outcome, Severity, Signal, multiplier_at
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.errors import UserError
@@ -164,7 +165,7 @@ def _event(h: Harness, ctl, rec, what: str, arg) -> None:
         elif what == "gang_failure":
             ctl.gang.kill()
         elif what == "relaunch":
-            ctl.stopped = True  # this controller ends; a new one resumes (commands.json + checkpoint)
+            ctl.directive = Directive.STOP  # this controller ends; a new one resumes (commands.json + checkpoint)
         elif what == "duplicate":  # the next command is delivered twice
             h.dup, h.last_cmds = True, []
             sup.executor.submit(run, "skip", {"skip_ranges": [[rec.sample_hi + 2, rec.sample_hi + 6]]}, "bob", "dup")
