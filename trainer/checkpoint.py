@@ -17,7 +17,9 @@ committed one is caught by the size/checksum listing and `latest_valid` passes o
 
 Rollback needs a healthy checkpoint *before* a spike's onset (PaLM restarted ~100 steps
 before; YaLM-100B rolled back thousands of steps, "roll back to 13k"), so retention keeps the
-last K plus one per M-step span, the newest valid and the newest healthy one.
+last K plus one per M-step span, the newest valid and the newest healthy one
+(monitors/retention.py's rule, shared with thermowatch.watch, which also keeps the newest one at
+least 110 steps old).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Throughput arithmetic shared by the benchmark and the controller's reports.
+"""Throughput arithmetic for bench/trainer_throughput.py (the controller reports tokens/s, not MFU).
 
 MFU = model FLOPs per token x tokens/s / peak FLOP/s (PaLM, appendix B). On a GPU the peak is
 the datasheet's bf16 dense figure; a CPU has no such number worth trusting (it depends on the

@@ -6,12 +6,13 @@ the state of the run. An `act` finding still only acts if its signal is in `roll
 and its severity is at least `act_min_severity` (critical by default: a warning never acts).
 
 Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
-no I/O. The executor gathers a `PolicyInput`, calls `make_decision`, writes the action row and
-carries it out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
+no I/O. The responder (supervisor/act/respond.py) gathers a `PolicyInput` and calls
+`make_decision`; the executor (supervisor/act/executor.py) writes the action row and carries it out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
 
 The ladder (DESIGN.md, "Rollback semantics"):
 
-    rung 1  a rollback signal (attention-logit growth/ceiling, loss spike, non-finite)
+    rung 1  a rollback signal (attention-logit growth/ceiling, loss spike, a building loss and
+            gradient rise, non-finite: monitors.contract.DEFAULT_ROLLBACK_SIGNALS)
             -> roll back to the newest HEALTHY checkpoint at or before onset - margin and skip the
                samples of the steps from onset - margin to the detection step (PaLM: restart
                ~100 steps before the spike, skip 200-500 batches).
