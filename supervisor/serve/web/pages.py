@@ -122,6 +122,92 @@ def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: i
     return max(0, lo - pad), hi + pad
 
 
+def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
+    """`GET /`: a page of runs, newest first."""
+    # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
+    # its loss, what is open and when it last reported; a page of runs in three statements.
+    stall_s = sup.cfg.bank_config.stall.timeout_s
+    now = dt.datetime.now(dt.timezone.utc)
+    with sup.sessions() as s:
+        page = runs_page(s, INDEX_PAGE, cursor)
+        ids = [r["run_id"] for r in page["runs"]]
+        seen = {g.run_id: g.last_record_at for g in metrics_store.run_gauges(s, ids)}
+        ends = runs_store.newest_finishes(s, ids)
+    rows = []
+    for r in page["runs"]:  # newest first
+        n_open, rid = r["open_incidents"], r["run_id"]
+        end, at = ends.get(rid), seen.get(rid)
+        age = (now - at).total_seconds() if at is not None else None
+        prog = sup.progress.get(rid)
+        if end is not None:
+            state, loss = "finished", end.final_loss
+        else:
+            state = ("starting" if r["last_step"] is None else "stalled" if age is None or age > stall_s
+                     else "running")
+            loss = prog.loss if prog is not None else None
+        rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
+            f"<input type='checkbox' name='run' value='{e(rid)}' form='compare' aria-label='compare {e(rid)}'> "
+            f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
+            e(r["last_step"] if r["last_step"] is not None else "-"),
+            e(f"{loss:.4g}" if loss is not None else "-"),
+            f"<span class='bad'>{n_open}</span>" if n_open else "0",
+            e(ago(age) if age is not None else "-"), e(r["attempts"]),
+            e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
+    links = []
+    if cursor:
+        links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
+    if page["next_cursor"]:
+        links.append(f"<a href='{e(base)}/?{urlencode({'cursor': page['next_cursor']})}' id='older'>older runs</a>")
+    body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
+            "<button type='submit' id='sign-out'>sign out</button></form>"
+            "<h1>thermowatch: runs</h1>"
+            f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
+            f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
+            + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
+                     "no runs yet: a run appears when its run controller first reports"
+                     if not cursor else "no older runs")
+            + (f"<p>{' | '.join(links)}</p>" if links else ""))
+    return _page("thermowatch: runs", body)
+
+
+def compare_page(sup, base: str, run_url, run: list[str], metric: str, step_lo: int | None,
+                 step_hi: int | None) -> HTMLResponse:
+    """`GET /compare`: runs on one chart, each run's live path of `metric`."""
+    ids = list(dict.fromkeys(r for r in run if r))
+    if not 1 <= len(ids) <= COMPARE_MAX:
+        raise HTTPException(422, f"compare takes 1 to {COMPARE_MAX} runs (?run=a&run=b), got {len(ids)}")
+    check_window(step_lo, step_hi)
+    with sup.sessions() as s:
+        for rid in ids:
+            require_run(s, rid)
+    opts = "".join(f"<option value='{e(m)}'{' selected' if m == metric else ''}>{e(t)}</option>"
+                   for m, t, _ in CHARTS)
+    if metric not in {m for m, _, _ in CHARTS}:
+        opts += f"<option value='{e(metric)}' selected>{e(metric)}</option>"
+    hidden = "".join(f"<input type='hidden' name='run' value='{e(r)}'>" for r in ids)
+    logy = metric.split("/", 1)[0] in LOG_METRICS
+    body = (f"<p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a></p>"
+            f"<h1>compare {len(ids)} run(s)</h1>"
+            f"<form method='get' action='{e(base)}/compare' class='toolbar'>{hidden}"
+            f"<label>thermometer <select name='metric' id='metric' onchange='this.form.submit()'>{opts}</select></label>"
+            "<noscript><button type='submit'>show</button></noscript></form>"
+            f"<section id='compare' data-runs='{e(json.dumps(ids))}' data-metric='{e(metric)}' "
+            f"data-log='{int(logy)}' data-base='{e(base)}' "
+            f"data-lo='{e(step_lo if step_lo is not None else '')}' data-hi='{e(step_hi if step_hi is not None else '')}'>"
+            "<p class='toolbar'><span id='window'></span> <button id='reset' type='button' hidden>reset zoom</button> "
+            "<span id='chart-status' class='muted'></span></p>"
+            f"<figure class='chart'><figcaption>{e(metric)}</figcaption><div class='plot-area'></div></figure>"
+            "<p class='muted hint'>Each run's live path (the newest attempt at each step); a per-layer thermometer "
+            "is drawn as its worst layer per bucket. Drag to zoom.</p>"
+            "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
+            "</section>")
+    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
+            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
+    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
+               f"<script src='{e(base)}/static/run.js'></script>")
+    return _page(f"compare: {', '.join(ids)}", head, body + scripts)
+
+
 def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
     router = APIRouter(tags=["web"], include_in_schema=False,
                        dependencies=[Depends(guard.require("read", cookie=True))])
@@ -135,50 +221,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
     @router.get("/", response_class=HTMLResponse)
     def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs")
               ) -> HTMLResponse:
-        # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
-        # its loss, what is open and when it last reported; a page of runs in three statements.
-        stall_s = sup.cfg.bank_config.stall.timeout_s
-        now = dt.datetime.now(dt.timezone.utc)
-        with sup.sessions() as s:
-            page = runs_page(s, INDEX_PAGE, cursor)
-            ids = [r["run_id"] for r in page["runs"]]
-            seen = {g.run_id: g.last_record_at for g in metrics_store.run_gauges(s, ids)}
-            ends = runs_store.newest_finishes(s, ids)
-        rows = []
-        for r in page["runs"]:  # newest first
-            n_open, rid = r["open_incidents"], r["run_id"]
-            end, at = ends.get(rid), seen.get(rid)
-            age = (now - at).total_seconds() if at is not None else None
-            prog = sup.progress.get(rid)
-            if end is not None:
-                state, loss = "finished", end.final_loss
-            else:
-                state = ("starting" if r["last_step"] is None else "stalled" if age is None or age > stall_s
-                         else "running")
-                loss = prog.loss if prog is not None else None
-            rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
-                f"<input type='checkbox' name='run' value='{e(rid)}' form='compare' aria-label='compare {e(rid)}'> "
-                f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
-                e(r["last_step"] if r["last_step"] is not None else "-"),
-                e(f"{loss:.4g}" if loss is not None else "-"),
-                f"<span class='bad'>{n_open}</span>" if n_open else "0",
-                e(ago(age) if age is not None else "-"), e(r["attempts"]),
-                e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
-        links = []
-        if cursor:
-            links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
-        if page["next_cursor"]:
-            links.append(f"<a href='{e(base)}/?{urlencode({'cursor': page['next_cursor']})}' id='older'>older runs</a>")
-        body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
-                "<button type='submit' id='sign-out'>sign out</button></form>"
-                "<h1>thermowatch: runs</h1>"
-                f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
-                f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
-                + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
-                         "no runs yet: a run appears when its run controller first reports"
-                         if not cursor else "no older runs")
-                + (f"<p>{' | '.join(links)}</p>" if links else ""))
-        return _page("thermowatch: runs", body)
+        return index_page(sup, base, run_url, cursor)
 
     @router.get("/compare", response_class=HTMLResponse)
     def compare(
@@ -189,39 +232,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         step_hi: int | None = Query(None, ge=0),
     ) -> HTMLResponse:
         """Runs on one chart (issue 23: W&B's first habit): each run's live path of `metric`."""
-        ids = list(dict.fromkeys(r for r in run if r))
-        if not 1 <= len(ids) <= COMPARE_MAX:
-            raise HTTPException(422, f"compare takes 1 to {COMPARE_MAX} runs (?run=a&run=b), got {len(ids)}")
-        check_window(step_lo, step_hi)
-        with sup.sessions() as s:
-            for rid in ids:
-                require_run(s, rid)
-        opts = "".join(f"<option value='{e(m)}'{' selected' if m == metric else ''}>{e(t)}</option>"
-                       for m, t, _ in CHARTS)
-        if metric not in {m for m, _, _ in CHARTS}:
-            opts += f"<option value='{e(metric)}' selected>{e(metric)}</option>"
-        hidden = "".join(f"<input type='hidden' name='run' value='{e(r)}'>" for r in ids)
-        logy = metric.split("/", 1)[0] in LOG_METRICS
-        body = (f"<p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a></p>"
-                f"<h1>compare {len(ids)} run(s)</h1>"
-                f"<form method='get' action='{e(base)}/compare' class='toolbar'>{hidden}"
-                f"<label>thermometer <select name='metric' id='metric' onchange='this.form.submit()'>{opts}</select></label>"
-                "<noscript><button type='submit'>show</button></noscript></form>"
-                f"<section id='compare' data-runs='{e(json.dumps(ids))}' data-metric='{e(metric)}' "
-                f"data-log='{int(logy)}' data-base='{e(base)}' "
-                f"data-lo='{e(step_lo if step_lo is not None else '')}' data-hi='{e(step_hi if step_hi is not None else '')}'>"
-                "<p class='toolbar'><span id='window'></span> <button id='reset' type='button' hidden>reset zoom</button> "
-                "<span id='chart-status' class='muted'></span></p>"
-                f"<figure class='chart'><figcaption>{e(metric)}</figcaption><div class='plot-area'></div></figure>"
-                "<p class='muted hint'>Each run's live path (the newest attempt at each step); a per-layer thermometer "
-                "is drawn as its worst layer per bucket. Drag to zoom.</p>"
-                "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
-                "</section>")
-        head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
-                f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
-        scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
-                   f"<script src='{e(base)}/static/run.js'></script>")
-        return _page(f"compare: {', '.join(ids)}", head, body + scripts)
+        return compare_page(sup, base, run_url, run, metric, step_lo, step_hi)
 
     @router.get("/runs/{run_id}/plot.png")
     def plot(
