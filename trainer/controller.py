@@ -471,6 +471,21 @@ class RunController:
             self._flush(force=True)
             time.sleep(self.cfg.poll_every_s)
 
+    # --- the run's state the command handlers (trainer.obey) change, only through these ------------
+
+    def skip(self, ranges: list) -> None:
+        """Sample ranges into the skip ledger (a skip, or a rollback's skip)."""
+        self.ledger.add_many(ranges)
+
+    def add_lr_change(self, change: LRChange) -> int:
+        """An LR change appended; returns its place in the list (the ack's lr_seq)."""
+        self.lr_changes.append(change)
+        return len(self.lr_changes) - 1
+
+    def exclude_nodes(self, nodes: list[str]) -> None:
+        """Ray nodes no gang of this run may use again (a rollback without an outlier's node)."""
+        self.excluded_nodes.extend(n for n in nodes if n not in self.excluded_nodes)
+
     @property
     def paused(self) -> bool:
         return self.directive is Directive.PAUSE

@@ -50,7 +50,7 @@ class Controlled(Protocol):
     cfg: TrainConfig
     store: CheckpointStorage
     commands_state: CommandBook
-    ledger: SkipLedger
+    ledger: SkipLedger  # read here; changed only through skip / add_lr_change below
     lr_changes: list
     excluded_nodes: list[str]
     deleted_steps: set[int]
@@ -61,6 +61,12 @@ class Controlled(Protocol):
     directive: Directive  # read here; set by the controller from the Outcome a handler returns
 
     def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None: ...
+
+    def skip(self, ranges: list) -> None: ...
+
+    def add_lr_change(self, change: LRChange) -> int: ...
+
+    def exclude_nodes(self, nodes: list[str]) -> None: ...
 
     def rollback_target(self, max_step: int) -> CheckpointInfo | None: ...
 
@@ -115,14 +121,13 @@ class Obey:
     def _skip(self, cmd: Skip) -> Outcome:
         ctl = self.ctl
         ranges = [r.to_json() for r in cmd.ranges]
-        ctl.ledger.add_many(ranges)
+        ctl.skip(ranges)
         ctl.gang.call("skip", ranges, timeout_s=ctl.cfg.step_timeout_s)
         return Outcome(f"skipping {', '.join(map(str, cmd.ranges))}", skipped=cmd.ranges)
 
     def _add_lr(self, lr: SetLR, start: int) -> tuple[LRChange, int]:
         change = lr.change(start)
-        self.ctl.lr_changes.append(change)
-        return change, len(self.ctl.lr_changes) - 1
+        return change, self.ctl.add_lr_change(change)
 
     def _set_lr(self, cmd: SetLR) -> Outcome:
         ctl = self.ctl
@@ -157,7 +162,7 @@ class Obey:
                           f"{'the newest usable one at or before it is ' + str(ckpt.step) if ckpt else 'none is usable'}")
         if ckpt is None:
             raise Refused(f"no valid healthy checkpoint at or before step {cmd.to_step} ({why}); nothing to roll back to")
-        ctl.ledger.add_many([r.to_json() for r in cmd.skip])
+        ctl.skip([r.to_json() for r in cmd.skip])
         change = seq = None
         if cmd.lr is not None:
             change, seq = self._add_lr(cmd.lr, ckpt.step + 1)
@@ -167,7 +172,7 @@ class Obey:
         ctl.store.abandon_after(ckpt.step, f"{ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
         without = ""
         if exclude:
-            ctl.excluded_nodes.extend(n for n in exclude if n not in ctl.excluded_nodes)
+            ctl.exclude_nodes(exclude)
             without = f" without node {', '.join(exclude)}" + (
                 f" (rank {cmd.exclude_rank}'s)" if cmd.exclude_rank is not None else "")
         ctl.start_attempt(ckpt, reason=f"rollback to step {ckpt.step}{without} (command)", reuse_gang=not exclude)
