@@ -66,7 +66,7 @@ from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
-from thermowatch.protocol import CheckpointRef, Directive, Outcome, ack_for, directed
+from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed
 from thermowatch.run import Run
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ KEEP_EVERY, KEEP_BEHIND = 1000, 110
 FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (one pass, at start)
 
 
-class Watch:
+class Watch(Directed):
     """One protected training loop. Build it with `thermowatch.watch(...)`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
@@ -248,16 +248,6 @@ class Watch:
     @property
     def lr_multiplier(self) -> float:
         return multiplier_at(self.step + 1, self.lr_changes)
-
-    @property
-    def paused(self) -> bool:
-        """An operator paused the run (`thermowatch pause`): `steps()` waits until a resume."""
-        return self.directive is Directive.PAUSE
-
-    @property
-    def stopped(self) -> bool:
-        """An operator stopped the run (`thermowatch stop`): `steps()` ends after this step."""
-        return self.directive is Directive.STOP
 
     # --- per step -----------------------------------------------------------------------------
 

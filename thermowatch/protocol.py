@@ -137,6 +137,23 @@ class Directive(str, enum.Enum):
     STOP = "stop"
 
 
+class Directed:
+    """A loop that carries a Directive (thermowatch.loop.Watch, trainer.controller.RunController):
+    `paused` and `stopped` are read from it, never set."""
+
+    directive: Directive = Directive.RUN
+
+    @property
+    def paused(self) -> bool:
+        """An operator paused the run (`thermowatch pause`): the loop waits until a resume."""
+        return self.directive is Directive.PAUSE
+
+    @property
+    def stopped(self) -> bool:
+        """An operator stopped the run (`thermowatch stop`): the loop ends after this step."""
+        return self.directive is Directive.STOP
+
+
 def directed(current: Directive, body: Any, step: int) -> Outcome:
     """The pure transition for Pause / Resume / Stop after `step`, with the ack's words. A stopped
     loop stays stopped (a resume after a stop does not restart it)."""

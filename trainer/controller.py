@@ -60,7 +60,7 @@ from thermowatch.trainer.lifecycle import (
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.monitors.reduce import Reducer
-from thermowatch.protocol import CommandBook, Directive, next_attempt
+from thermowatch.protocol import CommandBook, Directed, Directive, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Obey
 
@@ -90,7 +90,7 @@ class RunResult:
     steps_recorded: int = 0  # steps this controller trained and recorded (0: a relaunch found the run done)
 
 
-class RunController:
+class RunController(Directed):
     def __init__(
         self,
         config: TrainConfig,
@@ -485,14 +485,6 @@ class RunController:
     def exclude_nodes(self, nodes: list[str]) -> None:
         """Ray nodes no gang of this run may use again (a rollback without an outlier's node)."""
         self.excluded_nodes.extend(n for n in nodes if n not in self.excluded_nodes)
-
-    @property
-    def paused(self) -> bool:
-        return self.directive is Directive.PAUSE
-
-    @property
-    def stopped(self) -> bool:
-        return self.directive is Directive.STOP
 
     def _apply(self, cmd: Command) -> None:
         ack, directive = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
