@@ -14,11 +14,11 @@ copies of it.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
 import time
-import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple

@@ -50,7 +50,8 @@ class Controlled(Protocol):
     cfg: TrainConfig
     store: CheckpointStorage
     commands_state: CommandBook
-    ledger: SkipLedger  # read here; changed only through skip / add_lr_change below
+    # read here; changed only through skip / add_lr_change / exclude_nodes below
+    ledger: SkipLedger
     lr_changes: list
     excluded_nodes: list[str]
     deleted_steps: set[int]
@@ -81,7 +82,7 @@ class Obey:
     def __init__(self, ctl: Controlled) -> None:
         self.ctl = ctl
         self.handlers: dict[type, Callable[[Any], Outcome]] = {
-            Pause: self._pause, Resume: self._resume, Stop: self._stop, Skip: self._skip,
+            Pause: self._direct, Resume: self._direct, Stop: self._direct, Skip: self._skip,
             SetLR: self._set_lr, Profile: self._profile, Rollback: self._rollback,
         }
 
@@ -113,10 +114,9 @@ class Obey:
 
     # --- handlers --------------------------------------------------------------------------
 
-    def _pause(self, cmd: Pause) -> Outcome:
+    def _direct(self, cmd: Pause | Resume | Stop) -> Outcome:
+        """Pause, resume, stop: one pure transition (thermowatch.protocol.directed)."""
         return directed(self.ctl.directive, cmd, self.ctl.step)
-
-    _resume = _stop = _pause  # one pure transition (thermowatch.protocol.directed) for the three
 
     def _skip(self, cmd: Skip) -> Outcome:
         ctl = self.ctl

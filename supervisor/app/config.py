@@ -19,6 +19,7 @@ from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
 from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
+    from thermowatch.monitors.detectors import BankConfig
     from thermowatch.supervisor.notify.flap import FlapConfig
 
 
@@ -221,10 +222,8 @@ def read_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def judged_with(detectors: dict[str, Any]) -> dict[str, float]:
+def judged_with(bank: "BankConfig") -> dict[str, float]:
     """The thresholds a run page draws, as a daemon with these detector settings judges them:
     written into each attempt's audit row when it opens (Ingestor), read back by the run's events."""
-    from thermowatch.monitors.detectors import BankConfig
-
-    attn = BankConfig.from_dict(detectors).attn
+    attn = bank.attn
     return {"attn_ceiling": attn.ceiling, "attn_lse_ceiling": attn.ceiling + attn.lse_ceiling_offset}

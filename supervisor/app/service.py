@@ -181,7 +181,7 @@ class Supervisor:
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
                                  check_keys=self.consistency.reads + self.checkpoint_health.reads,
-                                 limits=cfg.limits_config, judged_with=judged_with(cfg.detectors))
+                                 limits=cfg.limits_config, judged_with=judged_with(cfg.bank_config))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- RecordSink ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ and its severity is at least `act_min_severity` (critical by default: a warning 
 
 Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
 no I/O. The responder (supervisor/act/respond.py) gathers a `PolicyInput` and calls
-`make_decision`; the executor (supervisor/act/executor.py) writes the action row and carries it out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
+`make_decision`; the executor (supervisor/act/executor.py) writes the action row and carries it
+out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
 
 The ladder (DESIGN.md, "Rollback semantics"):
 

@@ -80,8 +80,8 @@ class Ingestor:
         # supervisor.judge.consistency: the trainer's reported LR multiplier and ledger digest against
         # the supervisor's record, after the commit (it pages; it never fails the ingest).
         self._check_state = check_state
-        # The keys check_state reads (None: every key): a batch that came as columns is handed to
-        # it as records of those keys only.
+        # The keys check_state reads (None: every key): each committed batch is handed to it as
+        # records of those keys only.
         self.check_keys = None if check_keys is None else tuple(check_keys)
         self.limits = limits or IngestLimits()
         self._cache = thermometers.SeriesCache()
@@ -110,8 +110,9 @@ class Ingestor:
         return self.write_columns(run_id, attempt, self.to_columns(run_id, attempt, records))
 
     def to_columns(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> StepColumns:
-        """The edge: records checked as records (their Python types, which columns cannot show),
-        then as columns. ContractError/LimitExceeded naming the field and the limit."""
+        """The edge: records checked as records (their Python types, which columns cannot show;
+        write_columns then applies the column checks). ContractError/LimitExceeded naming the field
+        and the limit."""
         records = list(records)
         self._validate_batch(run_id, attempt, records)
         try:

@@ -108,11 +108,12 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
     assert rb["checkpoint_step"] == 30 and rb["step"] == 31 and attempts == [1, 2]
     # one name per concept (issue 22): the page and the events say the checkpoint loaded, 30,
     # not the first step re-trained, 31 (a rollback to checkpoint 1000 was labelled "-> 1001")
+    from thermowatch.monitors.detectors import BankConfig
     from thermowatch.supervisor.serve.api.events import run_events
     from thermowatch.supervisor.charts.png import marks_for
 
     with db.sessions() as s:
-        ev = next(a for a in run_events(s, "mine", {})["actions"] if a["kind"] == "rollback")
+        ev = next(a for a in run_events(s, "mine", BankConfig())["actions"] if a["kind"] == "rollback")
         marks = marks_for(s, "mine", None)
     assert (ev["to_step"], ev["ack_step"]) == (30, 31)
     assert [(m.label, m.to_step) for m in marks.rollbacks] == [(f"rollback #{submitted['rollback']} to checkpoint 30", 30)]

@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 from thermowatch.supervisor.serve.guard import Guard
 from thermowatch.supervisor.serve.api.runs import json_response
 from thermowatch.supervisor.store.views import incidents_with_findings, to_wire, require_run
+from thermowatch.monitors.detectors import BankConfig
 from thermowatch.supervisor.app.config import judged_with
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -48,13 +49,13 @@ MAX_ACTIONS = 2000  # a run with more has bigger problems than a crowded chart
 ENVELOPE_TTL_S = 30.0
 
 
-def thresholds(s: Session, run_id: str, detectors: dict[str, Any]) -> list[dict[str, Any]]:
+def thresholds(s: Session, run_id: str, bank: BankConfig) -> list[dict[str, Any]]:
     """The ceilings the run was judged at: those its newest attempt was opened under (the
     daemon that judged it wrote them into the attempt_opened audit row), else this daemon's."""
     opened = audit_store.events(s, run_id, "attempt_opened", limit=1)
     judged = opened[0].detail.get("judged_with") if opened else None
     if not isinstance(judged, dict) or not {"attn_ceiling", "attn_lse_ceiling"} <= set(judged):
-        judged = judged_with(detectors)
+        judged = judged_with(bank)
     return [{"metric": "attn_logit_max", "value": judged["attn_ceiling"], "label": "attention ceiling"},
             {"metric": "attn_logit_lse", "value": judged["attn_lse_ceiling"], "label": "attention ceiling (lse bound)"}]
 
@@ -65,7 +66,7 @@ def _rollback_steps(a: actions_store.ActionRow, detect: dict[int, int]) -> tuple
     return detect.get(a.incident_id) if a.incident_id is not None else None, a.rollback_to
 
 
-def run_events(s: Session, run_id: str, detectors: dict[str, Any]) -> dict[str, Any]:
+def run_events(s: Session, run_id: str, bank: BankConfig) -> dict[str, Any]:
     require_run(s, run_id)
     acts = list(reversed(actions_store.actions(s, run_id, MAX_ACTIONS)))  # oldest first
     newest_action: dict[int, actions_store.ActionRow] = {a.incident_id: a for a in acts if a.incident_id is not None}
@@ -102,7 +103,7 @@ def run_events(s: Session, run_id: str, detectors: dict[str, Any]) -> dict[str, 
         "skips": skips,
         "attempts": [{"attempt": a.attempt, "start_step": a.start_step, "started_at": a.started_at.isoformat()}
                      for a in runs_store.attempts(s, run_id)],
-        "thresholds": thresholds(s, run_id, detectors),
+        "thresholds": thresholds(s, run_id, bank),
     }
 
 
@@ -112,7 +113,7 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     @router.get("/runs/{run_id}/events")
     def events(run_id: str) -> Response:
         with sup.sessions() as s:
-            return json_response(to_wire(run_events(s, run_id, sup.cfg.detectors)))
+            return json_response(to_wire(run_events(s, run_id, sup.cfg.bank_config)))
 
     cache: dict[str, tuple[float, dict[str, Any]]] = {}
 
