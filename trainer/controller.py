@@ -62,7 +62,7 @@ from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.protocol import CommandBook, Directed, Directive, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
-from thermowatch.trainer.obey import Obey
+from thermowatch.trainer.obey import Applied, Obey, Transition
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
@@ -122,8 +122,8 @@ class RunController(Directed):
         # Ray node ids no gang may use again (a rollback that excludes an outlier's node); in
         # every attempt's RunInfo.config, so the supervisor records them.
         self.excluded_nodes: list[str] = []
-        # What the operator's commands ask (run, pause, stop): set only in _apply, from the
-        # Outcome a handler returns; `paused` and `stopped` read it.
+        # What the operator's commands ask (run, pause, stop): set only in transition(), from
+        # the Transition a handler returns; `paused` and `stopped` read it.
         self.directive = Directive.RUN
         self.state: ControllerState = Initializing()
         self.states: list[ControllerState] = [self.state]  # every state entered, in order
@@ -471,25 +471,38 @@ class RunController(Directed):
             self._flush(force=True)
             time.sleep(self.cfg.poll_every_s)
 
-    # --- the run's state the command handlers (trainer.obey) change, only through these ------------
-
-    def skip(self, ranges: list) -> None:
-        """Sample ranges into the skip ledger (a skip, or a rollback's skip)."""
+    def transition(self, t: Transition) -> Applied:
+        """Apply a command's Transition (trainer.obey): the one place a command changes the run.
+        The checkpoints a rollback walks away from are marked first: a crash from here on must not
+        let a relaunch resume from one of them."""
+        ckpt = t.restart_from
+        if ckpt is not None:
+            self.store.abandon_after(ckpt.step, f"{_ABANDONED} by rollback to step {ckpt.step} from attempt {self.attempt}")
+        ranges = [r.to_json() for r in t.skip]
         self.ledger.add_many(ranges)
-
-    def add_lr_change(self, change: LRChange) -> int:
-        """An LR change appended; returns its place in the list (the ack's lr_seq)."""
-        self.lr_changes.append(change)
-        return len(self.lr_changes) - 1
-
-    def exclude_nodes(self, nodes: list[str]) -> None:
-        """Ray nodes no gang of this run may use again (a rollback without an outlier's node)."""
-        self.excluded_nodes.extend(n for n in nodes if n not in self.excluded_nodes)
+        change = seq = None
+        if t.lr is not None:
+            change = t.lr.change(t.lr_from)
+            self.lr_changes.append(change)
+            seq = len(self.lr_changes) - 1
+        self.excluded_nodes.extend(n for n in t.exclude if n not in self.excluded_nodes)
+        if t.directive is not None:
+            self.directive = t.directive
+        if ckpt is not None:  # the new attempt's gang gets the ledger and the LR changes above
+            before = self.attempt
+            self.start_attempt(ckpt, reason=t.words, reuse_gang=not t.exclude)
+            return Applied(change, seq, self.loaded_checkpoint or ckpt, (before, self.attempt))
+        timeout = self.cfg.step_timeout_s
+        if ranges:
+            self.gang.call("skip", ranges, timeout_s=timeout)
+        if change is not None:
+            self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=timeout)
+        if t.profile is not None:
+            self.gang.call("profile", *t.profile, timeout_s=timeout)
+        return Applied(change, seq)
 
     def _apply(self, cmd: Command) -> None:
-        ack, directive = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
-        if directive is not None:
-            self.directive = directive
+        ack = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
         self.result.acks.append(ack)
         try:
             self.commands.ack(self.cfg.run_id, ack)

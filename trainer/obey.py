@@ -1,9 +1,12 @@
 """How the run controller carries out the typed commands (monitors.commands): a handler table,
-one function per command type, and the state the commands leave behind.
+one function per command type, each returning a `Transition`, the run's next state as data.
 
-Every handler returns an `Outcome` saying what really happened (the checkpoint loaded, the LR
-change applied, the ranges skipped); `Obey.apply` turns it into the `Ack` the supervisor books,
-so what is recorded is what the trainer did (DESIGN.md, "Trust").
+A handler only reads the controller. What a command changes (the loop's Directive, the skip
+ledger, the LR changes, the excluded nodes, a new attempt from a checkpoint, a trace) is the
+Transition it returns, and `RunController.transition` applies it, the one place commands change
+the run. What applying did (the LR change's place in the list, the checkpoint really loaded, the
+attempt numbers) comes back as `Applied`, and `outcome` turns both into the `Outcome` whose ack
+the supervisor books, so what is recorded is what the trainer did (DESIGN.md, "Trust").
 
 Commands are applied at most once: the ack of every applied command id is kept, and a command
 delivered again (a lost ack, a supervisor restart) is answered with the same ack, unchanged.
@@ -16,6 +19,7 @@ Outcome and the ack are thermowatch.protocol's: the same code as thermowatch.wat
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from thermowatch.monitors.contract import (
@@ -28,6 +32,7 @@ from thermowatch.monitors.contract import (
     Profile,
     Resume,
     Rollback,
+    SampleRange,
     SetLR,
     Skip,
     Stop,
@@ -43,33 +48,55 @@ log = logging.getLogger(__name__)
 ABANDONED = "abandoned"  # prefix of the unhealthy_reason of checkpoints a rollback left behind
 
 
+@dataclass(frozen=True)
+class Transition:
+    """What one command changes on the run, returned by its handler; applied by
+    RunController.transition alone, in this order: the checkpoints after `restart_from` marked
+    abandoned, `skip` into the ledger, `lr` appended, `exclude` added, `directive` set, then either
+    a new attempt from `restart_from` or the live gang told (skip, LR changes, `profile`)."""
+
+    words: str  # the ack's detail (a rollback's is finished by `outcome`, once the load is done)
+    directive: Directive | None = None  # pause / resume / stop: what the loop does next
+    skip: tuple[SampleRange, ...] = ()
+    lr: SetLR | None = None  # an LR change ...
+    lr_from: int = 0  # ... from this step on
+    profile: tuple[int, str] | None = None  # (steps, output dir): trace the next steps
+    restart_from: CheckpointInfo | None = None  # a rollback: a new attempt from this checkpoint
+    exclude: tuple[str, ...] = ()  # Ray node ids no gang may use again (the restart leaves them out)
+    rollback: Rollback | None = None  # the command a restart answers (its ack's words)
+    why: str = ""  # why the checkpoint asked for is not `restart_from` ("" when it is)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What RunController.transition did: the LR change made and its place in the list, and for a
+    restart the checkpoint really loaded (an unreadable one falls back to an older one) and the
+    attempt numbers before and after."""
+
+    lr_change: LRChange | None = None
+    lr_seq: int | None = None
+    loaded: CheckpointInfo | None = None
+    attempts: tuple[int, int] = (0, 0)
+
+
 class Controlled(Protocol):
-    """What the handlers read and change on the run controller (trainer.controller.RunController),
-    typed here so this module never imports the controller back (no cycle)."""
+    """What the handlers read on the run controller (trainer.controller.RunController), and the
+    one method that changes it; typed here so this module never imports the controller back."""
 
     cfg: TrainConfig
     store: CheckpointStorage
     commands_state: CommandBook
-    # read here; changed only through skip / add_lr_change / exclude_nodes below
     ledger: SkipLedger
     lr_changes: list
     excluded_nodes: list[str]
     deleted_steps: set[int]
-    loaded_checkpoint: CheckpointInfo | None
     gang: GangLike | None
     step: int
-    attempt: int
-    directive: Directive  # read here; set by the controller from the Outcome a handler returns
-
-    def start_attempt(self, ckpt: CheckpointInfo | None, reason: str, reuse_gang: bool = False) -> None: ...
-
-    def skip(self, ranges: list) -> None: ...
-
-    def add_lr_change(self, change: LRChange) -> int: ...
-
-    def exclude_nodes(self, nodes: list[str]) -> None: ...
+    directive: Directive
 
     def rollback_target(self, max_step: int) -> CheckpointInfo | None: ...
+
+    def transition(self, t: Transition) -> Applied: ...
 
 
 class Refused(Exception):
@@ -77,27 +104,28 @@ class Refused(Exception):
 
 
 class Obey:
-    """The handler table: command type -> handler(controller, body) -> Outcome."""
+    """The handler table: command type -> handler(body) -> Transition (reads the controller only)."""
 
     def __init__(self, ctl: Controlled) -> None:
         self.ctl = ctl
-        self.handlers: dict[type, Callable[[Any], Outcome]] = {
+        self.handlers: dict[type, Callable[[Any], Transition]] = {
             Pause: self._direct, Resume: self._direct, Stop: self._direct, Skip: self._skip,
             SetLR: self._set_lr, Profile: self._profile, Rollback: self._rollback,
         }
 
     def apply(self, cmd: Command, on_gang_failure: Callable[[BaseException], None],
-              gang_failures: tuple[type[BaseException], ...]) -> tuple[Ack, Directive | None]:
-        """The command's ack, and the loop's next Directive where the command changes it (pause,
-        resume, stop; None otherwise, and for a command answered before)."""
+              gang_failures: tuple[type[BaseException], ...]) -> Ack:
+        """Plan, apply through the controller, answer: the command's ack (the same one again for a
+        command answered before, which changes nothing)."""
         ctl = self.ctl
         done = ctl.commands_state.answered(cmd)
         if done is not None:
-            return done, None
+            return done
         out: Outcome | None = None
         error: str | None = None
         try:
-            out = self.handlers[type(cmd.body)](cmd.body)
+            t = self.handlers[type(cmd.body)](cmd.body)
+            out = outcome(t, ctl.transition(t))
         except gang_failures as exc:
             on_gang_failure(exc)
             error = f"the gang failed while applying it ({exc!r}); restarted"
@@ -110,38 +138,28 @@ class Obey:
         ack = ack_for(cmd, out, error, first_step=ctl.step + 1, lr_changes=ctl.lr_changes,
                       skip_ranges=ctl.ledger.ranges)
         ctl.commands_state.record(ack, cmd, lr_changes=ctl.lr_changes, skip_ranges=ctl.ledger.ranges)
-        return ack, (out.directive if out is not None else None)
+        return ack
 
-    # --- handlers --------------------------------------------------------------------------
+    # --- handlers: read the controller, return the Transition -----------------------------------
 
-    def _direct(self, cmd: Pause | Resume | Stop) -> Outcome:
+    def _direct(self, cmd: Pause | Resume | Stop) -> Transition:
         """Pause, resume, stop: one pure transition (thermowatch.protocol.directed)."""
-        return directed(self.ctl.directive, cmd, self.ctl.step)
+        out = directed(self.ctl.directive, cmd, self.ctl.step)
+        return Transition(out.detail, directive=out.directive)
 
-    def _skip(self, cmd: Skip) -> Outcome:
-        ctl = self.ctl
-        ranges = [r.to_json() for r in cmd.ranges]
-        ctl.skip(ranges)
-        ctl.gang.call("skip", ranges, timeout_s=ctl.cfg.step_timeout_s)
-        return Outcome(f"skipping {', '.join(map(str, cmd.ranges))}", skipped=cmd.ranges)
+    def _skip(self, cmd: Skip) -> Transition:
+        return Transition(f"skipping {', '.join(map(str, cmd.ranges))}", skip=cmd.ranges)
 
-    def _add_lr(self, lr: SetLR, start: int) -> tuple[LRChange, int]:
-        change = lr.change(start)
-        return change, self.ctl.add_lr_change(change)
+    def _set_lr(self, cmd: SetLR) -> Transition:
+        start = self.ctl.step + 1
+        return Transition(f"{cmd.describe()} from step {start}", lr=cmd, lr_from=start)
 
-    def _set_lr(self, cmd: SetLR) -> Outcome:
-        ctl = self.ctl
-        change, seq = self._add_lr(cmd, ctl.step + 1)
-        ctl.gang.call("set_lr_changes", [c.to_json() for c in ctl.lr_changes], timeout_s=ctl.cfg.step_timeout_s)
-        return Outcome(f"{cmd.describe()} from step {change.start_step}", lr_change=change, lr_seq=seq)
-
-    def _profile(self, cmd: Profile) -> Outcome:
+    def _profile(self, cmd: Profile) -> Transition:
         ctl = self.ctl
         out = cmd.out_dir or str(ctl.store.root / "profiles" / f"step_{ctl.step + 1:08d}")
-        ctl.gang.call("profile", cmd.steps, out, timeout_s=ctl.cfg.step_timeout_s)
-        return Outcome(f"tracing steps {ctl.step + 1}..{ctl.step + cmd.steps} into {out}")
+        return Transition(f"tracing steps {ctl.step + 1}..{ctl.step + cmd.steps} into {out}", profile=(cmd.steps, out))
 
-    def _rollback(self, cmd: Rollback) -> Outcome:
+    def _rollback(self, cmd: Rollback) -> Transition:
         """One command = one restart: load, skip, LR change, new attempt, all before the next step."""
         ctl = self.ctl
         exclude: list[str] = []
@@ -162,27 +180,9 @@ class Obey:
                           f"{'the newest usable one at or before it is ' + str(ckpt.step) if ckpt else 'none is usable'}")
         if ckpt is None:
             raise Refused(f"no valid healthy checkpoint at or before step {cmd.to_step} ({why}); nothing to roll back to")
-        ctl.skip([r.to_json() for r in cmd.skip])
-        change = seq = None
-        if cmd.lr is not None:
-            change, seq = self._add_lr(cmd.lr, ckpt.step + 1)
-        prev_attempt = ctl.attempt
-        # Mark the left trajectory before anything else: a crash from here on must not let a
-        # relaunch resume from a checkpoint this rollback walked away from.
-        ctl.store.abandon_after(ckpt.step, f"{ABANDONED} by rollback to step {ckpt.step} from attempt {prev_attempt}")
-        without = ""
-        if exclude:
-            ctl.exclude_nodes(exclude)
-            without = f" without node {', '.join(exclude)}" + (
-                f" (rank {cmd.exclude_rank}'s)" if cmd.exclude_rank is not None else "")
-        ctl.start_attempt(ckpt, reason=f"rollback to step {ckpt.step}{without} (command)", reuse_gang=not exclude)
-        loaded = ctl.loaded_checkpoint or ckpt  # an unreadable one falls back to an older one
-        asked = f"asked <= {cmd.to_step}" + (f"; {cmd.to_step} {why}" if loaded.step != cmd.to_step else "")
-        detail = (f"rolled back to checkpoint {loaded.step}{without}; {asked}; attempt {prev_attempt} -> {ctl.attempt}"
-                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
-                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
-        return Outcome(detail, checkpoint=CheckpointRef(loaded.step, loaded.path), lr_change=change, lr_seq=seq,
-                       skipped=cmd.skip)
+        return Transition(f"rollback to step {ckpt.step}{_without(exclude, cmd)} (command)", skip=cmd.skip,
+                          lr=cmd.lr, lr_from=ckpt.step + 1, restart_from=ckpt, exclude=tuple(exclude),
+                          rollback=cmd, why=why)
 
     def why_not(self, step: int) -> str:
         """Why checkpoint `step` is not the one loaded, in words for the ack."""
@@ -198,3 +198,25 @@ class Obey:
             return f"is not intact ({problem})"
         reason = ctl.store.load_manifest(step).get("unhealthy_reason", "")
         return f"is marked unhealthy ({reason or 'non-finite loss or gradient before it was saved'})"
+
+
+def _without(exclude: list[str] | tuple[str, ...], cmd: Rollback) -> str:
+    if not exclude:
+        return ""
+    return f" without node {', '.join(exclude)}" + (f" (rank {cmd.exclude_rank}'s)" if cmd.exclude_rank is not None else "")
+
+
+def outcome(t: Transition, done: Applied) -> Outcome:
+    """The Outcome (the ack's words and fields) of a Transition the controller applied."""
+    cmd = t.rollback
+    if cmd is None:
+        return Outcome(t.words, lr_change=done.lr_change, lr_seq=done.lr_seq, skipped=t.skip, directive=t.directive)
+    loaded = done.loaded or t.restart_from
+    why = t.why or "could not be loaded (the log says why)"
+    asked = f"asked <= {cmd.to_step}" + (f"; {cmd.to_step} {why}" if loaded.step != cmd.to_step else "")
+    detail = (f"rolled back to checkpoint {loaded.step}{_without(t.exclude, cmd)}; {asked}; "
+              f"attempt {done.attempts[0]} -> {done.attempts[1]}"
+              + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
+              + (f", {cmd.lr.describe()} from step {done.lr_change.start_step}" if done.lr_change else ""))
+    return Outcome(detail, checkpoint=CheckpointRef(loaded.step, loaded.path), lr_change=done.lr_change,
+                   lr_seq=done.lr_seq, skipped=cmd.skip)
