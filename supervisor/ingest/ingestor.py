@@ -28,8 +28,8 @@ from thermowatch.monitors.contract import (
 from thermowatch.supervisor.ingest import quota
 from thermowatch.supervisor.errors import Conflict
 from thermowatch.supervisor.limits import (
-    DIGEST_CHARS, PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
-    check_metric_key, check_run_id, check_text,
+    PATH_CHARS, LimitExceeded, Limits, check_int, check_json,
+    check_run_id, check_text,
 )
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as checkpoints_store
@@ -114,7 +114,7 @@ class Ingestor:
         write_columns then applies the column checks). ContractError/LimitExceeded naming the field
         and the limit."""
         records = list(records)
-        self._validate_batch(run_id, attempt, records)
+        self._check_records(records)
         try:
             return StepColumns.from_records(records)
         except OverflowError:  # an int beyond float64
@@ -223,47 +223,29 @@ class Ingestor:
             raise UnknownRun(f"run {run_id!r} has no attempt {attempt}: open it first (POST /api/runs)")
         self._attempts.add((run_id, attempt))
 
-    def _validate_batch(self, run_id: Any, attempt: Any, records: list) -> tuple[int, set[str]]:
-        """(values in the batch, its distinct metric keys), or ContractError/LimitExceeded naming
-        the field and the limit. Per record, not per value, except where a check fails."""
-        check_run_id(run_id)
-        check_int("attempt", attempt, 0, INT32_MAX)
-        lim = self.limits
-        if len(records) > self.limits.max_records:
-            raise BatchTooLarge(f"batch of {len(records)} records exceeds the limit of {self.limits.max_records}; "
-                                "send smaller batches")
-        n_values = 0
+    @staticmethod
+    def _check_records(records: list) -> None:
+        """What columns cannot show: each record's Python types (a StepRecord; integers, not
+        bools or floats, that fit an int64; a real wall_time; a dict of numbers; integer ranks).
+        Ranges and limits are check_columns's, on the columns the records become. Per record,
+        not per value, except where a check fails."""
         for i, r in enumerate(records):
             if not isinstance(r, StepRecord):
                 raise ContractError(f"records[{i}] must be a StepRecord, got {type(r).__name__}")
-            if isinstance(r.step, bool) or not isinstance(r.step, int) or r.step < 0:
-                raise ContractError(f"records[{i}]: 'step' must be a non-negative integer, got {r.step!r}")
             for name in ("step", "sample_lo", "sample_hi", "tokens"):
                 v = getattr(r, name)
                 if isinstance(v, bool) or not isinstance(v, int) or not -1 <= v < _INT64:
-                    raise ContractError(f"records[{i}]: {name!r} must be an integer in [-1, 2**63), got {v!r}")
-            # A column holds it: SQLite stores a NaN REAL as NULL (a NOT NULL failure, i.e. a 500).
+                    what = "a non-negative integer" if name == "step" else "an integer in [-1, 2**63)"
+                    raise ContractError(f"records[{i}]: {name!r} must be {what}, got {v!r}")
+            # no float() of a huge int: a real number within range, else check_columns's message
             if (isinstance(r.wall_time, bool) or not isinstance(r.wall_time, (int, float))
-                    or not -MAX_WALL_TIME <= r.wall_time <= MAX_WALL_TIME):  # NaN fails both; no float() of a huge int
+                    or not -MAX_WALL_TIME <= r.wall_time <= MAX_WALL_TIME):
                 raise ContractError(f"step {r.step}: 'wall_time' must be a finite number of seconds within "
                                     f"+-{MAX_WALL_TIME:g}, got {str(r.wall_time)[:40]}")
             if not isinstance(r.values, dict):
                 raise ContractError(f"step {r.step}: 'values' must be a dict of metric -> float")
-            if len(r.values) > lim.max_keys_per_step:
-                raise LimitExceeded(f"step {r.step} has {len(r.values)} metric keys; the limit is {lim.max_keys_per_step} "
-                                    "per step")
-            if r.ledger_digest:
-                check_text(f"step {r.step}: 'ledger_digest'", r.ledger_digest, DIGEST_CHARS)
-            n_values += len(r.values)
-        if n_values > self.limits.max_values:
-            raise BatchTooLarge(f"batch of {n_values} values exceeds the limit of {self.limits.max_values}; "
-                                "send fewer steps per batch")
         _check_numbers(records)
-        keys = _check_keys(records)
-        if len(keys) > lim.max_series_per_run:
-            raise LimitExceeded(f"batch names {len(keys)} distinct series; a run may hold at most "
-                                f"{lim.max_series_per_run} (limits.max_series_per_run)")
-        return n_values, keys
+        _check_ranks(records)
 
     def _notify(self, run_id: str, attempt: int, batch: StepColumns) -> None:
         if self._on_records is None:
@@ -297,17 +279,12 @@ def _check_numbers(records: Sequence[StepRecord]) -> None:
                 raise ContractError(f"step {r.step}: ranks[{key!r}] must be an integer rank, got {rank!r}")
 
 
-def _check_keys(records: Sequence[StepRecord]) -> set[str]:
-    """Metric keys (supervisor.limits.check_metric_key: lengths of the series columns, no control
-    characters or lone surrogates, no empty module after '/'). Checked once per distinct key."""
-    keys = set(chain.from_iterable(r.values for r in records))
-    for key in keys:
-        check_metric_key(key)
+def _check_ranks(records: Sequence[StepRecord]) -> None:
+    """Ranks fit the int32 column and name a rank (columns read -1 as "none sent")."""
     for r in records:
         for key, rank in r.ranks.items():
             if not 0 <= rank < 2**31:
                 raise ContractError(f"step {r.step}: ranks[{key!r}] must be a rank in [0, 2**31), got {rank!r}")
-    return keys
 
 
 # --- parsing and validating the other two messages (their JSON lives in the contract) -------
