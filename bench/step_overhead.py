@@ -1,7 +1,8 @@
 """What watching costs the training step: the HTTP sink to a live daemon against a null sink.
 
-One instrumented GPT trains in this process; every step's thermometers become a StepRecord and
-every `--flush-every` steps a batch goes to the sink, as the run controller does. The sink
+One instrumented GPT trains in this process; every step's thermometers become a StepRecord that
+is handed to the sink at once, as the run controller and thermowatch.Run do; HttpSink batches up
+to `--flush-every` steps per request itself (the one place records wait). The sink
 alternates by block of steps (null, http, http, null, ...) in the same run, so machine noise
 hits both alike. The daemon is the real `thermowatch serve` in a subprocess (SQLite in a
 temporary data dir, default detectors and policy on, i.e. the daemon as deployed), then the
@@ -56,7 +57,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600, help="measured steps per sink and phase")
     ap.add_argument("--block", type=int, default=20, help="steps per alternating block")
-    ap.add_argument("--flush-every", type=int, default=10, help="records per sink.write (the controller's default)")
+    ap.add_argument("--flush-every", type=int, default=10, help="steps per batch (HttpSink's batch_steps; the controller's flush_every_steps default)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -111,11 +112,13 @@ def main() -> None:
     port = _port()
     (tmp / "daemon").mkdir()
     daemon = start_daemon(tmp / "daemon", port, daemon_cpu)
-    http = HttpSink(f"http://127.0.0.1:{port}", tmp / "spool", TOKEN, retry_interval=1.0)
+    # As deployed: the loop hands over each step, the sink batches (RunController, Run).
+    http = HttpSink(f"http://127.0.0.1:{port}", tmp / "spool", TOKEN, retry_interval=1.0,
+                    batch_steps=args.flush_every)
     null = NullSink()
     run = "step-overhead"
     http.open_run(RunInfo(run, 0, world_size=1, config={"bench": "step_overhead"}))
-    state = {"step": 0, "buf": []}
+    state = {"step": 0}
 
     def train(sink, n: int) -> float:
         t = time.perf_counter()
@@ -132,11 +135,8 @@ def main() -> None:
             opt.step()
             th.end_step(loss=loss, lr=3e-4, grad_norm=gn)
             vals = th.collect()
-            state["buf"].append(StepRecord(step=step, values=th.as_dict(vals), sample_lo=i, sample_hi=i + args.batch,
-                                           tokens=args.batch * args.seq_len, wall_time=time.time()))
-            if len(state["buf"]) >= args.flush_every:
-                sink.write(run, 0, state["buf"])
-                state["buf"] = []
+            sink.write(run, 0, [StepRecord(step=step, values=th.as_dict(vals), sample_lo=i, sample_hi=i + args.batch,
+                                           tokens=args.batch * args.seq_len, wall_time=time.time())])
         return time.perf_counter() - t
 
     def phase() -> tuple[float, float, float]:

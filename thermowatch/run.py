@@ -70,7 +70,7 @@ class Run:
         if self.server:
             from thermowatch.transport import HttpCommandChannel, HttpSink
 
-            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token)
+            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s)
             self._channel: Any = HttpCommandChannel(self.server, token=token)
             self._closers: list[Callable[[], None]] = [self._sink.close, self._channel.close]
         else:
@@ -89,11 +89,13 @@ class Run:
         self._registered = False
         self._closing = False
         self._idle = True
-        # Records wait up to this long for more to join their batch: one request every half
-        # second instead of one a step (a 10 steps/s loop paid ~5% of its CPU in requests,
-        # bench/client_overhead.py). Anything else queued (an ack, a checkpoint, the finish),
-        # flush() and close() send them at once, in order.
+        # Records wait up to this long for more to join their batch: one request or transaction
+        # every half second instead of one a step (a 10 steps/s loop paid ~5% of its CPU in
+        # requests, bench/client_overhead.py). Anything else queued (an ack, a checkpoint, the
+        # finish), flush() and close() send them at once, in order. Over HTTP the sink batches
+        # them itself (HttpSink's queue, the one place they wait): here they only change threads.
         self.send_interval_s = send_interval_s
+        self._sink_batches = bool(getattr(self._sink, "batches_records", False))
         self._records_since: float | None = None  # when the oldest unsent record was queued
         self._flushing = 0
         self.errors = 0  # sends or polls that raised (logged; training goes on)
@@ -215,7 +217,7 @@ class Run:
         alone may wait for their batch to fill; anything else goes at once."""
         if not self._out:
             return None
-        if self._flushing or self._closing or not all(isinstance(i, _Records) for i in self._out):
+        if self._flushing or self._closing or self._sink_batches or not all(isinstance(i, _Records) for i in self._out):
             return 0.0
         return max(0.0, (self._records_since or 0.0) + self.send_interval_s - time.monotonic())
 

@@ -89,7 +89,7 @@ class TrainConfig:
     cpus_per_rank: float = 1.0  # Ray CPU reservation (and torch threads) per rank
     placement: str = "PACK"  # PACK locally; SPREAD / STRICT_SPREAD to put ranks on different nodes
     max_restarts: int = 3  # gang restarts after a worker dies before the run gives up
-    flush_every_steps: int = 10  # records per sink.write ...
+    flush_every_steps: int = 10  # steps per batch to the supervisor (the sink's: HttpSink, Batched) ...
     flush_every_s: float = 1.0  # ... or sooner, when this much time has passed
     poll_every_s: float = 0.25  # command polling interval while paused
     # A step that neither finishes nor fails in this time means a hung rank (a collective

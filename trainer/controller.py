@@ -68,9 +68,6 @@ __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
 log = logging.getLogger(__name__)
 
-_MAX_BUFFERED = 100_000  # records held while a sink keeps failing (~hours of steps), then dropped
-
-
 class RunFailed(RuntimeError):
     """The run cannot go on (restarts exhausted, no way to build a gang). Says why."""
 
@@ -101,6 +98,12 @@ class RunController(Directed):
         gang_factory: GangFactory | None = None,
     ) -> None:
         self.cfg = config
+        # Each step goes to the sink as it is trained; records wait in one place, the sink's:
+        # HttpSink's queue over HTTP, a Batched in front of an in-process one (thermowatch.transport).
+        if not getattr(sink, "batches_records", False):
+            from thermowatch.transport import Batched
+
+            sink = Batched(sink, config.flush_every_steps, config.flush_every_s)
         self.sink, self.commands, self.progress = sink, commands, progress
         # Builds a gang: (config, attempt, data_state, lr_changes) -> Gang-like. Default: Ray
         # actors (trainer.worker.Gang); trainer.local.InProcessGang runs one rank in-process.
@@ -128,8 +131,6 @@ class RunController(Directed):
         self.state: ControllerState = Initializing()
         self.states: list[ControllerState] = [self.state]  # every state entered, in order
         self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
-        self._buffer: list[tuple[int, StepRecord]] = []  # (attempt, record): a retry keeps its attempt
-        self._last_flush = time.monotonic()
         self._healthy = True  # finite loss and grad norm since the previous checkpoint
         self._last_ckpt_step = -1
         self._ckpt_failures = 0  # consecutive failed checkpoint saves (reported in every record)
@@ -167,14 +168,14 @@ class RunController(Directed):
                 except _GANG_FAILURES as exc:
                     self._restart(exc)
             self._drain()
-            self._flush(force=True)
+            self._send_now()
             if self.cfg.checkpoint.every and self._last_ckpt_step != self.step and self.step > 0:
                 try:
                     self._checkpoint()  # the end of the run (or a STOP) is a resume point too
                 except _GANG_FAILURES as exc:  # the steps are done; the periodic checkpoints remain
                     log.error("final checkpoint at step %d failed: %r", self.step, exc)
         finally:
-            self._flush(force=True)
+            self._send_now()
             if self.gang is not None:
                 try:
                     self.gang.call("flush_profile", timeout_s=60)
@@ -239,8 +240,7 @@ class RunController(Directed):
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
         self.result.final_loss = loss
         self.result.steps_recorded += 1
-        self._buffer.append((self.attempt, rec))
-        self._flush()
+        self._tell(self.sink.write, self.cfg.run_id, self.attempt, [rec])
         if self.progress is not None:
             self.progress(rec, self.attempt)
 
@@ -253,8 +253,7 @@ class RunController(Directed):
         are set explicitly, so nothing of the abandoned trajectory survives); then open_run."""
         import ray
 
-        self._drain()  # a live gang's held-back step belongs to the old attempt
-        self._flush(force=True)  # the old attempt's records go out under the old number
+        self._drain()  # a live gang's held-back step belongs to the old attempt (sent under its number)
         self.attempt = next_attempt(self.store.root, self.attempt)  # never repeats across relaunches
         self.result.attempts.append(self.attempt)
         while True:
@@ -411,14 +410,11 @@ class RunController(Directed):
         # checkpoint exists. A controller that dies right after the commit is relaunched from
         # this checkpoint and never trains those steps again: they must not die with it in the
         # sink's memory (trainer/detached.py). HttpSink.drain waits on its sender thread; the
-        # embedded supervisor and the in-memory sinks store on write and have nothing to wait for.
-        self._flush(force=True)
-        drain = getattr(self.sink, "drain", None)
-        if drain is not None and not drain(self.cfg.step_timeout_s):
+        # embedded supervisor and the in-memory sinks store when their Batched writes.
+        if not self.sink.drain(self.cfg.step_timeout_s):
             log.warning("sink still sending after %.0f s at checkpoint %d: a controller lost now may lose "
                         "the steps still queued", self.cfg.step_timeout_s, self.step)
         info = self.store.commit(self.step, manifest)
-        self._flush(force=True)  # the supervisor sees the steps before the checkpoint that covers them
         self._tell(self.sink.checkpoint_saved, self.cfg.run_id, self.attempt, info)
         self.result.checkpoints.append(info)
         self._healthy, self._last_ckpt_step = True, self.step
@@ -429,26 +425,9 @@ class RunController(Directed):
 
     # --- records --------------------------------------------------------------------------------
 
-    def _flush(self, force: bool = False) -> None:
-        if not self._buffer:
-            return
-        due = len(self._buffer) >= self.cfg.flush_every_steps
-        due |= time.monotonic() - self._last_flush >= self.cfg.flush_every_s
-        if not (force or due):
-            return
-        while self._buffer:
-            attempt = self._buffer[0][0]
-            n = next((i for i, (a, _) in enumerate(self._buffer) if a != attempt), len(self._buffer))
-            try:
-                self.sink.write(self.cfg.run_id, attempt, [r for _, r in self._buffer[:n]])
-            except Exception as exc:  # the sink spools/retries itself; we keep the batch and go on
-                log.error("sink.write failed (%r); keeping %d records for the next flush", exc, len(self._buffer))
-                if len(self._buffer) > _MAX_BUFFERED:
-                    log.error("dropping the oldest %d records", len(self._buffer) - _MAX_BUFFERED)
-                    del self._buffer[: len(self._buffer) - _MAX_BUFFERED]
-                return
-            del self._buffer[:n]
-        self._last_flush = time.monotonic()
+    def _send_now(self) -> None:
+        """Hand the sink's waiting steps on now, without waiting for them to arrive."""
+        self._tell(self.sink.drain, 0.0)
 
     # --- commands -------------------------------------------------------------------------------
 
@@ -459,7 +438,7 @@ class RunController(Directed):
                 # The supervisor judges what happened before a command took effect: send it
                 # everything the current attempt trained before a rollback starts the next one.
                 self._drain()
-                self._flush(force=True)
+                self._send_now()
             for cmd in cmds:
                 self._apply(cmd)
             if not self.paused or self.stopped:
@@ -468,7 +447,7 @@ class RunController(Directed):
                 return
             if not isinstance(self.state, Paused):
                 self._enter(Paused(self.attempt, self.step))
-            self._flush(force=True)
+            self._send_now()
             time.sleep(self.cfg.poll_every_s)
 
     def transition(self, t: Transition) -> Applied:

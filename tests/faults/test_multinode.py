@@ -51,7 +51,8 @@ def test_zero_trains_across_two_nodes_and_a_rollback_without_the_outlier_ranks_n
         if attempt == 1:
             seen["nodes"] = dict(ctl.gang.node_ids)
 
-    ctl = holder["ctl"] = RunController(cfg, ListSink(), q, progress=on_step)
+    sink = ListSink()
+    ctl = holder["ctl"] = RunController(cfg, sink, q, progress=on_step)
     result = ctl.run()
     first = seen["first"]
     assert first[0] != first[1], f"both ranks on node {first[0]}"
@@ -60,16 +61,16 @@ def test_zero_trains_across_two_nodes_and_a_rollback_without_the_outlier_ranks_n
     # (services.resolve_ip_for_localhost); packets to a local address never leave the host.
     (addr,) = set(cluster.addresses.values())
     assert is_local_address(addr), cluster.addresses
-    losses = [r.values["loss"] for r in ctl.sink.attempt("exclude", 0)]
+    losses = [r.values["loss"] for r in sink.attempt("exclude", 0)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     ack = q.ack_for(seen["cmd"])
     assert ack.ok, ack.detail
     assert f"without node {seen['bad']}" in ack.detail and ack.step == 3
     assert result.final_step == 6 and result.attempts == [0, 1]
     assert seen["bad"] not in seen["nodes"].values() and len(set(seen["nodes"].values())) == cfg.world_size
-    runs = ctl.sink.runs
+    runs = sink.runs
     assert runs[-1].config["excluded_nodes"] == [seen["bad"]] and runs[0].config["excluded_nodes"] == []
-    assert runs[-1].start_step == 2 and [r.step for r in ctl.sink.attempt("exclude", 1)] == [3, 4, 5, 6]
+    assert runs[-1].start_step == 2 and [r.step for r in sink.attempt("exclude", 1)] == [3, 4, 5, 6]
 
 
 @pytest.mark.timeout(300)

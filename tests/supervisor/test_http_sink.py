@@ -97,7 +97,7 @@ def _loss(db, run_id="r"):
 
 
 def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
-    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0)
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0, batch_steps=100)
     sink.open_run(RunInfo("r", 0, world_size=2))
     for lo in range(0, 100, 10):
         sink.write("r", 0, _batch(lo))
@@ -106,7 +106,8 @@ def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
     sink.checkpoint_saved("r", 0, CheckpointInfo(100, "/ck/100", 100, True))
     for lo in range(100, 600, 10):
         sink.write("r", 0, _batch(lo))
-    assert sink.drain(30) and sink.spooled == 51
+    # the checkpoint, then the 50 writes queued behind it as 5 batches of 100 steps (batch_steps)
+    assert sink.drain(30) and sink.spooled == 6
     assert len(_loss(db)[0]) == 100
     server.start()  # back on the same port
     sink.write("r", 0, _batch(600))  # replays the spool first, then sends this batch
@@ -225,7 +226,8 @@ def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
     server.start()
     for lo in range(10, 50, 10):
         sink.write("r", 0, _batch(lo))  # inside the interval: straight to the spool, no request
-    assert sink.drain(30) and sink.spooled == 5 and len(_loss(db)[0]) == 0
+    # the first batch, then the four writes queued together, sent (spooled) as one batch
+    assert sink.drain(30) and sink.spooled == 2 and len(_loss(db)[0]) == 0
     assert sink.flush(force=True)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(50))
     sink.close()
@@ -367,11 +369,11 @@ def test_a_batch_answered_500_again_and_again_is_set_aside_and_the_rest_goes_on(
     sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0, max_server_errors=3)
     with _poison_step(db, 1023):
         sink.open_run(RunInfo("r", 0, world_size=1))
-        sink.write("r", 0, _batch(0))
-        sink.write("r", 0, [StepRecord(step=1023, values={"loss": 1.0})])
-        for lo in (10, 20, 30):
-            sink.write("r", 0, _batch(lo))
-        assert sink.drain(30)
+        # each write sent on its own (drained), as batches a second apart are: queued together,
+        # the sink would merge them into one batch and the poisoned step would take the rest along
+        for batch in (_batch(0), [StepRecord(step=1023, values={"loss": 1.0})], _batch(10), _batch(20), _batch(30)):
+            sink.write("r", 0, batch)
+            assert sink.drain(30)
         deadline = time.monotonic() + 30
         while not sink.flush(force=True):  # each replay meets the poisoned batch first, until it is set aside
             assert time.monotonic() < deadline, (sink.spooled, sink.rejected)
@@ -379,4 +381,26 @@ def test_a_batch_answered_500_again_and_again_is_set_aside_and_the_rest_goes_on(
     np.testing.assert_array_equal(_loss(db)[0], np.arange(40))
     rejected = (tmp_path / "spool" / "rejected.jsonl").read_text().splitlines()
     assert len(rejected) == 1 and "/api/runs/r/attempts/0/steps" in rejected[0]
+    sink.close()
+
+
+def test_steps_handed_over_one_by_one_go_as_batches_and_none_waits_past_batch_s(db, server, tmp_path):
+    """The loops hand HttpSink each step as it is trained (RunController, Run): the sink is the
+    one place they wait. A lone step goes after batch_s without a drain; steps queued together
+    go as batches of at most batch_steps."""
+    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, batch_s=0.2, batch_steps=50)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0)[:1])
+    deadline = time.monotonic() + 10
+    while len(_loss(db)[0]) < 1:  # no drain: the batch timer sends it
+        assert time.monotonic() < deadline, "a lone step never left the sink"
+        time.sleep(0.05)
+    assert sink.drain(30)
+    server.stop()  # queued now, they are spooled as the batches they went out as
+    for r in _batch(1, 120):
+        sink.write("r", 0, [r])
+    assert sink.drain(30) and sink.spooled == 3  # 120 steps: 50 + 50 + 20
+    server.start()
+    assert sink.flush(force=True)
+    np.testing.assert_array_equal(_loss(db)[0], np.arange(121))
     sink.close()
