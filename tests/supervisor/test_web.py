@@ -165,13 +165,25 @@ def test_run_page_explains_faded_lines_only_after_a_new_attempt(client, seeded):
 
 
 def test_plot_bad_input(client, seeded):
+    """plot.png is the API's chart.png now (one PNG route): its answers to bad input."""
     r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "attn_logit_mx"})
     assert r.status_code == 404 and "attn_logit_max" in r.json()["detail"]
     r = client.get("/runs/nope/plot.png", params={"metric": "loss"})
     assert r.status_code == 404 and "no run 'nope'" in r.json()["detail"]
+    assert client.get(f"/runs/{RUN}/plot.png").status_code == 422  # no metric
+    # swapped bounds: the API's empty window (store/views.check_window), an empty chart
     r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "loss", "step_lo": 9, "step_hi": 3})
-    assert r.status_code == 422 and "step_lo=9" in r.json()["detail"]
-    assert client.get(f"/runs/{RUN}/plot.png").status_code == 422
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+
+
+def test_plot_png_moved_to_the_one_png_route_with_its_query(client, seeded):
+    r = client.get(f"/runs/{RUN}/plot.png", params={"metric": "loss", "step_lo": 5, "incident": 1},
+                   follow_redirects=False)
+    assert r.status_code == 307
+    assert r.headers["location"] == f"/api/runs/{RUN}/chart.png?metric=loss&step_lo=5&incident=1"
+    direct = client.get(r.headers["location"])
+    assert direct.status_code == 200 and direct.content == client.get(f"/runs/{RUN}/plot.png", params={
+        "metric": "loss", "step_lo": 5, "incident": 1}).content
 
 
 def test_index_lists_runs_with_links(client, seeded):
@@ -298,7 +310,7 @@ def test_user_strings_are_escaped(client, seeded):
 def test_public_url_prefixes_links(db, seeded):
     with TestClient(_app(db, public_url="https://ops.example/thermowatch/"), headers=AUTH) as c:
         page = c.get(f"/runs/{RUN}").text
-    assert f"src='/thermowatch/runs/{RUN}/plot.png?" in page
+    assert f"src='/thermowatch/api/runs/{RUN}/chart.png?" in page
     assert "href='/thermowatch'" in page
 
 
@@ -384,7 +396,7 @@ def test_sign_in_sets_a_strict_httponly_cookie_that_opens_the_pages(db, seeded):
         cookie = r.headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie and "Secure" not in cookie
         assert c.get(f"/runs/{RUN}").status_code == 200
-        assert c.get(f"/runs/{RUN}/plot.png", params={"metric": "loss"}).status_code == 200
+        assert c.get(f"/api/runs/{RUN}/chart.png", params={"metric": "loss"}).status_code == 200  # its images
         # The cookie opens the page and the API's reads (GET: the page's script fetches its charts);
         # a route that changes anything takes a bearer token (approve/cancel: test_web_page.py).
         assert c.get("/api/runs").status_code == 200

@@ -1,13 +1,12 @@
-"""HTML pages: the runs list, the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
-rendered by run_page.py) and one chart as a PNG.
+"""HTML pages: the runs list and the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
+rendered by run_page.py); its charts as PNGs come from the API's one PNG route.
 
     GET /?cursor=                          runs table, newest first, a page at a time
     GET /runs/{run_id}?incident=&step_lo=&step_hi=
                                            state, what waits (incidents, approvals), charts, tables
     GET /runs/{run_id}/attention?incident= the page's open incidents and approvals alone (its refresh)
-    GET /runs/{run_id}/plot.png?metric=&step_lo=&step_hi=&incident=&logy=
-                                           one chart (matplotlib): the <noscript> fallback; metric is a
-                                           full key or a metric prefix (attn_logit_max = every layer)
+    GET /runs/{run_id}/plot.png?...        moved (307) to GET /api/runs/{run_id}/chart.png (same query):
+                                           the <noscript> charts' one PNG route (api/chart.py)
 
 With ?incident=N the page zooms every chart to the steps around that incident (onset, detection
 and the rollback target), highlights its row and puts a summary banner above the charts.
@@ -24,15 +23,14 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
-from fastapi import APIRouter, Depends, HTTPException, Query
-from fastapi.responses import HTMLResponse, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.serve.guard import Guard
 from thermowatch.supervisor.store.views import (
     check_window,
     require_run,
-    resolve_keys,
     runs_page,
 )
 from thermowatch.supervisor.store import actions as actions_store
@@ -235,27 +233,12 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         return compare_page(sup, base, run_url, run, metric, step_lo, step_hi)
 
     @router.get("/runs/{run_id}/plot.png")
-    def plot(
-        run_id: str,
-        metric: str = Query(min_length=1, description="a full key (loss) or a metric prefix (attn_logit_max)"),
-        step_lo: int | None = Query(None, ge=0),
-        step_hi: int | None = Query(None, ge=0),
-        incident: int | None = Query(None, description="incident to draw heavier"),
-        logy: bool | None = Query(None, description="log y axis (default: by metric)"),
-        width: int = Query(1100, ge=200, le=4000),
-        height: int = Query(320, ge=120, le=2000),
-    ) -> Response:
-        from thermowatch.supervisor.charts.png import chart_png, marks_for
-
-        check_window(step_lo, step_hi)
-        with sup.sessions() as s:
-            require_run(s, run_id)
-            resolve_keys(s, run_id, metric)  # the 404 with close matches
-            marks = marks_for(s, run_id, incident)
-            # through the rollups (store/chart.py): one bucket per pixel column at any history length
-            png = chart_png(s, run_id, metric, step_lo, step_hi, marks=marks, width_px=width, height_px=height,
-                            logy=(metric.split("/", 1)[0] in LOG_METRICS) if logy is None else logy)
-        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
+    def plot(run_id: str, request: Request) -> RedirectResponse:
+        """Moved: the page's images are GET /api/runs/{run}/chart.png (the one PNG route, with the
+        same parameters). Links from before (bookmarks, old Slack messages) are sent there."""
+        q = request.url.query
+        return RedirectResponse(f"{base}/api/runs/{quote(run_id, safe='')}/chart.png" + (f"?{q}" if q else ""),
+                                status_code=307)
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
     def run_page(

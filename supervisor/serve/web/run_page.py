@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote, urlencode
 
 from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
@@ -101,6 +103,12 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
     return f"<section id='attention' data-ids='{e(ids)}'>{body}</section>"
 
 
+def chart_png_url(base: str, run_id: str, **query: Any) -> str:
+    """The one PNG route (api/chart.py's GET /api/runs/{run}/chart.png): the page's images too."""
+    q = urlencode({k: v for k, v in query.items() if v is not None})
+    return f"{base}/api/runs/{quote(run_id, safe='')}/chart.png" + (f"?{q}" if q else "")
+
+
 def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str, charts: list,
            zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
            step_hi: int | None, *, only_attention: bool = False) -> HTMLResponse:
@@ -183,7 +191,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
     for metric, title, logy in charts:
         if metric in keys or any(k.startswith(metric + "/") for k in keys):
             shown.append(metric)
-            src = run_url(run_id, "/plot.png", metric=metric, step_lo=step_lo, step_hi=step_hi, incident=incident)
+            src = chart_png_url(base, run_id, metric=metric, step_lo=step_lo, step_hi=step_hi, incident=incident)
             per_layer = metric not in keys
             parts.append(
                 f"<figure class='chart' data-metric='{e(metric)}' data-log='{int(logy)}' "
@@ -199,7 +207,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         parts.append("<p class='muted'>no thermometers reported yet</p>")
     others = sorted({k.split("/", 1)[0] for k in keys} - set(shown))
     if others:
-        links = " ".join(f"<a href='{e(run_url(run_id, '/plot.png', metric=m, step_lo=step_lo, step_hi=step_hi))}'>"
+        links = " ".join(f"<a href='{e(chart_png_url(base, run_id, metric=m, step_lo=step_lo, step_hi=step_hi))}'>"
                          f"{e(m)}</a>" for m in others)
         parts.append(f"<p>other series: {links}</p>")
     parts.append("</section>")
