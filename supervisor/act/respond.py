@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.columns import StepColumns
-from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Signal, StepRecord
+from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Signal
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.supervisor.judge.bank_process import BankProcess, RemoteBank
 from thermowatch.supervisor.act.executor import Executor
@@ -104,8 +104,9 @@ class Responder:
         with self._lock:
             self._attempts[run_id] = max(attempt, self._attempts.get(run_id, attempt))
 
-    def on_records(self, run_id: str, attempt: int, records: Sequence[StepRecord] | StepColumns) -> list[Finding]:
-        """Called by the judge after a batch is committed: its StepRecords or its columns."""
+    def on_records(self, run_id: str, attempt: int, records: StepColumns) -> list[Finding]:
+        """Called by the judge after a batch is committed, with its columns (the one ingest path's
+        form: a JSON batch was converted at the edge)."""
         with self._lock:
             if run_id not in self._attempts:
                 with self._session() as s:
@@ -151,17 +152,14 @@ class Responder:
         if due:
             self._recheck[run_id] = (int(due[0]), int(due[1]))
 
-    def _release_after_cooldown(self, run_id: str, attempt: int, records, bank) -> None:
+    def _release_after_cooldown(self, run_id: str, attempt: int, records: StepColumns, bank) -> None:
         due = self._recheck.get(run_id)
         if due is None:
             return
         if due[0] != attempt:  # another attempt since (a rollback rewound the detectors already)
             del self._recheck[run_id]
             return
-        if isinstance(records, StepColumns):
-            last = int(records.steps.max()) if len(records.steps) else -1
-        else:
-            last = max((r.step for r in records), default=-1)
+        last = int(records.steps.max()) if len(records.steps) else -1
         if last >= due[1]:
             del self._recheck[run_id]
             bank.release_latches()
