@@ -63,21 +63,25 @@ class SlackSettings(Protocol):
     base_url: str | None
 
 
+def _read_secret(what: str, file_key: str, file: str, put: str) -> str:
+    """A secret from a mounted file: readable and non-empty, or a NotifyConfigError saying what to do."""
+    path = Path(file)
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise NotifyConfigError(f"Slack {what} file {path} cannot be read ({exc.strerror}); mount the secret there "
+                                f"or set slack.{file_key} to the right path") from exc
+    if not secret:
+        raise NotifyConfigError(f"Slack {what} file {path} is empty; put {put} in it")
+    return secret
+
+
 def resolve_token(token_env: str | None, token_file: str | None,
                   environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     """Return (token, where it came from). A token file, when set, wins over the env var."""
     environ = os.environ if environ is None else environ
     if token_file:
-        path = Path(token_file)
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise NotifyConfigError(
-                f"Slack token file {path} cannot be read ({exc.strerror}); mount the secret there "
-                "or set slack.token_file to the right path") from exc
-        if not token:
-            raise NotifyConfigError(f"Slack token file {path} is empty; put the bot token (xoxb-...) in it")
-        return token, f"file {path}"
+        return _read_secret("token", "token_file", token_file, "the bot token (xoxb-...)"), f"file {Path(token_file)}"
     if token_env:
         token = environ.get(token_env, "").strip()
         if not token:
@@ -94,15 +98,7 @@ def resolve_signing_secret(secret_env: str | None, secret_file: str | None,
     the endpoint answers 404). A file, when set, wins and must be readable and non-empty."""
     environ = os.environ if environ is None else environ
     if secret_file:
-        path = Path(secret_file)
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise NotifyConfigError(f"Slack signing secret file {path} cannot be read ({exc.strerror}); mount the "
-                                    "secret there or set slack.signing_secret_file to the right path") from exc
-        if not secret:
-            raise NotifyConfigError(f"Slack signing secret file {path} is empty; put the app's signing secret in it")
-        return secret
+        return _read_secret("signing secret", "signing_secret_file", secret_file, "the app's signing secret")
     if secret_env:
         return environ.get(secret_env, "").strip() or None
     return None

@@ -106,6 +106,17 @@ class WatchedDataset(torch.utils.data.IterableDataset):
         return int(self._perm[1][i % n])
 
 
+def check_fit(framework: str, set_it: str, max_steps: int | None, world_size: int) -> None:
+    """What every adapter needs of the framework's fit before the Watch starts: a run length in
+    optimizer steps (`set_it` says where it is set) and one process."""
+    if max_steps is None or max_steps <= 0:
+        raise ValueError(f"thermowatch: set {set_it}: the run's length in optimizer steps "
+                         "(the watched data has no end of its own; a pass over the data is sample ids, not epochs)")
+    if world_size > 1:
+        raise ValueError(f"thermowatch: world_size {world_size}: the {framework} adapter runs in one process for now "
+                         "(torchrun support is issue 22's next item)")
+
+
 class Adapter:
     """A Watch driven by a framework's callbacks. Subclasses translate the framework's hooks."""
 

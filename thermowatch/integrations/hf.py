@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from thermowatch.integrations.core import Adapter, WatchedDataset
+from thermowatch.integrations.core import Adapter, WatchedDataset, check_fit
 
 
 class ThermowatchCallback(Adapter, TrainerCallback):
@@ -44,12 +44,7 @@ class ThermowatchCallback(Adapter, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                        train_dataloader=None, **kwargs):
-        if args.max_steps is None or args.max_steps <= 0:
-            raise ValueError("thermowatch: set TrainingArguments(max_steps=N): the run's length in optimizer steps "
-                             "(the watched dataset has no end of its own; a pass over the data is sample ids, not epochs)")
-        if args.world_size > 1:
-            raise ValueError(f"thermowatch: world_size {args.world_size}: the HF adapter runs in one process for now "
-                             "(torchrun support is issue 22's next item)")
+        check_fit("HF", "TrainingArguments(max_steps=N)", args.max_steps, args.world_size)
         if args.dataloader_persistent_workers:
             raise ValueError("thermowatch: dataloader_persistent_workers=True keeps the sample order of the first "
                              "iterator after a rollback or a skip; leave it False")

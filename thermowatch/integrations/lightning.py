@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from thermowatch.integrations.core import Adapter, WatchedDataset
+from thermowatch.integrations.core import Adapter, WatchedDataset, check_fit
 
 
 class ThermowatchCallback(Adapter, Callback):
@@ -61,12 +61,7 @@ class ThermowatchCallback(Adapter, Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         # Before the fit loop makes its first data iterator (and prefetches from it): the Watch
         # must have resumed by then, so that iterator starts at the resumed cursor.
-        if trainer.max_steps is None or trainer.max_steps <= 0:
-            raise ValueError("thermowatch: set Trainer(max_steps=N): the run's length in optimizer steps "
-                             "(the watched data has no end of its own; a pass over the data is sample ids, not epochs)")
-        if trainer.world_size > 1:
-            raise ValueError(f"thermowatch: world_size {trainer.world_size}: the Lightning adapter runs in one "
-                             "process for now (torchrun support is issue 22's next item)")
+        check_fit("Lightning", "Trainer(max_steps=N)", trainer.max_steps, trainer.world_size)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"thermowatch: {len(trainer.optimizers)} optimizers; the adapter protects one")
         sizes = {d.batch_size for d in self.datasets}
