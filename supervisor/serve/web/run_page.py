@@ -141,11 +141,25 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         audit = audit_store.audit_log(s, run_id, limit=AUDIT_TAIL)
         told = story_store.story(s, run_id)
 
+    parts = [_header(e, base, run, status, told, len(attempts)), top]
+    if selected is not None:
+        parts.append(_banner(e, selected))
+    parts.append(_charts(e, run_url, base, charts, run_id, keys, len(attempts), incident, step_lo, step_hi))
+    parts.append(_tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit))
+    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
+            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
+    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
+               f"<script src='{e(base)}/static/run.js'></script>")
+    return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
+
+
+def _header(e, base: str, run, status: dict, told, n_attempts: int) -> str:
+    """The run's name, state badge, facts and story."""
     state = status["state"]
     # The badge and the story agree: a run that reached its planned steps (or was stopped) without
     # a finish report reads "finished (why)", not "not finished".
     ending = told.ending() if told.finished is not None or state != "finished" else f"finished ({status['why']})"
-    parts = [
+    return (
         f"<header><p class='nav'><a href='{e(base or '/')}'>&larr; all runs</a> &middot; "
         f"<a href='{e(base)}/docs'>API</a></p>"
         f"<h1>run {e(run.run_id)} <span id='badge' class='badge state-{e(state)}' title='{e(status['why'])}'>"
@@ -153,18 +167,24 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         f"<p class='facts'><span id='age' data-age='{e(status['last_record_age_s'])}'>{e(_age(status['last_record_age_s']))}"
         f"</span> &middot; step <b id='last-step'>{e(status['last_step'] if status['last_step'] is not None else '-')}</b>"
         + (f" of {status['planned_steps']}" if status["planned_steps"] else "")
-        + f" &middot; {len(attempts)} attempt(s) &middot; created {_ts(run.created_at)}</p>"
+        + f" &middot; {n_attempts} attempt(s) &middot; created {_ts(run.created_at)}</p>"
         # The story first, in words (issue 23): how it ended and what the supervisor did to it.
-        f"<p class='story' id='story'><b>{e(ending)}</b>: {e(told.words())}</p></header>",
-        top,
-    ]
-    if selected is not None:
-        parts.append(
-            f"<div class='banner'>incident <a href='#incident-{selected['id']}'>#{selected['id']}</a>: "
+        f"<p class='story' id='story'><b>{e(ending)}</b>: {e(told.words())}</p></header>")
+
+
+def _banner(e, selected: dict) -> str:
+    """The incident the link asked for, above the charts."""
+    return (f"<div class='banner'>incident <a href='#incident-{selected['id']}'>#{selected['id']}</a>: "
             f"<b>{e(selected['signal'])}</b> {e(selected['module'])} &middot; onset {selected['onset_step']}, "
             f"detected {selected['detect_step']} &middot; {e(selected['state'])}"
             f"{' &middot; ' + e(selected['resolution']) if selected['resolution'] else ''}</div>")
-    parts.append(
+
+
+def _charts(e, run_url, base: str, charts: list, run_id: str, keys, n_attempts: int, incident: int | None,
+            step_lo: int | None, step_hi: int | None) -> str:
+    """The thermometers section: the toolbar, one figure per chart the run has series for (drawn
+    by run.js; a PNG from the one PNG route without script), links to the other series."""
+    parts = [
         f"<section id='charts' data-run='{e(run_id)}' data-base='{e(base)}' data-refresh='{REFRESH_S}' "
         f"data-lo='{e(step_lo if step_lo is not None else '')}' data-hi='{e(step_hi if step_hi is not None else '')}' "
         f"data-incident='{e(incident if incident is not None else '')}'>"
@@ -181,8 +201,8 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
           "<option value='0.9'>0.9</option><option value='0.97'>0.97</option></select></label> "
           "<span id='chart-status' class='muted'></span></div>"
           "<p class='muted hint'>Drag across a chart to zoom (the data is fetched again at the finer resolution); "
-          "hover for values.</p>")
-    if len(attempts) > 1:  # above the charts: the first thing to read before the lines
+          "hover for values.</p>"]
+    if n_attempts > 1:  # above the charts: the first thing to read before the lines
         parts.append("<p class='muted' id='superseded-note'>Faded dashed lines: trajectories abandoned by a "
                      "rollback (or a restart from an earlier checkpoint), i.e. an older attempt's points at steps a "
                      "newer attempt re-trained, in the same color as their series. Solid lines: the live path, "
@@ -211,12 +231,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
                          f"{e(m)}</a>" for m in others)
         parts.append(f"<p>other series: {links}</p>")
     parts.append("</section>")
-    parts.append(_tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit))
-    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
-            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
-    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
-               f"<script src='{e(base)}/static/run.js'></script>")
-    return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
+    return "".join(parts)
 
 
 FINDINGS_SHOWN = 3  # per incident in the table; the rest behind a click
