@@ -9,6 +9,7 @@ including those inside functions; every name is spelled `thermowatch.<package>` 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,3 +178,30 @@ def test_no_import_cycles_in_any_package():
         if m not in state:
             visit(m, [m])
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def summary() -> str:
+    """The import graph these tests hold the code to, as counts of module-level imports: between
+    packages, and between the supervisor's stages. `python -m tests.test_import_rules`."""
+    modules = _all_modules()
+    graph = _graph(modules)
+    between, stages = Counter(), Counter()
+    for m, ns in graph.items():
+        for n in ns:
+            a, b = _package_of(m), _package_of(n)
+            if a != b:
+                between[(a, b)] += 1
+            sa, sb = _stage(m), _stage(n)
+            if sa and sb and sa != sb:
+                stages[(sa, sb)] += 1
+    lines = [f"{len(modules)} modules; imports between packages (importer -> imported: count):"]
+    lines += [f"  {a} -> {b}: {k}" for (a, b), k in sorted(between.items())]
+    lines.append("between the supervisor's stages:")
+    for a in STAGES:
+        row = ", ".join(f"{b} {k}" for (x, b), k in sorted(stages.items()) if x == a)
+        lines.append(f"  {a} -> {row or '-'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summary())
