@@ -34,7 +34,7 @@ def test_config_lists_only_differences_and_names_bad_keys(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run_id: x\nzero_stage: 3\nmodel: {n_layer: 3}\noptim: {betas: [0.9, 0.99]}\n")
     cfg = TrainConfig.load(path)
-    assert cfg.model["n_layer"] == 3 and cfg.model["d_model"] == 64  # merged onto the tiny default
+    assert cfg.model.n_layer == 3 and cfg.model.d_model == 64  # merged onto the tiny default
     assert cfg.optim.betas == (0.9, 0.99) and cfg.data.seq_len == 64
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"optim.lrr: unknown key; did you mean 'lr'\?"):
