@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from thermowatch.loop import Watch, _rng_state, _set_rng_state
+from thermowatch.loop import Watch
+from thermowatch.ranks import rng_state, set_rng_state
 from thermowatch.monitors.ledger import SkipLedger
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class Adapter:
         """The step's first micro-batch is about to run: whatever ran between the boundary and now
         (an evaluation, a new data iterator drawing its base seed) does not count in it."""
         if self._rng_after_boundary is not None:
-            _set_rng_state(self._rng_after_boundary)
+            set_rng_state(self._rng_after_boundary)
             self._rng_after_boundary = None
         if self.watch is not None and self.watch.th is not None and self._next is not None:
             self.watch.th.begin_step(self._next)
@@ -208,7 +209,7 @@ class Adapter:
         if restart:
             # The new data iterator draws from the global RNG; the step after the boundary must
             # see the RNG the boundary left (a rollback's: the checkpoint's), as in a plain loop.
-            self._rng_after_boundary = _rng_state()
+            self._rng_after_boundary = rng_state()
         return Boundary(self._next, rolled_back, restart, w.step)
 
     def close(self, *, finished: bool = True) -> None:
