@@ -38,6 +38,7 @@ from thermowatch.supervisor.store import metrics as metrics_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.charts.plots import LOG_METRICS
 from thermowatch.supervisor.serve.web.readable import ago
+from thermowatch.supervisor.serve.web.run_page import chart_assets, chart_png_url
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
 CHARTS = [
@@ -199,10 +200,7 @@ def compare_page(sup, base: str, run_url, run: list[str], metric: str, step_lo: 
             "is drawn as its worst layer per bucket. Drag to zoom.</p>"
             "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
             "</section>")
-    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
-            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
-    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
-               f"<script src='{e(base)}/static/run.js'></script>")
+    head, scripts = chart_assets(e, base)
     return _page(f"compare: {', '.join(ids)}", head, body + scripts)
 
 
@@ -237,8 +235,7 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         """Moved: the page's images are GET /api/runs/{run}/chart.png (the one PNG route, with the
         same parameters). Links from before (bookmarks, old Slack messages) are sent there."""
         q = request.url.query
-        return RedirectResponse(f"{base}/api/runs/{quote(run_id, safe='')}/chart.png" + (f"?{q}" if q else ""),
-                                status_code=307)
+        return RedirectResponse(chart_png_url(base, run_id) + (f"?{q}" if q else ""), status_code=307)
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
     def run_page(

@@ -109,6 +109,16 @@ def chart_png_url(base: str, run_id: str, **query: Any) -> str:
     return f"{base}/api/runs/{quote(run_id, safe='')}/chart.png" + (f"?{q}" if q else "")
 
 
+def chart_assets(e, base: str) -> tuple[str, str]:
+    """(head, scripts) of a page that draws charts in the browser (the run page, compare): uPlot,
+    run.css and run.js, served by the daemon itself (web/assets.py)."""
+    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
+            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
+    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
+               f"<script src='{e(base)}/static/run.js'></script>")
+    return head, scripts
+
+
 def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str, charts: list,
            zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
            step_hi: int | None, *, only_attention: bool = False) -> HTMLResponse:
@@ -146,10 +156,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         parts.append(_banner(e, selected))
     parts.append(_charts(e, run_url, base, charts, run_id, keys, len(attempts), incident, step_lo, step_hi))
     parts.append(_tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit))
-    head = (f"<link rel='stylesheet' href='{e(base)}/static/uplot/uPlot.min.css'>"
-            f"<link rel='stylesheet' href='{e(base)}/static/run.css'>")
-    scripts = (f"<script src='{e(base)}/static/uplot/uPlot.iife.min.js'></script>"
-               f"<script src='{e(base)}/static/run.js'></script>")
+    head, scripts = chart_assets(e, base)
     return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
 
 
