@@ -63,7 +63,7 @@ def thermometer_names(layers: int) -> tuple[list[str], int]:
 
     cfg = TrainConfig.from_dict({"model": {"n_layer": layers, "n_head": 4, "d_model": 32, "seq_len": 32},
                                  "data": {"seq_len": 32}})
-    th = instrument(GPT(cfg.gpt_config()), cfg.thermometer_config())
+    th = instrument(GPT(cfg.model), cfg.thermometer_config())
     names = list(th.names) + [TOKENS_PER_S]
     th.detach()
     return names, len(names) - 1

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ray.init(num_cpus=max(4, args.world_size * args.cpus_per_rank), include_dashboard=False, log_to_driver=False)
     model = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len}
-    flops_per_token = GPT(TrainConfig.from_dict({"model": model}).gpt_config()).flops_per_token()
+    flops_per_token = GPT(TrainConfig.from_dict({"model": model}).model).flops_per_token()
     if args.peak_tflops is not None:
         peak, peak_source = args.peak_tflops * 1e12, "given (--peak-tflops)"
     else:

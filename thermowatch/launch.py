@@ -237,7 +237,7 @@ def _count(n: float) -> str:
 
 
 def _describe_train(c) -> list[str]:
-    m, d, k = c.gpt_config(), c.data, c.checkpoint
+    m, d, k = c.model, c.data, c.checkpoint
     params = 12 * m.n_layer * m.d_model**2 + m.vocab_size * m.d_model * (2 if m.untied_head else 1)
     ramp = (f"curriculum from batch {d.start_batch or d.global_batch} x seq {d.start_seq_len or d.seq_len} over "
             f"{d.ramp_tokens / 1e9:g}B tokens" if d.ramp_tokens else "no curriculum")

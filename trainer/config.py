@@ -158,9 +158,9 @@ class TrainConfig:
                 f"data.batch_multiple={self.data.batch_multiple} must be divisible by world_size="
                 f"{self.world_size} so every ramped batch splits evenly across ranks"
             )
-        if self.data.seq_len > self.gpt_config().seq_len:
+        if self.data.seq_len > self.model.seq_len:
             raise ConfigError(
-                f"data.seq_len={self.data.seq_len} exceeds model.seq_len={self.gpt_config().seq_len}; "
+                f"data.seq_len={self.data.seq_len} exceeds model.seq_len={self.model.seq_len}; "
                 "raise model.seq_len or lower data.seq_len"
             )
         if self.optim.warmup_steps > self.steps:
@@ -168,10 +168,6 @@ class TrainConfig:
         self.thermometer_config()
 
     # --- derived objects ------------------------------------------------------------------------
-
-    def gpt_config(self) -> GPTConfig:
-        """The model's config (typed and checked at load; kept for callers of the older name)."""
-        return self.model
 
     def thermometer_config(self):
         from thermowatch.monitors.thermometers.config import ThermometerConfig

@@ -63,7 +63,7 @@ def build_deepspeed_config(cfg: TrainConfig, on_gpu: bool = False) -> dict[str, 
             }
         )
     o = cfg.optim
-    bf16 = cfg.gpt_config().dtype == "bfloat16"
+    bf16 = cfg.model.dtype == "bfloat16"
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,

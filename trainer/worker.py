@@ -96,7 +96,7 @@ class TrainWorker:
         deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
         self.cfg, self.attempt = cfg, attempt
         torch.manual_seed(cfg.seed)  # identical init on every rank (ZeRO 3 partitions it after)
-        model = GPT(cfg.gpt_config())
+        model = GPT(cfg.model)
         self.flops_per_token = model.flops_per_token()
         self._engine = Engine(cfg, model, on_gpu=cfg.use_gpu)
         tcfg = cfg.thermometer_config()

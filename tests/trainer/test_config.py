@@ -54,5 +54,5 @@ def test_every_training_config_in_deploy_loads():
         TrainConfig.load(p)
     local = TrainConfig.load(ROOT / "deploy/local/train.yaml")
     # runs on one CPU machine as-is: CPU ranks, 2 of them, a tiny model, checkpoints under the cwd
-    assert not local.use_gpu and local.world_size == 2 and local.gpt_config().n_layer <= 2
+    assert not local.use_gpu and local.world_size == 2 and local.model.n_layer <= 2
     assert not Path(local.checkpoint.dir).is_absolute()
