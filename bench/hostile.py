@@ -12,6 +12,9 @@ Probes (each reports what the daemon answered and its resident memory):
                 once from two threads: how many trials got 200 twice (history rewritten)
   empty-keys    a step with no metric (`{"records":[{"step":1023}]}`) and a columns batch of `keys: []`
   control-byte  `GET /healthz?a=%1C0` with a Cookie header (a 0x1C byte before digits)
+  declared      headers only, declaring 10 GB, no body byte: 20 at once to every POST route of the
+                OpenAPI document and /login, with the admin token and without (issue 33: a buffer
+                sized from the header took 1.9 GB for 2 GB declared): answers and peak RSS
 
 The daemon's RSS is read from /proc/<pid>/status (VmRSS, and VmHWM, the peak, reset before each
 probe by writing 5 to /proc/<pid>/clear_refs); its detectors' child process is not counted.
@@ -175,16 +178,63 @@ def control_byte(d: Daemon) -> dict:
     return {"healthz_cookie": r.status_code, "actions_limit": r2.status_code}
 
 
-def run(url: str) -> dict:
+def _headers_only(base: str, path: str, declared: int, token: str | None) -> str:
+    """POST headers declaring `declared` bytes, then nothing: the status line's code, or why none came."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(base)
+    head = [f"POST {path} HTTP/1.1", f"Host: {u.netloc}", f"Content-Length: {declared}",
+            "Content-Type: application/json", f"Origin: {base}", "Sec-Fetch-Site: same-origin"]
+    if token:
+        head.append(f"Authorization: Bearer {token}")
+    try:
+        with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+            return sock.recv(64).split(b" ", 2)[1].decode()
+    except (OSError, IndexError) as exc:
+        return type(exc).__name__
+
+
+def declared(d: Daemon, size: int = 10 << 30, at_once: int = 20) -> dict:
+    fill = {"{run_id}": "declared", "{attempt}": "0", "{action_id}": "1", "{name}": "nobody"}
+    paths = ["/login"]
+    for path, ops in httpx.get(f"{d.base}/openapi.json").json()["paths"].items():
+        if "post" in ops:
+            for k, v in fill.items():
+                path = path.replace(k, v)
+            paths.append(path)
+    reset_peak(d.proc.pid)
+    before = rss(d.proc.pid)[0]
+    answers: dict[str, dict[str, int]] = {}
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(at_once) as ex:
+        for token in (d.token, None):
+            for path in paths:
+                for code in ex.map(lambda _, p=path: _headers_only(d.base, p, size, token), range(at_once)):
+                    key = f"{'admin' if token else 'no token'} {code}"
+                    answers.setdefault(key, {}).setdefault(path, 0)
+                    answers[key][path] += 1
+    now, peak = rss(d.proc.pid)
+    return {"routes": len(paths), "requests": 2 * len(paths) * at_once, "declared_gb": size >> 30,
+            "seconds": round(time.monotonic() - t0, 1), "answers": {k: sorted(v) for k, v in answers.items()},
+            "rss_before_mb": round(before), "peak_mb": round(peak), "rss_after_mb": round(now),
+            "peak_growth_mb": round(peak - before)}
+
+
+PROBES = ("declared", "big_posts", "key_headers", "overlap", "empty_keys", "control_byte")
+
+
+def run(url: str, only: tuple[str, ...] = PROBES) -> dict:
     d = Daemon(url)
     try:
         with httpx.Client(base_url=d.base, headers=d.auth, timeout=300) as c:
             res = {"rss_start_mb": round(rss(d.proc.pid)[0])}
-            res["big_posts"] = big_posts(d)
-            res["key_headers"] = key_headers(c, d.proc.pid)
-            res["overlap"] = overlap(d)
-            res["empty_keys"] = empty_keys(c)
-            res["control_byte"] = control_byte(d)
+            probes = {"declared": lambda: declared(d), "big_posts": lambda: big_posts(d),
+                      "key_headers": lambda: key_headers(c, d.proc.pid), "overlap": lambda: overlap(d),
+                      "empty_keys": lambda: empty_keys(c), "control_byte": lambda: control_byte(d)}
+            for name in only:
+                res[name] = probes[name]()
             res["alive"] = c.get("/healthz").status_code
         return res
     finally:
@@ -195,6 +245,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    ap.add_argument("--only", nargs="+", choices=PROBES, default=list(PROBES), help="run these probes only")
     a = ap.parse_args()
     results = {}
     for name in (["sqlite", "postgres"] if a.db == "both" else [a.db]):
@@ -209,7 +260,7 @@ def main() -> None:
                 conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
             url = f"{PG_URL}?options=-csearch_path%3D{schema}"
         try:
-            results[name] = run(url)
+            results[name] = run(url, tuple(a.only))
         finally:
             if name == "postgres":
                 with eng.connect() as conn:
@@ -217,15 +268,26 @@ def main() -> None:
                 eng.dispose()
         r = results[name]
         print(f"\n== {name}: daemon RSS at start {r['rss_start_mb']} MB")
-        for probe, v in r["big_posts"].items():
+        if "declared" in r:
+            dl = r["declared"]
+            print(f"  headers only, {dl['declared_gb']} GB declared, 20 at once x {dl['routes']} routes x 2 tokens: "
+                  f"peak {dl['peak_mb']} MB (+{dl['peak_growth_mb']} MB), after {dl['rss_after_mb']} MB, "
+                  f"{dl['seconds']} s")
+            for key, paths in sorted(dl["answers"].items()):
+                print(f"      {key}: {len(paths)} routes")
+        for probe, v in r.get("big_posts", {}).items():
             print(f"  400 MB x3 {probe:36s} answers {v['answers']}  peak {v['peak_mb']} MB  after {v['rss_after_mb']} MB")
-        k = r["key_headers"]
-        print(f"  10^6-key headers x10 ({k['body_mb']} MB)      answers {k['answers']}  peak {k['peak_mb']} MB  "
-              f"after {k['rss_after_mb']} MB")
-        o = r["overlap"]
-        print(f"  overlapping batches at once: both accepted {o['both_accepted']}/{o['trials']}  answers {o['answers']}")
-        print(f"  empty keys: {r['empty_keys']}")
-        print(f"  control byte: {r['control_byte']}   /healthz after: {r['alive']}")
+        if "key_headers" in r:
+            k = r["key_headers"]
+            print(f"  10^6-key headers x10 ({k['body_mb']} MB)      answers {k['answers']}  peak {k['peak_mb']} MB  "
+                  f"after {k['rss_after_mb']} MB")
+        if "overlap" in r:
+            o = r["overlap"]
+            print(f"  overlapping batches at once: both accepted {o['both_accepted']}/{o['trials']}  answers {o['answers']}")
+        for probe in ("empty_keys", "control_byte"):
+            if probe in r:
+                print(f"  {probe.replace('_', ' ')}: {r[probe]}")
+        print(f"  /healthz after: {r['alive']}")
     if a.json:
         print(json.dumps({"bench": "hostile", "results": results}))
 

@@ -13,6 +13,11 @@ Each route declares the most it reads (`max_body(n)` in its `openapi_extra`, whi
   Retry-After, so a flood of large, authorised batches waits instead of growing the heap (the
   trainer's sink retries a 503 later).
 
+A declared length is a promise, not bytes: nothing is allocated or reserved for it. The budget
+counts the bytes received, and `read_body` grows its buffer as they arrive (issue 33: a buffer
+sized from the header let one headers-only request declaring 2 GB take 1.9 GB of the daemon's
+memory before the 413, on any route that reads a body, signed in or not).
+
 A body is reserved against the budget only when its route starts reading it, which every route
 does after its token check: a client without a token can make the daemon hold no more than the
 small budget of the routes it may reach unauthenticated (the sign-in form, Slack's callback).
@@ -130,13 +135,12 @@ class BodyLimits:
                 got += len(message.get("body", b""))
                 if got > limit:
                     raise BodyTooLarge(_too_large(None, limit, where))
-                want = declared if declared is not None else got
-                if want > held:
-                    if not self.in_flight.take(want - held):
+                if got > held:  # bytes received, never bytes promised (issue 33)
+                    if not self.in_flight.take(got - held):
                         raise Busy(f"the daemon is reading {self.in_flight.held >> 20} MB of request bodies already "
                                    f"(limits.max_body_bytes_in_flight = {self.in_flight.ceiling >> 20} MB); "
                                    "nothing was stored, retry shortly")
-                    held = want
+                    held = got
             return message
 
         try:
@@ -155,25 +159,14 @@ def _too_large(size: int | None, limit: int, where: str) -> str:
 # --- reading, for the routes ----------------------------------------------------------------------
 
 
-async def read_body(request: Request) -> bytes | bytearray:
-    """The raw body (its size was bounded by BodyLimits as it streamed in), copied into one
-    buffer of its declared size as it arrives, each piece freed at once: one copy of the body at
-    the peak, not the pieces and their join."""
-    declared = request.headers.get("content-length", "")
-    buf = bytearray(int(declared)) if declared.isdigit() else bytearray()
-    view, n = memoryview(buf), 0
+async def read_body(request: Request) -> bytearray:
+    """The raw body (its size was bounded by BodyLimits as it streamed in), appended to one buffer
+    as its pieces arrive, each piece freed at once: memory follows the bytes received, never the
+    Content-Length a client declares (issue 33). A large buffer grows by realloc, which glibc does
+    with mremap for mmap'd blocks: no second copy of the body at the peak."""
+    buf = bytearray()
     async for chunk in request.stream():
-        if n + len(chunk) <= len(buf):
-            view[n:n + len(chunk)] = chunk
-        else:  # no (or a wrong) Content-Length: grow
-            view.release()
-            del buf[n:]
-            buf += chunk
-            view = memoryview(buf)
-        n += len(chunk)
-    view.release()
-    if n < len(buf):  # a body shorter than declared (the server refuses that; kept safe anyway)
-        del buf[n:]
+        buf += chunk
     return buf
 
 

@@ -115,7 +115,8 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
     from thermowatch.supervisor.serve.api import install_error_handlers, install_input_limits
     from thermowatch.supervisor.serve.body import InFlight
 
-    install_input_limits(app, sup.limits, InFlight(sup.limits.max_body_bytes_in_flight))  # every input bounded: 4xx
+    app.state.body_in_flight = InFlight(sup.limits.max_body_bytes_in_flight)  # read by tests and probes
+    install_input_limits(app, sup.limits, app.state.body_in_flight)  # every input bounded: 4xx
     install_error_handlers(app)  # the store's NotFound / UserError / Conflict as 404 / 422 / 409
     from thermowatch.supervisor.serve.api import openapi
 
