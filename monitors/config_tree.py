@@ -74,6 +74,8 @@ def _check_value(tp: Any, val: Any, where: str) -> None:
     if origin is typing.Union or origin is types.UnionType:
         if val is None and type(None) in args:
             return
+        if float in args and isinstance(val, float) and not math.isfinite(val):
+            return _check_value(float, val, where)  # "a finite number", not "a number or null"
         errors = []
         for arm in (a for a in args if a is not type(None)):
             try:
@@ -102,6 +104,10 @@ def _check_value(tp: Any, val: Any, where: str) -> None:
                 # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float needs a dot, 1.0e-3.
                 hint = " (YAML reads an exponent without a dot as text: write 1.0e-3, not 1e-3)"
             raise ConfigTreeError(where, f"expected a number, got {_show(val)}{hint}")
+        if not math.isfinite(val):
+            # No setting means "forever" or "never" by .inf, and NaN compares false with every
+            # bound a class checks afterwards (issue 34: `cooldown_s: .inf` was accepted).
+            raise ConfigTreeError(where, f"expected a finite number, got {_show(val)}")
     elif tp is str:
         if not isinstance(val, (str, PurePath)):  # a Path from code, for a directory kept as text
             raise ConfigTreeError(where, f"expected a string, got {_show(val)}")

@@ -18,6 +18,7 @@ that pages by default); the run page draws `envelope(run, peers)` on its loss ch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,11 +38,13 @@ class EnvelopeConfig:
     min_peers: int = 1  # fewer comparable runs than this: no verdict
 
     def __post_init__(self) -> None:
-        if not self.gap_nats > 0:
-            raise ValueError(f"gap_nats must be > 0, got {self.gap_nats!r}")
+        if not (self.gap_nats > 0 and math.isfinite(self.gap_nats)):
+            raise ValueError(f"gap_nats must be > 0 and finite, got {self.gap_nats!r}")
         for name in ("confirm", "smooth", "min_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.start >= 0:  # steps; a negative start was accepted and meant 0 (issue 34)
+            raise ValueError(f"start must be >= 0 steps, got {self.start!r}")
 
 
 @dataclass(frozen=True)

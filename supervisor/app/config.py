@@ -16,11 +16,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.monitors.settings import SettingError, check_number, parse_bool, parse_number
 from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
     from thermowatch.monitors.detectors import BankConfig
     from thermowatch.supervisor.notify.flap import FlapConfig
+
+
+# The environment's booleans, read by monitors.settings.parse_bool (its accepted words are in
+# docs/configuration.md's settings table): field -> variable.
+_BOOLEAN_ENV = {"advise_only": "THERMOWATCH_ADVISE_ONLY"}
+# The top-level numbers and their ranges (monitors.settings.check_number); the sections' numbers
+# are checked by their own classes, every float of them finite by the config tree walk.
+_NUMBERS: dict[str, dict[str, Any]] = {
+    "port": dict(lo=1, hi=65535, integer=True),
+    "ack_timeout_s": dict(lo=0, lo_open=True),  # seconds before an unacknowledged command is retried
+    "ack_retries": dict(lo=0, hi=100, integer=True),  # 0: fail at the first timeout
+    "command_expiry_s": dict(lo=0, lo_open=True),
+    "max_body_bytes": dict(lo=1, integer=True),  # an ingest body; 413 above it
+}
 
 
 class ConfigError(UserError):
@@ -128,11 +143,14 @@ class SupervisorConfig:
         self.data_dir = Path(self.data_dir)
         if not self.db_url:
             self.db_url = f"sqlite:///{(self.data_dir / 'thermowatch.db').resolve()}"
-        if not (0 < int(self.port) < 65536):
-            raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
-        for name in ("ack_timeout_s", "command_expiry_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        # Every number at the top level, with one check (monitors.settings): finite, of its kind,
+        # in range. Before issue 34, max_body_bytes: -1 and ack_retries: -3 passed, as did
+        # ack_timeout_s: .inf (a command never retried).
+        try:
+            for name, kw in _NUMBERS.items():
+                check_number(name, getattr(self, name), **kw)
+        except SettingError as exc:
+            raise ConfigError(str(exc)) from None
         if self.api_token_file and not self.api_token:
             try:
                 self.api_token = Path(self.api_token_file).read_text().strip()
@@ -176,7 +194,7 @@ class SupervisorConfig:
             values.update(read_mapping(Path(path)))
         env = os.environ if env is None else env
         for name, key in (("db_url", "THERMOWATCH_DB_URL"), ("data_dir", "THERMOWATCH_DATA_DIR"),
-                          ("host", "THERMOWATCH_HOST"), ("port", "THERMOWATCH_PORT"),
+                          ("host", "THERMOWATCH_HOST"),
                           ("api_token", "THERMOWATCH_API_TOKEN"), ("api_token_file", "THERMOWATCH_API_TOKEN_FILE")):
             if env.get(key):
                 values[name] = env[key]
@@ -187,24 +205,28 @@ class SupervisorConfig:
                 values["db_url"] = Path(path).read_text().strip()
             except OSError as exc:
                 raise ConfigError(f"THERMOWATCH_DB_URL_FILE: cannot read {path} ({exc.strerror})") from None
-        if env.get("THERMOWATCH_ADVISE_ONLY"):
-            values["advise_only"] = env["THERMOWATCH_ADVISE_ONLY"].lower() in ("1", "true", "yes")
+        try:
+            for name, key in _BOOLEAN_ENV.items():
+                if env.get(key):  # set but empty: not set, as for the other variables
+                    values[name] = parse_bool(key, env[key])  # "enabled" is refused, never read as false
+            if env.get("THERMOWATCH_PORT"):
+                values["port"] = parse_number("THERMOWATCH_PORT", env["THERMOWATCH_PORT"], **_NUMBERS["port"])
+        except SettingError as exc:
+            raise ConfigError(str(exc)) from None
         for slack_key, env_key in (("channel", "THERMOWATCH_SLACK_CHANNEL"), ("token_file", "THERMOWATCH_SLACK_TOKEN_FILE"),
                                    ("signing_secret_file", "THERMOWATCH_SLACK_SIGNING_SECRET_FILE")):
             if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
                 values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if isinstance(values.get("port"), str):  # THERMOWATCH_PORT is text
-            try:
-                values["port"] = int(values["port"])
-            except ValueError as exc:
-                raise ConfigError(f"port must be an integer, got {values['port']!r}") from exc
         try:
             check_tree(cls, values)
         except ConfigTreeError as exc:
             where = f"{path}: " if path else ""
             raise ConfigError(f"{where}{exc}") from None
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # a range the class checks: name the file too, as the walk does
+            raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
 
 
 def read_mapping(path: Path) -> dict[str, Any]:

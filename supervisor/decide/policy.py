@@ -52,6 +52,7 @@ from typing import Any, Iterable, Sequence
 
 from thermowatch.monitors.contract import (DEFAULT_ROLLBACK_SIGNALS, CheckpointInfo, Finding, Outcome, Severity, Signal,
                                           signal_family)
+from thermowatch.monitors.settings import SettingError, check_number
 from thermowatch.supervisor.errors import UserError
 
 DAY_S = 86_400.0
@@ -187,12 +188,16 @@ class PolicyConfig:
         for name in ("recurrence_window_steps", "max_interventions", "max_rollbacks_per_day"):
             if getattr(self, name) < 1:
                 raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.intervention_window_s <= 0:
-            raise PolicyConfigError(f"intervention_window_s={self.intervention_window_s} must be > 0 seconds")
         if self.cooldown_s is None:
             object.__setattr__(self, "cooldown_s", 0.0)
-        if self.cooldown_s < 0:
-            raise PolicyConfigError(f"cooldown_s={self.cooldown_s} must be >= 0 seconds (0 disables it)")
+        # Finite, of their kind, in range (monitors.settings, issue 34): `cooldown_s: .inf` read as
+        # "never act again", and a NaN passed every `< 0` check.
+        for name, lo_open, hint in (("intervention_window_s", True, "seconds"),
+                                    ("cooldown_s", False, "seconds; 0 or null turns it off")):
+            try:
+                check_number(name, getattr(self, name), lo=0, lo_open=lo_open)
+            except SettingError as exc:
+                raise PolicyConfigError(f"{exc} ({hint})") from None
         if not 0.0 < self.lr_multiplier < 1.0:
             raise PolicyConfigError(
                 f"lr_multiplier={self.lr_multiplier} must be in (0, 1): it lowers the LR (0.5 halves it)"

@@ -3,6 +3,7 @@ ConfigError naming its dotted path and the known keys, and `serve` exits 2 with 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_environment_overrides_still_apply_and_are_checked(tmp_path):
                                            "THERMOWATCH_ADVISE_ONLY": "yes"})
     assert (cfg.port, cfg.slack.channel, cfg.slack.token_env, cfg.advise_only) == (9001, "#oncall", "MY_TOKEN", True)
     assert cfg.data_dir == tmp_path / "d"
-    with pytest.raises(ConfigError, match="port must be an integer, got 'x'"):
+    with pytest.raises(ConfigError, match=r"THERMOWATCH_PORT must be an integer in \[1, 65535\], got 'x'"):
         SupervisorConfig.load(None, env={"THERMOWATCH_PORT": "x"})
 
 
@@ -159,3 +160,95 @@ def test_the_limits_example_in_docs_configuration_loads(tmp_path):
     limits = Limits.from_dict(cfg.limits)
     assert cfg.max_body_bytes == 64 << 20
     assert limits.max_body_bytes_in_flight == 256 << 20 and limits.max_new_runs_per_token_per_hour == 1000
+
+
+# --- strict settings (issue 34): a value not understood is refused, never read as false --------
+
+@pytest.mark.parametrize("text, value", [
+    ("1", True), ("true", True), ("yes", True), ("on", True), ("TRUE ", True), (" On", True), ("YES", True),
+    ("0", False), ("false", False), ("no", False), ("off", False), ("Off\n", False),
+])
+def test_a_boolean_in_the_environment_takes_the_documented_spellings(tmp_path, text, value):
+    cfg = SupervisorConfig.load(None, env={"THERMOWATCH_ADVISE_ONLY": text}, data_dir=tmp_path)
+    assert cfg.advise_only is value and cfg.policy_config.advise_only is value
+
+
+@pytest.mark.parametrize("text", ["y", "n", "enabled", "disabled", "2", "-1", "truee", "t rue", "   "])
+def test_any_other_boolean_spelling_is_refused_naming_the_variable(tmp_path, text):
+    """Before, everything but 1/true/yes read as false: `on` meant automatic actions."""
+    with pytest.raises(ConfigError) as exc:
+        SupervisorConfig.load(None, env={"THERMOWATCH_ADVISE_ONLY": text}, data_dir=tmp_path)
+    assert str(exc.value) == (f"THERMOWATCH_ADVISE_ONLY={text!r} is not a boolean; use one of 1, true, yes, on "
+                              "(true) or 0, false, no, off (false), in any case")
+
+
+def test_a_bad_boolean_in_the_environment_stops_the_command_with_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("THERMOWATCH_ADVISE_ONLY", "enabled")
+    assert main(["db", "current", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "THERMOWATCH_ADVISE_ONLY='enabled' is not a boolean" in err and "Traceback" not in err
+    assert not (tmp_path / "thermowatch.db").exists()  # refused before anything was opened
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("max_body_bytes: -1\n", "max_body_bytes must be an integer >= 1, got -1"),
+    ("policy: {cooldown_s: .inf}\n", "policy.cooldown_s: expected a finite number, got inf"),
+    ("ack_retries: -3\n", "ack_retries must be an integer in [0, 100], got -3"),
+    ("ack_timeout_s: .nan\n", "ack_timeout_s: expected a finite number, got nan"),
+    ("command_expiry_s: .inf\n", "command_expiry_s: expected a finite number, got inf"),
+    ("envelope: {start: -5}\n", "envelope: start must be >= 0 steps, got -5"),
+    ("detectors:\n  attn: {ceiling: -.inf}\n", "detectors.attn.ceiling: expected a finite number, got -inf"),
+    ("slack: {flap_window_s: .nan}\n", "slack.flap_window_s: expected a finite number, got nan"),
+])
+def test_validate_config_refuses_a_number_out_of_range_with_exit_2_naming_the_key(tmp_path, capsys, yaml_text,
+                                                                                   message):
+    path = tmp_path / "sup.yaml"
+    path.write_text(yaml_text)
+    assert main(["validate-config", str(path), "--kind", "supervisor"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"thermowatch: {path}: {message}\n", err
+    # serve reads the file with the same code and stops at start-up with the same words
+    assert main(["serve", "--config", str(path), "--data-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _numeric_settings(cls: type, path: tuple[str, ...] = ()):
+    """(dotted path, is_int) of every int or float setting under the config class `cls`."""
+    import dataclasses
+    import typing
+
+    from thermowatch.monitors.config_tree import SCHEMA, _resolve
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        target, tp = f.metadata.get(SCHEMA), hints.get(f.name)
+        if target is not None:
+            yield from _numeric_settings(_resolve(target), path + (f.name,))
+        elif dataclasses.is_dataclass(tp):
+            yield from _numeric_settings(tp, path + (f.name,))
+        else:
+            arms = set(typing.get_args(tp)) - {type(None)} or {tp}
+            if arms & {int, float}:
+                yield path + (f.name,), float not in arms
+
+
+def _nested(path: tuple[str, ...], value):
+    for key in reversed(path[1:]):
+        value = {key: value}
+    return {path[0]: value}
+
+
+NUMERIC_SETTINGS = list(_numeric_settings(SupervisorConfig))
+
+
+@pytest.mark.parametrize("path, is_int", NUMERIC_SETTINGS, ids=[".".join(p) for p, _ in NUMERIC_SETTINGS])
+def test_every_numeric_setting_refuses_nan_infinity_and_a_negative_number(tmp_path, path, is_int):
+    """Every number of the supervisor config, found by walking its classes (a new one is covered
+    without a line here): finite, and none of them means anything below zero."""
+    assert len(NUMERIC_SETTINGS) > 100
+    for bad in (math.nan, math.inf, -math.inf, -1 if is_int else -1.0):
+        with pytest.raises(ConfigError) as exc:
+            SupervisorConfig.load(None, env={}, data_dir=tmp_path, **_nested(path, bad))
+        assert path[-1] in str(exc.value), (path, bad, str(exc.value))

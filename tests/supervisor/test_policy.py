@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -348,12 +349,14 @@ def test_decision_to_json_is_plain():
     (dict(rollback_margin_steps=-1), "rollback_margin_steps=-1"),
     (dict(max_interventions=0), "max_interventions=0 must be >= 1"),
     (dict(lr_steps=0), "lr_steps=0 must be >= 1, or None"),
-    (dict(cooldown_s=-5), "cooldown_s=-5"),
+    (dict(cooldown_s=-5), "cooldown_s must be a finite number >= 0, got -5"),
+    (dict(cooldown_s=math.inf), "cooldown_s must be a finite number >= 0, got inf"),
+    (dict(intervention_window_s=math.nan), "intervention_window_s must be a finite number > 0, got nan"),
     (dict(rollback_signals=["stall"]), "rollback cannot fix"),
     (dict(rollback_signals=["loss_spik"]), "known signals"),
     (dict(act_min_severity="fatal"), "info, warn, critical"),
 ], ids=["lr-above-1", "lr-zero", "negative-margin", "no-interventions", "lr-steps-zero", "negative-cooldown",
-        "stall-cannot-roll-back", "typo-signal", "bad-severity"])
+        "infinite-cooldown", "nan-window", "stall-cannot-roll-back", "typo-signal", "bad-severity"])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(PolicyConfigError, match=match):
         PolicyConfig(**kwargs)
