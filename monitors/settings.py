@@ -51,12 +51,17 @@ def describe_range(lo: float | None, hi: float | None, *, lo_open: bool = False,
     """'an integer >= 0', 'a finite number > 0', 'an integer in [1, 65535]'."""
     kind = "an integer" if integer else "a finite number"
     if lo is not None and hi is not None:
-        return f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        return f"{kind} in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
     if lo is not None:
-        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
+        return f"{kind} {'>' if lo_open else '>='} {_num(lo)}"
     if hi is not None:
-        return f"{kind} <= {hi:g}"
+        return f"{kind} <= {_num(hi)}"
     return kind
+
+
+def _num(x: float) -> str:
+    # the database's integer columns by name, as supervisor.limits.check_int writes them
+    return {2**63 - 1: "2**63-1", 2**31 - 1: "2**31-1"}.get(x, str(x)) if isinstance(x, int) else f"{x:g}"
 
 
 def check_number(where: str, value: Any, *, lo: float | None = None, hi: float | None = None,

@@ -250,6 +250,8 @@ def _add_db_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from thermowatch.monitors.commands import INT64_MAX
+    from thermowatch.monitors.settings import arg_int  # every numeric flag: finite, in range, or exit 2
     from thermowatch.supervisor import version
 
     parser = argparse.ArgumentParser(prog="thermowatch", description=__doc__.splitlines()[0])
@@ -259,21 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the supervisor daemon (ingest, detectors, policy, API, web, jobs)")
     _add_db_flags(p)
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8765)")
+    p.add_argument("--port", type=arg_int(1, 65535), help="port (default 8765)")
     p.add_argument("--no-upgrade", action="store_true", help="refuse to start on an old schema instead of migrating")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("train", help="launch a supervised training run")
     p.add_argument("config_file", help="training config (YAML/JSON; only what differs from defaults)")
     p.add_argument("--supervisor", help="URL of a running daemon; default: an embedded one in this process")
-    p.add_argument("--progress-every", type=int, default=10, metavar="N",
+    p.add_argument("--progress-every", type=arg_int(1), default=10, metavar="N",
                    help="a progress line (step, loss, tokens/s, max attention logit, ETA) every N steps")
     p.add_argument("-v", "--verbose", action="store_true", help="also log every HTTP request (httpx, httpcore)")
     p.add_argument("--detach", action="store_true",
                    help="run the controller as a detached Ray actor on the cluster at RAY_ADDRESS (needs "
                         "--supervisor): it survives this command, and Ray restarts it when its process dies; "
                         "the same command again attaches to it")
-    p.add_argument("--restarts", type=int, default=10, metavar="N",
+    p.add_argument("--restarts", type=arg_int(0), default=10, metavar="N",
                    help="with --detach: how often Ray may restart a dead controller (default 10)")
     _add_db_flags(p)
     p.set_defaults(func=cmd_train)
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=".thermowatch-demo")
     p.add_argument("--json-summary", help="write incidents, actions, skipped ranges and final loss here")
     p.add_argument("--compare", action="store_true", help="also train the same run without the supervisor")
-    p.add_argument("--steps", type=int, default=None, help="shorten the run (CI)")
+    p.add_argument("--steps", type=arg_int(1), default=None, help="shorten the run (CI)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the weights' dtype (default bfloat16, as the trainer runs at scale); float32 trains "
                         "~5x faster on a CPU without AVX-512, where bf16 matmuls are emulated (CI)")
@@ -302,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="goodput of a long run at scale under public failure rates, by strategy")
     p.add_argument("--config", help="simulation settings that differ from the defaults (YAML)")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same table")
+    p.add_argument("--seed", type=arg_int(0, 2**63 - 1), default=0, help="the same seed gives the same table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_simulate)
 
@@ -344,14 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id")
     p.add_argument("metric", help="a full key (loss, attn_logit_max/blocks.3.attn) or a family (attn_logit_max)")
     p.add_argument("-o", "--output", required=True, help="the PNG file to write")
-    p.add_argument("--step-lo", type=int, help="first step of the window (default: the run's first)")
-    p.add_argument("--step-hi", type=int, help="last step of the window, inclusive (default: the run's last)")
+    p.add_argument("--step-lo", type=arg_int(0, INT64_MAX), help="first step of the window (default: the run's first)")
+    p.add_argument("--step-hi", type=arg_int(0, INT64_MAX), help="last step of the window, inclusive (default: the run's last)")
     p.add_argument("--attempts", choices=["all", "current"], default="all",
                    help="all: abandoned trajectories faded beneath the live path; current: the live path only")
-    p.add_argument("--onset", type=int, help="draw a finding's onset at this step")
-    p.add_argument("--incident", type=int, help="draw this incident heavier")
-    p.add_argument("--width", type=int, default=1100, help="pixels (200..4000)")
-    p.add_argument("--height", type=int, default=320, help="pixels (120..2000)")
+    p.add_argument("--onset", type=arg_int(0, INT64_MAX), help="draw a finding's onset at this step")
+    p.add_argument("--incident", type=arg_int(0, INT64_MAX), help="draw this incident heavier")
+    p.add_argument("--width", type=arg_int(200, 4000), default=1100, help="pixels (200..4000)")
+    p.add_argument("--height", type=arg_int(120, 2000), default=320, help="pixels (120..2000)")
     _add_client_flags(p)
     p.set_defaults(func=cmd_plot)
 

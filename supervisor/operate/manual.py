@@ -24,7 +24,8 @@ from typing import Any, Callable
 from thermowatch.monitors.contract import describe_args
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.act.outcome import render
-from thermowatch.monitors.commands import FINAL_STATES
+from thermowatch.monitors.commands import FINAL_STATES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
+from thermowatch.monitors.settings import arg_float, arg_int
 
 
 def _parse_range(text: str) -> list[int]:
@@ -36,6 +37,11 @@ def _parse_range(text: str) -> list[int]:
 
 
 def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> None:
+    # Every number a flag takes is checked here (monitors.settings, issue 34): `--multiplier nan`
+    # ended in a traceback; now it is argparse's one-line usage error, exit 2. The daemon checks
+    # the run's own limits (feasibility) on top.
+    lr = arg_float(0, MAX_LR_MULTIPLIER, lo_open=True)
+
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         add_client_flags(p)
@@ -54,10 +60,11 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
         p.add_argument("--reason", default="", help="why, for the audit trail and the alert")
         p.add_argument("--wait", action="store_true",
                        help="block until the trainer acknowledges; print what it did; exit 1 if it failed")
-        p.add_argument("--timeout", type=float, default=600.0, help="--wait gives up after this many seconds")
+        p.add_argument("--timeout", type=arg_float(0, lo_open=True), default=600.0,
+                       help="--wait gives up after this many seconds")
         p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
         if name == "rollback":
-            p.add_argument("--to-step", type=int, required=True,
+            p.add_argument("--to-step", type=arg_int(0, INT64_MAX), required=True,
                            help="load the newest healthy checkpoint at or before this step")
             p.add_argument("--exact", action="store_true", help="refuse unless the checkpoint at --to-step itself exists")
         if name in ("rollback", "skip"):
@@ -65,18 +72,18 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
                            help="absolute sample index range to skip (repeatable)")
         if name in ("rollback", "lr"):
             g = p.add_mutually_exclusive_group(required=name == "lr")
-            g.add_argument("--multiplier", type=float, help="the LR multiplier on the schedule (absolute: 0.5 = half "
+            g.add_argument("--multiplier", type=lr, help="the LR multiplier on the schedule (absolute: 0.5 = half "
                                                             "the schedule, whatever was set before)")
-            g.add_argument("--factor", type=float, help="relative: multiply the multiplier in force now (0.5 halves it)")
-            p.add_argument("--for-steps", type=int, default=None, help="only for this many steps")
+            g.add_argument("--factor", type=lr, help="relative: multiply the multiplier in force now (0.5 halves it)")
+            p.add_argument("--for-steps", type=arg_int(1, INT64_MAX), default=None, help="only for this many steps")
         if name == "profile":
-            p.add_argument("--steps", type=int, default=5)
+            p.add_argument("--steps", type=arg_int(1, INT32_MAX), default=5)
     for name in ("approve", "cancel"):
         p = cmd(name, f"{name} a pending action (advise-only mode)")
-        p.add_argument("action_id", type=int)
+        p.add_argument("action_id", type=arg_int(1, INT32_MAX))
         p.add_argument("--who", default=None)
     p = cmd("runs", "list runs with their last step and open incidents, newest first")
-    p.add_argument("--limit", type=int, default=100, help="runs to list (1-1000; default 100)")
+    p.add_argument("--limit", type=arg_int(1, 1000), default=100, help="runs to list (1-1000; default 100)")
     p.add_argument("--cursor", help="list the runs after a previous listing's last one (it prints the cursor)")
     p.add_argument("--json", action="store_true")
     p = cmd("actions", "list a run's actions with their states")

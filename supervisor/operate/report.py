@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from thermowatch.monitors.commands import INT64_MAX
+from thermowatch.monitors.settings import arg_int
 from thermowatch.supervisor.errors import UserError
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -57,7 +59,7 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
     p.add_argument("run_id")
     p.add_argument("--json", action="store_true", help="the daemon's answer: every verdict and the quarantine")
     p.add_argument("--ids", action="store_true", help="the quarantined sample ids, one per line")
-    p.add_argument("--horizon", type=int, default=None,
+    p.add_argument("--horizon", type=arg_int(1, INT64_MAX), default=None,
                    help="steps past the old detection the re-trained path must run clean (default: the daemon's, 100)")
     p.set_defaults(func=cmd_quarantine)
 

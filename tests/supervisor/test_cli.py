@@ -35,7 +35,7 @@ def run(db, tmp_path):
     """A run with 30 real steps in the DB (through the supervisor's own ingest)."""
     sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, detectors=dict(DETECTORS)),
                      notifier=ConsoleNotifier(io.StringIO()))
-    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1), "trainer")  # the trainer's token opened it
     sup.write(RUN, 0, healthy_records()[:30])
     sup.close()
     return RUN
@@ -144,9 +144,6 @@ def test_cancel_from_the_cli(db, daemon, capsys):
     (["rollback", RUN, "--to-step", "20", "--skip", "9:3"], "lo must be < hi"),
     (["rollback", "no-such-run", "--to-step", "20"], "no run 'no-such-run'"),
     (["actions", "no-such-run"], "no run 'no-such-run'"),
-    (["lr", RUN, "--multiplier", "50"], "lr_multiplier must be a finite number in (0, 10]"),
-    (["lr", RUN, "--multiplier", "0"], "lr_multiplier"),
-    (["rollback", RUN, "--to-step", "-4"], "to_step must be an integer in [0, 2**63-1]"),
     (["approve", "12345"], "no action 12345"),
 ])
 def test_bad_input_exits_2_with_the_daemons_message(db, daemon, capsys, argv, words):
@@ -155,6 +152,55 @@ def test_bad_input_exits_2_with_the_daemons_message(db, daemon, capsys, argv, wo
     assert code == 2
     assert words in err and "Traceback" not in err
     assert actions(db) == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["lr", RUN, "--multiplier", "nan"], "thermowatch lr: error: argument --multiplier: must be a finite number "
+                                         "in (0, 10], got nan"),
+    (["lr", RUN, "--multiplier", "inf"], "argument --multiplier: must be a finite number in (0, 10], got inf"),
+    (["lr", RUN, "--multiplier", "1e999"], "argument --multiplier: must be a finite number in (0, 10], got inf"),
+    (["lr", RUN, "--multiplier", "50"], "argument --multiplier: must be a finite number in (0, 10], got 50.0"),
+    (["lr", RUN, "--multiplier", "0"], "argument --multiplier: must be a finite number in (0, 10], got 0.0"),
+    (["lr", RUN, "--factor=-nan"], "argument --factor: must be a finite number in (0, 10], got nan"),
+    (["lr", RUN, "--multiplier", "0.5", "--for-steps", "0"], "argument --for-steps: must be an integer in [1, 2**63-1], got 0"),
+    (["rollback", RUN, "--to-step", "-4"], "argument --to-step: must be an integer in [0, 2**63-1], got -4"),
+    (["rollback", RUN, "--to-step", "1.5"], "argument --to-step: must be an integer in [0, 2**63-1], got '1.5'"),
+    (["stop", RUN, "--wait", "--timeout", "nan"], "argument --timeout: must be a finite number > 0, got nan"),
+    (["runs", "--limit", "0"], "argument --limit: must be an integer in [1, 1000], got 0"),
+    (["approve", "-1"], "argument action_id: must be an integer in [1, 2**31-1], got -1"),
+    (["plot", RUN, "loss", "-o", "x.png", "--width", "5"], "argument --width: must be an integer in [200, 4000], got 5"),
+    (["quarantine", RUN, "--horizon", "0"], "argument --horizon: must be an integer in [1, 2**63-1], got 0"),
+    (["serve", "--port", "70000"], "argument --port: must be an integer in [1, 65535], got 70000"),
+    (["simulate", "--seed", "-1"], "argument --seed: must be an integer in [0, 2**63-1], got -1"),
+])
+def test_a_number_a_flag_cannot_take_exits_2_with_one_line_and_asks_no_daemon(tmp_path, capsys, monkeypatch, argv,
+                                                                             words):
+    """Issue 34: `thermowatch lr RUN --multiplier nan` ended in a traceback. Every numeric flag is
+    checked as it is parsed (monitors.settings): argparse's usage error, exit 2. Nothing listens
+    at the address, so a command that asked a daemon would exit 3 instead."""
+    from tests.live_server import free_port
+
+    monkeypatch.setenv("THERMOWATCH_SERVER", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("THERMOWATCH_CLIENT_CONFIG", str(tmp_path / "none.json"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.splitlines()[-1].endswith(words), err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_lr_multiplier_nan_as_a_process_exits_2_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "THERMOWATCH_CLIENT_CONFIG": str(tmp_path / "none.json")}
+    p = subprocess.run([sys.executable, "-m", "thermowatch", "lr", RUN, "--multiplier", "nan"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.splitlines()[-1] == ("thermowatch lr: error: argument --multiplier: must be a finite number in "
+                                         "(0, 10], got nan")
 
 
 def test_no_daemon_names_the_address_and_how_to_point_elsewhere(tmp_path, capsys, monkeypatch):
@@ -377,7 +423,7 @@ def diverging_daemon(db, tmp_path):
                                       detectors=dict(DETECTORS), policy=dict(POLICY)),
                      notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
     try:
-        sup.open_run(RunInfo(run_id="div", attempt=0, world_size=1))
+        sup.open_run(RunInfo(run_id="div", attempt=0, world_size=1), "trainer")  # the trainer's token
         recs = diverging_records()
         for i in range(0, len(recs), 10):
             sup.write("div", 0, recs[i:i + 10])
