@@ -54,6 +54,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, set_aside
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
     LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
@@ -552,7 +553,7 @@ class Watch(Directed):
         if self.dist.world > 1:
             state = self.dist.load(self.model, self.optimizer, self._path(step))
         else:
-            state = torch.load(self._path(step), map_location="cpu", weights_only=False)
+            state = load_as_data(self._path(step))  # as data: a planted pickle is refused, not run
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
@@ -565,16 +566,26 @@ class Watch(Directed):
     def _load_newest(self, steps: list[int]) -> int | None:
         """Load the newest of these checkpoints that reads; an unreadable file falls back to an
         older one. The step loaded, or None when none reads. Under torchrun every rank tries
-        the same ones in the same order and keeps one only when every rank read it."""
+        the same ones in the same order and keeps one only when every rank read it.
+
+        A file refused for holding code (thermowatch/checkpoint_io.py) is set aside as
+        `<name>.refused`: kept for whoever looks into it, never tried again, and out of the way
+        of the checkpoint this run saves at that step when it trains there again."""
         for s in sorted(steps, reverse=True):
+            refused = False
             try:
                 self._load(s)
                 ok = True
+            except CheckpointRefused as exc:
+                log.error("thermowatch: checkpoint step %d was refused, not loaded: %s; trying an older one", s, exc)
+                ok, refused = False, True
             except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so, try the next
                 log.error("thermowatch: checkpoint %s is unreadable (%s); trying an older one", self._path(s), exc)
                 ok = False
             if self.dist.all_ok(ok):
                 return s
+            if not self.dist.all_ok(not refused) and self.dist.rank == 0:  # any rank refused it
+                set_aside(self._path(s))
         return None
 
     def _save_state(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from thermowatch.checkpoint_io import load_as_data
 from thermowatch.monitors.contract import Command
 
 
@@ -129,11 +130,13 @@ class Ranks:
         self.barrier()
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+        """Every file read as data (thermowatch/checkpoint_io.py): a refused one raises CheckpointRefused."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from thermowatch import checkpoint_dcp
 
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optimizer": osd}
-        dcp.load(state, checkpoint_id=str(path))  # collective: every rank reaches it, whatever fails after
+        checkpoint_dcp.load(state, path)  # collective: every rank reaches it, whatever fails after
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        return torch.load(path / f"extra_rank{self.rank}.pt", map_location="cpu", weights_only=False)
+        return load_as_data(path / f"extra_rank{self.rank}.pt")
