@@ -195,15 +195,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     """A chart of one metric (a key or a family prefix) as a PNG file, through the daemon's
     GET /api/runs/{run}/chart.png (read from the rollups: fast at any history length)."""
     from thermowatch.supervisor.operate.client import Client, resolve, run_path
+    from thermowatch.supervisor.operate.files import target_of, write_file
 
     out = Path(args.output)
-    if not out.parent.is_dir():
-        raise UserError(f"-o {args.output}: the folder {out.parent} does not exist")
+    target_of(out, "-o")  # a device, a directory or a missing folder: refused before asking the daemon
     with Client(resolve(args.server, args.token), timeout=120.0) as api:
         png = api.get_bytes(f"{run_path(args.run_id)}/chart.png", metric=args.metric, step_lo=args.step_lo,
                             step_hi=args.step_hi, attempts=args.attempts, onset=args.onset, incident=args.incident,
                             width=args.width, height=args.height)
-    out.write_bytes(png)
+    write_file(out, png, flag="-o")
     print(f"wrote {out} ({len(png)} bytes): {args.run_id} {args.metric}")
     return EXIT_OK
 

@@ -119,6 +119,10 @@ def run_demo(opts: DemoOptions) -> int:
     from thermowatch.trainer.controller import RunController
     from thermowatch.trainer.local import ListSink, QueueCommands
 
+    from thermowatch.supervisor.operate.files import target_of, write_file
+
+    if opts.json_summary:
+        target_of(opts.json_summary, "--json-summary")  # a device or missing folder: refused before minutes of training
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
@@ -150,7 +154,7 @@ def run_demo(opts: DemoOptions) -> int:
         sup.close()
     print_summary(summary)
     if opts.json_summary:
-        opts.json_summary.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+        write_file(opts.json_summary, json.dumps(summary, indent=2, default=_json_default) + "\n", flag="--json-summary")
         print(f"summary written to {opts.json_summary}", file=sys.stderr)
     return 0 if summary["final_step"] >= tcfg.steps else 1
 

@@ -63,14 +63,12 @@ def read_login() -> dict[str, str]:
 
 def save_login(server: str, token: str | None) -> Path:
     """Write the per-user file, readable by its owner only (it holds a token)."""
+    from thermowatch.supervisor.operate.files import write_file
+
     path = config_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"server": server, **({"token": token} if token else {})}, f)
-    os.chmod(tmp, 0o600)  # an existing file keeps its mode through O_TRUNC
-    tmp.replace(path)
+    write_file(path, json.dumps({"server": server, **({"token": token} if token else {})}), flag="saving the login to",
+               mode=0o600)
     return path
 
 

@@ -14,13 +14,13 @@ import argparse
 import csv
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 from thermowatch.monitors.commands import INT64_MAX
 from thermowatch.monitors.settings import arg_int
 from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.operate.files import replacing, target_of
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -179,6 +179,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name such as {out / (args.run_id + '.jsonl')}")
+    target_of(out, "--out")  # a device, fifo or missing folder is refused before asking the daemon
     every = getattr(args, "attempts", "all") == "all"
     # (attempt, step) -> values; attempt None for the newest attempt's point per step
     rows: dict[tuple[int | None, int], dict[str, Any]] = {}
@@ -197,8 +198,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                                                                  if isinstance(value, str) else value)
     fmt = args.format or ("csv" if out.suffix.lower() == ".csv" else "jsonl")
     order = sorted(rows, key=lambda k: (k[0] or 0, k[1]))
-    tmp = out.with_name(out.name + ".partial")
-    with tmp.open("w", encoding="utf-8", newline="") as fh:
+    with replacing(out, flag="--out") as fh:  # whole or not at all, and only over a regular file
         if fmt == "csv":
             w = csv.writer(fh)
             w.writerow((["attempt"] if every else []) + ["step", *keys])
@@ -211,7 +211,6 @@ def cmd_export(args: argparse.Namespace) -> int:
                 head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
                 # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
                 fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
-    os.replace(tmp, out)
     n_att = len({a for a, _ in rows})
     print(f"wrote {len(rows)} records ({len(keys)} series{f', {n_att} attempts' if every else ''}) of run "
           f"{args.run_id} to {out}" + (f"; `thermowatch replay {out}` runs them through the detectors"

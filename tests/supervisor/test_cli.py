@@ -484,6 +484,67 @@ def test_incidents_and_export_replays_to_the_daemons_findings(db, diverging_daem
     assert not (tmp_path / "x.jsonl").exists()
 
 
+def _not_regular_targets(tmp_path):
+    """(name, path) of things a CLI writer must refuse to replace, all made inside tmp_path (the old
+    export renamed its file over whatever --out named: as root, /dev/full became a regular file)."""
+    import os
+    import stat
+
+    (tmp_path / "fifo").parent.mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-dev-full").symlink_to("/dev/full")
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "to-a-dir").symlink_to(tmp_path / "a-dir")
+    out = [("fifo", tmp_path / "fifo"), ("symlink to /dev/full", tmp_path / "to-dev-full"),
+           ("symlink to a directory", tmp_path / "to-a-dir")]
+    if os.geteuid() == 0:  # a device node of our own, never the machine's
+        os.mknod(tmp_path / "full", stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        out.append(("character device", tmp_path / "full"))
+    return out
+
+
+def _snapshot(path):
+    import os
+
+    st = os.lstat(path)
+    return st.st_mode, st.st_ino, os.readlink(path) if path.is_symlink() else None
+
+
+def test_export_refuses_to_replace_anything_but_a_regular_file(daemon, tmp_path, capsys):
+    import os
+
+    targets = _not_regular_targets(tmp_path / "t")
+    for what, path in targets:
+        before = _snapshot(path)
+        assert main(["export", RUN, *daemon.flags, "--out", str(path)]) == 2, what
+        err = capsys.readouterr().err
+        assert f"--out {path}" in err and "Traceback" not in err, err
+        assert "writes only to a regular file" in err or "is a directory; give a file name" in err, err
+        assert _snapshot(path) == before, what  # untouched: same kind, same inode, same link
+    assert "is a fifo (named pipe)" in err or "is a character device" in err
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == sorted(
+        ["fifo", "to-dev-full", "a-dir", "to-a-dir"] + (["full"] if os.geteuid() == 0 else []))  # no .partial left
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
+    # over a regular file, through a symlink: the file named is replaced whole, the link kept
+    real = tmp_path / "real.jsonl"
+    real.write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(real)
+    assert main(["export", RUN, *daemon.flags, "--out", str(tmp_path / "link.jsonl")]) == 0
+    assert (tmp_path / "link.jsonl").is_symlink() and len(real.read_text().splitlines()) == 30
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_plot_refuses_a_fifo_before_asking_the_daemon(tmp_path, capsys, monkeypatch):
+    from tests.live_server import free_port
+
+    monkeypatch.setenv("THERMOWATCH_SERVER", f"http://127.0.0.1:{free_port()}")  # nothing listens: exit 3 if asked
+    targets = dict(_not_regular_targets(tmp_path))
+    assert main(["plot", RUN, "loss", "-o", str(targets["fifo"])]) == 2
+    assert f"-o {targets['fifo']} is a fifo (named pipe)" in capsys.readouterr().err
+    assert main(["plot", RUN, "loss", "-o", str(tmp_path / "no-such-folder" / "x.png")]) == 2
+    assert "the folder" in capsys.readouterr().err
+
+
 def test_a_closed_pipe_and_no_terminal_end_with_a_reason_not_a_traceback(daemon, tmp_path):
     """Issue 23's papercuts: `thermowatch actions RUN | head` printed a BrokenPipe traceback, and
     `login` without --token in a non-interactive shell a getpass traceback."""
