@@ -18,6 +18,11 @@ class Conflict(UserError):
     """A request that is valid but not now (e.g. approving an action that already ran)."""
 
 
+class Forbidden(UserError):
+    """An authenticated caller asking for what its token may not touch (issue 33: an ingest token
+    writes only the runs it created): HTTP 403 naming the rule. Nothing was stored."""
+
+
 class QuotaExceeded(UserError):
     """A caller used up a budget over time (supervisor.ingest.quota): HTTP 429 with Retry-After.
     Nothing was stored."""

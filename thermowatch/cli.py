@@ -160,8 +160,9 @@ def cmd_token(args: argparse.Namespace) -> int:
         db.check_current(engine)
         sessions = db.make_sessionmaker(engine)
         if args.token_command == "create":
-            row, secret = tokens_api.create(sessions, args.name, args.scope or [], "cli")
-            print(f"created token {row.name!r} with scopes {', '.join(row.scopes)}; its secret, shown only now "
+            row, secret = tokens_api.create(sessions, args.name, args.scope or [], "cli", args.run_prefix)
+            bound = f", opening only runs named {row.run_prefix}..." if row.run_prefix else ""
+            print(f"created token {row.name!r} with scopes {', '.join(row.scopes)}{bound}; its secret, shown only now "
                   f"(only its SHA-256 digest is stored):", file=sys.stderr)
             print(secret)
         elif args.token_command == "revoke":
@@ -171,7 +172,8 @@ def cmd_token(args: argparse.Namespace) -> int:
             rows = tokens_api.listing(sessions)
             for t in rows:
                 state = f"revoked {t['revoked_at'][:19]}Z" if t["revoked_at"] else "active"
-                print(f"{t['name']:<30} {','.join(t['scopes']):<28} created {t['created_at'][:19]}Z  {state}")
+                prefix = f"  runs {t['run_prefix']}*" if t["run_prefix"] else ""
+                print(f"{t['name']:<30} {','.join(t['scopes']):<28} created {t['created_at'][:19]}Z  {state}{prefix}")
             if not rows:
                 print("(no tokens)")
     except db.SchemaOutOfDate as exc:
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("name", help="who or what holds it (the actor name in the audit trail): trainer-run42, alice")
     tp.add_argument("--scope", action="append", choices=["ingest", "read", "operate", "admin"], required=True,
                     help="repeat for several; operate implies read, admin implies all")
+    tp.add_argument("--run-prefix", default="", metavar="PREFIX",
+                    help="an ingest token opens only runs whose id starts with PREFIX (it writes only the runs it "
+                         "opened either way; docs/auth.md)")
     _add_db_flags(tp)
     tp = tsub.add_parser("list", help="names, scopes, created and revoked times (never secrets)")
     _add_db_flags(tp)

@@ -186,8 +186,9 @@ class Supervisor:
 
     # --- RecordSink ---------------------------------------------------------------------------
 
-    def open_run(self, info: RunInfo, actor: str = "run-controller") -> None:
-        self.ingestor.open_run(info, actor)
+    def open_run(self, info: RunInfo, actor: str = "run-controller",
+                 authorize: Callable[[str, str], None] | None = None) -> None:
+        self.ingestor.open_run(info, actor, authorize)
         self.responder.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:

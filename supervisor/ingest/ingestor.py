@@ -89,13 +89,21 @@ class Ingestor:
 
     # --- RecordSink ----------------------------------------------------------------------------
 
-    def open_run(self, info: RunInfo, actor: str = "run-controller") -> None:
-        """`actor`: the audit trail's name for the caller (over HTTP, its token's name)."""
+    def open_run(self, info: RunInfo, actor: str = "run-controller",
+                 authorize: Callable[[str, str], None] | None = None) -> None:
+        """`actor`: the audit trail's name for the caller (over HTTP, its token's name).
+        `authorize(run_id, owner)`: raises (Forbidden) when the caller may not open this run or a
+        new attempt of it, `owner` being the run's creator (the actor itself for a new run); it
+        runs in the transaction, so of two tokens racing to create one run, the loser is refused
+        and stores nothing."""
         validate_run_info(info)
         check_run_info(info, self.limits)
         with self._sessions.begin() as s:
             new = not runs_store.attempt_exists(s, info.run_id, info.attempt)
-            if runs_store.open_attempt(s, info, created_by=actor):  # a new run, not a new attempt
+            created = runs_store.open_attempt(s, info, created_by=actor)
+            if authorize is not None:
+                authorize(info.run_id, actor if created else runs_store.created_by(s, info.run_id) or "")
+            if created:  # a new run, not a new attempt
                 quota.check_new_run(s, actor, self.limits)  # past the limit: QuotaExceeded, rolled back
             if new:
                 audit_store.audit(s, info.run_id, actor, "attempt_opened",

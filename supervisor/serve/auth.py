@@ -5,12 +5,17 @@ Plain Python (no FastAPI): supervisor.serve.guard turns a request into a secret 
 module who holds it.
 
 Scopes:
-    ingest   the trainer: open runs, write steps and checkpoints, poll commands, acknowledge
+    ingest   the trainer: open runs, and write only the runs it opened (steps, checkpoints, deletions,
+             the finished report, command polls, acks); a run prefix given at creation bounds the
+             names of the runs it may open
     read     runs, history, incidents, actions, audit, the web page and its plots
     operate  manual commands, approve, cancel; implies `read` (an operator acts on what they see)
     admin    create, list and revoke tokens; implies every scope
 `ingest` implies nothing else: a trainer's token, copied onto every GPU node, cannot read other
-runs' history or issue commands.
+runs' history or issue commands, nor write into them (issue 33: a token made for team B posted a
+NaN step into team A's run and could make the supervisor roll it back). A run's owner is the
+token that opened it (`runs.created_by`, by token name: names are never reused); `admin` keeps
+its reach over every run, and `operate` acts on any run through its own routes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
+from thermowatch.supervisor.errors import Forbidden
+from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import tokens as tokens_store
 
@@ -39,6 +46,7 @@ IMPLIES = {
 CONFIG_TOKEN_NAME = "config-admin"  # the actor name of THERMOWATCH_API_TOKEN / api_token_file
 BOOTSTRAP_TOKEN_NAME = "bootstrap-admin"
 BOOTSTRAP_FILE = "admin-token"  # in the data dir, mode 0600
+_OWNERS_KEPT = 100_000  # run owners kept in memory (~10 MB at most), then read again
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +55,34 @@ class Principal:
 
     name: str
     scopes: frozenset[str]
+    run_prefix: str = ""  # the runs it may open start with this ("" for any name)
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes
+
+    @property
+    def bound(self) -> bool:
+        """Writes only the runs it opened (every token without `admin`; supervisor.serve.auth)."""
+        return "admin" not in self.scopes
+
+    def check_opens(self, run_id: str) -> None:
+        """A new run's name within this token's prefix; Forbidden naming the rule otherwise."""
+        if self.bound and self.run_prefix and not run_id.startswith(self.run_prefix):
+            raise Forbidden(f"token {self.name!r} may open only runs whose id starts with {self.run_prefix!r} "
+                            f"(its run prefix); {run_id!r} does not. Name the run within the prefix, or use a "
+                            f"token made for it: thermowatch token create NAME --scope ingest --run-prefix PREFIX")
+
+    def check_open(self, run_id: str, owner: str) -> None:
+        """A run (or a new attempt of it) this token may open: within its prefix, and its own."""
+        self.check_opens(run_id)
+        self.check_owns(run_id, owner)
+
+    def check_owns(self, run_id: str, owner: str) -> None:
+        """Forbidden unless this token may write the run `owner` opened (see the module docstring)."""
+        if self.bound and owner != self.name:
+            by = f"token {owner!r}" if owner else "an unknown token (before thermowatch recorded run owners)"
+            raise Forbidden(f"token {self.name!r} may write only the runs it opened; run {run_id!r} was opened by "
+                            f"{by}. Use that run's own ingest token (or an admin token)")
 
 
 def effective(scopes) -> frozenset[str]:
@@ -69,6 +102,24 @@ class Authenticator:
     def __init__(self, sessions: sessionmaker, *, config_token: str = "") -> None:
         self.sessions = sessions
         self._config_digest = tokens_store.digest(config_token) if config_token else None
+        self._owners: dict[str, str] = {}  # run_id -> the token that opened it; it never changes
+
+    def check_writes(self, principal: Principal, run_id: str) -> None:
+        """Forbidden unless `principal` may write this existing run; an unknown run passes (its
+        route answers 404, as to anyone). The owner is read once per run, then kept: a run's
+        creator never changes, and every step batch asks."""
+        if not principal.bound:
+            return
+        owner = self._owners.get(run_id)
+        if owner is None:
+            with self.sessions() as s:
+                owner = runs_store.created_by(s, run_id)
+            if owner is None:
+                return
+            if len(self._owners) >= _OWNERS_KEPT:
+                self._owners.clear()
+            self._owners[run_id] = owner
+        principal.check_owns(run_id, owner)
 
     def authenticate(self, secret: str) -> Principal | None:
         if not secret:
@@ -77,7 +128,7 @@ class Authenticator:
             return Principal(CONFIG_TOKEN_NAME, effective(["admin"]))
         with self.sessions() as s:
             row = tokens_store.find(s, secret)
-        return None if row is None else Principal(row.name, effective(row.scopes))
+        return None if row is None else Principal(row.name, effective(row.scopes), row.run_prefix)
 
 
 def is_loopback(host: str) -> bool:

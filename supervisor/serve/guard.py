@@ -21,13 +21,16 @@ Every other route takes bearer tokens only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 from fastapi import HTTPException, Request
 
+from thermowatch.supervisor.errors import Forbidden
 from thermowatch.supervisor.serve.auth import ANONYMOUS_LOCAL, Authenticator, Principal
 
+log = logging.getLogger(__name__)
 COOKIE = "thermowatch_token"
 PUBLIC_READER = Principal("public-read", frozenset({"read"}))
 HOWTO = "create one with `thermowatch token create NAME --scope {scope}`"
@@ -54,6 +57,23 @@ class Guard:
             return self.check(request, scope, cookie=cookie, browser=browser)
 
         dependency.__name__ = f"require_{scope}"
+        return dependency
+
+    def require_run(self, scope: str) -> Callable[..., Principal]:
+        """`require(scope)` on a route with `{run_id}` in its path, and the run is the token's to
+        write (supervisor.serve.auth: an ingest token writes only the runs it opened): 403 naming
+        the rule otherwise, before the body is read."""
+        def dependency(request: Request, run_id: str) -> Principal:
+            principal = self.check(request, scope)
+            if self.authn is not None:
+                try:
+                    self.authn.check_writes(principal, run_id)
+                except Forbidden as exc:
+                    log.warning("refused %s %s: %s", request.method, request.url.path[:200], exc)
+                    raise HTTPException(403, str(exc)) from None
+            return principal
+
+        dependency.__name__ = f"require_{scope}_run"
         return dependency
 
     def check(self, request: Request, scope: str, *, cookie: bool = False, browser: bool = False) -> Principal:

@@ -74,6 +74,11 @@ def get_run(session: Session, run_id: str) -> RunRow | None:
     return RunRow(r.run_id, dict(r.config), r.created_at) if r is not None else None
 
 
+def created_by(session: Session, run_id: str) -> str | None:
+    """The actor that opened the run (a token's name; '' when unknown), or None: no such run."""
+    return session.execute(select(Run.created_by).where(Run.run_id == run_id)).scalar()
+
+
 def run_exists(session: Session, run_id: str) -> bool:
     return session.execute(select(Run.run_id).where(Run.run_id == run_id)).first() is not None
 

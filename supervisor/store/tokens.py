@@ -20,7 +20,9 @@ from sqlalchemy import String, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from thermowatch.monitors.contract import ContractError
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
+from thermowatch.supervisor.limits import check_run_id
 from thermowatch.supervisor.store.orm import Base, utcnow
 
 SCOPES = ("ingest", "read", "operate", "admin")
@@ -34,6 +36,9 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(100), unique=True)
     digest: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
     scopes: Mapped[str] = mapped_column(String(100))  # space-separated, sorted: "operate read"
+    # The names of the runs an ingest token may create start with this ("" for any name); it
+    # writes only the runs it created either way (supervisor.serve.auth; 0013).
+    run_prefix: Mapped[str] = mapped_column(String(200), default="", server_default="")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
 
@@ -45,6 +50,7 @@ class TokenRow:
     scopes: tuple[str, ...]
     created_at: dt.datetime
     revoked_at: dt.datetime | None
+    run_prefix: str = ""
 
 
 def digest(secret: str) -> str:
@@ -66,17 +72,36 @@ def check_scopes(scopes) -> tuple[str, ...]:
 
 
 def _row(t: ApiToken) -> TokenRow:
-    return TokenRow(t.id, t.name, tuple(t.scopes.split()), t.created_at, t.revoked_at)
+    return TokenRow(t.id, t.name, tuple(t.scopes.split()), t.created_at, t.revoked_at, t.run_prefix or "")
 
 
-def create_token(session: Session, name: str, scopes, secret: str | None = None) -> tuple[TokenRow, str]:
-    """A new token; returns its row and the secret (the only time the secret exists in the clear)."""
+def check_run_prefix(prefix: str, scopes) -> str:
+    """A token's run-name prefix: a run id's start (the daemon's run-id rules), for a token that
+    ingests and is not an admin (an admin's reach is every run, so a prefix on it would promise
+    a limit nobody enforces)."""
+    if not prefix:
+        return ""
+    if "admin" in scopes:
+        raise UserError("a run prefix cannot bind an admin token (admin writes every run); make an ingest token")
+    if "ingest" not in scopes:
+        raise UserError(f"a run prefix binds an ingest token; {' '.join(sorted(scopes))} has no ingest scope")
+    try:
+        return check_run_id(prefix, "run prefix")
+    except ContractError as exc:
+        raise UserError(str(exc)) from None
+
+
+def create_token(session: Session, name: str, scopes, secret: str | None = None,
+                 run_prefix: str = "") -> tuple[TokenRow, str]:
+    """A new token; returns its row and the secret (the only time the secret exists in the clear).
+    `run_prefix`: the runs it may create must start with it (ingest tokens only)."""
     if not NAME_RE.match(name or ""):
         raise UserError(f"token name {name!r} must be 1-100 letters, digits or . _ @ - (starting with a letter "
                         f"or digit), e.g. trainer-run42 or alice")
     scopes = check_scopes(scopes)
+    run_prefix = check_run_prefix(run_prefix, scopes)
     secret = secret or new_secret()
-    row = ApiToken(name=name, digest=digest(secret), scopes=" ".join(scopes))
+    row = ApiToken(name=name, digest=digest(secret), scopes=" ".join(scopes), run_prefix=run_prefix)
     try:
         with session.begin_nested():
             session.add(row)

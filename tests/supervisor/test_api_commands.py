@@ -32,7 +32,7 @@ def make_sup(db, tmp_path, **over) -> Supervisor:
     cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY),
                            detectors=dict(DETECTORS), **{"api_token": ADMIN_TOKEN, **over})
     sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
-    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1), "trainer-1")  # as trainer-1's token would
     return sup
 
 

@@ -33,7 +33,7 @@ def daemon(db, tmp_path):
     cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN,
                            limits={"max_reads_per_client_per_minute": PER_MINUTE, "max_reads_in_flight": 1})
     sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
-    sup.open_run(RunInfo("r", 0, world_size=1))
+    sup.open_run(RunInfo("r", 0, world_size=1), "trainer")  # as the trainer's token would
     with running(build_app(sup)) as url:
         yield sup, url
     sup.close()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from thermowatch.monitors.contract import ContractError
-from thermowatch.supervisor.errors import Conflict, NotFound, QuotaExceeded, UserError
+from thermowatch.supervisor.errors import Conflict, Forbidden, NotFound, QuotaExceeded, UserError
 from thermowatch.supervisor.ingest.ingestor import BatchTooLarge, UnknownRun
 from thermowatch.supervisor.limits import INT32_MAX, INT64_MAX, LimitExceeded, check_int, check_run_id, check_text
 
@@ -34,6 +34,8 @@ async def call(fn, *args):
         raise HTTPException(413, str(exc)) from None
     except Conflict as exc:
         raise HTTPException(409, str(exc)) from None
+    except Forbidden as exc:
+        raise HTTPException(403, str(exc)) from None
     except QuotaExceeded as exc:
         raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
     except (ContractError, UserError) as exc:
@@ -167,7 +169,7 @@ def document_bodies(router: APIRouter, bodies: Mapping[tuple[str, str], type]) -
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """supervisor.errors as HTTP answers: NotFound 404, Conflict 409, QuotaExceeded 429 (with
+    """supervisor.errors as HTTP answers: NotFound 404, Forbidden 403, Conflict 409, QuotaExceeded 429 (with
     Retry-After), any other UserError 422, each with its message as `detail`. The read model and
     the rest of the store raise these, never an HTTP type (supervisor/store/views.py); call() maps
     the same for the routes that run through it."""
@@ -177,5 +179,5 @@ def install_error_handlers(app: FastAPI) -> None:
             return JSONResponse({"detail": str(exc)}, status, headers=headers)
         return answer
 
-    for cls, status in ((NotFound, 404), (Conflict, 409), (QuotaExceeded, 429), (UserError, 422)):
+    for cls, status in ((NotFound, 404), (Forbidden, 403), (Conflict, 409), (QuotaExceeded, 429), (UserError, 422)):
         app.add_exception_handler(cls, user_error(status))

@@ -59,7 +59,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
 
 def make_router(sup, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
-    trainer = Depends(guard.require("ingest"))
+    trainer = Depends(guard.require_run("ingest"))  # the run's own trainer (supervisor.serve.auth)
     operator = Depends(guard.require("operate"))
     # The run page's Approve / Cancel buttons call these two with the sign-in cookie, same-origin
     # only (supervisor.serve.guard); every other command route takes bearer tokens only.

@@ -9,7 +9,8 @@
     POST /api/runs/{run_id}/attempts/{attempt}/finished  RunFinished JSON      -> 200 {"ok": true}
          (the same report again is 200; a different one 409: an attempt finishes once)
 
-Every route needs a token with the `ingest` scope (supervisor.serve.guard).
+Every route needs a token with the `ingest` scope (supervisor.serve.guard), and one that is not an
+admin writes only the runs it opened: 403 naming the rule (supervisor.serve.auth; issue 33).
 Bad input is a 4xx {"detail": "..."} naming the problem: 400 unreadable JSON, 401/403 token,
 404 unknown run/attempt, 413 body or batch too large, 422 wrong types. Bodies are read as raw
 bytes and parsed with json.loads (accepts NaN/Infinity, which Python's json emits) in a worker
@@ -67,6 +68,8 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
     # The token is checked before the body is read: a caller without one learns nothing.
     router = APIRouter(prefix="/api", tags=["ingest"])
     trainer = Depends(guard.require("ingest"))
+    # A run's own trainer: an ingest token writes only the runs it opened (supervisor.serve.auth).
+    owner = Depends(guard.require_run("ingest"))
     big = max_body(max_body_bytes)  # supervisor.serve.body enforces it before the body is read
 
     @router.post("/runs", status_code=201, openapi_extra=big, responses={429: {
@@ -75,11 +78,11 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
                        "existing run are never refused for it"}})
     async def open_run(request: Request, who: Principal = trainer) -> dict:
         body = await read_body(request)
-        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body)), who.name))
+        await call(lambda: ingestor.open_run(run_info_from_json(parse_json(body)), who.name, who.check_open))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/steps", openapi_extra=big)
-    async def write_steps(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
+    async def write_steps(run_id: str, attempt: str, request: Request, _: Principal = owner) -> dict:
         att = _attempt(attempt)
         body = await read_body(request)
 
@@ -100,14 +103,14 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
         return await call(work)
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints", status_code=201, openapi_extra=big)
-    async def checkpoint_saved(run_id: str, attempt: str, request: Request, _: Principal = trainer) -> dict:
+    async def checkpoint_saved(run_id: str, attempt: str, request: Request, _: Principal = owner) -> dict:
         att = _attempt(attempt)
         body = await read_body(request)
         await call(lambda: ingestor.checkpoint_saved(run_id, att, checkpoint_from_json(parse_json(body))))
         return {"ok": True}
 
     @router.post("/runs/{run_id}/attempts/{attempt}/checkpoints/deleted", openapi_extra=big)
-    async def checkpoints_deleted(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
+    async def checkpoints_deleted(run_id: str, attempt: str, request: Request, who: Principal = owner) -> dict:
         att = _attempt(attempt)
         body = await read_body(request)
         await call(lambda: ingestor.checkpoints_deleted(run_id, att, *deleted_from_json(parse_json(body)),
@@ -116,7 +119,7 @@ def make_router(ingestor: Ingestor, *, guard: Guard, max_body_bytes: int = DEFAU
 
     @router.post("/runs/{run_id}/attempts/{attempt}/finished", openapi_extra=max_body(_FINISHED_BODY_BYTES),
                  responses={409: {"description": "this attempt already finished with a different report"}})
-    async def finish_run(run_id: str, attempt: str, request: Request, who: Principal = trainer) -> dict:
+    async def finish_run(run_id: str, attempt: str, request: Request, who: Principal = owner) -> dict:
         att = _attempt(attempt)
         body = await read_body(request)
         await call(lambda: ingestor.finish_run(run_id, att, finished_from_json(parse_json(body)), actor=who.name))

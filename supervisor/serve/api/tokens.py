@@ -1,8 +1,8 @@
 """Token administration over HTTP (`admin` scope). The same store functions serve
 `thermowatch token ...` (thermowatch.cli), which talks to the database directly.
 
-    GET  /api/tokens                    -> {"tokens": [{name, scopes, created_at, revoked_at}]}
-    POST /api/tokens                    {"name", "scopes": [...]} -> 201 {"name", "scopes", "secret"}
+    GET  /api/tokens                    -> {"tokens": [{name, scopes, run_prefix, created_at, revoked_at}]}
+    POST /api/tokens                    {"name", "scopes": [...], "run_prefix"?} -> 201 {"name", "scopes", "run_prefix", "secret"}
          (the secret is in this answer and nowhere else: only its digest is stored)
     POST /api/tokens/{name}/revoke      -> {"name", "revoked_at"}
 """
@@ -27,12 +27,15 @@ class NewToken(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=tokens_store.NAME_RE.pattern,
                       description="who or what holds it: trainer-run42, alice")
     scopes: list[Literal["ingest", "read", "operate", "admin"]] = Field(min_length=1)
+    run_prefix: str = Field("", max_length=200, description="an ingest token opens only runs whose id starts "
+                                                             "with this; it writes only the runs it opened either way")
 
 
-def create(sessions, name: str, scopes, actor: str) -> tuple[tokens_store.TokenRow, str]:
+def create(sessions, name: str, scopes, actor: str, run_prefix: str = "") -> tuple[tokens_store.TokenRow, str]:
     with sessions.begin() as s:
-        row, secret = tokens_store.create_token(s, name, scopes)
-        audit_store.audit(s, None, actor, "token_created", {"name": row.name, "scopes": list(row.scopes)})
+        row, secret = tokens_store.create_token(s, name, scopes, run_prefix=run_prefix)
+        audit_store.audit(s, None, actor, "token_created", {"name": row.name, "scopes": list(row.scopes),
+                                                            **({"run_prefix": row.run_prefix} if row.run_prefix else {})})
     return row, secret
 
 
@@ -45,7 +48,8 @@ def revoke(sessions, name: str, actor: str) -> tokens_store.TokenRow:
 
 def listing(sessions) -> list[dict]:
     with sessions() as s:
-        return [{"name": t.name, "scopes": list(t.scopes), "created_at": t.created_at.isoformat(),
+        return [{"name": t.name, "scopes": list(t.scopes), "run_prefix": t.run_prefix,
+                 "created_at": t.created_at.isoformat(),
                  "revoked_at": t.revoked_at.isoformat() if t.revoked_at else None}
                 for t in tokens_store.list_tokens(s)]
 
@@ -61,8 +65,8 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
     @router.post("/tokens", status_code=201)
     async def create_token(request: Request, who: Principal = admin) -> dict:
         body = await _parse(request, NewToken)
-        row, secret = await call(create, sup.sessions, body.name, body.scopes, who.name)
-        return {"name": row.name, "scopes": list(row.scopes), "secret": secret}
+        row, secret = await call(create, sup.sessions, body.name, body.scopes, who.name, body.run_prefix)
+        return {"name": row.name, "scopes": list(row.scopes), "run_prefix": row.run_prefix, "secret": secret}
 
     @router.post("/tokens/{name}/revoke")
     async def revoke_token(name: str, who: Principal = admin) -> dict:
