@@ -177,6 +177,7 @@ from thermowatch.monitors.commands import (  # noqa: E402
     describe, describe_args, LRChange, Pause, Profile, Resume, Rollback, SampleRange, SetLR, Skip, Stop, dumps, json_int, ledger_digest, loads,
     merge_ranges, multiplier_at, parse_command, ranges_from_json,
 )
+from thermowatch.monitors.names import check_run_id  # noqa: E402
 
 
 # --- findings (detectors -> policy) -------------------------------------------------------------
@@ -346,9 +347,7 @@ class RunInfo:
     def from_json(cls, obj: Any) -> "RunInfo":
         if not isinstance(obj, Mapping):
             raise ContractError(f"run info must be a JSON object, got {type(obj).__name__}")
-        run_id = obj.get("run_id")
-        if not isinstance(run_id, str) or not run_id or len(run_id) > 200 or "/" in run_id:
-            raise ContractError(f"'run_id' must be a non-empty string of at most 200 chars without '/', got {run_id!r}")
+        run_id = check_run_id(obj.get("run_id"))  # the daemon's own rule: the client refuses what it would
         config, hosts = obj.get("config"), obj.get("hosts")
         config = {} if config is None else config  # null: none given; any other non-object is refused below
         hosts = {} if hosts is None else hosts

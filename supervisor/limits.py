@@ -28,10 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from thermowatch.monitors.commands import INT32_MAX, INT64_MAX, ContractError
+from thermowatch.monitors.names import NOT_NAME as _NOT_NAME
+from thermowatch.monitors.names import RUN_ID_CHARS, check_name, check_run_id
+from thermowatch.monitors.names import show as _show
 
 # --- column limits (store/orm.py; not configurable: the schema decides) -------------------------
 
-RUN_ID_CHARS = 200  # runs.run_id String(200)
+# RUN_ID_CHARS = 200: runs.run_id String(200), in monitors.names with the run-id rule
 WHO_CHARS = 200  # actions.who String(200)
 METRIC_CHARS, MODULE_CHARS = 100, 300  # series.metric String(100), series.module String(300)
 PATH_CHARS = 4096  # checkpoints.path is Text; PATH_MAX on Linux
@@ -104,13 +107,8 @@ class Limits:
 # json.loads turns a valid surrogate pair into one code point, so any surrogate left in a str is
 # a lone one: it cannot be encoded as UTF-8, and no database column can hold it.
 _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
-# Names (run ids, metric keys, who) also refuse the other control characters: they end up in
-# URLs, file names, log lines and Slack messages.
-_NOT_NAME = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
-
-
-def _show(s: str) -> str:
-    return ascii(s[:60]) + ("..." if len(s) > 60 else "")
+# Names (run ids, metric keys, who) also refuse the other control characters: monitors.names
+# (_NOT_NAME), where the client and the trainer check a run id with the daemon's own function.
 
 
 def check_text(where: str, s: Any, max_chars: int | None = None) -> str:
@@ -123,28 +121,6 @@ def check_text(where: str, s: Any, max_chars: int | None = None) -> str:
     if m:
         raise ContractError(f"{where} {_show(s)} holds {ascii(m.group())} at position {m.start()}: strings may not "
                             "contain NUL or lone surrogates (not valid Unicode text)")
-    return s
-
-
-def check_name(where: str, s: Any, max_chars: int, *, min_chars: int = 1) -> str:
-    """A name (run id, metric key, who): text of min_chars..max_chars without control characters."""
-    if not isinstance(s, str):
-        raise ContractError(f"{where} must be a string, got {type(s).__name__}")
-    if not min_chars <= len(s) <= max_chars:
-        raise ContractError(f"{where} must have {min_chars} to {max_chars} characters, got {len(s)}")
-    m = _NOT_NAME.search(s)
-    if m:
-        raise ContractError(f"{where} {_show(s)} holds {ascii(m.group())} at position {m.start()}: names may not "
-                            "contain control characters, NUL or lone surrogates")
-    return s
-
-
-def check_run_id(s: Any, where: str = "run_id") -> str:
-    check_name(where, s, RUN_ID_CHARS)
-    if "/" in s:
-        raise ContractError(f"{where} {_show(s)} may not contain '/' (it is a path segment)")
-    if s in (".", ".."):  # a URL client resolves them away: /api/runs/../x is /api/x, never the run
-        raise ContractError(f"{where} {s!r} cannot be a run id: it is a relative path segment")
     return s
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, LRChange, RunFinished, RunInfo, StepRecord
+from thermowatch.monitors.names import check_run_id
+from thermowatch.monitors.settings import check_number
 from thermowatch.protocol import CommandBook, next_attempt
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,13 @@ class Run:
                  config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
                  state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
                  send_interval_s: float = 0.5, supervisor_config: Any = None) -> None:
-        RunInfo.from_json({"run_id": run_id, "attempt": 0, "world_size": world_size})  # a bad id fails here
+        # Before anything is made or sent: the daemon's own run-id rule (monitors.names; `..` once
+        # trained with every request refused and its checkpoints in the working directory), and
+        # the numbers, finite and in range (monitors.settings).
+        check_run_id(run_id)
+        check_number("world_size", world_size, lo=1, integer=True)
+        check_number("poll_interval_s", poll_interval_s, lo=0, lo_open=True)
+        check_number("send_interval_s", send_interval_s, lo=0)
         self.run_id, self.world_size = run_id, world_size
         self.config = dict(config or {})
         if steps is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.monitors.names import check_run_id
 from thermowatch.trainer.data import DataConfig
 from thermowatch.trainer.lr import SCHEDULES, LRSchedule
 from thermowatch.trainer.model import GPTConfig
@@ -123,8 +124,10 @@ class TrainConfig:
     deepspeed_config_override: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not self.run_id or "/" in self.run_id:
-            raise ConfigError(f"run_id must be a non-empty string without '/', got {self.run_id!r}")
+        try:  # the daemon's own rule (monitors.names): checkpoints go to <checkpoint.dir>/<run_id>
+            check_run_id(self.run_id)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _positive_int("", "world_size", self.world_size)
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
