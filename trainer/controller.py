@@ -272,7 +272,9 @@ class RunController(Directed):
                 self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=t)
                 break
             except ray.exceptions.RayTaskError as exc:  # a file the store's checksums missed
-                log.error("checkpoint step %d failed to load (%s); trying an older one", ckpt.step, exc)
+                # the worker's own error (a refused file says so), not the actor's traceback
+                log.error("checkpoint step %d failed to load (%s); trying an older one", ckpt.step,
+                          getattr(exc, "cause", None) or exc)
                 self.gang.kill()  # a half-loaded engine is not trusted; the next try starts clean
                 self.gang = None
                 ckpt = self._resume_point(ckpt.step - 1)

@@ -179,6 +179,39 @@ def test_corrupt_checkpoint_is_passed_over(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_planted_checkpoint_file_is_refused_and_the_rollback_falls_back(ray_session, tmp_path, caplog):
+    """Issue 33: the newest checkpoint's model states (read by every rank) replaced by a pickle
+    that runs a command, its manifest rewritten to vouch for it (whoever can plant the file can
+    do that too): the load refuses it, nothing ran, and the rollback lands on the older one."""
+    from tests.fixtures.planted import plant
+    from thermowatch.monitors.manifest import MANIFEST, file_digest
+
+    cfg = tiny_config(tmp_path, run_id="planted", steps=14, checkpoint={"every": 4})
+    marker, cmd = tmp_path / "ran", {}
+
+    def on_step(ctl, rec, attempt, q):
+        if rec.step == 13 and attempt == 0:
+            newest = ctl.store.path(12)
+            shard = next(newest.rglob("mp_rank_00_model_states.pt"))
+            plant(shard, marker)
+            body = json.loads((newest / MANIFEST).read_text())
+            body["files"][shard.relative_to(newest).as_posix()] = file_digest(shard, body["checksum"])
+            (newest / MANIFEST).write_text(json.dumps(body))
+            assert ctl.store.problem(12) is None  # the store's checks vouch for it: only the load can tell
+            cmd["rb"] = q.push("planted", CommandKind.ROLLBACK, to_step=12)
+
+    with caplog.at_level("ERROR", logger="thermowatch.trainer.controller"):
+        result, sink, q = _run(cfg, on_step)
+    assert not marker.exists(), "loading the planted checkpoint ran its command"
+    ack = q.ack_for(cmd["rb"])
+    assert ack.ok and ack.checkpoint_step == 8 and ack.step == 9, ack
+    assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
+    assert result.final_step == 14
+    refusal = [r.getMessage() for r in caplog.records if "checkpoint step 12 failed to load" in r.getMessage()]
+    assert refusal and "refused the DeepSpeed checkpoint" in refusal[0] and "posix.system" in refusal[0], refusal
+
+
+@pytest.mark.slow
 def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(ray_session, tmp_path):
     cfg = tiny_config(
         tmp_path,

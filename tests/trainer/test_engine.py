@@ -153,3 +153,93 @@ def test_zero_stage_trains_real_text_and_rolls_back_bit_exact(ray_session, tmp_p
     # DeepSpeed's CPU shm comm op (inference only) would leave a 66 MB /dev/shm file per rank
     # that nobody unlinks; the workers decline it (trainer/worker.py).
     assert not (_shm_buffers() - shm_before), "the run leaked DeepSpeed shared-memory buffers"
+
+
+_LOAD_SCRIPT = r"""
+import json, shutil, sys
+from pathlib import Path
+import torch, deepspeed
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from tests.fixtures.planted import plant
+from thermowatch.checkpoint_io import load_as_data
+from thermowatch.trainer.config import TrainConfig
+from thermowatch.trainer.engine import CheckpointLoadError, Engine, decline_shm_comm_op, deepspeed_globals
+from thermowatch.trainer.model import GPT
+
+stage, root = int(sys.argv[1]), Path(sys.argv[2])
+torch.set_num_threads(1)
+decline_shm_comm_op()
+deepspeed.init_distributed(dist_backend="gloo")
+cfg = TrainConfig.from_dict({"world_size": 1, "zero_stage": stage, "model": {"n_layer": 1, "d_model": 32, "n_head": 2},
+                             "data": {"seq_len": 32, "global_batch": 2}})
+torch.manual_seed(0)
+eng = Engine(cfg, GPT(cfg.model))
+
+def train():
+    x = torch.randint(0, 256, (2, 32))
+    eng.train_step(x, x)
+
+def weights():  # ZeRO 3 holds its params partitioned: gathered to compare
+    with deepspeed.zero.GatheredParameters(list(eng.module.parameters()), enabled=stage == 3):
+        return [p.detach().float().clone() for p in eng.module.parameters()]
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+out = {}
+train(); train()
+eng.save(root / "good")
+saved = weights()
+train()
+out["trained_on"] = not same(saved, weights())
+eng.load(root / "good")  # a real checkpoint, read as data
+out["round_trip"] = same(saved, weights())
+out["refused"] = {}
+for f in sorted(p.name for p in (root / "good" / "zero").iterdir()):
+    bad = root / f"bad_{f}"
+    shutil.copytree(root / "good", bad)
+    plant(bad / "zero" / f, root / f"ran_{f}")
+    try:
+        eng.load(bad)
+        out["refused"][f] = "loaded"
+    except CheckpointLoadError as exc:
+        out["refused"][f] = str(exc)
+out["untouched"] = "load" not in vars(eng.engine.checkpoint_engine)  # DeepSpeed's own load is back
+train()
+eng.load(root / "good")  # the engine still loads after the refusals
+out["after"] = same(saved, weights())
+# fp16's loss scaler (no fp16 on CPU): its state passes the allow-list on its own
+torch.save({"loss_scaler": DynamicLossScaler(2.0**16, 1000, 1, 2, False)}, root / "scaler.pt")
+out["dynamic_scaler"] = type(load_as_data(root / "scaler.pt", deepspeed_globals())["loss_scaler"]).__name__
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_zero_checkpoint_loads_as_data_and_a_planted_file_is_refused(tmp_path, stage):
+    """Issue 33: a real ZeRO checkpoint (one CPU rank, gloo) round-trips through the weights-only
+    load bit for bit; each of its files replaced by a pickle that runs a command is refused as a
+    CheckpointLoadError (the controller's fallback to an older checkpoint), and the command never ran."""
+    import json
+    import subprocess
+    import sys
+
+    from thermowatch.trainer.worker import _free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "PYTHONPATH": repo}
+    p = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(stage), str(tmp_path)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=280)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["trained_on"] and out["round_trip"] and out["after"] and out["untouched"], out
+    refused = out["refused"]
+    # the model states and the optimizer states (the file that holds the allow-listed types)
+    assert any("model_states" in f for f in refused) and any("optim_states" in f for f in refused), refused
+    for f, why in refused.items():
+        assert not (tmp_path / f"ran_{f}").exists(), f"loading the planted {f} ran its command"
+        assert why.startswith("refused the DeepSpeed checkpoint") and "posix.system" in why, (f, why)
+    assert out["dynamic_scaler"] == "DynamicLossScaler"
