@@ -74,6 +74,12 @@ class Limits:
     # ingest token made 400-600 a second (issue 21, item 4). At 1000 an hour it takes 100 hours
     # to reach 10^5 runs, and every list stays paged and indexed whatever the count.
     max_new_runs_per_token_per_hour: int = 1000
+    # New attempts (restarts, rollbacks) of one run, and by one token over all its runs, in any
+    # hour (issue 34: 10^4 attempts of one run were accepted). A run restarts a handful of times a
+    # day (OPT-175B: 105 restarts in two months); the policy pauses after a few rollbacks of one
+    # episode. Past either: 429 with Retry-After, nothing stored.
+    max_new_attempts_per_run_per_hour: int = 100
+    max_new_attempts_per_token_per_hour: int = 1000
     # Active runs with series of their own in a `/metrics` scrape (supervisor.serve.metrics); the rest
     # are counted. ~6 series a run, so a scrape stays under ~10^4 series however many tokens flood.
     max_runs_in_metrics: int = 1000

@@ -105,6 +105,8 @@ class Ingestor:
                 authorize(info.run_id, actor if created else runs_store.created_by(s, info.run_id) or "")
             if created:  # a new run, not a new attempt
                 quota.check_new_run(s, actor, self.limits)  # past the limit: QuotaExceeded, rolled back
+            elif new and info.attempt > 0:  # a restart of an existing run
+                quota.check_new_attempt(s, info.run_id, actor, self.limits)
             if new:
                 audit_store.audit(s, info.run_id, actor, "attempt_opened",
                                   {"attempt": info.attempt, "world_size": info.world_size, "start_step": info.start_step,

@@ -1,4 +1,6 @@
-"""Budgets over time (issue 21, item 4): how many new runs one token may open in an hour.
+"""Budgets over time: how many new runs one token may open in an hour (issue 21, item 4), and how
+many new attempts one run, and one token over all its runs, may open in an hour (issue 34: 10^4
+attempts of one run were accepted, and its page took seconds to draw).
 
 An ingest token made 400-600 runs a second, and every read that listed them slowed down with
 them. `limits.max_new_runs_per_token_per_hour` (supervisor.limits) bounds that per token: the
@@ -54,3 +56,27 @@ def check_new_run(session: Session, created_by: str, limits: Limits, now: dt.dat
         f"(limits.max_new_runs_per_token_per_hour in the supervisor config): retry in {retry_after} s. "
         "A new attempt of an existing run is not limited; reuse the run id to report a restart",
         retry_after)
+
+
+def check_new_attempt(session: Session, run_id: str, opened_by: str, limits: Limits,
+                      now: dt.datetime | None = None) -> None:
+    """In the transaction that has just opened a new attempt (a restart) of an existing run: raise
+    QuotaExceeded when that makes more than the run's hourly budget, or more than the token's over
+    all its runs. Under the same per-creator lock as check_new_run on PostgreSQL (a token's
+    attempts queue); two tokens restarting one run at once may overrun the run's budget by one."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:cls, hashtext(:who))"),
+                        {"cls": _LOCK_CLASS, "who": opened_by})
+    now = now or utcnow()
+    for limit, key, what, setting in (
+            (limits.max_new_attempts_per_run_per_hour, {"run_id": run_id}, f"run {run_id!r}",
+             "max_new_attempts_per_run_per_hour"),
+            (limits.max_new_attempts_per_token_per_hour, {"opened_by": opened_by}, f"{opened_by!r}",
+             "max_new_attempts_per_token_per_hour")):
+        oldest = runs_store.nth_newest_attempt(session, now - WINDOW, limit + 1, **key)
+        if oldest is not None:
+            retry_after = max(1, math.ceil((oldest + WINDOW - now).total_seconds()))
+            raise QuotaExceeded(
+                f"{what} opened {limit} new attempts in the last hour, the limit (limits.{setting} in the "
+                f"supervisor config): retry in {retry_after} s. A run restarting this often is crash-looping; "
+                "look at its trainer's log", retry_after)

@@ -125,6 +125,10 @@ class Attempt(Base):
     final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     final_loss: Mapped[float | None] = mapped_column(ExactFloat, nullable=True)  # NaN/Inf are data
     finish_reason: Mapped[str | None] = mapped_column(String(20), nullable=True)
+    # The actor (a token's name) that opened the attempt; '' before 0014. The attempts quota counts
+    # a run's and a token's attempts of the last hour (supervisor.ingest.quota).
+    opened_by: Mapped[str] = mapped_column(String(200), default="", server_default="")
+    __table_args__ = (Index(None, "run_id", "started_at"), Index(None, "opened_by", "started_at"))
 
 
 class Step(Base):

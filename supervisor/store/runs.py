@@ -63,6 +63,7 @@ def open_attempt(session: Session, info: RunInfo, created_by: str = "") -> bool:
                 "start_step": info.start_step,
                 "hosts": {str(k): v for k, v in info.hosts.items()},
                 "config": info.config,
+                "opened_by": created_by,
             }
         ],
     )
@@ -196,6 +197,16 @@ def nth_newest_created_by(session: Session, created_by: str, since: dt.datetime,
     q = (select(Run.created_at).where(Run.created_by == created_by, Run.created_at >= since)
          .order_by(Run.created_at.desc()).offset(n - 1).limit(1))
     return session.execute(q).scalar()
+
+
+def nth_newest_attempt(session: Session, since: dt.datetime, n: int, *, run_id: str | None = None,
+                       opened_by: str | None = None) -> dt.datetime | None:
+    """When the n-th newest new attempt (attempt > 0: a restart, not a run's first launch) of this
+    run, or opened by this actor, started, among those started at or after `since`; None when there
+    are fewer than n. Reads at most n entries of an index (0014), however many attempts there are."""
+    q = select(Attempt.started_at).where(Attempt.started_at >= since, Attempt.attempt > 0)
+    q = q.where(Attempt.run_id == run_id) if run_id is not None else q.where(Attempt.opened_by == opened_by)
+    return session.execute(q.order_by(Attempt.started_at.desc()).offset(n - 1).limit(1)).scalar()
 
 
 def _attempt_row(a: Attempt) -> AttemptRow:

@@ -121,3 +121,50 @@ def test_the_default_is_generous_and_the_config_can_change_it():
     assert Limits.from_dict({"max_new_runs_per_token_per_hour": 50}).max_new_runs_per_token_per_hour == 50
     with pytest.raises(ValueError, match="max_new_runs_per_token_per_hour"):
         Limits.from_dict({"max_new_runs_per_token_per_hour": 0})
+
+
+def test_new_attempts_are_bounded_per_run_and_per_token(db):
+    """Issue 34: 10^4 new attempts of one run by one token were all accepted. Restarts count
+    against the run's hourly budget and the token's over all its runs; the one past either is a
+    QuotaExceeded naming the setting, and stores nothing. A re-sent open of an attempt that exists
+    is not a new one; attempts older than an hour leave the window."""
+    ingestor = Ingestor(db.sessions, limits=Limits(max_new_attempts_per_run_per_hour=3,
+                                                   max_new_attempts_per_token_per_hour=5))
+    ingestor.open_run(RunInfo("a", 0, world_size=1), actor="trainer")
+    for k in (1, 2, 3):
+        ingestor.open_run(RunInfo("a", k, world_size=1, start_step=10 * k), actor="trainer")
+    ingestor.open_run(RunInfo("a", 3, world_size=1, start_step=30), actor="trainer")  # re-sent: nothing new
+    before = _stored(db)
+    with pytest.raises(QuotaExceeded, match=r"run 'a' opened 3 new attempts in the last hour") as exc:
+        ingestor.open_run(RunInfo("a", 4, world_size=1, start_step=40), actor="trainer")
+    assert "limits.max_new_attempts_per_run_per_hour" in str(exc.value) and 3590 <= exc.value.retry_after_s <= 3600
+    assert _stored(db) == before
+    # the token's budget spans its runs: 3 restarts of `a` + 2 of `b`, then the sixth is refused
+    ingestor.open_run(RunInfo("b", 0, world_size=1), actor="trainer")
+    ingestor.open_run(RunInfo("b", 1, world_size=1), actor="trainer")
+    ingestor.open_run(RunInfo("b", 2, world_size=1), actor="trainer")
+    with pytest.raises(QuotaExceeded, match=r"'trainer' opened 5 new attempts") as exc:
+        ingestor.open_run(RunInfo("b", 3, world_size=1), actor="trainer")
+    assert "max_new_attempts_per_token_per_hour" in str(exc.value)
+    # an hour later the run's oldest restarts have left the window
+    at = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=61)
+    with db.sessions.begin() as s:
+        from thermowatch.supervisor.store.orm import Attempt
+
+        s.execute(sa.update(Attempt).where(Attempt.run_id == "a").values(started_at=at))
+    ingestor.open_run(RunInfo("a", 4, world_size=1, start_step=40), actor="trainer")
+
+
+def test_a_restart_past_the_budget_is_429_over_http(db):
+    app = FastAPI()
+    ingestor = Ingestor(db.sessions, limits=Limits(max_new_attempts_per_run_per_hour=1))
+    app.include_router(make_router(ingestor, guard=guard(db.sessions)))
+    trainer = bearer(make_token(db.sessions, "trainer", "ingest"))
+    with TestClient(app) as c:
+        for k in (0, 1):
+            r = c.post("/api/runs", json={"run_id": "loop", "attempt": k, "world_size": 1}, headers=trainer)
+            assert r.status_code == 201, r.text
+        r = c.post("/api/runs", json={"run_id": "loop", "attempt": 2, "world_size": 1}, headers=trainer)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) > 3000, r.text
+        assert "max_new_attempts_per_run_per_hour" in r.json()["detail"]
+    assert _stored(db)[1] == 2
