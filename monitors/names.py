@@ -56,4 +56,28 @@ def check_run_id(s: Any, where: str = "run_id") -> str:
     return s
 
 
-__all__ = ["RUN_ID_CHARS", "NOT_NAME", "show", "check_name", "check_run_id"]
+# What a terminal or a log line would act on: C0 controls (newline and escape included), DEL and
+# C1 controls; plus lone surrogates, which cannot be printed at all.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def printable(text: Any) -> str:
+    """`text` safe for one line of a terminal or a log: every control character shown as its
+    escape (`\\n`, `\\x1b`), so a reason or an ack's detail, which the daemon stores as free text,
+    can neither start a line that looks like the daemon's own nor move a terminal's cursor."""
+    s = text if isinstance(text, str) else str(text)
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], s)
+
+
+def printable_tree(obj: Any) -> Any:
+    """Every string in a JSON answer (keys too) made printable, for a renderer that prints them."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [printable_tree(v) for v in obj]
+    return obj
+
+
+__all__ = ["RUN_ID_CHARS", "NOT_NAME", "show", "check_name", "check_run_id", "printable", "printable_tree"]

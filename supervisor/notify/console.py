@@ -6,6 +6,7 @@ import sys
 import threading
 from typing import TextIO
 
+from thermowatch.monitors.names import printable
 from thermowatch.supervisor.notify.base import Alert, NotifyError
 
 
@@ -24,15 +25,18 @@ class ConsoleNotifier:
     def send(self, alert: Alert) -> str | None:
         if self.closed:
             raise NotifyError("ConsoleNotifier is closed; build a new one to send more alerts")
-        lines = [f"[{alert.severity.value.upper()}] {alert.title}"]
-        if alert.text:
-            lines.append(f"  {alert.text}")
-        lines += [f"  - {reason}" for reason in alert.reasons]
+        # Every part through printable (monitors.names): a reason or an ack's detail is free text
+        # from a client, and a newline or an escape sequence in it must not forge a line or move
+        # the terminal's cursor (issue 34). The text's own lines stay lines, each indented.
+        p = printable
+        lines = [f"[{alert.severity.value.upper()}] {p(alert.title)}"]
+        lines += [f"  {p(line)}" for line in (alert.text or "").splitlines()]
+        lines += [f"  - {p(reason)}" for reason in alert.reasons]
         if alert.fields:
-            lines.append("  " + ", ".join(f"{k}: {v}" for k, v in alert.fields.items()))
-        lines += [f"  $ {command}" for command in alert.commands]
+            lines.append("  " + ", ".join(f"{p(k)}: {p(v)}" for k, v in alert.fields.items()))
+        lines += [f"  $ {p(command)}" for command in alert.commands]
         if alert.incident_id is not None:
-            lines.append(f"  run {alert.run_id}, incident {alert.incident_id}")
+            lines.append(f"  run {p(alert.run_id)}, incident {alert.incident_id}")
         with self._lock:
             self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()

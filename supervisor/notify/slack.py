@@ -348,8 +348,10 @@ def _slack_error(exc: NotifyError) -> str | None:
 
 
 def _fallback_text(alert: Alert) -> str:
-    # Shown in notifications and by clients that cannot render blocks.
-    return f"[{alert.severity.value.upper()}] {alert.title}" + (f": {alert.text}" if alert.text else "")
+    # Shown in notifications and by clients that cannot render blocks. Slack parses it like
+    # mrkdwn, so it is escaped as the blocks are: a run id `<!channel>` paged a whole channel
+    # from here while the blocks showed it as text (issue 34).
+    return _esc(f"[{alert.severity.value.upper()}] {alert.title}" + (f": {alert.text}" if alert.text else ""))
 
 
 def _section(text: str) -> SectionBlock:

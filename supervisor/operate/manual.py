@@ -25,6 +25,7 @@ from thermowatch.monitors.contract import describe_args
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.act.outcome import render
 from thermowatch.monitors.commands import FINAL_STATES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
+from thermowatch.monitors.names import printable_tree
 from thermowatch.monitors.settings import arg_float, arg_int
 
 
@@ -126,7 +127,7 @@ def run_manual(args: argparse.Namespace) -> int:
                       f"the trainer carries it out between two steps (--wait to see what it did)")
             return 0
         out = _wait(api, action_id, args.timeout)
-        print(json.dumps(out) if args.json else render(out))
+        print(json.dumps(out) if args.json else render(printable_tree(out)))
         return 0 if out["state"] == "done" else 1
 
 
@@ -162,7 +163,7 @@ def _print(rows: list[dict], as_json: bool, fmt: str) -> None:
     if as_json:
         print(json.dumps(rows, default=str))
         return
-    for r in rows:
+    for r in printable_tree(rows):  # who, reasons and ack details are free text from clients
         print(fmt.format(**r))
     if not rows:
         print("(none)")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from thermowatch.monitors.commands import INT64_MAX
+from thermowatch.monitors.names import printable_tree
 from thermowatch.monitors.settings import arg_int
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.operate.files import replacing, target_of
@@ -78,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st))
         return 0
-    print(render_status(st))
+    print(render_status(printable_tree(st)))  # reasons and ack details are a client's free text
     return 0
 
 
@@ -127,7 +128,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    for i in rows:
+    for i in printable_tree(rows):
         print(f"#{i['id']} {i['state']:8} {i['severity']:8} {i['signal']} {i['module'] or '-'}  onset step "
               f"{i['onset_step']}, detected at {i['detect_step']}, opened {i['opened_at'][:19]}Z"
               + (f"; {i['resolution']}" if i.get("resolution") else ""))
@@ -150,7 +151,7 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         for lo, hi in q["quarantine"]:
             print("\n".join(str(i) for i in range(lo, hi)))
     else:
-        print(render_quarantine(q))
+        print(render_quarantine(printable_tree(q)))
     return 0
 
 

@@ -565,3 +565,31 @@ def test_a_closed_pipe_and_no_terminal_end_with_a_reason_not_a_traceback(daemon,
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "no terminal to type it in: pass --token TOKEN" in p.stderr
+
+
+def test_a_clients_free_text_is_printed_escaped_never_as_terminal_control(db, run, tmp_path, capsys):
+    """Issue 34: a reason or an ack's detail is free text (only NUL is refused); printed as is, a
+    newline forged a line of the listing and an escape sequence drove the reader's terminal."""
+    from thermowatch.monitors.contract import Ack
+    from thermowatch.supervisor.serve.server import build_app
+    from tests.live_server import running
+
+    console = io.StringIO()
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
+                     notifier=ConsoleNotifier(console), judge_inline=False)
+    try:
+        evil = "ok\x1b[2J\x1b]0;pwned\x07\n#999 rollback done     manual by root"
+        action_id = sup.executor.submit(RUN, "pause", {}, "alice", evil)
+        (cmd,) = sup.poll(RUN)
+        sup.ack(RUN, Ack(cmd.id, True, 31, evil))
+        with running(build_app(sup)) as url:
+            assert main(["actions", RUN, "--server", url, "--token", ADMIN_TOKEN]) == 0
+    finally:
+        sup.close()
+    out = capsys.readouterr().out
+    assert f"#{action_id} pause" in out and "\x1b" not in out and "\x07" not in out
+    assert r"ok\x1b[2J\x1b]0;pwned\x07\n#999 rollback done" in out  # shown, on its own line
+    assert not any(line.startswith("#999") for line in out.splitlines())
+    said = console.getvalue()  # the daemon's console alerts: the same text, escaped per line
+    assert "\x1b" not in said and "\x07" not in said and r"ok\x1b[2J\x1b]0;pwned\x07" in said
+    assert not any(line.startswith("#999") for line in said.splitlines())

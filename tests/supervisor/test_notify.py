@@ -274,3 +274,49 @@ def test_upload_speaks_files_upload_v2_into_the_thread(fake_slack):
     with pytest.raises(NotifyError, match="upload URL answered HTTP 500") as got:
         notifier.upload(chart, png)
     assert got.value.retryable and len(fake_slack.shared_files()) == 1
+
+
+def _mrkdwn_and_plain(blocks: list) -> tuple[list[str], list[str]]:
+    """Every text object of the blocks: (mrkdwn ones, plain_text ones), at any depth."""
+    mrkdwn, plain = [], []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("type") in ("mrkdwn", "plain_text") and isinstance(x.get("text"), str):
+                (mrkdwn if x["type"] == "mrkdwn" else plain).append(x["text"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(blocks)
+    return mrkdwn, plain
+
+
+def test_a_run_id_with_mentions_reaches_slack_escaped_in_the_text_and_the_blocks(fake_slack):
+    """Issue 34: a run id `<!channel> <@U0ALICE>` reached the message's fallback `text` as is, and
+    Slack parses that text: a trainer's run id could page a whole channel or name a person."""
+    run_id = "<!channel> <@U0ALICE> & co"
+    finding = Finding(Signal.ATTN_LOGIT_GROWTH, "<!here>", Severity.CRITICAL, onset_step=990, detect_step=1000,
+                      outcome=Outcome.ACT)
+    ckpts = [CheckpointInfo(800, "/c/800", 800 * 64, True)]
+    decision = make_decision(PolicyInput(finding=finding, now=NOW, checkpoints=ckpts))
+    alert = Alert.from_decision(run_id, finding, decision, incident_id=42)
+    alert = Alert(alert.run_id, alert.severity, alert.title, text=f"by <@U0BOB>: because <!everyone>",
+                  reasons=alert.reasons, fields=alert.fields, commands=alert.commands)
+    notifier = slack(fake_slack, web_base_url="http://tw.internal:8765")
+    ts = notifier.send(alert)
+    notifier.update(ts, alert)
+    for req in (*fake_slack.calls("chat.postMessage"), *fake_slack.calls("chat.update")):
+        text = req.body["text"]
+        assert run_id in alert.title and "&lt;!channel&gt; &lt;@U0ALICE&gt; &amp; co" in text, text
+        assert "&lt;@U0BOB&gt;: because &lt;!everyone&gt;" in text and "&lt;!here&gt;" in text, text
+        blocks = req.body["blocks"]
+        mrkdwn, plain = _mrkdwn_and_plain(json.loads(blocks) if isinstance(blocks, str) else blocks)
+        assert any("&lt;!channel&gt; &lt;@U0ALICE&gt; &amp; co" in t for t in mrkdwn), mrkdwn
+        for t in [text, *mrkdwn]:  # Slack parses these: no mention, no special command survives
+            for raw in ("<!channel>", "<@U0ALICE>", "<@U0BOB>", "<!everyone>", "<!here>"):
+                assert raw not in t, (raw, t)
+        # the header is plain_text: shown as typed, never parsed for mentions or links
+        assert any(run_id in t for t in plain), plain

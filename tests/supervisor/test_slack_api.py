@@ -438,3 +438,48 @@ def test_approver_groups_without_a_bot_token_stop_the_start(tmp_path):
                                         "environment variable TW_TEST_NO_SUCH_TOKEN"):
         Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     assert not (tmp_path / "data").exists()
+
+
+def test_mentions_in_a_run_id_and_a_slack_name_never_reach_slack_unescaped(db, tmp_path, slack):
+    """Issue 34: a run id `<!channel> <@U0ALICE>` reached the fallback `text` of every alert as is.
+    The whole story (the finding, the approval request, a click by someone whose display name is
+    `<!here>`, the reply and the top message's update) is sent through the real slack-sdk to the
+    fake; no text Slack parses (the fallback `text`, every mrkdwn object) holds a raw `<!` or `<@`."""
+    run_id = "<!channel> <@U0ALICE> & co"
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        sup.open_run(RunInfo(run_id=run_id, attempt=0, world_size=1))
+
+        def waiting():
+            with sup.sessions() as s:
+                return [a for a in actions_store.open_actions(s, run_id) if a.requires_approval]
+
+        feed(sup, run_id, 0, diverging_records(), ckpt_root=tmp_path / "ckpt", stop=lambda: bool(waiting()))
+        (act,) = waiting()
+        with TestClient(build_app(sup)) as client:
+            r = click(client, act.id, user="<!here>")
+            assert r.status_code == 200, r.text
+        assert sup.executor.outbox.drain(60)
+    finally:
+        sup.close()
+    sent = [r.body for r in slack.requests if r.api_method in ("chat.postMessage", "chat.update")]
+    assert len(sent) >= 3  # the alert, the approval reply, the top message's update
+    assert any("&lt;!channel&gt; &lt;@U0ALICE&gt; &amp; co" in b["text"] for b in sent)
+    # who clicked, as the daemon names a Slack user: the display name without its markup
+    assert any("slack:here (U0ALICE) approved rollback" in b["text"] for b in sent), [b["text"] for b in sent]
+    for body in sent:
+        blocks = json.loads(body["blocks"]) if isinstance(body.get("blocks"), str) else body.get("blocks") or []
+        parsed = [body["text"]] + [o["text"] for o in _text_objects(blocks) if o["type"] == "mrkdwn"]
+        for text in parsed:
+            assert "<!" not in text and "<@" not in text, text
+
+
+def _text_objects(x):
+    if isinstance(x, dict):
+        if x.get("type") in ("mrkdwn", "plain_text") and isinstance(x.get("text"), str):
+            yield x
+        for v in x.values():
+            yield from _text_objects(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _text_objects(v)
