@@ -25,6 +25,7 @@ from thermowatch.monitors.contract import (
     INT32_MAX, INT64_MAX, MAX_WALL_TIME, RECORD_FIELDS, CheckpointInfo, ContractError, RunFinished, RunInfo, StepRecord,
     json_int,
 )
+from thermowatch.supervisor.ingest.claims import ClaimBounds
 from thermowatch.supervisor.ingest import quota
 from thermowatch.supervisor.errors import Conflict
 from thermowatch.supervisor.limits import (
@@ -86,6 +87,7 @@ class Ingestor:
         self.limits = limits or IngestLimits()
         self._cache = thermometers.SeriesCache()
         self._attempts: set[tuple[str, int]] = set()  # opened (run, attempt) pairs seen committed
+        self._claims = ClaimBounds()
 
     # --- RecordSink ----------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class Ingestor:
                     self._check_attempt(s, run_id, attempt)
                     new = _new_columns(s, run_id, attempt, cols)
                     if len(new):
+                        self._claims.check(s, run_id, attempt, new)  # sample ranges the run can have consumed
                         thermometers.check_series_budget(s, run_id, keys, view, self.limits.max_series_per_run)
                         steps_store.record_step_columns(s, run_id, attempt, new)
                         thermometers.append_columns(s, run_id, attempt, new, view)
@@ -183,6 +186,7 @@ class Ingestor:
         check_checkpoint(ckpt, self.limits)
         with self._sessions.begin() as s:
             self._check_attempt(s, run_id, attempt)
+            self._claims.check_cursor(s, run_id, attempt, ckpt.step, ckpt.sample_cursor)
             checkpoints_store.record_checkpoint(s, run_id, attempt, ckpt)
 
     def checkpoints_deleted(self, run_id: str, attempt: int, steps: Sequence[int], reason: str,

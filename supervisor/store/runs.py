@@ -80,6 +80,12 @@ def created_by(session: Session, run_id: str) -> str | None:
     return session.execute(select(Run.created_by).where(Run.run_id == run_id)).scalar()
 
 
+def attempt_config(session: Session, run_id: str, attempt: int) -> dict[str, Any] | None:
+    """The config an attempt was opened with, or None: no such attempt."""
+    return session.execute(select(Attempt.config).where(Attempt.run_id == run_id,
+                                                        Attempt.attempt == attempt)).scalar()
+
+
 def run_exists(session: Session, run_id: str) -> bool:
     return session.execute(select(Run.run_id).where(Run.run_id == run_id)).first() is not None
 
