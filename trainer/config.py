@@ -65,6 +65,8 @@ class OptimConfig:
             raise ConfigError(f"optim.betas must be two floats in [0, 1), got {self.betas!r}")
         if not self.grad_clip >= 0:
             raise ConfigError(f"optim.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        if not self.eps > 0:  # AdamW divides by sqrt(v) + eps: -1 once passed here (issue 34)
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps!r}")
 
 
 @dataclass
@@ -129,6 +131,7 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _positive_int("", "world_size", self.world_size)
+        _positive_int("", "seed", self.seed, minimum=0)  # numpy refuses a negative seed, at the first step
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
         _positive_int("", "steps", self.steps)

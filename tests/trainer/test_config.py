@@ -56,3 +56,42 @@ def test_every_training_config_in_deploy_loads():
     # runs on one CPU machine as-is: CPU ranks, 2 of them, a tiny model, checkpoints under the cwd
     assert not local.use_gpu and local.world_size == 2 and local.model.n_layer <= 2
     assert not Path(local.checkpoint.dir).is_absolute()
+
+
+def _numeric_settings(cls: type, path: tuple[str, ...] = ()):
+    """(path, is_int) of every int or float setting of the training config, found by walking it."""
+    import dataclasses
+    import typing
+
+    from thermowatch.monitors.config_tree import SCHEMA, _resolve
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        target, tp = f.metadata.get(SCHEMA), hints.get(f.name)
+        if target is not None:
+            yield from _numeric_settings(_resolve(target), path + (f.name,))
+        elif dataclasses.is_dataclass(tp):
+            yield from _numeric_settings(tp, path + (f.name,))
+        else:
+            arms = set(typing.get_args(tp)) - {type(None)} or {tp}
+            if arms & {int, float}:
+                yield path + (f.name,), float not in arms
+
+
+TRAIN_NUMBERS = list(_numeric_settings(TrainConfig))
+
+
+@pytest.mark.parametrize("path, is_int", TRAIN_NUMBERS, ids=[".".join(p) for p, _ in TRAIN_NUMBERS])
+def test_every_numeric_training_setting_refuses_nan_infinity_and_a_negative_number(path, is_int):
+    """Issue 34, for the training config: data.seed, seq_multiple, batch_multiple, vocab_size and
+    optim.eps took -1; the walk refuses NaN and infinity for every float."""
+    import math
+
+    value = {}
+    for bad in (math.nan, math.inf, -math.inf, -1 if is_int else -1.0):
+        value = bad
+        for key in reversed(path[1:]):
+            value = {key: value}
+        with pytest.raises(ConfigError) as exc:
+            TrainConfig.from_dict({path[0]: value})
+        assert path[-1] in str(exc.value), (path, bad, str(exc.value))

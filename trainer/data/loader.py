@@ -50,8 +50,16 @@ class DataConfig:
             raise DataError(f"data.source={self.source!r} needs data.path (a file or folder)")
         if self.max_bytes <= 0:
             raise DataError(f"data.max_bytes must be positive, got {self.max_bytes}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise DataError(f"data.seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise DataError(f"data.seed must be an integer >= 0, got {self.seed!r}")
+        # By the names a config uses (Curriculum's messages say full_batch), and fail closed even
+        # where a value is unused today (issue 34): the rounding multiples only matter with a
+        # ramp, the vocabulary only for "bin", and -1 was accepted for all three.
+        for name in ("seq_len", "global_batch", "seq_multiple", "batch_multiple") + (
+                ("vocab_size",) if self.vocab_size is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise DataError(f"data.{name} must be an integer >= 1, got {v!r}")
         if not self.ramp_tokens and (self.start_batch is not None or self.start_seq_len is not None):
             raise DataError(
                 f"data.start_batch={self.start_batch} / start_seq_len={self.start_seq_len} have no effect "
