@@ -12,6 +12,12 @@ Probes (each reports what the daemon answered and its resident memory):
                 once from two threads: how many trials got 200 twice (history rewritten)
   empty-keys    a step with no metric (`{"records":[{"step":1023}]}`) and a columns batch of `keys: []`
   control-byte  `GET /healthz?a=%1C0` with a Cookie header (a 0x1C byte before digits)
+  cross-run     issue 33: team B's ingest token writes into team A's run (a NaN step, a checkpoint, a
+                deletion, a finished report, a command poll, an ack, a new attempt): the answers
+  claims        issue 34: steps claiming samples [0, 10^15) with NaN losses: the answer, and the skip
+                the policy ordered (before: the whole dataset)
+  attempts      issue 34: 10^4 new attempts of one run by one token: how many were accepted, and the
+                run page's time after
   declared      headers only, declaring 10 GB, no body byte: 20 at once to every POST route of the
                 OpenAPI document and /login, with the admin token and without (issue 33: a buffer
                 sized from the header took 1.9 GB for 2 GB declared): answers and peak RSS
@@ -222,7 +228,76 @@ def declared(d: Daemon, size: int = 10 << 30, at_once: int = 20) -> dict:
             "peak_growth_mb": round(peak - before)}
 
 
-PROBES = ("declared", "big_posts", "key_headers", "overlap", "empty_keys", "control_byte")
+def _token(d: Daemon, name: str, scope: str = "ingest") -> dict[str, str]:
+    r = httpx.post(f"{d.base}/api/tokens", json={"name": name, "scopes": [scope]}, headers=d.auth)
+    r.raise_for_status()
+    return {"Authorization": f"Bearer {r.json()['secret']}"}
+
+
+def cross_run(d: Daemon) -> dict:
+    a, b = _token(d, "team-a"), _token(d, "team-b")
+    run = "team-a-llm"
+    httpx.post(f"{d.base}/api/runs", json={"run_id": run, "attempt": 0, "world_size": 1,
+                                           "config": {"steps": 1000, "data": {"global_batch": 16}}},
+               headers=a).raise_for_status()
+    httpx.post(f"{d.base}/api/runs/{run}/attempts/0/steps", json={"records": [{"step": 0, "loss": 2.5}]},
+               headers=a).raise_for_status()
+    hdr = {**b, "content-type": "application/json"}
+    probes = {
+        "NaN step": ("POST", f"/api/runs/{run}/attempts/0/steps", '{"records": [{"step": 1, "loss": NaN}]}'),
+        "checkpoint": ("POST", f"/api/runs/{run}/attempts/0/checkpoints",
+                       json.dumps({"step": 1, "path": "/tmp/planted", "sample_cursor": 16, "healthy": True})),
+        "deletion": ("POST", f"/api/runs/{run}/attempts/0/checkpoints/deleted", '{"steps": [0], "reason": "x"}'),
+        "finished": ("POST", f"/api/runs/{run}/attempts/0/finished",
+                     '{"step": 1, "final_loss": 9.0, "reason": "closed"}'),
+        "command poll": ("GET", f"/api/runs/{run}/commands", None),
+        "ack": ("POST", f"/api/runs/{run}/acks", '{"command_id": 1, "ok": true, "step": 1}'),
+        "new attempt": ("POST", "/api/runs", json.dumps({"run_id": run, "attempt": 1, "world_size": 1})),
+    }
+    out = {name: httpx.request(m, d.base + path, content=body, headers=hdr).status_code
+           for name, (m, path, body) in probes.items()}
+    steps = httpx.get(f"{d.base}/api/runs/{run}/history?key=loss", headers=d.auth).json()["steps"]
+    return {"answers": out, "run_a_steps": steps}
+
+
+def claims(d: Daemon) -> dict:
+    a = _token(d, "claims-trainer")
+    run = "claims"
+    httpx.post(f"{d.base}/api/runs", json={"run_id": run, "attempt": 0, "world_size": 1,
+                                           "config": {"steps": 1000, "data": {"global_batch": 16}}},
+               headers=a).raise_for_status()
+    hdr = {**a, "content-type": "application/json"}
+    ok = [{"step": s, "loss": 2.0, "sample_lo": 16 * s, "sample_hi": 16 * s + 16} for s in range(60)]
+    first = httpx.post(f"{d.base}/api/runs/{run}/attempts/0/steps", content=json.dumps({"records": ok}), headers=hdr)
+    bad = [{"step": s, "loss": float("nan"), "sample_lo": 0, "sample_hi": 10**15 + s} for s in range(60, 70)]
+    r = httpx.post(f"{d.base}/api/runs/{run}/attempts/0/steps", content=json.dumps({"records": bad}), headers=hdr)
+    time.sleep(3)  # the judge runs after the commit
+    actions = httpx.get(f"{d.base}/api/runs/{run}/actions", headers=d.auth).json()
+    skips = [a.get("args", {}).get("skip") for a in actions.get("actions", [])]
+    return {"honest": first.status_code, "claim_1e15": r.status_code, "detail": r.json().get("detail", "")[:160],
+            "actions": len(actions.get("actions", [])), "skips": skips}
+
+
+def attempts(d: Daemon, n: int = 10_000) -> dict:
+    a = _token(d, "restarter")
+    run = "restarts"
+    accepted, codes = 0, {}
+    with httpx.Client(base_url=d.base, headers=a, timeout=60) as c:
+        for k in range(n):
+            code = c.post("/api/runs", json={"run_id": run, "attempt": k, "world_size": 1}).status_code
+            codes[code] = codes.get(code, 0) + 1
+            accepted += code == 201
+            if code == 429 and k > 200:  # the rest would be refused alike: say so, spare the minutes
+                codes["not sent"] = n - k - 1
+                break
+    t0 = time.perf_counter()
+    page = httpx.get(f"{d.base}/runs/{run}", headers=d.auth, timeout=120)
+    return {"sent": sum(v for k, v in codes.items() if k != "not sent"), "accepted": accepted,
+            "answers": {str(k): v for k, v in codes.items()}, "page": page.status_code,
+            "page_ms": round((time.perf_counter() - t0) * 1000, 1)}
+
+
+PROBES = ("cross_run", "claims", "attempts", "declared", "big_posts", "key_headers", "overlap", "empty_keys", "control_byte")
 
 
 def run(url: str, only: tuple[str, ...] = PROBES) -> dict:
@@ -230,7 +305,8 @@ def run(url: str, only: tuple[str, ...] = PROBES) -> dict:
     try:
         with httpx.Client(base_url=d.base, headers=d.auth, timeout=300) as c:
             res = {"rss_start_mb": round(rss(d.proc.pid)[0])}
-            probes = {"declared": lambda: declared(d), "big_posts": lambda: big_posts(d),
+            probes = {"cross_run": lambda: cross_run(d), "claims": lambda: claims(d),
+                      "attempts": lambda: attempts(d), "declared": lambda: declared(d), "big_posts": lambda: big_posts(d),
                       "key_headers": lambda: key_headers(c, d.proc.pid), "overlap": lambda: overlap(d),
                       "empty_keys": lambda: empty_keys(c), "control_byte": lambda: control_byte(d)}
             for name in only:
@@ -268,6 +344,17 @@ def main() -> None:
                 eng.dispose()
         r = results[name]
         print(f"\n== {name}: daemon RSS at start {r['rss_start_mb']} MB")
+        if "cross_run" in r:
+            print(f"  team B's token into team A's run: {r['cross_run']['answers']}; "
+                  f"run A's steps after: {r['cross_run']['run_a_steps']}")
+        if "claims" in r:
+            cl = r["claims"]
+            print(f"  steps claiming [0, 1e15): {cl['claim_1e15']} ({cl['detail'][:100]}...); actions {cl['actions']}, "
+                  f"skips {cl['skips']}")
+        if "attempts" in r:
+            at = r["attempts"]
+            print(f"  10^4 new attempts of one run: sent {at['sent']}, accepted {at['accepted']}, answers "
+                  f"{at['answers']}; run page {at['page']} in {at['page_ms']} ms")
         if "declared" in r:
             dl = r["declared"]
             print(f"  headers only, {dl['declared_gb']} GB declared, 20 at once x {dl['routes']} routes x 2 tokens: "
