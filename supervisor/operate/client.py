@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 import httpx
 
+from thermowatch.monitors.commands import ContractError
+from thermowatch.monitors.names import check_run_id
 from thermowatch.supervisor.errors import DaemonUnreachable, UserError
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
@@ -140,6 +142,12 @@ class Client:
 
 
 def run_path(run_id: str) -> str:
+    """The API path of a run, its id checked first with the daemon's own rule (monitors.names):
+    `..` would be resolved away by the URL and ask another route, never the run."""
+    try:
+        check_run_id(run_id, "RUN")
+    except ContractError as exc:
+        raise UserError(str(exc)) from None
     return f"/api/runs/{quote(run_id, safe='')}"
 
 

@@ -190,6 +190,21 @@ def test_a_number_a_flag_cannot_take_exits_2_with_one_line_and_asks_no_daemon(tm
     assert "Traceback" not in err and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv", [["status", ".."], ["export", "..", "--out", "x.jsonl"], ["actions", "a/b"],
+                                  ["lr", ".", "--multiplier", "0.5"]])
+def test_a_run_id_the_daemon_would_refuse_exits_2_before_asking_it(tmp_path, capsys, monkeypatch, argv):
+    """The CLI is a client too: it checks RUN with the daemon's rule (monitors.names); `..` would
+    be resolved away by the URL and ask another route. Nothing listens: asking would exit 3."""
+    from tests.live_server import free_port
+
+    monkeypatch.setenv("THERMOWATCH_SERVER", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"thermowatch: RUN {argv[1]!r}" in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_lr_multiplier_nan_as_a_process_exits_2_without_a_traceback(tmp_path):
     import os
     import subprocess
