@@ -27,6 +27,7 @@ from sqlalchemy.orm import sessionmaker
 from thermowatch.monitors.contract import Finding, Severity
 from thermowatch.monitors.envelope import Curve, EnvelopeConfig, behind_peers
 from thermowatch.monitors.manifest import MANIFEST, files_problem
+from thermowatch.monitors.names import printable
 from thermowatch.supervisor.notify.base import Alert
 from thermowatch.supervisor.app.scheduler import Job
 from thermowatch.supervisor.store import actions as actions_store
@@ -125,7 +126,8 @@ def _scan(sup: Daemon, rows: list[ckpt_store.CheckpointPath]) -> list[tuple[str,
                 # Gone from disk: deleted (the page and the policy stop offering it); there but
                 # broken: kept in the list, distrusted.
                 ckpt_store.mark_checkpoint(s, c.id, healthy=False, deleted=not Path(c.path).is_dir() or None)
-            log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, problem)
+            # the path is the trainer's text: printable, so a newline in it cannot forge a log line
+            log.warning("run %s checkpoint step %d distrusted: %s", c.run_id, c.step, printable(problem))
             bad.append((c.run_id, c.step, problem))
     return bad
 

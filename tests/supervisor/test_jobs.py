@@ -96,6 +96,19 @@ def test_checkpoint_scan_distrusts_missing_and_broken_checkpoints(sup, tmp_path)
     assert jobs.checkpoint_scan(sup) == []  # already distrusted: reported once
 
 
+def test_a_checkpoint_path_cannot_forge_a_log_line(sup, tmp_path, caplog):
+    """A checkpoint's path is the trainer's text (only NUL is refused): logged as is, its newline
+    started a line of its own in the daemon's log (issue 34)."""
+    import logging
+
+    path = str(tmp_path / "step_60\n2030-01-01 00:00:00 INFO all checkpoints verified")
+    sup.checkpoint_saved(RUN, 0, CheckpointInfo(step=60, path=path, sample_cursor=960, healthy=True))
+    with caplog.at_level(logging.WARNING, logger="thermowatch.supervisor.app.jobs"):
+        assert [step for _, step, _ in jobs.checkpoint_scan(sup)] == [60]
+    (line,) = [r.getMessage() for r in caplog.records if "distrusted" in r.getMessage()]
+    assert "\n" not in line and "step_60\\n2030-01-01" in line
+
+
 def test_checkpoint_scan_leaves_good_checkpoints_alone(sup, tmp_path):
     d = _checkpoint_dir(tmp_path / "ckpt", 5, files={})
     sup.checkpoint_saved(RUN, 0, CheckpointInfo(step=5, path=str(d), sample_cursor=80, healthy=True))
