@@ -219,11 +219,18 @@ class Responder:
         return min(onsets) if onsets else None
 
     def check_stalls(self, now: float | None = None) -> list[Finding]:
-        """Wall-clock detectors (no step for too long); run by the scheduler."""
+        """Wall-clock detectors (no step for too long); run by the scheduler. A run whose newest
+        attempt said it finished (completed, stopped, closed) sends no more steps on purpose: it
+        is never checked (issue 35: every finished run got a CRITICAL stall page at 10 and 30 min)."""
         now = self._clock() if now is None else now
         out = []
         with self._lock:
-            for run_id in list(self._banks):
+            runs = list(self._banks)
+            with self._session() as s:
+                done = runs_store.ended_runs(s, runs)
+            for run_id in runs:
+                if run_id in done:
+                    continue
                 for finding in self.bank(run_id).check(now):
                     out.append(finding)
                     self.handle(run_id, finding)

@@ -123,3 +123,5 @@ def check_rollback_and_skip(db, run_id: str, op: Operator, trained: Trained, fin
         st = run_status(s, run_id, stall_after_s=600)
     assert [a.attempt for a in attempts] == [1, 2] and attempts[-1].start_step == ROLLBACK_TO
     assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "completed", final_step), st
+    # issue 35: a finished run pages no stall, however long after its last step the check runs
+    assert op.sup.responder.check_stalls(now=time.time() + 3600) == []

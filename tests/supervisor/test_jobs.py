@@ -200,6 +200,27 @@ def test_stall_check_finds_a_stall_only_after_the_timeout(sup, clock):
     assert acts == []  # a stall is not in the weights: no rollback
 
 
+@pytest.mark.parametrize("reason", ["completed", "stopped", "closed"])
+def test_a_finished_run_is_never_stalled(sup, clock, stream, reason):
+    """Issue 35: 10 and 30 minutes after a run finished, every one of 14 finished runs got
+    `[CRITICAL] <run>: alert (stall on step)` while its status read FINISHED. A run whose newest
+    attempt said it finished is silent on purpose; a relaunch (a new attempt) is watched again."""
+    from thermowatch.monitors.contract import FinishReason, RunFinished
+
+    recs = healthy_records()[:30]
+    sup.write(RUN, 0, recs)
+    sup.ingestor.finish_run(RUN, 0, RunFinished(30, 2.5, FinishReason(reason)))
+    for minutes in (10, 30, 24 * 60):
+        clock.now = recs[-1].wall_time + minutes * 60.0
+        assert sup.responder.check_stalls() == []
+    with sup.sessions() as s:
+        assert incidents_store.incidents(s, RUN) == []
+    assert "stall" not in stream.getvalue()
+    sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=30))  # relaunched: watched again
+    clock.now += 10 * 60.0
+    assert [f.signal.value for f in sup.responder.check_stalls()] == ["stall"]
+
+
 def test_stall_check_job_uses_the_supervisors_clock(sup, clock, stream):
     recs = healthy_records()[:10]
     sup.write(RUN, 0, recs)
