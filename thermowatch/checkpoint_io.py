@@ -57,13 +57,13 @@ def refusal_reason(exc: BaseException) -> str:
 
 
 def load_as_data(f: str | os.PathLike | IO[bytes], allowed: Iterable[Any] = CLIENT_GLOBALS,
-                 map_location: Any = "cpu", name: str | None = None) -> Any:
+                 map_location: Any = "cpu", name: str | None = None, mmap: bool = False) -> Any:
     """`torch.load(f, weights_only=True)` with `allowed` (classes and functions) allow-listed for
     this load only. Raises CheckpointRefused when the file names anything else (a planted pickle,
     a type our saves never write); other errors (a torn file, a missing one) pass through."""
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(f, map_location=map_location, weights_only=True)
+            return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise CheckpointRefused(
             f"{name or f}: refused to load: it names code or types outside the checkpoint allow-list "
@@ -71,6 +71,16 @@ def load_as_data(f: str | os.PathLike | IO[bytes], allowed: Iterable[Any] = CLIE
             "writes such a file; if you wrote it and trust it, allow its types with "
             "torch.serialization.add_safe_globals"
         ) from exc
+
+
+def refused_reason(path: str | os.PathLike, allowed: Iterable[Any] = CLIENT_GLOBALS) -> str | None:
+    """Why load_as_data would refuse the file at `path`, or None when it loads. The tensors are
+    memory-mapped, not read: checking a checkpoint just saved costs its pickle, not its size."""
+    try:
+        load_as_data(path, allowed, mmap=True)
+    except CheckpointRefused as exc:
+        return refusal_reason(exc.__cause__ or exc)
+    return None
 
 
 def set_aside(path: Path) -> Path | None:

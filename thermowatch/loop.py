@@ -54,7 +54,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, set_aside
+from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, refused_reason, set_aside
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
     LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
@@ -91,7 +91,7 @@ class Watch(Directed):
                  keep_checkpoints: int = 5, scheduler: Any = None,
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
                  poll_interval_s: float = 1.0, supervisor_config: Any = None,
-                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None) -> None:
+                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None, close_timeout_s: float = 10.0) -> None:
         if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
                              f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
@@ -114,6 +114,7 @@ class Watch(Directed):
         self.run: Run | _Quiet = Run(
             run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token, state_dir=self.dir,
             world_size=self.dist.world, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config,
+            close_timeout_s=close_timeout_s,  # close() waits at most this for the daemon (thermowatch.run)
         ) if self.dist.rank == 0 else _Quiet(poll_interval_s)
         self.step = 0  # the last step trained
         self.cursor = 0  # the next absolute sample id to consider
@@ -126,6 +127,7 @@ class Watch(Directed):
         self._recorded = True
         self._meta: dict[int, tuple[int, int, float, float, float]] = {}  # step -> ids lo, hi, lr x, peak, lr
         self._healthy = True  # every loss since the last checkpoint was finite
+        self._checked_loads = False  # the first checkpoint saved was read back as data
         self._started = False
         self._closed = False
         self.th = None
@@ -525,14 +527,24 @@ class Watch(Directed):
         tmp = path.with_name(path.name + ".partial")
         if self.dist.world > 1:
             self.dist.save(self.model, self.optimizer, extra, tmp)
-            if self.dist.rank != 0:
-                self.dist.barrier()  # rank 0 renames, registers and prunes; then every rank goes on
-                self._healthy = True
-                return
         else:
             torch.save({**extra, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+        # Once a run, on rank 0 (every rank's part holds the same types; the others' parts are
+        # renamed away under them): the types a loop's state holds do not change.
+        if not self._checked_loads and self.dist.rank == 0:
+            self._checked_loads = True
+            why = refused_reason(tmp if self.dist.world == 1 else tmp / "extra_rank0.pt")
+            if why is not None:
+                log.error("thermowatch: checkpoint step %d holds a type outside the checkpoint allow-list (%s), so "
+                          "a resume or rollback will refuse it and fall back past it: keep plain values in your "
+                          "scheduler's and optimizer's state, or allow the type with "
+                          "torch.serialization.add_safe_globals before thermowatch.watch", step, why)
+        if self.dist.world > 1 and self.dist.rank != 0:
+            self.dist.barrier()  # rank 0 renames, registers and prunes; then every rank goes on
+            self._healthy = True
+            return
         os.replace(tmp, path)
         fsync_dir(self.dir)
         self._save_state()

@@ -9,6 +9,7 @@ import logging
 import pickle
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,6 +90,7 @@ def test_a_planted_newest_checkpoint_is_refused_on_resume_and_on_rollback(db, tm
     assert refusals[0].startswith("thermowatch: checkpoint step 30 was refused, not loaded: ")
     assert refusals[1].startswith("thermowatch: checkpoint step 22 was refused, not loaded: ")
     assert all("posix.system" in m and "trying an older one" in m for m in refusals), refusals
+    assert not [r for r in caplog.records if "holds a type outside" in r.getMessage()]  # its own saves load
 
     # The rollback landed on 20 (the newest that loads), and the run trained on from 21.
     with db.sessions() as s:
@@ -100,6 +102,27 @@ def test_a_planted_newest_checkpoint_is_refused_on_resume_and_on_rollback(db, tm
     assert (ckpt / "step_00000030.pt.refused").is_file() and (ckpt / "step_00000022.pt.refused").is_file()
     assert not (ckpt / "step_00000022.pt").exists()
     assert load_as_data(ckpt / "step_00000030.pt")["step"] == 30
+
+
+def test_a_checkpoint_the_loader_would_refuse_is_named_when_the_first_one_is_saved(db, tmp_path, caplog):
+    """A loop whose own state holds a type outside the allow-list (an LR computed with numpy, in the
+    optimizer's param group) hears so at its first checkpoint, not at the rollback that needs it."""
+    torch.manual_seed(0)
+    model = user_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt.param_groups[0]["lr"] = np.float64(1e-2)
+    tw = thermowatch.watch(model, opt, run="numpy-lr", steps=10, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=4, poll_interval_s=0.05,
+                           supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    with caplog.at_level(logging.ERROR, logger="thermowatch.loop"):
+        for step in tw.steps():
+            tw.record(train_step(model, opt, *user_batch(DATA, tw.batch_ids(step))))
+        tw.close()
+    said = [r.getMessage() for r in caplog.records if "holds a type outside" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("thermowatch: checkpoint step 4 holds a type"), said  # once
+    assert "multiarray.scalar" in said[0] and "add_safe_globals" in said[0], said
+    with pytest.raises(CheckpointRefused):  # what it warned of
+        load_as_data(tmp_path / "ckpt" / "step_00000008.pt")
 
 
 def test_torchruns_per_rank_files_are_read_as_data(tmp_path):
