@@ -8,15 +8,32 @@ policy's margin (100 steps by default: PaLM restarted ~100 steps back; YaLM-100B
 - the newest `keep_last` checkpoints;
 - one per `keep_every`-step span (the first in it), forever: a target behind a slow drift or an
   onset found late (0 = none);
-- with `now` and `behind`, the newest checkpoint at or before step `now - behind`: a rollback the
-  policy asks for while this one is being pruned still has its target. Without it a run that
-  checkpointed every 25 steps and kept 5 had deleted the step-50 checkpoint the policy chose at
-  step 171 by the time the command arrived (bench/precise_skip.py found it): the rollback failed.
+- with `now` and `behind`, a rule in steps back from the newest, whatever the counts (issue 35:
+  with `checkpoint_every x keep_last` under 110 the client deleted the checkpoint a rollback
+  needed, so rollbacks asked for at step <= 40 landed on step 10, and the policy found no target):
+  - the newest checkpoint at or before `now - behind`: the target the policy picks for a
+    divergence found now (onset - margin) is there while its command is on the way. Without it
+    a run that checkpointed every 25 steps and kept 5 had deleted the step-50 checkpoint the
+    policy chose at step 171 by the time the command arrived (bench/precise_skip.py found it);
+  - a checkpoint `age` steps old is kept when it is the first in its aligned block, a power of
+    two of steps: at most a tenth of `behind` within the last `behind` steps, then 0.2-0.4 x the
+    age. A rollback lands on the newest kept checkpoint at or before the step it asks for: within
+    the last `behind` steps at most a tenth of `behind` before it, further back at most
+    1/(1 - 0.4) = 1.67 x as far back from now as the nearest checkpoint that was saved. About
+    10 + 4 log2(run length / behind) checkpoints.
+  Blocks are aligned powers of two, so the first of a block is the first of its first half: a
+  checkpoint kept as the first of a larger block as it ages was kept all along. Nothing a later
+  prune needs is ever deleted by an earlier one.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
+
+# The policy's default margin (rollback_margin_steps, 100) + the steps between a divergence's
+# detection and its command's arrival: how far back from the newest checkpoint `behind` reaches.
+BEHIND = 110
 
 
 def retained(steps: Sequence[int], keep_last: int, keep_every: int = 0, *, now: int | None = None,
@@ -29,8 +46,19 @@ def retained(steps: Sequence[int], keep_last: int, keep_every: int = 0, *, now: 
         for s in steps:  # one per checkpoint, not per element of anything large
             first_in_span.setdefault(s // keep_every, s)
         keep |= set(first_in_span.values())
-    if now is not None and behind > 0:
-        old = [s for s in steps if s <= now - behind]
-        if old:
-            keep.add(old[-1])
+    if now is not None and behind > 0 and steps:
+        at = bisect.bisect_right(steps, now - behind)
+        if at:
+            keep.add(steps[at - 1])
+        for i, s in enumerate(steps):  # one per checkpoint
+            size = _block(now - s, behind)
+            if i == 0 or steps[i - 1] < s - s % size:  # the first checkpoint of its block
+                keep.add(s)
     return keep
+
+
+def _block(age: int, behind: int) -> int:
+    """The largest power of two at most behind / 10 (within the last `behind` steps), else at most
+    0.4 x age: never smaller as a checkpoint ages, each block the first or second half of the next."""
+    span = behind // 10 if age < behind else 2 * age // 5
+    return 1 << max(0, span.bit_length() - 1)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Protocol
 from thermowatch.monitors.contract import CheckpointInfo
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
-from thermowatch.monitors.retention import retained
+from thermowatch.monitors.retention import BEHIND, retained
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class Retention:
     # One checkpoint per `keep_every`-step span lives forever, so an onset found late (or a slow
     # drift, YaLM's "roll back to 13k") still has a target behind it. 0 keeps no such anchors.
     keep_every: int = 1000
+    # Every checkpoint of the last `keep_behind` steps (a tenth of it apart at most), and older
+    # ones thinning with their age: the rule in steps, not a count, so the target of a rollback
+    # asked for now stays whatever keep_last is (monitors/retention.py; issue 35). 0 = off.
+    keep_behind: int = BEHIND
     # "edges": size + crc32 of the first and last 1 MiB (whole file when <= 2 MiB). Catches
     # truncation and torn tails, the usual failures (node died mid-write, disk full), while
     # scanning many multi-GB ZeRO shards stays fast. "full": crc32 of every byte (catches
@@ -70,8 +74,10 @@ class Retention:
                 f"Retention.keep_last must be an integer >= 1, got {self.keep_last!r}: the newest "
                 "checkpoint is the resume point and is always kept"
             )
-        if isinstance(self.keep_every, bool) or not isinstance(self.keep_every, int) or self.keep_every < 0:
-            raise ValueError(f"Retention.keep_every must be an integer >= 0 (0 = off), got {self.keep_every!r}")
+        for name in ("keep_every", "keep_behind"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Retention.{name} must be an integer >= 0 (0 = off), got {v!r}")
         if self.checksum not in ("edges", "full"):
             raise ValueError(f"Retention.checksum must be 'edges' or 'full', got {self.checksum!r}")
 
@@ -330,7 +336,9 @@ class CheckpointStore:
     def retained(self, steps: list[int]) -> set[int]:
         """Which of `steps` the retention rule keeps (before the newest-valid/healthy guards):
         monitors/retention.py, the client's rule too."""
-        return retained(steps, self.retention.keep_last, self.retention.keep_every)
+        # In steps back from the newest, whatever keep_last is (issue 35): a rollback's target stays.
+        return retained(steps, self.retention.keep_last, self.retention.keep_every,
+                        now=steps[-1] if steps else None, behind=self.retention.keep_behind)
 
     def prune(self) -> list[int]:
         """Delete what retention does not keep; returns the deleted steps."""

@@ -121,7 +121,7 @@ def test_edges_checksum_misses_mid_file_rot_that_full_catches(tmp_path):
 
 
 def test_retention_keeps_last_k_and_one_per_m_steps(tmp_path):
-    store = CheckpointStore(tmp_path, Retention(keep_last=2, keep_every=10))
+    store = CheckpointStore(tmp_path, Retention(keep_last=2, keep_every=10, keep_behind=0))
     for step in range(0, 40, 3):  # saves at 0, 3, ..., 39: none after the first lands on 10/20/30
         save(store, step)
     # Last 2: 36, 39. First save in each 10-step span: 0, 12, 21, 30.
@@ -131,19 +131,29 @@ def test_retention_keeps_last_k_and_one_per_m_steps(tmp_path):
     assert not any(tmp_path.glob("*.deleting"))
 
 
+def test_retention_keeps_the_last_110_steps_whatever_keep_last_is(tmp_path):
+    """Issue 35: the rule is in steps back from the newest, not a count. Checkpointing every 10
+    steps and keeping 3, a rollback asked for at step 40 at step 150 still finds step 40."""
+    store = CheckpointStore(tmp_path, Retention(keep_last=3, keep_every=0))
+    for step in range(10, 151, 10):
+        save(store, step)
+    assert {40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150} <= set(store.steps())
+    assert len(store.steps()) <= 15
+
+
 def test_retention_never_deletes_the_newest_valid_or_healthy(tmp_path):
-    store = CheckpointStore(tmp_path, Retention(keep_last=1, keep_every=0))
+    store = CheckpointStore(tmp_path, Retention(keep_last=1, keep_every=0, keep_behind=0))
     save(store, 1)
     save(store, 2, healthy=False)
     save(store, 3, healthy=False)
     assert store.steps() == [1, 3]  # 1 survives: the only rollback target that was healthy
     save(store, 4)
     assert store.steps() == [4]
-    roomy = CheckpointStore(tmp_path, Retention(keep_last=2, keep_every=0))
+    roomy = CheckpointStore(tmp_path, Retention(keep_last=2, keep_every=0, keep_behind=0))
     save(roomy, 5)
     save(roomy, 6)
     flip_byte(tmp_path / "step_00000006" / "model_states.pt", 10)  # bit rot after commit
-    CheckpointStore(tmp_path, Retention(keep_last=1, keep_every=0)).prune()  # retention tightened
+    CheckpointStore(tmp_path, Retention(keep_last=1, keep_every=0, keep_behind=0)).prune()  # retention tightened
     # 6 is the newest (kept by keep_last) but corrupt; 5 is the newest valid and survives.
     assert store.steps() == [5, 6] and store.latest_valid().step == 5
 
