@@ -62,6 +62,7 @@ from thermowatch.monitors.contract import (
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.monitors.names import check_run_id
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
@@ -92,6 +93,7 @@ class Watch(Directed):
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
                  poll_interval_s: float = 1.0, supervisor_config: Any = None,
                  precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None, close_timeout_s: float = 10.0) -> None:
+        check_run_id(run)  # before anything is made from it (checkpoints/<run>), on every rank (issue 34)
         if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
                              f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")

@@ -52,6 +52,7 @@ def test_watch_with_run_dotdot_is_refused_before_a_step_trains(tmp_path, monkeyp
     with pytest.raises(ContractError, match=r"run_id '\.\.' cannot be a run id: it is a relative path segment"):
         thermowatch.watch(model, opt, run="..", steps=10, global_batch=2, checkpoint_every=1)
     assert _files_under(tmp_path) == []  # no checkpoint, no database, no state file in the working directory
+    assert os.listdir(tmp_path) == []  # not even an empty checkpoints/ folder
     assert not (tmp_path / ".thermowatch").exists()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
