@@ -16,7 +16,9 @@ The ladder (DESIGN.md, "Rollback semantics"):
             gradient rise, non-finite: monitors.contract.DEFAULT_ROLLBACK_SIGNALS)
             -> roll back to the newest HEALTHY checkpoint at or before onset - margin and skip the
                samples of the steps from onset - margin to the detection step (PaLM: restart
-               ~100 steps before the spike, skip 200-500 batches).
+               ~100 steps before the spike, skip 200-500 batches). With none that old (a run
+               younger than the margin): the oldest healthy one before the onset, skipping from
+               the step after it.
     rung 2  the same signal again within `recurrence_window_steps` of a rollback
             -> roll back again AND lower the LR, one command (OPT-175B did this by hand; YaLM:
                halving the LR cost ~30% speed, which is why it is the second rung, not the first).
@@ -543,7 +545,8 @@ def _lr_reason(old: float, new: float, cfg: PolicyConfig) -> str:
 def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,
                      cap: int | None = None) -> tuple[CheckpointInfo | None, str]:
     """Newest healthy checkpoint at or before onset - margin (and at or before `cap`, the previous
-    rollback's target on a recurrence); never one saved while unhealthy."""
+    rollback's target on a recurrence); never one saved while unhealthy. When there is none that
+    old, the oldest healthy one before the onset; only with none before the onset, None (pause)."""
     f = inp.finding
     limit = f.onset_step - cfg.rollback_margin_steps
     healthy = [c for c in inp.checkpoints if c.healthy]
@@ -556,20 +559,31 @@ def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,
             why += (f" and at or before step {cap}, where the previous rollback went (the checkpoints since "
                     f"were trained at the settings that diverged again)")
         return best, why + _passed_over(inp.checkpoints, best.step, limit)
-    if f.signal is Signal.NON_FINITE:
-        # Non-finite weights cannot be trained through: any healthy checkpoint before the onset
-        # beats none, even inside the margin.
-        best = _newest_at_or_before(healthy, f.onset_step - 1)
-        if best is not None:
-            why = (f"no healthy checkpoint at or before step {limit}; non-finite values cannot be trained "
-                   f"through, so rolling back inside the margin to step {best.step}, the newest healthy "
-                   f"checkpoint before the onset at step {f.onset_step}")
-            return best, why + _passed_over(inp.checkpoints, best.step, f.onset_step - 1)
+    # Issue 35: a run younger than the margin (onset 71 - margin 100 = step -29) paused for a
+    # human, and its loop waited 9 minutes. With none that old, every healthy checkpoint before
+    # the onset is inside the margin (or past the cap); the oldest of them is the nearest to the
+    # target the margin asked for, and it lies less than the margin before the onset, so it costs
+    # no more re-training than a rollback with the margin kept. Non-finite weights cannot be
+    # trained through either: any healthy checkpoint before the onset beats none.
+    before = [c for c in healthy if c.step < f.onset_step]
+    if before:
+        best = min(reversed(before), key=lambda c: c.step)  # of equal steps, the newest attempt's
+        if best.step > limit:
+            why = (f"no healthy checkpoint at or before step {limit} (onset {f.onset_step} - margin "
+                   f"{cfg.rollback_margin_steps}), so rolling back inside the margin to step {best.step}, the "
+                   f"oldest healthy checkpoint before the onset ({f.onset_step - best.step} steps before it, the "
+                   f"nearest to the margin asked for)")
+        else:
+            why = f"roll back to the checkpoint at step {best.step}, the oldest healthy one before the onset"
+        if capped:
+            why += f"; none is left at or before step {cap}, where the previous rollback went"
+        return best, why + _passed_over(inp.checkpoints, best.step, f.onset_step - 1)
     steps_ok = sorted(c.step for c in healthy)
     steps_bad = sorted(c.step for c in inp.checkpoints if not c.healthy)
-    return None, (f"no healthy checkpoint at or before step {limit} (onset {f.onset_step} - margin "
-                  f"{cfg.rollback_margin_steps}); healthy checkpoints at {steps_ok or 'none'}, unhealthy at "
-                  f"{steps_bad or 'none'}; a human has to pick a target (or lower rollback_margin_steps)")
+    return None, (f"no healthy checkpoint before the onset at step {f.onset_step} (onset - margin "
+                  f"{cfg.rollback_margin_steps} = step {limit}); healthy checkpoints at {steps_ok or 'none'}, "
+                  f"unhealthy at {steps_bad or 'none'}; a human has to pick a target: `thermowatch rollback RUN "
+                  f"--to-step N` with one of them, or `thermowatch resume RUN` to train on as it is")
 
 
 def _newest_at_or_before(ckpts: Iterable[CheckpointInfo], step: int) -> CheckpointInfo | None:

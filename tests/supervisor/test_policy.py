@@ -126,12 +126,17 @@ CASES = [
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=None, step=s, ago=2 * H, automatic=False) for s in (3000, 5000, 7000, 9000)]), {},
      dict(kind=K.ROLLBACK, rung=1)),
-    ("rung3-no-healthy-checkpoint-before-onset",
-     dict(finding=finding(), checkpoints=[ck(950), ck(1000)]), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint at or before step 890"])),
+    ("rung3-no-healthy-checkpoint-before-onset",  # one at the onset is not before it
+     dict(finding=finding(), checkpoints=[ck(990), ck(1000)]), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 990",
+                                                 "thermowatch rollback RUN --to-step N"])),
     ("rung3-only-unhealthy-checkpoints-before-onset",
-     dict(finding=finding(), checkpoints=[ck(800, healthy=False), ck(850, healthy=False), ck(950)]), {},
+     dict(finding=finding(), checkpoints=[ck(800, healthy=False), ck(850, healthy=False), ck(1000)]), {},
      dict(kind=K.PAUSE, rung=3, page=True, says=["unhealthy at [800, 850]"])),
+    ("rung1-inside-the-margin-when-none-is-that-old",  # issue 35: was a pause
+     dict(finding=finding(), checkpoints=[ck(950), ck(1000)]), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=950, skip_steps=(951, 1000),
+          says=["no healthy checkpoint at or before step 890", "inside the margin to step 950", "oldest"])),
     ("rung3-failed-action",
      dict(finding=finding(), checkpoints=CKPTS, failed_action_pending=True), {},
      dict(kind=K.PAUSE, rung=3, page=True, says=["previous action failed"])),
@@ -327,13 +332,16 @@ def test_never_targets_an_unhealthy_checkpoint_or_one_past_the_onset():
         if d.kind is K.ROLLBACK:
             chosen = next(c for c in ckpts if c.step == d.target_step)
             assert chosen.healthy
-            within_margin = chosen.step <= onset - cfg.rollback_margin_steps
-            # Only non-finite may go inside the margin, and then still strictly before the onset.
-            assert within_margin or (sig is S.NON_FINITE and chosen.step < onset)
+            limit = onset - cfg.rollback_margin_steps
+            if chosen.step <= limit:  # the newest healthy one that old
+                assert not any(c.healthy and chosen.step < c.step <= limit for c in ckpts)
+            else:  # inside the margin only when none is that old, then the oldest before the onset
+                assert not any(c.healthy and c.step <= limit for c in ckpts)
+                assert chosen.step < onset and not any(c.healthy and c.step < chosen.step for c in ckpts)
             if d.skip_steps:
                 assert d.target_step < d.skip_steps[0] <= d.skip_steps[1] == inp.finding.detect_step
-        else:
-            assert not any(c.healthy and c.step <= onset - cfg.rollback_margin_steps for c in ckpts)
+        else:  # a pause: no healthy checkpoint before the onset at all
+            assert not any(c.healthy and c.step < onset for c in ckpts)
 
 
 def test_decision_to_json_is_plain():
@@ -555,3 +563,44 @@ def test_a_late_finding_of_an_abandoned_attempt_never_acts(inp, cfg, signal, ste
     assert not d.acts, d.reasons
     if not inp.action_in_flight:
         assert d.kind is K.NOOP and "left behind" in d.reasons[1], d.reasons
+
+
+# Issue 35, item 3: the default margin adapts to the checkpoints that exist. With none at or
+# before onset - margin, the oldest healthy checkpoint before the onset (the nearest to what the
+# margin asked for), the skip from the step after it; a pause only with none before the onset.
+EVERY_10 = [ck(s) for s in range(10, 80, 10)]
+MARGIN_CASES = [
+    ("a-run-younger-than-the-margin",  # the issue's "no healthy checkpoint at or before step -29"
+     dict(finding=finding(onset=71, detect=72), checkpoints=EVERY_10), {},
+     dict(kind=K.ROLLBACK, rung=1, target_step=10, skip_steps=(11, 72), page=False,
+          says=["no healthy checkpoint at or before step -29", "inside the margin to step 10",
+                "61 steps before it", "from the checkpoint"])),
+    ("the-oldest-healthy-one-unhealthy-ones-passed-over",
+     dict(finding=finding(onset=71, detect=72), checkpoints=[ck(10, False), ck(20, False), *EVERY_10[2:]]), {},
+     dict(kind=K.ROLLBACK, target_step=30, skip_steps=(31, 72), says=["step 30"])),
+    ("the-margin-met-is-still-preferred",
+     dict(finding=finding(onset=171, detect=172), checkpoints=[ck(s) for s in range(10, 180, 10)]), {},
+     dict(kind=K.ROLLBACK, target_step=70, skip_steps=(71, 172), says=["margin 100 = step 71"])),
+    ("a-quarter-margin-is-not-the-rule-the-oldest-is",  # 46 would be onset - margin/4: 10 is nearer to -29
+     dict(finding=finding(onset=71, detect=72), checkpoints=[ck(10), ck(40), ck(60)]), {},
+     dict(kind=K.ROLLBACK, target_step=10)),
+    ("no-checkpoint-before-the-onset-pauses",
+     dict(finding=finding(onset=30, detect=32), checkpoints=[ck(50)]), {},
+     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 30",
+                                                 "healthy checkpoints at [50]"])),
+    ("no-checkpoint-at-all-pauses",
+     dict(finding=finding(onset=30, detect=32), checkpoints=[]), {},
+     dict(kind=K.PAUSE, rung=3, says=["healthy checkpoints at none"])),
+    ("non-finite-the-same-rule",
+     dict(finding=finding(S.NON_FINITE, onset=71, detect=71), checkpoints=EVERY_10), {},
+     dict(kind=K.ROLLBACK, target_step=10, skip_steps=(11, 71))),
+    ("recurrence-past-the-cap-when-none-is-left-before-it",  # rung 2: the cap is 850, gone
+     dict(finding=finding(onset=1000, detect=1010), checkpoints=[ck(900), ck(950)], history=[iv(**RB)]), {},
+     dict(kind=K.ROLLBACK, rung=2, target_step=900, skip_steps=(901, 1010), lr_multiplier=0.5,
+          says=["oldest healthy one before the onset", "none is left at or before step 850"])),
+]
+
+
+@pytest.mark.parametrize("inp_kw, cfg_kw, expected", [c[1:] for c in MARGIN_CASES], ids=[c[0] for c in MARGIN_CASES])
+def test_issue_35_the_margin_adapts_to_the_checkpoints_that_exist(inp_kw, cfg_kw, expected):
+    test_decision_table(inp_kw, cfg_kw, expected)
