@@ -310,6 +310,7 @@ class Responder:
                 automatic=a.origin == "auto",
                 target_step=a.args.get("to_step") if a.kind == "rollback" else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
+                skipped=a.kind == "rollback" and bool(a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.
                 first_step=a.ack_step if a.state in ("acked", "done") else None,

@@ -226,6 +226,7 @@ class Intervention:
     # saved since were trained at the very LR that diverged again.
     target_step: int | None = None
     lowered_lr: bool = False
+    skipped: bool = False  # ROLLBACK: it skipped samples (a data rollback)
     # The first step trained after it took effect (the ack's step; after a rollback to T, T + 1);
     # None until it is acknowledged. Cooldowns count from here.
     first_step: int | None = None
@@ -365,14 +366,15 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
                       f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
                       "on its own"])
         into = _cooling(inp, cfg, h)
-        if into is not None and _family(h.signal) == fam:
+        if into is not None and _family(h.signal) == fam and _data_recurrence(inp, h) is None:
             return Decision(DecisionKind.NOOP, [
                 head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
                       f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect, judged again at "
                       f"step {_cooldown_end(cfg, h)} if it persists"], recheck_step=_cooldown_end(cfg, h))
     auto = [h for h in inp.history if h.automatic and h.kind in ACTIONS]
-    # Non-finite values cannot be trained through: waiting out a cooldown only burns compute.
-    if f.signal is not Signal.NON_FINITE:
+    # Non-finite values cannot be trained through: waiting out a cooldown only burns compute. Nor
+    # can the rest of a bad stretch a data rollback's skip stopped short of (_data_recurrence).
+    if f.signal is not Signal.NON_FINITE and not any(_data_recurrence(inp, h) is not None for h in live):
         for h in _newest_first([h for h in auto if h.ok]):
             into = _cooling(inp, cfg, h) if h in live else None
             age = inp.now - h.time
@@ -422,6 +424,32 @@ def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None
     return step - took_effect if lo <= step < took_effect + cfg.cooldown_steps else None
 
 
+# Bad data shows as a spike of the loss or the gradient at the step that trains it; a logit
+# growth or a non-finite value on the re-trained path is the optimizer or the LR, whose next rung
+# (the LR cut after the cooldown) is the ladder's.
+_DATA_FAMILIES = frozenset({Signal.LOSS_SPIKE.value, Signal.GRAD_SPIKE.value})
+
+
+def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
+    """The target of `h` when the finding is the same cause coming back on the path `h` re-trained:
+    `h` an automatic data rollback (it skipped samples) that took effect, the finding of the same
+    family, judged on a newer attempt, after `h`'s first re-trained step. Else None.
+
+    Issue 35: a poisoned stretch of 15 steps, detected one step into it; the skip covered the
+    samples up to the detection, and the re-trained path reached the rest of the stretch inside
+    the 50-step cooldown: loss 7.8-10.2 on the re-trained steps, no action, no audit row. A
+    cooldown waits for an action to take effect; here it took effect and the next samples of the
+    same stretch are the cause, so waiting only trains them. Spikes only (_DATA_FAMILIES).
+    Replay triage (issue 39) is what will tell data from the optimizer for certain."""
+    f = inp.finding
+    if not (h.kind is DecisionKind.ROLLBACK and h.ok and h.automatic and h.skipped and h.first_step is not None
+            and h.target_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
+        return None
+    if inp.attempt is None or h.attempt is None or inp.attempt <= h.attempt or f.detect_step < h.first_step:
+        return None
+    return h.target_step
+
+
 def _cooldown_end(cfg: PolicyConfig, h: Intervention) -> int:
     """The first step past `h`'s step cooldown."""
     return (h.first_step if h.first_step is not None else h.step) + cfg.cooldown_steps
@@ -439,6 +467,10 @@ def _since_text(h: Intervention, into: int | None) -> str:
 def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     f = inp.finding
     reasons = [head]
+    for h in _live(inp.history):
+        again = _data_recurrence(inp, h)
+        if again is not None:
+            return _skip_further(inp, cfg, head, h, again)
     prev = _recurrence(inp, cfg)
     forecast = (f.evidence.get("witnesses") or {}).get("lr_forecast")
     lr: dict[str, Any] = {}
@@ -490,6 +522,35 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from {start} to detection)")
     return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
                     skip_steps=skip, rung=rung, **lr)
+
+
+def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, target_step: int) -> Decision:
+    """The same cause on the path a data rollback re-trained (_data_recurrence): back to that
+    rollback's checkpoint again, at once and at the same LR, the skip grown through this detection.
+    The caps (max_interventions, max_rollbacks_per_day) still bound it."""
+    f = inp.finding
+    rollbacks = [x for x in inp.history if x.automatic and x.kind is DecisionKind.ROLLBACK
+                 and inp.now - x.time < DAY_S]
+    if len(rollbacks) >= cfg.max_rollbacks_per_day:
+        return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
+                            f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
+    healthy = [c for c in inp.checkpoints if c.healthy]
+    target = _newest_at_or_before(healthy, target_step)
+    if target is None:
+        return _pause(head, f"no healthy checkpoint at or before step {target_step}, where the data rollback at "
+                            f"step {h.step} went; a human has to pick a target")
+    skip = (target.step + 1, f.detect_step) if target.step + 1 <= f.detect_step else None
+    reasons = [head,
+               f"the same cause again on the path the rollback at step {h.step} re-trained (first step "
+               f"{h.first_step}, attempt {inp.attempt}): the bad stretch goes on past the samples it skipped, so no "
+               "cooldown holds this back; waiting would train the rest of it",
+               f"roll back to the checkpoint at step {target.step} again, at the same LR, and skip on through step "
+               f"{f.detect_step}"]
+    if skip:
+        reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from the checkpoint to detection; "
+                       "the samples already skipped stay skipped)")
+    return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
+                    skip_steps=skip, rung=1)
 
 
 def _revert_lr(inp: PolicyInput, head: str) -> Decision:

@@ -466,7 +466,7 @@ class Run:
             self.history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                              time=self.now, ok=True, first_step=first, attempt=self.attempt,
                                              target_step=d.target_step, lowered_lr=d.lr_multiplier is not None,
-                                             seq=len(self.history)))
+                                             skipped=d.skip_steps is not None, seq=len(self.history)))
             self.lr = d.lr_multiplier or self.lr
             if d.kind is K.ROLLBACK:
                 self.attempt += 1
@@ -494,6 +494,51 @@ def test_issue_22_recurrence_after_a_rollback_climbs_instead_of_being_silenced()
     d3 = run.decide(attn(onset=d2.target_step + 55, detect=d2.target_step + 60))
     assert (d3.kind, d3.rung, d3.page) == (K.PAUSE, 3, True), d3.reasons
     assert "min_lr_multiplier" in "\n".join(d3.reasons)
+
+
+def loss(onset: int, detect: int) -> Finding:
+    return finding(S.LOSS_SPIKE, onset=onset, detect=detect)
+
+
+def test_issue_35_the_rest_of_a_bad_stretch_is_skipped_at_once_not_trained_in_the_cooldown():
+    """A poisoned stretch detected one step into it: the first data rollback skips the samples up to
+    the detection, and the re-trained path meets the rest of the stretch at once, inside the
+    50-step cooldown. Before, that was a NOOP ("same incident") and the stretch was trained; now
+    it rolls back to the same checkpoint at the same LR and the skip grows through the new
+    detection, until the caps stop the loop."""
+    run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50, max_interventions=4))
+    d1 = run.decide(loss(onset=171, detect=172))
+    assert (d1.kind, d1.rung, d1.target_step, d1.skip_steps) == (K.ROLLBACK, 1, 70, (71, 172)), d1.reasons
+    d2 = run.decide(loss(onset=73, detect=74))  # 3 steps into the re-trained path: the stretch goes on
+    assert (d2.kind, d2.rung, d2.target_step, d2.skip_steps, d2.lr_multiplier) == (K.ROLLBACK, 1, 70, (71, 74), None)
+    assert "the bad stretch goes on past the samples it skipped" in "\n".join(d2.reasons)
+    d3 = run.decide(loss(onset=72, detect=73))
+    assert (d3.kind, d3.target_step) == (K.ROLLBACK, 70), d3.reasons
+    d4 = run.decide(loss(onset=72, detect=73))
+    assert d4.kind is K.ROLLBACK
+    d5 = run.decide(loss(onset=72, detect=73))  # the fifth in the window: the caps hold
+    assert (d5.kind, d5.rung) == (K.PAUSE, 3) and "max_interventions=4" in "\n".join(d5.reasons)
+
+
+@pytest.mark.parametrize("first, again, skipped", [
+    (attn(onset=171, detect=172), attn(onset=73, detect=74), True),  # the logits: the optimizer's, the ladder's
+    (loss(onset=171, detect=172), loss(onset=73, detect=74), False),  # a rollback that skipped nothing
+])
+def test_issue_35_only_a_spike_after_a_data_rollback_skips_the_cooldown(first, again, skipped):
+    run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
+    d1 = run.decide(first)
+    assert d1.kind is K.ROLLBACK
+    if not skipped:
+        run.history[-1] = dataclasses.replace(run.history[-1], skipped=False)
+    d2 = run.decide(again)
+    assert d2.kind in (K.NOOP, K.ALERT) and "cooldown" in "\n".join(d2.reasons), d2.reasons
+
+
+def test_issue_35_a_late_finding_of_the_abandoned_attempt_still_never_acts():
+    run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
+    run.decide(loss(onset=171, detect=172))
+    d = make_decision(run.inp(loss(onset=173, detect=175), attempt=0), run.cfg)  # the old attempt, arriving late
+    assert d.kind is K.NOOP and "left behind" in "\n".join(d.reasons)
 
 
 def test_issue_22_a_wall_clock_cooldown_still_holds_when_set():
