@@ -18,7 +18,9 @@ Nothing here runs on the caller's thread but a queue append: one background thre
 the run, sends records, checkpoints and acks in the order they were made (records before the
 ack of a command that came after them), and polls commands only once the run is registered.
 Commands are remembered with their acks (`state_dir/commands.json`), so a command delivered
-again (a lost ack, a restart) is answered with the same ack and never carried out twice.
+again (a lost ack, a restart) is answered with the same ack and never carried out twice; one
+delivered again while it is still being carried out (the daemon re-sends what it has not heard
+back about: a poll answer may have been lost) is not handed out a second time.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class Run:
         # The acks given (answered again on a re-delivery), with the LR changes and skip ranges the
         # loop keeps beside them: thermowatch.protocol, the bundled controller's book too.
         self.book = CommandBook(self.state_dir)
+        self._handed: dict[int, dict[str, Any]] = {}  # commands handed out and not yet acked: id -> JSON
         self._out: collections.deque[Callable[[], None]] = collections.deque()
         self._inbox: collections.deque[Command] = collections.deque()
         self._cv = threading.Condition()
@@ -139,7 +142,8 @@ class Run:
 
     def commands(self) -> list[Command]:
         """Commands received since the last call, oldest first; a command already answered is
-        answered again with its ack here and not returned (it was carried out once)."""
+        answered again with its ack here and not returned (it was carried out once), and one
+        handed out before and not answered yet (being carried out) is not returned again."""
         out = []
         with self._cv:
             while self._inbox:
@@ -149,7 +153,10 @@ class Run:
             done = self.book.answered(cmd)
             if done is not None:
                 self._submit(lambda a=done: self._send_ack(a))
+            elif self._handed.get(cmd.id) == cmd.to_json():
+                log.debug("command %d delivered again while it is carried out; handed out once", cmd.id)
             else:
+                self._handed[cmd.id] = cmd.to_json()
                 fresh.append(cmd)
         return fresh
 
@@ -159,6 +166,7 @@ class Run:
         skip ranges as they now are, when given), so a restarted trainer answers a re-delivered
         command with it instead of carrying the command out again."""
         self.book.record(ack, command, lr_changes=lr_changes, skip_ranges=skip_ranges)
+        self._handed.pop(ack.command_id, None)  # the book answers it from now on
         self._submit(lambda: self._send_ack(ack))
 
     def flush(self, timeout: float | None = 60.0) -> bool:

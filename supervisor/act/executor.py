@@ -67,6 +67,7 @@ from thermowatch.supervisor.store import story as story_store
 log = logging.getLogger(__name__)
 
 MANUAL_KINDS = {k.value for k in CommandKind}
+REDELIVER_S = 5.0  # a sent, unacknowledged command goes out again this long after (Executor.deliver)
 
 
 def ended(s: Session, run_id: str) -> RunFinished | None:
@@ -86,13 +87,21 @@ class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
                  on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
-                 on_proposal_cancelled: Callable[[str], None] | None = None):
+                 on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S):
         self._session = session_factory
         self._flap = flap or FlapConfig()
         self._notifier = notifier
         self._advise_only = advise_only
         self._ack_timeout = dt.timedelta(seconds=ack_timeout_s)
         self._ack_retries = ack_retries
+        # A `sent` command not acknowledged yet is in every poll answer again once this long has
+        # passed since it last went out: the answer that carried it may never have reached the
+        # trainer (the ack watchdog's re-send waited ack_timeout_s, 121-145 s, issue 34). The
+        # trainer hands a command out once however often it arrives (thermowatch.run.Run.commands;
+        # the bundled controller answers it from its book), and ack_timeout_s still bounds how
+        # long a command may go unanswered: a re-send changes neither its state nor its attempts.
+        self._redeliver = dt.timedelta(seconds=redeliver_s)
+        self._resent: dict[str, dict[int, dt.datetime]] = {}  # run -> sent action id -> when it last went out
         # A run that has not polled for this long takes no command: its open actions expire. The
         # last poll is kept in memory; a restarted daemon counts from its own start.
         self._expiry = dt.timedelta(seconds=command_expiry_s)
@@ -324,15 +333,35 @@ class Executor:
     # --- the command channel ------------------------------------------------------------------
 
     def deliver(self, run_id: str) -> list[Command]:
-        """Pending (approved) actions for the run controller; they become `sent`. A stored row
-        that is no valid command (written by an older version) fails instead of blocking the queue."""
+        """Pending (approved) actions for the run controller; they become `sent`. With them, in
+        order, every `sent` one not acknowledged `redeliver_s` after it last went out (its answer
+        may have been lost). A stored row that is no valid command (written by an older version)
+        fails instead of blocking the queue."""
         bad: list[tuple[actions_store.ActionRow, str]] = []
-        self._last_poll[run_id] = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.timezone.utc)
+        self._last_poll[run_id] = now
+        resent = self._resent.get(run_id, {})
+        still: dict[int, dt.datetime] = {}
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
-            for a in actions_store.pending_actions(s, run_id):
+            for a in actions_store.open_actions(s, run_id):
+                if a.state == "sent":
+                    last = max(a.updated_at, resent.get(a.id, a.updated_at))
+                    if now - last >= self._redeliver:
+                        try:
+                            out.append(Command(id=a.id, body=parse_command(a.kind, a.args)))
+                        except ContractError:  # cannot be: it was a valid command when it went out
+                            continue
+                        log.log(logging.DEBUG if a.id in resent else logging.INFO,  # once a command, not every 5 s
+                                "run %s: action %s sent %.0f s ago and not acknowledged; sent again", run_id,
+                                a.id, (now - a.updated_at).total_seconds())
+                        last = now
+                    still[a.id] = last
+                    continue
+                if a.state != "pending" or a.requires_approval:
+                    continue
                 try:
                     cmd = Command(id=a.id, body=parse_command(a.kind, a.args))
                 except ContractError as exc:
@@ -340,6 +369,7 @@ class Executor:
                     continue
                 actions_store.set_action_state(s, a.id, "sent")
                 out.append(cmd)
+        self._resent[run_id] = still
         for a, why in bad:
             self.fail(run_id, a.id, f"not a valid command: {why}")
         return out

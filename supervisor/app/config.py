@@ -34,6 +34,7 @@ _NUMBERS: dict[str, dict[str, Any]] = {
     "ack_timeout_s": dict(lo=0, lo_open=True),  # seconds before an unacknowledged command is retried
     "ack_retries": dict(lo=0, hi=100, integer=True),  # 0: fail at the first timeout
     "command_expiry_s": dict(lo=0, lo_open=True),
+    "redeliver_s": dict(lo=0, lo_open=True),  # seconds before a sent, unacknowledged command goes out again
     "max_body_bytes": dict(lo=1, integer=True),  # an ingest body; 413 above it
 }
 
@@ -105,6 +106,9 @@ class SupervisorConfig:
     advise_only: bool = False  # every action waits for a human's approval
     ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
     ack_retries: int = 2
+    # A command sent and not acknowledged is in the run's poll answers again this long after it
+    # last went out (the answer may have been lost); the trainer carries it out once.
+    redeliver_s: float = 5.0
     # An open command of a run that has not polled for this long expires (it could never be
     # carried out; `--wait` returns); a finished run's commands expire at once.
     command_expiry_s: float = 900.0

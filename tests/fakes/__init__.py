@@ -1,1 +1,3 @@
-"""Hand-written fakes for what lives outside the machine (STYLE.md 12): only the Slack API."""
+"""Hand-written fakes for what lives outside the machine (STYLE.md 12): the Slack API
+(slack_server.py) and the network between a trainer and the daemon (network.py: late, lost or
+never-answered replies from a real daemon)."""

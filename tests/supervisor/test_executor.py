@@ -442,3 +442,31 @@ def test_the_finish_closes_open_incidents_and_tells_the_story_in_one_message(db,
             assert "*now:* closed: the run ended" in json.dumps(fake.messages[thread["ts"]]["blocks"])
         finally:
             sup.close()
+
+
+def test_a_sent_command_goes_out_again_until_acknowledged_without_a_new_attempt(db, tmp_path):
+    """A poll answer lost on the way (issue 34: re-sent only by the ack watchdog, 121-145 s later):
+    every poll `redeliver_s` after the command last went out carries it again; its state and
+    attempts stay (ack_timeout_s still bounds how long it may go unanswered), and an ack ends it."""
+    sup = make_sup(db, tmp_path, redeliver_s=0.5)
+    try:
+        aid = skip(sup)
+        assert [c.id for c in sup.poll(RUN)] == [aid]  # the answer that is lost
+        assert sup.poll(RUN) == []  # too soon: the trainer may have it
+        time.sleep(0.6)
+        again = sup.poll(RUN)
+        assert [(c.id, c.body.to_args()) for c in again] == [(aid, {"skip_ranges": [[100, 200]]})]
+        assert sup.poll(RUN) == []  # and not at every poll: once per redeliver_s
+        later = skip(sup, 300, 400)
+        time.sleep(0.6)
+        assert [c.id for c in sup.poll(RUN)] == [aid, later]  # in order, with the new one
+        row = action(sup, aid)
+        assert (row.state, row.attempts) == ("sent", 1)
+        sup.ack(RUN, Ack(aid, ok=True, step=7))
+        sup.ack(RUN, Ack(later, ok=True, step=7))
+        time.sleep(0.6)
+        assert sup.poll(RUN) == []
+        with sup.sessions() as s:
+            assert skips_store.skip_ranges(s, RUN) == [(100, 200), (300, 400)]  # each booked once
+    finally:
+        sup.close()
