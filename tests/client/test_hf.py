@@ -88,3 +88,80 @@ def test_a_stop_ends_the_trainer_and_the_run_reads_stopped(db, tmp_path):
         st = run_status(s, "hf-stop", stall_after_s=600)
     assert out.global_step == 4 and tw.step == 4
     assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "stopped", 4), st
+
+
+def test_the_trainers_logged_loss_after_a_rollback_is_a_per_step_mean(db, tmp_path):
+    """Issue 35: rewinding `state.global_step` left the Trainer's running loss and its last-logged
+    step where the abandoned path had them, so it went silent over the re-trained steps and then
+    logged their sum divided by a few ('loss': 481.7). Logged every 2 steps, rolled back after step
+    13 to checkpoint 10 (the last log at 12): the re-trained path logs at 12 and 14 as usual, each
+    the mean of the steps since the last log on the path the model kept."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
+    data = [{"input_ids": x, "labels": x} for x in samples()]
+    tw = ThermowatchCallback(run="hf-logs", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             keep_checkpoints=10, poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained = Trained()
+    rec = Recorder(tw, trained)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUM, learning_rate=3e-3, report_to="none",
+                             save_strategy="no", logging_steps=2, disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=tw.dataset(data), callbacks=[rec, tw])
+    out = trainer.train()
+    assert tw.watch.attempt == 2
+
+    logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    # the first pass logs at 2..12; the rollback after 13 goes back to 10; the re-trained path at 12 and 14
+    assert [s for s, _ in logged] == [2, 4, 6, 8, 10, 12, 12, 14], logged
+    per_step = list(trained.loss.values())
+    assert all(loss <= 2 * max(per_step) for _, loss in logged), (logged, max(per_step))
+    # each is the mean of the steps since the last log on the kept path: after the rollback, 11-12
+    # and 13-14 of attempt 2 (what the model trained at its input, summed over the micro-batches)
+    path = {**{s: trained.loss[1, s] for s in range(1, 11)}, **{s: trained.loss[2, s] for s in range(11, 16)}}
+    expected = [sum(path[s] for s in (k - 1, k)) / 2 for k in (2, 4, 6, 8, 10, 12, 12, 14)]
+    expected[5] = (trained.loss[1, 11] + trained.loss[1, 12]) / 2  # the first pass's log at 12
+    assert [round(v, 4) for _, v in logged] == [round(v, 4) for v in expected]
+    # train_loss: the mean over the 15 steps of the kept path, not over every step trained
+    assert abs(out.training_loss - sum(path.values()) / STEPS) < 1e-4, (out.training_loss, path)
+
+
+def test_the_trainers_logged_loss_after_a_resume_is_a_per_step_mean(db, tmp_path):
+    """A relaunch resumes at the newest checkpoint (5 here, the first launch stopped at 7): the
+    Trainer had counted its logging interval from step 0, so its first log divided one step's loss by 6."""
+    def launch(run_callbacks, trained):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
+        tw = ThermowatchCallback(run="hf-resume", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                                 poll_interval_s=0.02,
+                                 supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                                 report_to="none", save_strategy="no", logging_steps=2, disable_tqdm=True,
+                                 use_cpu=True, seed=0)
+        data = [{"input_ids": x, "labels": x} for x in samples()]
+        trainer = Trainer(model=model, args=args, train_dataset=tw.dataset(data),
+                          callbacks=[Recorder(tw, trained, op=NoCommands()), *run_callbacks(tw), tw])
+        return trainer, trainer.train()
+
+    class NoCommands:  # the Recorder's operator: this test posts only its stop
+        def at_step_end(self, *args):
+            pass
+
+    class StopAt7(TrainerCallback):
+        def __init__(self, tw):
+            self.tw = tw
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 7:
+                Operator(self.tw.watch.run.supervisor, "hf-resume")._post(self.tw.watch, "stop", {})
+
+    launch(lambda tw: [StopAt7(tw)], Trained())
+    trained = Trained()
+    trainer, out = launch(lambda tw: [], trained)
+    loss = {s: v for (_, s), v in trained.loss.items()}
+    assert min(loss) == 6  # resumed at checkpoint 5
+    logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+    assert [s for s, _ in logged] == [6, 8, 10, 12, 14], logged
+    expected = [loss[6]] + [(loss[k - 1] + loss[k]) / 2 for k in (8, 10, 12, 14)]
+    assert [round(v, 4) for _, v in logged] == [round(v, 4) for v in expected]
+    assert abs(out.training_loss - sum(loss.values()) / len(loss)) < 1e-4, (out.training_loss, loss)

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.client.adapter_run import (
-    ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
+    ACCUM, EVERY, GLOBAL, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
 )
 from thermowatch.integrations.lightning import ThermowatchCallback
 from thermowatch.checkpoint_io import load_as_data
@@ -111,3 +111,48 @@ def test_a_stop_ends_the_fit_and_the_run_reads_stopped(db, tmp_path):
     with db.sessions() as s:  # Lightning steps with a closure: the grads exist only after step() ran it
         steps, norms = thermometers.history(s, "pl-stop", "grad_norm")
     assert steps.tolist() == [1, 2, 3, 4] and all(0 < n < 1e3 for n in norms.tolist()), norms
+
+
+
+class LoggingLM(TinyLM):
+    """TinyLM that logs its loss the usual way: per step and as the epoch's mean."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+def test_lightnings_logged_loss_after_a_rollback_is_each_steps_own(db, tmp_path):
+    """Issue 35 (HF's Trainer logged the sum of the re-trained steps after a rollback): Lightning's
+    loggers log each step's own loss under its own step, the abandoned ones included, then the
+    re-trained ones at the usual interval; each epoch's figure is a mean, never a sum. The loggers'
+    step is 0-based (Lightning's `_batches_that_stepped`): step s logs as s - 1."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    tw = ThermowatchCallback(run="pl-logs", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             keep_checkpoints=10, poll_interval_s=0.02,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained = Trained()
+    rec = Recorder(tw, trained)
+    # no accumulation (one batch of GLOBAL per step): the loss logged for a step is its one batch's, as the
+    # Recorder sees it
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path / "logs"),
+                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[rec, tw])
+    trainer.fit(LoggingLM(), tw.dataloader(list(samples()), batch_size=GLOBAL))
+    assert tw.watch.attempt == 2
+
+    with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = [(int(r["step"]), float(r["train_loss_step"])) for r in rows if r["train_loss_step"]]
+    # the first pass's 13 steps (the rollback came after 13), then 11-15 re-trained from checkpoint 10
+    expected = [(s - 1, trained.loss[1, s]) for s in range(1, 14)] + [(s - 1, trained.loss[2, s]) for s in range(11, 16)]
+    assert [s for s, _ in logged] == [s for s, _ in expected], logged
+    assert [round(v, 5) for _, v in logged] == [round(v, 5) for _, v in expected]
+    epochs = [float(r["train_loss_epoch"]) for r in rows if r["train_loss_epoch"]]
+    per_step = list(trained.loss.values())
+    assert len(epochs) == 3 and all(min(per_step) <= v <= max(per_step) for v in epochs), (epochs, per_step)

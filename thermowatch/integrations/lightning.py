@@ -11,7 +11,10 @@ of the micro-batch whose optimizer step completed (the step-interval schedulers 
 - rollback: the Watch loads the LightningModule, optimizer, scheduler and RNG; the loop's
   optimizer-step counter (`trainer.global_step`) goes back to the checkpoint's step; the epoch
   ends (`batch_progress.is_last_batch`), so the batch Lightning's fetcher holds ahead is dropped
-  and the next epoch's iterator serves the checkpoint's samples again;
+  and the next epoch's iterator serves the checkpoint's samples again. The loggers' step goes back
+  when the next step starts, so the abandoned step's metrics and the epoch's are logged under the
+  step that made them, and the re-trained steps under theirs (logged values are per step or an
+  epoch's mean: Lightning keeps no running sum across steps that a rollback could inflate);
 - skip: the ledger grows and the epoch ends the same way;
 - set_lr, pause, stop: as in `thermowatch.watch` (stop: `trainer.should_stop`).
 
@@ -43,6 +46,7 @@ class ThermowatchCallback(Adapter, Callback):
         Adapter.__init__(self, run=run, **watch_kwargs)
         self._in_step = False
         self._global_step = 0
+        self._loggers_step: int | None = None  # after a rollback: the loggers' step, set when the next step starts
 
     def dataloader(self, data: Any, *, batch_size: int, shuffle_seed: int | None = None,
                    **loader_kwargs: Any) -> torch.utils.data.DataLoader:
@@ -74,7 +78,8 @@ class ThermowatchCallback(Adapter, Callback):
                              "an epoch, which would step an epoch-interval scheduler")
         step = self.start(pl_module, trainer.optimizers[0], configs[0].scheduler if configs else None,
                           steps=trainer.max_steps, micro_batch=sizes.pop(), accumulation=trainer.accumulate_grad_batches)
-        _set_global_step(trainer, step, pending=0)
+        _set_global_step(trainer, step)
+        _set_loggers_step(trainer, step)
         self._global_step = step
         if self._next is None:
             trainer.should_stop = True  # resumed at its end: the dataset serves nothing
@@ -88,6 +93,9 @@ class ThermowatchCallback(Adapter, Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._in_step:  # the step's first micro-batch
             self._in_step = True
+            if self._loggers_step is not None:
+                _set_loggers_step(trainer, self._loggers_step)
+                self._loggers_step = None
             self.begin()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -100,7 +108,10 @@ class ThermowatchCallback(Adapter, Callback):
         if b.next_step is None:
             trainer.should_stop = True
         elif b.rolled_back:
-            _set_global_step(trainer, b.step, pending=1)
+            _set_global_step(trainer, b.step)
+            # Not the loggers' step yet: Lightning logs this (abandoned) step's metrics after this hook,
+            # and the epoch's at its end, under it; set back at once, they read as the checkpoint's step's.
+            self._loggers_step = b.step
         if b.restart:
             # Ends this epoch; the next one calls iter() on the data again, from the Watch's cursor.
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
@@ -113,13 +124,17 @@ class ThermowatchCallback(Adapter, Callback):
         self.close(finished=False)  # a crash is not a finish
 
 
-def _set_global_step(trainer, step: int, *, pending: int) -> None:
-    """`trainer.global_step` is the loop's count of completed optimizer steps; the loggers' step too,
-    less the increment the loop still owes this batch (`pending`: 1 inside on_train_batch_end)."""
+def _set_global_step(trainer, step: int) -> None:
+    """`trainer.global_step`: the loop's count of completed optimizer steps."""
     loop = trainer.fit_loop.epoch_loop
     if trainer.lightning_module.automatic_optimization:
         total = loop.automatic_optimization.optim_progress.optimizer.step.total
     else:
         total = loop.manual_optimization.optim_step_progress.total
     total.ready = total.completed = step
-    loop._batches_that_stepped = step - pending
+
+
+def _set_loggers_step(trainer, step: int) -> None:
+    """The step the loggers are given (`_batches_that_stepped`): the steps completed, before a step's
+    own increment, which Lightning makes after logging it."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
