@@ -164,6 +164,9 @@ def render_quarantine(q: dict[str, Any]) -> str:
         lines.append(f"  #{v['action_id']} {where}, back to checkpoint {v['checkpoint_step']}, skipped "
                      + ", ".join(f"[{lo}, {hi})" for lo, hi in v["ranges"]) + f" ({v['samples']:,} samples): "
                      + f"{v['status'].upper()}: {v['why']}")
+        if v["status"] == "quarantine" and v.get("sure") == "blunt":
+            lines.append(f"    how sure: blunt: every sample from the checkpoint to the detection was skipped; the cause "
+                         f"is among these {v['samples']:,}, most are likely clean (precise_skip=True narrows them)")
         b = v.get("bisected")
         if b:
             lines.append(f"    precise skip: {v['samples']:,} of {sum(hi - lo for lo, hi in b['suspects']):,} suspect "

@@ -14,6 +14,15 @@ a precise skip, only the offenders its search found among the suspects, `result.
   skipped samples are the likely cause: the data team gets them (`thermowatch quarantine RUN`).
 - `pending`: the re-trained path has not got that far yet.
 
+A recurrence answered by a rollback to the same checkpoint that skipped on (the policy's answer
+to the rest of a bad stretch, issue 35) is the same stretch going on, not a refutation: the
+earlier skip takes the verdict of the one that skipped on, and says so.
+
+How sure a `quarantine` is (`sure`): `narrowed` when a precise skip's probes found these samples
+among the suspects; `blunt` when the skip took every sample from the checkpoint to the detection,
+so the cause is among them but most of them are likely clean (issue 35: 1,632 skipped samples
+named "the likely cause", 32 of them poisoned).
+
 A manual rollback (no incident) is judged against any rollback signal. Derived on read from the
 action, incident and step rows: nothing to keep in step, and a verdict changes the moment the
 run reaches the horizon or the divergence recurs.
@@ -55,6 +64,8 @@ class SkipVerdict:
     # a precise skip's search (Ack.bisected): the suspects it narrowed `ranges` from, its probes,
     # steps, seconds and outcome; None for a blunt skip
     bisected: dict[str, Any] | None = None
+    sure: str = "blunt"  # narrowed | blunt (see the module docstring)
+    extended_by: int | None = None  # the rollback that skipped on through the rest of the stretch
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -97,10 +108,31 @@ def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[Skip
             status = "pending"
             why = (f"the re-trained path is at step {reached if reached is not None else '-'}; the verdict comes at "
                    f"step {detect + horizon} ({horizon} steps past {what}) or when it comes back")
+        bis = res.get("bisected")
+        sure = "narrowed" if bis and bis.get("outcome") == "narrowed" else "blunt"
         out.append(SkipVerdict(a.id, inc.id if inc is not None else None, inc.signal if inc is not None else None,
                                detect, res.get("checkpoint_step"), first, ranges, sum(hi - lo for lo, hi in ranges),
-                               status, why, again.id if again is not None else None, res.get("bisected")))
-    return out
+                               status, why, again.id if again is not None else None, bis, sure))
+    return _chain(out, acts)
+
+
+def _chain(found: list[SkipVerdict], acts: list) -> list[SkipVerdict]:
+    """A `recurred` skip whose recurrence was answered by a rollback to the same checkpoint that
+    skipped on takes that rollback's verdict (newest first, so a chain of them resolves)."""
+    answer = {a.incident_id: a.id for a in acts if a.incident_id is not None}
+    by_action = {v.action_id: v for v in found}
+    for i in range(len(found) - 1, -1, -1):
+        v = found[i]
+        nxt = by_action.get(answer.get(v.recurrence_incident)) if v.status == "recurred" else None
+        if nxt is None or nxt.checkpoint_step != v.checkpoint_step:
+            continue
+        why = (f"the bad stretch went on past these samples: incident #{v.recurrence_incident} at step "
+               f"{nxt.detect_step} was answered by rollback #{nxt.action_id} to the same checkpoint, which skipped on; "
+               f"judged with it: {nxt.why}")
+        found[i] = by_action[v.action_id] = SkipVerdict(
+            v.action_id, v.incident_id, v.signal, v.detect_step, v.checkpoint_step, v.first_step, v.ranges, v.samples,
+            nxt.status, why, v.recurrence_incident, v.bisected, v.sure, nxt.action_id)
+    return found
 
 
 def quarantined(found: list[SkipVerdict]) -> list[tuple[int, int]]:

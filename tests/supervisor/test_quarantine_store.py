@@ -69,6 +69,29 @@ def test_verdicts(db, case, want):
         assert v.signal is None and v.detect_step == 51
 
 
+def test_a_stretch_that_went_on_is_judged_with_the_skip_that_went_on(db):
+    """Issue 35: the rest of a bad stretch came back on the re-trained path and the policy rolled
+    back to the same checkpoint, skipping on. The first skip is not refuted by that: it takes the
+    verdict of the one that skipped on, and both sets of samples are quarantined when it held."""
+    with db.sessions() as s:
+        first = _rolled_back(s)
+        inc = incidents_store.open_incident(s, RUN, "loss_spike", "", 52, 53, "critical")
+        aid = actions_store.enqueue_action(s, RUN, "rollback", {"to_step": 50, "skip_ranges": [[2400, 2448]]},
+                                           "spike", "auto", "policy", incident_id=inc)
+        for state in ("sent", "acked"):
+            actions_store.set_action_state(s, aid, state)
+        actions_store.set_action_state(s, aid, "done", ack_step=51, result={
+            "command_id": aid, "ok": True, "step": 51, "checkpoint_step": 50, "skipped": [[2400, 2448]]})
+        incidents_store.resolve_incident(s, inc, "rollback done")
+        runs_store.open_attempt(s, RunInfo(RUN, 2, 1, start_step=50))
+        steps_store.record_steps(s, RUN, 2, [StepRecord(step=k, values={"loss": 3.0}) for k in range(51, 200)])
+        v1, v2 = quarantine_store.verdicts(s, RUN)
+    assert (v1.action_id, v2.action_id) == (first, aid)
+    assert v2.status == "quarantine" and v2.sure == "blunt", v2.why
+    assert v1.status == "quarantine" and v1.extended_by == aid and "the bad stretch went on" in v1.why, v1.why
+    assert quarantine_store.quarantined([v1, v2]) == [(800, 2448)]
+
+
 def test_no_rollback_with_a_skip_no_verdict(db):
     with db.sessions() as s:
         runs_store.open_attempt(s, RunInfo(RUN, 0, 1))
