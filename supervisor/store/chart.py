@@ -27,13 +27,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, aliased
 
 from thermowatch.monitors.contract import metric_key
 from thermowatch.supervisor.errors import NotFound, UserError
 from thermowatch.supervisor.store import rollups
-from thermowatch.supervisor.store.orm import Attempt, RunSeries, Series, ThermometerChunk
+from thermowatch.supervisor.store.orm import RunSeries, Series, ThermometerChunk
 
 MIN_BUCKETS, MAX_BUCKETS, DEFAULT_BUCKETS = 10, 5000, 1000
 # Series read together: one query per width per group. 25 keeps a 100-layer chart's transient
@@ -81,17 +81,25 @@ def family(session: Session, run_id: str, metric: str) -> dict[int, str]:
 
 def attempt_ranges(session: Session, run_id: str, sid: int) -> list[tuple[int, int, int]]:
     """(attempt, first step, last step) of one series, by attempt, for the attempts that hold
-    any of its points: two index seeks per attempt (its first chunk, its last chunk's end)."""
-    c = ThermometerChunk
+    any of its points. The attempts are found by a skip scan of the chunks' primary key (a seek
+    each for the next attempt that holds a chunk), then two seeks each (its first chunk, its last
+    chunk's end): the cost follows the attempts holding points, not the attempts opened (a seek
+    per opened attempt, 10^4 of them, was half a chart's read; issue 34)."""
+    c, nxt = ThermometerChunk, aliased(ThermometerChunk)
+    held = (select(func.min(c.attempt).label("attempt")).where(c.run_id == run_id, c.series_id == sid)
+            .cte("held", recursive=True))
+    following = (select(func.min(nxt.attempt)).where(nxt.run_id == run_id, nxt.series_id == sid,
+                                                     nxt.attempt > held.c.attempt).scalar_subquery())
+    held = held.union_all(select(following).where(held.c.attempt.is_not(None)))
 
     def edge(first: bool):
         col = c.last_step if not first else c.first_step
-        return (select(col).where(c.run_id == run_id, c.series_id == sid, c.attempt == Attempt.attempt)
+        return (select(col).where(c.run_id == run_id, c.series_id == sid, c.attempt == held.c.attempt)
                 .order_by(c.first_step if first else c.first_step.desc()).limit(1).scalar_subquery())
 
-    rows = session.execute(select(Attempt.attempt, edge(True), edge(False))
-                           .where(Attempt.run_id == run_id).order_by(Attempt.attempt)).all()
-    return [(a, lo, hi) for a, lo, hi in rows if lo is not None]
+    rows = session.execute(select(held.c.attempt, edge(True), edge(False)).where(held.c.attempt.is_not(None))
+                           .order_by(held.c.attempt)).all()
+    return [(int(a), int(lo), int(hi)) for a, lo, hi in rows]
 
 
 def resolution(lo: int, hi: int, buckets: int) -> tuple[int, int]:
@@ -122,14 +130,35 @@ def chart(session: Session, run_id: str, metric: str, step_lo: int | None = None
     hi = step_hi if step_hi is not None else max((r[2] for r in ranges), default=lo)
     hi = max(hi, lo)  # a window opened only on one side past the data
     width, bucket_steps = resolution(lo, hi, buckets)
-    # an attempt's points from the first step of any later attempt on were re-trained
-    cuts = {a: min((f for b, f, _ in ranges if b > a), default=None) for a, _, _ in ranges}
+    cuts = _cuts(ranges)
     series: list[ChartSeries] = []
     for i in range(0, len(sids), READ_GROUP):  # bounds the daemon's memory per request
         series += _group(session, run_id, keys, sids[i:i + READ_GROUP], [a for a, _, _ in ranges], cuts,
                          width, bucket_steps, lo, hi, attempts)
     series.sort(key=lambda x: (x.key, x.attempt, not x.current))  # by key, then attempt, live part first
     return ChartData(run_id, metric, lo, hi, bucket_steps, series)
+
+
+def _cuts(ranges: list[tuple[int, int, int]]) -> dict[int, int | None]:
+    """{attempt: first step any later attempt trained} (None for the newest): an attempt's points
+    from there on were re-trained. One backward pass (a min over the later attempts for each was
+    quadratic: 10^6 steps of Python at 10^3 attempts holding points, issue 34)."""
+    out: dict[int, int | None] = {}
+    later: int | None = None
+    for a, first, _ in reversed(ranges):  # ranges ascend by attempt
+        out[a] = later
+        later = first if later is None else min(later, first)
+    return out
+
+
+def _by_attempt(values: dict[int, int | None], missing: int) -> np.ndarray:
+    """{attempt: value} as an array indexed by attempt, `missing` where there is none."""
+    out = np.full(max(values, default=-1) + 1, missing, np.int64)
+    got = [(a, v) for a, v in values.items() if v is not None]
+    if got:
+        idx, vals = zip(*got)
+        out[list(idx)] = vals
+    return out
 
 
 def _group(session, run_id, keys, sids, attempt_ids, cuts, width, bucket_steps, lo, hi, attempts) -> list[ChartSeries]:
@@ -140,8 +169,7 @@ def _group(session, run_id, keys, sids, attempt_ids, cuts, width, bucket_steps, 
         data, piece_w = data.take(keep), piece_w[keep]
     else:
         data, piece_w = _split_straddles(session, run_id, sids, width, lo, hi, cuts, data, piece_w)
-    cut_of = np.array([cuts.get(int(a)) if cuts.get(int(a)) is not None else np.iinfo(np.int64).max
-                       for a in range(int(data.attempt.max()) + 1)] if len(data) else [], np.int64)
+    cut_of = _by_attempt(cuts, np.iinfo(np.int64).max)
     abandoned = (data.step + piece_w - 1 >= cut_of[data.attempt]) if len(data) else np.zeros(0, bool)
     if attempts == "current":
         data, abandoned = data.take(~abandoned), abandoned[~abandoned]
@@ -157,9 +185,9 @@ def _split_straddles(session, run_id, sids, width, lo, hi, cuts, data, piece_w):
                if c is not None and c % width and lo // width * width <= c <= hi + width and width <= STRADDLE_RAW_MAX}
     if not windows:
         return data, piece_w
-    ranges = [(a, rollups.chunk_floor(session, run_id, sids, a, b), b + width - 1) for a, b in windows.items()]
-    raw = rollups.raw_points(session, run_id, sids, ranges)
-    bucket_of = np.array([windows.get(int(a), -1) for a in range(int(max(windows)) + 1)], np.int64)
+    floors = rollups.chunk_floors(session, run_id, sids, windows)
+    raw = rollups.raw_points(session, run_id, sids, [(a, floors[a], b + width - 1) for a, b in windows.items()])
+    bucket_of = _by_attempt(windows, -1)
 
     def in_window(b):
         inside = b.attempt <= len(bucket_of) - 1

@@ -142,18 +142,50 @@ class Buckets:
 Range = tuple[int, int, int]  # (attempt, least first_step, greatest first_step): one index range
 
 
+# A statement's limits: SQLite refuses a compound SELECT of more than 500 terms and more than
+# 32,766 bound values. A run of 10^4 attempts (issue 34) asked for a branch per attempt: a 500.
+MAX_BRANCHES, MAX_PARAMS = 400, 30_000
+
+
 @lru_cache(maxsize=256)
-def _sql(dialect: str, table: str, cols: tuple[str, ...], by_width: bool, n_sids: int, n_ranges: int) -> str:
+def _sql(dialect: str, table: str, cols: tuple[str, ...], by_width: bool, n_sids: int, shape: tuple[int, ...]) -> str:
     """SELECT cols FROM table WHERE run_id, [width,] series_id IN (...) and one index range per
-    attempt (a UNION ALL of them: both planners turn an OR of ranges into a scan). Written out
+    branch (a UNION ALL of them: both planners turn an OR of ranges into a scan), a branch being
+    the attempts (`shape`: how many in each) that share one range of first_step. Written out
     and cached by shape: compiling the SQLAlchemy statement (IN list rendered, one branch per
     attempt) took ~6 ms a query, a third of a 100-layer chart's read (24 queries; bench/plot.py)."""
     mark = "%s" if dialect == "postgresql" else "?"
     head = (f"SELECT {', '.join(f'{chr(34)}{c}{chr(34)}' for c in cols)} FROM {table} WHERE run_id = {mark}"
             + (f" AND width = {mark}" if by_width else "")
             + f" AND series_id IN ({', '.join([mark] * n_sids)})")
-    branch = f"{head} AND attempt = {mark} AND first_step >= {mark} AND first_step <= {mark}"
-    return " UNION ALL ".join([branch] * n_ranges)
+
+    def branch(n: int) -> str:
+        attempt = f"attempt = {mark}" if n == 1 else f"attempt IN ({', '.join([mark] * n)})"
+        return f"{head} AND {attempt} AND first_step >= {mark} AND first_step <= {mark}"
+
+    return " UNION ALL ".join(branch(n) for n in shape)
+
+
+def _statements(ranges: Sequence[Range], n_head: int) -> list[list[tuple[list[int], int, int]]]:
+    """The ranges as statements of branches: the attempts that share (least, greatest first_step)
+    are one branch (attempt IN ...), as the uncovered attempts of a many-attempt run all do; each
+    statement within MAX_BRANCHES and MAX_PARAMS, so their number follows the distinct ranges
+    (and the attempts only past MAX_PARAMS of them), not one per attempt."""
+    by: dict[tuple[int, int], list[int]] = {}
+    for a, lo, hi in ranges:
+        by.setdefault((int(lo), int(hi)), []).append(int(a))
+    per = max(1, MAX_PARAMS - n_head - 2)  # attempts a branch may carry
+    branches = [(sorted(atts)[i:i + per], lo, hi) for (lo, hi), atts in by.items() for i in range(0, len(atts), per)]
+    out: list[list[tuple[list[int], int, int]]] = [[]]
+    used = 0
+    for b in branches:
+        cost = n_head + len(b[0]) + 2
+        if out[-1] and (len(out[-1]) >= MAX_BRANCHES or used + cost > MAX_PARAMS):
+            out.append([])
+            used = 0
+        out[-1].append(b)
+        used += cost
+    return out
 
 
 def _fetch_ranges(session: Session, table, cols: tuple[str, ...], run_id: str, width: int | None,
@@ -167,14 +199,16 @@ def _fetch_ranges(session: Session, table, cols: tuple[str, ...], run_id: str, w
     dialect = conn.dialect.name
     sids = [int(x) for x in sids]
     head = [run_id] + ([width] if width is not None else []) + sids
-    params = [p for a, lo, hi in ranges for p in (*head, int(a), int(lo), int(hi))]
-    sql = _sql(dialect, table.name, cols, width is not None, len(sids), len(ranges))
-    cur = conn.connection.driver_connection.cursor()
-    if dialect == "postgresql":
-        cur.execute(sql, params, binary=True)
-    else:
-        cur.execute(sql, params)
-    rows = cur.fetchall()
+    rows: list[tuple] = []
+    for branches in _statements(ranges, len(head)):
+        params = [p for atts, lo, hi in branches for p in (*head, *atts, lo, hi)]
+        sql = _sql(dialect, table.name, cols, width is not None, len(sids), tuple(len(atts) for atts, _, _ in branches))
+        cur = conn.connection.driver_connection.cursor()
+        if dialect == "postgresql":
+            cur.execute(sql, params, binary=True)
+        else:
+            cur.execute(sql, params)
+        rows += cur.fetchall()
     rows.sort(key=lambda r: (r[0], r[1], r[2]))  # per row (chunk), not per point
     return rows
 
@@ -245,7 +279,7 @@ def read(session: Session, run_id: str, sids: Sequence[int], attempts: Sequence[
                 got, covered = got.take(keep), covered[keep]
             _advance(need, got, covered)
             pieces.append(got.reduce(width))  # small for finer widths; no copy at `width` itself
-    starts = {a: chunk_floor(session, run_id, sids, a, st) for a, st in _needs(need, sids, attempts, lo).items()}
+    starts = chunk_floors(session, run_id, sids, _needs(need, sids, attempts, lo))
     raw = raw_points(session, run_id, sids, _ranges(starts, hi))
     if len(raw):
         pieces.append(raw.take((raw.step >= _need_of(need, raw, lo)) & (raw.step <= hi)).reduce(width))
@@ -257,12 +291,15 @@ def read(session: Session, run_id: str, sids: Sequence[int], attempts: Sequence[
 
 def _needs(need: dict[tuple[int, int], int], sids: Sequence[int], attempts: Sequence[int], lo: int) -> dict[int, int]:
     """Per attempt, the least step any of its series still needs (lo where a series has no
-    coarser row at all)."""
-    out = {}
-    for a in attempts:
-        sts = [need.get((sid, a), lo) for sid in sids]
-        out[a] = max(lo, min(sts))
-    return out
+    coarser row at all). One pass over what is covered, not a lookup per series per attempt."""
+    wanted = set(sids)
+    covered: dict[int, int] = {}  # attempt -> its series with a coarser row
+    least: dict[int, int] = {}
+    for (sid, a), st in need.items():
+        if sid in wanted:
+            covered[a] = covered.get(a, 0) + 1
+            least[a] = min(least.get(a, st), st)
+    return {a: max(lo, least[a]) if covered.get(a) == len(wanted) else lo for a in attempts}
 
 
 def _ranges(starts: dict[int, int], hi: int) -> list[Range]:
@@ -285,6 +322,44 @@ def chunk_floor(session: Session, run_id: str, sids: Sequence[int], attempt: int
     got = [x for (x,) in session.execute(select(floor).where(RunSeries.run_id == run_id, RunSeries.series_id.in_(list(sids))))
            if x is not None]
     return min(got, default=step)
+
+
+def chunk_floors(session: Session, run_id: str, sids: Sequence[int], steps: dict[int, int]) -> dict[int, int]:
+    """chunk_floor of many attempts at once, {attempt: step} -> {attempt: floor}: the (attempt,
+    step) pairs go in as a VALUES list and the seeks (per series and pair) run in the database,
+    one statement per FLOOR_PAIRS pairs. A query per attempt sent 10^3 for a chart of a run with
+    10^3 attempts holding points (issue 34)."""
+    if not steps:
+        return {}
+    conn = session.connection()
+    dialect = conn.dialect.name
+    sids = [int(x) for x in sids]
+    pairs = [(int(a), int(st)) for a, st in steps.items()]
+    out = dict(steps)
+    for i in range(0, len(pairs), FLOOR_PAIRS):
+        part = pairs[i:i + FLOOR_PAIRS]
+        cur = conn.connection.driver_connection.cursor()
+        cur.execute(_floors_sql(dialect, len(sids), len(part)), [x for p in part for x in p] + [run_id, run_id] + sids)
+        for a, f in cur.fetchall():
+            if f is not None:
+                out[int(a)] = int(f)
+    return out
+
+
+FLOOR_PAIRS = 5000  # (attempt, step) pairs a statement: 10^4 bound values, within SQLite's 32,766
+
+
+def _floors_sql(dialect: str, n_sids: int, n_pairs: int) -> str:
+    """Per wanted (attempt, step): the least over the series of the last chunk starting at or
+    before the step (one seek on the chunks' primary key per series and pair)."""
+    mark = "%s" if dialect == "postgresql" else "?"
+    wanted = ", ".join([f"({mark}, {mark})"] * n_pairs)
+    return (f"WITH wanted(attempt, step) AS (VALUES {wanted}) "
+            "SELECT attempt, min(floor) FROM (SELECT w.attempt AS attempt, "
+            "(SELECT max(c.first_step) FROM thermometer_chunks c WHERE c.run_id = "
+            f"{mark} AND c.series_id = rs.series_id AND c.attempt = w.attempt AND c.first_step <= w.step) AS floor "
+            f"FROM wanted w JOIN run_series rs ON rs.run_id = {mark} "
+            f"WHERE rs.series_id IN ({', '.join([mark] * n_sids)})) x GROUP BY attempt")
 
 
 def _need_of(need: dict[tuple[int, int], int], b: Buckets, lo: int) -> np.ndarray:

@@ -9,7 +9,8 @@ step axis.
                         from_step, to_step, ack_step, created_at}],   # oldest first
         "lr_changes": [{start_step, multiplier, steps, action_id}],
         "skips":      [{sample_lo, sample_hi, step_lo, step_hi}],      # steps null if unknown
-        "attempts":   [{attempt, start_step, started_at}],
+        "attempts":   [{attempt, start_step, started_at}],   # the newest 200, oldest first
+        "attempts_total": n,                                  # opened; GET /api/runs/{run_id} pages them all
         "thresholds": [{metric, value, label}]}
 
     GET /api/runs/{run_id}/envelope (scope read): the loss envelope of the run's comparable runs
@@ -46,6 +47,9 @@ from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import steps as steps_store
 
 MAX_ACTIONS = 2000  # a run with more has bigger problems than a crowded chart
+# Restarts drawn on the chart: the newest this many. One token opened 10^4 attempts of a run and
+# this read sent every one, 0.7-1.0 s and 0.8 MB (issue 34); the run API pages the rest.
+MAX_ATTEMPTS = 200
 ENVELOPE_TTL_S = 30.0
 
 
@@ -102,7 +106,8 @@ def run_events(s: Session, run_id: str, bank: BankConfig) -> dict[str, Any]:
                         "action_id": c.action_id} for c in lr_store.lr_changes(s, run_id)],
         "skips": skips,
         "attempts": [{"attempt": a.attempt, "start_step": a.start_step, "started_at": a.started_at.isoformat()}
-                     for a in runs_store.attempts(s, run_id)],
+                     for a in reversed(runs_store.attempts_page(s, run_id, MAX_ATTEMPTS)[0])],
+        "attempts_total": runs_store.attempt_count(s, run_id),
         "thresholds": thresholds(s, run_id, bank),
     }
 

@@ -2,11 +2,19 @@
 over supervisor.store; each request is one read-only session). Every route needs the `read`
 scope unless the config says `public_read: true` (supervisor.serve.guard).
 
-    GET /api/runs?limit=&cursor=                    -> {"runs": [{run_id, created_at, last_step, attempts,
-                                                        open_incidents}], "next_cursor"}: newest first, a page
-                                                        at a time (limit 1..1000, default 100); pass
-                                                        next_cursor as cursor for the next page (null: the last)
-    GET /api/runs/{run_id}                          -> attempts, checkpoints, skip ranges, LR changes
+    GET /api/runs?limit=&cursor=                    -> {"runs": [{run_id, created_at, last_step, attempt,
+                                                        attempts, open_incidents}], "next_cursor"}: newest first,
+                                                        a page at a time (limit 1..1000, default 100); pass
+                                                        next_cursor as cursor for the next page (null: the last);
+                                                        attempt: the newest attempt's number, attempts: how many
+    GET /api/runs/{run_id}?attempts_limit=&attempts_before=
+                                                    -> {"run_id", "created_at", "config", "last_step",
+                                                        "attempts", "attempts_total", "next_attempts_before",
+                                                        "checkpoints", "skip_ranges", "lr_changes"}: a page of
+                                                        attempts, the newest attempts_limit (1..1000, default
+                                                        100) numbered below attempts_before (default: all),
+                                                        oldest first; pass next_attempts_before as
+                                                        attempts_before for the older page (null: none left)
     GET /api/runs/{run_id}/series                   -> {"keys": [...]}
     GET /api/runs/{run_id}/history?key=&step_lo=&step_hi=&max_points=
                                                     -> {"key", "steps": [...], "values": [...], "downsampled"}
@@ -45,6 +53,8 @@ from thermowatch.supervisor.store import quarantine as quarantine_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.store.views import (
+    ATTEMPTS_DEFAULT,
+    ATTEMPTS_MAX,
     PAGE_DEFAULT,
     PAGE_MAX,
     incidents_with_findings,
@@ -80,9 +90,18 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
             return json_response(runs_page(s, limit, cursor))
 
     @router.get("/runs/{run_id}")
-    def get_run(run_id: str) -> Response:
+    def get_run(
+        run_id: str,
+        attempts_limit: int = Query(ATTEMPTS_DEFAULT, ge=1, le=ATTEMPTS_MAX, description="attempts per page"),
+        attempts_before: int | None = Query(None, ge=0, le=INT32_MAX,
+                                            description="the previous page's next_attempts_before; leave out for "
+                                                        "the newest attempts"),
+    ) -> Response:
+        """The run, its checkpoints, skip ranges and LR changes, and a page of its attempts: the
+        newest `attempts_limit` numbered below `attempts_before`, oldest first; `attempts_total`
+        counts them all, `next_attempts_before` is the older page's attempts_before (null: none)."""
         with sup.sessions() as s:
-            return json_response(run_detail(s, run_id))
+            return json_response(run_detail(s, run_id, attempts_limit, attempts_before))
 
     @router.get("/runs/{run_id}/series")
     def series(run_id: str) -> Response:

@@ -2,8 +2,9 @@
 rendered by run_page.py); its charts as PNGs come from the API's one PNG route.
 
     GET /?cursor=                          runs table, newest first, a page at a time
-    GET /runs/{run_id}?incident=&step_lo=&step_hi=
-                                           state, what waits (incidents, approvals), charts, tables
+    GET /runs/{run_id}?incident=&step_lo=&step_hi=&attempts_before=
+                                           state, what waits (incidents, approvals), charts, tables;
+                                           the newest 20 attempts, attempts_before= pages to older ones
     GET /runs/{run_id}/attention?incident= the page's open incidents and approvals alone (its refresh)
     GET /runs/{run_id}/plot.png?...        moved (307) to GET /api/runs/{run_id}/chart.png (same query):
                                            the <noscript> charts' one PNG route (api/chart.py)
@@ -150,7 +151,7 @@ def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
             e(r["last_step"] if r["last_step"] is not None else "-"),
             e(f"{loss:.4g}" if loss is not None else "-"),
             f"<span class='bad'>{n_open}</span>" if n_open else "0",
-            e(ago(age) if age is not None else "-"), e(r["attempts"]),
+            e(ago(age) if age is not None else "-"), e(r["attempt"] if r["attempt"] is not None else "-"),
             e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
     links = []
     if cursor:
@@ -162,7 +163,7 @@ def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
             "<h1>thermowatch: runs</h1>"
             f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
             f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
-            + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempts", "created (UTC)"], rows,
+            + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempt", "created (UTC)"], rows,
                      "no runs yet: a run appears when its run controller first reports"
                      if not cursor else "no older runs")
             + (f"<p>{' | '.join(links)}</p>" if links else ""))
@@ -243,11 +244,14 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         incident: int | None = Query(None, description="the incident to show (the Slack link sets it)"),
         step_lo: int | None = Query(None, ge=0),
         step_hi: int | None = Query(None, ge=0),
+        attempts_before: int | None = Query(None, ge=0, description="list the attempts numbered below this one "
+                                            "(the attempts table's link to older ones sets it)"),
     ) -> HTMLResponse:
         from thermowatch.supervisor.serve.web import run_page as rp
 
         check_window(step_lo, step_hi)
-        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, step_lo, step_hi)
+        return rp.render(sup, e, _page, run_url, base, CHARTS, zoom_window, run_id, incident, step_lo, step_hi,
+                         attempts_before=attempts_before)
 
     @router.get("/runs/{run_id}/attention", response_class=HTMLResponse)
     def attention(run_id: str, incident: int | None = Query(None)) -> HTMLResponse:

@@ -3,7 +3,8 @@
 Top to bottom, in the order an on-call engineer needs it (issue 12): the run's state badge and
 "last record N s ago"; what waits for them (open incidents with readable evidence, actions
 awaiting approval with Approve / Cancel buttons); the charts; then the full tables (incidents,
-actions, skip ranges, LR changes, checkpoints, attempts, audit).
+actions, skip ranges, LR changes, checkpoints, the newest attempts with a link to older ones,
+audit).
 
 The charts are drawn in the browser by static/run.js with the vendored uPlot, from the JSON of
 GET /api/runs/{run}/chart (re-bucketed on every zoom) and /events (annotations, thresholds);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -36,6 +38,9 @@ from thermowatch.supervisor.store import thermometers
 from thermowatch.supervisor.serve.web.readable import ago, pairs
 
 AUDIT_TAIL = 50
+# Attempts listed a page: one token opened 10^4 attempts of one run, and the page that listed
+# them all took 3.4-9.4 s (issue 34); older ones are a link away (?attempts_before=).
+ATTEMPTS_SHOWN = 20
 REFRESH_S = 10  # the script polls /status this often, and redraws the charts unless zoomed
 
 
@@ -121,7 +126,7 @@ def chart_assets(e, base: str) -> tuple[str, str]:
 
 def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str, charts: list,
            zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
-           step_hi: int | None, *, only_attention: bool = False) -> HTMLResponse:
+           step_hi: int | None, *, only_attention: bool = False, attempts_before: int | None = None) -> HTMLResponse:
     stall_s = sup.cfg.bank_config.stall.timeout_s
     with sup.sessions() as s:
         run = require_run(s, run_id)
@@ -144,18 +149,21 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
             return HTMLResponse(top)
         status = run_status(s, run_id, stall_after_s=stall_s)
         keys = thermometers.series_keys(s, run_id)
-        attempts = runs_store.attempts(s, run_id)
+        attempts, older = runs_store.attempts_page(s, run_id, ATTEMPTS_SHOWN, attempts_before)
         ckpts = ckpt_store.checkpoints(s, run_id, include_deleted=True)
         skips = skips_store.skip_ranges(s, run_id)
         lrs = lr_store.lr_changes(s, run_id)
         audit = audit_store.audit_log(s, run_id, limit=AUDIT_TAIL)
         told = story_store.story(s, run_id)
 
-    parts = [_header(e, base, run, status, told, len(attempts)), top]
+    parts = [_header(e, base, run, status, told, told.attempts), top]
     if selected is not None:
         parts.append(_banner(e, selected))
-    parts.append(_charts(e, run_url, base, charts, run_id, keys, len(attempts), incident, step_lo, step_hi))
-    parts.append(_tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit))
+    parts.append(_charts(e, run_url, base, charts, run_id, keys, told.attempts, incident, step_lo, step_hi))
+    pages = AttemptPages(told.attempts, older, attempts_before,
+                         lambda before: run_url(run_id, incident=incident, step_lo=step_lo, step_hi=step_hi,
+                                                attempts_before=before) + "#attempts")
+    parts.append(_tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, pages, audit))
     head, scripts = chart_assets(e, base)
     return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
 
@@ -174,7 +182,10 @@ def _header(e, base: str, run, status: dict, told, n_attempts: int) -> str:
         f"<p class='facts'><span id='age' data-age='{e(status['last_record_age_s'])}'>{e(_age(status['last_record_age_s']))}"
         f"</span> &middot; step <b id='last-step'>{e(status['last_step'] if status['last_step'] is not None else '-')}</b>"
         + (f" of {status['planned_steps']}" if status["planned_steps"] else "")
-        + f" &middot; {n_attempts} attempt(s) &middot; created {_ts(run.created_at)}</p>"
+        # the run's attempt, as status and the runs list show it (runs.newest_attempt); how many were opened on hover
+        + f" &middot; <span title='{n_attempts} attempt(s) opened'>attempt <b id='attempt'>"
+        f"{e(status['attempt'] if status['attempt'] is not None else '-')}</b></span>"
+        f" &middot; created {_ts(run.created_at)}</p>"
         # The story first, in words (issue 23): how it ended and what the supervisor did to it.
         f"<p class='story' id='story'><b>{e(ending)}</b>: {e(told.words())}</p></header>")
 
@@ -244,7 +255,32 @@ def _charts(e, run_url, base: str, charts: list, run_id: str, keys, n_attempts: 
 FINDINGS_SHOWN = 3  # per incident in the table; the rest behind a click
 
 
-def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, audit) -> str:
+@dataclass(frozen=True)
+class AttemptPages:
+    """Where the attempts table's page sits in the run's attempts, and its links."""
+
+    total: int  # attempts opened
+    older: int | None  # attempts_before of the next, older page (None: this page holds the oldest)
+    before: int | None  # this page's attempts_before (None: the newest)
+    url: Callable[[int | None], str]  # the page of attempts numbered below its argument (None: the newest)
+
+    def heading(self, shown: int) -> str:
+        if self.older is None and self.before is None:
+            return ""
+        which = "the newest" if self.before is None else f"below attempt {self.before}:"
+        return f" <span class='muted'>({which} {shown} of {self.total})</span>"
+
+    def links(self, e) -> str:
+        out = []
+        if self.before is not None:
+            out.append(f"<a id='newest-attempts' href='{e(self.url(None))}'>&larr; newest attempts</a>")
+        if self.older is not None:
+            out.append(f"<a id='older-attempts' href='{e(self.url(self.older))}'>older attempts &rarr;</a>")
+        return f"<p class='pager'>{' &middot; '.join(out)}</p>" if out else ""
+
+
+def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, pages: AttemptPages,
+            audit) -> str:
     parts = ["<h2>incidents</h2>"]
     rows = []
     for i in reversed(incs):
@@ -297,10 +333,11 @@ def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpt
     if gone:
         parts.append(f"<details id='deleted-checkpoints'><summary class='muted'>{len(gone)} deleted checkpoint(s)"
                      "</summary>" + _table(e, head, [ckpt_row(c) for c in gone], "") + "</details>")
-    parts.append("<h2>attempts</h2>")
+    parts.append(f"<h2 id='attempts'>attempts{pages.heading(len(attempts))}</h2>")
     parts.append(_table(e, ["attempt", "started (UTC)", "start step", "world size"], [
         "<tr>" + _cells(str(a.attempt), _ts(a.started_at), str(a.start_step), str(a.world_size)) + "</tr>"
-        for a in reversed(attempts)], "none"))
+        for a in attempts], "none"))  # newest first
+    parts.append(pages.links(e))
     parts.append(f"<h2>audit (last {AUDIT_TAIL})</h2>")
     parts.append(_table(e, ["at (UTC)", "actor", "event", "detail"], [
         "<tr>" + _cells(_ts(a.at), e(a.actor), e(a.event), pairs(a.detail)) + "</tr>" for a in audit], "empty"))
