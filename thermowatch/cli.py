@@ -2,7 +2,7 @@
 
 Each subcommand imports what it needs inside its handler, so `thermowatch --help` is instant
 and `replay` never starts Ray. The manual commands, the read commands (status, incidents,
-export: supervisor.operate.report) and `login` talk to the daemon over HTTP (supervisor.operate.client); only
+export: supervisor.operate.report), `flush` and `login` talk to the daemon over HTTP (supervisor.operate.client); only
 `serve`, `train`, `demo`, `db` and `token` open a database; `validate-config` and `simulate` touch
 neither. Exit codes: 0 ok, 1 the job ran
 and failed, 2 bad usage or bad input, or a request the daemon refused (the message says which
@@ -231,6 +231,13 @@ def cmd_login(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_flush(args: argparse.Namespace) -> int:
+    """Send what a trainer left in its spool to the daemon now (thermowatch.flush)."""
+    from thermowatch.flush import flush
+
+    return flush(args.dir, args.server, args.token, timeout_s=args.timeout)
+
+
 def _load_mapping(path: str | None) -> dict:
     from thermowatch.supervisor.app.config import read_mapping
 
@@ -361,6 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=arg_int(120, 2000), default=320, help="pixels (120..2000)")
     _add_client_flags(p)
     p.set_defaults(func=cmd_plot)
+
+    from thermowatch.monitors.settings import arg_float
+
+    p = sub.add_parser("flush", help="send what a trainer left in its spool directory to the daemon now",
+                       epilog="exit status: 0 everything was sent (or nothing waited), 1 the daemon failed (5xx) "
+                              "and it is still spooled, 2 the token or a message was refused, 3 no daemon answered")
+    p.add_argument("dir", help="the spool directory the trainer's close line named, or a run's state directory "
+                               "(thermowatch.watch's checkpoint_dir) that holds spool/")
+    p.add_argument("--timeout", type=arg_float(0, lo_open=True), default=120.0, metavar="SECONDS",
+                   help="give up after this long; what is not sent stays spooled (default 120)")
+    _add_client_flags(p)
+    p.set_defaults(func=cmd_flush)
 
     p = sub.add_parser("login", help="check a daemon's address and token and remember them for the CLI")
     _add_client_flags(p)

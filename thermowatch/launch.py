@@ -53,7 +53,7 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         if detach:
             return _train_detached(tcfg, supervisor_url, token, restarts=restarts, progress_every=progress_every)
         sink = HttpSink(supervisor_url, sup_config.data_dir / "spool" / tcfg.run_id, token=token,
-                        batch_s=tcfg.flush_every_s, batch_steps=tcfg.flush_every_steps)
+                        batch_s=tcfg.flush_every_s, batch_steps=tcfg.flush_every_steps, close_timeout=tcfg.close_timeout_s)
         commands = HttpCommandChannel(supervisor_url, token=token)
         closer = sink.close
     elif detach:

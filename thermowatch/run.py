@@ -21,6 +21,10 @@ Commands are remembered with their acks (`state_dir/commands.json`), so a comman
 again (a lost ack, a restart) is answered with the same ack and never carried out twice; one
 delivered again while it is still being carried out (the daemon re-sends what it has not heard
 back about: a poll answer may have been lost) is not handed out a second time.
+
+`finish()` is bounded by `close_timeout_s` (10 s): what the daemon has not taken by then stays in
+`state_dir/spool`, named in one log line with the command that sends it (`thermowatch flush`);
+the next Run on the same `state_dir` sends it first.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from thermowatch.monitors.settings import check_number
 from thermowatch.protocol import CommandBook, next_attempt
 
 log = logging.getLogger(__name__)
+IO_RESERVE_S = 0.5  # finish(): the I/O thread's waits end this long before close_timeout_s (see _stop)
+
 
 def resolve_server(server: str | None, token: str | None) -> tuple[str | None, str | None]:
     """The daemon's address and token, resolved as the command line resolves them (arguments, then
@@ -57,7 +63,7 @@ class Run:
     def __init__(self, run_id: str, *, steps: int | None = None, global_batch: int | None = None,
                  config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
                  state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
-                 send_interval_s: float = 0.5, supervisor_config: Any = None) -> None:
+                 send_interval_s: float = 0.5, supervisor_config: Any = None, close_timeout_s: float = 10.0) -> None:
         # Before anything is made or sent: the daemon's own run-id rule (monitors.names; `..` once
         # trained with every request refused and its checkpoints in the working directory), and
         # the numbers, finite and in range (monitors.settings).
@@ -65,6 +71,11 @@ class Run:
         check_number("world_size", world_size, lo=1, integer=True)
         check_number("poll_interval_s", poll_interval_s, lo=0, lo_open=True)
         check_number("send_interval_s", send_interval_s, lo=0)
+        check_number("close_timeout_s", close_timeout_s, lo=0)
+        # finish() waits this long at most for the daemon (a slow, silent or absent one); the rest
+        # stays in the spool, named in the log (issue 34: 60 s and 122 s, then a stranded tail).
+        self.close_timeout_s = close_timeout_s
+        self._deadline: float | None = None  # finish()'s: nothing this session does waits past it
         self.run_id, self.world_size = run_id, world_size
         self.config = dict(config or {})
         if steps is not None:
@@ -80,9 +91,11 @@ class Run:
         if self.server:
             from thermowatch.transport import HttpCommandChannel, HttpSink
 
-            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s)
+            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s,
+                                       close_timeout=close_timeout_s)
             self._channel: Any = HttpCommandChannel(self.server, token=token)
-            self._closers: list[Callable[[], None]] = [self._sink.close, self._channel.close]
+            self._closers: list[Callable[[], None]] = [lambda: self._sink.close(self._time_left() + IO_RESERVE_S),
+                                                       self._channel.close]
         else:
             from thermowatch.supervisor.app.config import SupervisorConfig
             from thermowatch.supervisor.app.service import Supervisor
@@ -99,6 +112,7 @@ class Run:
         self._cv = threading.Condition()
         self._registered = False
         self._closing = False
+        self._taken_over = False  # finish() hands the queue over itself: the I/O thread outlived the deadline
         self._idle = True
         # Records wait up to this long for more to join their batch: one request or transaction
         # every half second instead of one a step (a 10 steps/s loop paid ~5% of its CPU in
@@ -120,7 +134,8 @@ class Run:
         checkpoint's step after a resume or a rollback). Returns the attempt number, never reused."""
         self.attempt = next_attempt(self.state_dir, self.attempt)
         info = RunInfo(self.run_id, self.attempt, self.world_size, dict(self.config), start_step, dict(hosts or {}))
-        self._submit(lambda: self._register(info))
+        self._submit(_SinkCall(lambda: self._sink.open_run(info)))
+        self._submit(self._confirm_registered)
         return self.attempt
 
     def send(self, record: StepRecord | Sequence[StepRecord]) -> None:
@@ -133,12 +148,12 @@ class Run:
                          manifest: dict[str, Any] | None = None) -> None:
         info = CheckpointInfo(step, str(path), sample_cursor, healthy, dict(manifest or {}))
         attempt = self.attempt
-        self._submit(lambda: self._sink.checkpoint_saved(self.run_id, attempt, info))
+        self._submit(_SinkCall(lambda: self._sink.checkpoint_saved(self.run_id, attempt, info)))
 
     def checkpoints_deleted(self, steps: Sequence[int], reason: str) -> None:
         steps, attempt = [int(s) for s in steps], self.attempt
         if steps:
-            self._submit(lambda: self._sink.checkpoints_deleted(self.run_id, attempt, steps, reason))
+            self._submit(_SinkCall(lambda: self._sink.checkpoints_deleted(self.run_id, attempt, steps, reason)))
 
     def commands(self) -> list[Command]:
         """Commands received since the last call, oldest first; a command already answered is
@@ -186,9 +201,11 @@ class Run:
         drain = getattr(self._sink, "drain", None)
         return drain(timeout) if drain else True
 
-    def finish(self, timeout: float = 60.0, *, final_step: int | None = None, final_loss: float | None = None,
-               reason: str | None = None) -> None:
-        """Send everything still queued, then stop the background thread and close the sink.
+    def finish(self, timeout: float | None = None, *, final_step: int | None = None,
+               final_loss: float | None = None, reason: str | None = None) -> None:
+        """Send everything still queued, then stop the background thread and close the sink, in
+        `timeout` seconds at most (default `close_timeout_s`): what the daemon has not taken by
+        then is in `state_dir/spool`, and one log line says so and how to send it.
         With any of `final_step` (default: the last step sent), `final_loss` (None: none measured;
         NaN is data) or `reason` ("completed", "stopped", default "closed"), first tell the daemon
         this attempt finished (contract.RunFinished): the run then reads "finished" with that loss.
@@ -202,22 +219,65 @@ class Run:
                 self._stop(timeout)  # a bad argument still closes the session, then says what was wrong
                 raise
             attempt = self.attempt
-            self._submit(lambda: self._sink.finish_run(self.run_id, attempt, finished))
+            self._submit(_SinkCall(lambda: self._sink.finish_run(self.run_id, attempt, finished)))
         self._stop(timeout)
 
     close = finish
 
-    def _stop(self, timeout: float) -> None:
-        self.flush(timeout)
-        with self._cv:
+    def _stop(self, timeout: float | None) -> None:
+        timeout = self.close_timeout_s if timeout is None else max(0.0, timeout)
+        end = time.monotonic() + timeout
+        # The sink's requests end by `end` (less a moment to spool what is left); this thread's
+        # waits, a poll or an ack still to go a moment before, so that it hands the rest to the
+        # sink in time.
+        self._deadline = end - IO_RESERVE_S
+        for part in (self._sink, self._channel):
+            close_by = getattr(part, "close_by", None)
+            if close_by is not None:
+                close_by(self._deadline if part is self._channel else end)
+        with self._cv:  # the I/O thread hands everything queued to the sink, in order, polls no more, ends
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(self._time_left() + IO_RESERVE_S / 2)
+        if self._thread.is_alive() and self.server:
+            self._take_over()
+        elif self._thread.is_alive():  # the embedded supervisor: local writes in this process, no network
+            log.warning("thermowatch: still writing to the embedded supervisor after %g s; waiting for it",
+                        self.close_timeout_s)
+            self._thread.join()
         for close in self._closers:
             try:
                 close()
             except Exception:  # noqa: BLE001 - closing must not raise over the caller's result
                 log.exception("closing the run's sink")
+        unsent = getattr(self._channel, "unsent", 0)
+        if unsent:
+            log.warning("thermowatch: %d acknowledgement%s not delivered to %s; the next start from %s answers "
+                        "its command again from commands.json, without carrying it out twice", unsent,
+                        "s" * (unsent != 1), self.server, self.state_dir)
+
+    def _time_left(self) -> float:
+        return math.inf if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _take_over(self) -> None:
+        """The I/O thread is still in a request at the deadline (a poll or an ack begun before
+        finish()): hand what it has not reached to the sink from here, in order (records and
+        the sink's messages: the finish report among them); acks stay in the book."""
+        with self._cv:
+            self._taken_over = True
+            items = list(self._out)
+            self._out.clear()
+        dropped = 0
+        for item in items:
+            if isinstance(item, _Records):
+                self._guard(lambda r=item: self._sink.write(self.run_id, r.attempt, r.records))
+            elif isinstance(item, _SinkCall):
+                self._guard(item)
+            else:
+                dropped += 1
+        log.warning("thermowatch: the I/O thread was still in a request after close_timeout_s %g s; %d messages "
+                    "handed to the sink directly%s", self.close_timeout_s, len(items) - dropped,
+                    f", {dropped} acks or checks left (acks stay in commands.json)" if dropped else "")
 
     # --- the background thread ----------------------------------------------------------------
 
@@ -252,19 +312,25 @@ class Run:
                     self._idle = True
                     self._cv.notify_all()
                     return
-                items = list(self._out)
-                self._out.clear()
+                n = len(self._out)
                 self._records_since = None
                 self._idle = False
             # Everything queued since the last turn goes out in order, consecutive steps of one
             # attempt as one batch (one request, one transaction), however fast the loop runs.
-            for item in _coalesce(items):
+            # Taken one at a time, so that what this thread has not reached stays in the queue for
+            # finish() to hand over should this thread be stuck in a request at its deadline.
+            while n > 0:
+                with self._cv:
+                    if self._taken_over:
+                        return
+                    item, k = self._pop(n)
+                n -= k
                 if isinstance(item, _Records):
                     self._guard(lambda r=item: self._sink.write(self.run_id, r.attempt, r.records))
                 else:
                     self._guard(item)
-            # Polls are due on their own clock, never starved by a busy queue.
-            if self._registered and time.monotonic() >= next_poll:
+            # Polls are due on their own clock, never starved by a busy queue; none once closing.
+            if self._registered and not self._closing and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.poll_interval_s
                 cmds = self._guard(lambda: self._channel.poll(self.run_id)) or []
                 if cmds:
@@ -274,6 +340,18 @@ class Run:
             elif not self._registered:
                 next_poll = time.monotonic() + self.poll_interval_s
 
+    def _pop(self, n: int) -> tuple[Any, int]:
+        """The queue's head, with the records right behind it for the same attempt (among the
+        first `n` items) merged into one batch; and how many items it took. Holding the condition."""
+        item, k = self._out.popleft(), 1
+        if isinstance(item, _Records):
+            records = list(item.records)
+            while k < n and isinstance(self._out[0], _Records) and self._out[0].attempt == item.attempt:
+                records += self._out.popleft().records
+                k += 1
+            item = _Records(item.attempt, records)
+        return item, k
+
     def _guard(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
@@ -282,25 +360,35 @@ class Run:
             log.exception("thermowatch: a send or poll failed; training goes on")
             return None
 
-    def _register(self, info: RunInfo) -> None:
-        self._sink.open_run(info)
-        self._confirm_registered()
-
     def _confirm_registered(self, pause_s: float = 0.0) -> None:
         """Poll only once the daemon has the run (a poll before it answers 404): over HTTP the
         registration is sent by the sink's own thread, so wait for it here, off the caller's;
-        while it sits in the spool (the daemon away), look again a poll interval later."""
+        while it sits in the spool (the daemon away), look again a poll interval later (not
+        once closing: nothing is polled then)."""
+        if self._closing:
+            return
         time.sleep(pause_s)
-        drain = getattr(self._sink, "drain", None)
-        if drain is None or (drain(30.0) and self._sink.spooled == 0):
+        if self._drain_sink(30.0) and getattr(self._sink, "spooled", 0) == 0:
             self._registered = True
-        else:
+        elif not self._closing:
             self._submit(lambda: self._confirm_registered(self.poll_interval_s))
 
-    def _send_ack(self, ack: Ack) -> None:
+    def _drain_sink(self, timeout: float) -> bool:
+        """The sink's drain(timeout), ended early by finish()'s deadline (in slices: a drain begun
+        before finish() does not know of it)."""
         drain = getattr(self._sink, "drain", None)
-        if drain is not None:
-            drain(30.0)  # the steps trained before the command reach the daemon before its ack
+        if drain is None:
+            return True
+        end = time.monotonic() + timeout
+        while True:
+            left = min(end - time.monotonic(), self._time_left())
+            if drain(max(0.0, min(left, 0.05))):
+                return True
+            if left <= 0.05:
+                return False
+
+    def _send_ack(self, ack: Ack) -> None:
+        self._drain_sink(30.0)  # the steps trained before the command reach the daemon before its ack
         self._channel.ack(self.run_id, ack)
 
 
@@ -311,11 +399,14 @@ class _Records:
         self.attempt, self.records = attempt, records
 
 
-def _coalesce(items: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, _Records) and out and isinstance(out[-1], _Records) and out[-1].attempt == item.attempt:
-            out[-1] = _Records(item.attempt, out[-1].records + item.records)
-        else:
-            out.append(item)
-    return out
+class _SinkCall:
+    """A message for the sink (a checkpoint, a deletion, the finish report): a queue append over
+    HTTP, so finish() may make it itself when the I/O thread is stuck past the deadline."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()

@@ -12,7 +12,12 @@ fsync) that the sender promotes into the spool once it has caught up: a slow or 
 only grows the spool. Ingest is idempotent, so a message replayed twice (a crash between send
 and spool deletion) stores nothing twice.
 
-A message the supervisor refuses (4xx but 408/429: malformed, too large, a conflicting re-send)
+`close()` is bounded: it waits at most `close_timeout` seconds (10 by default) for the daemon,
+every request it still makes ends by then, and what is not sent by then -- a slow or silent daemon,
+one that is down -- is in the spool, named in one log line with the command that sends it
+(`thermowatch flush DIR`, thermowatch.spool). A sink opened on the same directory sends it first.
+
+A message the supervisor refuses (4xx but 401/408/429: malformed, too large, a conflicting re-send)
 will never be accepted as it is: it is set aside in `rejected.jsonl` with the reason and the
 messages behind it go on. So is one answered 500 (a fault of the daemon's on this message, not an
 outage) `max_server_errors` times in a row: one poisoned batch never stalls the run's history
@@ -44,9 +49,13 @@ from thermowatch.monitors.contract import (
     INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunFinished, RunInfo, StepRecord, dumps, loads,
 )
 from thermowatch.monitors.durable import fsync_dir
+from thermowatch.spool import Tail
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
+# Closing, a request ends this long before the deadline: the sender then spools what is left
+# (an fsync or two) and ends within it, rather than close() taking what it holds from it.
+SPOOL_RESERVE_S = 0.25
 
 
 class SinkRejected(RuntimeError):
@@ -72,13 +81,13 @@ class HttpSink:
     `batch_steps` of them; anything else queued, `drain()` and `close()` send them at once. Call
     `drain()` to wait until everything written so far has been posted or spooled (tests, a
     checkpoint's durability barrier, shutdown); `close()` drains, replays the spool once more and
-    stops."""
+    stops, all within `close_timeout`, and says where what is left waits."""
 
     batches_records = True  # callers hand it steps one by one (RunController, Run): it batches
 
     def __init__(self, base_url: str, spool_dir: str | os.PathLike, token: str | None = None, *,
                  timeout: float = 30.0, connect_timeout: float = 2.0, retry_interval: float = 1.0,
-                 max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 60.0,
+                 max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 10.0,
                  max_server_errors: int = 3, batch_s: float = 0.5, batch_steps: int = 256,
                  batch_values: int = 1_000_000) -> None:
         # A batch stays well inside the daemon's limits (supervisor/limits.py: 10,000 steps and
@@ -89,16 +98,26 @@ class HttpSink:
         # While the supervisor is unreachable, messages go straight to the spool and one replay is
         # tried per retry interval, which doubles up to max_retry_interval: a blackholed host
         # (connect timeout, 2 s) costs the sender thread ~15 stalls in a ten-minute outage.
-        self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token),
+        self.base_url = base_url.rstrip("/")
+        self._client = httpx.Client(base_url=self.base_url, headers=_headers(token),
                                     timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self._timeout, self._connect_timeout = timeout, connect_timeout
         self.retry_interval = retry_interval
         self.max_retry_interval = max_retry_interval
         self.close_timeout = close_timeout
         self._backoff = retry_interval
-        self._lock = threading.Lock()  # the spool and the HTTP client (sender thread, flush())
+        self._lock = threading.Lock()  # sending and replaying (sender thread, flush()): held across requests
+        self._disk = threading.Lock()  # the spool's file names and appends: held for disk work only
+        # close()'s: no request ends later. A request the sender began before close() may (its own
+        # timeout): close() then spools what the sender holds itself (_abandon) and returns.
+        self._deadline: float | None = None
+        self._abandoned = False
+        self._closed = False
+        self.last_error: str | None = None  # why the last message could not be sent (flush's answer)
         self._next_retry = 0.0
         self._file: Any = None  # the spool file being appended to
         self._seq = max((self._file_seq(p) for p in self._spool_files()), default=0)
+        self._adopt_overflow()
         self.rejected = 0  # messages the supervisor refused (4xx), set aside in rejected.jsonl
         self.max_server_errors = max_server_errors
         self._head_errors = 0  # 500s in a row for the oldest spooled message
@@ -110,6 +129,7 @@ class HttpSink:
         self._push = False  # drain() asked: send what is queued now, without waiting for a batch
         self._cv = threading.Condition()
         self._busy = False  # the sender holds a message it has not finished with
+        self._holding: tuple[str, Any] | None = None  # that message (close() spools it if it must)
         self._overflow: Any = None  # spill file while the queue is full; the sender promotes it
         self._closing = False
         self._thread = threading.Thread(target=self._sender, name="thermowatch-sink", daemon=True)
@@ -138,24 +158,89 @@ class HttpSink:
         # the run finished only once the history before it is stored.
         self._submit(f"{_run_path(run_id)}/attempts/{attempt}/finished", finished.to_json)
 
-    def close(self) -> None:
+    def close_by(self, deadline: float) -> None:
+        """Make every request from now on end by `deadline` (time.monotonic()), less a moment to
+        spool what is left: a caller that closes several things (thermowatch.Run) says when it
+        began, before close() is called."""
+        with self._cv:
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+
+    def close(self, timeout: float | None = None, *, say: bool = True) -> Tail:
+        """Send what is queued and replay the spool once more, for at most `timeout` seconds
+        (default `close_timeout`), then stop. Returns what stays in the spool (thermowatch.spool.Tail),
+        which `say` names in one log line with the command that sends it."""
+        if self._closed:
+            return Tail.of(self.spool_dir)
+        self._closed = True
+        self.close_by(time.monotonic() + max(0.0, self.close_timeout if timeout is None else timeout))
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(self.close_timeout)
-        if self._thread.is_alive():
-            log.error("sink sender still busy after %.0f s at close; unsent messages stay in memory only",
-                      self.close_timeout)
+        # At least a moment: an idle sender spools what it holds in that time, past the deadline
+        # without a request, instead of close() abandoning it.
+        self._thread.join(max(0.1, self._deadline - time.monotonic()))
         try:
-            self._promote_overflow()
-            with self._lock:
-                self._replay(force=True)
+            if self._thread.is_alive():
+                self._abandon()
+            else:
+                self._promote_overflow()
+                if time.monotonic() < self._deadline - SPOOL_RESERVE_S:
+                    with self._lock:
+                        self._replay(force=True)
         except Exception:  # close() must survive an outage; the spool stays for next time
             log.exception("could not replay the spool at close; it stays in %s", self.spool_dir)
         finally:
-            with self._lock:
+            with self._disk:
                 self._close_file()
-            self._client.close()
+            if not self._thread.is_alive():  # else it is still in a request: it ends with the process
+                self._client.close()
+        tail = Tail.of(self.spool_dir)
+        if tail and say:
+            why = f" ({self.last_error})" if self.last_error else ""
+            log.warning("thermowatch: %s not sent to %s within close_timeout %g s%s; they wait in %s: `%s` "
+                        "sends them, and so does the next run started on this directory",
+                        tail.words(), self.base_url, self.close_timeout, why, self.spool_dir,
+                        tail.flush_command(self.base_url))
+        return tail
+
+    def _abandon(self) -> None:
+        """The sender is still in a request begun before close() (its own timeout is longer than
+        what was left): spool, in order, the message it holds, the queue behind it and the spill
+        file, and let it go. Should its request succeed after all, the spooled copy is sent again
+        later: ingest is idempotent."""
+        with self._cv:
+            held = ([self._holding] if self._holding is not None else []) + list(self._queue)
+            self._queue.clear()
+            self._queued_since = None
+            overflow, self._overflow = self._overflow, None
+            self._cv.notify_all()
+        with self._disk:
+            self._abandoned = True  # the sender spools nothing from here on: its message is here
+            self._close_file()
+            if held:
+                self._seq += 1
+                with open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab") as f:
+                    for path, body in held:
+                        f.write(_spool_line(path, *_encode(body)))
+                    f.flush()
+                    os.fsync(f.fileno())
+            if overflow is not None:
+                overflow.flush()
+                os.fsync(overflow.fileno())
+                overflow.close()
+                self._seq += 1
+                os.replace(self.spool_dir / "overflow.jsonl", self.spool_dir / f"spool-{self._seq:08d}.jsonl")
+            fsync_dir(self.spool_dir)
+        log.warning("sink sender still in a request at close; the %d messages it held are spooled", len(held))
+
+    def _adopt_overflow(self) -> None:
+        """A spill file left by a process that ended before promoting it is newer than every spool
+        file it left: it becomes the newest, so it is replayed too, in order."""
+        left = self.spool_dir / "overflow.jsonl"
+        if left.exists():
+            self._seq += 1
+            os.replace(left, self.spool_dir / f"spool-{self._seq:08d}.jsonl")
+            fsync_dir(self.spool_dir)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Send everything written so far now (no batch waits for more steps) and wait until it
@@ -221,6 +306,7 @@ class HttpSink:
                 if item is None and self._closing and self._overflow is None:
                     return
                 self._busy = True
+                self._holding = item
             try:
                 if item is not None:
                     path, body = item
@@ -234,6 +320,7 @@ class HttpSink:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._holding = None
                     self._cv.notify_all()
 
     def _take(self) -> tuple[str, Any]:
@@ -270,7 +357,7 @@ class HttpSink:
             if self._overflow is None or self._queue:
                 return
             f, self._overflow = self._overflow, None
-            with self._lock:
+            with self._disk:
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
@@ -312,17 +399,31 @@ class HttpSink:
                     self._head_errors = 1  # it heads the spool now: its replays count on from here
                 self._spool(path, data, content_type)
             except SinkRejected as exc:
+                self.last_error = str(exc)
                 self._reject(_spool_line(path, data, content_type), str(exc))
 
     def _post(self, path: str, data: bytes, content_type: str = JSON) -> None:
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if self._deadline is not None:  # closing: no request outlives close_timeout
+            left = self._deadline - SPOOL_RESERVE_S - time.monotonic()
+            if left <= 0:
+                raise _Unreachable(self.last_error or "close_timeout reached")
+            timeout = httpx.Timeout(min(self._timeout, left), connect=min(self._connect_timeout, left))
         try:
-            r = self._client.post(path, content=data, headers={"content-type": content_type})
+            r = self._client.post(path, content=data, headers={"content-type": content_type}, timeout=timeout)
         except httpx.TransportError as exc:  # connect refused/timeout, reset, read timeout
-            raise _Unreachable(f"{type(exc).__name__}: {exc}") from exc
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise _Unreachable(self.last_error) from exc
         if r.status_code == 500:
-            raise _ServerError(f"HTTP 500: {r.text[:300]}")
+            self.last_error = f"HTTP 500: {r.text[:300]}"
+            raise _ServerError(self.last_error)
         if r.status_code >= 500 or r.status_code in (408, 429):  # an outage, an overload, a quota: later
-            raise _Unreachable(f"HTTP {r.status_code}: {r.text[:200]}")
+            self.last_error = f"HTTP {r.status_code}: {r.text[:200]}"
+            raise _Unreachable(self.last_error)
+        if r.status_code == 401:  # the token, not the message: every message would be refused alike,
+            # so they stay spooled for a good token (`thermowatch flush DIR --token ...`)
+            self.last_error = f"HTTP 401: {r.text[:300]}"
+            raise _Unreachable(self.last_error)
         if r.status_code >= 400:
             raise SinkRejected(f"supervisor refused POST {path}: HTTP {r.status_code} {r.text[:500]}")
 
@@ -334,13 +435,16 @@ class HttpSink:
         return int(p.stem.split("-")[1])
 
     def _spool(self, path: str, data: bytes, content_type: str = JSON) -> None:
-        if self._file is None:
-            self._seq += 1
-            self._file = open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab")
-            fsync_dir(self.spool_dir)  # make the new file's name durable too
-        self._file.write(_spool_line(path, data, content_type))
-        self._file.flush()
-        os.fsync(self._file.fileno())  # a crash of the controller must not lose spooled steps
+        with self._disk:
+            if self._abandoned:  # close() has spooled this message itself (_abandon)
+                return
+            if self._file is None:
+                self._seq += 1
+                self._file = open(self.spool_dir / f"spool-{self._seq:08d}.jsonl", "ab")
+                fsync_dir(self.spool_dir)  # make the new file's name durable too
+            self._file.write(_spool_line(path, data, content_type))
+            self._file.flush()
+            os.fsync(self._file.fileno())  # a crash of the controller must not lose spooled steps
 
     def _close_file(self) -> None:
         if self._file is not None:
@@ -351,9 +455,10 @@ class HttpSink:
         files = self._spool_files()
         if not files:
             return True
-        if not force and time.monotonic() < self._next_retry:
+        if self._abandoned or (not force and time.monotonic() < self._next_retry):
             return False
-        self._close_file()  # new messages go to a new file while this one drains
+        with self._disk:
+            self._close_file()  # new messages go to a new file while this one drains
         for p in files:
             with open(p, "rb") as f:
                 lines = [ln for ln in f if ln.strip()]
@@ -384,6 +489,7 @@ class HttpSink:
                     return False
                 except SinkRejected as exc:
                     # Never let one bad message block the queue forever: set it aside and go on.
+                    self.last_error = str(exc)
                     self._reject(line, str(exc))
             p.unlink()
         self._backoff = self.retry_interval
@@ -515,19 +621,39 @@ class HttpCommandChannel:
     """contract.CommandChannel over HTTP. Acks are sent in order; one the supervisor cannot reach
     (connection error, 5xx) is kept and re-sent before the next poll, while one it refuses (4xx:
     it failed the command and says why) is dropped with a log line, so one bad ack never holds
-    back the ones behind it. A poll that fails returns no commands; training goes on."""
+    back the ones behind it. A poll that fails returns no commands; training goes on. After
+    `close_by(deadline)` no request outlives the deadline (the run's close_timeout_s)."""
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0,
                  max_unsent: int = 10_000) -> None:
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout)
+        self._timeout = timeout
+        self._deadline: float | None = None
         self._unsent: list[tuple[str, Ack]] = []
         self._max_unsent = max_unsent
         self.refused: list[tuple[Ack, str]] = []  # (ack, the supervisor's reason), newest last
 
+    def close_by(self, deadline: float) -> None:
+        """Make every request from now on end by `deadline` (time.monotonic()); none after it."""
+        self._deadline = deadline
+
+    @property
+    def unsent(self) -> int:
+        """Acks not delivered yet (kept, re-sent before the next poll)."""
+        return len(self._unsent)
+
+    def _time_left(self) -> Any:
+        if self._deadline is None:
+            return httpx.USE_CLIENT_DEFAULT
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise httpx.TimeoutException("the run's close_timeout_s has passed")
+        return min(self._timeout, left)
+
     def poll(self, run_id: str) -> list[Command]:
         self._resend_acks()
         try:
-            r = self._client.get(f"{_run_path(run_id)}/commands")
+            r = self._client.get(f"{_run_path(run_id)}/commands", timeout=self._time_left())
         except httpx.TransportError as exc:
             log.warning("cannot poll commands (%s); training goes on", exc)
             return []
@@ -565,7 +691,7 @@ class HttpCommandChannel:
             run_id, ack = self._unsent[0]
             try:
                 r = self._client.post(f"{_run_path(run_id)}/acks", content=dumps(ack.to_json()),
-                                      headers={"content-type": "application/json"})
+                                      headers={"content-type": "application/json"}, timeout=self._time_left())
             except httpx.TransportError as exc:
                 log.warning("cannot deliver ack for command %s (%s); will retry", ack.command_id, exc)
                 return

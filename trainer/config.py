@@ -95,6 +95,7 @@ class TrainConfig:
     max_restarts: int = 3  # gang restarts after a worker dies before the run gives up
     flush_every_steps: int = 10  # steps per batch to the supervisor (the sink's: HttpSink, Batched) ...
     flush_every_s: float = 1.0  # ... or sooner, when this much time has passed
+    close_timeout_s: float = 10.0  # at the end, wait at most this for the supervisor; the rest stays spooled
     poll_every_s: float = 0.25  # command polling interval while paused
     # A step that neither finishes nor fails in this time means a hung rank (a collective
     # waiting on a stalled node): the gang is killed and restarted like after a death.
@@ -141,6 +142,8 @@ class TrainConfig:
             raise ConfigError(f"placement={self.placement!r} is not one of {PLACEMENT_STRATEGIES}")
         if not (self.step_timeout_s > 0 and self.poll_every_s > 0 and self.flush_every_s >= 0):
             raise ConfigError("step_timeout_s and poll_every_s must be > 0 and flush_every_s >= 0")
+        if not 0 <= self.close_timeout_s < math.inf:
+            raise ConfigError(f"close_timeout_s must be a finite number of seconds >= 0, got {self.close_timeout_s!r}")
         if not self.placement_timeout_s > 0:
             raise ConfigError(f"placement_timeout_s must be > 0 seconds, got {self.placement_timeout_s!r}")
         if self.read_late not in (None, True, False):

@@ -89,7 +89,7 @@ class ControllerActor:
         self.cfg = TrainConfig.from_dict(config)
         token = os.environ.get("THERMOWATCH_TOKEN") or None
         self.sink = HttpSink(supervisor_url, spool_dir, token=token, batch_s=self.cfg.flush_every_s,
-                             batch_steps=self.cfg.flush_every_steps)
+                             batch_steps=self.cfg.flush_every_steps, close_timeout=self.cfg.close_timeout_s)
         self.channel = HttpCommandChannel(supervisor_url, token=token)
         self.events = _Events()
         commands = AckWatch(self.channel, lambda _run, kind, ack: self.events.add("ack", kind, ack.to_json()))
