@@ -101,7 +101,7 @@ def run_manual(args: argparse.Namespace) -> int:
         if name == "runs":
             page = api.get("/api/runs", limit=args.limit, cursor=args.cursor)
             _print(page["runs"], args.json,
-                   "{run_id}  last step {last_step}  attempts {attempts}  open incidents {open_incidents}")
+                   "{run_id}  last step {last_step}  attempt {attempt}  open incidents {open_incidents}")
             if page.get("next_cursor"):  # on stderr: --json's stdout stays one JSON list
                 print(f"more runs: thermowatch runs --limit {args.limit} --cursor {page['next_cursor']}", file=sys.stderr)
             return 0

@@ -108,7 +108,8 @@ class RunSummary:
     run_id: str
     created_at: dt.datetime
     last_step: int | None  # the newest step of the newest attempt that reported any
-    attempts: int  # attempts opened (the newest is attempts - 1); 0 before the first
+    attempt: int | None  # the run's attempt (newest_attempt); None before the first
+    attempts: int  # attempts opened
     open_incidents: int
 
     @property
@@ -125,16 +126,17 @@ def _summaries():
                       .correlate(Run).scalar_subquery())
     last_step = (select(func.max(Step.step)).where(Step.run_id == Run.run_id, Step.attempt == newest_stepped)
                  .correlate(Run).scalar_subquery())
-    newest_attempt = select(func.max(Attempt.attempt)).where(Attempt.run_id == Run.run_id).correlate(Run).scalar_subquery()
+    newest = _newest_attempt(Run.run_id).correlate(Run).scalar_subquery()
+    opened = select(func.count()).select_from(Attempt).where(Attempt.run_id == Run.run_id).correlate(Run).scalar_subquery()
     open_incidents = (select(func.count()).select_from(Incident)
                       .where(Incident.run_id == Run.run_id, Incident.state == "open").correlate(Run).scalar_subquery())
-    return select(Run.run_id, Run.created_at, last_step, newest_attempt, open_incidents)
+    return select(Run.run_id, Run.created_at, last_step, newest, opened, open_incidents)
 
 
 def _summary(row) -> RunSummary:
-    run_id, created_at, last_step, newest_attempt, open_incidents = row
+    run_id, created_at, last_step, newest, opened, open_incidents = row
     return RunSummary(run_id, created_at, None if last_step is None else int(last_step),
-                      0 if newest_attempt is None else int(newest_attempt) + 1, int(open_incidents or 0))
+                      None if newest is None else int(newest), int(opened or 0), int(open_incidents or 0))
 
 
 def runs_page(session: Session, limit: int, after: RunKey | None = None) -> tuple[list[RunSummary], RunKey | None]:
@@ -267,6 +269,22 @@ def attempts_page(session: Session, run_id: str, limit: int,
     return page, (page[-1].attempt if len(rows) > limit else None)
 
 
+def _newest_attempt(run_id: Any) -> Select:
+    """SELECT of the run's attempt: its newest attempt's number as the trainer numbers it (from 1
+    for thermowatch.watch and the bundled trainer; whatever a client sent), a seek on the
+    attempts' primary key. The one definition behind every place that shows "the run's attempt"
+    (`thermowatch status` and `runs`, GET /api/runs and /api/runs/{run}, the runs and run pages):
+    status used to show the count less one and the list the largest number plus one, which
+    disagreed by two for a trainer numbering from 1 (issue 35)."""
+    return select(func.max(Attempt.attempt)).where(Attempt.run_id == run_id)
+
+
+def newest_attempt(session: Session, run_id: str) -> int | None:
+    """The run's attempt (see _newest_attempt); None before its first."""
+    n = session.execute(_newest_attempt(run_id)).scalar()
+    return None if n is None else int(n)
+
+
 def attempt_count(session: Session, run_id: str) -> int:
     """Attempts opened: a count over the primary key's range for the run, in the database."""
     return int(session.execute(select(func.count()).select_from(Attempt).where(Attempt.run_id == run_id)).scalar())
@@ -303,6 +321,7 @@ def ended_runs(session: Session, run_ids: Collection[str]) -> set[str]:
 
 
 def latest_attempt(session: Session, run_id: str) -> AttemptRow | None:
+    """The run's newest attempt, the one numbered newest_attempt (None before its first)."""
     a = session.execute(
         select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.attempt.desc()).limit(1)
     ).scalar()

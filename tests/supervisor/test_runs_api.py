@@ -124,7 +124,7 @@ def test_runs_list(client, seeded):
     body = client.get("/api/runs").json()
     by_id = {r["run_id"]: r for r in body["runs"]}
     assert by_id[RUN]["last_step"] == 260  # the newest attempt's newest step
-    assert by_id[RUN]["attempts"] == 2
+    assert (by_id[RUN]["attempt"], by_id[RUN]["attempts"]) == (1, 2)  # attempts 0 and 1
     assert by_id[RUN]["open_incidents"] == 0  # resolved by the rollback
     assert by_id[seeded.evil_run]["open_incidents"] == 1
 
@@ -411,7 +411,8 @@ def test_runs_pages_walk_every_run_once_newest_first(db, client):
     for i in (0, 1, 3, 4, 249):
         assert by_id[f"bulk-{i:05d}"] == {
             "run_id": f"bulk-{i:05d}", "created_at": by_id[f"bulk-{i:05d}"]["created_at"],
-            "last_step": (i % 5) - 1 if i % 5 else None, "attempts": 1, "open_incidents": int(i % 3 == 0)}
+            "last_step": (i % 5) - 1 if i % 5 else None, "attempt": 0, "attempts": 1,
+            "open_incidents": int(i % 3 == 0)}
     first = client.get("/api/runs").json()
     assert len(first["runs"]) == 100 and first["runs"][0]["run_id"] == expected[0]  # the default page
 
@@ -421,7 +422,7 @@ def test_runs_list_last_step_is_the_newest_attempt_with_steps(db, client, seeded
     with db.sessions.begin() as s:
         runs.open_attempt(s, RunInfo(RUN, 2, world_size=2, start_step=240))
     (row,) = [r for r in client.get("/api/runs").json()["runs"] if r["run_id"] == RUN]
-    assert (row["last_step"], row["attempts"]) == (260, 3)
+    assert (row["last_step"], row["attempt"], row["attempts"]) == (260, 2, 3)
     with db.sessions.begin() as s:
         steps_store.record_steps(s, RUN, 2, [StepRecord(step=241, values={}, sample_lo=0, sample_hi=8)])
     (row,) = [r for r in client.get("/api/runs").json()["runs"] if r["run_id"] == RUN]
