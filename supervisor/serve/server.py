@@ -169,9 +169,19 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
+def make_server(app, host: str, port: int):
+    """uvicorn serving the daemon's app, its access log without the trainers' command polls
+    (supervisor/serve/access_log.py: counted in /metrics instead)."""
     import uvicorn
 
+    from thermowatch.supervisor.serve.access_log import quiet_polls
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    quiet_polls()  # after Config, which configures uvicorn's loggers
+    return server
+
+
+def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     from thermowatch.supervisor.app.scheduler import Scheduler
 
     from thermowatch.supervisor.serve.auth import bootstrap_admin, check_bind
@@ -192,7 +202,7 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
         log.warning("auth: false -- every route is open to anyone who can reach %s (loopback only)", cfg.host)
     scheduler = Scheduler(sup.jobs())
     scheduler.start()
-    server = uvicorn.Server(uvicorn.Config(build_app(sup, scheduler=scheduler), host=cfg.host, port=cfg.port, log_level="info"))
+    server = make_server(build_app(sup, scheduler=scheduler), cfg.host, cfg.port)
     settle_heap()
     log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, db.redact(cfg.db_url))
     if threading.current_thread() is threading.main_thread():
