@@ -202,14 +202,15 @@ def _headers_only(base: str, path: str, declared: int, token: str | None) -> str
         return type(exc).__name__
 
 
-def declared(d: Daemon, size: int = 10 << 30, at_once: int = 20) -> dict:
+def declared(d: Daemon, size: int = 10 << 30, at_once: int = 20, paths_only: list[str] | None = None) -> dict:
     fill = {"{run_id}": "declared", "{attempt}": "0", "{action_id}": "1", "{name}": "nobody"}
     paths = ["/login"]
-    for path, ops in httpx.get(f"{d.base}/openapi.json").json()["paths"].items():
+    for path, ops in ({} if paths_only else httpx.get(f"{d.base}/openapi.json").json()["paths"]).items():
         if "post" in ops:
             for k, v in fill.items():
                 path = path.replace(k, v)
             paths.append(path)
+    paths = paths_only or paths
     reset_peak(d.proc.pid)
     before = rss(d.proc.pid)[0]
     answers: dict[str, dict[str, int]] = {}
@@ -222,7 +223,7 @@ def declared(d: Daemon, size: int = 10 << 30, at_once: int = 20) -> dict:
                     answers.setdefault(key, {}).setdefault(path, 0)
                     answers[key][path] += 1
     now, peak = rss(d.proc.pid)
-    return {"routes": len(paths), "requests": 2 * len(paths) * at_once, "declared_gb": size >> 30,
+    return {"routes": len(paths), "requests": 2 * len(paths) * at_once, "declared_gb": round(size / (1 << 30), 2),
             "seconds": round(time.monotonic() - t0, 1), "answers": {k: sorted(v) for k, v in answers.items()},
             "rss_before_mb": round(before), "peak_mb": round(peak), "rss_after_mb": round(now),
             "peak_growth_mb": round(peak - before)}
@@ -297,6 +298,9 @@ def attempts(d: Daemon, n: int = 10_000) -> dict:
             "page_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
 
+DECLARED = {"size": 10 << 30, "at_once": 20, "paths_only": None}  # --declared-gb, --at-once, --route
+
+
 PROBES = ("cross_run", "claims", "attempts", "declared", "big_posts", "key_headers", "overlap", "empty_keys", "control_byte")
 
 
@@ -306,7 +310,7 @@ def run(url: str, only: tuple[str, ...] = PROBES) -> dict:
         with httpx.Client(base_url=d.base, headers=d.auth, timeout=300) as c:
             res = {"rss_start_mb": round(rss(d.proc.pid)[0])}
             probes = {"cross_run": lambda: cross_run(d), "claims": lambda: claims(d),
-                      "attempts": lambda: attempts(d), "declared": lambda: declared(d), "big_posts": lambda: big_posts(d),
+                      "attempts": lambda: attempts(d), "declared": lambda: declared(d, **DECLARED), "big_posts": lambda: big_posts(d),
                       "key_headers": lambda: key_headers(c, d.proc.pid), "overlap": lambda: overlap(d),
                       "empty_keys": lambda: empty_keys(c), "control_byte": lambda: control_byte(d)}
             for name in only:
@@ -322,7 +326,12 @@ def main() -> None:
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     ap.add_argument("--only", nargs="+", choices=PROBES, default=list(PROBES), help="run these probes only")
+    ap.add_argument("--declared-gb", type=float, default=10.0, help="declared: the Content-Length, in GB (10)")
+    ap.add_argument("--at-once", type=int, default=20, help="declared: requests at once per route (20)")
+    ap.add_argument("--route", action="append", help="declared: only these routes (e.g. /login); default every "
+                                                     "POST route of the OpenAPI document and /login")
     a = ap.parse_args()
+    DECLARED.update(size=int(a.declared_gb * (1 << 30)), at_once=a.at_once, paths_only=a.route)
     results = {}
     for name in (["sqlite", "postgres"] if a.db == "both" else [a.db]):
         if name == "sqlite":
@@ -357,7 +366,8 @@ def main() -> None:
                   f"{at['answers']}; run page {at['page']} in {at['page_ms']} ms")
         if "declared" in r:
             dl = r["declared"]
-            print(f"  headers only, {dl['declared_gb']} GB declared, 20 at once x {dl['routes']} routes x 2 tokens: "
+            print(f"  headers only, {dl['declared_gb']} GB declared, {DECLARED['at_once']} at once x {dl['routes']} "
+                  f"routes x 2 tokens: "
                   f"peak {dl['peak_mb']} MB (+{dl['peak_growth_mb']} MB), after {dl['rss_after_mb']} MB, "
                   f"{dl['seconds']} s")
             for key, paths in sorted(dl["answers"].items()):
