@@ -10,8 +10,10 @@ sync), on every rank, right before the thermometers' one host copy:
   maximum names the value and the *lowest* rank that holds it, as numpy's argmax does. Each
   max- or min-reduced metric contributes two keys, its maximum and (negated) its minimum: the
   pair tells whether the ranks disagree at all (monitors.reduce.Reducer names an extreme's rank
-  only then). NaN is data and must win, as numpy's max/argmax let it (the first NaN rank):
-  it is given the largest key on the max side and the smallest on the min side.
+  only then). NaN is data and must win the metric's own side, as numpy's max/argmax let it (the
+  first NaN rank): the largest key for a max metric, the smallest for a min one, on both sides,
+  so on the other side it loses and reads NaN only when every rank is NaN (no rank named then:
+  a sampled thermometer's off-steps, issue 35).
 - SUM, in float64, of the mean- and sum-reduced metrics (and of this rank's tokens/s, a host
   float that never was float32), divided by W for the mean ones.
 
@@ -89,12 +91,10 @@ class CollectiveReducer:
     def __call__(self, buf: torch.Tensor, extras: tuple[float, ...] = ()) -> torch.Tensor:
         """Tensor ops and two collectives; nothing here reads a device value on the host."""
         v = buf.index_select(0, self._mm)
-        key = _orderable(v)
-        nan = torch.isnan(v)
-        hi_max = torch.where(nan, _I32_MAX, key).to(torch.int64)
-        hi_min = torch.where(nan, _I32_MIN, key).to(torch.int64)
+        # NaN wins the metric's own side (a max metric's max, a min metric's min) and loses the other
+        hi = torch.where(torch.isnan(v), torch.where(self._is_max, _I32_MAX, _I32_MIN), _orderable(v)).to(torch.int64)
         # max(-1 - k) = -1 - min(k): one MAX collective carries both sides.
-        keys = torch.cat((hi_max * 2**32 + self._low, (-1 - hi_min) * 2**32 + self._low))
+        keys = torch.cat((hi * 2**32 + self._low, (-1 - hi) * 2**32 + self._low))
         sums = torch.empty(self._sm.numel(), dtype=torch.float64, device=buf.device)
         sums[self._sm_dev_pos] = buf.index_select(0, self._sm_dev).to(torch.float64)
         for j, src in zip(self._sm_host_pos, self._sm_host_src):  # a host float: a fill, not a copy
@@ -109,7 +109,8 @@ class CollectiveReducer:
         rmax = self.world - 1 - torch.remainder(kmax, 2**32)
         rmin = self.world - 1 - torch.remainder(kmin, 2**32)
         value = torch.where(self._is_max, vmax, vmin)
-        differ = torch.isnan(value) | (vmax != vmin)
+        other = torch.where(self._is_max, vmin, vmax)  # NaN only when every rank is NaN: they agree
+        differ = (vmax != vmin) & ~torch.isnan(other)
         ranks = torch.where(differ, torch.where(self._is_max, rmax, rmin), -1)
         out = torch.empty(self.n + m, dtype=torch.float64, device=buf.device)
         out[self._mm] = value.to(torch.float64)

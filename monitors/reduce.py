@@ -40,9 +40,12 @@ class Reducer:
             out[self.idx[Reduce.SUM]] = values[:, self.idx[Reduce.SUM]].sum(axis=0)
         # Name the rank that held an extreme only where the ranks disagree: a value every rank
         # shares (the global grad norm, the LR) has no outlier, and argmax would always say 0.
+        # NaN on every rank is shared too: a sampled thermometer's off-steps (attn_entropy_min is
+        # read every 10th step) named rank 0 on 9 steps of 10, and outlier_rank paged a healthy
+        # 2-rank FSDP2 run at step 30 (issue 35). NaN on some ranks only is a disagreement.
         ranks: dict[str, int] = {}
         for names, vals, pick in ((self.max_names, mx, np.argmax), (self.min_names, mn, np.argmin)):
             if vals.size:
-                differ = (vals != vals[:1]).any(axis=0)
+                differ = (vals != vals[:1]).any(axis=0) & ~np.isnan(vals).all(axis=0)
                 ranks.update((names[i], int(r)) for i, r in enumerate(pick(vals, axis=0).tolist()) if differ[i])
         return out, ranks

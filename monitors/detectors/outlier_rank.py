@@ -4,6 +4,10 @@ The run controller reduces each max/min metric across ranks and records which ra
 extreme (`StepRecord.ranks`). With data parallelism each rank sees different samples, so the
 holder of the max wanders over the ranks; one rank holding it in `min_share` of the last
 `window` steps points at that rank's hardware (OPT-175B's bad-node hunts), not at the data.
+A step names a rank only where the ranks' values differ (monitors/reduce.py, monitors/collective.py):
+not a value every rank shares (a global norm, a replicated batch), nor a figure no rank measured
+that step (NaN on every rank: a sampled group's off-steps, which named rank 0 and paged a
+healthy FSDP2 run, issue 35).
 
 Limits, said plainly: the record carries only the reduced value, so "far above the others" is
 judged by persistence, not by the gap (add a per-rank spread key if that is wanted). Under

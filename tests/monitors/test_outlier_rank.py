@@ -192,3 +192,59 @@ def test_a_huge_or_negative_rank_costs_no_table_and_counts_as_none():
         det.observe(StepRecord(step=step, values={}, ranks={"act_max/a": 10**9 if step % 2 else 1, "act_max/b": -1}))
     assert "act_max/b" not in det.state_dict()["seen"]
     assert det.state_dict()["max_rank"] == 10**9
+
+
+def _reduced_run(per_rank, steps: int = 120) -> list[Finding]:
+    """Rank vectors reduced as the run controller and thermowatch.watch reduce them (Reducer,
+    which the collective path equals bit for bit: tests/trainer/test_collective.py), then judged
+    by a default bank's outlier-rank detector, step by step."""
+    from thermowatch.monitors.reduce import Reducer
+
+    names = ["act_max/blocks.0", "act_min/blocks.0", "attn_entropy_min/blocks.0.attn", "grad_norm"]
+    red, det = Reducer(names), OutlierRankDetector()
+    rng = np.random.default_rng(0)
+    found = []
+    for step in range(1, steps + 1):
+        vals = per_rank(rng, step)
+        row, ranks = red(vals)
+        found += det.observe(StepRecord(step=step, values=dict(zip(names, row.tolist())), ranks=ranks))
+    return found
+
+
+def _healthy(rng, step, world=2):
+    """Two healthy data-parallel ranks: different samples, so different extremes, the holder
+    wandering; attn_entropy_min read every 10th step (NaN on every rank in between, as the
+    thermometers leave a sampled group's off-steps); the global grad norm the same on both."""
+    vals = np.empty((world, 4))
+    vals[:, 0] = 5 + rng.standard_normal(world)
+    vals[:, 1] = -5 + rng.standard_normal(world)
+    vals[:, 2] = 1.8 + 0.02 * rng.standard_normal(world) if step % 10 == 0 else np.nan
+    vals[:, 3] = 0.7
+    return vals
+
+
+def test_a_figure_no_rank_measured_names_no_rank():
+    """Issue 35: a healthy 2-rank FSDP2 run was paged for outlier_rank on attn_entropy_min at
+    step 30: on its 9 unmeasured steps of 10 the figure was NaN on every rank, and NaN, which wins
+    a max or a min, named rank 0 each time. Ranks that agree (NaN included) name no rank now."""
+    assert _reduced_run(_healthy) == []
+
+
+def test_a_rank_far_out_of_line_is_still_found():
+    def rank1_hot(rng, step):  # rank 1's activations run 3x hotter from step 20 on: a sick device
+        vals = _healthy(rng, step)
+        if step >= 20:
+            vals[1, 0] *= 3
+        return vals
+
+    found = _reduced_run(rank1_hot)
+    assert [(f.module, f.evidence["rank"]) for f in found] == [("act_max/blocks.0", 1)], found
+
+    def rank1_nan(rng, step):  # rank 1 alone produces NaN: a disagreement, named
+        vals = _healthy(rng, step)
+        if step >= 20:
+            vals[1, 1] = np.nan
+        return vals
+
+    found = _reduced_run(rank1_nan)
+    assert [(f.module, f.evidence["rank"]) for f in found] == [("act_min/blocks.0", 1)], found

@@ -37,7 +37,8 @@ def _cases(world: int) -> list[np.ndarray]:
     nan[one, 0] = np.nan  # a mean with a NaN rank: NaN
     nan[world - 1, 3] = nan[one, 3] = np.nan  # max: NaN, the first NaN rank named
     nan[world - 1, 4] = np.nan  # min: NaN beats every number
-    nan[:, 5] = np.nan  # NaN on every rank: still named (rank 0), as numpy's argmax does
+    nan[:, 5] = np.nan  # NaN on every rank (a sampled thermometer's off-step): they agree, no rank named
+    nan[:, 6] = np.nan  # the same for a min metric
     nan[0, 2], nan[world - 1, 2] = np.inf, -np.inf
     nan[0, 7], nan[world - 1, 7] = np.inf, -np.inf  # inf + -inf: NaN
     out.append(nan)
@@ -86,6 +87,8 @@ def test_collective_reduction_equals_the_driver_reduction_bit_for_bit(tmp_path, 
         assert values[~nan].tobytes() == want_values[~nan].tobytes(), (i, values, want_values)
     if world > 1:  # the cases really exercise outliers and NaN
         assert red.unpack(packed[0][3])[1]["act_max/blocks.0"] == 1
+        assert red.unpack(packed[0][3])[1]["act_min/blocks.0"] == world - 1  # NaN on one rank: named
+        assert not {"attn_logit_max/blocks.0.attn", "attn_entropy_min/blocks.0.attn"} & set(red.unpack(packed[0][3])[1])
         assert red.unpack(packed[0][2])[1] and not red.unpack(packed[0][1])[1]
 
 
