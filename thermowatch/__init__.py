@@ -35,6 +35,12 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
+def __dir__() -> list[str]:
+    # The public names are imported on first use, so they are not in this module's namespace
+    # until then: dir(thermowatch) listed none of them (issue 35).
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str):
     if name in _PUBLIC:
         import importlib

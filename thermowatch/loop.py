@@ -84,7 +84,12 @@ FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (o
 
 
 class Watch(Directed):
-    """One protected training loop. Build it with `thermowatch.watch(...)`."""
+    """One protected training loop. Build it with `thermowatch.watch(...)`.
+
+    Read during or after the loop: `step` (the last step trained), `attempt`, `final_loss` (the
+    loss of the last step recorded: one step's, not a mean, as the run's finish report and
+    `thermowatch status` carry it for every client, the bundled trainer's included; NaN before the
+    first step and when the run ended diverged), `lr_multiplier`, `probing`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
                  global_batch: int, server: str | None = None, token: str | None = None,

@@ -16,6 +16,9 @@ ATTN_MODES = ("lse", "exact", "flex")
 
 @dataclass
 class ThermometerConfig:
+    """What the thermometers measure and how often: each field, its default and what it does are
+    in docs/any-trainer.md ("What the thermometers measure"), and in the comment above it here."""
+
     # Modules whose output gets act_max/act_min, by qualified-name regex (re.search) ...
     act_patterns: tuple[str, ...] = (
         r"(^|\.)embed_norm$",  # YaLM's LayerNorm after the embeddings

@@ -25,6 +25,36 @@ def test_the_page_has_its_examples():
     assert len(EXAMPLES) == 5 and all("import thermowatch" in e for e in EXAMPLES)
 
 
+def test_dir_lists_the_public_names_and_each_resolves():
+    """Issue 35: dir(thermowatch) listed no public name (they are imported on first use)."""
+    import thermowatch
+
+    assert {"watch", "Run", "ThermometerConfig", "Ack", "StepRecord", "PreciseSkip"} <= set(thermowatch.__all__)
+    assert set(thermowatch.__all__) <= set(dir(thermowatch))
+    for name in thermowatch.__all__:
+        assert getattr(thermowatch, name) is not None
+    # every name the docs import from thermowatch is public
+    used = set(re.findall(r"\bthermowatch\.([A-Za-z_]\w*)\b", DOC.read_text()))
+    used |= {n.strip() for line in re.findall(r"from thermowatch import ([\w, ]+)", DOC.read_text()) for n in line.split(",")}
+    modules = {"integrations", "supervisor", "monitors", "trainer", "protocol"}
+    assert used - modules <= set(thermowatch.__all__), used - modules - set(thermowatch.__all__)
+
+
+def test_every_thermometer_config_field_is_in_the_table_with_its_default():
+    """Issue 35: ThermometerConfig's fields had no docs a user reads (only comments in its source)."""
+    import dataclasses
+
+    from thermowatch.monitors.thermometers import ThermometerConfig
+
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", DOC.read_text().split("## What the thermometers measure")[1],
+                           re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(ThermometerConfig)}
+    assert list(rows) == list(fields)
+    for name, default in fields.items():
+        if isinstance(default, (bool, int, str)) or default is None:  # a tuple's default is told in words
+            assert rows[name] == f"`{default!r}`".replace("'", '"'), (name, rows[name])
+
+
 def _run(code: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     # As a user runs the script: no THERMOWATCH_ settings, and none of the torch.distributed
     # rendezvous variables an earlier test's in-process Trainer or process group left in this

@@ -227,4 +227,6 @@ class Adapter:
 
     @property
     def final_loss(self) -> float:
+        """The loss of the last step recorded (one step's, not a mean: the value the run's finish
+        report carries); NaN before training and when it ended diverged."""
         return math.nan if self.watch is None else self.watch.final_loss
