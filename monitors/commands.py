@@ -408,11 +408,36 @@ def _no_args(kind: CommandKind):
     return NoArgs
 
 
-Pause = _no_args(CommandKind.PAUSE)
+MAX_PAUSE_REASON = 2000  # characters: the policy's reasons for a pause, or a person's words
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Wait between two steps until a resume, a rollback or a stop. `reason`: why, in the words the
+    policy or the person who paused gave; the paused loop prints it with the commands that end the
+    pause (issue 35: paused loops printed nothing and waited until someone happened to look)."""
+
+    kind: ClassVar[CommandKind] = CommandKind.PAUSE
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or len(self.reason) > MAX_PAUSE_REASON:
+            raise ContractError(f"pause: reason must be text of at most {MAX_PAUSE_REASON} characters, "
+                                f"got {str(self.reason)[:40]!r}{' ...' if len(str(self.reason)) > 40 else ''}")
+
+    def to_args(self) -> dict[str, Any]:
+        return {"reason": self.reason} if self.reason else {}
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "Pause":
+        o = _only("pause", args or {}, {"reason"})
+        return cls(_opt_str("pause", "reason", o.get("reason")) or "")
+
+
 Resume = _no_args(CommandKind.RESUME)
 Stop = _no_args(CommandKind.STOP)
 
-CommandBody = Union[Rollback, Skip, SetLR, Profile, Any]  # Pause, Resume, Stop: built by _no_args
+CommandBody = Union[Rollback, Skip, SetLR, Profile, Pause, Any]  # Resume, Stop: built by _no_args
 COMMAND_TYPES: dict[CommandKind, Any] = {c.kind: c for c in (Rollback, Skip, SetLR, Profile, Pause, Resume, Stop)}
 
 

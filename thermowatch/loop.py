@@ -18,7 +18,10 @@ Every command is carried out here, on the training thread, between two steps:
 - set_lr: an absolute multiplier on the user's schedule from the next step: applied around
   `optimizer.step()` (a pre- and post-hook), so the scheduler itself never sees it and a
   chainable scheduler (ExponentialLR) does not compound it.
-- pause / resume / stop: `steps()` blocks while paused and ends on stop.
+- pause / resume / stop: `steps()` blocks while paused and ends on stop; a rollback ends a pause.
+  A pause says so on stderr and the `thermowatch` logger, with the reason it was given and the
+  commands that end it, and repeats a short line every few minutes while it waits
+  (thermowatch/paused.py).
 - precise skip (opt-in, `precise_skip=True`, thermowatch/precise_skip.py): a rollback that skips
   samples first re-trains from its checkpoint in halves to find the offending ones; `steps()`
   yields the probes' steps (the user's loop trains them as any step; nothing of them is sent or
@@ -67,7 +70,8 @@ from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
-from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed
+from thermowatch.paused import PauseNotice
+from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed, resumed_by_rollback
 from thermowatch.ranks import Ranks, rng_state, set_rng_state
 from thermowatch.run import Run
 
@@ -127,7 +131,8 @@ class Watch(Directed):
         self.cursor = 0  # the next absolute sample id to consider
         self.ledger = SkipLedger()
         self.lr_changes: list[LRChange] = []
-        self.directive = Directive.RUN  # set only in _obey, from the Outcome a command returns
+        self.directive = Directive.RUN  # set only in _direct, from the Outcome a command returns
+        self.pause_notice = PauseNotice(run)  # a pause says why and what ends it (rank 0; issue 35)
         self.final_loss = math.nan
         self._ids: np.ndarray | None = None
         self._ids_step = 0
@@ -179,6 +184,7 @@ class Watch(Directed):
             if self._probing is not None:  # a rollback that bisects before it resumes: probes first
                 continue
             while self.paused and not self.stopped:
+                self.pause_notice.tick()
                 time.sleep(min(self.run.poll_interval_s, 0.2))
                 self._obey()
             if self.stopped or self.step >= self.total:
@@ -378,7 +384,7 @@ class Watch(Directed):
             try:
                 out = self._carry_out(cmd)
                 if out.directive is not None:
-                    self.directive = out.directive
+                    self._direct(cmd, out.directive, out.detail)
             except _Refused as exc:
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
@@ -388,6 +394,17 @@ class Watch(Directed):
                 self._waiting = cmds[i + 1:]
                 return
             self._answer(cmd, out, error)
+
+    def _direct(self, cmd: Command, directive: Directive, detail: str) -> None:
+        """The loop's next Directive; a pause that begins or ends says so on rank 0, with the
+        reason it was given and the commands that end it (thermowatch/paused.py)."""
+        was, self.directive = self.directive, directive
+        if self.dist.rank != 0 or (was is Directive.PAUSE) == (directive is Directive.PAUSE):
+            return
+        if directive is Directive.PAUSE:
+            self.pause_notice.paused(self.step + 1, getattr(cmd.body, "reason", ""), self._checkpoints())
+        else:
+            self.pause_notice.ended(detail)
 
     def _answer(self, cmd: Command, out: Outcome | None, error: str | None) -> None:
         ack = ack_for(cmd, out, error, first_step=self.step + 1, lr_changes=self.lr_changes,
@@ -459,7 +476,8 @@ class Watch(Directed):
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip and not precise else "")
                   + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
         out = Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
-                      lr_seq=seq, skipped=() if precise else cmd.skip)
+                      lr_seq=seq, skipped=() if precise else cmd.skip,
+                      directive=resumed_by_rollback(self.directive))  # it ends a pause (issue 35)
         if precise:
             healthy = [v for s, v in self._losses if s <= loaded]
             budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))

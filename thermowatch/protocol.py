@@ -166,6 +166,13 @@ def directed(current: Directive, body: Any, step: int) -> Outcome:
     raise TypeError(f"not a pause, resume or stop: {type(body).__name__}")
 
 
+def resumed_by_rollback(current: Directive) -> Directive | None:
+    """The Directive after a rollback carried out: a rollback ends a pause (training goes on from
+    the checkpoint it loaded: docs/any-trainer.md; issue 35, an acked manual rollback left the loop
+    paused until a resume); a stopped loop stays stopped, a running one runs. None: unchanged."""
+    return Directive.RUN if current is Directive.PAUSE else None
+
+
 @dataclass
 class Outcome:
     """What carrying a command out did: `detail` for people, the rest for the ack's fields, and

@@ -60,6 +60,7 @@ from thermowatch.trainer.lifecycle import (
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.monitors.reduce import Reducer
+from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CommandBook, Directed, Directive, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Applied, Obey, Transition
@@ -128,6 +129,7 @@ class RunController(Directed):
         # What the operator's commands ask (run, pause, stop): set only in transition(), from
         # the Transition a handler returns; `paused` and `stopped` read it.
         self.directive = Directive.RUN
+        self.pause_notice = PauseNotice(config.run_id)  # a pause says why and what ends it (issue 35)
         self.state: ControllerState = Initializing()
         self.states: list[ControllerState] = [self.state]  # every state entered, in order
         self.result = RunResult(config.run_id, 0, math.nan, -1, [], 0, False)
@@ -449,6 +451,7 @@ class RunController(Directed):
                 return
             if not isinstance(self.state, Paused):
                 self._enter(Paused(self.attempt, self.step))
+            self.pause_notice.tick()
             self._send_now()
             time.sleep(self.cfg.poll_every_s)
 
@@ -483,8 +486,13 @@ class RunController(Directed):
         return Applied(change, seq)
 
     def _apply(self, cmd: Command) -> None:
+        was = self.directive
         ack = self.obey.apply(cmd, self._restart, _GANG_FAILURES)
         self.result.acks.append(ack)
+        if was is not Directive.PAUSE and self.paused:  # says why and what ends it (thermowatch/paused.py)
+            self.pause_notice.paused(self.step + 1, getattr(cmd.body, "reason", ""), self.store.steps())
+        elif was is Directive.PAUSE and not self.paused:
+            self.pause_notice.ended(ack.detail)
         try:
             self.commands.ack(self.cfg.run_id, ack)
         except Exception as exc:  # the supervisor re-sends it after its ack timeout; we answer again

@@ -37,7 +37,7 @@ from thermowatch.monitors.contract import (
     Skip,
     Stop,
 )
-from thermowatch.protocol import CheckpointRef, CommandBook, Directive, Outcome, ack_for, directed
+from thermowatch.protocol import CheckpointRef, CommandBook, Directive, Outcome, ack_for, directed, resumed_by_rollback
 from thermowatch.trainer.checkpoint import CheckpointStorage
 from thermowatch.trainer.config import TrainConfig
 from thermowatch.trainer.data import SkipLedger
@@ -182,7 +182,7 @@ class Obey:
             raise Refused(f"no valid healthy checkpoint at or before step {cmd.to_step} ({why}); nothing to roll back to")
         return Transition(f"rollback to step {ckpt.step}{_without(exclude, cmd)} (command)", skip=cmd.skip,
                           lr=cmd.lr, lr_from=ckpt.step + 1, restart_from=ckpt, exclude=tuple(exclude),
-                          rollback=cmd, why=why)
+                          rollback=cmd, why=why, directive=resumed_by_rollback(ctl.directive))  # ends a pause
 
     def why_not(self, step: int) -> str:
         """Why checkpoint `step` is not the one loaded, in words for the ack."""

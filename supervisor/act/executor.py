@@ -28,7 +28,7 @@ from typing import Any, Callable
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from thermowatch.monitors.commands import FINAL_STATES
+from thermowatch.monitors.commands import FINAL_STATES, MAX_PAUSE_REASON
 from thermowatch.monitors.contract import (
     Ack,
     Command,
@@ -129,7 +129,7 @@ class Executor:
         except ContractError as exc:  # never write a command the trainer could not carry out
             log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.kind.value, exc)
             reasons.append(f"the decision is not a valid command ({exc}); pausing for a human instead")
-            body = Pause()
+            body = Pause(pause_reason("; ".join(reasons)))
         if fin is not None:  # the judge caught up after the run's last step: nothing to act on
             reasons.append(f"the run had finished ({fin.reason.value} at step {fin.step}): no action written")
         if body is not None:
@@ -179,8 +179,8 @@ class Executor:
                             exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
         if decision.kind is DecisionKind.LOWER_LR:
             return lr
-        if decision.kind is DecisionKind.PAUSE:
-            return Pause()
+        if decision.kind is DecisionKind.PAUSE:  # the paused loop prints why (issue 35)
+            return Pause(pause_reason("; ".join(decision.reasons)))
         return None
 
     def submit(self, run_id: str, kind: str, args: dict[str, Any], who: str, reason: str) -> int:
@@ -197,6 +197,8 @@ class Executor:
             if fin is not None:
                 raise Conflict(ended_words(run_id, fin))
             args = feasibility.resolve_relative(s, run_id, args or {})
+            if kind == CommandKind.PAUSE.value and not args.get("reason"):  # what the paused loop prints
+                args = {**args, "reason": pause_reason(f"paused by {who}" + (f": {reason}" if reason else ""))}
             try:
                 body = parse_command(kind, args)
             except ContractError as exc:
@@ -555,6 +557,11 @@ class Executor:
 
     def close(self) -> None:
         self.outbox.close()
+
+
+def pause_reason(text: str) -> str:
+    """A pause's reason as the command carries it (contract.Pause, at most MAX_PAUSE_REASON)."""
+    return text if len(text) <= MAX_PAUSE_REASON else text[:MAX_PAUSE_REASON - 4] + " ..."
 
 
 def _thread(action_id: int, incident_id: int | None) -> str | None:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thermowatch.monitors.contract import Pause, Resume, SampleRange, Skip, Stop
-from thermowatch.protocol import Directive, directed
+from thermowatch.protocol import Directive, directed, resumed_by_rollback
 
 BODIES = {"pause": Pause(), "resume": Resume(), "stop": Stop()}
 
@@ -39,3 +39,9 @@ def test_the_acks_say_where_the_loop_is():
 def test_other_commands_are_not_directives():
     with pytest.raises(TypeError, match="not a pause, resume or stop: Skip"):
         directed(Directive.RUN, Skip((SampleRange(0, 8),)), 3)
+
+
+def test_a_rollback_ends_a_pause_and_leaves_a_stop_or_a_run_alone():
+    """Issue 35: an acked manual rollback did not end a pause, contrary to docs/any-trainer.md."""
+    assert resumed_by_rollback(Directive.PAUSE) is Directive.RUN
+    assert resumed_by_rollback(Directive.STOP) is None and resumed_by_rollback(Directive.RUN) is None

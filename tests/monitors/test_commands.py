@@ -29,7 +29,7 @@ from thermowatch.monitors.contract import (
     parse_command,
 )
 
-BODIES = [Pause(), Stop(), Profile(3, "/tmp/p"), Skip((SampleRange(0, 10), SampleRange(20, 30))),
+BODIES = [Pause(), Pause("no healthy checkpoint before the onset at step 30"), Stop(), Profile(3, "/tmp/p"), Skip((SampleRange(0, 10), SampleRange(20, 30))),
           SetLR(0.25, 100, 10, factor=0.5, base=0.5),
           Rollback(30, exact=True, skip=(SampleRange(5, 9),), lr=SetLR(0.5), checkpoint="/c/step_30")]
 
@@ -53,6 +53,8 @@ def test_commands_round_trip_through_json(body):
     ("rollback", {"to_step": 2**63}, "to_step"),
     ("rollback", {"to_step": 3, "exact": "yes"}, "exact"),
     ("pause", {"now": True}, "unknown field"),
+    ("pause", {"reason": 7}, "reason must be a string"),  # issue 35: a paused loop prints it
+    ("pause", {"reason": "x" * 2001}, "at most 2000 characters"),
     ("profile", {"steps": 0}, "steps"),
     # issue 21: whatever came was str()'d or taken for 0; the OpenAPI says string or null, integer
     ("rollback", {"to_step": 3, "exclude_node": {}}, "exclude_node must be a string"),

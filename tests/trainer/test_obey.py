@@ -86,6 +86,18 @@ def test_pause_resume_stop_change_the_loop_only_through_transition(ctl):
     assert again.detail == "resumed" and ctl.directive is Directive.STOP
 
 
+def test_a_rollback_ends_a_pause_and_never_a_stop(ctl):
+    """Issue 35: an acked manual rollback left the loop paused until a resume, though the docs say
+    it ends the pause. Its Transition now sets the loop running; a stopped loop stays stopped."""
+    rollback = ctl.obey.handlers[Rollback]
+    assert rollback(Rollback(to_step=20)).directive is None  # running: unchanged
+    ctl.obey.apply(Command(id=1, body=Pause("look")), lambda exc: None, ())
+    assert ctl.paused
+    assert rollback(Rollback(to_step=20)).directive is Directive.RUN
+    ctl.obey.apply(Command(id=2, body=Stop()), lambda exc: None, ())
+    assert rollback(Rollback(to_step=20)).directive is None and ctl.stopped
+
+
 def test_a_refused_rollback_is_a_refused_ack_and_the_ledger_is_untouched(ctl):
     cmd = Command(id=7, body=Rollback(to_step=5, skip=(SampleRange(0, 8),)))
     ack = ctl.obey.apply(cmd, lambda exc: None, ())
