@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterable, Sequence
 from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, LRChange, RunFinished, RunInfo, StepRecord
 from thermowatch.monitors.names import check_run_id
 from thermowatch.monitors.settings import check_number
+from thermowatch import carried_out
+from thermowatch.paused import say
 from thermowatch.protocol import CommandBook, next_attempt
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,9 @@ class Run:
         self.book.record(ack, command, lr_changes=lr_changes, skip_ranges=skip_ranges)
         self._handed.pop(ack.command_id, None)  # the book answers it from now on
         self._submit(lambda: self._send_ack(ack))
+        told = carried_out.line(self.run_id, ack, command)  # the trainer's own output says it (issue 35)
+        if told is not None:
+            say(told, carried_out.log)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until everything queued so far has been handed over (tests, shutdown)."""
