@@ -9,7 +9,8 @@ scope unless the config says `public_read: true` (supervisor.serve.guard).
                                                         attempt: the newest attempt's number, attempts: how many
     GET /api/runs/{run_id}?attempts_limit=&attempts_before=
                                                     -> {"run_id", "created_at", "config", "last_step",
-                                                        "attempts", "attempts_total", "next_attempts_before",
+                                                        "attempt" (the newest attempt's number), "attempts",
+                                                        "attempts_total", "next_attempts_before",
                                                         "checkpoints", "skip_ranges", "lr_changes"}: a page of
                                                         attempts, the newest attempts_limit (1..1000, default
                                                         100) numbered below attempts_before (default: all),
