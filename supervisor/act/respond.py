@@ -334,8 +334,9 @@ class Responder:
 
 
 def _paused(rows: Sequence[actions_store.ActionRow]) -> bool:
-    """The newest pause or resume the trainer carried out was a pause (rows: newest first)."""
-    done = next((a for a in rows if a.kind in ("pause", "resume") and a.state in ("acked", "done")), None)
+    """The newest pause, resume, rollback or stop the trainer carried out was a pause (rows: newest
+    first; a rollback ends a pause: issue 35)."""
+    done = next((a for a in rows if a.kind in actions_store.DIRECTING and a.state in ("acked", "done")), None)
     return done is not None and done.kind == "pause"
 
 

@@ -36,6 +36,7 @@ _NUMBERS: dict[str, dict[str, Any]] = {
     "command_expiry_s": dict(lo=0, lo_open=True),
     "redeliver_s": dict(lo=0, lo_open=True),  # seconds before a sent, unacknowledged command goes out again
     "max_body_bytes": dict(lo=1, integer=True),  # an ingest body; 413 above it
+    "pause_repage_s": dict(lo=0, lo_open=True),  # seconds a run waits paused before it pages again
 }
 
 
@@ -112,6 +113,12 @@ class SupervisorConfig:
     # An open command of a run that has not polled for this long expires (it could never be
     # carried out; `--wait` returns); a finished run's commands expire at once.
     command_expiry_s: float = 900.0
+    # A run paused (by the policy or a person) for this long pages again, then once per this long
+    # until it is resumed, rolled back, stopped or finished (supervisor.app.jobs.pause_repage; issue
+    # 35: a paused run waited 9 minutes until someone happened to look). Half an hour: whoever is
+    # already on it is not paged over and over; whoever missed the first page hears again while
+    # the idle cluster has cost little.
+    pause_repage_s: float = 1800.0
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
     # The daemon's detectors run in a process of their own (supervisor.judge.bank_process), so judging
     # never competes with storing for the interpreter lock; false: a thread in the daemon's process.

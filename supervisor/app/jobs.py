@@ -8,6 +8,7 @@ checkpoint scan   recorded checkpoints whose files vanished are marked deleted, 
 daily digest      one message a day: steps, incidents, actions per run active that day
 peer envelope     a run active today (of the 200 newest) whose loss is behind the runs of its
                   model config that trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
+pause re-page     a run paused for longer than pause_repage_s -> a CRITICAL page again, once per interval
 
 Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
 made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +33,7 @@ from thermowatch.monitors.names import printable
 from thermowatch.supervisor.notify.base import Alert
 from thermowatch.supervisor.app.scheduler import Job
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import peers as peers_store
@@ -64,6 +67,7 @@ def default_jobs(sup: Daemon) -> list[Job]:
         Job("checkpoint_scan", lambda: checkpoint_scan(sup), every_s=900.0, jitter=30.0),
         Job("daily_digest", lambda: daily_digest(sup), every_s=86400.0),
         Job("peer_envelope", lambda: peer_envelope(sup), every_s=300.0, jitter=30.0),
+        Job("pause_repage", lambda: pause_repage(sup), every_s=min(60.0, sup.cfg.pause_repage_s / 2), jitter=5.0),
     ]
 
 
@@ -182,3 +186,57 @@ def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConf
     for rid, finding, attempt in found:
         sup.responder.handle(rid, finding, attempt)
     return [(rid, f) for rid, f, _ in found]
+
+
+REPAGED = "repaged"  # the audit event of a re-page: its pause's action id and when (the job's clock)
+
+
+def pause_repage(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
+    """Page again for each run paused (by the policy or a person) for longer than `pause_repage_s`,
+    at most once per that interval per pause, with the reason and the commands that end it (issue
+    35: a paused run waited 9 minutes until someone happened to look; the pause's first page is
+    easy to miss). Not a run that was resumed, rolled back or stopped since (it is not paused:
+    actions_store.paused_runs), whose newest attempt said it finished, or that was relaunched since
+    the pause (a new attempt: a loop does not keep a pause across a restart). Each re-page is an
+    audit row, so a restarted daemon keeps the interval."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    every = dt.timedelta(seconds=sup.cfg.pause_repage_s)
+    with sup.sessions() as s:
+        waiting = [p for p in actions_store.paused_runs(s) if now - p.updated_at >= every]
+    sent = []
+    for pause in waiting:
+        try:
+            with sup.sessions.begin() as s:
+                newest = runs_store.latest_attempt(s, pause.run_id)
+                if newest is None or newest.finished is not None or newest.started_at > pause.updated_at:
+                    continue
+                last = next((e for e in audit_store.events(s, pause.run_id, REPAGED, limit=100)
+                             if e.detail.get("action_id") == pause.id), None)
+                if last is not None and now - dt.datetime.fromisoformat(last.detail["at"]) < every:
+                    continue
+                alert = _repage(pause, now - pause.updated_at)
+                sup.executor.outbox.enqueue(s, alert)  # in order, retried, recorded, like every alert
+                audit_store.audit(s, pause.run_id, "scheduler", REPAGED, {
+                    "action_id": pause.id, "at": now.isoformat(),
+                    "paused_s": round((now - pause.updated_at).total_seconds())})
+            sent.append(alert)
+        except Exception:  # noqa: BLE001 - one bad run must not stop the others
+            log.exception("re-paging the pause of run %s failed", pause.run_id)
+    if sent:
+        sup.executor.flush_alerts()
+    return sent
+
+
+def _repage(pause: actions_store.ActionRow, waited: dt.timedelta) -> Alert:
+    run = shlex.quote(pause.run_id)
+    minutes = int(waited.total_seconds() // 60)
+    took = f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+    why = pause.args.get("reason") or pause.reason or "(no reason given)"
+    return Alert(
+        run_id=pause.run_id, severity=Severity.CRITICAL, broadcast=True,
+        title=f"{printable(pause.run_id)}: still paused after {took}, waiting for a person (action {pause.id})",
+        text=f"paused before step {pause.ack_step} by {printable(pause.who)}: {printable(why)}",
+        fields={"paused before step": pause.ack_step, "paused for": took, "paused by": pause.who},
+        incident_id=pause.incident_id, thread=None if pause.incident_id is not None else f"action:{pause.id}",
+        commands=(f"thermowatch resume {run}", f"thermowatch rollback {run} --to-step N", f"thermowatch stop {run}"),
+        status=f"paused for {took}: waiting for a person")

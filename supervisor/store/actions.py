@@ -13,7 +13,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.commands import ACTION_STATES, ACTION_TRANSITIONS, OPEN_STATES
@@ -21,6 +21,10 @@ from thermowatch.monitors.commands import json_safe
 from thermowatch.supervisor.store.orm import Action, utcnow
 
 ORIGINS = ("auto", "manual")
+# The commands that move a loop between training, waiting and ending (thermowatch.protocol's
+# Directive): a pause, and what ends one, a resume, a rollback (issue 35) or a stop. A run is
+# paused while the newest of them the trainer carried out is a pause.
+DIRECTING = ("pause", "resume", "rollback", "stop")
 
 
 class ActionStateError(ValueError):
@@ -148,3 +152,13 @@ def last_done(session: Session, run_id: str, kinds: Sequence[str]) -> ActionRow 
          .order_by(Action.id.desc()).limit(1))
     row = session.execute(q).scalars().first()
     return _row(row) if row is not None else None
+
+
+def paused_runs(session: Session) -> list[ActionRow]:
+    """The pause each paused run waits on (its row: who, why, when it was acknowledged): every run
+    whose newest acknowledged pause, resume, rollback or stop (DIRECTING) is a pause, in one query."""
+    newest = (select(func.max(Action.id).label("id"))
+              .where(Action.state.in_(("acked", "done")), Action.kind.in_(DIRECTING))
+              .group_by(Action.run_id).subquery())
+    q = select(Action).join(newest, Action.id == newest.c.id).where(Action.kind == "pause").order_by(Action.id)
+    return [_row(a) for a in session.execute(q).scalars()]

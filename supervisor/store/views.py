@@ -224,7 +224,7 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
     """What the on-call engineer asks first (issue 12): is it running, where is it, what waits
     for me. The state follows what the daemon knows, in this order: the newest attempt said it
     finished (contract.RunFinished, issue 22 item 9), a done `stop`, or the configured step count
-    reached -> finished; the last done pause/resume a pause -> paused; an
+    reached -> finished; the last done pause, resume or rollback a pause -> paused; an
     open stall incident, or no record for `stall_after_s` (the stall detector's timeout) ->
     stalled; no step yet -> starting; else running."""
     run = require_run(s, run_id)
@@ -237,7 +237,7 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
     waiting = [a for a in actions_store.pending_actions(s, run_id, include_unapproved=True) if a.requires_approval]
     planned = run.config.get("steps") if isinstance(run.config, dict) else None
     stop = actions_store.last_done(s, run_id, ["stop"])
-    toggle = actions_store.last_done(s, run_id, ["pause", "resume"])
+    toggle = actions_store.last_done(s, run_id, actions_store.DIRECTING)  # a rollback ends a pause too
     newest = runs_store.latest_attempt(s, run_id)
     finished = newest.finished if newest is not None else None
     if finished is not None:
@@ -246,7 +246,8 @@ def run_status(s: Session, run_id: str, *, stall_after_s: float, now: dt.datetim
         state, why = "finished", f"stopped by action {stop.id} at step {stop.ack_step}"
     elif isinstance(planned, int) and last_step is not None and last_step >= planned:
         state, why = "finished", f"step {last_step} of {planned} reached"
-    elif toggle is not None and toggle.kind == "pause":
+    elif toggle is not None and toggle.kind == "pause" and (newest is None or newest.started_at <= toggle.updated_at):
+        # (a relaunch since the pause trains: a loop does not keep a pause across a restart)
         state, why = "paused", f"paused by action {toggle.id} ({toggle.who}) at step {toggle.ack_step}"
     elif any(i.signal == "stall" for i in open_inc):
         state, why = "stalled", "an open stall incident"

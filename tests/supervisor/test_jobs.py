@@ -236,3 +236,102 @@ def test_stall_check_job_uses_the_supervisors_clock(sup, clock, stream):
     clock.now = healthy_records()[10].wall_time + 61.0
     assert [f.detect_step for f in by_name["stall_check"].fn()] == [11]
     assert math.isfinite(clock.now)
+
+
+# --- pause re-page (issue 35, item 3: a paused run waited until someone happened to look) -----------
+
+
+def _carry_out(sup, kind: str, args: dict | None = None, who: str = "ana", reason: str = "") -> int:
+    """`kind` submitted as a person would, delivered and acknowledged as the trainer does."""
+    from thermowatch.protocol import Directive, Outcome, ack_for
+
+    action_id = sup.executor.submit(RUN, kind, args or {}, who, reason)
+    cmd = next(c for c in sup.poll(RUN) if c.id == action_id)
+    out = {"pause": Outcome("paused before step 31", directive=Directive.PAUSE),
+           "resume": Outcome("resumed", directive=Directive.RUN),
+           "stop": Outcome("stopping after step 30", directive=Directive.STOP)}.get(kind)
+    if kind == "rollback":
+        from thermowatch.protocol import CheckpointRef
+
+        out = Outcome("rolled back to checkpoint 20", checkpoint=CheckpointRef(20, "/c/step_20"),
+                      directive=Directive.RUN)
+    sup.ack(RUN, ack_for(cmd, out, None, first_step=31 if kind != "rollback" else 21, lr_changes=[], skip_ranges=[]))
+    return action_id
+
+
+def _after(minutes: float):
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=minutes)
+
+
+def test_a_pause_pages_again_once_per_pause_repage_s_with_the_reason_and_the_commands(sup, stream):
+    assert sup.cfg.pause_repage_s == 1800.0  # the default: half an hour
+    sup.write(RUN, 0, healthy_records()[:30])
+    pause = _carry_out(sup, "pause", reason="the loss looks odd")
+    assert jobs.pause_repage(sup, now=_after(29)) == []  # not yet
+    sent = jobs.pause_repage(sup, now=_after(31))
+    assert [(a.severity.value, a.broadcast) for a in sent] == [("critical", True)]
+    page = sent[0]
+    assert page.title.startswith(f"{RUN}: still paused after 3") and f"(action {pause})" in page.title
+    assert page.text == "paused before step 31 by ana: paused by ana: the loss looks odd"
+    assert page.commands == (f"thermowatch resume {RUN}", f"thermowatch rollback {RUN} --to-step N",
+                             f"thermowatch stop {RUN}")
+    assert sup.executor.outbox.drain(30)
+    assert "still paused after" in stream.getvalue() and f"thermowatch resume {RUN}" in stream.getvalue()
+    # at most once per interval, counted from the last page (kept in the audit trail)
+    assert jobs.pause_repage(sup, now=_after(45)) == []
+    assert len(jobs.pause_repage(sup, now=_after(62))) == 1
+    assert jobs.pause_repage(sup, now=_after(62)) == []
+    with sup.sessions() as s:
+        from thermowatch.supervisor.store import audit as audit_store
+
+        rows = audit_store.events(s, RUN, jobs.REPAGED)
+    assert [r.detail["action_id"] for r in rows] == [pause, pause]
+    # resumed: never again
+    _carry_out(sup, "resume")
+    assert jobs.pause_repage(sup, now=_after(24 * 60)) == []
+
+
+@pytest.mark.parametrize("ends", ["resume", "rollback", "stop", "finished", "relaunched"])
+def test_a_run_no_longer_paused_is_not_paged_again(sup, ends):
+    from thermowatch.monitors.contract import FinishReason, RunFinished
+    from thermowatch.supervisor.store.views import run_status
+
+    recs = healthy_records()[:30]
+    sup.write(RUN, 0, recs)
+    sup.checkpoint_saved(RUN, 0, CheckpointInfo(20, "/c/step_20", 20 * 16, True, {}))
+    _carry_out(sup, "pause")
+    with sup.sessions() as s:
+        assert run_status(s, RUN, stall_after_s=1e9)["state"] == "paused"
+    if ends in ("resume", "rollback", "stop"):
+        _carry_out(sup, ends, {"to_step": 20} if ends == "rollback" else None)
+    elif ends == "finished":
+        sup.ingestor.finish_run(RUN, 0, RunFinished(30, 2.5, FinishReason.CLOSED))
+    else:  # the process was killed while paused and launched again: the new loop trains
+        sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=20))
+    assert jobs.pause_repage(sup, now=_after(31)) == []
+    with sup.sessions() as s:
+        state = run_status(s, RUN, stall_after_s=1e9)["state"]
+    assert state == ("finished" if ends in ("stop", "finished") else "running")
+
+
+def test_the_pause_repage_job_is_scheduled_and_pages_a_pause_the_policy_made(sup, stream):
+    by_name = {j.name: j for j in sup.jobs()}
+    assert by_name["pause_repage"].every_s == 60.0
+    sup.write(RUN, 0, healthy_records()[:30])
+    from thermowatch.monitors.contract import Finding, Outcome, Severity, Signal
+
+    # rung 3: a spike whose onset no checkpoint precedes; the trainer carries the pause out
+    sup.responder.handle(RUN, Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, onset_step=3, detect_step=30,
+                                      metric="loss", outcome=Outcome.ACT))
+    from thermowatch.protocol import Directive, Outcome as Done, ack_for
+
+    cmd = next(c for c in sup.poll(RUN) if c.kind.value == "pause")
+    assert "no healthy checkpoint before the onset at step 3" in cmd.body.reason
+    sup.ack(RUN, ack_for(cmd, Done("paused before step 31", directive=Directive.PAUSE), None, first_step=31,
+                         lr_changes=[], skip_ranges=[]))
+    assert by_name["pause_repage"].fn() == []  # just paused
+    sent = jobs.pause_repage(sup, now=_after(31))
+    assert len(sent) == 1 and "no healthy checkpoint before the onset at step 3" in sent[0].text
+    assert sent[0].incident_id is not None  # in the incident's thread, broadcast to the channel
