@@ -38,12 +38,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, LRChange, RunFinished, RunInfo, StepRecord
+from thermowatch.monitors.contract import (Ack, CheckpointInfo, Command, LRChange, Rollback, RunFinished, RunInfo,
+                                          SampleRange, SetLR, Skip, StepRecord, ledger_digest, merge_ranges,
+                                          multiplier_at)
 from thermowatch.monitors.names import check_run_id
 from thermowatch.monitors.settings import check_number
 from thermowatch import carried_out
 from thermowatch.paused import say
-from thermowatch.protocol import CommandBook, next_attempt
+from thermowatch.protocol import CheckpointRef, CommandBook, Outcome, ack_for, next_attempt
 
 log = logging.getLogger(__name__)
 IO_RESERVE_S = 0.5  # finish(): the I/O thread's waits end this long before close_timeout_s (see _stop)
@@ -188,6 +190,68 @@ class Run:
         told = carried_out.line(self.run_id, ack, command)  # the trainer's own output says it (issue 35)
         if told is not None:
             say(told, carried_out.log)
+
+    # --- carrying commands out: the ack built from what the command was (issue 35) ---------------
+    # A loop with its own checkpointing built its Acks by hand: the docs did not say what the ledger
+    # digest or lr_seq are, and an on-call's `thermowatch lr` crashed one with "ack: lr_change and
+    # lr_seq go together". `done` and `refuse` build every field from the command and the run's
+    # book of LR changes and skip ranges, which they keep: never an exception in the user's loop.
+
+    @property
+    def lr_changes(self) -> list[LRChange]:
+        """The LR changes carried out so far (absolute multipliers from a step), oldest first."""
+        return list(self.book.lr_changes)
+
+    @property
+    def skip_ranges(self) -> tuple[SampleRange, ...]:
+        """The sample ranges skipped so far, merged: pass over these ids when you index your data."""
+        return tuple(self.book.skip_ranges)
+
+    @property
+    def ledger_digest(self) -> str:
+        """The digest of `skip_ranges` a StepRecord carries (`ledger_digest=`): the supervisor compares
+        it with its own record of the skips it ordered, and a disagreement pages."""
+        return ledger_digest(self.book.skip_ranges)
+
+    def lr_multiplier(self, step: int) -> float:
+        """The multiplier on your schedule's LR at `step` (1.0 until a SetLR or a rollback changes it)."""
+        return multiplier_at(step, self.book.lr_changes)
+
+    def done(self, cmd: Command, first_step: int, *, checkpoint_step: int | None = None,
+             checkpoint_path: str | os.PathLike | None = None) -> Ack:
+        """Say `cmd` was carried out, `first_step` being the first step trained under it (after a
+        rollback to checkpoint T: T + 1). A Skip's ranges and a SetLR's (or a Rollback's) LR change
+        join this run's book (`skip_ranges`, `lr_changes`, `lr_multiplier`); a Rollback names the
+        checkpoint it loaded. Returns the Ack it sent."""
+        body = cmd.body
+        changes, skips = list(self.book.lr_changes), list(self.book.skip_ranges)
+        change = seq = None
+        lr = body if isinstance(body, SetLR) else getattr(body, "lr", None) if isinstance(body, Rollback) else None
+        if lr is not None:
+            change = lr.change(first_step)
+            changes.append(change)
+            seq = len(changes) - 1
+        ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
+        skips.extend(ranges)
+        if isinstance(body, Rollback) and checkpoint_step is None:
+            return self.refuse(cmd, first_step, "the loop did not say which checkpoint it loaded "
+                                                "(Run.done(cmd, first_step, checkpoint_step=..., checkpoint_path=...))")
+        ref = CheckpointRef(int(checkpoint_step), str(checkpoint_path or "")) if checkpoint_step is not None else None
+        out = Outcome(f"{cmd.kind.value} carried out", checkpoint=ref, lr_change=change, lr_seq=seq,
+                      skipped=tuple(ranges))
+        merged = merge_ranges(skips)
+        ack = ack_for(cmd, out, None, first_step=first_step, lr_changes=changes, skip_ranges=merged)
+        self.ack(ack, cmd, lr_changes=changes, skip_ranges=merged)
+        return ack
+
+    def refuse(self, cmd: Command, first_step: int, why: str) -> Ack:
+        """Say `cmd` was not carried out, and why (the supervisor fails its action and pages). The
+        run's book is unchanged. Returns the Ack it sent."""
+        changes, skips = list(self.book.lr_changes), list(self.book.skip_ranges)
+        ack = ack_for(cmd, None, why or f"{cmd.kind.value} refused", first_step=first_step, lr_changes=changes,
+                      skip_ranges=skips)
+        self.ack(ack, cmd, lr_changes=changes, skip_ranges=skips)
+        return ack
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until everything queued so far has been handed over (tests, shutdown)."""

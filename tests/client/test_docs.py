@@ -99,8 +99,14 @@ def test_each_example_runs_as_written(i, tmp_path):
                for it in range(20)]
         assert steps.tolist() == list(range(1, 21))
         assert peak == pytest.approx(np.maximum.accumulate(np.array(lrs)[::-1])[::-1])
-    elif i == 2:
-        assert runs == {"own-ckpt": 20}
+    elif i == 2:  # thermowatch.Run: its own checkpoints, thermometers and forecast
+        assert "run own-loop: step 30, attempt 1" in r.stdout, r.stdout
+        assert runs == {"own-loop": 30}
+        ckpts = sorted(s for (s,) in db.execute("SELECT step FROM checkpoints WHERE run_id = 'own-loop'"))
+        assert ckpts == [10, 20, 30] and len(list((tmp_path / "ckpt").glob("step_*.pt"))) == 3
+        keys = {k for (k,) in db.execute("SELECT metric FROM series")}
+        assert {"loss", "lr", "grad_norm", "lr_multiplier", "lr_peak_ahead"} <= keys, keys
+        assert db.execute("SELECT finish_reason FROM attempts WHERE run_id = 'own-loop'").fetchone() == ("completed",)
     else:  # the Hugging Face Trainer and Lightning adapters: the same run, checkpoints and finish
         run = "hf-run" if i == 3 else "pl-run"
         assert f"run {run}: step 20, attempt 1" in r.stdout, r.stdout
