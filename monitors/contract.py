@@ -347,7 +347,9 @@ class RunInfo:
     def from_json(cls, obj: Any) -> "RunInfo":
         if not isinstance(obj, Mapping):
             raise ContractError(f"run info must be a JSON object, got {type(obj).__name__}")
-        run_id = check_run_id(obj.get("run_id"))  # the daemon's own rule: the client refuses what it would
+        if "run_id" not in obj:
+            raise ContractError("missing field 'run_id'")
+        run_id = check_run_id(obj["run_id"])  # the daemon's own rule: the client refuses what it would
         config, hosts = obj.get("config"), obj.get("hosts")
         config = {} if config is None else config  # null: none given; any other non-object is refused below
         hosts = {} if hosts is None else hosts
