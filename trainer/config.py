@@ -75,11 +75,15 @@ class CheckpointConfig:
     every: int = 50  # steps between saves; 0 = never (tests, benchmarks)
     keep_last: int = 3  # retention: the newest K ...
     keep_every: int = 500  # ... plus every M-th step, so a healthy target stays behind an onset
+    # ... plus every checkpoint of the last N steps, older ones thinning with age: what a rollback
+    # asks for is kept whatever keep_last is (monitors/retention.py, issue 35). 0 = off.
+    keep_behind: int = 110
 
     def __post_init__(self) -> None:
         _positive_int("checkpoint", "every", self.every, minimum=0)
         _positive_int("checkpoint", "keep_last", self.keep_last)
         _positive_int("checkpoint", "keep_every", self.keep_every, minimum=0)
+        _positive_int("checkpoint", "keep_behind", self.keep_behind, minimum=0)
 
 
 @dataclass

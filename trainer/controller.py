@@ -111,7 +111,8 @@ class RunController(Directed):
         self._gang_factory = gang_factory
         root = Path(config.checkpoint.dir) / config.run_id
         c = config.checkpoint
-        self.store: CheckpointStorage = store or CheckpointStore(root, Retention(keep_last=c.keep_last, keep_every=c.keep_every))
+        retention = Retention(keep_last=c.keep_last, keep_every=c.keep_every, keep_behind=c.keep_behind)
+        self.store: CheckpointStorage = store or CheckpointStore(root, retention)
         self.deleted_steps: set[int] = set()  # what retention removed, reported as it happens
         self.store.on_deleted = self._deleted
         self.commands_state = CommandBook(self.store.root)

@@ -46,7 +46,7 @@ def test_a_full_then_read_only_checkpoint_volume_pages_and_the_run_trains_throug
     try:
         init_local_ray()
         cfg = tiny_config(tmp_path, run_id=run, steps=steps, optim={"warmup_steps": 2}, step_timeout_s=60.0,
-                          checkpoint={"every": 2, "keep_last": 2, "keep_every": 0})
+                          checkpoint={"every": 2, "keep_last": 2, "keep_every": 0, "keep_behind": 0})
         alerts = io.StringIO()
         sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url), notifier=ConsoleNotifier(alerts))
 
