@@ -33,43 +33,18 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from listing import drop_schema, fresh_url  # noqa: E402 (one way to make and drop a bench database)
 
-PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 RUN = "rollbacks"
 T0 = 1.79e9  # the steps' wall clock (unix seconds)
 # The read budget and gate off (supervisor.serve.api.reads): the bench reads back to back.
 UNBOUNDED_READS = {"max_reads_per_client_per_minute": 10**9, "max_reads_in_flight": 10**6}
-
-
-def fresh_url(kind: str, tmp: Path) -> tuple[str, str | None]:
-    """(url, PostgreSQL schema to drop after or None)."""
-    if kind == "sqlite":
-        return f"sqlite:///{tmp}/attempts-{uuid.uuid4().hex[:8]}.db", None
-    import sqlalchemy as sa
-
-    schema = f"tw_bench_attempts_{uuid.uuid4().hex[:8]}"
-    eng = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with eng.connect() as c:
-        c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    eng.dispose()
-    return f"{PG_URL}?options=-csearch_path%3D{schema}", schema
-
-
-def drop_schema(schema: str | None) -> None:
-    if schema is None:
-        return
-    import sqlalchemy as sa
-
-    eng = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with eng.connect() as c:
-        c.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-    eng.dispose()
 
 
 def supervisor(url: str, token: str):
@@ -207,7 +182,7 @@ def main() -> None:
     token = "tw_" + secrets.token_urlsafe(32)
     rows, seeds = [], {}
     for kind in (["sqlite", "postgres"] if args.db == "both" else [args.db]):
-        url, schema = fresh_url(kind, tmp)
+        url, schema = fresh_url(kind, tmp, "attempts")
         sup = supervisor(url, token)
         try:
             figures = {}

@@ -51,13 +51,13 @@ T0 = dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc)
 # --- the databases -------------------------------------------------------------------------------
 
 
-def fresh_url(kind: str, tmp: Path) -> tuple[str, str | None]:
-    """(url, PostgreSQL schema to drop after or None)."""
+def fresh_url(kind: str, tmp: Path, label: str = "listing") -> tuple[str, str | None]:
+    """(url, PostgreSQL schema to drop after or None); `label` names the file or schema (the bench)."""
     if kind == "sqlite":
-        return f"sqlite:///{tmp}/listing-{uuid.uuid4().hex[:8]}.db", None
+        return f"sqlite:///{tmp}/{label}-{uuid.uuid4().hex[:8]}.db", None
     import sqlalchemy as sa
 
-    schema = f"tw_bench_listing_{uuid.uuid4().hex[:8]}"
+    schema = f"tw_bench_{label}_{uuid.uuid4().hex[:8]}"
     eng = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
     with eng.connect() as c:
         c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))

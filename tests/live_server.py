@@ -57,3 +57,15 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: str | Path
             tail = Path(log).read_text()[-3000:] if log is not None and Path(log).exists() else ""
             raise AssertionError(f"{url}: the daemon {'exited' if gone else 'never answered /healthz'}:\n{tail}")
         time.sleep(0.1)
+
+
+def wait_until(pred, what: str, timeout_s: float = 30.0, every_s: float = 0.05):
+    """pred()'s first truthy answer, polled every `every_s`; AssertionError naming `what` when none
+    comes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
+        time.sleep(every_s)

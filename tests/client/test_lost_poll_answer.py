@@ -17,7 +17,7 @@ import pytest
 
 import thermowatch
 from tests.fakes.network import LateProxy
-from tests.live_server import running
+from tests.live_server import running, wait_until
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
 from thermowatch.monitors.contract import Ack, Pause, StepRecord
 from thermowatch.supervisor.app.config import SupervisorConfig
@@ -42,16 +42,6 @@ def _carrying(body: bytes, action_id: int | None = None) -> bool:
     return any(action_id is None or c["id"] == action_id for c in cmds)
 
 
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
-        time.sleep(0.05)
-
-
 def test_a_lost_poll_answer_is_sent_again_within_10_s_and_carried_out_once(sup, tmp_path):
     with running(build_app(sup)) as url, LateProxy(url) as proxy, \
             httpx.Client(base_url=url, headers=AUTH, timeout=30) as api:
@@ -61,12 +51,12 @@ def test_a_lost_poll_answer_is_sent_again_within_10_s_and_carried_out_once(sup, 
                               poll_interval_s=0.2)
         run.start()
         run.send(StepRecord(step=1, values={"loss": 2.0}, sample_lo=0, sample_hi=4))
-        _wait(lambda: api.get(f"/api/runs/{RUN}/status").status_code == 200, 30, "registration")
+        wait_until(lambda: api.get(f"/api/runs/{RUN}/status").status_code == 200, "registration", 30)
         made = api.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "ana", "reason": "look"})
         assert made.status_code == 201, made.text
         aid = made.json()["action_id"]
 
-        handed = _wait(run.commands, 30, "command handed out")
+        handed = wait_until(run.commands, "command handed out", 30)
         lost_at = proxy.dropped[0][0]
         took = time.monotonic() - lost_at
         assert [(c.id, type(c.body)) for c in handed] == [(aid, Pause)]
@@ -81,7 +71,7 @@ def test_a_lost_poll_answer_is_sent_again_within_10_s_and_carried_out_once(sup, 
         copies = sum(_carrying(body, aid) for _, _, path, body in proxy.answered if path.endswith("/commands"))
         assert copies > copies_before, "the daemon stopped re-sending a command it never heard back about"
         run.ack(Ack(command_id=aid, ok=True, step=2, detail="paused"), handed[0])
-        _wait(lambda: api.get(f"/api/runs/{RUN}/actions").json()["actions"][0]["state"] == "done", 30, "ack")
+        wait_until(lambda: api.get(f"/api/runs/{RUN}/actions").json()["actions"][0]["state"] == "done", "ack", 30)
         end = time.monotonic() + 6.0  # a copy in flight as it was acked is answered from the book
         while time.monotonic() < end:
             assert run.commands() == []

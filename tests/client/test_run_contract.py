@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import thermowatch
-from tests.live_server import running
+from tests.live_server import running, wait_until
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
 from thermowatch.monitors.contract import SampleRange, StepRecord
 from thermowatch.supervisor.app.config import SupervisorConfig
@@ -38,14 +38,11 @@ def sup(db, tmp_path):
     s.close()
 
 
-def _wait(pred, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
-        time.sleep(0.05)
+def _final(sup, action_id: int):
+    """The action's row once it is done or failed, else None."""
+    with sup.sessions() as s:
+        row = actions_store.get_action(s, action_id)
+    return row if row.state in ("done", "failed") else None
 
 
 def _step(run, step: int, cursor: int) -> StepRecord:
@@ -74,7 +71,7 @@ def test_every_command_is_done_or_refused_with_a_correct_ack_and_the_books_agree
             r = api.post(f"/api/runs/{RUN}/actions", json={"kind": kind, "args": args, "who": "ana", "reason": "t"})
             assert r.status_code == 201, (kind, r.text)
             aid = r.json()["action_id"]
-            (cmd,) = _wait(run.commands, f"{kind} handed out")
+            (cmd,) = wait_until(run.commands, f"{kind} handed out")
             assert cmd.id == aid
             if kind == "rollback":
                 run.start(start_step=10)
@@ -92,8 +89,7 @@ def test_every_command_is_done_or_refused_with_a_correct_ack_and_the_books_agree
             step += 1
             run.send(_step(run, step, (step - 1) * B))
             run.flush()
-            row = _wait(lambda: (lambda a: a if a.state in ("done", "failed") else None)(
-                actions_store.get_action(sup.sessions(), aid)), f"{kind} acknowledged")
+            row = wait_until(lambda: _final(sup, aid), f"{kind} acknowledged")
             assert row.state == want, (kind, row.state, row.error)
         run.finish()
         assert not list((tmp_path / "state").rglob("rejected.jsonl")), "the daemon refused a step or an ack"
