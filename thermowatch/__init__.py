@@ -31,6 +31,7 @@ _PUBLIC = {
     "Stop": "thermowatch.monitors.contract", "SampleRange": "thermowatch.monitors.contract",
     "LRChange": "thermowatch.monitors.contract", "Bisected": "thermowatch.monitors.contract",
     "PreciseSkip": "thermowatch.precise_skip",
+    "PauseNotice": "thermowatch.paused",  # a Run loop's own pause prints the lines watch() prints
 }
 __all__ = sorted(_PUBLIC)
 
