@@ -42,6 +42,7 @@ def _carrying(body: bytes, action_id: int | None = None) -> bool:
     return any(action_id is None or c["id"] == action_id for c in cmds)
 
 
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)  # the client's timing; the daemon's side is test_executor's
 def test_a_lost_poll_answer_is_sent_again_within_10_s_and_carried_out_once(sup, tmp_path):
     with running(build_app(sup)) as url, LateProxy(url) as proxy, \
             httpx.Client(base_url=url, headers=AUTH, timeout=30) as api:

@@ -111,6 +111,9 @@ def test_the_matrix_every_route_every_scope_own_and_other_run(sup):
         assert wrongly_accepted == []
         assert snapshot(sup) == before, "a refused request changed a table"
         wrongly_refused = []
+        # Past the auth a request does real work (a chart drawn, a page rendered); a route that
+        # names no ingest rule answers alike for either run, so its allowed cases run on one.
+        allowed = [x for x in allowed if SCOPE[(x[1], x[2])] == "ingest" or x[3] == "a-run"]
         for token, method, path, run in allowed:
             r = _request(c, method, path, run, actions[run], secrets[token])
             if r.status_code in (401, 403):
