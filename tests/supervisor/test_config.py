@@ -12,6 +12,7 @@ import pytest
 
 from thermowatch.cli import main
 from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
+from tests.config_walk import numeric_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,35 +213,13 @@ def test_validate_config_refuses_a_number_out_of_range_with_exit_2_naming_the_ke
     assert message in capsys.readouterr().err
 
 
-def _numeric_settings(cls: type, path: tuple[str, ...] = ()):
-    """(dotted path, is_int) of every int or float setting under the config class `cls`."""
-    import dataclasses
-    import typing
-
-    from thermowatch.monitors.config_tree import SCHEMA, _resolve
-
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        target, tp = f.metadata.get(SCHEMA), hints.get(f.name)
-        if target is not None:
-            yield from _numeric_settings(_resolve(target), path + (f.name,))
-        elif dataclasses.is_dataclass(tp):
-            yield from _numeric_settings(tp, path + (f.name,))
-        else:
-            arms = set(typing.get_args(tp)) - {type(None)} or {tp}
-            if arms & {int, float}:
-                yield path + (f.name,), float not in arms
-
-
 def _nested(path: tuple[str, ...], value):
     for key in reversed(path[1:]):
         value = {key: value}
     return {path[0]: value}
 
 
-NUMERIC_SETTINGS = list(_numeric_settings(SupervisorConfig))
+NUMERIC_SETTINGS = list(numeric_settings(SupervisorConfig))
 
 
 @pytest.mark.parametrize("path, is_int", NUMERIC_SETTINGS, ids=[".".join(p) for p, _ in NUMERIC_SETTINGS])

@@ -10,15 +10,14 @@ import dataclasses
 import itertools
 import math
 import re
-import typing
 from pathlib import Path
 
 import pytest
 
 from thermowatch.cli import build_parser
-from thermowatch.monitors.config_tree import SCHEMA, _resolve
 from thermowatch.monitors.settings import FALSE_WORDS, TRUE_WORDS
 from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
+from tests.config_walk import settings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 _RULE = re.compile(r"`(integer|number) (?:(>=|>) (\S+)|in ([\[(])(\S+), (\S+)([\])]))`")
@@ -91,22 +90,12 @@ CONFIG_ROWS = _table("## Settings table")
 FLAG_ROWS = _table("### Numbers on the command line")
 
 
-def _settings(cls: type, path: tuple[str, ...] = ()):
+def _settings(cls: type):
     """(dotted key, kind) of every bool, int or float field under the config class `cls`."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        target, tp = f.metadata.get(SCHEMA), hints.get(f.name)
-        if target is not None:
-            yield from _settings(_resolve(target), path + (f.name,))
-        elif dataclasses.is_dataclass(tp):
-            yield from _settings(tp, path + (f.name,))
-        else:
-            arms = set(typing.get_args(tp)) - {type(None)} or {tp}
-            kind = "bool" if bool in arms else "number" if arms & {int, float} else None
-            if kind:
-                yield ".".join(path + (f.name,)), kind
+    for path, arms in settings(cls):
+        kind = "bool" if bool in arms else "number" if arms & {int, float} else None
+        if kind:
+            yield ".".join(path), kind
 
 
 def _nested(key: str, value) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from thermowatch.trainer.config import ConfigError, TrainConfig
+from tests.config_walk import numeric_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,27 +59,7 @@ def test_every_training_config_in_deploy_loads():
     assert not Path(local.checkpoint.dir).is_absolute()
 
 
-def _numeric_settings(cls: type, path: tuple[str, ...] = ()):
-    """(path, is_int) of every int or float setting of the training config, found by walking it."""
-    import dataclasses
-    import typing
-
-    from thermowatch.monitors.config_tree import SCHEMA, _resolve
-
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        target, tp = f.metadata.get(SCHEMA), hints.get(f.name)
-        if target is not None:
-            yield from _numeric_settings(_resolve(target), path + (f.name,))
-        elif dataclasses.is_dataclass(tp):
-            yield from _numeric_settings(tp, path + (f.name,))
-        else:
-            arms = set(typing.get_args(tp)) - {type(None)} or {tp}
-            if arms & {int, float}:
-                yield path + (f.name,), float not in arms
-
-
-TRAIN_NUMBERS = list(_numeric_settings(TrainConfig))
+TRAIN_NUMBERS = list(numeric_settings(TrainConfig))
 
 
 @pytest.mark.parametrize("path, is_int", TRAIN_NUMBERS, ids=[".".join(p) for p, _ in TRAIN_NUMBERS])
