@@ -66,6 +66,7 @@ from thermowatch.monitors.contract import (
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.names import check_run_id
+from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
@@ -101,7 +102,8 @@ class Watch(Directed):
                  keep_checkpoints: int = 5, scheduler: Any = None,
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
                  poll_interval_s: float = 1.0, supervisor_config: Any = None,
-                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None, close_timeout_s: float = 10.0) -> None:
+                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None, close_timeout_s: float = 10.0,
+                 dataset_size: int | None = None, data_index: Any = None) -> None:
         check_run_id(run)  # before anything is made from it (checkpoints/<run>), on every rank (issue 34)
         if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
             raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
@@ -113,6 +115,14 @@ class Watch(Directed):
         self.dist = Ranks.detect(model)
         if global_batch % self.dist.world:
             raise ValueError(f"global_batch ({global_batch}) must divide among the {self.dist.world} ranks")
+        if dataset_size is not None:
+            check_number("dataset_size", dataset_size, lo=1, integer=True)
+        # A loop that indexes `data[ids % dataset_size]` passes over its data more than once: a skip
+        # then stands for the data it skipped, in every pass (monitors.ledger, issue 35).
+        self.dataset_size = None if dataset_size is None else int(dataset_size)
+        # A loop that shuffles each pass: its map from ids to data indices (vectorised), the
+        # integrations' WatchedDataset.data_index; None = `id % dataset_size`.
+        self.data_index = data_index
         self.total, self.global_batch = int(steps), int(global_batch)
         self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
         self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
@@ -121,15 +131,18 @@ class Watch(Directed):
         # a config that names its own model section keeps it
         cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every},
                "model": model_fingerprint(model), **(config or {})}
+        if data_index is not None:  # the quarantine's data indices are the loader's to map (quarantine API)
+            cfg["data"] = {**cfg.get("data", {}), "shuffled": True}
         # Rank 0 talks to the supervisor; the others hear its commands through _agree().
         self.run: Run | _Quiet = Run(
             run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token, state_dir=self.dir,
             world_size=self.dist.world, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config,
             close_timeout_s=close_timeout_s,  # close() waits at most this for the daemon (thermowatch.run)
+            dataset_size=self.dataset_size,
         ) if self.dist.rank == 0 else _Quiet(poll_interval_s)
         self.step = 0  # the last step trained
         self.cursor = 0  # the next absolute sample id to consider
-        self.ledger = SkipLedger()
+        self.ledger = SkipLedger(period=self.dataset_size, index=data_index)
         self.lr_changes: list[LRChange] = []
         self.directive = Directive.RUN  # set only in _direct, from the Outcome a command returns
         self.pause_notice = PauseNotice(run)  # a pause says why and what ends it (rank 0; issue 35)
@@ -635,7 +648,7 @@ class Watch(Directed):
     def _resume(self) -> None:
         book = self.dist.from_rank0(lambda: {"skip_ranges": [r.to_json() for r in self.run.book.skip_ranges],
                                              "lr_changes": [c.to_json() for c in self.run.book.lr_changes]})
-        self.ledger = SkipLedger(book["skip_ranges"])
+        self.ledger = SkipLedger(book["skip_ranges"], period=self.dataset_size, index=self.data_index)
         self.lr_changes = [LRChange.from_json(c) for c in book["lr_changes"]]
         start = self._load_newest(self.dist.from_rank0(self._checkpoints)) or 0
         self.run.start(start_step=start)

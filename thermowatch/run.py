@@ -67,7 +67,8 @@ class Run:
     def __init__(self, run_id: str, *, steps: int | None = None, global_batch: int | None = None,
                  config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
                  state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
-                 send_interval_s: float = 0.5, supervisor_config: Any = None, close_timeout_s: float = 10.0) -> None:
+                 send_interval_s: float = 0.5, supervisor_config: Any = None, close_timeout_s: float = 10.0,
+                 dataset_size: int | None = None) -> None:
         # Before anything is made or sent: the daemon's own run-id rule (monitors.names; `..` once
         # trained with every request refused and its checkpoints in the working directory), and
         # the numbers, finite and in range (monitors.settings).
@@ -86,6 +87,9 @@ class Run:
             self.config["steps"] = int(steps)
         if global_batch is not None:
             self.config.setdefault("data", {})["global_batch"] = int(global_batch)
+        if dataset_size is not None:  # skips stand for data indices, id % dataset_size, in every pass
+            check_number("dataset_size", dataset_size, lo=1, integer=True)
+            self.config.setdefault("data", {})["dataset_size"] = int(dataset_size)
         self.state_dir = Path(state_dir or Path(".thermowatch") / "runs" / run_id)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.poll_interval_s = poll_interval_s

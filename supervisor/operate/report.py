@@ -60,6 +60,8 @@ def add_read_commands(sub, add_client_flags: Callable) -> None:
     p.add_argument("run_id")
     p.add_argument("--json", action="store_true", help="the daemon's answer: every verdict and the quarantine")
     p.add_argument("--ids", action="store_true", help="the quarantined sample ids, one per line")
+    p.add_argument("--data", action="store_true", help="the quarantined data indices (id %% dataset_size, for a run "
+                   "that gave its dataset_size), one per line: what the data team removes")
     p.add_argument("--horizon", type=arg_int(1, INT64_MAX), default=None,
                    help="steps past the old detection the re-trained path must run clean (default: the daemon's, 100)")
     p.set_defaults(func=cmd_quarantine)
@@ -150,6 +152,13 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     elif args.ids:
         for lo, hi in q["quarantine"]:
             print("\n".join(str(i) for i in range(lo, hi)))
+    elif args.data:
+        if q.get("data_indices") is None:
+            raise UserError(f"run {args.run_id!r} did not say its dataset_size, or its loader shuffles each pass: "
+                            "its sample ids are the only names the daemon has (--ids); "
+                            "map them with your loader (thermowatch's WatchedDataset.data_index(ids))")
+        for lo, hi in q["data_indices"]:
+            print("\n".join(str(i) for i in range(lo, hi)))
     else:
         print(render_quarantine(printable_tree(q)))
     return 0
@@ -174,6 +183,9 @@ def render_quarantine(q: dict[str, Any]) -> str:
                          f"from the checkpoint, {b['seconds']:.1f} s")
     if ranges:
         lines.append("quarantined sample ranges [lo, hi): " + ", ".join(f"[{lo}, {hi})" for lo, hi in ranges))
+    if ranges and q.get("data_indices") is not None:
+        lines.append(f"as data indices (id % dataset_size {q['dataset_size']:,}; `--data` lists them): "
+                     + ", ".join(f"[{lo}, {hi})" for lo, hi in q["data_indices"]))
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.contract import DEFAULT_ROLLBACK_SIGNALS, merge_ranges, signal_family
+from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import runs as runs_store
@@ -133,6 +134,27 @@ def _chain(found: list[SkipVerdict], acts: list) -> list[SkipVerdict]:
             v.action_id, v.incident_id, v.signal, v.detect_step, v.checkpoint_step, v.first_step, v.ranges, v.samples,
             nxt.status, why, v.recurrence_incident, v.bisected, v.sure, nxt.action_id)
     return found
+
+
+def data_order(session: Session, run_id: str) -> tuple[int | None, bool]:
+    """The run's `data.dataset_size` (newest attempt) and whether its loader shuffles each pass
+    (`data.shuffled`): unshuffled, sample id i is data index i % dataset_size."""
+    newest = runs_store.newest_attempt(session, run_id)
+    cfg = runs_store.attempt_config(session, run_id, newest) if newest is not None else None
+    data = cfg.get("data") if isinstance(cfg, dict) else None
+    data = data if isinstance(data, dict) else {}
+    n = data.get("dataset_size")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    return n, bool(data.get("shuffled"))
+
+
+def data_indices(held: list[tuple[int, int]], dataset_size: int) -> list[tuple[int, int]]:
+    """The quarantined sample ranges as data indices [lo, hi) in [0, dataset_size): what the data
+    team removes (an id is data index id % dataset_size in every pass)."""
+    try:
+        return SkipLedger(held, period=dataset_size).data_ranges
+    except ValueError:  # they cover the whole dataset
+        return [(0, dataset_size)]
 
 
 def quarantined(found: list[SkipVerdict]) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ B = 16
 # step 175 around then): the rollback failed so in bench/precise_skip.py.
 POISON = range(170 * B, 172 * B)
 STEPS = 280
+DATASET = 4000  # the loop's data: one pass and a bit; the quarantine names its data indices too
 
 
 def batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ def train(db, tmp_path, run: str, precise: bool = True):
     cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, api_token=ADMIN_TOKEN)
     tw = thermowatch.watch(model, opt, run=run, steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
                            checkpoint_every=25, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.05,
-                           precise_skip=precise)
+                           precise_skip=precise, dataset_size=DATASET)
     poisoned_steps = 0
     for step in tw.steps():
         ids = torch.as_tensor(tw.batch_ids(step))
@@ -107,4 +108,8 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
         assert f"precise skip: {len(ids):,} of {suspects:,} suspect" in text
         assert main(["quarantine", "poisoned", "--ids", *flags]) == 0
         assert [int(x) for x in capsys.readouterr().out.split()] == sorted(ids)
+        # the data team's names: data indices (id % dataset_size), here the ids themselves
+        assert got["dataset_size"] == DATASET and got["data_indices"] == [[lo % DATASET, hi % DATASET] for lo, hi in quarantined]
+        assert main(["quarantine", "poisoned", "--data", *flags]) == 0
+        assert [int(x) for x in capsys.readouterr().out.split()] == sorted(i % DATASET for i in ids)
         assert main(["quarantine", "nope", *flags]) != 0

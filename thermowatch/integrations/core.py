@@ -45,6 +45,7 @@ class Plan:
     global_batch: int  # ids per optimizer step
     micro_batch: int  # ids per DataLoader batch (global_batch / gradient accumulation)
     steps: int  # how many steps are left to serve (0 once stopped or complete)
+    dataset_size: int | None = None  # the Watch's: skips stand for data indices, in every pass
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class WatchedDataset(torch.utils.data.IterableDataset):
         plan = self._plan or self.adapter.plan()
         info = torch.utils.data.get_worker_info()
         workers, me = (info.num_workers, info.id) if info is not None else (1, 0)
-        ledger = SkipLedger(plan.skip_ranges)
+        ledger = SkipLedger(plan.skip_ranges) if plan.dataset_size is None else \
+            SkipLedger(plan.skip_ranges, period=plan.dataset_size, index=self.data_index_fn())
         cursor, per_step = plan.cursor, plan.global_batch // plan.micro_batch
         for k in range(plan.steps):
             ids = ledger.take(cursor, plan.global_batch)
@@ -101,10 +103,30 @@ class WatchedDataset(torch.utils.data.IterableDataset):
         n = len(self.data)
         if self.shuffle_seed is None:
             return i % n
-        epoch = i // n
+        return int(self._pass_order(i // n)[i % n])
+
+    def _pass_order(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.shuffle_seed, epoch]).permutation(n))
-        return int(self._perm[1][i % n])
+            self._perm = (epoch, np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.data)))
+        return self._perm[1]
+
+    def data_index(self, ids: np.ndarray) -> np.ndarray:
+        """The data index (`data[...]`) each absolute sample id is served from (vectorised: a loop
+        over the passes the ids span, not over ids)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(self.data)
+        if self.shuffle_seed is None:
+            return ids % n
+        out = np.empty_like(ids)
+        passes = ids // n
+        for e in np.unique(passes).tolist():
+            here = passes == e
+            out[here] = self._pass_order(e)[ids[here] % n]
+        return out
+
+    def data_index_fn(self):
+        """The skip ledger's `index`: None when an id's data index is `id % len(data)`."""
+        return None if self.shuffle_seed is None else self.data_index
 
 
 def check_fit(framework: str, set_it: str, max_steps: int | None, world_size: int) -> None:
@@ -157,11 +179,22 @@ class Adapter:
         step resumed from (0 for a new run): the framework's step counter must read it."""
         cfg = {"client": self.client, **self.watch_kwargs.pop("config", {})}
         self._micro_batch = int(micro_batch)
+        kwargs = dict(self.watch_kwargs)
+        served = self._served()
+        if served is not None and "dataset_size" not in kwargs:  # the loader's length (issue 35)
+            kwargs["dataset_size"] = len(served.data)
         self.watch = Watch(model, optimizer, run=self.run_id, steps=steps, global_batch=micro_batch * accumulation,
-                           checkpoint_dir=self.checkpoint_dir, scheduler=scheduler, config=cfg, **self.watch_kwargs)
+                           checkpoint_dir=self.checkpoint_dir, scheduler=scheduler, config=cfg,
+                           data_index=served.data_index_fn() if served is not None else None, **kwargs)
         self._steps = self.watch.steps()
         self._next = next(self._steps, None)
         return self.watch.step
+
+    def _served(self) -> "WatchedDataset | None":
+        """The one order every watched dataset serves (one dataset, or copies alike in length and
+        shuffle): skips then follow its data across passes. None when there is none or they differ."""
+        kinds = {(len(d.data), d.shuffle_seed) for d in self.datasets}
+        return self.datasets[0] if len(kinds) == 1 else None
 
     def plan(self) -> Plan:
         w = self.watch
@@ -169,7 +202,7 @@ class Adapter:
             raise RuntimeError("the dataset was iterated before training started; iterate it through the trainer "
                                "that has this callback in its callbacks=[...]")
         left = 0 if self._next is None else w.total - w.step
-        return Plan(w.cursor, tuple(w.ledger.ranges), w.global_batch, self._micro_batch, left)
+        return Plan(w.cursor, tuple(w.ledger.ranges), w.global_batch, self._micro_batch, left, w.dataset_size)
 
     def begin(self) -> None:
         """The step's first micro-batch is about to run: whatever ran between the boundary and now

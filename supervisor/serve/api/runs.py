@@ -169,13 +169,20 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
             description="steps past the old detection the re-trained path must run without the divergence")) -> Response:
         """Which samples did it (issue 24): every rollback that skipped samples, whether its
         divergence came back on the path re-trained without them (quarantine, recurred, pending),
-        and the sample ranges [lo, hi) whose skip held: the quarantine."""
+        and the sample ranges [lo, hi) whose skip held: the quarantine. A run that said its
+        `data.dataset_size` also gets them as data indices (`data_indices`, id % dataset_size),
+        unless its loader shuffles each pass (`data.shuffled`: the loader maps them)."""
         with sup.sessions() as s:
             require_run(s, run_id)
             found = quarantine_store.verdicts(s, run_id, horizon)
+            size, shuffled = quarantine_store.data_order(s, run_id)
         held = quarantine_store.quarantined(found)
-        return json_response({"run_id": run_id, "horizon": horizon, "verdicts": [v.to_json() for v in found],
-                              "quarantine": [list(r) for r in held], "samples": sum(hi - lo for lo, hi in held)})
+        body = {"run_id": run_id, "horizon": horizon, "verdicts": [v.to_json() for v in found],
+                "quarantine": [list(r) for r in held], "samples": sum(hi - lo for lo, hi in held),
+                "dataset_size": size, "shuffled": shuffled}
+        if size is not None and not shuffled:
+            body["data_indices"] = [list(r) for r in quarantine_store.data_indices(held, size)]
+        return json_response(body)
 
     @router.get("/runs/{run_id}/audit")
     def audit(run_id: str, limit: int = Query(200, ge=1, le=10_000)) -> Response:
