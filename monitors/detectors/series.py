@@ -239,9 +239,13 @@ class SeriesBank:
         if to_step is None:
             R.seen[rows], R.last_step[rows] = 0, NO_STEP
         else:
-            # Warm-up is about the run's age, which the rollback only shortens by what it
-            # dropped; a rollback deeper than the buffer still waits for a refilled window.
-            R.seen[rows] = np.maximum(0, R.seen[rows] - dropped)
+            # Warm-up is about the run's age, and a rollback does not make a detector that was
+            # armed young again: the re-trained path is where the rest of a bad stretch comes
+            # (issue 35: a poisoned stretch's last 13 steps trained right after the rollback to
+            # step 50, the loss spike detector silent in a warm-up it had left 50 steps before).
+            # A rollback deeper than the buffer still waits for a refilled window (the judging
+            # paths ask for points in the ring, not only `seen`).
+            del dropped
             last = R.steps[rows, (R.pos[rows] - 1) % R.H]
             R.last_step[rows] = np.where(R.length[rows] > 0, last, NO_STEP)
 

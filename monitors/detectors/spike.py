@@ -31,6 +31,11 @@ class SpikeConfig:
     # Points searched back for the onset: enough baseline before a change caught within
     # ~20-40 points, short enough that slow healthy curvature is not read as the break.
     onset_lookback: int = 96
+    # Points of the window a point is judged against, at least (or a quarter of the window, if
+    # less). A rollback keeps only what the history held before its target: 100 steps back (the
+    # policy's margin) leaves 28 of the 128, and the re-trained path is where the rest of a bad stretch comes (issue 35: 13 poisoned
+    # steps trained unjudged right after a rollback, with 26 points left under a floor of 32).
+    min_points: int = 16
 
     def __post_init__(self) -> None:
         positive("z", self.z)
@@ -40,6 +45,7 @@ class SpikeConfig:
         at_least("clear_steps", self.clear_steps, 1)
         at_least("history", self.history, self.window)
         at_least("onset_lookback", self.onset_lookback, 8)
+        at_least("min_points", self.min_points, 8)
         if self.onset_lookback > self.history:
             raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
 
@@ -109,7 +115,7 @@ class SpikeBank(SeriesBank):
         idx = np.flatnonzero(ok)
         rows, vals = rows[idx], values[idx]
         # The window *before* this point, for the rows past warm-up with enough of it.
-        live = (R.seen[rows] + 1 > c.warmup) & (R.sizes(rows, c.window) >= c.window // 4)
+        live = (R.seen[rows] + 1 > c.warmup) & (R.sizes(rows, c.window) >= min(c.min_points, c.window // 4))
         lrows = rows[live]
         med, sigma = robust_rows(R, lrows, c.window)
         R.append(rows, step, ys)

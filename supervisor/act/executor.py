@@ -174,7 +174,11 @@ class Executor:
             if decision.skip_steps is not None:
                 rng = steps_store.sample_range(s, run_id, decision.skip_steps[0], decision.skip_steps[1])
                 if rng is not None and rng[0] < rng[1]:
-                    skip = (SampleRange(int(rng[0]), int(rng[1])),)
+                    lo, hi = int(rng[0]), int(rng[1])
+                    if decision.skip_ahead_steps:  # at the steps' own width: samples no step has trained yet
+                        width = (hi - lo) // (decision.skip_steps[1] - decision.skip_steps[0] + 1)
+                        hi += decision.skip_ahead_steps * width
+                    skip = (SampleRange(lo, hi),)
             return Rollback(to_step=decision.target_step, checkpoint=decision.target_path, skip=skip, lr=lr,
                             exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
         if decision.kind is DecisionKind.LOWER_LR:

@@ -255,6 +255,9 @@ class Decision:
     target_step: int | None = None  # ROLLBACK: checkpoint step to load
     target_path: str | None = None  # ROLLBACK: that checkpoint's path (steps can repeat across attempts)
     skip_steps: tuple[int, int] | None = None  # inclusive steps whose samples to skip
+    # ... and this many steps' worth of samples past them, not trained yet: the rest of a bad
+    # stretch that came back on a re-trained path (_skip_further)
+    skip_ahead_steps: int = 0
     lr_multiplier: float | None = None  # new multiplier on the schedule (absolute, not relative)
     lr_steps: int | None = None  # None = permanent
     rewarmup_steps: int | None = None
@@ -540,6 +543,12 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
         return _pause(head, f"no healthy checkpoint at or before step {target_step}, where the data rollback at "
                             f"step {h.step} went; a human has to pick a target")
     skip = (target.step + 1, f.detect_step) if target.step + 1 <= f.detect_step else None
+    # The stretch goes on past this detection too: skip ahead of it, doubling with each return
+    # (2x, 4x, ... the steps from onset to detection), so a stretch of any length is passed
+    # within the caps, at the cost of a few clean samples (issue 35: 2 steps at a time met the
+    # 4-intervention cap 9 poisoned steps short of the end).
+    again = sum(1 for x in rollbacks if x.skipped and x.ok and x.target_step == h.target_step) - 1
+    ahead = (f.detect_step - f.onset_step + 1) * 2 ** (max(0, again) + 1) if skip else 0
     reasons = [head,
                f"the same cause again on the path the rollback at step {h.step} re-trained (first step "
                f"{h.first_step}, attempt {inp.attempt}): the bad stretch goes on past the samples it skipped, so no "
@@ -548,9 +557,10 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
                f"{f.detect_step}"]
     if skip:
         reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from the checkpoint to detection; "
-                       "the samples already skipped stay skipped)")
+                       f"the samples already skipped stay skipped) and {ahead} steps' worth past them, not trained "
+                       "yet: the stretch has come back before, so it likely goes on")
     return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
-                    skip_steps=skip, rung=1)
+                    skip_steps=skip, skip_ahead_steps=ahead, rung=1)
 
 
 def _revert_lr(inp: PolicyInput, head: str) -> Decision:

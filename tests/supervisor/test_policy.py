@@ -512,8 +512,10 @@ def test_issue_35_the_rest_of_a_bad_stretch_is_skipped_at_once_not_trained_in_th
     d2 = run.decide(loss(onset=73, detect=74))  # 3 steps into the re-trained path: the stretch goes on
     assert (d2.kind, d2.rung, d2.target_step, d2.skip_steps, d2.lr_multiplier) == (K.ROLLBACK, 1, 70, (71, 74), None)
     assert "the bad stretch goes on past the samples it skipped" in "\n".join(d2.reasons)
+    # and past the new detection too, doubling with each return: 2x, then 4x the onset-to-detection steps
+    assert d1.skip_ahead_steps == 0 and d2.skip_ahead_steps == 2 * 2
     d3 = run.decide(loss(onset=72, detect=73))
-    assert (d3.kind, d3.target_step) == (K.ROLLBACK, 70), d3.reasons
+    assert (d3.kind, d3.target_step, d3.skip_ahead_steps) == (K.ROLLBACK, 70, 2 * 4), d3.reasons
     d4 = run.decide(loss(onset=72, detect=73))
     assert d4.kind is K.ROLLBACK
     d5 = run.decide(loss(onset=72, detect=73))  # the fifth in the window: the caps hold
