@@ -431,6 +431,8 @@ def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None
 # growth or a non-finite value on the re-trained path is the optimizer or the LR, whose next rung
 # (the LR cut after the cooldown) is the ladder's.
 _DATA_FAMILIES = frozenset({Signal.LOSS_SPIKE.value, Signal.GRAD_SPIKE.value})
+# Steps into a re-trained path within which a spike is the stretch a skip stopped short of.
+_FOLLOWS_SKIP_STEPS = 8
 
 
 def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
@@ -449,6 +451,12 @@ def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
             and h.target_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
         return None
     if inp.attempt is None or h.attempt is None or inp.attempt <= h.attempt or f.detect_step < h.first_step:
+        return None
+    # The rest of a bad stretch follows the samples the skip ended at, so it comes back right where
+    # the re-trained path starts. Back at the very step it was detected before, on other samples
+    # (the skip moved them), it is the step, not the data: the schedule's LR (issue 35's study: an
+    # LR blow-up answered by four data rollbacks that skipped 7,084 clean samples). The ladder's.
+    if f.detect_step > h.first_step + _FOLLOWS_SKIP_STEPS and abs(f.detect_step - h.step) <= 2:
         return None
     return h.target_step
 

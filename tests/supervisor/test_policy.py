@@ -536,6 +536,19 @@ def test_issue_35_only_a_spike_after_a_data_rollback_skips_the_cooldown(first, a
     assert d2.kind in (K.NOOP, K.ALERT) and "cooldown" in "\n".join(d2.reasons), d2.reasons
 
 
+def test_issue_35_a_spike_back_at_the_same_step_on_other_samples_is_the_lr_not_the_data():
+    """The study's LR blow-up: the loss spikes at 153, the rollback to 50 skips the samples of
+    51-153, and the re-trained path spikes again at 153 on other samples: the schedule did it.
+    Not another data rollback (the ladder's cooldown, then its LR cut), where the rest of a
+    poisoned stretch comes back right after the skip (the test above)."""
+    run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
+    d1 = run.decide(loss(onset=152, detect=153))
+    assert (d1.kind, d1.target_step) == (K.ROLLBACK, 50) and d1.skip_steps[1] == 153
+    d2 = run.decide(loss(onset=152, detect=153))
+    assert "the bad stretch goes on" not in "\n".join(d2.reasons), d2.reasons
+    assert d2.kind is not K.ROLLBACK or d2.lr_multiplier is not None, d2.reasons
+
+
 def test_issue_35_a_late_finding_of_the_abandoned_attempt_still_never_acts():
     run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
     run.decide(loss(onset=171, detect=172))
