@@ -42,6 +42,11 @@ LR_PEAK_AHEAD = "lr_peak_ahead"
 # set by the controller in every record while it is above 0 and once more at 0 when a save
 # succeeds again; the supervisor pages on it (supervisor.judge.checkpoint_health).
 CHECKPOINT_FAILURES = "checkpoint_failures"
+# What the thermometers cost (issue 36, monitors/thermometers/budget.py): the fraction of the step
+# they took over a recent window, and the cadence in force per group, `thermometer_every/<group>`
+# (act, attn, grad): a figure read every n-th step is NaN ("not read") on the others.
+THERMOMETER_COST = "thermometer_cost"
+THERMOMETER_EVERY = "thermometer_every"
 
 SEP = "/"
 

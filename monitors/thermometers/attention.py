@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from thermowatch.monitors.thermometers.budget import ATTN, NullTimer
 from thermowatch.monitors.thermometers.slots import Slots
 
 
@@ -38,20 +39,28 @@ class AttnProbe:
         self.entropy_batch: int | None = None  # sequences the extra entropy pass covers (None = all)
         self.mode: str | None = None  # set by Thermometers.begin_step on sampled steps
         self.heads: torch.Tensor | None = None
+        # The budget's timer (budget.py). The puts time themselves; a model's own extra work for the
+        # figure (an entropy pass, explicit scores) is counted where it wraps it in timer.start()
+        # and timer.stop(ATTN) (regions nest: each counts once).
+        self.timer = NullTimer()
 
     def put_entropy(self, ent: torch.Tensor) -> None:
         """ent: [heads computed] mean entropy per head; the slot keeps the min (over heads and
         over the step's micro-batches)."""
         if self.entropy_slot is not None:
+            self.timer.start()
             self.slots.put_min(self.entropy_slot, ent.float().amin().reshape(1))
+            self.timer.stop(ATTN)
 
     def put_lse(self, lse: torch.Tensor) -> None:
+        self.timer.start()
         if self.per_head:
             per = lse.amax(dim=(0, 2))
             self.slots.put(self.slot + 1, per)
             self.slots.put(self.slot, per.amax().reshape(1))
         else:
             self.slots.put(self.slot, lse.amax().reshape(1))
+        self.timer.stop(ATTN)
 
     def put_scores_max(self, m: torch.Tensor) -> None:
         self.put_head_max(m, self.heads)
@@ -59,12 +68,14 @@ class AttnProbe:
     def put_head_max(self, m: torch.Tensor, heads: torch.Tensor | None) -> None:
         """m: max per head for `heads` (None = every head, in order). A figure that is not per
         head (m of one value where the module has several) fills only the module's slot."""
+        self.timer.start()
         self.slots.put(self.slot, m.float().amax().reshape(1))
         if self.per_head:
             if heads is not None:
                 self.slots.put_indexed(self.slot + 1, self.n_head, heads, m)
             elif m.numel() == self.n_head:
                 self.slots.put(self.slot + 1, m)
+        self.timer.stop(ATTN)
 
 
 def _arg(args: tuple, kwargs: dict, pos: int, name: str, default=None):

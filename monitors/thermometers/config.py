@@ -78,9 +78,22 @@ class ThermometerConfig:
     grad_patterns: tuple[str, ...] = (BLOCK_PATTERN, r"(^|\.)(embed|head|lm_head)$")
     # Sampling intervals per group, in steps (step % every == 0 is sampled). 1 = every step:
     # a divergence can take off within tens of steps (PaLM restarts ~100 steps before a spike).
+    # Under a budget, a group left at 1 is the budget's to thin; one set above 1 stays there.
     act_every: int = 1
     attn_every: int = 1
     grad_every: int = 1
+    # The fraction of the step's time the thermometers may take (issue 36: at ~11% of a GPT-2
+    # small step on an H100 they cost what the supervisor saves). Each group's cost is measured
+    # on the device (budget.py) and every 32 steps the act, attn and grad cadences double until
+    # they fit, within floors: the attention figure at least every 4th step, loss, lr and the
+    # global gradient norm every step (the grad group too, unless end_step is handed grad_norm),
+    # activations and per-layer gradient norms at least every budget_max_every-th step. Where
+    # the floors exceed it they win, and a warning says so. None: the fixed cadences, unmeasured.
+    # Off until the detectors read a NaN of a thinned group as "not read" (non_finite acts on a
+    # NaN act_max today); issue 36 asks for 0.01 once they do.
+    budget: float | None = None
+    # The slowest activations and per-layer gradient norms are read under a budget (a power of two).
+    budget_max_every: int = 16
     # update_ratio/<module> = ||W_after - W_before|| / ||W_before|| over the module's parameters
     # (same modules as grad_patterns; plain `update_ratio` = the whole model), measured around
     # the optimizer step by Thermometers.measure_update(). Exact, from a copy of the weights
@@ -114,10 +127,19 @@ class ThermometerConfig:
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1 or None, got {val!r}")
-        for name in ("act_every", "attn_every", "attn_entropy_every", "grad_every", "update_every"):
+        for name in ("act_every", "attn_every", "attn_entropy_every", "grad_every", "update_every", "budget_max_every"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"ThermometerConfig.{name} must be an integer >= 1, got {val!r}")
+        b = self.budget
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+                raise ValueError(f"ThermometerConfig.budget must be a fraction of the step in (0, 1] (0.01 = 1%), "
+                                 f"or None for the fixed *_every cadences; got {b!r}")
+        val = self.budget_max_every
+        if val & (val - 1):
+            raise ValueError(f"ThermometerConfig.budget_max_every must be a power of two (the groups' reads then "
+                             f"align), got {val}: use {1 << (val.bit_length() - 1)} or {1 << val.bit_length()}")
 
     def matches(self, patterns: tuple[str, ...], name: str) -> bool:
         return any(re.search(p, name) for p in patterns)

@@ -26,6 +26,11 @@ fp16 loss scaling it includes the loss scale). With gradient accumulation the ho
 once per micro-batch and the norms combine as sqrt(sum of squares over micro-batches).
 A tied parameter is one tensor and counts in every group that holds it.
 
+Cost budget (ThermometerConfig.budget, issue 36; budget.py): on read steps each hook, probe and
+begin/end_step's own work runs inside timer.start()/stop(group); begin_step hands the budget the
+steps measured so far, and every 32nd step it sets the act, attn and grad cadences (`cadence`) to
+keep the measured share of the step (`cost`) within the budget. A hook on an off-step calls no timer.
+
 Attention entropy and z have their costs and exactness stated where they are computed
 (trainer.model.attention_entropy, GPT.forward's z probe, attention.py); the update ratio in
 update.py.
@@ -50,11 +55,16 @@ from thermowatch.monitors.contract import (
     GRAD_NORM,
     LOSS,
     LR,
+    THERMOMETER_COST,
+    THERMOMETER_EVERY,
     UPDATE_RATIO,
     Z,
     metric_key,
 )
 from thermowatch.monitors.thermometers.attention import AttnProbe, mha_scores_stats
+from thermowatch.monitors.thermometers.budget import (
+    ACT, ATTN, ATTN_MAX_EVERY, BASE, BUDGETED, GRAD, UPDATE, Budget, NullTimer, Timer, timer_for,
+)
 from thermowatch.monitors.thermometers.config import ThermometerConfig
 from thermowatch.monitors.thermometers.intercept import Interceptor, Site, find
 from thermowatch.monitors.thermometers.slots import Slots
@@ -79,13 +89,15 @@ class ZProbe:
     """The z slot of a logits module that reports its own log-sum-exp (trainer.model's head
     carries `thermo_z_probe`): the model hands over the per-token lse it already has."""
 
-    def __init__(self, slots: Slots, slot: int) -> None:
-        self.slots, self.slot = slots, slot
+    def __init__(self, slots: Slots, slot: int, timer: Timer) -> None:
+        self.slots, self.slot, self.timer = slots, slot, timer
         self.on = False  # set by Thermometers.begin_step with the activation group
 
     def put_lse(self, lse: torch.Tensor) -> None:
+        self.timer.start()
         # Max over tokens (not the mean PaLM's z-loss penalises): one runaway token shows.
         self.slots.put(self.slot, lse.amax().float().reshape(1))
+        self.timer.stop(ACT)
 
 
 @dataclass
@@ -150,7 +162,14 @@ class Thermometers:
         act, z, attn, groups = _select(model, cfg)
         names, act_slots, z_slots, attn_slots, update_start = self._layout(act, z, attn, groups)
         self.names: list[str] = names
-        self._slots = Slots(len(names), self.device)
+        self._slots = Slots(len(names), self.device, keep=len(names) - self._extras.start)
+        self._budget: Budget | None = None
+        self._timer: Timer = NullTimer()
+        if cfg.budget is not None:
+            self._timer = timer_for(self.device)
+            self._budget = Budget(cfg.budget, *_bounds(cfg), self._timer, self.device)
+        self._every = (cfg.act_every, cfg.attn_every, cfg.grad_every)  # in force this step
+        self._extras_version = -1  # the budget's version last written into the device slots
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._act_on = self._attn_on = self._grad_on = self._update_on = False
@@ -159,7 +178,7 @@ class Thermometers:
         self._z_probes: list[tuple[nn.Module, ZProbe]] = []
         self._attn: list[_Attn] = []
         self._head_index: dict[tuple[int, int], torch.Tensor] = {}
-        self._intercept = Interceptor()
+        self._intercept = Interceptor(self._timer)
         self._hook_forward(act, act_slots, z, z_slots, attn_slots)
         self._hook_grads(model, groups, grad_hooks, update_start)
         self._host_buffers(len(names))
@@ -206,6 +225,13 @@ class Thermometers:
         if cfg.update_ratio:
             names.append(UPDATE_RATIO)
             names += [metric_key(UPDATE_RATIO, name) for name, _ in groups]
+        # The budget's own figures, last (slots 0, 1, 2 stay loss, lr, grad_norm): filled on the host
+        # in collect(), or under a finish (the cross-rank reduction) into their device slots when
+        # they change, every DECIDE_EVERY steps at most (Slots keeps them across resets).
+        extras_start = len(names)
+        if cfg.budget is not None:
+            names += [THERMOMETER_COST] + [metric_key(THERMOMETER_EVERY, g) for g in BUDGETED]
+        self._extras = slice(extras_start, len(names))
         return names, act_slots, z_slots, attn_slots, update_start
 
     def _hook_forward(self, act, act_slots, z, z_slots, attn_slots) -> None:
@@ -216,7 +242,7 @@ class Thermometers:
         for name, mod in z:
             if hasattr(mod, "thermo_z_probe"):  # the model reports its own lse: no vocab pass here
                 self._claim(name, mod, "thermo_z_probe")
-                zp = ZProbe(self._slots, z_slots[name])
+                zp = ZProbe(self._slots, z_slots[name], self._timer)
                 mod.thermo_z_probe = zp
                 self._z_probes.append((mod, zp))
             else:
@@ -224,6 +250,7 @@ class Thermometers:
         for name, mod, slot, n_head, kind, mode, ent_slot in attn_slots:
             probe = AttnProbe(self._slots, slot, n_head, cfg.per_head, ent_slot)
             probe.entropy_batch = cfg.attn_entropy_batch
+            probe.timer = self._timer
             if kind == "mha":
                 self._handles.append(mod.register_forward_pre_hook(self._mha_hook(probe), with_kwargs=True))
             elif kind == "found":
@@ -271,7 +298,8 @@ class Thermometers:
             self._host = [torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self._ring = 0
         # Ended steps not yet collected, oldest first: at most one per host buffer.
-        self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
+        # (step, host values, copy event, the budget's figures for collect() to fill or None)
+        self._pending: deque[tuple[int, torch.Tensor, object, tuple | None]] = deque()
         self.dropped = 0  # ended steps overwritten before anyone collected them
         self.step: int | None = None
         self.last_step: int | None = None  # the step the latest collect() returned
@@ -292,7 +320,9 @@ class Thermometers:
                 return
             t = _first_float_tensor(out)
             if t is not None and t.numel():
+                self._timer.start()
                 self._slots.put_aminmax(slot, t.detach())
+                self._timer.stop(ACT)
 
         return hook
 
@@ -306,20 +336,24 @@ class Thermometers:
                 # the mean PaLM's z-loss penalises): one runaway token shows. Over the first
                 # z_batch sequences: an fp32 logsumexp of every token's logits was ~20% of a
                 # GPT-2-small bf16 step on an H100 (BENCHMARKS.md), 1/B of it now.
+                self._timer.start()
                 n = self.config.z_batch
                 t = t.detach() if n is None or t.dim() < 3 else t.detach()[:n]
                 z = torch.logsumexp(t.float(), dim=-1).amax()
                 self._slots.put(slot, z.reshape(1))
+                self._timer.stop(ACT)
 
         return hook
 
     def _mha_hook(self, probe: AttnProbe):
         def hook(mod, args, kwargs):
             if probe.mode is not None:
+                self._timer.start()
                 mx, ent = mha_scores_stats(mod, args, kwargs, probe.heads, probe.entropy)
                 probe.put_scores_max(mx)
                 if ent is not None:
                     probe.put_entropy(ent)
+                self._timer.stop(ATTN)
 
         return hook
 
@@ -327,12 +361,14 @@ class Thermometers:
         def hook(grad: torch.Tensor):
             if not self._grad_on:
                 return None
+            self._timer.start()
             slot = self._pnorm[j]
             if not self._pseen[j]:
                 torch.linalg.vector_norm(grad, dtype=torch.float32, out=slot)
                 self._pseen[j] = True
             else:  # another micro-batch: sqrt(a^2 + b^2)
                 torch.hypot(slot, torch.linalg.vector_norm(grad, dtype=torch.float32), out=slot)
+            self._timer.stop(GRAD)
             return None  # never changes the gradient
 
         return hook
@@ -344,10 +380,15 @@ class Thermometers:
             raise RuntimeError("these thermometers were detached; call instrument(model) again")
         cfg = self.config
         self.step = step
-        self._act_on = step % cfg.act_every == 0
-        self._attn_on = step % cfg.attn_every == 0
-        self._grad_on = step % cfg.grad_every == 0
+        if self._budget is not None:  # takes in the steps measured so far; decides every 32nd step
+            self._every = tuple(self._budget.plan(step))
+        act, attn, grad = self._every
+        self._act_on = step % act == 0
+        self._attn_on = step % attn == 0
+        self._grad_on = step % grad == 0
         self._update_on = self._update is not None and step % cfg.update_every == 0
+        self._timer.mark((self._act_on, self._attn_on, self._grad_on, self._update_on, True))
+        self._timer.start()
         self._slots.reset()
         for _, zp in self._z_probes:
             zp.on = self._act_on
@@ -359,6 +400,7 @@ class Thermometers:
             a.probe.mode = a.mode if self._attn_on else None
             a.probe.entropy = entropy_on and a.probe.entropy_slot is not None
             a.probe.heads = self._heads(step, a.probe.n_head) if a.mode in ("exact", "sample") else None
+        self._timer.stop(BASE)
 
     def _heads(self, step: int, n_head: int) -> torch.Tensor | None:
         """The heads the explicit path computes this step: attn_heads of them, rotating."""
@@ -384,9 +426,13 @@ class Thermometers:
         if not self._update_on:
             yield
             return
+        self._timer.start()
         self._update.before()
+        self._timer.stop(UPDATE)
         yield
+        self._timer.start()
         self._update.after()
+        self._timer.stop(UPDATE)
 
     def grads_from_params(self, all_reduce=None) -> None:
         """Gradient norms read from each parameter's `.grad`, on a sampled step whose hooks saw
@@ -398,6 +444,11 @@ class Thermometers:
         rank alike; a no-op where the hooks measured."""
         if not self._grad_on or any(self._pseen):
             return
+        self._timer.start()
+        self._grads_from_params(all_reduce)
+        self._timer.stop(GRAD)
+
+    def _grads_from_params(self, all_reduce) -> None:
         have = [(j, p.grad) for j, p in enumerate(self._params) if p.grad is not None]
         if not have:
             return
@@ -414,24 +465,21 @@ class Thermometers:
     def end_step(self, loss=None, lr=None, grad_norm=None) -> None:
         """Close the step: scalars (floats or device tensors, never synced), group grad norms
         (global norm over this rank's gradients when `grad_norm` is None), one host copy."""
+        self._timer.start()
         buf = self._slots.buf
         for i, val in enumerate((loss, lr, grad_norm)):
             if isinstance(val, torch.Tensor):
                 buf[i].copy_(val.detach().reshape(()))
             elif val is not None:
                 buf[i].fill_(float(val))
+        if self._budget is not None:  # the per-layer norms may thin only while the global one comes from the caller
+            self._budget.grad_norm_given = grad_norm is not None
+        self._timer.stop(BASE)
         if self._grad_on and any(self._pseen):
-            sq = self._pnorm.square()
-            groups = torch.zeros(self._grad_slice.stop - self._grad_slice.start + 1, device=self.device)
-            groups[:-1].index_add_(0, self._dst, sq.index_select(0, self._src))
-            groups[-1] = sq.sum()
-            if self._sum_ranks is not None:  # shards: the squares add up over the ranks
-                self._sum_ranks(groups)
-                self._sum_ranks = None
-            groups.sqrt_()
-            buf[self._grad_slice].copy_(groups[:-1])
-            if grad_norm is None:
-                buf[2].copy_(groups[-1])
+            self._timer.start()
+            self._grad_groups(global_norm=grad_norm is None)
+            self._timer.stop(GRAD)
+        self._timer.start()
         self._act_on = self._attn_on = self._grad_on = self._update_on = False
         for a in self._attn:
             a.probe.mode = None
@@ -440,6 +488,7 @@ class Thermometers:
         if len(self._pending) == _MAX_PENDING:  # its host buffer is about to be reused
             self._pending.popleft()
             self.dropped += 1
+        extras = self._step_extras()
         out = buf if self.finish is None else self.finish(buf, self.finish_args)
         if self._host:
             if self._host[0].shape != out.shape or self._host[0].dtype != out.dtype:
@@ -450,9 +499,56 @@ class Thermometers:
             host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((self.step, host, event))
+            self._pending.append((self.step, host, event, extras))
         else:
-            self._pending.append((self.step, out.clone() if out is buf else out, None))
+            self._pending.append((self.step, out.clone() if out is buf else out, None, extras))
+        self._timer.stop(BASE)
+
+    def _grad_groups(self, global_norm: bool) -> None:
+        """Per-group gradient norms (and the global one) from the per-parameter norms."""
+        sq = self._pnorm.square()
+        groups = torch.zeros(self._grad_slice.stop - self._grad_slice.start + 1, device=self.device)
+        groups[:-1].index_add_(0, self._dst, sq.index_select(0, self._src))
+        groups[-1] = sq.sum()
+        if self._sum_ranks is not None:  # shards: the squares add up over the ranks
+            self._sum_ranks(groups)
+            self._sum_ranks = None
+        groups.sqrt_()
+        buf = self._slots.buf
+        buf[self._grad_slice].copy_(groups[:-1])
+        if global_norm:
+            buf[2].copy_(groups[-1])
+
+    def _step_extras(self) -> tuple[float, ...] | None:
+        """The budget's figures for this step: for collect() to fill on the host, or (None) already
+        in the device slots, where a finish reduces them across ranks."""
+        b = self._budget
+        if b is None:
+            return None
+        extras = (b.cost, *map(float, self._every))
+        if self.finish is None:
+            return extras
+        if b.version != self._extras_version:  # four fills every DECIDE_EVERY steps at most
+            self._extras_version = b.version
+            for i, v in enumerate(extras):
+                self._slots.buf[self._extras.start + i].fill_(v)
+        return None
+
+    @property
+    def cost(self) -> float:
+        """The measured fraction of the step the thermometers took over the last DECIDE_EVERY
+        steps, off-steps included (budget.py); NaN before the first window or without a budget."""
+        return self._budget.cost if self._budget is not None else float("nan")
+
+    @property
+    def cadence(self) -> dict[str, int]:
+        """Group -> every: the cadences in force (the budget's, or the config's fixed ones)."""
+        return {**dict(zip(BUDGETED, self._every)), "update": self.config.update_every}
+
+    @property
+    def over_budget(self) -> bool:
+        """The floors alone exceed the budget: the groups run at their slowest (warned once)."""
+        return self._budget is not None and self._budget.over_budget
 
     @property
     def pending_steps(self) -> list[int]:
@@ -466,14 +562,17 @@ class Thermometers:
         step returned."""
         if not self._pending:
             return None
-        step, host, event = self._pending[0]
+        step, host, event, extras = self._pending[0]
         if event is not None:
             if not block and not event.query():
                 return None
             event.synchronize()
         self._pending.popleft()
         self.last_step = step
-        return host.numpy().astype(np.float64)
+        values = host.numpy().astype(np.float64)
+        if extras is not None:
+            values[self._extras] = extras
+        return values
 
     def discard_pending(self) -> int:
         """Forget ended steps not collected (a rollback abandons their trajectory). Returns how many."""
@@ -505,6 +604,14 @@ class Thermometers:
 
 
 _MAX_PENDING = 2  # one per pinned host buffer
+
+
+def _bounds(cfg: ThermometerConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(fastest, slowest) act, attn and grad cadences under the budget: a group left at 1 spans
+    1 .. its floor, one set above 1 by hand stays where it was set."""
+    floors = (cfg.budget_max_every, ATTN_MAX_EVERY, cfg.budget_max_every)
+    fixed = (cfg.act_every, cfg.attn_every, cfg.grad_every)
+    return fixed, tuple(f if e > 1 else cap for e, cap, f in zip(fixed, floors, fixed))
 
 
 def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None, *,

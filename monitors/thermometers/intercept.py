@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from thermowatch.monitors.thermometers.attention import AttnProbe, sdpa_scores_stats, softmax_stats
+from thermowatch.monitors.thermometers.budget import ATTN, NullTimer, Timer
 
 DOCS = "docs/any-trainer.md#attention-logits"
 _SDPA = F.scaled_dot_product_attention
@@ -148,9 +149,13 @@ class Site:
 class Interceptor(TorchFunctionMode):
     """The one TorchFunctionMode of a Thermometers; on only inside sampled forwards of its sites."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Timer | None = None) -> None:
         super().__init__()
         self.stack: list[Site] = []  # the found modules running, innermost last
+        # budget.py: a read forward counts from the pre-hook to the forward hook, less the user's
+        # own calls (timed out in __torch_function__): the figure, and the mode's dispatch of every
+        # torch call inside the module, which cost as much as the figure on a 4L d128 CPU step.
+        self.timer = timer or NullTimer()
 
     def hooks(self, mod: nn.Module, site: Site) -> list[torch.utils.hooks.RemovableHandle]:
         def pre(m, args):
@@ -159,6 +164,7 @@ class Interceptor(TorchFunctionMode):
             site.calls = 0
             self.stack.append(site)
             if len(self.stack) == 1:
+                self.timer.start()
                 self.__enter__()
 
         def post(m, args, out):
@@ -167,6 +173,7 @@ class Interceptor(TorchFunctionMode):
             self.stack.pop()
             if not self.stack:
                 self.__exit__(None, None, None)
+                self.timer.stop(ATTN)
             if site.calls == 0 and not site.warned:
                 site.warned = True
                 warnings.warn(f"thermowatch: attention module {site.name!r} ({site.cls}) ran a sampled forward "
@@ -179,21 +186,24 @@ class Interceptor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA:
             self._measure(Site.on_sdpa, args, kwargs)
-            return func(*args, **kwargs)
+        self.timer.stop(ATTN)  # the user's own call is not the thermometers' cost
+        out = func(*args, **kwargs)
+        self.timer.start()
         if func in _SOFTMAX:
-            out = func(*args, **kwargs)
             self._measure(Site.on_softmax, args, kwargs, out)
-            return out
-        return func(*args, **kwargs)
+        return out
 
     def _measure(self, method, *a) -> None:
         site = self.stack[-1]
         if site.broken:
             return
         site.calls += 1
+        self.timer.start()
         try:
             method(site, *a)
         except Exception as exc:  # a thermometer never stops the training step
             site.broken = True
             warnings.warn(f"thermowatch: attention logits of {site.name!r} ({site.cls}) could not be computed "
                           f"({exc!r}); its slots stay NaN from now on", stacklevel=3)
+        finally:
+            self.timer.stop(ATTN)

@@ -11,12 +11,13 @@ import torch
 
 
 class Slots:
-    def __init__(self, size: int, device: torch.device) -> None:
+    def __init__(self, size: int, device: torch.device, keep: int = 0) -> None:
         self.buf = torch.full((size,), float("nan"), dtype=torch.float32, device=device)
         self.seen = [False] * size  # host-side flags: first write copies, later ones combine
+        self._reset = self.buf[: size - keep]  # the last `keep` slots are written when they change
 
     def reset(self) -> None:
-        self.buf.fill_(float("nan"))
+        self._reset.fill_(float("nan"))
         self.seen = [False] * len(self.seen)
 
     def put(self, start: int, values: torch.Tensor) -> None:
