@@ -4,7 +4,8 @@
     with instrument(model) as th:
         th.begin_step(step); ...; th.end_step(loss=loss, lr=lr); values = th.collect()
 
-See core.py for the step protocol and its cost, config.py for what is measured.
+See core.py for the step protocol and its cost, config.py for what is measured, budget.py for
+the cost budget that sets how often.
 """
 
 from thermowatch.monitors.thermometers.attention import AttnProbe, mha_scores_max

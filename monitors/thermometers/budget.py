@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from thermowatch.monitors.thermometers.config import ThermometerConfig
+
 log = logging.getLogger("thermowatch")
 
 # The groups a timer tells apart. The budget sets the cadence of the first three; UPDATE runs at
@@ -199,6 +201,14 @@ def all_ranks_max(x: np.ndarray, device: torch.device) -> np.ndarray:
     t = torch.from_numpy(x).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu().numpy()
+
+
+def bounds(cfg: ThermometerConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(fastest, slowest) act, attn and grad cadences under the budget: a group left at 1 spans
+    1 .. its floor, one set above 1 by hand stays where it was set."""
+    floors = (cfg.budget_max_every, ATTN_MAX_EVERY, cfg.budget_max_every)
+    fixed = (cfg.act_every, cfg.attn_every, cfg.grad_every)
+    return fixed, tuple(f if e > 1 else cap for e, cap, f in zip(fixed, floors, fixed))
 
 
 class Budget:

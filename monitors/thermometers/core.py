@@ -46,32 +46,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from thermowatch.monitors.contract import (
-    ACT_MAX,
-    ACT_MIN,
-    ATTN_ENTROPY_MIN,
-    ATTN_LOGIT_LSE,
-    ATTN_LOGIT_MAX,
-    GRAD_NORM,
-    LOSS,
-    LR,
-    THERMOMETER_COST,
-    THERMOMETER_EVERY,
-    UPDATE_RATIO,
-    Z,
-    metric_key,
-)
 from thermowatch.monitors.thermometers.attention import AttnProbe, mha_scores_stats
 from thermowatch.monitors.thermometers.budget import (
-    ACT, ATTN, ATTN_MAX_EVERY, BASE, BUDGETED, GRAD, UPDATE, Budget, NullTimer, Timer, timer_for,
+    ACT, ATTN, BASE, BUDGETED, GRAD, UPDATE, Budget, NullTimer, Timer, bounds, timer_for,
 )
 from thermowatch.monitors.thermometers.config import ThermometerConfig
-from thermowatch.monitors.thermometers.intercept import Interceptor, Site, find
+from thermowatch.monitors.thermometers.intercept import Interceptor, Site
+from thermowatch.monitors.thermometers.layout import layout, select
 from thermowatch.monitors.thermometers.slots import Slots
 from thermowatch.monitors.thermometers.update import UpdateRatio
-
-_SCALARS = (LOSS, LR, GRAD_NORM)  # slots 0, 1, 2: given by the caller in end_step
-
 
 def _first_float_tensor(out) -> torch.Tensor | None:
     """A module's output, or the first floating tensor of a tuple/list output (HF models,
@@ -110,45 +93,6 @@ class _Attn:
     mode: str  # what probe.mode becomes on sampled steps
 
 
-def _n_head(mod: nn.Module) -> int | None:
-    """Heads of an attention module, by the names nanoGPT, torch and Hugging Face use."""
-    for obj, attr in ((mod, "num_heads"), (mod, "n_head"), (mod, "num_attention_heads"),
-                      (getattr(mod, "config", None), "num_attention_heads")):
-        val = getattr(obj, attr, None)
-        if isinstance(val, int) and val > 0:
-            return val
-    return None
-
-
-def _attn_kind(name: str, mod: nn.Module, cfg: ThermometerConfig) -> str | None:
-    """How this module's attention logits are read, or None when it is not attention. Raises
-    AttentionNotProbed (intercept.py) now, naming the module, for one that cannot be read."""
-    if hasattr(mod, "thermo_probe"):
-        return "probe"
-    if isinstance(mod, nn.MultiheadAttention):
-        return "mha" if isinstance(mod, cfg.attn_types) else None
-    return "found" if find(name, mod, isinstance(mod, cfg.attn_types), cfg.attn_find) else None
-
-
-def _select(model: nn.Module, cfg: ThermometerConfig):
-    """The modules each group instruments, by the config's patterns and types: (act, z, attention
-    with its kind, grad-norm groups), in the model's module order."""
-    act, z, attn, groups = [], [], [], []
-    for name, mod in model.named_modules():
-        if not name:
-            continue
-        if cfg.matches(cfg.act_patterns, name) or isinstance(mod, cfg.act_types):
-            act.append((name, mod))
-        if cfg.matches(cfg.z_patterns, name):
-            z.append((name, mod))
-        kind = _attn_kind(name, mod, cfg)
-        if kind is not None:
-            attn.append((name, mod, kind))
-        if cfg.matches(cfg.grad_patterns, name):
-            groups.append((name, mod))
-    return act, z, attn, groups
-
-
 class Thermometers:
     """Build with `instrument(model, config)`. `names` is the fixed order of `collect()`."""
 
@@ -159,15 +103,16 @@ class Thermometers:
         param = next(model.parameters(), None)
         # The slots must live where the activations do, or every hook becomes a D2H sync.
         self.device = torch.device(device) if device is not None else param.device if param is not None else torch.device("cpu")
-        act, z, attn, groups = _select(model, cfg)
-        names, act_slots, z_slots, attn_slots, update_start = self._layout(act, z, attn, groups)
-        self.names: list[str] = names
-        self._slots = Slots(len(names), self.device, keep=len(names) - self._extras.start)
+        act, z, attn, groups = select(model, cfg)
+        lay = layout(cfg, act, z, attn, groups)
+        names = self.names = lay.names
+        self._grad_slice, self._extras = lay.grad, lay.extras
+        self._slots = Slots(len(names), self.device, keep=lay.extras.stop - lay.extras.start)
         self._budget: Budget | None = None
         self._timer: Timer = NullTimer()
         if cfg.budget is not None:
             self._timer = timer_for(self.device)
-            self._budget = Budget(cfg.budget, *_bounds(cfg), self._timer, self.device)
+            self._budget = Budget(cfg.budget, *bounds(cfg), self._timer, self.device)
         self._every = (cfg.act_every, cfg.attn_every, cfg.grad_every)  # in force this step
         self._extras_version = -1  # the budget's version last written into the device slots
 
@@ -179,60 +124,9 @@ class Thermometers:
         self._attn: list[_Attn] = []
         self._head_index: dict[tuple[int, int], torch.Tensor] = {}
         self._intercept = Interceptor(self._timer)
-        self._hook_forward(act, act_slots, z, z_slots, attn_slots)
-        self._hook_grads(model, groups, grad_hooks, update_start)
+        self._hook_forward(act, lay.act, z, lay.z, lay.attn)
+        self._hook_grads(model, groups, grad_hooks, lay.update)
         self._host_buffers(len(names))
-
-    def _layout(self, act, z, attn, groups):
-        """Every key's slot in the step's vector: the scalars, act max/min per module, z, the
-        attention figures (and per head, entropy), grad norms, update ratios. Returns (names,
-        act slots, z slots, attention slot specs, the update ratios' first slot)."""
-        cfg = self.config
-        names: list[str] = list(_SCALARS)
-        act_slots = {}
-        for name, _ in act:
-            act_slots[name] = len(names)
-            names += [metric_key(ACT_MAX, name), metric_key(ACT_MIN, name)]
-        z_slots = {}
-        for name, _ in z:
-            z_slots[name] = len(names)
-            names.append(metric_key(Z, name))
-        attn_slots = []
-        for name, mod, kind in attn:
-            # A found module's figure is always an explicit max: of the first attn_entropy_batch
-            # sequences ("sample", the cheap default) or of all of them ("exact").
-            mode = {"probe": cfg.attn_mode, "mha": "exact"}.get(kind, "exact" if cfg.attn_mode == "exact" else "sample")
-            metric = ATTN_LOGIT_LSE if mode == "lse" else ATTN_LOGIT_MAX
-            n_head = _n_head(mod)
-            if (cfg.per_head or cfg.attn_heads is not None) and not n_head:
-                raise ValueError(
-                    f"attention module {name!r} ({type(mod).__name__}) has no `n_head`/`num_heads`/`num_attention_heads`; "
-                    "per_head and attn_heads need it: set ThermometerConfig(per_head=False, attn_heads=None)"
-                )
-            slot = len(names)
-            names.append(metric_key(metric, name))
-            if cfg.per_head:
-                names += [metric_key(metric, f"{name}.heads.{h}") for h in range(n_head)]
-            ent_slot = None
-            if cfg.attn_entropy:
-                ent_slot = len(names)
-                names.append(metric_key(ATTN_ENTROPY_MIN, name))
-            attn_slots.append((name, mod, slot, n_head or 0, kind, mode, ent_slot))
-        grad_start = len(names)
-        names += [metric_key(GRAD_NORM, name) for name, _ in groups]
-        self._grad_slice = slice(grad_start, len(names))
-        update_start = len(names)
-        if cfg.update_ratio:
-            names.append(UPDATE_RATIO)
-            names += [metric_key(UPDATE_RATIO, name) for name, _ in groups]
-        # The budget's own figures, last (slots 0, 1, 2 stay loss, lr, grad_norm): filled on the host
-        # in collect(), or under a finish (the cross-rank reduction) into their device slots when
-        # they change, every DECIDE_EVERY steps at most (Slots keeps them across resets).
-        extras_start = len(names)
-        if cfg.budget is not None:
-            names += [THERMOMETER_COST] + [metric_key(THERMOMETER_EVERY, g) for g in BUDGETED]
-        self._extras = slice(extras_start, len(names))
-        return names, act_slots, z_slots, attn_slots, update_start
 
     def _hook_forward(self, act, act_slots, z, z_slots, attn_slots) -> None:
         """The forward's hooks and probes: activations, z, and each attention by its kind."""
@@ -604,14 +498,6 @@ class Thermometers:
 
 
 _MAX_PENDING = 2  # one per pinned host buffer
-
-
-def _bounds(cfg: ThermometerConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(fastest, slowest) act, attn and grad cadences under the budget: a group left at 1 spans
-    1 .. its floor, one set above 1 by hand stays where it was set."""
-    floors = (cfg.budget_max_every, ATTN_MAX_EVERY, cfg.budget_max_every)
-    fixed = (cfg.act_every, cfg.attn_every, cfg.grad_every)
-    return fixed, tuple(f if e > 1 else cap for e, cap, f in zip(fixed, floors, fixed))
 
 
 def instrument(model: nn.Module, config: ThermometerConfig | None = None, device=None, *,
