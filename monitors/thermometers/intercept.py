@@ -187,8 +187,10 @@ class Interceptor(TorchFunctionMode):
         if func is _SDPA:
             self._measure(Site.on_sdpa, args, kwargs)
         self.timer.stop(ATTN)  # the user's own call is not the thermometers' cost
-        out = func(*args, **kwargs)
-        self.timer.start()
+        try:
+            out = func(*args, **kwargs)
+        finally:  # the forward hook's stop(ATTN) stays paired, even when the call raises
+            self.timer.start()
         if func in _SOFTMAX:
             self._measure(Site.on_softmax, args, kwargs, out)
         return out

@@ -150,6 +150,40 @@ def test_the_thread_timer_measures_a_region_of_known_work():
     assert statistics.median(ns[0] / w for ns, w in zip(got, walls)) == pytest.approx(1.0, abs=0.25)
 
 
+def test_a_region_left_open_ends_with_its_step():
+    """A hook that raised between start() and stop() does not skew the timing of the steps after."""
+    timer = ThreadTimer()
+    timer.mark((True,) * 5)
+    timer.start()  # never stopped
+    timer.mark((True,) * 5)
+    timer.start()
+    sum(range(20_000))
+    timer.stop(2)
+    timer.mark((True,) * 5)
+    first, second = (ns for _, _, ns in timer.finished())
+    assert sum(first) == 0 and second[2] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_the_cuda_timer_reads_its_events_once_done():
+    from thermowatch.monitors.thermometers.budget import CudaTimer
+
+    timer = CudaTimer()
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        timer.mark((True,) * 5)
+        x @ x  # the step's own work
+        timer.start()
+        x @ x
+        timer.stop(0)
+    timer.mark((True,) * 5)
+    torch.cuda.synchronize()  # a test may wait; the thermometers never do
+    got = list(timer.finished())
+    assert len(got) == 3 and not list(timer.finished())  # each step once
+    for _, step_ns, ns in got:
+        assert 0 < ns[0] < step_ns and sum(ns[1:]) == 0
+
+
 def test_a_generous_budget_keeps_every_group_every_step():
     model = _deep()
     th = instrument(model, ThermometerConfig(budget=1.0))
