@@ -70,6 +70,7 @@ from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
 from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed, resumed_by_rollback
@@ -161,6 +162,7 @@ class Watch(Directed):
             # gradient norms read from .grad in the optimizer post-hook (_after_optimizer_step)
             self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None,
                                  grad_hooks=False)
+            self._unread = Unread(self.th.names)
             if self.dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
                 self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
                 self._reducer = Reducer(self.th.names)
@@ -298,7 +300,8 @@ class Watch(Directed):
             ranks: dict[str, int] = {}
             if self._reducer is not None:
                 vals, ranks = self._reducer.unpack(vals)
-            self._emit(self.th.last_step, self.th.as_dict(vals), extra, ranks)
+            # a budget's unread figures are absent, not NaN (issue 36)
+            self._emit(self.th.last_step, self._unread.as_dict(vals, self.th.last_step), extra, ranks)
             vals = self.th.collect(block=block)
 
     def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float],

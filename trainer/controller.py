@@ -60,6 +60,7 @@ from thermowatch.trainer.lifecycle import (
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
 from thermowatch.monitors.reduce import Reducer
+from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CommandBook, Directed, Directive, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
@@ -229,9 +230,10 @@ class RunController(Directed):
         if self._ckpt_failures or self._ckpt_recovered:
             extra[CHECKPOINT_FAILURES] = float(self._ckpt_failures)
             self._ckpt_recovered = False
+        read = self._unread.as_dict(values, meta["step"])  # a budget's unread figures are absent, not NaN
         rec = StepRecord(
             step=meta["step"],
-            values={**dict(zip(self.gang.names, values.tolist())), **extra},
+            values={**read, **extra},
             sample_lo=meta["sample_lo"],
             sample_hi=meta["sample_hi"],
             tokens=meta["tokens"],
@@ -286,6 +288,7 @@ class RunController(Directed):
         self._healthy = True
         self._last_ckpt_step = self.step if ckpt is not None else -1
         self.reducer = Reducer(self.gang.names)
+        self._unread = Unread(list(self.gang.names))  # a thermometer budget's figures (issue 36)
         log.info("run %s attempt %d from step %d (%s)", self.cfg.run_id, self.attempt, self.step, reason)
         self._enter(Running(self.attempt, self.step))
         self._tell(

@@ -1,0 +1,48 @@
+"""A thermometer budget under thermowatch.watch, end to end (issue 36): a budget tight enough to
+thin every group it may must not make the supervisor see NaN where nothing was read (before,
+non_finite read a thinned act_max's NaN as broken and a healthy run was rolled back), and the run
+carries what its thermometers cost and the cadence in force."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import thermowatch
+from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
+from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import findings as findings_store
+from thermowatch.supervisor.store import thermometers as thermo_store
+
+STEPS = 70  # two budget decisions (every 32 steps)
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_a_thinned_group_is_not_read_as_non_finite_and_the_cost_is_a_figure_of_the_run(db, tmp_path):
+    torch.manual_seed(0)
+    model = user_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
+    budget = thermowatch.ThermometerConfig(budget=1e-6)  # every group down to its floor
+    tw = thermowatch.watch(model, opt, run="budget", steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=1000, supervisor_config=cfg, poll_interval_s=0.05, thermometers=budget)
+    for step in tw.steps():
+        tw.record(train_step(model, opt, *user_batch(DATA, torch.as_tensor(tw.batch_ids(step)))))
+    tw.close()
+    assert tw.th.cadence["act"] > 1 and tw.th.cadence["attn"] == 4, tw.th.cadence
+    sup = tw.run.supervisor
+    with sup.sessions() as s:
+        acted = actions_store.actions(s, "budget")
+        found = findings_store.findings(s, "budget")
+        keys = thermo_store.series_keys(s, "budget")
+        act = next(k for k in keys if k.startswith("act_max/"))
+        steps, values = thermo_store.history(s, "budget", act)[:2]
+    assert not acted, [(a.kind, a.reason) for a in acted]
+    assert not found, [(f.finding.signal, f.finding.metric, f.finding.detect_step, f.finding.evidence) for f in found]
+    assert "thermometer_cost" in keys and "thermometer_every/act" in keys
+    # the act group was read on some steps only, and what was stored is what was read
+    assert 0 < len(steps) < STEPS and all(math.isfinite(v) for v in values)
+    assert math.isfinite(tw.th.cost) and 0 <= tw.th.cost < 1
