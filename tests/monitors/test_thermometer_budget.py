@@ -129,11 +129,13 @@ def test_budget_is_validated():
 
 
 def test_the_thread_timer_measures_a_region_of_known_work():
-    """thread_time_ns is fine enough: a ~2 ms region reads within 25% of the wall clock around it
-    (one thread of pure Python work), and nested regions count once."""
+    """thread_time_ns is fine enough: a ~2 ms region of pure Python work reads as the wall clock
+    around it (within 25%) whenever the thread was not preempted, which on a loaded machine some
+    of 20 regions are not (a clock ticking in 4 ms jiffies would read 0 or 4 ms for every one),
+    and nested regions count once."""
     timer = ThreadTimer()
     walls = []
-    for i in range(5):
+    for i in range(20):
         timer.mark((True,) * 5)
         t0 = time.perf_counter_ns()
         timer.start()
@@ -146,8 +148,9 @@ def test_the_thread_timer_measures_a_region_of_known_work():
         walls.append(time.perf_counter_ns() - t0)
     timer.mark((True,) * 5)
     got = [ns for _, _, ns in timer.finished()]
-    assert len(got) == 5 and all(ns[1] == 0 for ns in got)
-    assert statistics.median(ns[0] / w for ns, w in zip(got, walls)) == pytest.approx(1.0, abs=0.25)
+    assert len(got) == 20 and all(ns[1] == 0 for ns in got)
+    ratios = [ns[0] / w for ns, w in zip(got, walls)]
+    assert max(ratios) == pytest.approx(1.0, abs=0.25) and max(ratios) < 1.05, ratios  # CPU time <= wall time
 
 
 def test_a_region_left_open_ends_with_its_step():
