@@ -65,6 +65,7 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
         # Submitted as an operator would, while it trains: each is carried out at a later step
         # boundary (the poll runs on the client's own thread), never inside this step.
         if step == 5 and "skip" not in submitted:
+            tw.run.flush()  # registered (the background thread's first call): a loaded machine lags it
             submitted["skip"] = sup.executor.submit("mine", "skip", {"skip_ranges": [[120, 140]]}, "ana", "bad shard")
         if step == 25 and "set_lr" not in submitted:
             submitted["set_lr"] = sup.executor.submit("mine", "set_lr", {"lr_multiplier": 0.5}, "ana", "too hot")
