@@ -194,6 +194,7 @@ class DetectorBank:
         (returns []); without it (replay), a step going back is an unannounced rollback."""
         if self._judged_before(record.step, attempt):
             return []
+        self._went_back(record.step)
         keys = tuple(record.values)
         values = np.fromiter(record.values.values(), np.float64, len(keys))
         return self._observe(record.step, keys, values, record.wall_time, record.values.get, record.ranks, attempt)
@@ -270,6 +271,7 @@ class DetectorBank:
         if not len(cols):
             return []
         keys, steps, values = tuple(cols.keys), cols.steps, cols.values
+        self._went_back(int(steps[0]))  # before any row is judged in bulk past it
         plan = self._plan(keys)
         if len(cols) > YOUNG_SPLIT and (any(b.filling(rows, len(cols), YOUNG_SPLIT) for _, b, _, rows in plan)
                                         or self.witnesses.filling(len(cols), YOUNG_SPLIT)
@@ -313,6 +315,19 @@ class DetectorBank:
             for bank in self.series.values():
                 bank.end_batch()
         return out
+
+    def _went_back(self, step: int) -> None:
+        """A step at or before the newest one judged, without reset(): an unannounced rollback
+        (a replay) or a re-sent record. Every series forgets its points from `step` on, those the
+        record does not carry too: a figure read every few steps (issue 36) is absent from most
+        records, and a point of the abandoned path must not stay in its window. (A series the
+        record carries would be rewound by its bank anyway; the witnesses rewind themselves.)"""
+        newest = self.witnesses.step  # the newest step observed (-1: none; a reset rewinds it)
+        if newest < 0 or step > newest:
+            return
+        for bank in self.series.values():
+            bank.step_back(step)
+        self.outlier.step_back(step)
 
     def check(self, now: float) -> list[Finding]:
         """Wall-clock checks (stall). `now` must be on the same clock as record.wall_time."""

@@ -32,7 +32,8 @@ CHUNK = 8  # ring slots per saved chunk: one step dirties 1/16 of a 128-slot rin
 NO_STEP = np.iinfo(np.int64).min  # "no last step" (None in the per-series design)
 SEVERITIES = (Severity.INFO, Severity.WARN, Severity.CRITICAL)
 OUTCOMES = tuple(Outcome)
-_SCALARS = ("pos", "length", "seen", "last_step", "run", "first_exceed", "lsev", "lout", "lonset", "lclear")
+# born: the step of the row's first point (NO_STEP: none yet, or all forgotten), for its age in steps
+_SCALARS = ("pos", "length", "seen", "last_step", "run", "first_exceed", "lsev", "lout", "lonset", "lclear", "born")
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class Rows:
         old = getattr(self, "steps", None)
         steps = np.zeros((cap, self.H), np.int64)
         vals = np.zeros((cap, self.H), np.float64)
-        fill = {"last_step": NO_STEP, "first_exceed": -1, "lsev": -1, "lout": -1, "lonset": -1}
+        fill = {"last_step": NO_STEP, "first_exceed": -1, "lsev": -1, "lout": -1, "lonset": -1, "born": NO_STEP}
         scal = {k: np.full(cap, fill.get(k, 0), np.int64) for k in _SCALARS}
         if old is not None:
             n = old.shape[0]
@@ -120,6 +121,7 @@ class Rows:
         p = self.pos[rows]
         self.steps[rows, p] = step
         self.vals[rows, p] = ys
+        self.born[rows] = np.where(self.born[rows] == NO_STEP, step, self.born[rows])
         self.pos[rows] = (p + 1) % self.H
         self.length[rows] = np.minimum(self.length[rows] + 1, self.H)
         lo, hi = int(p.min()), int(p.max())
@@ -136,6 +138,7 @@ class Rows:
             return
         first = max(0, K - self.H)
         p = self.pos[rows]
+        self.born[rows] = np.where(self.born[rows] == NO_STEP, steps[0], self.born[rows])
         if (p == p[0]).all():  # the usual case: one position for all, so at most two column slices
             a = (int(p[0]) + first) % self.H
             for lo, hi, src in ((a, min(self.H, a + K - first), 0), (0, max(0, a + K - first - self.H), self.H - a)):
@@ -243,6 +246,12 @@ class Rows:
                 r = rows[at]
                 yield at, self.vals[r[:, None], self._slots(r, int(size), skip_last)]
 
+    def age(self, rows: np.ndarray, step: int, first: int) -> np.ndarray:
+        """Steps from each row's first point to `step`, both counted; `first` stands for the
+        first point of a row without one (the step of the first point to come)."""
+        born = self.born[rows]
+        return step - np.where(born == NO_STEP, first, born) + 1
+
     def sizes(self, rows: np.ndarray, n: int, skip_last: int = 0) -> np.ndarray:
         return np.clip(np.minimum(n, self.length[rows] - skip_last), 0, None)
 
@@ -254,12 +263,14 @@ class Rows:
         if to_step is None:
             dropped = self.length[rows].copy()
             self.length[rows] = 0
+            self.born[rows] = NO_STEP
             return dropped
         order = self._slots(rows, self.H, 0)
         valid = np.arange(self.H)[None, :] >= (self.H - self.length[rows])[:, None]
         dropped = ((self.steps[rows[:, None], order] >= to_step) & valid).sum(axis=1)
         self.length[rows] -= dropped
         self.pos[rows] = (self.pos[rows] - dropped) % self.H
+        self.born[rows] = np.where(self.born[rows] >= to_step, NO_STEP, self.born[rows])
         return dropped
 
     # --- counters and the latch -----------------------------------------------------------
@@ -317,7 +328,8 @@ class Rows:
             self.add(key)
         n = len(self.keys)
         for k in _SCALARS:
-            getattr(self, k)[:n] = arrays[k]
+            if k in arrays:
+                getattr(self, k)[:n] = arrays[k]
         for c in range((self.H + CHUNK - 1) // CHUNK):
             data = parts.get(f"{prefix}.ring.{c}")
             if data is None:
@@ -325,6 +337,10 @@ class Rows:
             a, _ = unpack(data)
             m, sl = min(a["steps"].shape[0], n), slice(c * CHUNK, c * CHUNK + a["steps"].shape[1])
             self.steps[:m, sl], self.vals[:m, sl] = a["steps"][:m], a["vals"][:m]
+        if "born" not in arrays:  # saved before rows had it: the oldest point the ring still holds
+            rows = np.arange(n)
+            oldest = self.steps[rows, (self.pos[rows] - self.length[rows]) % self.H]
+            self.born[:n] = np.where(self.length[:n] > 0, oldest, NO_STEP)
         self.dirty = set()
 
 

@@ -98,11 +98,18 @@ def estimate_onset(
     min_baseline: int = 4,
 ) -> tuple[int, str]:
     """Onset for a finding: the change point when credible and not later than the first step
-    that crossed the detector's band, else that first crossing. Returns (step, method)."""
+    that crossed the detector's band, else that first crossing. Returns (step, method).
+
+    Either way the onset is the step after the last point read before the change: on a series
+    read every step that is the change's first point; on one read every k-th step (issue 36: a
+    thermometer group on its cadence) the change may have begun on any step since that reading,
+    and a rollback before the onset must undo all of them."""
     cp = change_point(steps, values, min_baseline=min_baseline)
     if cp is not None and cp.onset_step <= first_exceed_step:
-        return cp.onset_step, "change_point"
-    return first_exceed_step, "first_exceed"
+        return cp.last_baseline_step + 1, "change_point"
+    t = np.asarray(steps, dtype=np.float64)
+    before = t[t < first_exceed_step]
+    return (int(before.max()) + 1 if before.size else first_exceed_step), "first_exceed"
 
 
 def _best_upward_fit(u: np.ndarray, y: np.ndarray, post: np.ndarray, hinge: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

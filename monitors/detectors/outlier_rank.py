@@ -94,13 +94,21 @@ class OutlierRankDetector:
         found = self._step([key], step, np.array([int(rank)], np.int64))
         return found[0] if found else None
 
+    def step_back(self, step: int, rows: np.ndarray | None = None) -> None:
+        """Steps went back to `step` without reset(): `rows` (default: every key) forget their
+        ranks from `step` on, and their latch."""
+        R = self._rows
+        if rows is None:
+            rows = as_rows(range(len(R)))
+        back = rows[(R.length[rows] > 0) & (R.last_step[rows] >= step)]
+        if back.size:
+            R.rewind(back, step)
+            self._latched[back] = -1
+
     def _step(self, keys: list[str], step: int, ranks: np.ndarray) -> list[Finding]:
         c, R = self.config, self._rows
         rows = self._row_of(keys)
-        back = rows[(R.length[rows] > 0) & (R.last_step[rows] >= step)]
-        if back.size:  # steps went back for these keys: forget from `step` on, and the latch
-            R.rewind(back, step)
-            self._latched[back] = -1
+        self.step_back(step, rows)
         R.append(rows, step, ranks.astype(np.float64))
         R.last_step[rows] = step
         # Each key is judged with the ranks seen up to it (this step's keys in record order).

@@ -123,18 +123,23 @@ class SeriesBank:
         self.module.append(mod)
 
     def observe(self, step: int, rows: np.ndarray, values: np.ndarray) -> Found:
+        self.step_back(step, rows)
+        self.rows.last_step[rows] = step
+        return self._update(rows, step, values)
+
+    def step_back(self, step: int, rows: np.ndarray | None = None) -> None:
+        """Steps went back to `step` without reset() (an unannounced rollback, or a re-sent
+        record): `rows` (default: all) forget their points from `step` on. Keep a latch whose
+        excursion began before `step`, so a duplicate does not raise the same finding twice."""
         R = self.rows
+        if rows is None:
+            rows = as_rows(range(len(R)))
         back = rows[R.last_step[rows] >= step]
         if back.size:
-            # Steps went back without reset(): an unannounced rollback, or a re-sent record.
-            # Keep a latch whose excursion began before `step`, so a duplicate does not
-            # raise the same finding twice.
             keep = back[(R.lsev[back] >= 0) & (R.lonset[back] < step)]
             saved = [R.lsev[keep], R.lout[keep], R.lonset[keep], R.lclear[keep]]
             self.reset_rows(back, step)
             R.lsev[keep], R.lout[keep], R.lonset[keep], R.lclear[keep] = saved
-        R.last_step[rows] = step
-        return self._update(rows, step, values)
 
     def _update(self, rows: np.ndarray, step: int, values: np.ndarray) -> Found:  # pragma: no cover
         raise NotImplementedError
@@ -212,13 +217,18 @@ class SeriesBank:
         n = self.rows.length[rows]
         return bool(((n < need) & (n + K >= need + piece)).any())
 
-    def _quiet_candidates(self, rows: np.ndarray, every: np.ndarray, points: int = 0, warmup: int = 0) -> np.ndarray:
+    def _quiet_candidates(self, rows: np.ndarray, every: np.ndarray, points: int = 0, warmup: int = 0,
+                          first_step: int | None = None) -> np.ndarray:
         """Indices into `rows` with a value at every step (`every`), no active latch, past
-        `warmup` from the batch's first step, and at least `points` points in the ring (the
-        newest `points` of the ring, then the batch, hold every window of the batch at its full
-        size: the one `blocks` would give)."""
+        `warmup` points at the batch's first step (or `warmup` steps of age there, with
+        `first_step`: SpikeBank's rule), and at least `points` points in the ring (the newest
+        `points` of the ring, then the batch, hold every window of the batch at its full size:
+        the one `blocks` would give)."""
         R = self.rows
-        return np.flatnonzero(every & (R.lsev[rows] < 0) & (R.seen[rows] + 1 > warmup) & (R.length[rows] >= points))
+        age = R.seen[rows] + 1
+        if first_step is not None:
+            age = np.maximum(age, R.age(rows, first_step, first_step))
+        return np.flatnonzero(every & (R.lsev[rows] < 0) & (age > warmup) & (R.length[rows] >= points))
 
     def reset(self, to_step: int | None = None) -> None:
         """After a rollback to `to_step`: forget points at or after it, drop the latches. With

@@ -25,7 +25,10 @@ class SpikeConfig:
     window: int = 128  # trailing points for median/MAD (OLMo-core's window is 128 steps too)
     z: float = 6.0  # robust z; 6 as OLMo-core, but on MAD so one outlier does not mask the next
     confirm: int = 2  # consecutive points: a lone bad batch is common and usually harmless
-    warmup: int = 100  # points before any finding: early training falls and jumps fast
+    # Steps of a series' age before any finding: early training falls and jumps fast. Counted in
+    # steps, as the reason is: a per-layer norm read every 16th step is past it at step ~100 too
+    # (its window then asks for min_points points), not at its 100th reading (issue 36).
+    warmup: int = 100
     clear_steps: int = 5  # in-band points before the same series may raise again
     history: int = 128  # points kept: the baseline window and the onset search
     # Points searched back for the onset: enough baseline before a change caught within
@@ -92,8 +95,9 @@ class SpikeBank(SeriesBank):
         every, ys = self.batch_values(values)
         K, cols = len(steps), np.flatnonzero(every)  # ys holds the columns of `every`
         # In warm-up at every step of the batch (_update's `live` is False): the ring only fills.
-        warm = np.flatnonzero(every & (R.lsev[rows] < 0) & (R.seen[rows] + K <= c.warmup))
-        at = self._quiet_candidates(rows, every, points=c.window, warmup=c.warmup)
+        age = np.maximum(R.seen[rows] + K, R.age(rows, int(steps[-1]), int(steps[0])))
+        warm = np.flatnonzero(every & (R.lsev[rows] < 0) & (age <= c.warmup))
+        at = self._quiet_candidates(rows, every, points=c.window, warmup=c.warmup, first_step=int(steps[0]))
         if at.size:
             y = ys[:, np.searchsorted(cols, at)]
             yt = np.ascontiguousarray(y.T)
@@ -114,8 +118,11 @@ class SpikeBank(SeriesBank):
         ok, ys = self.transform(values)  # non_finite.py owns NaN/Inf; keep them out of the median
         idx = np.flatnonzero(ok)
         rows, vals = rows[idx], values[idx]
-        # The window *before* this point, for the rows past warm-up with enough of it.
-        live = (R.seen[rows] + 1 > c.warmup) & (R.sizes(rows, c.window) >= min(c.min_points, c.window // 4))
+        # The window *before* this point, for the rows past warm-up with enough of it. Warm-up is
+        # the series' age: its points, or the steps since its oldest one where they are more (a
+        # series read every few steps, issue 36).
+        age = np.maximum(R.seen[rows] + 1, R.age(rows, step, step))
+        live = (age > c.warmup) & (R.sizes(rows, c.window) >= min(c.min_points, c.window // 4))
         lrows = rows[live]
         med, sigma = robust_rows(R, lrows, c.window)
         R.append(rows, step, ys)

@@ -10,8 +10,11 @@ corroboration").
     entropy_collapse  a layer's minimum attention entropy (attn_entropy_min/<module>) fell to a
                       fraction of its baseline (ViT-22B: logit growth -> entropy collapse ->
                       divergence)
-    update_growth     a layer's update-to-weight ratio (update_ratio/<module>) is a multiple of
-                      its baseline
+    update_growth     a layer's update-to-weight ratio (update_ratio/<module>) per unit of LR is a
+                      multiple of its baseline: updates large for the LR in force. A raise of
+                      the LR (a schedule's warm-up, an operator's x30) makes every update larger
+                      and is no harm by itself (issue 24); lr_jump.py judges raises. A record
+                      without `lr` leaves its update ratios unjudged
 
 A forecast, not a witness: `lr_peak_ahead` (sent by the trainer with every step: the largest LR
 its schedule will still train at) over the step's LR. A logit over the ceiling while the
@@ -34,7 +37,10 @@ speaks hundreds of steps later (issue 8: no thermometer tells, at the crossing, 
 be damaged from one that will not; bench/lead_analysis.py).
 
 Each witness only speaks when its series is there: a trainer without the entropy or
-update-ratio thermometers is judged on the others. The bank updates one Witnesses per run from
+update-ratio thermometers is judged on the others. A series read every few steps (issue 36: a
+thermometer group on its cadence, absent in between; a NaN update ratio or entropy, "not
+measured") speaks from its latest reading until the next one is due: a step it was not read on is
+not a step on which it stopped speaking (`_standing`). The bank updates one Witnesses per run from
 each record before the per-series detectors run, so a detector at step s sees the witnesses of
 step s. Pure, bounded, restartable (state_dict / load_state_dict), like every detector.
 """
@@ -83,14 +89,16 @@ class WitnessConfig:
     loss_margin: float = 0.08
     # ... for this many points in a row: one noisy batch in the trailing mean is not harm.
     loss_confirm: int = 5
-    # Spread of the recent (last `recent` points) median against a baseline (the `baseline`
-    # points before them), for the other witnesses.
+    # Spread of the recent (last `recent` readings) median against a baseline (the readings of
+    # the `baseline` steps before them: a stretch of training, so a series read every few steps,
+    # issue 36, is compared with its level lately, not since its early steps), for the other
+    # witnesses.
     recent: int = 8
     baseline: int = 64
     grad_ratio: float = 2.0  # gradient norm doubled: clipping is now doing the training
     z_rise: float = 2.0  # nats: the output softmax normaliser grew e^2 ~ 7x (PaLM's z-loss target)
     entropy_fraction: float = 0.5  # a layer's min attention entropy halved: attention collapsing
-    update_ratio: float = 3.0  # updates 3x their usual size relative to the weights
+    update_ratio: float = 3.0  # updates 3x their usual size relative to the weights, for the LR in force
     # The witnesses that may turn attention growth into `act`. Entropy collapse is measured and
     # shown with every attention finding, but it does not count by default: the minimum over
     # heads falls to 0.02-0.2 nats in healthy high-LR runs of the bench grid too (specialised
@@ -216,11 +224,33 @@ class _Shifts:
         return rows
 
     def now(self, rows: np.ndarray) -> np.ndarray:
-        """`update`'s d for `rows`, from their rings as they stand."""
+        """`update`'s d for `rows`, from their rings as they stand: the median of each series'
+        last `recent` readings against the median of its readings in the `baseline` steps before
+        them, ready once the ring reaches half of that back. The recent window counts readings
+        (a robust "now" needs its points); the baseline is a stretch of training, "its level
+        lately". On a series read every step both are what they were (the last `recent` points
+        and the `baseline` before them); on one read every k-th step (issue 36) a baseline of
+        `baseline` readings would reach k x as far back: 1,000 steps at k = 16, where a healthy
+        run's slow rise of z since its early steps read as growth (tests/monitors/test_detector_cadence.py)."""
         c, R = self.cfg, self.rows
-        ok = R.sizes(rows, c.baseline, c.recent) >= c.baseline // 2
         d = np.full(rows.size, np.nan)
-        d[ok] = median_rows(R, rows[ok], c.recent) - median_rows(R, rows[ok], c.baseline, c.recent)
+        n = R.length[rows]
+        rows, at, n = rows[n > c.recent], np.flatnonzero(n > c.recent), n[n > c.recent]
+        if not rows.size:
+            return d
+        st = R.steps[rows[:, None], (R.pos[rows, None] - R.H + np.arange(R.H)[None, :]) % R.H]  # oldest first
+        first = st[:, R.H - c.recent:R.H - c.recent + 1]  # the oldest of the recent readings
+        older = np.arange(R.H)[None, :] >= (R.H - n)[:, None]
+        base = (older & (st < first) & (st >= first - c.baseline)).sum(axis=1)
+        oldest = st[np.arange(rows.size), R.H - n]
+        ok = (base > 0) & (oldest <= first[:, 0] - c.baseline // 2)
+        recent = median_rows(R, rows[ok], c.recent)
+        # Grouped by baseline size, the medians are median_rows' (Rows.blocks, np.median): a
+        # series read every step gets the same values in the same order as before, and as
+        # update_many's batch path.
+        for b in np.unique(base[ok]).tolist():
+            g = np.flatnonzero(base[ok] == b)
+            d[at[np.flatnonzero(ok)[g]]] = recent[g] - median_rows(R, rows[ok][g], b, c.recent)
         return d
 
     def update_many(self, keys: list[str], steps: np.ndarray, ys: np.ndarray) -> Callable[[int], np.ndarray] | None:
@@ -228,11 +258,17 @@ class _Shifts:
         K points now; returns d_at(t), the d that `update` would have returned at the batch's
         t-th step, computed only when asked (a shift is read only when an attention finding
         asks the witnesses, or at the batch's end). Only for rows whose ring is full, the steady
-        state; None (nothing changed) otherwise, and the caller goes step by step. The medians
-        are of the same values in the same order as `update` takes them: bit-identical."""
+        state, and whose ring and batch are consecutive steps (then `now`'s baseline of
+        `baseline` steps is the `baseline` points before the recent ones); None (nothing changed)
+        otherwise, and the caller goes step by step. The medians are of the same values in the
+        same order as `update` takes them: bit-identical."""
         c, R = self.cfg, self.rows
         rows = as_rows([R.add(k) for k in keys])
         if rows.size == 0 or (R.length[rows] < R.H).any():
+            return None
+        newest = R.steps[rows, (R.pos[rows] - 1) % R.H]
+        oldest = R.steps[rows, R.pos[rows]]  # a full ring's oldest slot is the next one written
+        if ((newest - oldest) != R.H - 1).any() or (newest != steps[0] - 1).any() or steps[-1] - steps[0] != len(steps) - 1:
             return None
         x = np.concatenate([R.ordered(rows), ys.T], axis=1)  # [P, H + K]
         R.append_many(rows, steps, ys.T)
@@ -276,6 +312,7 @@ class Witnesses:
         self.shifts = _Shifts(self.cfg)
         self._active: dict[str, str] = {}  # witness name -> why, at the newest step (`active`)
         self._pending: tuple | None = None  # the newest step's shifts, judged when first read
+        self._shift_kinds: list[int] = []  # per shift row (self.shifts.rows), its kind (_kind)
         self.step = -1
         self.behind = 0  # consecutive points with the loss behind its trend
         self.lr: float | None = None  # the newest record's LR (the degradation detector reads it)
@@ -313,16 +350,21 @@ class Witnesses:
         self._ahead = {}
         if len(steps) < 2 or steps[0] <= self.step or (np.diff(steps) <= 0).any():
             return
-        if self._pending is not None and self._pending[5] is not None:
+        if self._pending is not None:
             self.active  # the newest step's shifts read its rings as they stand: judge them first
         kinds = self._kinds_of(keys)
         use = (kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0))  # 5: attention, not a shift
+        lr = v[:, keys.index(LR)] if LR in keys else np.full(len(steps), np.nan)
+        use &= (kinds != 4) | ((lr > 0) & np.isfinite(lr))[:, None]  # the update ratio is judged per unit of LR
         every = np.flatnonzero(use.all(axis=0))
         if not every.size or any(k not in self.shifts.rows.index for k in (keys[p] for p in np.flatnonzero(use.any(axis=0)))):
             return  # a series seen for the first time: its row is made step by step, in order
         y = v[:, every]
         logged = kinds[every] != 2
         y[:, logged] = logs(y[:, logged])
+        upd = kinds[every] == 4
+        if upd.any():
+            y[:, upd] -= logs(lr)[:, None]
         d_at = self.shifts.update_many([keys[p] for p in every.tolist()], steps, y)
         if d_at is None:
             return
@@ -379,7 +421,9 @@ class Witnesses:
             attn = v[(kinds == 5) & np.isfinite(v)]
             if attn.size:  # a record without a measured logit says nothing about the episode
                 self._track_episode(float(attn.max()))
-        pos = np.flatnonzero((kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0)))
+        lr_ok = self.lr is not None and math.isfinite(self.lr) and self.lr > 0
+        pos = np.flatnonzero((kinds > 0) & (kinds < 5) & np.isfinite(v) & ((kinds == 2) | (v > 0))
+                             & (lr_ok | (kinds != 4)))
         if pos.size:
             # prepare() put the series present at every step of the batch in their rings; the
             # rest go now. Their shifts are judged when `active` is first read.
@@ -390,9 +434,14 @@ class Witnesses:
                 y = v[rest]
                 logged = kinds[rest] != 2
                 y[logged] = logs(y[logged])
+                upd = kinds[rest] == 4
+                if upd.any():
+                    y[upd] -= logs(np.array([self.lr]))[0]
                 # Appended now, judged when `active` is first read (before any later append).
                 d_rest = functools.partial(self.shifts.now, self.shifts.append([keys[p] for p in rest.tolist()], step, y))
             self._pending = (keys, pos, kinds[pos], held, None if ahead is None else ahead[2], d_rest)
+        elif len(self.shifts.rows):  # no shift series read at this step: the standing ones still speak
+            self._pending = (keys, pos, kinds[pos], None, None, None)
 
     def _track_episode(self, top: float) -> None:
         """The step's largest attention logit (a record without one says nothing)."""
@@ -421,7 +470,9 @@ class Witnesses:
                d_ahead: Callable[[], np.ndarray] | None, d_rest: Callable[[], np.ndarray] | None) -> None:
         """Add the shift witnesses speaking at the newest step to `_active` (after loss_behind)."""
         c, active = self.cfg, self._active
-        if d_rest is None:  # every series judged ahead (held is None then, or all True)
+        if d_rest is None and d_ahead is None:  # no shift series read at this step
+            d = np.empty(0)
+        elif d_rest is None:  # every series judged ahead (held is None then, or all True)
             d = d_ahead()
         elif held is None:
             d = d_rest()
@@ -429,23 +480,54 @@ class Witnesses:
             d = np.empty(pos.size)
             d[held] = d_ahead()
             d[~held] = d_rest()
+        names = [keys[p] for p in pos.tolist()]
+        rows, k_stand, d_stand = self._standing(names)
+        if rows.size:
+            names += [self.shifts.rows.keys[r] for r in rows.tolist()]
+            k, d = np.concatenate([k, k_stand]), np.concatenate([d, d_stand])
         speaks = {
             "grad_growth": (k == 1) & (d >= math.log(c.grad_ratio)),
             "z_growth": (k == 2) & (d >= c.z_rise),
             "entropy_collapse": (k == 3) & (d <= math.log(c.entropy_fraction)),
             "update_growth": (k == 4) & (d >= math.log(c.update_ratio)),
         }
-        # In record order: a witness keeps the place of its first key and the words of its last.
+        # In record order, then the standing series: a witness keeps the place of its first key
+        # and the words of its last.
         order = sorted((int(np.flatnonzero(m)[0]), name) for name, m in speaks.items() if m.any())
         for _, name in order:
             j = int(np.flatnonzero(speaks[name])[-1])
-            dj, key = float(d[j]), keys[int(pos[j])]
+            dj, key = float(d[j]), names[j]
             active[name] = {
                 "grad_growth": lambda: f"grad norm x{math.exp(dj):.1f} over its baseline",
                 "z_growth": lambda: f"{key} +{dj:.1f} nats over its baseline",
                 "entropy_collapse": lambda: f"{key} at {math.exp(dj):.0%} of its baseline",
-                "update_growth": lambda: f"{key} x{math.exp(dj):.1f} over its baseline",
+                "update_growth": lambda: f"{key} x{math.exp(dj):.1f} over its baseline per unit of LR",
             }[name]()
+
+    def _standing(self, read: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The shift series not read at the newest step whose latest reading still stands: (their
+        rows in self.shifts.rows, kinds, d as of that reading: their rings have not moved since).
+        It stands until the next reading is due, judged by the gap between the series' last two
+        readings, doubled (a budget may double a group's cadence between two readings); a series
+        that stopped being read falls silent then, and one read once has no gap yet."""
+        R = self.shifts.rows
+        n = len(R)
+        none = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0))
+        if not n:
+            return none
+        while len(self._shift_kinds) < n:
+            self._shift_kinds.append(_kind(R.keys[len(self._shift_kinds)]))
+        fresh = np.zeros(n, bool)
+        fresh[[R.index[k] for k in read if k in R.index]] = True
+        rows = np.flatnonzero(~fresh & (R.length[:n] >= 2))
+        if not rows.size:
+            return none
+        last = R.steps[rows, (R.pos[rows] - 1) % R.H]
+        prev = R.steps[rows, (R.pos[rows] - 2) % R.H]
+        rows = rows[self.step - last <= 2 * (last - prev)]
+        if not rows.size:
+            return none
+        return rows, np.asarray(self._shift_kinds, np.int64)[rows], self.shifts.now(rows)
 
     def note_attention(self, onset: int) -> int:
         """An attention finding alerts or acts with `onset`: it opens the episode if none is open.
@@ -498,6 +580,7 @@ class Witnesses:
         self.loss.load_state_dict(d["loss"])
         self.shifts = _Shifts(self.cfg)
         self.shifts.rows.load(f"{prefix}.shifts", parts)
+        self._shift_kinds = []
         self.active = {str(k): str(v) for k, v in d["active"].items()}
         self.step = int(d["step"])
         self.behind = int(d["behind"])
