@@ -22,6 +22,11 @@ first act's rollback goes, against a ceiling action at the crossing). Peers (eac
 
     python bench/divergence.py [--reuse] [--seeds 3] [--archs ln-gelu,rms-relu2] [--json]
     python bench/divergence.py --reuse --drop-keys lr_peak_ahead   # as a trainer without the forecast
+    python bench/divergence.py --reuse --thin attn=4,act=16,grad=16,update=10   # + as a budget reads it
+
+`--thin` (repeatable; bench/_divergence_thin.py) replays the grid again with each thermometer group's
+keys only on the steps its cadence reads (absent on the others, as the client sends them, issue 36)
+and prints the default policy's figures side by side with the every-step reading's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _divergence_grid as grid_mod
 import _divergence_runs as runs
+import _divergence_thin as thinning
 
 from thermowatch.monitors.contract import ATTN_LOGIT_LSE, ATTN_LOGIT_MAX, Finding, Outcome, Severity, StepRecord
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
@@ -299,6 +305,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--drop-keys", default="", metavar="KEYS",
                     help="comma-separated record keys removed before the replay, e.g. lr_peak_ahead: the grid as "
                          "a trainer that does not send the schedule's forecast (issue 24, items 4 and 6)")
+    ap.add_argument("--thin", action="append", default=[], metavar="GROUP=EVERY,...",
+                    help="also replay the grid with each group's keys only on the steps its cadence reads, e.g. "
+                         "attn=4,act=16,grad=16,update=10 (groups: " + ", ".join(thinning.GROUPS) + "; repeatable), "
+                         "and print the default policy's figures side by side with every-step reading")
     ap.add_argument("--detectors", default=None, metavar="JSON",
                     help='detector settings that differ from the defaults, as in the supervisor config\'s '
                          '`detectors:` section, e.g. \'{"witness": {"lr_rise": 3}}\' (default: the defaults)')
@@ -308,6 +318,10 @@ def parse() -> argparse.Namespace:
     bad = set(args.archs.split(",")) - set(grid_mod.ARCHS)
     if bad:
         ap.error(f"unknown --archs {sorted(bad)}; choose from {sorted(grid_mod.ARCHS)}")
+    try:
+        args.thin = [thinning.parse_thin(t) for t in args.thin]
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -327,6 +341,57 @@ def train_grid(specs: list[runs.RunSpec], out: Path, reuse: bool, jobs: int) -> 
     return len(todo), time.perf_counter() - t0
 
 
+def replay_grid(specs: list[runs.RunSpec], out: Path, drop: list[str], every: dict[str, int],
+                detectors: dict | None) -> list[Run]:
+    """Read the cached runs, remove the `drop` keys and thin the groups of `every`
+    (_divergence_thin.py), label, replay, add the peer envelope."""
+    all_runs = [Run(s, runs.paths(out, s)[0], [rec for _, rec in read_records(runs.paths(out, s)[0])]) for s in specs]
+    # After Run(): its crossing of the ceiling (ceiling_step) is the every-step reading's, so the
+    # lead of a thinned reading is measured against the same reference. Before label(): the
+    # ground truth reads the loss only, never these keys.
+    for r in all_runs:
+        for rec in r.records:
+            for k in drop:
+                rec.values.pop(k, None)
+        if every:
+            thinning.thin(r.records, every)
+    label(all_runs)
+    for r in all_runs:
+        replay(r, detectors)
+    envelope(all_runs)
+    return all_runs
+
+
+def side_by_side(readings: list[tuple[str, list[Run]]]) -> dict:
+    """The default policy on each reading of the same runs: its figures, then per run where the
+    readings differ or the run is damaged, the first act of each."""
+    print("\nThe default policy, every step against thinned readings (bench/_divergence_thin.py: a group's keys "
+          "only on the steps with step % EVERY == 0, absent on the others; lead against the every-step crossing)")
+    w = max(24, *(len(name) + 2 for name, _ in readings))
+    print(f"{'reading':<{w}}{'acted':>8}{'before':>7}{'healthy acted':>14}{'FA/10k':>8}{'lead min':>9}{'median':>7}"
+          f"{'>=0.9':>7}  missed")
+    rows = {}
+    for name, rs in readings:
+        m = rows[name] = score(rs, "policy")
+        print(f"{name:<{w}}{m['caught']:>4}/{m['n_damaged']:<3}{m['caught_before_damage']:>7}"
+              f"{m['healthy_acted_on']:>9}/{m['n_healthy']:<4}{_fmt(m['false_actions_per_10k']):>8}"
+              f"{_fmt(m['lead_ratio_min']):>9}{_fmt(m['lead_ratio_median']):>7}"
+              f"{m['lead_ratio_ge_0.9']:>4}/{m['lead_vs_ceiling_runs']:<2} {', '.join(m['missed']) or '-'}")
+    base = readings[0][1]
+    first = {name: [min(_acts(r, "policy"), default=None) for r in rs] for name, rs in readings}
+    print("\nfirst act per run (damaged runs, and any run where the readings differ); "
+          + "; ".join(f"[{i}] {name}" for i, (name, _) in enumerate(readings)))
+    print(f"{'run':<32}{'cross@':>7}{'damage@':>8}" + "".join(f"{f'[{i}]':>8}" for i in range(len(readings))))
+    per_run = []
+    for j, r in enumerate(base):
+        acts = [first[name][j] for name, _ in readings]
+        if not r.damaged and len(set(acts)) == 1:
+            continue
+        per_run.append({"run": r.label, "crossing": r.ceiling_step, "damage": r.div_step, "first_act": acts})
+        print(f"{r.label:<32}{_fmt(r.ceiling_step):>7}{_fmt(r.div_step):>8}" + "".join(f"{_fmt(a):>8}" for a in acts))
+    return {"policy": rows, "runs": per_run}
+
+
 def _fmt(x, nd=2) -> str:
     if x is None:
         return "-"
@@ -341,16 +406,9 @@ def main() -> None:
     n_trained, train_s = train_grid(specs, out, args.reuse, args.jobs)
 
     t_replay = time.perf_counter()
-    all_runs = [Run(s, runs.paths(out, s)[0], [rec for _, rec in read_records(runs.paths(out, s)[0])]) for s in specs]
     drop = [k for k in args.drop_keys.split(",") if k]
-    for r in all_runs:  # before label(): the ground truth reads the loss only, never these keys
-        for rec in r.records:
-            for k in drop:
-                rec.values.pop(k, None)
-    label(all_runs)
-    for r in all_runs:
-        replay(r, json.loads(args.detectors) if args.detectors else None)
-    envelope(all_runs)
+    detectors = json.loads(args.detectors) if args.detectors else None
+    all_runs = replay_grid(specs, out, drop, {}, detectors)
     replay_s = time.perf_counter() - t_replay
 
     dets = ["policy", *SIGNALS, *PEERS]
@@ -404,11 +462,21 @@ def main() -> None:
         print(f"{t['run']:<30}{t['crossing']:>7}{t['damage']:>8}{_fmt(t['first_act']):>6}{t['act_lead']:>9.2f}"
               f"{_fmt(t['act_onset']):>6}{_fmt(t['ceiling_onset']):>11}{_fmt(t['reach_lead']):>7}"
               f"{_fmt(t['target']):>7}{_fmt(t['ceiling_target']):>12}")
+    compared = None
+    if args.thin:
+        t_thin = time.perf_counter()
+        readings = [("every step", all_runs)] + [(thinning.describe(e), replay_grid(specs, out, drop, e, detectors))
+                                                 for e in args.thin]
+        compared = side_by_side(readings)
+        replay_s += time.perf_counter() - t_thin
+        wall_s = time.perf_counter() - t_start
     print(f"command: {command}\nwall time: {wall_s:.0f} s (training {train_s:.0f} s, replay {replay_s:.1f} s)")
     summary = json.dumps({
         "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
         "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
         "target_lead": tl, "degradation": degradation,
+        # The every-step figures above stay what `thermowatch simulate` reads; the thinned ones beside.
+        "thinned": compared,
         "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
                   "rise_step": r.rise_step, "behind_step": r.behind_step, "ceiling_step": r.ceiling_step,
                   "attn_max": float(np.nanmax(r.attn)), "first_act": min(_acts(r, "policy"), default=None),
