@@ -184,6 +184,19 @@ class Ctx:
                 time.sleep(left)
             self._t = time.perf_counter()
 
+    def watch(self, model, opt, sched, **extra):
+        """The loop's thermowatch.watch with the study's settings, its on-call started; None
+        for the runs without thermowatch."""
+        if not self.tw:
+            return None
+        import thermowatch
+
+        tw = thermowatch.watch(model, opt, run=RUN_ID, steps=STEPS, global_batch=B, checkpoint_dir=self.dir / "ckpt",
+                               checkpoint_every=EVERY, scheduler=sched, supervisor_config=self.cfg(),
+                               poll_interval_s=0.05, **extra)
+        self.start_oncall(lambda: tw.run.supervisor)
+        return tw
+
     def start_oncall(self, get_sup) -> None:
         if self.tw and self.rank == 0:
             self.oncall = OnCall(get_sup, self.stderr)
@@ -318,19 +331,12 @@ def kind_plain(ctx: Ctx) -> None:
     """docs/any-trainer.md's plain loop, with precise skip on or off."""
     import torch
 
-    import thermowatch
-
     data = samples(ctx.scenario)
     torch.manual_seed(0)
     model = nano()
     opt = torch.optim.AdamW(model.parameters(), lr=PEAK)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
-    tw = None
-    if ctx.tw:
-        tw = thermowatch.watch(model, opt, run=RUN_ID, steps=STEPS, global_batch=B, checkpoint_dir=ctx.dir / "ckpt",
-                               checkpoint_every=EVERY, scheduler=sched, supervisor_config=ctx.cfg(),
-                               poll_interval_s=0.05, precise_skip=ctx.precise)
-        ctx.start_oncall(lambda: tw.run.supervisor)
+    tw = ctx.watch(model, opt, sched, precise_skip=ctx.precise)
     for step in (tw.steps() if tw else range(1, STEPS + 1)):
         if ctx.scenario == "lr" and step == RAISE_AT:
             jump(opt, sched)
@@ -607,8 +613,6 @@ def kind_torchrun(ctx: Ctx) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import thermowatch
-
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = samples(ctx.scenario)
@@ -624,12 +628,7 @@ def kind_torchrun(ctx: Ctx) -> None:
         model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=PEAK)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warm)
-    tw = None
-    if ctx.tw:
-        tw = thermowatch.watch(model, opt, run=RUN_ID, steps=STEPS, global_batch=B, checkpoint_dir=ctx.dir / "ckpt",
-                               checkpoint_every=EVERY, scheduler=sched, supervisor_config=ctx.cfg(),
-                               poll_interval_s=0.05)
-        ctx.start_oncall(lambda: tw.run.supervisor)
+    tw = ctx.watch(model, opt, sched)
     k = B // world
     for step in (tw.steps() if tw else range(1, STEPS + 1)):
         if ctx.scenario == "lr" and step == RAISE_AT:
