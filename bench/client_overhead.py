@@ -6,6 +6,9 @@ in one process, against a real `thermowatch serve` daemon started here (auth on,
   thermo    the same with instrument(model) (default thermometers), read every step
   watch     thermowatch.watch(...): default thermometers, the LR hooks, batch_ids, records sent
             by the background thread to the daemon over HTTP, commands polled every second
+  watch@B   the same with ThermometerConfig(budget=B), one per --budget (B "off": budget=None,
+            the fixed every-step cadences); the client's own figure for its cost
+            (Thermometers.cost) and the cadences it chose are printed beside the measured one
 
 Identical copies of one model train in blocks of steps whose order rotates every round; a
 variant's figure is the median over rounds of its block's wall time (and process CPU time, both
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fixtures.nanogpt import NanoConfig, NanoGPT  # noqa: E402
 from tests.live_server import free_port, wait_healthy  # noqa: E402
-from thermowatch.monitors.thermometers import instrument  # noqa: E402
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
 
 import thermowatch  # noqa: E402
 
@@ -62,6 +65,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sync-debug", action="store_true",
                     help="cuda: one more block per variant under torch.cuda.set_sync_debug_mode, printing "
                          "where each host-device synchronisation came from")
+    ap.add_argument("--budget", action="append", default=[],
+                    help="another watch variant with ThermometerConfig(budget=B) (a fraction, or off); repeatable")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated subset of the variants to run (plain is always run): "
+                         "a 1B-class model holds few copies in memory")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="every variant clips its gradients to this norm (clip_grad_norm_), as GPT trainers do; "
+                         "watch variants hand the norm to record(loss, grad_norm=...)")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args()
 
@@ -126,19 +137,31 @@ def main() -> None:
     daemon, url = serve(tmp)
     total = args.warmup + args.steps + 2 * args.block  # a spare block: the rounds, and --sync-debug
     try:
-        models = {k: copy.deepcopy(base) for k in ("plain", "thermo", "watch")}
+        budgets = {f"watch@{b}": (None if b == "off" else float(b)) for b in args.budget}
+        names = ["plain", "thermo", "watch", *budgets]
+        if args.variants:
+            keep = set(args.variants.split(","))
+            names = [n for n in names if n == "plain" or n in keep]
+        models = {k: copy.deepcopy(base) for k in names}
+        del base
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=cuda or None) for k, m in models.items()}
-        th = instrument(models["thermo"])
-        tw = thermowatch.watch(models["watch"], opts["watch"], run="bench", steps=total, global_batch=args.batch,
-                               server=url, token=TOKEN, checkpoint_dir=tmp / "ckpt", checkpoint_every=total + 1)
-        steps = tw.steps()
+        th = instrument(models["thermo"]) if "thermo" in models else None
+        tws, steps = {}, {}
+        for name in names:
+            if name.startswith("watch"):
+                therm = ThermometerConfig(budget=budgets[name]) if name in budgets else True
+                tws[name] = thermowatch.watch(models[name], opts[name], run=f"bench-{len(tws)}", steps=total,
+                                              global_batch=args.batch, server=url, token=TOKEN,
+                                              checkpoint_dir=tmp / f"ckpt{len(tws)}", checkpoint_every=total + 1,
+                                              thermometers=therm)
+                steps[name] = tws[name].steps()
         counter = dict.fromkeys(models, 0)
 
         def one(name: str) -> None:
             model, opt = models[name], opts[name]
-            if name == "watch":
-                s = next(steps)
-                rows = torch.as_tensor(tw.batch_ids(s)) % len(data)
+            if name in tws:
+                s = next(steps[name])
+                rows = torch.as_tensor(tws[name].batch_ids(s)) % len(data)
             else:
                 s = counter[name] = counter[name] + 1
                 rows = torch.arange((s - 1) * args.batch, s * args.batch) % len(data)
@@ -151,6 +174,7 @@ def main() -> None:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                 _, loss = model(x, y)
             loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip) if args.clip else None
             if name == "thermo":
                 with th.measure_update():
                     opt.step()
@@ -158,11 +182,11 @@ def main() -> None:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             if name == "thermo":
-                th.end_step(loss=loss, lr=1e-3)
+                th.end_step(loss=loss, lr=1e-3, grad_norm=gn)
                 while th.collect(block=False) is not None:  # a step late, as watch reads them
                     pass
-            elif name == "watch":
-                tw.record(loss)
+            elif name in tws:
+                tws[name].record(loss, grad_norm=gn)
 
         def block(name: str, n: int) -> tuple[float, float]:
             sync()
@@ -172,7 +196,6 @@ def main() -> None:
             sync()
             return (time.perf_counter() - w0) / n * 1e3, (time.process_time() - c0) / n * 1e3
 
-        names = list(models)
         for name in names:
             block(name, args.warmup)
         wall: dict[str, list[float]] = {k: [] for k in names}
@@ -185,9 +208,12 @@ def main() -> None:
                 cpu[name].append(c)
         if args.sync_debug and cuda:
             syncs(names, lambda name: block(name, args.block))
-        sent_ok = tw.run.flush(60)
-        tw.close()
-        stored = httpx.get(f"{url}/api/runs/bench", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        told = {n: (tw.th.cost, tw.th.cadence, tw.th.over_budget) for n, tw in tws.items() if tw.th is not None}
+        sent_ok = all([tw.run.flush(60) for tw in tws.values()])
+        for tw in tws.values():
+            tw.close()
+        stored = {n: httpx.get(f"{url}/api/runs/bench-{i}", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+                  for i, n in enumerate(tws)}
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -196,16 +222,23 @@ def main() -> None:
     where = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
           f"{'bf16 autocast' if bf16 else 'fp32'} on {where}, "
-          f"{len(wall['plain'])} rounds of {args.block} steps, torch threads {torch.get_num_threads()}; "
-          f"the daemon stored {stored.get('last_step')} steps (all sent: {sent_ok})")
-    print(f"  {'variant':<8}{'wall ms/step':>14}{'wall ratio':>12}{'CPU ratio':>11}")
+          f"{len(wall['plain'])} rounds of {args.block} steps, torch threads {torch.get_num_threads()}"
+          f"{f', gradients clipped to {args.clip}' if args.clip else ''}; "
+          f"the daemon stored {[s.get('last_step') for s in stored.values()]} steps (all sent: {sent_ok})")
+    print(f"  {'variant':<12}{'wall ms/step':>14}{'wall ratio':>12}{'CPU ratio':>11}  its own figure, cadence")
     for k in names:
-        print(f"  {k:<8}{statistics.median(wall[k]):>14.2f}{ratio[k]:>12.3f}{cratio[k]:>11.3f}")
+        own = ""
+        if k in told:
+            cost, cad, over = told[k]
+            own = f"  {cost:.4f} {cad}{' over budget' if over else ''}"
+        print(f"  {k:<12}{statistics.median(wall[k]):>14.2f}{ratio[k]:>12.3f}{cratio[k]:>11.3f}{own}")
     if args.json:
         print(json.dumps({"bench": "client_overhead", "wall_ratio": {k: round(v, 4) for k, v in ratio.items()},
                           "cpu_ratio": {k: round(v, 4) for k, v in cratio.items()},
                           "step_ms": {k: round(statistics.median(v), 3) for k, v in wall.items()},
-                          "stored_last_step": stored.get("last_step"),
+                          "stored_last_step": {k: v.get("last_step") for k, v in stored.items()},
+                          "reported_cost": {k: v[0] for k, v in told.items()},
+                          "cadence": {k: v[1] for k, v in told.items()},
                           "config": {k: v for k, v in vars(args).items() if k != "json"}}))
 
 

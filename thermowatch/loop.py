@@ -219,9 +219,13 @@ class Watch(Directed):
             return self._ids[self.dist.rank * k:(self.dist.rank + 1) * k]
         return self._ids
 
-    def record(self, loss: torch.Tensor | float, **values: float) -> None:
+    def record(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
+               **values: float) -> None:
         """Close the step: the loss (a tensor stays on its device), the thermometers, and any
-        extra scalars (`values`, floats). Sent in the background."""
+        extra scalars (`values`, floats). Sent in the background. `grad_norm`: the global
+        gradient norm the loop has already (what `clip_grad_norm_` returns; a tensor stays on its
+        device): the thermometers then take it as `grad_norm` instead of reducing every gradient
+        again each step, and under a budget the per-layer norms may thin (issue 36)."""
         step = self._ids_step
         if self._recorded:
             raise RuntimeError(f"record() called twice for step {step}, or before steps() yielded one")
@@ -232,10 +236,13 @@ class Watch(Directed):
             self.cursor, self.step, self._recorded = hi, step, True
             return
         if self.th is not None:
-            self.th.end_step(loss=loss, lr=lr)
+            self.th.end_step(loss=loss, lr=lr, grad_norm=grad_norm)
             self._drain(False, values)
         else:
-            self._emit(step, {"loss": self.dist.mean(loss), "lr": lr}, values)
+            scalars = {"loss": self.dist.mean(loss), "lr": lr}
+            if grad_norm is not None:
+                scalars["grad_norm"] = float(grad_norm)
+            self._emit(step, scalars, values)
         self.cursor = hi if hi > lo else self.cursor
         self.step = step
         self._recorded = True

@@ -151,16 +151,16 @@ _CHUNK_ELEMENTS = 1 << 26
 _FUTURE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
-def _future(t: int, s: int, device: torch.device) -> torch.Tensor:
-    """SDPA's top-left causal mask as an additive fp32 tensor (-inf = a key in the query's
-    future, 0 otherwise), built once per shape: adding it costs a tenth of a broadcast
-    masked_fill_ on CPU."""
-    key = (t, s, device)
+def _future(t: int, s: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """SDPA's top-left causal mask as an additive tensor (-inf = a key in the query's future, 0
+    otherwise) in the scores' dtype, built once per shape: adding it costs a tenth of a broadcast
+    masked_fill_ on CPU, and bf16 scores read a bf16 mask (half the bytes of an fp32 one)."""
+    key = (t, s, device, dtype)
     m = _FUTURE.get(key)
     if m is None:
         if len(_FUTURE) > 64:  # many shapes (variable lengths): keep the newest only
             _FUTURE.clear()
-        m = _FUTURE[key] = torch.full((t, s), float("-inf"), device=device).triu(1)
+        m = _FUTURE[key] = torch.full((t, s), float("-inf"), device=device, dtype=dtype).triu(1)
     return m
 
 
@@ -199,16 +199,18 @@ def sdpa_scores_stats(
     group = q.shape[1] // k.shape[1]  # GQA: query heads per key head
     per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * t * s))
     whole = heads is None and group == 1 and q.shape[1] <= per_chunk  # no head to pick: no copies
-    future = _future(t, s, q.device) if mask is None and is_causal else None
+    low = low_precision_scores(q)
+    future = _future(t, s, q.device, torch.bfloat16 if low else torch.float32) if mask is None and is_causal else None
     if whole:  # the common case, one chunk: no head index, no concatenation
-        sc = _masked_scores(q, k, scale, mask, future)
+        sc = _masked_scores(q, k, scale, mask, future, low)
         return sc.amax(dim=(0, 2, 3)), softmax_entropy(sc) if entropy else None
     if heads is None:
         heads = torch.arange(q.shape[1], device=q.device)
     maxes, ents = [], []
     for hs in heads.split(per_chunk):  # one chunk unless the scores are very large
         m = mask if mask is None or mask.shape[1] == 1 else mask.index_select(1, hs)
-        sc = _masked_scores(q.index_select(1, hs), k.index_select(1, hs // group if group > 1 else hs), scale, m, future)
+        sc = _masked_scores(q.index_select(1, hs), k.index_select(1, hs // group if group > 1 else hs), scale, m, future,
+                            low)
         maxes.append(sc.amax(dim=(0, 2, 3)))
         if entropy:
             ents.append(softmax_entropy(sc))
@@ -216,10 +218,25 @@ def sdpa_scores_stats(
 
 
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                   future: torch.Tensor | None) -> torch.Tensor:
-    """fp32 scale * q k^T [n, h, L, S] (scaled on the smaller side), masked as SDPA masks:
-    a bool `mask` (False = masked), a float one added, or the cached causal `future`."""
-    sc = torch.matmul(q.float() * scale, k.float().transpose(-1, -2))
+                   future: torch.Tensor | None, low: bool = False) -> torch.Tensor:
+    """scale * q k^T [n, h, L, S] (scaled on the smaller side), masked as SDPA masks: a bool
+    `mask` (False = masked), a float one added, or the cached causal `future`. fp32, except bf16
+    q and k on a GPU (`low`, low_precision_scores): there the product runs on the tensor cores in
+    bf16, accumulated in fp32 as the attention kernel itself does, and is kept in bf16, so the
+    max is read to 2^-8 of itself (0.4%: 50.0 +- 0.2), as autocast did to the fp32 copies' product
+    anyway; the copies and an fp32 mask's bytes are saved (BENCHMARKS.md, issue 36 on a GPU)."""
+    if low:
+        return _mask(torch.matmul(q * scale, k.transpose(-1, -2)), mask, future)
+    return _mask(torch.matmul(q.float() * scale, k.float().transpose(-1, -2)), mask, future)
+
+
+def low_precision_scores(q: torch.Tensor) -> bool:
+    """Whether the scores are taken in bf16 (see _masked_scores): bf16 inputs on a GPU. fp16 stays
+    fp32: a blown-up logit past 65504 would read as inf, a false non-finite finding."""
+    return q.dtype == torch.bfloat16 and q.is_cuda
+
+
+def _mask(sc: torch.Tensor, mask: torch.Tensor | None, future: torch.Tensor | None) -> torch.Tensor:
     if mask is not None:
         return sc.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else sc.add_(mask.float())
     return sc if future is None else sc.add_(future)

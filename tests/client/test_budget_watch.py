@@ -46,3 +46,33 @@ def test_a_thinned_group_is_not_read_as_non_finite_and_the_cost_is_a_figure_of_t
     # the act group was read on some steps only, and what was stored is what was read
     assert 0 < len(steps) < STEPS and all(math.isfinite(v) for v in values)
     assert math.isfinite(tw.th.cost) and 0 <= tw.th.cost < 1
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_the_loops_own_clipped_norm_is_the_recorded_one_and_frees_the_gradient_group(db, tmp_path):
+    """record(loss, grad_norm=gn): the norm clip_grad_norm_ returned is stored as the run's grad_norm
+    on every step (not reduced again), and under a budget the per-layer norms may thin past every
+    step, which they may not while the thermometers must reduce the global norm themselves."""
+    torch.manual_seed(0)
+    model = user_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
+    tw = thermowatch.watch(model, opt, run="clip", steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
+                           checkpoint_every=1000, supervisor_config=cfg, poll_interval_s=0.05,
+                           thermometers=thermowatch.ThermometerConfig(budget=1e-6))
+    clipped: dict[int, float] = {}
+    for step in tw.steps():
+        x, y = user_batch(DATA, torch.as_tensor(tw.batch_ids(step)))
+        _, loss = model(x, y)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        clipped[step] = float(gn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tw.record(loss, grad_norm=gn)
+    tw.close()
+    assert tw.th.cadence["grad"] > 1, tw.th.cadence  # the global norm came from the loop
+    with tw.run.supervisor.sessions() as s:
+        steps, values = thermo_store.history(s, "clip", "grad_norm")[:2]
+    assert list(steps) == sorted(clipped) and len(steps) == STEPS
+    assert values == pytest.approx([clipped[s] for s in steps], rel=1e-6)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 36 item 6), run first thing whenever a GPU is lent: the whole
+# client (thermowatch.watch against a live `serve`) and the thermometers alone, budget on and off,
+# at GPT-2 small and at a 1B-class shape, side by side in one run each. The daemon's packages are
+# not on the lent machines' image: they travel as wheels in .whl (python 3.12, see
+# /work/.library/device/README.md), installed here into /tmp/site. Output: $OUT (or /tmp/gpu-out).
+#
+#   bash bench/gpu.sh            # ~6 min on an H200 (its last step may be cut by the caller's limit)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 3
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, fastapi, sqlalchemy; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt" || exit 4
+G2="--layers 12 --d-model 768 --heads 12 --seq-len 1024 --vocab 50304 --batch 16 --threads 4"
+B1="--layers 24 --d-model 2048 --heads 16 --seq-len 2048 --vocab 50304 --batch 4 --threads 4"
+# where an attention read's time goes, per layer, at both shapes
+timeout 60 python3 bench/attn_read.py --heads 12 --seq-len 1024 --head-dim 64 --batch 16 --layers 12 2>&1 | tee "$OUT/attn_read.txt"
+timeout 60 python3 bench/attn_read.py --heads 16 --seq-len 2048 --head-dim 128 --batch 4 --layers 24 2>&1 | tee -a "$OUT/attn_read.txt"
+# GPT-2 small (124M): the whole client, budget off and 1%, without and with clipping (the loop then
+# hands its norm to record(loss, grad_norm=...))
+for clip in "" "--clip 1.0"; do
+  timeout 120 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 100 $clip \
+    --budget off --budget 0.01 --variants watch@off,watch@0.01 --json 2>&1 | tee -a "$OUT/client_gpt2.txt"
+done
+# a 1B-class shape (24L d2048 T2048, ~1.3B parameters; three copies with AdamW ~65 GB), clipping
+timeout 200 python3 bench/client_overhead.py --device cuda $B1 --steps 60 --warmup 80 --clip 1.0 \
+  --budget off --budget 0.01 --variants watch@off,watch@0.01 --json 2>&1 | tee "$OUT/client_1b.txt"
+# the thermometers alone by group (time allowing; ~80 s)
+timeout 120 python3 bench/thermometer_overhead_any.py --device cuda $G2 --steps 100 --warmup 100 \
+  --variants every_step,budget_1pct,no_attn,no_act,no_grad --json 2>&1 | tee "$OUT/thermo_gpt2.txt"
