@@ -89,9 +89,10 @@ class ThermometerConfig:
     # global gradient norm every step (the grad group too, unless end_step is handed grad_norm),
     # activations and per-layer gradient norms at least every budget_max_every-th step. Where
     # the floors exceed it they win, and a warning says so. None: the fixed cadences, unmeasured.
-    # Off until the detectors read a NaN of a thinned group as "not read" (non_finite acts on a
-    # NaN act_max today); issue 36 asks for 0.01 once they do.
-    budget: float | None = None
+    # On by default (issue 36): a thinned group's figures are absent from the record, not NaN
+    # (unread.py), and the detectors know the cadence; on the divergence grid replayed at the
+    # floors' cadence every damaged run is still acted on and no healthy one (BENCHMARKS.md).
+    budget: float | None = 0.01
     # The slowest activations and per-layer gradient norms are read under a budget (a power of two).
     budget_max_every: int = 16
     # update_ratio/<module> = ||W_after - W_before|| / ||W_before|| over the module's parameters
