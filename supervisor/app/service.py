@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
+
 from thermowatch.monitors.columns import StepColumns
-from thermowatch.monitors.contract import (LOSS, TOKENS_PER_S, Ack, CheckpointInfo, Command, RunFinished, RunInfo,
-                                           StepRecord)
+from thermowatch.monitors.contract import (LOSS, THERMOMETER_COST, THERMOMETER_EVERY, TOKENS_PER_S, Ack,
+                                           CheckpointInfo, Command, RunFinished, RunInfo, StepRecord)
 from thermowatch.supervisor import db
 from thermowatch.supervisor.app import jobs
 from thermowatch.supervisor.decide.approvers import HOW_TO_CONFIGURE, Approvers
@@ -83,6 +85,10 @@ class RunProgress:
     loss: float
     step_s: float | None  # seconds per step over the newest batch (or since the batch before)
     tokens_per_s: float | None
+    # The thermometers' measured share of the step and each group's cadence, as the client last
+    # reported them (issue 36: the watchdog's cost is a figure of the run); None / {} without a budget.
+    thermometer_cost: float | None = None
+    thermometer_every: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Progress:
@@ -109,12 +115,31 @@ class Progress:
                 step_s = None
             if tps is None and step_s and tokens > 0:
                 tps = tokens / step_s
+            cost = _last_present(batch, THERMOMETER_COST)
+            every = {k.split("/", 1)[1]: v for k in batch.keys if k.startswith(THERMOMETER_EVERY + "/")
+                     if (v := _last_present(batch, k)) is not None}
+            if prev is not None and prev.attempt == attempt:  # a batch without them keeps the last ones told
+                cost = prev.thermometer_cost if cost is None else cost
+                every = {**prev.thermometer_every, **every}
             self._runs[run_id] = RunProgress(attempt, last[0], last[1], math.nan if loss is None else float(loss),
-                                             step_s, tps)
+                                             step_s, tps, cost, every)
 
     def get(self, run_id: str) -> RunProgress | None:
         with self._lock:
             return self._runs.get(run_id)
+
+
+def _last_present(cols: StepColumns, key: str) -> float | None:
+    """The value of `key` in the batch's last row that carries it (a budget's figures may be absent
+    from some rows); None where no row does."""
+    if key not in cols.keys:
+        return None
+    j = cols.keys.index(key)
+    rows = np.flatnonzero(cols.present[:, j]) if cols.present is not None else np.arange(len(cols))
+    if not len(rows):
+        return None
+    v = float(cols.values[rows[-1], j])
+    return v if math.isfinite(v) else None
 
 
 def _last_cell(cols: StepColumns, key: str) -> float | None:

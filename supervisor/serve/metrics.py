@@ -215,16 +215,25 @@ class DaemonCollector:
                                    "(the trainer's clock).", labels=["run_id"])
         tps = GaugeMetricFamily("thermowatch_run_tokens_per_second", "Tokens per second of the newest step: the "
                                 "trainer's tokens_per_s, else tokens / step seconds.", labels=["run_id"])
+        cost = GaugeMetricFamily("thermowatch_run_thermometer_cost", "The share of the trainer's step its "
+                                 "thermometers took, as the client measured it (a fraction; absent without a "
+                                 "cost budget).", labels=["run_id"])
+        every = GaugeMetricFamily("thermowatch_run_thermometer_every", "Steps between reads of each thermometer "
+                                  "group, as the client's cost budget set them.", labels=["run_id", "group"])
         for r in runs:
             p = self.sup.progress.get(r.run_id)
             if p is None:
                 continue
+            if p.thermometer_cost is not None:
+                cost.add_metric([r.run_id], p.thermometer_cost)
+            for group, n in sorted(p.thermometer_every.items()):
+                every.add_metric([r.run_id, group], n)
             loss.add_metric([r.run_id], p.loss)
             if p.step_s is not None:
                 step_s.add_metric([r.run_id], p.step_s)
             if p.tokens_per_s is not None:
                 tps.add_metric([r.run_id], p.tokens_per_s)
-        yield from (loss, step_s, tps)
+        yield from (loss, step_s, tps, cost, every)
         by_state = GaugeMetricFamily("thermowatch_run_actions", "Actions of an active run by kind and state.",
                                      labels=["run_id", "kind", "state"])
         for run_id, kind, state, n in sorted(actions):

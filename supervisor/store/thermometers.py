@@ -405,6 +405,20 @@ def latest_step(session: Session, run_id: str) -> int | None:
     return session.execute(select(func.max(Step.step)).where(Step.run_id == run_id, Step.attempt == newest)).scalar()
 
 
+def latest_values(session: Session, run_id: str, keys: Iterable[str], window: int = 512) -> dict[str, float]:
+    """The newest stored value of each key, looked for in the last `window` steps of the run (a
+    figure read every k-th step has one there); keys without one are left out."""
+    last = latest_step(session, run_id)
+    if last is None:
+        return {}
+    out = {}
+    for key in keys:
+        steps, values = history(session, run_id, key, max(0, last - window), None)
+        if len(values):
+            out[key] = float(values[-1])
+    return out
+
+
 def series_keys(session: Session, run_id: str) -> list[str]:
     """Metric keys the run has reported, sorted."""
     rows = session.execute(

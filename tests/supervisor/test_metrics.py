@@ -218,3 +218,32 @@ def test_progress_reads_the_same_from_records_and_from_columns():
     del mixed[-1].values["loss"]  # the last row without a loss: NaN, not the row before's
     as_columns.note("r", 1, StepColumns.from_records(mixed))
     assert math.isnan(as_columns.get("r").loss)
+
+
+def test_the_thermometers_cost_is_a_figure_of_the_run_on_metrics_and_on_its_page(sup, db):
+    """Issue 36: a user sees what the watchdog costs without a benchmark. The client sends its
+    measured share of the step and each group's cadence on some steps (absent on others, as a
+    budget's figures are); /metrics and the run page show the newest told."""
+    recs = []
+    for i in range(12):
+        r = {"step": i, "loss": 3.0, "wall_time": 1000.0 + i}
+        if i % 4 == 0:  # the cost and cadences told on these steps only
+            r.update({"thermometer_cost": 0.01 + i / 1000, "thermometer_every/act": 16.0,
+                      "thermometer_every/attn": 4.0, "thermometer_every/grad": 1.0})
+        recs.append(r)
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        assert c.post("/api/runs", json={"run_id": "cost", "attempt": 0, "world_size": 1}).status_code == 201
+        assert c.post("/api/runs", json={"run_id": "plain", "attempt": 0, "world_size": 1}).status_code == 201
+        assert c.post("/api/runs/cost/attempts/0/steps", json={"records": recs}).status_code == 200
+        assert c.post("/api/runs/plain/attempts/0/steps",
+                      json={"records": [{"step": 0, "loss": 2.0, "wall_time": 1.0}]}).status_code == 200
+        assert sup.judge.wait(30)
+        m = samples(c.get("/metrics").text)
+        page = c.get("/runs/cost").text
+        plain_page = c.get("/runs/plain").text
+    assert m[("thermowatch_run_thermometer_cost", (("run_id", "cost"),))] == pytest.approx(0.018)  # step 8's
+    assert m[("thermowatch_run_thermometer_every", (("group", "attn"), ("run_id", "cost")))] == 4
+    assert m[("thermowatch_run_thermometer_every", (("group", "act"), ("run_id", "cost")))] == 16
+    assert ("thermowatch_run_thermometer_cost", (("run_id", "plain"),)) not in m  # no budget: nothing told
+    assert "<b id='thermometer-cost'>1.8%</b> of a step (act every 16, attn every 4, grad every 1)" in page
+    assert "thermometer-cost" not in plain_page

@@ -25,7 +25,8 @@ from urllib.parse import quote, urlencode
 from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
-from thermowatch.monitors.contract import ContractError, describe_args, parse_command
+from thermowatch.monitors.contract import (THERMOMETER_COST, THERMOMETER_EVERY, ContractError, describe_args,
+                                           parse_command)
 from thermowatch.supervisor.store.views import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -149,6 +150,8 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
             return HTMLResponse(top)
         status = run_status(s, run_id, stall_after_s=stall_s)
         keys = thermometers.series_keys(s, run_id)
+        cost = thermometers.latest_values(s, run_id, [k for k in keys if k == THERMOMETER_COST
+                                                      or k.startswith(THERMOMETER_EVERY + "/")])
         attempts, older = runs_store.attempts_page(s, run_id, ATTEMPTS_SHOWN, attempts_before)
         ckpts = ckpt_store.checkpoints(s, run_id, include_deleted=True)
         skips = skips_store.skip_ranges(s, run_id)
@@ -156,7 +159,7 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
         audit = audit_store.audit_log(s, run_id, limit=AUDIT_TAIL)
         told = story_store.story(s, run_id)
 
-    parts = [_header(e, base, run, status, told, told.attempts), top]
+    parts = [_header(e, base, run, status, told, told.attempts, cost), top]
     if selected is not None:
         parts.append(_banner(e, selected))
     parts.append(_charts(e, run_url, base, charts, run_id, keys, told.attempts, incident, step_lo, step_hi))
@@ -168,7 +171,21 @@ def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[.
     return page(f"{run.run_id}: thermowatch", head, "".join(parts) + scripts)
 
 
-def _header(e, base: str, run, status: dict, told, n_attempts: int) -> str:
+def _cost(e, cost: dict[str, float]) -> str:
+    """What the thermometers cost the trainer, as its client measured it (issue 36); nothing when
+    the client keeps no budget (it did not measure)."""
+    share = cost.get(THERMOMETER_COST)
+    if share is None:
+        return ""
+    every = ", ".join(f"{k.split('/', 1)[1]} every {v:.0f}" for k, v in sorted(cost.items())
+                      if k.startswith(THERMOMETER_EVERY + "/"))
+    return (f" &middot; <span title='the share of the training step the thermometers took, as the client "
+            f"measured it on its device; the groups are read at these cadences'>thermometers "
+            f"<b id='thermometer-cost'>{e(f'{100 * share:.1f}%')}</b> of a step"
+            + (f" ({e(every)})" if every else "") + "</span>")
+
+
+def _header(e, base: str, run, status: dict, told, n_attempts: int, cost: dict[str, float] | None = None) -> str:
     """The run's name, state badge, facts and story."""
     state = status["state"]
     # The badge and the story agree: a run that reached its planned steps (or was stopped) without
@@ -185,7 +202,8 @@ def _header(e, base: str, run, status: dict, told, n_attempts: int) -> str:
         # the run's attempt, as status and the runs list show it (runs.newest_attempt); how many were opened on hover
         + f" &middot; <span title='{n_attempts} attempt(s) opened'>attempt <b id='attempt'>"
         f"{e(status['attempt'] if status['attempt'] is not None else '-')}</b></span>"
-        f" &middot; created {_ts(run.created_at)}</p>"
+        + _cost(e, cost or {})
+        + f" &middot; created {_ts(run.created_at)}</p>"
         # The story first, in words (issue 23): how it ended and what the supervisor did to it.
         f"<p class='story' id='story'><b>{e(ending)}</b>: {e(told.words())}</p></header>")
 
