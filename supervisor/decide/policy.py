@@ -119,6 +119,13 @@ class PolicyConfig:
 
     # PaLM restarted ~100 steps before a spike; small runs (checkpoints every ~50 steps) use ~20.
     rollback_margin_steps: int = 100
+    # A data rollback (a loss or gradient spike: the data is the likely cause) also skips this many
+    # steps' worth of samples past the detection, not trained yet: a bad stretch of data (a corrupt
+    # shard, a broken file) goes on past the step it was seen at. Issue 35: 15 poisoned steps, seen
+    # one step in; the re-trained path met the rest and took two more rollbacks, 80-144 poisoned
+    # samples trained on the paths they abandoned. A few clean steps ahead cost less than the
+    # margin behind (rollback_margin_steps) already does; precise skip narrows both. 0: off.
+    skip_ahead_steps: int = 16
     # The same signal within this many steps of a rollback means skipping data was not enough.
     recurrence_window_steps: int = 500
     # Rung 2 factor on the LR schedule; YaLM: halving cost ~30% speed, so it is not rung 1.
@@ -184,7 +191,7 @@ class PolicyConfig:
                 f"rollback_signals contains {names}: a rollback cannot fix it; remove it "
                 "(outlier ranks are handled by restart_without_outlier)"
             )
-        for name in ("rollback_margin_steps", "cooldown_steps", "rewarmup_steps"):
+        for name in ("rollback_margin_steps", "cooldown_steps", "rewarmup_steps", "skip_ahead_steps"):
             if getattr(self, name) < 0:
                 raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("recurrence_window_steps", "max_interventions", "max_rollbacks_per_day"):
@@ -527,12 +534,17 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         return _pause(head, why)
     reasons.append(why)
     skip = _skip_range(f, cfg, target.step)
+    ahead = 0
     if skip:
         start = (f"onset {f.onset_step} - margin {cfg.rollback_margin_steps}"
                  if skip[0] == f.onset_step - cfg.rollback_margin_steps else "the checkpoint")
         reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from {start} to detection)")
+        if rung == 1 and _family(f.signal) in _DATA_FAMILIES and cfg.skip_ahead_steps:
+            ahead = cfg.skip_ahead_steps
+            reasons.append(f"and {ahead} steps' worth past them, not trained yet (skip_ahead_steps): a bad stretch "
+                           "of data goes on past the step it was seen at")
     return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
-                    skip_steps=skip, rung=rung, **lr)
+                    skip_steps=skip, skip_ahead_steps=ahead, rung=rung, **lr)
 
 
 def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, target_step: int) -> Decision:

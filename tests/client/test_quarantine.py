@@ -82,9 +82,9 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
     # A blunt skip would have taken every sample from the onset margin to the detection (51x the
     # poison here): those are the suspects; the search skipped the poison and little else.
     b = first.bisected
-    # the suspects: the window (onset 171 - margin 100 to the detection) and what the abandoned
-    # path trained after it, before the rollback arrived
-    window = (first.detect_step - (171 - 100) + 1) * B
+    # the suspects: the window (onset 171 - margin 100 to the detection, and skip_ahead_steps 16
+    # past it) and what the abandoned path trained after it, before the rollback arrived
+    window = (first.detect_step - (171 - 100) + 1 + 16) * B
     suspects = sum(hi - lo for lo, hi in b["suspects"])
     assert b["suspects"][0][0] == (171 - 100 - 1) * B and window <= suspects <= window + 10 * B
     assert b["outcome"] == "narrowed" and b["probes"] >= 2 and b["steps"] > 0

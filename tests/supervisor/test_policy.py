@@ -512,8 +512,10 @@ def test_issue_35_the_rest_of_a_bad_stretch_is_skipped_at_once_not_trained_in_th
     d2 = run.decide(loss(onset=73, detect=74))  # 3 steps into the re-trained path: the stretch goes on
     assert (d2.kind, d2.rung, d2.target_step, d2.skip_steps, d2.lr_multiplier) == (K.ROLLBACK, 1, 70, (71, 74), None)
     assert "the bad stretch goes on past the samples it skipped" in "\n".join(d2.reasons)
-    # and past the new detection too, doubling with each return: 2x, then 4x the onset-to-detection steps
-    assert d1.skip_ahead_steps == 0 and d2.skip_ahead_steps == 2 * 2
+    # the first skips skip_ahead_steps past its detection (16 by default); a return skips past the new
+    # detection too, doubling with each: 2x, then 4x the onset-to-detection steps
+    assert d1.skip_ahead_steps == 16 and d2.skip_ahead_steps == 2 * 2
+    assert "16 steps' worth past them" in "\n".join(d1.reasons)
     d3 = run.decide(loss(onset=72, detect=73))
     assert (d3.kind, d3.target_step, d3.skip_ahead_steps) == (K.ROLLBACK, 70, 2 * 4), d3.reasons
     d4 = run.decide(loss(onset=72, detect=73))
@@ -664,3 +666,17 @@ MARGIN_CASES = [
 @pytest.mark.parametrize("inp_kw, cfg_kw, expected", [c[1:] for c in MARGIN_CASES], ids=[c[0] for c in MARGIN_CASES])
 def test_issue_35_the_margin_adapts_to_the_checkpoints_that_exist(inp_kw, cfg_kw, expected):
     test_decision_table(inp_kw, cfg_kw, expected)
+
+
+def test_only_a_data_rollback_skips_ahead_and_zero_turns_it_off():
+    """skip_ahead_steps applies to a rung-1 rollback for a loss or gradient spike (the data is the
+    likely cause): an attention-logit blow-up is the optimizer's, and skipping data past it would
+    only lose clean samples; 0 turns it off."""
+    d = Run(PolicyConfig(rollback_margin_steps=100)).decide(finding(S.ATTN_LOGIT_CEILING, onset=171, detect=172))
+    assert d.kind is K.ROLLBACK and d.skip_steps is not None and d.skip_ahead_steps == 0, d.reasons
+    d = Run(PolicyConfig(rollback_margin_steps=100, skip_ahead_steps=0)).decide(loss(onset=171, detect=172))
+    assert d.kind is K.ROLLBACK and d.skip_ahead_steps == 0
+    d = Run(PolicyConfig(rollback_margin_steps=100, skip_ahead_steps=5)).decide(loss(onset=171, detect=172))
+    assert d.kind is K.ROLLBACK and d.skip_ahead_steps == 5, d.reasons
+    with pytest.raises(PolicyConfigError, match="skip_ahead_steps"):
+        PolicyConfig(skip_ahead_steps=-1)
