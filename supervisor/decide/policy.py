@@ -533,7 +533,13 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     if target is None:
         return _pause(head, why)
     reasons.append(why)
-    skip = _skip_range(f, cfg, target.step)
+    # Rung 2 cuts the LR and skips nothing: the cause is taken to be the LR, not the data (the
+    # rollback and skip before it did not stop it, or the schedule's forecast names the LR). Issue
+    # 35's study: an LR blow-up answered with a skip on every rung lost 6,560 clean samples.
+    # DESIGN.md: reproduced anyway is optimizer state or LR, rolled back with the LR cut.
+    skip = _skip_range(f, cfg, target.step) if rung == 1 else None
+    if rung == 2:
+        reasons.append("no samples skipped: at rung 2 the cause is the LR, not the data")
     ahead = 0
     if skip:
         start = (f"onset {f.onset_step} - margin {cfg.rollback_margin_steps}"
