@@ -303,3 +303,39 @@ def test_text_source_reads_a_folder_in_path_order(tmp_path):
     assert text_source(tmp_path, max_bytes=4, suffixes=[".txt"]).tokens.tobytes() == b"firs"
     with pytest.raises(DataError, match="fewer than one window"):
         DataLoader(src, DataConfig(source="text", path=str(tmp_path), seq_len=64, global_batch=1))
+
+
+def test_a_skip_follows_its_windows_into_every_epoch():
+    """Issue 35: the ledger held ids, so the next epoch brought the same (poisoned) windows back at
+    other ids. The bundled loader reads a skipped id as its corpus window, skipped in every epoch,
+    whatever each epoch's permutation; through a checkpoint's JSON state and a pickle (Ray) too."""
+    import pickle
+
+    small = stdlib_source(max_bytes=64 * 256 + 1)  # 256 windows of 64 tokens
+    cfg = DataConfig(max_bytes=64 * 256 + 1, seq_len=64, global_batch=8, seed=3)
+    loader = DataLoader(small, cfg)
+    n = loader.n_windows
+    assert n == 256
+    bad = range(40, 56)  # two steps' samples in the first epoch
+    loader.skip(bad.start, bad.stop)
+    bad_windows = set(sample_windows(np.arange(bad.start, bad.stop), n, cfg.seed).tolist())
+    seen_ids, seen_windows = [], []
+    resumed = None
+    for step in range(3 * n // 8):  # three epochs' worth of steps
+        b = loader.next_batch()
+        seen_ids += b.global_ids.tolist()
+        seen_windows += sample_windows(b.global_ids, n, cfg.seed).tolist()
+        assert len(b.global_ids) == 8  # a skip never shrinks a batch
+        if step == n // 8:  # into the second epoch: a checkpoint's state, saved and loaded, then pickled
+            resumed = DataLoader(small, cfg, state=pickle.loads(pickle.dumps(
+                DataState.from_json(json.loads(json.dumps(b.state.to_json()))))))
+    assert not set(seen_ids) & set(bad)
+    assert not set(seen_windows) & bad_windows  # not in the first epoch, nor the second or third
+    epochs = np.asarray(seen_ids) // n
+    assert {0, 1, 2} <= set(epochs.tolist())
+    # every other window is served once an epoch
+    for e in (1,):
+        got = sorted(w for w, ep in zip(seen_windows, epochs) if ep == e)
+        assert got == sorted(set(range(n)) - bad_windows)
+    nxt = resumed.next_batch()
+    assert not set(sample_windows(nxt.global_ids, n, cfg.seed).tolist()) & bad_windows

@@ -155,6 +155,18 @@ class Batch:
         return self.global_batch * self.seq_len
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """Sample id -> corpus window (order.sample_windows): the skip ledger's index, picklable (a
+    loader's state crosses Ray)."""
+
+    n_windows: int
+    seed: int
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        return sample_windows(ids, self.n_windows, self.seed)
+
+
 class DataLoader:
     """Batches for one rank. Cheap to build: the order is computed, never stored."""
 
@@ -198,7 +210,8 @@ class DataLoader:
     # --- state --------------------------------------------------------------------------------
 
     def fresh_state(self) -> DataState:
-        return DataState(seed=self.config.seed, window=self.window, fingerprint=self.source.fingerprint)
+        return DataState(seed=self.config.seed, window=self.window, fingerprint=self.source.fingerprint,
+                         ledger=self.follow_data(SkipLedger()))
 
     @property
     def state(self) -> DataState:
@@ -221,7 +234,17 @@ class DataLoader:
                 )
         new = state.copy()
         new.seed, new.window, new.fingerprint = mine.seed, mine.window, mine.fingerprint
+        new.ledger = self.follow_data(new.ledger)
         self._state = new
+
+    def follow_data(self, ledger: SkipLedger) -> SkipLedger:
+        """The ledger as this loader reads it: a skipped id stands for its corpus window, skipped in
+        every epoch (issue 35: a second pass brought the same poisoned windows back, the ledger
+        holding ids, not the data they map to). Each epoch is its own permutation of the windows
+        (order.py), so the map from ids to windows is the ledger's `index`."""
+        if ledger.period == self.n_windows and isinstance(ledger.index, _Windows):
+            return ledger
+        return SkipLedger(ledger.ranges, period=self.n_windows, index=_Windows(self.n_windows, self.config.seed))
 
     def skip(self, lo: int, hi: int) -> None:
         """Never serve absolute sample ids [lo, hi) (idempotent; merges with earlier ranges)."""
@@ -232,7 +255,7 @@ class DataLoader:
     def plan(self, state: DataState) -> tuple[np.ndarray, int, int]:
         """(global ids, global batch, seq_len) of the step that starts at `state` (pure)."""
         batch, seq_len = self.curriculum.at(state.tokens_consumed)
-        return state.ledger.take(state.cursor, batch), batch, seq_len
+        return self.follow_data(state.ledger).take(state.cursor, batch), batch, seq_len
 
     def starts(self, sample_ids: np.ndarray) -> np.ndarray:
         """Token offset of each sample's window."""
