@@ -49,7 +49,7 @@ from thermowatch.monitors.contract import (
 from thermowatch.supervisor.decide import feasibility
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
 from thermowatch.supervisor.notify import flap as flaps
-from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier
+from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier, StoryState
 from thermowatch.supervisor.notify.flap import FlapConfig
 from thermowatch.supervisor.notify.outbox import Outbox
 from thermowatch.supervisor.act.outcome import details, outcome, summary
@@ -237,7 +237,8 @@ class Executor:
                                                             "cancelled": [a.id for a in mine]})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
                                        title=f"{run_id}: superseded by {by}",
-                                       status=f"superseded by {who}'s action {action_id}"))
+                                       status=f"superseded by {who}'s action {action_id}",
+                                       story_state=StoryState.RESOLVED))
 
     def approve(self, action_id: int, who: str) -> None:
         """Advise-only mode: a human lets a pending action go to the trainer. Refused (409) once
@@ -252,7 +253,7 @@ class Executor:
             actions_store.approve_action(s, action_id, who)
             return said
 
-        self._human_decides(action_id, who, "approved", change)
+        self._human_decides(action_id, who, "approved", change, StoryState.ANSWERED)  # the page stops escalating
 
     @staticmethod
     def _rederive(s: Session, row: actions_store.ActionRow) -> str | None:
@@ -291,7 +292,7 @@ class Executor:
                                                      "cancelled); the detectors fire again if it goes on")
 
         cancelled: list[str] = []
-        self._human_decides(action_id, who, "cancelled", change)
+        self._human_decides(action_id, who, "cancelled", change, StoryState.RESOLVED)  # the question is over
         for run_id in cancelled:
             self._on_proposal_cancelled(run_id)
 
@@ -311,7 +312,8 @@ class Executor:
                                            thread=_thread(action_id, row.incident_id)))
         self.flush_alerts()
 
-    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], str | None]) -> None:
+    def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], str | None],
+                       story_state: StoryState) -> None:
         with self._session.begin() as s:
             row = actions_store.get_action(s, action_id)
             if row is None:
@@ -325,7 +327,8 @@ class Executor:
                                        title=f"{row.run_id}: {who} {event} {row.kind} (action {action_id})",
                                        text=said or "", incident_id=row.incident_id,
                                        thread=_thread(action_id, row.incident_id),
-                                       status=f"{row.kind} (action {action_id}) {event} by {who}"))
+                                       status=f"{row.kind} (action {action_id}) {event} by {who}",
+                                       story_state=story_state))
         self.flush_alerts()
 
     def _enqueue(self, s: Session, run_id: str, body: CommandBody, reason: str, origin: str,
@@ -476,7 +479,8 @@ class Executor:
                 incidents_store.resolve_incident(s, inc.id, f"the run ended ({fin.reason.value} at step {fin.step})")
                 self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=inc.id,
                                            title=f"{run_id}: closed, the run ended ({fin.reason.value} at step {fin.step})",
-                                           status=f"closed: the run ended ({fin.reason.value} at step {fin.step})"))
+                                           status=f"closed: the run ended ({fin.reason.value} at step {fin.step})",
+                                           story_state=StoryState.RESOLVED))
             told = story_store.story(s, run_id)
             self._queue_alert(s, Alert(
                 run_id=run_id, severity=Severity.INFO, title=f"{run_id}: {told.ending()}", text=told.words(),
@@ -584,4 +588,6 @@ def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dic
                  title=f"{run_id}: {row.kind} (action {row.id}) done: {summary(o)}",
                  text="\n".join(lines) or (ack.detail or ""),
                  incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
-                 status=f"{'resolved' if resolved else 'done'}: {summary(o)}")
+                 status=f"{'resolved' if resolved else 'done'}: {summary(o)}",
+                 # a pause done is a run waiting for a person: its page stays until the incident ends
+                 story_state=StoryState.RESOLVED if resolved else None)

@@ -4,7 +4,8 @@ A YAML file lists only what differs from these defaults. Environment variables w
 file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOWATCH_PORT`,
 `THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
 `THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`,
-`THERMOWATCH_SLACK_SIGNING_SECRET_FILE`), so a systemd unit or a Kubernetes
+`THERMOWATCH_SLACK_SIGNING_SECRET_FILE`, `THERMOWATCH_PAGERDUTY_ROUTING_KEY_FILE`,
+`THERMOWATCH_WEBHOOK_SECRET_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.monitors.contract import Severity
 from thermowatch.monitors.settings import SettingError, check_number, parse_bool, parse_number
 from thermowatch.supervisor.errors import UserError
 
@@ -88,6 +90,64 @@ class SlackConfig:
         return FlapConfig(self.flap_max_alerts, self.flap_window_s)
 
 
+def _check_timeout(section: str, value: Any) -> None:
+    # A receiver that hangs holds up only its own channel's sender (supervisor.notify.outbox), but
+    # for this long per try; two minutes is longer than any pager answers.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 120:
+        raise ConfigError(f"{section}.timeout_s must be in (0, 120] seconds, got {value!r}")
+
+
+def _check_url(key: str, url: Any) -> None:
+    from thermowatch.supervisor.notify.paging import check_url
+
+    try:
+        check_url(key, url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass
+class PagerDutyConfig:
+    """Pages through PagerDuty's Events API v2 (supervisor.notify.pagerduty): critical alerts
+    trigger, an approval acknowledges, the incident's end resolves. On when a routing key source
+    is named; the key itself never lives in a config file."""
+
+    routing_key_env: str = ""  # e.g. PAGERDUTY_ROUTING_KEY; empty with routing_key_file empty: off
+    routing_key_file: str = ""  # or a mounted secret file (wins over the variable)
+    base_url: str = "https://events.pagerduty.com"  # EU service region: https://events.eu.pagerduty.com
+    timeout_s: float = 10.0  # one try; the outbox retries with its backoff
+
+    def __post_init__(self) -> None:
+        _check_url("pagerduty.base_url", self.base_url)
+        _check_timeout("pagerduty", self.timeout_s)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.routing_key_env or self.routing_key_file)
+
+
+@dataclass
+class WebhookConfig:
+    """A signed JSON POST per page to any receiver (supervisor.notify.webhook)."""
+
+    url: str = ""  # empty: no webhook
+    secret_env: str = "THERMOWATCH_WEBHOOK_SECRET"  # the HMAC key; never in a config file
+    secret_file: str = ""  # or a mounted secret file (wins over the variable)
+    # The least severity that triggers: critical pages only for what needs a person, as PagerDuty.
+    min_severity: Severity = Severity.CRITICAL
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.url:
+            _check_url("webhook.url", self.url)
+        try:
+            self.min_severity = Severity(self.min_severity)
+        except ValueError:
+            raise ConfigError(f"webhook.min_severity must be one of {', '.join(s.value for s in Severity)}, "
+                              f"got {self.min_severity!r}") from None
+        _check_timeout("webhook", self.timeout_s)
+
+
 @dataclass
 class SupervisorConfig:
     data_dir: Path = Path(".thermowatch")
@@ -124,6 +184,8 @@ class SupervisorConfig:
     # never competes with storing for the interpreter lock; false: a thread in the daemon's process.
     judge_process: bool = True
     slack: SlackConfig = field(default_factory=SlackConfig)
+    pagerduty: PagerDutyConfig = field(default_factory=PagerDutyConfig)  # paging beside Slack (issue 37)
+    webhook: WebhookConfig = field(default_factory=WebhookConfig)
     # The sections below are checked key by key against the class named in `schema` (config_tree).
     policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
                                    metadata=schema("thermowatch.supervisor.decide.policy:PolicyConfig"))
@@ -146,7 +208,7 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
         # anywhere under them (issue 12), before any class below sees the value.
-        for name in ("slack", "policy", "detectors", "limits", "envelope"):
+        for name in ("slack", "pagerduty", "webhook", "policy", "detectors", "limits", "envelope"):
             try:
                 check_tree(type(self), {name: getattr(self, name)})
             except ConfigTreeError as exc:
@@ -175,6 +237,10 @@ class SupervisorConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.slack, Mapping):
             self.slack = SlackConfig(**self.slack)
+        if isinstance(self.pagerduty, Mapping):
+            self.pagerduty = PagerDutyConfig(**self.pagerduty)
+        if isinstance(self.webhook, Mapping):
+            self.webhook = WebhookConfig(**self.webhook)
         try:
             self.slack.flap()
         except UserError as exc:
@@ -228,6 +294,10 @@ class SupervisorConfig:
                                    ("signing_secret_file", "THERMOWATCH_SLACK_SIGNING_SECRET_FILE")):
             if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
                 values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
+        for section, key, env_key in (("pagerduty", "routing_key_file", "THERMOWATCH_PAGERDUTY_ROUTING_KEY_FILE"),
+                                      ("webhook", "secret_file", "THERMOWATCH_WEBHOOK_SECRET_FILE")):
+            if env.get(env_key):  # systemd's LoadCredential=, a Kubernetes secret mounted as a file
+                values[section] = {**dict(values.get(section) or {}), key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             check_tree(cls, values)

@@ -52,13 +52,29 @@ def check_notifier(notifier: Notifier) -> dict:
         raise
 
 
-def build_notifier(cfg: SupervisorConfig) -> Notifier:
-    """Console always (the journal is the last resort), plus Slack when a channel is set."""
+def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = None) -> Notifier:
+    """Console always (the journal is the last resort), plus Slack when a channel is set, PagerDuty
+    when a routing key source is named and the signed webhook when a URL is. Each is a channel of
+    its own in the outbox, so one that is down holds up none of the others. A secret that cannot
+    be read stops the start here (NotifyConfigError naming the key), closing what was built."""
     parts: list[Notifier] = [ConsoleNotifier()]
-    if cfg.slack.channel:
-        from thermowatch.supervisor.notify.slack import SlackNotifier
+    web = cfg.public_url or None
+    try:
+        if cfg.slack.channel:
+            from thermowatch.supervisor.notify.slack import SlackNotifier
 
-        parts.append(SlackNotifier.from_config(cfg.slack, web_base_url=cfg.public_url or None))
+            parts.append(SlackNotifier.from_config(cfg.slack, environ=environ, web_base_url=web))
+        if cfg.pagerduty.enabled:
+            from thermowatch.supervisor.notify.pagerduty import PagerDutyNotifier
+
+            parts.append(PagerDutyNotifier.from_config(cfg.pagerduty, environ=environ, web_base_url=web))
+        if cfg.webhook.url:
+            from thermowatch.supervisor.notify.webhook import WebhookNotifier
+
+            parts.append(WebhookNotifier.from_config(cfg.webhook, environ=environ, web_base_url=web))
+    except NotifyConfigError:
+        FanOut(parts).close()
+        raise
     return FanOut(parts)
 
 

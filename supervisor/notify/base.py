@@ -7,6 +7,7 @@ no Slack import here (STYLE.md 6); the Slack part lives in `thermowatch.supervis
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass, field
@@ -72,6 +73,15 @@ class ChartRequest:
                    int(obj["detect_step"]), str(obj.get("label") or ""))
 
 
+class StoryState(str, enum.Enum):
+    """Where an alert leaves its story (`Alert.thread_key`), for the channels that page
+    (supervisor.notify.paging): a page must stop when a person has taken it and end when the
+    incident does, and the text of `Alert.status` is for people, not to be compared by literal."""
+
+    ANSWERED = "answered"  # a person took the question (approved): the page stops escalating
+    RESOLVED = "resolved"  # the story is over (done, declined, superseded, the run ended): the page ends
+
+
 @dataclass(frozen=True)
 class Alert:
     """One message to humans. `fields` are short key/value facts (onset/detect step, target)."""
@@ -99,6 +109,7 @@ class Alert:
     # fired in the window (supervisor.notify.flap). 0: not folded.
     fold_count: int = 0
     chart: ChartRequest | None = None  # upload this chart into the thread instead of a message
+    story_state: StoryState | None = None  # None: the story goes on (most alerts)
 
     @property
     def thread_key(self) -> str | None:
@@ -113,7 +124,8 @@ class Alert:
                 "incident_id": self.incident_id, "reasons": list(self.reasons), "thread_ts": self.thread_ts,
                 "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands),
                 "status": self.status, "approve_action": self.approve_action, "fold_count": self.fold_count,
-                "chart": self.chart.to_json() if self.chart is not None else None}
+                "chart": self.chart.to_json() if self.chart is not None else None,
+                "story_state": self.story_state.value if self.story_state is not None else None}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
@@ -124,7 +136,8 @@ class Alert:
                    thread=obj.get("thread"), broadcast=bool(obj.get("broadcast", False)),
                    commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""),
                    approve_action=obj.get("approve_action"), fold_count=int(obj.get("fold_count") or 0),
-                   chart=ChartRequest.from_json(obj["chart"]) if obj.get("chart") else None)
+                   chart=ChartRequest.from_json(obj["chart"]) if obj.get("chart") else None,
+                   story_state=StoryState(obj["story_state"]) if obj.get("story_state") else None)
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",

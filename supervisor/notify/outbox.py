@@ -24,7 +24,9 @@ out), retried with the same backoff up to `upload_attempts` times, then marked f
 it illustrates was sent on its own row before it and is never touched.
 
 Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
-recorded on its own: the console taking an alert no longer hides that Slack refused it.
+recorded on its own: the console taking an alert no longer hides that Slack refused it. A
+channel with a `wants(alert, paged)` filter (the pagers: PagerDuty, the signed webhook) gets
+rows only for the alerts it takes, so its rows say what was really paged.
 """
 
 from __future__ import annotations
@@ -85,8 +87,19 @@ class Outbox:
         channels = self.channels
         if alert.chart is not None:  # a chart goes only where it can be uploaded
             channels = [name for name in channels if hasattr(self._channels[name], "upload")]
+        channels = [name for name in channels if self._wants(s, name, alert)]
         if channels:
             alerts_store.enqueue(s, alert.run_id, channels, alert.title, alert.to_json(), alert.thread_key)
+
+    def _wants(self, s: Session, name: str, alert: Alert) -> bool:
+        """A channel that takes only some alerts (a pager: supervisor.notify.paging) says which;
+        it is told lazily whether it holds a row of the alert's story (a resolve means nothing
+        to a pager that was never paged for it). Every other channel takes every alert."""
+        wants = getattr(self._channels[name], "wants", None)
+        if wants is None:
+            return True
+        key = alert.thread_key
+        return bool(wants(alert, lambda: key is not None and alerts_store.in_story(s, name, key)))
 
     def wake(self) -> None:
         for ev in self._wakes.values():

@@ -80,6 +80,14 @@ def thread_parent(session: Session, channel: str, thread_key: str, before_id: in
     return ThreadParent(None, lost) if lost else None
 
 
+def in_story(session: Session, channel: str, thread_key: str) -> bool:
+    """Whether `channel` holds a row of the story `thread_key` not refused for good (pending or
+    sent): a pager was paged, or is about to be, for it."""
+    q = (select(Alert.id).where(Alert.channel == channel, Alert.thread_key == thread_key, Alert.state != "failed")
+         .limit(1))
+    return session.execute(q).first() is not None
+
+
 def pending(session: Session, channel: str, limit: int = 50) -> list[AlertRow]:
     """The channel's undelivered alerts, oldest first (due or not: order is kept per channel)."""
     q = (select(Alert).where(Alert.state == "pending", Alert.channel == channel)
