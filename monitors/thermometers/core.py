@@ -54,6 +54,7 @@ from thermowatch.monitors.thermometers.config import ThermometerConfig
 from thermowatch.monitors.thermometers.intercept import Interceptor, Site
 from thermowatch.monitors.thermometers.layout import layout, select
 from thermowatch.monitors.thermometers.slots import Slots
+from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.monitors.thermometers.update import UpdateRatio
 
 def _first_float_tensor(out) -> torch.Tensor | None:
@@ -106,6 +107,7 @@ class Thermometers:
         act, z, attn, groups = select(model, cfg)
         lay = layout(cfg, act, z, attn, groups)
         names = self.names = lay.names
+        self._unread = Unread(names)  # as_dict leaves out what a budget did not read
         self._grad_slice, self._extras = lay.grad, lay.extras
         self._slots = Slots(len(names), self.device, keep=lay.extras.stop - lay.extras.start)
         self._budget: Budget | None = None
@@ -474,8 +476,14 @@ class Thermometers:
         self._pending.clear()
         return n
 
-    def as_dict(self, values: np.ndarray) -> dict[str, float]:
-        return dict(zip(self.names, values.tolist()))
+    def as_dict(self, values: np.ndarray, step: int | None = None) -> dict[str, float]:
+        """The figures of one collected step by name, those a budget left unread absent (never NaN:
+        a NaN act_max reads as a non-finite finding; unread.py). `step`: the step `values` are of,
+        by default the one the latest collect() returned (`th.as_dict(th.collect())`)."""
+        step = self.last_step if step is None else step
+        if step is None or self._unread is None:
+            return dict(zip(self.names, values.tolist()))
+        return self._unread.as_dict(values, step)
 
     def detach(self) -> None:
         """Remove every hook and probe; the model then runs exactly as before instrument()."""

@@ -61,7 +61,7 @@ def _train(model: nn.Module, th, steps: int, *, give_norm: bool, first: int = 1,
             opt.step()
         th.end_step(loss=loss, lr=lr, grad_norm=norm)
         opt.zero_grad(set_to_none=True)
-        out.append((s, th.as_dict(th.collect()), cadence))
+        out.append((s, dict(zip(th.names, th.collect().tolist())), cadence))  # raw: NaN where unread
     return out
 
 
@@ -247,7 +247,7 @@ def test_floors_win_over_a_budget_they_exceed_and_say_so_once(caplog):
                 opt.step()
             th.end_step(loss=loss, lr=1e-3)
             opt.zero_grad(set_to_none=True)
-            rows.append((s, th.as_dict(th.collect()), cadence))
+            rows.append((s, dict(zip(th.names, th.collect().tolist())), cadence))  # raw
     assert th.over_budget
     assert th.cadence == {"act": 16, "attn": ATTN_MAX_EVERY, "grad": 1, "update": 10}
     _check_reads(rows, th)

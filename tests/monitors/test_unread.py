@@ -49,3 +49,34 @@ def test_a_budgeted_model_sends_no_nan_for_what_it_did_not_read():
         sent_nan += sum(1 for n, x in sent.items() if n.startswith(("act_", "grad_norm/")) and not math.isfinite(x))
     assert sent_nan == 0
     assert th.cadence["act"] > 1  # the tiny budget thinned it, so there was something to drop
+
+
+def test_as_dict_of_a_collected_step_leaves_out_what_the_budget_did_not_read():
+    """docs/any-trainer.md's own-checkpointing loop sends `th.as_dict(th.collect())`: under the
+    default budget a thinned group's NaN would read as a non-finite finding on the daemon. as_dict
+    leaves out what was not read, keeps what was (NaN included), and a budget-less vector whole."""
+    import torch
+    import torch.nn as nn
+
+    from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    th = instrument(model, ThermometerConfig(budget=1e-6, act_patterns=(r".*",)))
+    sent = []
+    for step in range(1, 80):
+        th.begin_step(step)
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        th.end_step(loss=loss, lr=1e-2)
+        sent.append(th.as_dict(th.collect()))
+    assert th.cadence["act"] > 1
+    acts = [d for d in sent if any(k.startswith("act_max/") for k in d)]
+    assert 0 < len(acts) < len(sent)  # read on some steps only, absent on the others
+    assert all(math.isfinite(v) for d in sent for k, v in d.items() if k.startswith(("act_max/", "act_min/")))
+    assert all("loss" in d for d in sent)
+    raw = th.collect  # nothing pending: the last step was collected
+    assert raw(block=True) is None
