@@ -85,11 +85,20 @@ class DemoOptions:
 def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):
     from thermowatch.trainer.config import TrainConfig
 
+    from thermowatch.supervisor.errors import UserError
+    from thermowatch.trainer.config import ConfigError
+
     over = json.loads(json.dumps(DEMO_TRAIN))
     over.update(run_id=run_id, steps=opts.steps or DEMO_STEPS)
+    # A shortened demo ends its LR warm-up by its last step (`demo --steps 90` ended in a traceback:
+    # warmup_steps=100 exceeds steps=90, issue 37).
+    over["optim"]["warmup_steps"] = min(over["optim"]["warmup_steps"], over["steps"])
     over["model"]["dtype"] = opts.dtype
     over["checkpoint"]["dir"] = str(ckpt_dir)
-    return TrainConfig.from_dict(over)
+    try:
+        return TrainConfig.from_dict(over)
+    except ConfigError as exc:
+        raise UserError(f"the demo cannot train that way: {exc}") from None
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -116,6 +125,7 @@ def run_demo(opts: DemoOptions) -> int:
     import ray
 
     from thermowatch.supervisor.app.service import Supervisor
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
     from thermowatch.trainer.controller import RunController
     from thermowatch.trainer.local import ListSink, QueueCommands
 
@@ -127,7 +137,9 @@ def run_demo(opts: DemoOptions) -> int:
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
     cfg = SupervisorConfig(data_dir=opts.data_dir, db_url=opts.db_url, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
-    sup = Supervisor(cfg)
+    # The console's alerts go through the progress bar's writer: written straight to stderr they
+    # landed on the bar's line (issue 37).
+    sup = Supervisor(cfg, notifier=ConsoleNotifier(_BarStream()) if opts.progress else None)
     tcfg = train_config(opts, run_id, opts.data_dir / "checkpoints")
     if not ray.is_initialized():
         ray.init(num_cpus=max(4, tcfg.world_size * 2), include_dashboard=False, log_to_driver=False,
@@ -153,6 +165,7 @@ def run_demo(opts: DemoOptions) -> int:
     finally:
         sup.close()
     print_summary(summary)
+    _how_to_look(opts, cfg, run_id)
     if opts.json_summary:
         write_file(opts.json_summary, json.dumps(summary, indent=2, default=_json_default) + "\n", flag="--json-summary")
         print(f"summary written to {opts.json_summary}", file=sys.stderr)
@@ -231,9 +244,36 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"  #{a['id']} {a['kind']} {a['state']} (acknowledged at step {a['ack_step']}): "
               f"{describe_args(a['kind'], a['args'])}", file=out)
     print(f"skipped sample ranges: {summary['skipped_sample_ranges']}", file=out)
-    print(f"final loss (mean of the last 10 steps): {summary['final_loss']:.4f}", file=out)
+    print(f"final loss (mean of the last 10 steps; the finish report gives the last step's): "
+          f"{summary['final_loss']:.4f}", file=out)
     if "unsupervised_final_loss" in summary:
-        print(f"same run without the supervisor:       {summary['unsupervised_final_loss']:.4f}", file=out)
+        print(f"the same run without the supervisor, the same mean: {summary['unsupervised_final_loss']:.4f}",
+              file=out)
+
+
+class _BarStream:
+    """A text stream that writes above tqdm's bars (tqdm.write), for the console's alerts."""
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        tqdm.write(text.rstrip("\n"), file=sys.stderr)
+        return len(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _how_to_look(opts: DemoOptions, cfg: SupervisorConfig, run_id: str) -> None:
+    """The demo's last words: how to open its run on the page (issue 37: `serve` with no flags
+    showed "no runs yet", and the sign-in token's path was only in the daemon's log). A daemon
+    on the demo's data dir reads its database; on its first start it writes an admin token there."""
+    from thermowatch.supervisor.serve.auth import BOOTSTRAP_FILE
+
+    where = f" --db {opts.db_url}" if opts.db_url else ""
+    print(f"\nsee it on the page: thermowatch serve --data-dir {opts.data_dir}{where}\n"
+          f"  then open http://127.0.0.1:8765/runs/{run_id} and sign in with the token in "
+          f"{cfg.data_dir / BOOTSTRAP_FILE} (written on the daemon's first start)", file=sys.stdout)
 
 
 def _json_default(o: Any) -> Any:

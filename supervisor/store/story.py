@@ -57,7 +57,8 @@ class Story:
                 f"{self.attempts} attempt{'s' * (self.attempts != 1)}")
 
     def ending(self) -> str:
-        """"finished (completed at step 200), final loss 2.38" or "not finished, last step 120"."""
+        """"finished (completed at step 200), final loss 2.38 (the last step's)" or "not finished, last
+        step 120"."""
         f = self.finished
         if f is None:
             return "not finished" + (f", last step {self.last_step}" if self.last_step is not None else ", no step yet")
@@ -65,8 +66,10 @@ class Story:
 
 
 def loss_words(final_loss: float | None) -> str:
-    """"final loss 2.38", or "no final loss" when none was measured (NaN is a loss: "final loss nan")."""
-    return "no final loss" if final_loss is None else f"final loss {final_loss:.4g}"
+    """"final loss 2.38 (the last step's)", or "no final loss" when none was measured (NaN is a loss:
+    "final loss nan (the last step's)"). Says which: the demo prints a mean of the last 10 steps
+    beside it, and two unnamed "final loss" figures in one output disagreed (issue 37)."""
+    return "no final loss" if final_loss is None else f"final loss {final_loss:.4g} (the last step's)"
 
 
 def cost(session: Session, run_id: str, body: Any) -> dict[str, str]:

@@ -384,7 +384,7 @@ def test_wait_returns_when_the_run_finishes_and_a_finished_run_refuses_with_exit
     assert "pause expired" in text and "the run finished (closed at step 30) before the trainer carried it out" in text
     assert main(["skip", RUN, "--skip", "0:8", "--who", "x", *daemon.flags]) == 2
     err = capsys.readouterr().err
-    assert f"run '{RUN}' has finished (closed at step 30, final loss 2.5)" in err, err
+    assert f"run '{RUN}' has finished (closed at step 30, final loss 2.5 (the last step's))" in err, err
 
 
 # --- the read commands for 3 a.m. (issue 12): --version, status, incidents, export ----------------

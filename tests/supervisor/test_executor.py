@@ -189,7 +189,7 @@ def test_a_finished_run_expires_what_is_open_and_refuses_new_commands_until_rela
         assert row.state == "expired" and row.error == (
             "the run finished (stopped at step 31) before the trainer carried it out"), row
     assert any("expired" in a.text and str(queued) in a.text for a in alerts(sup))
-    with pytest.raises(Conflict, match=r"run 'ex' has finished \(stopped at step 31, final loss 2.5\)"):
+    with pytest.raises(Conflict, match=r"run 'ex' has finished \(stopped at step 31, final loss 2.5 \(the last step's\)\)"):
         skip(sup, 500, 600)
     with sup.sessions() as s:
         late = actions_store.enqueue_action(s, RUN, "pause", {}, "a proposal the judge wrote late", "auto", "policy",
