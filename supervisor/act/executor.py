@@ -552,10 +552,22 @@ class Executor:
 
     def _queue_alert(self, s: Session, alert: Alert) -> None:
         """Write `alert` to the outbox in the caller's transaction (sent once it commits). An
-        incident folded into a flapping signal's thread has every later alert there too."""
-        if alert.incident_id is not None and alert.thread is None and not alert.fold_count:
-            into = flaps.thread_of(s, alert.run_id, int(alert.incident_id))
-            if into is not None:
+        incident folded into a flapping signal's thread has every later alert there too, and an
+        incident of a divergence episode its first incident's (issue 37: one thread per episode,
+        not one per detector and module)."""
+        into = None
+        if alert.thread is not None and alert.thread.startswith("incident:"):
+            into = int(alert.thread.split(":", 1)[1])  # a fold's: into its episode's thread too
+        elif alert.incident_id is not None and alert.thread is None and not alert.fold_count:
+            into = flaps.thread_of(s, alert.run_id, int(alert.incident_id)) or int(alert.incident_id)
+        if into is not None:
+            first = incidents_store.episode(s, into)
+            into = first if first is not None else into
+            if alert.thread is None and into != int(alert.incident_id) and alert.severity is Severity.CRITICAL:
+                # A human must act (an approval, a pause): its own message, never a reply deep in
+                # the episode's thread, and the episode's later alerts follow it there.
+                incidents_store.start_episode(s, int(alert.incident_id))
+            elif alert.thread is not None or into != int(alert.incident_id):
                 alert = dataclasses.replace(alert, thread=f"incident:{into}")
         self.outbox.enqueue(s, alert)
 

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from thermowatch.monitors.contract import Severity
 from thermowatch.supervisor.notify.base import Alert, ChartRequest, FanOut, Notifier, NotifyError, channel_name  # noqa: F401
 from thermowatch.supervisor.notify.chart import render_chart
 from thermowatch.supervisor.store import alerts as alerts_store
@@ -202,8 +203,9 @@ class Outbox:
             return self._retry_later(name, row, f"{type(exc).__name__}: {exc}")
         # The top message first, then the row: a row is `sent` once all it does is done, so
         # drain() (and a reader of the thread) never sees the reply without its new state.
-        if parent is not None and parent.ts and alert.status:
-            self._restate(name, part, parent, alert.status, keep_buttons=alert.fold_count > 0)
+        if parent is not None and parent.ts and (alert.status or _headline(alert)):
+            self._restate(name, part, parent, alert.status, keep_buttons=alert.fold_count > 0,
+                          headline=alert if _headline(alert) else None)
         with self._sessions.begin() as s:
             alerts_store.mark_sent(s, row.id, ts)
         return True
@@ -231,17 +233,20 @@ class Outbox:
         return True
 
     def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str,
-                 keep_buttons: bool = False) -> None:
-        """Best effort: the thread's top message shows the story's state. The reply already says
-        it, so a failed update is logged and never holds up the channel."""
+                 keep_buttons: bool = False, headline: Alert | None = None) -> None:
+        """Best effort: the thread's top message shows the story's state and its headline (the
+        latest alert that changed the run or asks a human: `headline`, else the thread's own,
+        alerts_store.thread_parent). The reply already says it, so a failed update is logged and
+        never holds up the channel."""
         update = getattr(part, "update", None)  # channels without message ids (console) have none
         if update is None or not parent.payload:
             return
         try:
-            top = Alert.from_json(parent.payload)
+            top = headline if headline is not None else Alert.from_json(parent.payload)
+            status = status or Alert.from_json(parent.payload).status
             # Any later state of the story answers the question the buttons asked; a flapping
             # repeat does not, so the buttons stay.
-            update(parent.ts, dataclasses.replace(top, status=status,
+            update(parent.ts, dataclasses.replace(top, status=status, thread_ts=None, broadcast=False,
                                                   approve_action=top.approve_action if keep_buttons else None))
         except Exception as exc:  # noqa: BLE001
             log.warning("alert channel %s: could not update thread %s with %r: %s", name, parent.ts, status, exc)
@@ -284,3 +289,8 @@ class Outbox:
                     if not _is_upload(row):
                         break
         return False
+
+
+def _headline(alert: Alert) -> bool:
+    """An alert that changed the run or asks a human (WARN, CRITICAL) heads its thread's top message."""
+    return alert.severity in (Severity.WARN, Severity.CRITICAL) and alert.chart is None and not alert.fold_count

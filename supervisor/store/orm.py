@@ -232,6 +232,9 @@ class Incident(Base):
     opened_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     closed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     resolution: Mapped[str] = mapped_column(Text, default="")
+    # The first incident of its divergence episode (store.incidents.episode_of): the alerts of every
+    # incident of the episode share that one's Slack thread (issue 37). None: it is the first.
+    episode_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     __table_args__ = (Index(None, "run_id", "state"),)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from thermowatch.supervisor.notify.base import ChartRequest
 from thermowatch.supervisor.notify.chart import HEIGHT_PX, WIDTH_PX, render_chart
+from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import findings as findings_store
 from tests.fakes.slack_server import FakeSlack
 from tests.supervisor.test_outbox import RUN, _ack_rollback, _diverge, _rows, make_sup
@@ -41,11 +42,14 @@ def test_the_onset_chart_is_uploaded_into_the_incidents_thread(db, tmp_path, sla
         assert sup.executor.outbox.drain(60)
         rows = _rows(sup, uploads=True)  # one per incident (an alert on the ceiling came first)
         assert rows and all(r.state == "sent" and r.ok for r in rows)
-        assert len(slack.shared_files()) == len(rows) == len({r.thread_key for r in rows})
+        with sup.sessions() as s:  # the incidents of one divergence episode share one thread (issue 37)
+            key = f"incident:{incidents_store.episode(s, act.incident_id)}"
+        assert len(slack.shared_files()) == len(rows) and {r.thread_key for r in rows} == {key}
         assert not _rows(sup, "console", uploads=True)  # the console cannot show a picture
-        (row,) = [r for r in rows if r.thread_key == f"incident:{act.incident_id}"]
-        (top,) = [r for r in _rows(sup) if r.thread_key == f"incident:{act.incident_id}"]
-        (upload,) = [u for u in slack.shared_files() if u.thread_ts == top.ts]
+        (row,) = [r for r in rows if r.payload["incident_id"] == act.incident_id]
+        top = [r for r in _rows(sup) if r.thread_key == key][0]
+        (upload,) = [u for u in slack.shared_files() if u.title == row.text]
+        assert upload.thread_ts == top.ts
         # The right metric: the finding that opened the incident, around its onset.
         with sup.sessions() as s:
             finding = findings_store.findings(s, RUN, act.incident_id)[0].finding  # the one that opened it
@@ -65,7 +69,8 @@ def test_the_onset_chart_is_uploaded_into_the_incidents_thread(db, tmp_path, sla
         # In the incident's thread: under its first message, in the channel it was posted to.
         assert upload.channel == slack.messages[top.ts]["channel"]
         shares = [m for m in slack.thread(top.ts) if m.get("subtype") == "file_share"]
-        assert [f["id"] for m in shares for f in m["files"]] == [upload.file_id]
+        assert upload.file_id in [f["id"] for m in shares for f in m["files"]]
+        assert len(shares) == len(rows)
         # the wire format files_upload_v2 speaks, in its order
         methods = [r.api_method for r in slack.requests if r.api_method not in ("chat.update", "chat.postMessage")]
         assert methods == ["files.getUploadURLExternal", "upload", "files.completeUploadExternal"] * len(rows)
@@ -109,9 +114,13 @@ def test_an_upload_that_fails_once_is_delivered_on_its_next_try(db, tmp_path, sl
         assert [r.status for r in slack.calls("upload")] == [500] + [200] * (1 + len(rest))
         uploads = slack.shared_files()
         assert len(uploads) == 1 + len(rest) and all(u.data[:8] == PNG_MAGIC for u in uploads)
-        tops = {r.thread_key: r.ts for r in _rows(sup) if r.thread_key}
+        tops = {}
+        for r in _rows(sup):
+            if r.thread_key:
+                tops.setdefault(r.thread_key, r.ts)  # a thread's first message
         assert sorted(u.thread_ts for u in uploads) == sorted(tops[r.thread_key] for r in [first, *rest])
-        assert f"incident:{act.incident_id}" in tops
+        with sup.sessions() as s:
+            assert f"incident:{incidents_store.episode(s, act.incident_id)}" in tops
     finally:
         sup.close()
 

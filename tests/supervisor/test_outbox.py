@@ -54,6 +54,14 @@ def _rows(sup, channel=SLACK, *, uploads=False):
                       key=lambda a: a.id)
 
 
+def _episode_key(sup, incident_id: int) -> str:
+    """The thread of an incident's divergence episode (issue 37: one per episode)."""
+    from thermowatch.supervisor.store import incidents as incidents_store
+
+    with sup.sessions() as s:
+        return f"incident:{incidents_store.episode(s, incident_id)}"
+
+
 def _diverge_and_submit(sup, tmp_path):
     """A real divergence (the policy decides a rollback: one alert) and three manual commands."""
     feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt",
@@ -181,8 +189,9 @@ def test_an_incident_is_one_thread_and_the_rollback_ack_is_its_last_reply(db, tm
         to = _ack_rollback(sup, act)
         assert sup.executor.outbox.drain(30)
         threads = _assert_threads(sup, slack)
-        thread = threads[f"incident:{act.incident_id}"]
-        assert len(thread) >= 2 and f"rollback to step {to}" in thread[0]["text"]
+        # the divergence's episode is one thread (issue 37): an alert on the ceiling came first
+        thread = threads[_episode_key(sup, act.incident_id)]
+        assert len(thread) >= 2 and any(f"rollback to step {to}" in m["text"] for m in thread)
         done = thread[-1]["text"]
         assert f"action {act.id}) done: rolled back to checkpoint {to}, first step trained {to + 1}, LR x0.5" in done
         assert f"incident {act.incident_id} resolved" in json.dumps(thread[-1]["blocks"])
@@ -190,9 +199,10 @@ def test_an_incident_is_one_thread_and_the_rollback_ack_is_its_last_reply(db, tm
         # The top message now says where things stand, rewritten in place by its channel id.
         top = json.dumps(thread[0]["blocks"])
         assert f"*now:* resolved: rolled back to checkpoint {to}, first step trained {to + 1}" in top
-        assert f"rollback to step {to}" in top  # still the original alert underneath
-        (update,) = slack.calls("chat.update")
-        assert update.answer["ok"] and update.body["channel"].startswith("C") and update.body["ts"] == thread[0]["ts"]
+        assert f"rollback to step {to}" in top  # headed by what was done, not the first detector's note
+        updates = slack.calls("chat.update")
+        assert updates and all(u.answer["ok"] and u.body["channel"].startswith("C") and u.body["ts"] == thread[0]["ts"]
+                               for u in updates)
     finally:
         sup.close()
 
@@ -213,10 +223,11 @@ def test_a_slack_outage_mid_incident_still_ends_with_one_ordered_thread(db, tmp_
         rows = _rows(sup)
         assert all(r.state == "sent" for r in rows) and rows[0].attempts > 1
         threads = _assert_threads(sup, slack)
-        incident = threads[f"incident:{act.incident_id}"]
+        incident = threads[_episode_key(sup, act.incident_id)]
         assert "rolled back to checkpoint" in incident[-1]["text"]
         manual = threads[f"action:{aid}"]
-        assert [m["text"].split(":")[0] for m in manual] == ["[INFO] ob", "[CRITICAL] ob"]
+        # the top message, first "[INFO] pause", is now headed by the failure (issue 37: the consequence)
+        assert [m["text"].split(":")[0] for m in manual] == ["[CRITICAL] ob", "[CRITICAL] ob"]
         assert "FAILED" in manual[1]["text"] and manual[1]["subtype"] == "thread_broadcast"
         assert "*now:* pause (action" in json.dumps(manual[0]["blocks"]) and "FAILED" in json.dumps(manual[0]["blocks"])
         assert not [r for r in slack.calls("chat.postMessage") if r.answer.get("error") == "thread_not_found"]
@@ -238,5 +249,30 @@ def test_a_reply_whose_parent_was_refused_goes_top_level_and_says_so(db, tmp_pat
         (msg,) = slack.posted()
         assert "thread_ts" not in msg and "reply_broadcast" not in msg
         assert "posted on its own" in json.dumps(msg["blocks"]) and "msg_too_long" in json.dumps(msg["blocks"])
+    finally:
+        sup.close()
+
+
+def test_one_divergence_is_one_message_in_the_channel_headed_by_what_was_done(db, tmp_path, slack):
+    """Issue 37: one divergence made 9 INFO threads, one per (signal, module), then the rollbacks'.
+    Every incident of the episode (any signal, any module, its steps within EPISODE_GAP_STEPS of the
+    others') replies in the first one's thread; the channel shows one message, rewritten to what
+    was done (the rollback) and where it stands (resolved)."""
+    from thermowatch.supervisor.store import incidents as incidents_store
+
+    sup = make_sup(db, tmp_path, slack)
+    try:
+        act = _diverge(sup, tmp_path)
+        to = _ack_rollback(sup, act)
+        assert sup.executor.outbox.drain(30)
+        with sup.sessions() as s:
+            incs = incidents_store.incidents(s, RUN)
+            episodes = {incidents_store.episode(s, i.id) for i in incs}
+        assert len(incs) >= 2 and len(episodes) == 1, [(i.id, i.signal, i.module, i.episode_id) for i in incs]
+        tops = slack.top_level()
+        assert len(tops) == 1, [m["text"] for m in tops]
+        head = json.dumps(slack.messages[tops[0]["ts"]]["blocks"])
+        assert f"rollback to step {to}" in head and "*now:* resolved: rolled back" in head
+        assert tops[0]["text"].startswith("[WARN]")  # the consequence: acted on by itself
     finally:
         sup.close()
