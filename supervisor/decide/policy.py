@@ -330,7 +330,9 @@ def _describe(f: Finding) -> str:
     began = (f"; it began in {origin}, the first non-finite output of the forward pass"
              if origin and origin != f.metric else "")
     return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step} "
-            f"(severity {f.severity.value}, outcome {f.outcome.value}){began}")
+            # the detector's level, not the message's: a message's severity is the consequence
+            # (issue 37: "severity critical" under an INFO header read as a contradiction)
+            f"(detector level {f.severity.value}, outcome {f.outcome.value}){began}")
 
 
 def _why_alert(f: Finding, inp: PolicyInput) -> str:
