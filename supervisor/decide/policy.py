@@ -296,7 +296,7 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
     """Decide what to do about `inp.finding`. Pure: same input, same decision."""
     cfg = cfg or PolicyConfig()
     f = inp.finding
-    head = _describe(f)
+    head = _describe(f, inp.attempt)
     # First, before any state of the run is looked at: only `act` may change the run.
     if f.outcome is Outcome.WATCH:
         return Decision(DecisionKind.NOOP, [head, "outcome watch: recorded and drawn on the run's page"])
@@ -324,12 +324,14 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
     return _finish(cfg, _guards(inp, cfg, head) or _ladder(inp, cfg, head))
 
 
-def _describe(f: Finding) -> str:
+def _describe(f: Finding, attempt: int | None = None) -> str:
     where = f.module or f.metric or "the run"
+    # Steps carry their attempt: after a rollback they run backwards ("detected at 84", then "at 54")
+    of = f" of attempt {attempt}" if attempt is not None else ""
     origin = f.evidence.get("origin")  # non_finite: the first module whose output broke
     began = (f"; it began in {origin}, the first non-finite output of the forward pass"
              if origin and origin != f.metric else "")
-    return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step} "
+    return (f"{f.signal.value} on {where}: onset step {f.onset_step}, detected at step {f.detect_step}{of} "
             # the detector's level, not the message's: a message's severity is the consequence
             # (issue 37: "severity critical" under an INFO header read as a contradiction)
             f"(detector level {f.severity.value}, outcome {f.outcome.value}){began}")
