@@ -63,6 +63,7 @@ from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import steps as steps_store
 from thermowatch.supervisor.store import story as story_store
+from thermowatch.supervisor.store import thermometers as thermo_store
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,17 @@ def ended_words(run_id: str, fin: RunFinished) -> str:
             "which takes commands again")
 
 
+APPROVAL_PAUSE = "approval_pause"  # audit event: a run paused while a proposal waited for approval
+
+
 class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
                  on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
-                 on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S):
+                 on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S,
+                 approval_pause_after_steps: int | None = None):
         self._session = session_factory
+        self._approval_pause_after = approval_pause_after_steps
         self._flap = flap or FlapConfig()
         self._notifier = notifier
         self._advise_only = advise_only
@@ -355,6 +361,7 @@ class Executor:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
+            self._pause_for_approval(s, run_id)
             for a in actions_store.open_actions(s, run_id):
                 if a.state == "sent":
                     last = max(a.updated_at, resent.get(a.id, a.updated_at))
@@ -382,6 +389,36 @@ class Executor:
         for a, why in bad:
             self.fail(run_id, a.id, f"not a valid command: {why}")
         return out
+
+    def _pause_for_approval(self, s: Session, run_id: str) -> None:
+        """While the policy's proposal waits for approval, pause the run once it has trained
+        `approval_pause_after_steps` past the finding (PolicyConfig), once per proposal: the
+        run does not train on into the divergence while nobody answers (issue 37)."""
+        if self._approval_pause_after is None:
+            return
+        waiting = [a for a in actions_store.open_actions(s, run_id)
+                   if a.state == "pending" and a.requires_approval and a.origin == "auto" and a.incident_id]
+        if not waiting or any(a.kind == "pause" and a.state in ("pending", "sent") and not a.requires_approval
+                              for a in actions_store.open_actions(s, run_id)):
+            return
+        last = thermo_store.latest_step(s, run_id)
+        done = {e.detail.get("for_action") for e in audit_store.events(s, run_id, APPROVAL_PAUSE)}
+        for a in waiting:
+            inc = incidents_store.get_incident(s, a.incident_id)
+            if a.id in done or inc is None or last is None or last - inc.detect_step < self._approval_pause_after:
+                continue
+            why = (f"action {a.id} ({a.kind}) has waited for approval for {last - inc.detect_step} steps past the "
+                   f"finding at step {inc.detect_step} (approval_pause_after_steps={self._approval_pause_after}): "
+                   f"paused rather than training on into the divergence; `thermowatch approve {a.id}` rolls back "
+                   "and ends the pause, `thermowatch resume` trains on")
+            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, "auto", "policy", None, False)
+            audit_store.audit(s, run_id, "policy", APPROVAL_PAUSE, {"for_action": a.id, "pause_action": pid,
+                                                                   "step": last})
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL, incident_id=a.incident_id,
+                                       title=f"{run_id}: paused while action {a.id} waits for approval [action {pid}]",
+                                       text=why, broadcast=True, commands=(f"thermowatch approve {a.id}",
+                                                                           f"thermowatch resume {run_id}")))
+            return
 
     def acknowledge(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
         """The run controller says what the command did (or that it failed). An ack that cannot

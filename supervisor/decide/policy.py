@@ -155,6 +155,11 @@ class PolicyConfig:
     max_rollbacks_per_day: int = 8
     # Every action (rollback, lower LR, pause) needs a human's approval; alerts go out as usual.
     advise_only: bool = False
+    # While a proposal waits for approval, the run is paused once it has trained this many steps
+    # past the finding, rather than training on into the divergence (issue 37: the approval's
+    # cost grew from 74 to 130 discarded steps while nobody answered). The approval's rollback, or
+    # `thermowatch resume`, ends that pause. None: never paused for a wait.
+    approval_pause_after_steps: int | None = 20
     # A second gate after the outcome: `act` findings below this severity only alert. Critical
     # by default, so no finding labelled a warning can roll a run back (issue 8: warn-level
     # attention growth on healthy runs rolled them back when this was "warn").
@@ -191,6 +196,10 @@ class PolicyConfig:
                 f"rollback_signals contains {names}: a rollback cannot fix it; remove it "
                 "(outlier ranks are handled by restart_without_outlier)"
             )
+        if self.approval_pause_after_steps is not None:
+            v = self.approval_pause_after_steps
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PolicyConfigError(f"approval_pause_after_steps={v!r} must be an integer >= 0 (steps) or null")
         for name in ("rollback_margin_steps", "cooldown_steps", "rewarmup_steps", "skip_ahead_steps"):
             if getattr(self, name) < 0:
                 raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 0")

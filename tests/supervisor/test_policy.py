@@ -680,3 +680,9 @@ def test_only_a_data_rollback_skips_ahead_and_zero_turns_it_off():
     assert d.kind is K.ROLLBACK and d.skip_ahead_steps == 5, d.reasons
     with pytest.raises(PolicyConfigError, match="skip_ahead_steps"):
         PolicyConfig(skip_ahead_steps=-1)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "20"])
+def test_a_bad_approval_pause_is_refused_with_its_name(bad):
+    with pytest.raises(PolicyConfigError, match="approval_pause_after_steps"):
+        PolicyConfig(approval_pause_after_steps=bad)

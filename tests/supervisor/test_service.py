@@ -492,3 +492,36 @@ def test_a_declined_proposal_does_not_silence_the_divergence_that_goes_on(db, tm
         assert asks and asks[0].requires_approval and asks[0].incident_id == asked[0].id
     finally:
         sup.close()
+
+
+@pytest.mark.parametrize("after", [20, None])
+def test_a_run_waiting_for_approval_is_paused_before_it_trains_far_into_the_divergence(db, tmp_path, after):
+    """Issue 37: while a rollback waited for approval the run trained on into the divergence (the
+    approval's cost grew from 74 to 130 discarded steps). Once it has trained
+    approval_pause_after_steps past the finding, the next poll pauses it (once per proposal); the
+    approval then delivers the rollback, which ends the pause. None: it trains on."""
+    from thermowatch.monitors.contract import Pause
+
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, advise_only=True, detectors=dict(DETECTORS),
+                           policy={**POLICY, "approval_pause_after_steps": after})
+    sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        recs, last, inc, act = diverge(sup, tmp_path)
+        assert act.requires_approval and last - inc.detect_step < 20
+        assert sup.poll(RUN) == []  # not yet 20 steps past the finding
+        more = [r for r in recs if last < r.step <= inc.detect_step + 25]
+        feed(sup, RUN, 0, more, ckpt_root=tmp_path / "ckpt" / "a0")
+        cmds = sup.poll(RUN)
+        if after is None:
+            assert cmds == []
+            return
+        (pause,) = cmds
+        assert isinstance(pause.body, Pause) and f"action {act.id} (rollback) has waited for approval" in pause.body.reason
+        sup.ack(RUN, Ack(command_id=pause.id, ok=True, step=inc.detect_step + 26))
+        assert sup.poll(RUN) == []  # once per proposal
+        with sup.sessions() as s:
+            assert actions_store.get_action(s, act.id).state == "pending"  # the proposal still waits
+        sup.executor.approve(act.id, "alice")
+        assert [c.id for c in sup.poll(RUN)] == [act.id]
+    finally:
+        sup.close()
