@@ -42,7 +42,11 @@ step, so the supervisor's reaction, counted in steps, is nearer a real run's. Ru
 are not padded (their wall time means nothing).
 
     python bench/any_loop_study.py [--kinds plain,hf,lightning,run,ddp,fsdp2] [--scenarios poisoned,lr]
-                                   [--json] [--keep DIR]
+                                   [--json] [--keep DIR] [--skip-ahead N]
+
+`--skip-ahead 0` turns the policy's skip_ahead_steps off: the rollback's window then ends at the
+detection, one step into the poisoned stretch, as before it (precise skip has to follow the
+stretch past the window's end by itself).
 
 Each (kind, scenario, mode) runs in a child process of its own (`--child`), its stderr kept in
 the run's directory (`--keep DIR` keeps them).
@@ -171,7 +175,9 @@ class Ctx:
     def cfg(self):
         from thermowatch.supervisor.app.config import SupervisorConfig
 
-        return SupervisorConfig(data_dir=self.dir / "sup", db_url=f"sqlite:///{self.dir}/sup.sqlite")
+        ahead = os.environ.get("STUDY_SKIP_AHEAD")  # --skip-ahead: the policy's skip_ahead_steps
+        return SupervisorConfig(data_dir=self.dir / "sup", db_url=f"sqlite:///{self.dir}/sup.sqlite",
+                                policy={"skip_ahead_steps": int(ahead)} if ahead else {})
 
     def log(self, attempt: int, step: int, probe: bool, ids: list[int], loss: float) -> None:
         self.trained.append({"a": attempt, "s": step, "p": bool(probe), "ids": ids, "loss": float(loss)})
@@ -922,6 +928,8 @@ def main() -> None:
     ap.add_argument("--keep", help="keep each run's directory (stderr, database) under this folder")
     ap.add_argument("--step-floor-ms", type=float, default=50.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is killed")
+    ap.add_argument("--skip-ahead", type=int, help="the policy's skip_ahead_steps (default: its own, 16); 0: the "
+                                                   "rollback's window ends at the detection, one step into the stretch")
     # the child's own arguments
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -942,10 +950,13 @@ def main() -> None:
     for s in scenarios:
         if s not in SCENARIOS:
             ap.error(f"unknown scenario {s!r}; known: {', '.join(SCENARIOS)}")
+    if args.skip_ahead is not None:  # the children read it (Ctx.cfg)
+        os.environ["STUDY_SKIP_AHEAD"] = str(args.skip_ahead)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="any-loop-study-"))
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    print(f"# {dt.date.today().isoformat()}, {machine()}, {tree()}", flush=True)
+    print(f"# {dt.date.today().isoformat()}, {machine()}, {tree()}"
+          + (f", skip_ahead_steps={args.skip_ahead}" if args.skip_ahead is not None else ""), flush=True)
     results = []
     for kind in kinds:
         for scenario in scenarios:

@@ -172,6 +172,7 @@ class Watch(Directed):
             log.warning("thermowatch: precise_skip is not supported under torchrun yet; rollbacks skip their whole window")
             self.precise = None
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
+        self._ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
         self._probing: _Probing | None = None
         self._waiting: list[Command] = []  # commands that came with a rollback that is still probing
         self._saved_lrs: list[Any] | None = None
@@ -491,6 +492,7 @@ class Watch(Directed):
         if self.th is not None:
             self.th.discard_pending()
         self._meta.clear()
+        self._losses = collections.deque(((s, v) for s, v in self._losses if s <= loaded), maxlen=256)  # the path's
         self._healthy = True
         self.run.start(start_step=loaded)
         self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
@@ -502,11 +504,16 @@ class Watch(Directed):
                       lr_seq=seq, skipped=() if precise else cmd.skip,
                       directive=resumed_by_rollback(self.directive))  # it ends a pause (issue 35)
         if precise:
-            healthy = [v for s, v in self._losses if s <= loaded]
+            # the spike bar's healthy trail: the newest losses of the path up to the checkpoint, kept
+            # in it when it was saved (the sent losses were cut back at each rollback, but a
+            # rollback far back, or a relaunch, has no more of them)
+            healthy = self._ckpt_losses or [v for s, v in self._losses if s <= loaded]
             budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))
-            self._probing = _Probing(command, out, loaded, self.ledger.copy(), suspects,
-                                     Search(suspects, self.precise.min_samples or self.global_batch),
-                                     healthy, self.precise, budget)
+            base = self.ledger.copy()
+            # whole steps per probe; past the suspects, the ids the loop would train next
+            search = Search(suspects, self.precise.min_samples or self.global_batch, align=self.global_batch,
+                            follow=lambda after, n: base.take(after + 1, n))
+            self._probing = _Probing(command, out, loaded, base, suspects, search, healthy, self.precise, budget)
         return out
 
     # --- precise skip: probes from the rollback's checkpoint ------------------------------------
@@ -534,10 +541,14 @@ class Watch(Directed):
         skipped = ranges_of(found)
         self.ledger.add_many([r.to_json() for r in skipped])
         self._save_state()
-        bisected = Bisected(ranges_of(p.suspects), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
+        # the suspects reported: every sample searched, the blocks past the rollback's window included
+        searched = p.search.universe
+        bisected = Bisected(ranges_of(searched), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
                             p.search.outcome)
-        what = (f"{len(found):,} of {len(p.suspects):,} suspect samples" if len(found) < len(p.suspects)
-                else f"all {len(p.suspects):,} suspect samples ({bisected.outcome})")
+        past = len(searched) - len(p.suspects)
+        what = (f"{len(found):,} of {len(searched):,} suspect samples" if len(found) < len(searched)
+                else f"all {len(searched):,} suspect samples ({bisected.outcome})")
+        what += f" ({past:,} of them past the window: the bad stretch went on)" if past else ""
         detail = (p.out.detail + f"; precise skip: {bisected.probes} probes, {bisected.steps} steps, "
                   f"{bisected.seconds:.1f} s; skipping {what}"
                   + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
@@ -571,6 +582,8 @@ class Watch(Directed):
         extra = {"step": step, "cursor": self.cursor,
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "rng": rng_state()}
+        if self.precise is not None:  # a precise skip's healthy trail, should a rollback come back here
+            extra["losses"] = [v for _, v in list(self._losses)[-self.precise.window:]]
         path = self._path(step)
         tmp = path.with_name(path.name + ".partial")
         if self.dist.world > 1:
@@ -619,6 +632,7 @@ class Watch(Directed):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+        self._ckpt_losses = [float(v) for v in state.get("losses") or []]
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self._ids_step = self.step
         return self.step
@@ -706,7 +720,9 @@ class _Probing:
     def open(self, probe: np.ndarray) -> None:
         self.probe, self.last = probe, int(probe[-1])
         self.ledger = self.base.copy()
-        self.ledger.add_many([r.to_json() for r in ranges_of(np.setdiff1d(self.suspects, probe, assume_unique=True))])
+        # the rest of what the search covers is skipped: the suspects and the blocks past them
+        self.ledger.add_many([r.to_json() for r in ranges_of(np.setdiff1d(self.search.universe, probe,
+                                                                          assume_unique=True))])
         self.bar = SpikeBar(self.healthy, self.cfg)
         self.trained: list[np.ndarray] = []
         self.spiked = False

@@ -17,13 +17,31 @@ offending ones before it resumes, by re-training from the rollback's checkpoint:
   it). A part that ran clean is released. Every half that spikes is followed (a poisoned
   stretch cut in two by a halving is found in both). A group of `min_samples` or fewer is an
   offender as it is.
+- A halving cuts at a whole number of steps (`align`, the global batch, from the group's
+  start): a probe of whole steps ends on a batch of its own. Cut mid-step, its last batch was
+  filled with the samples after the suspects (the rest of them skipped): unknown data, poisoned
+  where the stretch runs past them, and the spike was blamed on the probe's clean half-step.
+- The stretch, whole: the suspects end where the spike was seen (and the command came), and a
+  poisoned stretch may go on past them. When an offender group reaches the end of what was
+  searched, the samples that follow it (the ids the loop would train next, `follow`) are probed
+  as a block of one step's worth (`max(align, min_samples)`), with everything else searched
+  skipped; each further time an offender reaches the new end the next block is twice as big,
+  until a block runs clean. The blocks join what is searched (`universe`, reported as the
+  suspects), and the offenders found in them are skipped with the rest.
 - Neither half spiking alone means the divergence needs both, or was not the data at all (PaLM
   found that replaying the same batches from an earlier checkpoint often did not spike): the
   group is skipped whole and the result says "inseparable".
 - The search is bounded by `max_steps` probe steps and `max_seconds`: the rollback's ack leaves
   only when it ends (it says what was really skipped), and the daemon retries a command not
   acknowledged within its `ack_timeout_s` (120 s by default). Past the budget every group not
-  yet cleared is skipped.
+  yet cleared is skipped, a block past the suspects under way or queued included; the budget
+  (4x the suspects' steps by default) covers the blocks too, so the stretch is followed only
+  as far as it allows.
+- The spike bar's trailing window is the newest `window` losses of the path up to the
+  checkpoint, kept in the checkpoint when it was saved. Read from the losses sent, after a
+  couple of rollbacks to the same checkpoint they had been pushed out by abandoned paths: the
+  bar started empty, took a probe's first 4 (poisoned) losses for its level and released them,
+  and a one-step probe could never spike (its group then skipped whole as "inseparable").
 
 Then the checkpoint is loaded once more, only the offenders join the skip ledger, and the ack
 carries `skipped` (the offenders) and `bisected` (the suspects, probes, steps and seconds spent).
@@ -35,7 +53,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -125,9 +143,16 @@ class Search:
     on real data: a halving that cuts a poisoned stretch spreads it over two batches, each too
     diluted to spike, and the whole group had to be skipped."""
 
-    def __init__(self, suspects: np.ndarray, min_samples: int) -> None:
+    def __init__(self, suspects: np.ndarray, min_samples: int, align: int = 1,
+                 follow: Callable[[int, int], np.ndarray] | None = None) -> None:
+        """`align`: a halving cuts at a multiple of this many ids from the group's start (the
+        loop's global batch: a probe of whole steps ends on a step of its own, never beside the
+        unknown data after the search's samples). `follow(after, n)`: the n ids the data gives
+        after id `after` (the loop's: its ledger's next unskipped ones; by default consecutive)."""
         self.suspects = np.asarray(suspects, dtype=np.int64)
         self.min_samples = max(1, int(min_samples))
+        self.align = max(1, int(align))
+        self.follow = follow or (lambda after, n: np.arange(after + 1, after + 1 + n, dtype=np.int64))
         empty = np.zeros(0, np.int64)
         self.work: deque[tuple[np.ndarray, bool, np.ndarray]] = (
             deque([(self.suspects, True, empty)]) if len(self.suspects) else deque())
@@ -138,6 +163,35 @@ class Search:
         self.probes = 0
         self.inseparable = 0  # known groups where neither half spiked alone
         self.gave_up = False
+        # past the suspects: the blocks of the samples that follow them, probed when an offender
+        # reached the end of what was searched (`beyond`: their ids; `block`: the next one's size)
+        self.beyond: list[np.ndarray] = []
+        self.end = int(self.suspects[-1]) if len(self.suspects) else -1  # the newest id searched
+        self.block = max(self.align, self.min_samples)
+
+    @property
+    def universe(self) -> np.ndarray:
+        """Every id searched: the suspects and the blocks past them (sorted). A probe trains its
+        own and skips the rest of these."""
+        return np.unique(np.concatenate([self.suspects, *self.beyond])) if self.beyond else self.suspects
+
+    def _offender(self, g: np.ndarray, follow: bool = True) -> None:
+        """A known group small enough: an offender. One that reaches the end of what was
+        searched says the stretch may go on past it: the next block of the samples that follow
+        is probed (twice the last one's size), until one runs clean."""
+        self.found.append(g)
+        if follow and len(g) and int(g[-1]) >= self.end and not self.gave_up:
+            nxt = np.asarray(self.follow(self.end, self.block), dtype=np.int64)
+            if len(nxt):
+                self.beyond.append(nxt)
+                self.end = int(nxt[-1])
+                self.block *= 2
+                self.work.append((nxt, False, np.zeros(0, np.int64)))
+
+    def _halve(self, g: np.ndarray) -> int:
+        """Where a known group is cut: near its middle, at a multiple of `align` from its start."""
+        mid = (len(g) // 2) // self.align * self.align
+        return mid if 0 < mid < len(g) else (self.align if self.align < len(g) else len(g) // 2)
 
     def next(self) -> np.ndarray | None:
         while not self.probes_due:
@@ -145,11 +199,13 @@ class Search:
                 return None
             g, known, last = self.work.popleft()
             if known and len(g) <= self.min_samples:
-                self.found.append(g)
+                # the suspects themselves, this small, were never probed: no spike says the stretch
+                # reaches their end (the recurrence rule is there for that)
+                self._offender(g, follow=g is not self.suspects)
             elif known and 0 < len(last) < len(g):
                 self.group, self.probes_due, self.results = g, [last, np.setdiff1d(g, last, assume_unique=True)], []
             elif known:
-                mid = len(g) // 2
+                mid = self._halve(g)
                 self.group, self.probes_due, self.results = g, [g[:mid], g[mid:]], []
             else:
                 self.group, self.probes_due, self.results = None, [g], []
@@ -198,4 +254,5 @@ class Search:
         or budget (the budget ran out; what was not cleared is skipped)."""
         if self.gave_up:
             return "budget"
-        return "narrowed" if len(self.offenders()) < len(self.suspects) else "inseparable"
+        found = np.intersect1d(self.offenders(), self.suspects, assume_unique=True)
+        return "narrowed" if len(found) < len(self.suspects) else "inseparable"

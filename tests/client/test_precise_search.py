@@ -33,9 +33,11 @@ def test_every_offender_is_found_and_little_else(n, lo, min_samples, bad, budget
     search = run(suspects, culprits, min_samples, budget)
     found = search.offenders()
     assert culprits <= set(found.tolist())  # never resumes onto an offender, whatever the budget
-    assert set(found.tolist()) <= set(suspects.tolist())
+    # past the budget, a block of the samples after the suspects not yet cleared is skipped too
+    assert set(found.tolist()) <= set(search.universe.tolist())
     if search.outcome == "budget":
         return
+    assert set(found.tolist()) <= set(suspects.tolist())  # the blocks past them ran clean
     if culprits:
         # each found group is a known group of <= min_samples holding an offender
         assert len(found) <= len(culprits) * min_samples
@@ -85,3 +87,63 @@ def test_the_framework_callbacks_refuse_precise_skip_with_the_reason():
     with pytest.raises(ValueError, match="precise_skip is not supported by the Hugging Face and Lightning"):
         Adapter(run="r", precise_skip=True)
     assert Adapter(run="r", precise_skip=False).run_id == "r"
+
+
+# --- the bad stretch, whole (issue 35) -----------------------------------------------------------
+# A simulator of the loop's probes, batch by batch: a probe trains from the checkpoint with the
+# rest of the search's samples skipped (the base data before and after them is not), `B` ids a
+# step, through the step that holds its last id; a step spikes when its batch holds a bad id (bad
+# data shows in its own batch's loss). The ids after the search's samples fill a probe's last
+# step as they would in the loop: unknown data, poisoned where the stretch runs past them.
+
+def probe_by_steps(search: Search, probe: np.ndarray, bad: set[int], start: int, B: int, base: set[int]):
+    skipped = (set(search.universe.tolist()) - set(probe.tolist())) | base
+    last_id, cur, trained = int(probe[-1]), start, []
+    while True:
+        batch = []
+        while len(batch) < B:
+            if cur not in skipped:
+                batch.append(cur)
+            cur += 1
+        trained.append(np.array(batch, np.int64))
+        if any(i in bad for i in batch):
+            seen = np.intersect1d(probe, np.concatenate(trained))
+            return True, seen, np.intersect1d(probe, trained[-1])
+        if batch[-1] >= last_id:
+            return False, probe[:0], None
+
+
+def search_by_steps(search: Search, bad: set[int], start: int, B: int, base: set[int] = frozenset(),
+                    max_probes: int = 400) -> Search:
+    while (probe := search.next()) is not None:
+        assert search.probes < max_probes, "the search does not end"
+        search.report(*probe_by_steps(search, probe, bad, start, B, base))
+    return search
+
+
+def test_a_stretch_running_past_the_suspects_is_found_whole():
+    """The issue's run: the rollback skips steps 51-152 and the abandoned path trained through 154
+    (suspects [800, 2464)); the poisoned stretch is [2400, 2640), 176 of its ids past the suspects.
+    The search follows it past their end, in growing blocks, until a block runs clean."""
+    B = 16
+    bad = set(range(2400, 2640))
+    search = Search(np.arange(800, 2464), B, align=B)
+    found = set(search_by_steps(search, bad, 800, B).offenders().tolist())
+    assert bad <= found, f"{len(bad - found)} poisoned ids released: {ranges_of(np.array(sorted(bad - found)))}"
+    assert found == bad, f"clean ids skipped: {ranges_of(np.array(sorted(found - bad)))}"
+    assert search.outcome == "narrowed"
+    assert set(search.universe.tolist()) >= bad | set(range(800, 2464))  # what it searched, reported
+
+
+def test_a_halving_never_cuts_a_step_so_clean_ids_are_not_blamed_for_what_follows():
+    """A recurrence's suspects (a hole where an earlier skip was: [800, 2400) and [2464, 2544),
+    1,680 ids, 105 steps): halving at 840 ids put half a step of clean ids beside the unknown
+    data after the suspects in a probe's last batch, and the poison there was blamed on them."""
+    B = 16
+    bad = set(range(2464, 2640))
+    suspects = np.concatenate([np.arange(800, 2400), np.arange(2464, 2544)])
+    search = Search(suspects, B, align=B)
+    # the base ledger skips [2400, 2464) already
+    found = set(search_by_steps(search, bad, 800, B, base=set(range(2400, 2464))).offenders().tolist())
+    assert found - bad == set(), f"clean ids skipped: {ranges_of(np.array(sorted(found - bad)))}"
+    assert found == bad

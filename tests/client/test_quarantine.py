@@ -16,6 +16,7 @@ import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
+from thermowatch.checkpoint_io import load_as_data
 from thermowatch.cli import main
 from thermowatch.supervisor.serve.server import build_app
 from thermowatch.supervisor.app.config import SupervisorConfig
@@ -33,9 +34,9 @@ STEPS = 280
 DATASET = 4000  # the loop's data: one pass and a bit; the quarantine names its data indices too
 
 
-def batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(ids: torch.Tensor, poison: range = POISON) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = user_batch(DATA, ids)
-    bad = torch.tensor([int(i) in POISON for i in ids])
+    bad = torch.tensor([int(i) in poison for i in ids])
     if bad.any():  # a corrupt shard: uniformly random bytes, the same for the same id
         g = torch.Generator().manual_seed(int(ids[bad][0]))
         noise = torch.randint(0, 256, (int(bad.sum()), x.shape[1] + 1), generator=g)
@@ -44,20 +45,25 @@ def batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train(db, tmp_path, run: str, precise: bool = True):
+def train(db, tmp_path, run: str, precise: bool = True, poison: range = POISON, trained: list | None = None,
+          policy: dict | None = None):
+    """`trained`: filled with (attempt, step, probe, ids, loss) of every step the loop trained."""
     torch.manual_seed(0)
     model = user_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, api_token=ADMIN_TOKEN)
+    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, api_token=ADMIN_TOKEN, policy=policy or {})
     tw = thermowatch.watch(model, opt, run=run, steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
                            checkpoint_every=25, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.05,
                            precise_skip=precise, dataset_size=DATASET)
     poisoned_steps = 0
     for step in tw.steps():
         ids = torch.as_tensor(tw.batch_ids(step))
-        poisoned_steps += any(int(i) in POISON for i in ids) and not tw.probing  # probes are thrown away
-        tw.record(train_step(model, opt, *batch(ids)))
+        poisoned_steps += any(int(i) in poison for i in ids) and not tw.probing  # probes are thrown away
+        loss = train_step(model, opt, *batch(ids, poison))
+        if trained is not None:
+            trained.append((tw.attempt, step, tw.probing, ids.tolist(), loss.item()))
+        tw.record(loss)
         sched.step()
     tw.close()
     return tw.run.supervisor, poisoned_steps
@@ -113,3 +119,43 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
         assert main(["quarantine", "poisoned", "--data", *flags]) == 0
         assert [int(x) for x in capsys.readouterr().out.split()] == sorted(i % DATASET for i in ids)
         assert main(["quarantine", "nope", *flags]) != 0
+
+
+# Issue 35's stretch: 15 steps' worth (first-pass steps 151-165, 240 samples). The loss spikes at
+# its first step and the rollback's window (onset - margin to the detection, and what the
+# abandoned path trained before the command) ends a few steps into it: the search follows the
+# stretch past the window's end, block by block, until a block runs clean. The policy's own
+# skip_ahead_steps (16 past the detection) would cover this stretch; it is off here, as for a
+# stretch longer than it.
+STRETCH = range(150 * B, 165 * B)
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_a_stretch_running_past_the_window_is_skipped_whole(db, tmp_path):
+    trained: list = []
+    sup, _ = train(db, tmp_path, "stretch", poison=STRETCH, trained=trained, policy={"skip_ahead_steps": 0})
+    with sup.sessions() as s:
+        found = quarantine_store.verdicts(s, "stretch")
+    with sup.sessions() as s:
+        details = [outcome(a).get("detail") for a in actions_store.actions(s, "stretch")]
+    assert len(found) == 1, ([(v.status, v.why) for v in found], details)  # one rollback: no recurrence
+    first = found[0]
+    assert first.bisected["outcome"] == "narrowed", details
+    ids = {i for lo, hi in quarantine_store.quarantined(found) for i in range(lo, hi)}
+    assert set(STRETCH) <= ids, f"{len(set(STRETCH) - ids)} poisoned ids not skipped"
+    assert len(ids - set(STRETCH)) <= B, f"{len(ids - set(STRETCH))} clean ids quarantined"
+    b = first.bisected
+    assert b["outcome"] == "narrowed"
+    window_end = max(hi for lo, hi in b["suspects"])
+    assert window_end > STRETCH.stop, b["suspects"]  # it searched past the stretch's end
+    # no poisoned sample trained after the first rollback, but by its probes (thrown away)
+    first_attempt = trained[0][0]
+    again = [(a, st) for a, st, probe, batch_ids, _ in trained
+             if a > first_attempt and not probe and set(batch_ids) & set(STRETCH)]
+    assert again == [], again
+    # the probes' spike bar starts from the checkpoint's own newest losses (kept in it), the
+    # path's: the newest checkpoint holds those of the steps the loop kept, not of an abandoned path
+    last = max(int(p.name[5:13]) for p in (tmp_path / "ckpt").glob("step_*.pt"))
+    kept = {st: loss for a, st, probe, _, loss in trained if not probe}  # the newest attempt's, step by step
+    held = load_as_data(tmp_path / "ckpt" / f"step_{last:08d}.pt")["losses"]
+    assert held == pytest.approx([kept[st] for st in range(last - len(held) + 1, last + 1)], rel=1e-5)
