@@ -92,8 +92,9 @@ class Executor:
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
                  on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
                  on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S,
-                 approval_pause_after_steps: int | None = None):
+                 approval_pause_after_steps: int | None = None, runbook_url: str = ""):
         self._session = session_factory
+        self._runbook_url = runbook_url
         self._approval_pause_after = approval_pause_after_steps
         self._flap = flap or FlapConfig()
         self._notifier = notifier
@@ -145,7 +146,7 @@ class Executor:
             "rung": decision.rung, "reasons": reasons, "actions": ids,
             "requires_approval": needs_ok})
         if decision.kind is not DecisionKind.NOOP:
-            alert = Alert.from_decision(run_id, finding, decision, incident_id)
+            alert = Alert.from_decision(run_id, finding, decision, incident_id, runbook_url=self._runbook_url)
             if needs_ok and ids:  # what the reader types: the id and the exact commands
                 # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
                 title = alert.title if decision.requires_approval else f"approval needed: {alert.title}"

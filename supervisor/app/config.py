@@ -164,6 +164,9 @@ class SupervisorConfig:
     api_token: str = ""
     api_token_file: str = ""
     public_url: str = ""  # where the web page is reachable, for links in alerts
+    # The team's copy of docs/operations.md: every alert about a signal links its row there
+    # (`<runbook_url>#<signal>`), beside the row's "what to do" it always carries (issue 37).
+    runbook_url: str = ""
     advise_only: bool = False  # every action waits for a human's approval
     ack_timeout_s: float = 120.0  # a command not acknowledged by then is retried, then failed
     ack_retries: int = 2

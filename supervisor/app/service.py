@@ -204,6 +204,7 @@ class Supervisor:
         policy = self.policy = cfg.policy_config
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  approval_pause_after_steps=policy.approval_pause_after_steps,
+                                 runbook_url=cfg.runbook_url,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  command_expiry_s=cfg.command_expiry_s, redeliver_s=cfg.redeliver_s,
                                  on_rollback_done=self._rewind, flap=cfg.slack.flap(),

@@ -141,9 +141,12 @@ class Alert:
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",
-                      incident_id: int | str | None = None, thread_ts: str | None = None) -> "Alert":
-        """The alert the executor sends for a policy decision."""
+                      incident_id: int | str | None = None, thread_ts: str | None = None,
+                      runbook_url: str = "") -> "Alert":
+        """The alert the executor sends for a policy decision, with its signal's runbook line
+        (supervisor.notify.runbook) and, given `runbook_url`, the link to its row."""
         from thermowatch.supervisor.decide.policy import DecisionKind
+        from thermowatch.supervisor.notify.runbook import runbook_link, what_to_do
 
         kind = decision.kind
         # Severity follows what happened to the run, not how far the series is from its baseline
@@ -179,6 +182,8 @@ class Alert:
             "skip steps": f"{decision.skip_steps[0]}-{decision.skip_steps[1]}" if decision.skip_steps else None,
             "LR multiplier": decision.lr_multiplier,
             "exclude": decision.exclude_node or decision.exclude_rank,
+            "what to do": what_to_do(finding.signal.value),
+            "runbook": runbook_link(runbook_url, finding.signal.value) if runbook_url else None,
         }
         return cls(
             run_id=run_id, severity=severity, title=title,
