@@ -21,6 +21,7 @@ import tomllib
 from pathlib import Path
 
 import jsonschema
+import promql_parser
 import kubernetes_validate
 import pytest
 import yaml
@@ -141,6 +142,69 @@ def check_prometheus(path: Path) -> None:
     assert [j["metrics_path"] for j in cfg["scrape_configs"]] == ["/metrics"]
 
 
+_METRIC = re.compile(r"\b(thermowatch_[a-z_]+|up)\b")
+
+
+def _daemon_metric_names(tmp: Path) -> set[str]:
+    """Every metric family a real daemon's /metrics serves (a counter also by its _total samples)."""
+    import io
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from thermowatch.supervisor.app.config import SupervisorConfig
+    from thermowatch.supervisor.app.service import Supervisor
+    from thermowatch.supervisor.notify.console import ConsoleNotifier
+    from thermowatch.supervisor.serve.metrics import Counters, build_registry, render
+
+    sup = Supervisor(SupervisorConfig(data_dir=tmp / "metrics-daemon"), notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        text = render(build_registry(sup, Counters(), None)).decode()
+    finally:
+        sup.close()
+    names = {"up"}  # Prometheus' own, per scrape target
+    for fam in text_string_to_metric_families(text):
+        names.add(fam.name)
+        if fam.type == "counter":
+            names.add(fam.name + "_total")
+    return names
+
+
+def check_alert_rules(path: Path, tmp: Path) -> list[dict]:
+    """Prometheus alert rules (what `promtool check rules` checks of their shape, and that every
+    metric they name is one the daemon serves)."""
+    cfg = yaml.safe_load(path.read_text())
+    rules = [r for g in cfg["groups"] for r in g["rules"]]
+    assert rules and all(g["name"] for g in cfg["groups"])
+    known = _daemon_metric_names(tmp)
+    for r in rules:
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
+        assert re.fullmatch(r"[A-Z][A-Za-z]+", r["alert"]) and r["labels"]["severity"] in ("critical", "warning", "info")
+        assert r["annotations"]["summary"] and r["expr"].count("(") == r["expr"].count(")"), r
+        if "for" in r:
+            assert re.fullmatch(r"\d+[smh]", r["for"]), r
+        promql_parser.parse(r["expr"])  # PromQL as Prometheus parses it (raises on a syntax error)
+        named = set(_METRIC.findall(r["expr"]))
+        assert named and named <= known, (r["alert"], named - known)
+    return rules
+
+
+def check_dashboard(path: Path, tmp: Path) -> dict:
+    """A Grafana dashboard: valid JSON, panels with Prometheus targets over metrics the daemon serves."""
+    import json
+
+    dash = json.loads(path.read_text())
+    known = _daemon_metric_names(tmp)
+    assert dash["title"] and dash["panels"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            promql_parser.parse(t["expr"])
+            named = set(_METRIC.findall(t["expr"]))
+            assert named and named <= known, (p["title"], named - known)
+    return dash
+
+
 def check_file(path: Path, tmp: Path) -> str:
     rel = path.relative_to(DEPLOY).as_posix()
     if path.suffix == ".md":
@@ -158,6 +222,12 @@ def check_file(path: Path, tmp: Path) -> str:
     if rel == "ray-cluster.yaml":
         check_ray_cluster(path)
         return "ray cluster launcher"
+    if rel.startswith("prometheus/") and path.suffix in (".yml", ".yaml"):
+        check_alert_rules(path, tmp)
+        return "alert rules"
+    if rel.startswith("grafana/") and path.suffix == ".json":
+        check_dashboard(path, tmp)
+        return "grafana dashboard"
     if path.name.startswith("prometheus"):
         check_prometheus(path)
         return "prometheus"
@@ -174,7 +244,8 @@ def test_every_file_in_deploy_is_checked(tmp_path):
     files = sorted(p for p in DEPLOY.rglob("*") if p.is_file())
     kinds = {p.relative_to(DEPLOY).as_posix(): check_file(p, tmp_path) for p in files}
     assert set(kinds.values()) >= {"kubernetes", "ray cluster launcher", "container image", "supervisor config",
-                                   "train config", "systemd unit", "prometheus"}, kinds
+                                   "train config", "systemd unit", "prometheus", "alert rules",
+                                   "grafana dashboard"}, kinds
     assert {"k8s/rayjob.yaml", "k8s/raycluster.yaml", "k8s/daemon.yaml", "yalm-100b/train.yaml"} <= set(kinds)
 
 
@@ -307,3 +378,19 @@ def test_validate_config_exits_2_naming_the_file_and_the_key(tmp_path, capsys):
     assert "pass --kind supervisor or --kind train" in capsys.readouterr().err
     assert main(["validate-config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: no such file" in capsys.readouterr().err
+
+
+def test_a_rule_on_a_metric_the_daemon_does_not_serve_is_refused(tmp_path):
+    bad = tmp_path / "rules.yml"
+    bad.write_text("groups:\n  - name: x\n    rules:\n      - alert: Typo\n        expr: thermowatch_judge_upp == 0\n"
+                   "        labels: {severity: critical}\n        annotations: {summary: s}\n")
+    with pytest.raises(AssertionError, match="thermowatch_judge_upp"):
+        check_alert_rules(bad, tmp_path)
+
+
+def test_a_rule_that_is_no_promql_is_refused(tmp_path):
+    bad = tmp_path / "rules.yml"
+    bad.write_text("groups:\n  - name: x\n    rules:\n      - alert: Broken\n        expr: rate(thermowatch_judge_up[5m] > 0\n"
+                   "        labels: {severity: critical}\n        annotations: {summary: s}\n")
+    with pytest.raises(Exception):
+        check_alert_rules(bad, tmp_path)
