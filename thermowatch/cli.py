@@ -60,6 +60,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=not args.no_progress,
         db_url=args.db or "",
+        config=Path(args.config) if args.config else None,
     )
     return run_demo(opts)
 
@@ -299,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "~5x faster on a CPU without AVX-512, where bf16 matmuls are emulated (CI)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--db", help="database URL (default: SQLite in the data dir)")
+    p.add_argument("--config", metavar="SUPERVISOR.yaml",
+                   help="a supervisor config: its slack/pagerduty/webhook channels and policy/detector settings "
+                        "are used (its database and data dir are not), so the demo's story arrives where your "
+                        "runs' will")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("replay", help="feed a recorded run (JSONL/CSV) through the detectors and the policy",

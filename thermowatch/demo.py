@@ -80,6 +80,21 @@ class DemoOptions:
     progress: bool = True
     run_id: str | None = None
     db_url: str = ""  # default: SQLite in the data dir
+    # A supervisor config (YAML): its slack:, pagerduty:, webhook: and policy/detector sections are
+    # used, so a team sees the demo's story arrive where its runs' will (issue 37); its database
+    # and data dir are not (the demo never writes into a real run's database).
+    config: Path | None = None
+
+
+def demo_supervisor_config(opts: DemoOptions) -> SupervisorConfig:
+    """The demo's supervisor: its own policy and detectors (tuned to its short run), or with
+    `config` a team's file over them (its channels, its policy and detector settings), always on
+    the demo's data dir and database."""
+    if opts.config is None:
+        return SupervisorConfig(data_dir=opts.data_dir, db_url=opts.db_url, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
+    theirs = SupervisorConfig.load(opts.config)
+    return SupervisorConfig.load(opts.config, data_dir=opts.data_dir, db_url=opts.db_url or "",
+                                 policy={**DEMO_POLICY, **theirs.policy}, detectors={**DEMO_DETECTORS, **theirs.detectors})
 
 
 def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):
@@ -136,10 +151,10 @@ def run_demo(opts: DemoOptions) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
-    cfg = SupervisorConfig(data_dir=opts.data_dir, db_url=opts.db_url, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
+    cfg = demo_supervisor_config(opts)
     # The console's alerts go through the progress bar's writer: written straight to stderr they
-    # landed on the bar's line (issue 37).
-    sup = Supervisor(cfg, notifier=ConsoleNotifier(_BarStream()) if opts.progress else None)
+    # landed on the bar's line (issue 37). With --config the daemon's own channels are built.
+    sup = Supervisor(cfg, notifier=ConsoleNotifier(_BarStream()) if opts.progress and opts.config is None else None)
     tcfg = train_config(opts, run_id, opts.data_dir / "checkpoints")
     if not ray.is_initialized():
         ray.init(num_cpus=max(4, tcfg.world_size * 2), include_dashboard=False, log_to_driver=False,
