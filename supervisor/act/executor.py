@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import math
 from typing import Any, Callable
 
 from sqlalchemy.exc import DataError, IntegrityError
@@ -42,6 +43,7 @@ from thermowatch.monitors.contract import (
     SampleRange,
     SetLR,
     Severity,
+    Signal,
     describe,
     Skip,
     parse_command,
@@ -62,6 +64,7 @@ from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import steps as steps_store
+from thermowatch.supervisor.store import silences as silences_store
 from thermowatch.supervisor.store import story as story_store
 from thermowatch.supervisor.store import thermometers as thermo_store
 
@@ -84,6 +87,7 @@ def ended_words(run_id: str, fin: RunFinished) -> str:
             "which takes commands again")
 
 
+MAX_SILENCE_S = 7 * 86400.0  # a week: a silence is for a known, bounded situation, not a mute button
 APPROVAL_PAUSE = "approval_pause"  # audit event: a run paused while a proposal waited for approval
 
 
@@ -588,11 +592,49 @@ class Executor:
             self._queue_alert(s, alert)
         self.flush_alerts()
 
+    def silence(self, run_id: str, signal: str, for_s: float, who: str, reason: str) -> dict:
+        """Silence `signal` of the run ("*": every signal) for `for_s` seconds: its alerts stop
+        paging (issue 37); its findings still act by policy. Audited; returns the silence."""
+        if signal != silences_store.EVERY and signal not in {x.value for x in Signal}:
+            raise UserError(f"unknown signal {signal!r}: one of {', '.join(sorted(x.value for x in Signal))}, or * "
+                            "for every signal of the run")
+        if not (isinstance(for_s, (int, float)) and math.isfinite(for_s) and 0 < for_s <= MAX_SILENCE_S):
+            raise UserError(f"a silence lasts more than 0 and at most {MAX_SILENCE_S / 86400:g} days "
+                            f"({MAX_SILENCE_S:g} s), got {for_s!r} s")
+        with self._session.begin() as s:
+            if runs_store.get_run(s, run_id) is None:
+                raise NotFound(f"no run {run_id!r}")
+            until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=for_s)
+            sid = silences_store.create(s, run_id, signal, until, who, reason)
+            audit_store.audit(s, run_id, who, "silenced", {"silence_id": sid, "signal": signal,
+                                                         "until": until.isoformat(), "reason": reason})
+            return next(x for x in silences_store.listed(s, run_id) if x.id == sid).to_json()
+
+    def unsilence(self, silence_id: int, who: str) -> dict:
+        """End a silence early; audited."""
+        with self._session.begin() as s:
+            row = silences_store.end(s, silence_id)
+            audit_store.audit(s, row.run_id, who, "unsilenced", {"silence_id": silence_id, "signal": row.signal})
+            return row.to_json()
+
+    def _silenced(self, s: Session, alert: Alert) -> Alert:
+        """A critical alert of a silenced signal pages no one: it goes out as a warning that says
+        who silenced it until when. An approval still asks (its buttons and commands stay)."""
+        signal = (alert.fields or {}).get("signal")
+        if alert.severity is not Severity.CRITICAL or not signal or alert.approve_action is not None:
+            return alert
+        hush = silences_store.silencing(s, alert.run_id, str(signal))
+        if hush is None:
+            return alert
+        return dataclasses.replace(alert, severity=Severity.WARN, broadcast=False, fields={
+            **alert.fields, "silenced": f"by {hush.who} until {hush.until:%Y-%m-%d %H:%M} UTC (silence {hush.id})"})
+
     def _queue_alert(self, s: Session, alert: Alert) -> None:
         """Write `alert` to the outbox in the caller's transaction (sent once it commits). An
         incident folded into a flapping signal's thread has every later alert there too, and an
         incident of a divergence episode its first incident's (issue 37: one thread per episode,
         not one per detector and module)."""
+        alert = self._silenced(s, alert)
         into = None
         if alert.thread is not None and alert.thread.startswith("incident:"):
             into = int(alert.thread.split(":", 1)[1])  # a fold's: into its episode's thread too

@@ -1,4 +1,5 @@
-"""Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|runs|actions`.
+"""Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|silence|silences|
+unsilence|runs|actions`.
 
 They are clients of the daemon's HTTP API (supervisor.operate.client: address and token from flags,
 the environment or `thermowatch login`; no database access), and the daemon writes the same
@@ -35,6 +36,21 @@ def _parse_range(text: str) -> list[int]:
     except ValueError:
         raise UserError(f"--skip takes LO:HI (absolute sample indices), got {text!r}") from None
     return [lo, hi]
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """'90s', '30m', '2h', '1d' or plain seconds -> seconds (argparse: a bad one is exit 2, named)."""
+    t = text.strip().lower()
+    try:
+        secs = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a duration is like 90s, 30m, 2h or 1d, got {text!r}") from None
+    if not (secs > 0 and secs <= 7 * 86400):
+        raise argparse.ArgumentTypeError(f"a silence lasts more than 0 and at most 7 days, got {text!r}")
+    return secs
 
 
 def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> None:
@@ -83,6 +99,19 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
         p = cmd(name, f"{name} a pending action (advise-only mode)")
         p.add_argument("action_id", type=arg_int(1, INT32_MAX))
         p.add_argument("--who", default=None)
+    p = cmd("silence", "stop a run's signal from paging for a while (its findings still act)")
+    p.add_argument("run_id")
+    p.add_argument("--signal", required=True, help="the signal (loss_spike, attn_logit_growth, stall, ...) or '*' for all")
+    p.add_argument("--for", dest="for_", required=True, type=_duration, metavar="DURATION",
+                   help="how long: 90s, 30m, 2h or 1d (at most a week)")
+    p.add_argument("--who", default=None)
+    p.add_argument("--reason", default="", help="why, for the audit trail and the alerts it quiets")
+    p = cmd("silences", "list a run's silences (in force or not)")
+    p.add_argument("run_id")
+    p.add_argument("--json", action="store_true")
+    p = cmd("unsilence", "end a silence now")
+    p.add_argument("silence_id", type=arg_int(1, INT32_MAX))
+    p.add_argument("--who", default=None)
     p = cmd("runs", "list runs with their last step and open incidents, newest first")
     p.add_argument("--limit", type=arg_int(1, 1000), default=100, help="runs to list (1-1000; default 100)")
     p.add_argument("--cursor", help="list the runs after a previous listing's last one (it prints the cursor)")
@@ -110,6 +139,20 @@ def run_manual(args: argparse.Namespace) -> int:
                     for a in api.get(f"{run_path(args.run_id)}/actions")["actions"]]
             _print(rows, args.json, "#{id} {kind:8} {state:9} {origin:6} by {who}  ack step {ack_step}  {args}"
                                     "\n      {did}")
+            return 0
+        if name == "silence":
+            got = api.post(f"{run_path(args.run_id)}/silences", {"signal": args.signal, "for_s": args.for_,
+                                                                 "who": who, "reason": args.reason})
+            print(f"silence {got['id']}: {got['signal']} of run {got['run_id']} pages no one until {got['until']} "
+                  f"(its findings still act); end it with `thermowatch unsilence {got['id']}`")
+            return 0
+        if name == "silences":
+            _print(api.get(f"{run_path(args.run_id)}/silences")["silences"], args.json,
+                   "#{id} {signal:18} until {until}  active {active}  by {who}  {reason}")
+            return 0
+        if name == "unsilence":
+            got = api.post(f"/api/silences/{args.silence_id}/end", {"who": who})
+            print(f"silence {got['id']} ({got['signal']} of run {got['run_id']}) ended")
             return 0
         if name in ("approve", "cancel"):
             api.post(f"/api/actions/{args.action_id}/{name}", {"who": who})

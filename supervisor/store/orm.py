@@ -238,6 +238,22 @@ class Incident(Base):
     __table_args__ = (Index(None, "run_id", "state"),)
 
 
+class Silence(Base):
+    """A silenced signal of a run until a time (issue 37): its alerts stop paging, its findings
+    still act by policy. `signal` "*" silences every signal of the run."""
+
+    __tablename__ = "silences"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_run_fk())
+    signal: Mapped[str] = mapped_column(String(50))
+    until: Mapped[dt.datetime] = mapped_column()
+    who: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)  # ended early (unsilence)
+    __table_args__ = (Index(None, "run_id", "until"),)
+
+
 class FindingRow(Base):
     __tablename__ = "findings"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -52,6 +52,9 @@ SCOPE = {
     ("POST", "/api/runs/{run_id}/actions"): "operate",
     ("POST", "/api/actions/{action_id}/approve"): "operate",
     ("POST", "/api/actions/{action_id}/cancel"): "operate",
+    ("POST", "/api/runs/{run_id}/silences"): "operate",
+    ("POST", "/api/silences/{silence_id}/end"): "operate",
+    ("GET", "/api/runs/{run_id}/silences"): "read",
     ("GET", "/api/tokens"): "admin",
     ("POST", "/api/tokens"): "admin",
     ("POST", "/api/tokens/{name}/revoke"): "admin",
@@ -91,6 +94,8 @@ BODIES = {
     "/api/runs/{run_id}/acks": {"command_id": 1, "ok": True, "step": 5},
     "/api/runs/{run_id}/actions": {"kind": "stop", "reason": "intruder"},
     "/api/actions/{action_id}/approve": {}, "/api/actions/{action_id}/cancel": {},
+    "/api/runs/{run_id}/silences": {"signal": "stall", "for_s": 60},
+    "/api/silences/{silence_id}/end": {},
     "/api/tokens": {"name": "intruder", "scopes": ["admin"]},
 }
 

@@ -190,14 +190,14 @@ def _post_routes(app) -> list[str]:
     """Every POST route of the daemon's app, its path parameters filled in."""
     from fastapi.routing import iter_route_contexts
 
-    fill = {"{run_id}": "r", "{attempt}": "0", "{action_id}": "1", "{name}": "someone"}
+    fill = {"{run_id}": "r", "{attempt}": "0", "{action_id}": "1", "{name}": "someone", "{silence_id}": "1"}
     out = []
     for ctx in iter_route_contexts(app.routes):
         if "POST" in (ctx.methods or ()):
             path = ctx.path
             for k, v in fill.items():
                 path = path.replace(k, v)
-            assert "{" not in path, f"fill in the parameter of {route.path}"
+            assert "{" not in path, f"fill in the parameter of {ctx.path}"
             out.append(path)
     return sorted(out)
 

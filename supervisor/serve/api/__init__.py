@@ -45,7 +45,7 @@ async def call(fn, *args):
 # --- limits on every route's path and query (supervisor.limits) ----------------------------------
 
 # Path parameters by name, with the column each one is compared with.
-_INT_PARAMS = {"action_id": INT32_MAX, "attempt": INT32_MAX}
+_INT_PARAMS = {"action_id": INT32_MAX, "attempt": INT32_MAX, "silence_id": INT32_MAX}
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 # Query parameters that are text whatever they hold (an opaque cursor, a metric key): a run of
 # digits there is not an integer to bound (issue 21: a 1000-digit cursor is schema-valid).

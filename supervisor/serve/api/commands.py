@@ -6,6 +6,9 @@
     POST /api/runs/{run_id}/actions             {"kind", "args", "who"?, "reason"} -> 201 {"action_id"}
     POST /api/actions/{action_id}/approve       {"who"?}                       -> {"ok": true}
     POST /api/actions/{action_id}/cancel        {"who"?}                       -> {"ok": true}
+    POST /api/runs/{run_id}/silences            {"signal", "for_s", "who"?, "reason"?} -> 201 the silence
+    GET  /api/runs/{run_id}/silences            -> {"silences": [...]} (newest first, "active" or not)
+    POST /api/silences/{silence_id}/end         {"who"?}                       -> the silence, ended
 
 Scopes (supervisor.serve.guard): polling and acknowledging are the trainer's (`ingest`); submitting,
 approving and cancelling are a person's (`operate`). The actor recorded in the action and audit
@@ -27,6 +30,7 @@ from thermowatch.supervisor.serve.body import read_json
 from thermowatch.supervisor.serve.api.openapi import explain
 from thermowatch.supervisor.serve.auth import Principal
 from thermowatch.supervisor.limits import check_small_body
+from thermowatch.supervisor.errors import NotFound
 
 
 class ManualAction(BaseModel):
@@ -37,6 +41,14 @@ class ManualAction(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)
     who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
     reason: str = ""
+
+
+class SilenceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    signal: str = Field(description="the signal to silence (attn_logit_growth, loss_spike, stall, ...) or * for all")
+    for_s: float = Field(description="seconds, more than 0 and at most a week")
+    who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
+    reason: str = Field("", max_length=2000)
 
 
 class Approval(BaseModel):
@@ -106,11 +118,39 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         await call(sup.executor.cancel, action_id, actor(who, body.who))
         return {"ok": True}
 
+    @router.post("/runs/{run_id}/silences", status_code=201)
+    async def silence(run_id: str, request: Request, who: Principal = operator) -> dict:
+        """Silence a signal of the run for a while: its alerts stop paging; its findings still act."""
+        body = await _parse(request, SilenceBody)
+        return await call(sup.executor.silence, run_id, body.signal, body.for_s, actor(who, body.who), body.reason)
+
+    @router.get("/runs/{run_id}/silences")
+    async def silences(run_id: str, request: Request, _: Principal = Depends(guard.require("read"))) -> dict:
+        from thermowatch.supervisor.store import runs as runs_store
+        from thermowatch.supervisor.store import silences as silences_store
+
+        def read() -> list[dict]:
+            with sup.sessions() as s:
+                if runs_store.get_run(s, run_id) is None:
+                    raise NotFound(f"no run {run_id!r}")
+                now = silences_store.utcnow()
+                return [{**x.to_json(), "active": x.ended_at is None and x.until > now}
+                        for x in silences_store.listed(s, run_id)]
+
+        return {"silences": await call(read)}
+
+    @router.post("/silences/{silence_id}/end")
+    async def unsilence(silence_id: int, request: Request, who: Principal = operator) -> dict:
+        body = await _parse(request, Approval)
+        return await call(sup.executor.unsilence, silence_id, actor(who, body.who))
+
     from thermowatch.supervisor.serve.api import document_bodies
     from thermowatch.supervisor.serve.api.schemas import AckBody, ManualActionBody
 
     document_bodies(router, {("POST", "/api/runs/{run_id}/acks"): AckBody,
                              ("POST", "/api/runs/{run_id}/actions"): ManualActionBody,
                              ("POST", "/api/actions/{action_id}/approve"): Approval,
-                             ("POST", "/api/actions/{action_id}/cancel"): Approval})
+                             ("POST", "/api/actions/{action_id}/cancel"): Approval,
+                             ("POST", "/api/runs/{run_id}/silences"): SilenceBody,
+                             ("POST", "/api/silences/{silence_id}/end"): Approval})
     return router
