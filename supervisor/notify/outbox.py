@@ -204,7 +204,7 @@ class Outbox:
         # The top message first, then the row: a row is `sent` once all it does is done, so
         # drain() (and a reader of the thread) never sees the reply without its new state.
         if parent is not None and parent.ts and (alert.status or _headline(alert)):
-            self._restate(name, part, parent, alert.status, keep_buttons=alert.fold_count > 0,
+            self._restate(name, part, row, parent, alert.status, keep_buttons=alert.fold_count > 0,
                           headline=alert if _headline(alert) else None)
         with self._sessions.begin() as s:
             alerts_store.mark_sent(s, row.id, ts)
@@ -232,18 +232,20 @@ class Outbox:
             alerts_store.mark_sent(s, row.id, None)  # a file id is no message to thread under
         return True
 
-    def _restate(self, name: str, part: Notifier, parent: alerts_store.ThreadParent, status: str,
-                 keep_buttons: bool = False, headline: Alert | None = None) -> None:
+    def _restate(self, name: str, part: Notifier, row: alerts_store.AlertRow, parent: alerts_store.ThreadParent,
+                 status: str, keep_buttons: bool = False, headline: Alert | None = None) -> None:
         """Best effort: the thread's top message shows the story's state and its headline (the
         latest alert that changed the run or asks a human: `headline`, else the thread's own,
-        alerts_store.thread_parent). The reply already says it, so a failed update is logged and
+        alerts_store.thread_headline). The reply already says it, so a failed update is logged and
         never holds up the channel."""
         update = getattr(part, "update", None)  # channels without message ids (console) have none
         if update is None or not parent.payload:
             return
         try:
-            top = headline if headline is not None else Alert.from_json(parent.payload)
-            status = status or Alert.from_json(parent.payload).status
+            with self._sessions() as s:
+                told = Alert.from_json(alerts_store.thread_headline(s, name, row.thread_key, row.id) or parent.payload)
+            top = headline if headline is not None else told
+            status = status or told.status
             # Any later state of the story answers the question the buttons asked; a flapping
             # repeat does not, so the buttons stay.
             update(parent.ts, dataclasses.replace(top, status=status, thread_ts=None, broadcast=False,

@@ -71,19 +71,31 @@ def thread_parent(session: Session, channel: str, thread_key: str, before_id: in
     earlier = (select(Alert.state, Alert.ts, Alert.error, Alert.payload)
                .where(Alert.channel == channel, Alert.thread_key == thread_key, Alert.id < before_id)
                .order_by(Alert.id))
-    lost, top, headline = "", None, None
+    lost = ""
     for state, ts, error, payload in session.execute(earlier):
-        if ts and top is None:
-            top = ts
-        if top is None and state == "failed" and not lost:
+        if ts:
+            return ThreadParent(ts, payload=payload)
+        if state == "failed" and not lost:
             lost = error or "refused"
-        # The thread's headline: its latest alert that changed the run or asks a human, else its
-        # first (issue 37: the top message says the consequence, not the first detector's note).
-        if payload and (headline is None or (payload.get("severity") in _HEADLINE and not payload.get("chart"))):
-            headline = payload
-    if top is not None:
-        return ThreadParent(top, payload=headline)
     return ThreadParent(None, lost) if lost else None
+
+
+def thread_headline(session: Session, channel: str, thread_key: str, before_id: int) -> dict[str, Any] | None:
+    """The Alert payload that heads the thread's top message: its latest earlier row that changed
+    the run or asks a human (warn, critical; not a chart), else its first (issue 37: the top message
+    says the consequence, not the first detector's note). Read newest first, stopping at the first
+    match: only when the top message is rewritten, not for every reply."""
+    earlier = (select(Alert.payload)
+               .where(Alert.channel == channel, Alert.thread_key == thread_key, Alert.id < before_id)
+               .order_by(Alert.id.desc()))
+    first = None
+    for (payload,) in session.execute(earlier):
+        if not payload:
+            continue
+        if payload.get("severity") in _HEADLINE and not payload.get("chart"):
+            return payload
+        first = payload
+    return first
 
 
 _HEADLINE = ("warn", "critical")  # Severity values: what the run's story is about
