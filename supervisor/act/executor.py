@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import math
 from typing import Any, Callable
 
 from sqlalchemy.exc import DataError, IntegrityError
@@ -48,6 +47,7 @@ from thermowatch.monitors.contract import (
     Skip,
     parse_command,
 )
+from thermowatch.monitors.settings import SettingError, check_number
 from thermowatch.supervisor.decide import feasibility
 from thermowatch.supervisor.errors import Conflict, NotFound, UserError
 from thermowatch.supervisor.notify import flap as flaps
@@ -366,8 +366,10 @@ class Executor:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
-            self._pause_for_approval(s, run_id)
-            for a in actions_store.open_actions(s, run_id):
+            opened = actions_store.open_actions(s, run_id)
+            if self._pause_for_approval(s, run_id, opened):
+                opened = actions_store.open_actions(s, run_id)  # with the pause it wrote
+            for a in opened:
                 if a.state == "sent":
                     last = max(a.updated_at, resent.get(a.id, a.updated_at))
                     if now - last >= self._redeliver:
@@ -395,17 +397,18 @@ class Executor:
             self.fail(run_id, a.id, f"not a valid command: {why}")
         return out
 
-    def _pause_for_approval(self, s: Session, run_id: str) -> None:
+    def _pause_for_approval(self, s: Session, run_id: str, opened: list[actions_store.ActionRow]) -> bool:
         """While the policy's proposal waits for approval, pause the run once it has trained
         `approval_pause_after_steps` past the finding (PolicyConfig), once per proposal: the
-        run does not train on into the divergence while nobody answers (issue 37)."""
+        run does not train on into the divergence while nobody answers (issue 37). `opened`: the
+        run's open actions. True when it wrote a pause."""
         if self._approval_pause_after is None:
-            return
-        waiting = [a for a in actions_store.open_actions(s, run_id)
+            return False
+        waiting = [a for a in opened
                    if a.state == "pending" and a.requires_approval and a.origin == "auto" and a.incident_id]
         if not waiting or any(a.kind == "pause" and a.state in ("pending", "sent") and not a.requires_approval
-                              for a in actions_store.open_actions(s, run_id)):
-            return
+                              for a in opened):
+            return False
         last = thermo_store.latest_step(s, run_id)
         done = {e.detail.get("for_action") for e in audit_store.events(s, run_id, APPROVAL_PAUSE)}
         for a in waiting:
@@ -423,7 +426,8 @@ class Executor:
                                        title=f"{run_id}: paused while action {a.id} waits for approval [action {pid}]",
                                        text=why, broadcast=True, commands=(f"thermowatch approve {a.id}",
                                                                            f"thermowatch resume {run_id}")))
-            return
+            return True
+        return False
 
     def acknowledge(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
         """The run controller says what the command did (or that it failed). An ack that cannot
@@ -598,9 +602,11 @@ class Executor:
         if signal != silences_store.EVERY and signal not in {x.value for x in Signal}:
             raise UserError(f"unknown signal {signal!r}: one of {', '.join(sorted(x.value for x in Signal))}, or * "
                             "for every signal of the run")
-        if not (isinstance(for_s, (int, float)) and math.isfinite(for_s) and 0 < for_s <= MAX_SILENCE_S):
+        try:
+            check_number("for_s", for_s, lo=0, lo_open=True, hi=MAX_SILENCE_S)
+        except SettingError:
             raise UserError(f"a silence lasts more than 0 and at most {MAX_SILENCE_S / 86400:g} days "
-                            f"({MAX_SILENCE_S:g} s), got {for_s!r} s")
+                            f"({MAX_SILENCE_S:g} s), got {for_s!r} s") from None
         with self._session.begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}")
@@ -608,7 +614,7 @@ class Executor:
             sid = silences_store.create(s, run_id, signal, until, who, reason)
             audit_store.audit(s, run_id, who, "silenced", {"silence_id": sid, "signal": signal,
                                                          "until": until.isoformat(), "reason": reason})
-            return next(x for x in silences_store.listed(s, run_id) if x.id == sid).to_json()
+            return silences_store.get(s, sid).to_json()
 
     def unsilence(self, silence_id: int, who: str) -> dict:
         """End a silence early; audited."""

@@ -197,9 +197,10 @@ class PolicyConfig:
                 "(outlier ranks are handled by restart_without_outlier)"
             )
         if self.approval_pause_after_steps is not None:
-            v = self.approval_pause_after_steps
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise PolicyConfigError(f"approval_pause_after_steps={v!r} must be an integer >= 0 (steps) or null")
+            try:
+                check_number("approval_pause_after_steps", self.approval_pause_after_steps, lo=0, integer=True)
+            except SettingError as exc:
+                raise PolicyConfigError(f"{exc} (steps), or null") from None
         for name in ("rollback_margin_steps", "cooldown_steps", "rewarmup_steps", "skip_ahead_steps"):
             if getattr(self, name) < 0:
                 raise PolicyConfigError(f"{name}={getattr(self, name)} must be >= 0")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.errors import NotFound
@@ -74,7 +74,11 @@ def end(session: Session, silence_id: int) -> SilenceRow:
     if r is None:
         raise NotFound(f"no silence {silence_id}")
     if r.ended_at is None and r.until > utcnow():
-        session.execute(update(Silence).where(Silence.id == silence_id).values(ended_at=utcnow()))
+        r.ended_at = utcnow()
         session.flush()
-        session.refresh(r)
     return _row(r)
+
+
+def get(session: Session, silence_id: int) -> SilenceRow | None:
+    r = session.get(Silence, silence_id)
+    return _row(r) if r is not None else None
