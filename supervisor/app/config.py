@@ -39,6 +39,7 @@ _NUMBERS: dict[str, dict[str, Any]] = {
     "redeliver_s": dict(lo=0, lo_open=True),  # seconds before a sent, unacknowledged command goes out again
     "max_body_bytes": dict(lo=1, integer=True),  # an ingest body; 413 above it
     "pause_repage_s": dict(lo=0, lo_open=True),  # seconds a run waits paused before it pages again
+    "link_ttl_s": dict(lo=0, lo_open=True, hi=86400),  # an alert's signed link; a day at most: it sits in a channel
 }
 
 
@@ -164,6 +165,12 @@ class SupervisorConfig:
     api_token: str = ""
     api_token_file: str = ""
     public_url: str = ""  # where the web page is reachable, for links in alerts
+    # With `public_url` and auth on, an alert's link signs its reader in to that run's page, to read
+    # it only, once, for this long (supervisor.notify.link_grants; issue 37: a phone got the sign-in
+    # page and a 46-character token to paste). An hour: the first responder to a page opens it within
+    # minutes, and an escalation round or a phone left on silent still finds it valid; a link read
+    # later in the channel's history has gone stale, and a token signs in then.
+    link_ttl_s: float = 3600.0
     # The team's copy of docs/operations.md: every alert about a signal links its row there
     # (`<runbook_url>#<signal>`), beside the row's "what to do" it always carries (issue 37).
     runbook_url: str = ""

@@ -36,6 +36,7 @@ from thermowatch.supervisor.ingest.ingestor import Ingestor
 from thermowatch.supervisor.judge.judge import Judge
 from thermowatch.supervisor.notify.base import FanOut, Notifier, NotifyConfigError
 from thermowatch.supervisor.notify.console import ConsoleNotifier
+from thermowatch.supervisor.notify.link_grants import LinkGrants
 from thermowatch.supervisor.act.respond import Responder
 from thermowatch.supervisor.app.scheduler import Job
 
@@ -52,7 +53,8 @@ def check_notifier(notifier: Notifier) -> dict:
         raise
 
 
-def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = None) -> Notifier:
+def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = None,
+                   links: LinkGrants | None = None) -> Notifier:
     """Console always (the journal is the last resort), plus Slack when a channel is set, PagerDuty
     when a routing key source is named and the signed webhook when a URL is. Each is a channel of
     its own in the outbox, so one that is down holds up none of the others. A secret that cannot
@@ -75,6 +77,12 @@ def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = No
     except NotifyConfigError:
         FanOut(parts).close()
         raise
+    # `links`: each channel's run link signs its reader in (docs/auth.md). Not without auth or with
+    # public_read: the plain page opens without signing in there.
+    if links is not None and cfg.auth and not cfg.public_read:
+        for part in parts:
+            if hasattr(part, "links"):  # the channels that link the run page
+                part.links = links  # type: ignore[attr-defined]
     return FanOut(parts)
 
 
@@ -189,9 +197,12 @@ class Supervisor:
         # the message) instead of at the first real alert. Slack merely unreachable does not stop
         # it (alerts wait in the outbox): that is logged as critical and kept for notifier_status().
         # A notifier handed in (tests, embedded callers) is the caller's to check.
+        # The alerts' signed run links (supervisor.notify.link_grants); their key is read from the
+        # database, once it is open below, when the first link is made or opened.
+        self.link_grants = LinkGrants(cfg.public_url, ttl_s=cfg.link_ttl_s)
         self._notifier_check: dict = {}
         if notifier is None:
-            notifier = build_notifier(cfg)
+            notifier = build_notifier(cfg, links=self.link_grants)
             self._notifier_check = check_notifier(notifier)
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.engine = db.make_engine(cfg.db_url)
@@ -200,6 +211,7 @@ class Supervisor:
         else:
             db.check_current(self.engine)
         self.sessions = db.make_sessionmaker(self.engine)
+        self.link_grants.use(self.sessions)
         self.notifier = notifier
         policy = self.policy = cfg.policy_config
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,

@@ -16,6 +16,9 @@ runs' history or issue commands, nor write into them (issue 33: a token made for
 NaN step into team A's run and could make the supervisor roll it back). A run's owner is the
 token that opened it (`runs.created_by`, by token name: names are never reused); `admin` keeps
 its reach over every run, and `operate` acts on any run through its own routes.
+
+A link from an alert (supervisor.notify.link_grants) signs its opener in as a principal bound to
+that run (`Principal.run_id`): `read` only, and only the routes of that run (Guard.check).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from sqlalchemy.orm import sessionmaker
 
 from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.errors import Forbidden
+from thermowatch.supervisor.notify.link_grants import SCOPE as LINK_SCOPE
+from thermowatch.supervisor.notify.link_grants import SESSION_PREFIX, LinkGrants
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import tokens as tokens_store
@@ -56,9 +61,16 @@ class Principal:
     name: str
     scopes: frozenset[str]
     run_prefix: str = ""  # the runs it may open start with this ("" for any name)
+    # Reads this run only (a link from an alert, supervisor.notify.link_grants); None: any run.
+    run_id: str | None = None
 
     def allows(self, scope: str) -> bool:
         return scope in self.scopes
+
+    def reaches(self, run_id: str | None) -> bool:
+        """Whether a request about `run_id` (None: about no one run, or every run) is within this
+        principal's runs: a link's session reaches only its own run's routes."""
+        return self.run_id is None or run_id == self.run_id
 
     @property
     def bound(self) -> bool:
@@ -99,9 +111,10 @@ class Authenticator:
     """secret -> Principal (or None). The configured admin token is kept only as a digest and
     compared in constant time; database tokens are found by their digest."""
 
-    def __init__(self, sessions: sessionmaker, *, config_token: str = "") -> None:
+    def __init__(self, sessions: sessionmaker, *, config_token: str = "", links: LinkGrants | None = None) -> None:
         self.sessions = sessions
         self._config_digest = tokens_store.digest(config_token) if config_token else None
+        self.links = links  # a link session's cookie (supervisor.notify.link_grants): reads one run
         self._owners: dict[str, str] = {}  # run_id -> the token that opened it; it never changes
 
     def check_writes(self, principal: Principal, run_id: str) -> None:
@@ -124,6 +137,10 @@ class Authenticator:
     def authenticate(self, secret: str) -> Principal | None:
         if not secret:
             return None
+        if secret.startswith(SESSION_PREFIX):
+            session = self.links.session(secret) if self.links is not None else None
+            return None if session is None else Principal(session.actor, frozenset({LINK_SCOPE}),
+                                                          run_id=session.run_id)
         if self._config_digest is not None and hmac.compare_digest(tokens_store.digest(secret), self._config_digest):
             return Principal(CONFIG_TOKEN_NAME, effective(["admin"]))
         with self.sessions() as s:

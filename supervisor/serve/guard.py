@@ -17,6 +17,12 @@ Where the sign-in cookie (SameSite=Strict, HttpOnly) opens what (issue 12, the i
     can never drive them (no cross-site request forgery), and only with the scope the cookie's
     token holds (a `read`-only sign-in gets a 403).
 Every other route takes bearer tokens only.
+
+A link from an alert (supervisor.notify.link_grants, opened at GET /go/...) sets a second cookie,
+LINK_COOKIE, holding a signed link session: it opens the same routes, but only those of its own
+run (`run_id` in the path) and only for reading; a route about another run or about no one run
+(the index, compare, /metrics) is a 403 saying so. The token cookie wins when both are present,
+so opening a link never narrows a sign-in the browser already has.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from urllib.parse import urlparse
 from fastapi import HTTPException, Request
 
 from thermowatch.supervisor.errors import Forbidden
+from thermowatch.supervisor.notify.link_grants import SESSION_PREFIX
 from thermowatch.supervisor.serve.auth import ANONYMOUS_LOCAL, Authenticator, Principal
 
 log = logging.getLogger(__name__)
 COOKIE = "thermowatch_token"
+LINK_COOKIE = "thermowatch_link"  # a link session (supervisor.notify.link_grants): one run, read only
 PUBLIC_READER = Principal("public-read", frozenset({"read"}))
 HOWTO = "create one with `thermowatch token create NAME --scope {scope}`"
 
@@ -82,12 +90,12 @@ class Guard:
         refuse = SignInRequired if cookie else HTTPException
         secret = bearer(request)
         if secret is None and (cookie or (scope == "read" and request.method in ("GET", "HEAD"))):
-            secret = request.cookies.get(COOKIE) or None
-        elif secret is None and browser and request.cookies.get(COOKIE):
+            secret = signed_in(request)
+        elif secret is None and browser and signed_in(request):
             if not same_origin(request, self.public_url):
                 raise HTTPException(403, "refused: a request with the sign-in cookie from another site (or without "
                                          "Origin/Sec-Fetch-Site); send Authorization: Bearer <token> instead")
-            secret = request.cookies.get(COOKIE)
+            secret = signed_in(request)
         if secret is None:
             if scope == "read" and self.public_read:
                 return PUBLIC_READER
@@ -95,14 +103,29 @@ class Guard:
                               f"{HOWTO.format(scope=scope)}", headers={"WWW-Authenticate": "Bearer"})
         principal = self.authn.authenticate(secret)
         if principal is None:
-            raise refuse(401, f"unknown or revoked token; this needs a token with the `{scope}` scope: "
-                              f"{HOWTO.format(scope=scope)}",
+            said = ("the sign-in from an alert's link has ended; open the newest alert's link, or sign in with a "
+                    "token" if secret.startswith(SESSION_PREFIX) else "unknown or revoked token")
+            raise refuse(401, f"{said}; this needs a token with the `{scope}` scope: {HOWTO.format(scope=scope)}",
                          headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
         if not principal.allows(scope):
             raise HTTPException(403, f"token {principal.name!r} lacks the `{scope}` scope this needs (it has: "
                                      f"{', '.join(sorted(principal.scopes))}); use a token with `{scope}` or "
                                      f"{HOWTO.format(scope=scope)}")
+        run_id = request.path_params.get("run_id")
+        if not principal.reaches(run_id):
+            if scope == "read" and self.public_read:
+                return PUBLIC_READER
+            what = f"run {run_id!r}" if run_id is not None else "this page (it is about every run)"
+            log.warning("refused %s %s: link session %s reads run %r only", request.method,
+                        request.url.path[:200], principal.name, principal.run_id)
+            raise refuse(403, f"signed in by a link from an alert, which reads run {principal.run_id!r} only; to "
+                              f"read {what}, sign in with a token: {HOWTO.format(scope=scope)}")
         return principal
+
+
+def signed_in(request: Request) -> str | None:
+    """The web page's sign-in cookie: the token's, else a link session's (see the module docstring)."""
+    return request.cookies.get(COOKIE) or request.cookies.get(LINK_COOKIE) or None
 
 
 def bearer(request: Request) -> str | None:

@@ -32,7 +32,8 @@ def build_guard(sup: Supervisor) -> "Guard":
 
     if not sup.cfg.auth:
         return Guard(None)
-    return Guard(Authenticator(sup.sessions, config_token=sup.cfg.api_token), public_read=sup.cfg.public_read,
+    return Guard(Authenticator(sup.sessions, config_token=sup.cfg.api_token, links=getattr(sup, "link_grants", None)),
+                 public_read=sup.cfg.public_read,
                  public_url=sup.cfg.public_url)
 
 
@@ -55,7 +56,7 @@ def mount_routes(app: FastAPI, sup: Supervisor, guard: "Guard", *, public_url: s
     app.include_router(chart.make_router(sup, guard=guard))
     app.include_router(events.make_router(sup, guard=guard))
     app.include_router(pages.make_router(sup, guard=guard, public_url=public_url))
-    login.install(app, guard, public_url=public_url)
+    login.install(app, guard, public_url=public_url, links=getattr(sup, "link_grants", None))
     assets.install(app, public_url=public_url)  # /static and an offline /docs
 
 

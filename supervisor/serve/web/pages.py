@@ -1,7 +1,9 @@
 """HTML pages: the runs list and the run page the Slack alert links to (`/runs/{run_id}?incident=N`,
 rendered by run_page.py); its charts as PNGs come from the API's one PNG route.
 
-    GET /?cursor=                          runs table, newest first, a page at a time
+    GET /?cursor=&sort=&state=&q=          runs table, newest first, a page at a time; the page sorted
+                                           (run, state, last step, last update) and filtered (state, a
+                                           text in the run id) as asked; refreshed by static/runs.js
     GET /runs/{run_id}?incident=&step_lo=&step_hi=&attempts_before=
                                            state, what waits (incidents, approvals), charts, tables;
                                            the newest 20 attempts, attempts_before= pages to older ones
@@ -21,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
@@ -39,7 +42,7 @@ from thermowatch.supervisor.store import metrics as metrics_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.charts.plots import LOG_METRICS
 from thermowatch.supervisor.serve.web.readable import ago
-from thermowatch.supervisor.serve.web.run_page import chart_assets, chart_png_url
+from thermowatch.supervisor.serve.web.run_page import chart_assets, chart_png_url, table
 
 # (metric prefix, chart title, log y) in page order; charts whose metric the run lacks are left out.
 CHARTS = [
@@ -72,6 +75,18 @@ tr.selected{background:var(--warnbg);outline:2px solid #e0a800} .muted{color:#88
 .banner{background:var(--warnbg);border:1px solid #e0a800;padding:.5em .8em;margin:.6em 0}
 img.plot{display:block;max-width:100%;margin:.3em 0;border:1px solid #eee} img.broken{border:2px solid #c00}
 code{font-size:12px;white-space:pre-wrap;word-break:break-all} ul.findings{margin:0;padding-left:1.1em}
+.phone-only{display:none}
+@media (max-width:700px){
+body{margin:.6em .7em} .phone-only{display:block}
+table.cards,table.cards tbody{display:block}
+table.cards thead{position:absolute;width:1px;height:1px;overflow:hidden;clip-path:inset(50%)}
+table.cards tr{display:flex;flex-wrap:wrap;gap:0 .8em;border:1px solid var(--line);border-radius:4px;margin:0 0 .5em;
+padding:.3em .5em;background:var(--card)}
+table.cards td{display:block;border:0;padding:1px 0;flex:0 1 auto;min-width:0;overflow-wrap:anywhere}
+table.cards td::before{margin-right:.35em;font-size:11px;color:#888}
+table.cards td:empty{display:none} table.cards tr.open{border-left:4px solid #d33}
+table.cards tr.open td:first-child{border-left:0} .scroll{overflow-x:visible}
+}
 """
 
 
@@ -98,13 +113,6 @@ def _page(title: str, body: str, head_or_body: str | None = None) -> HTMLRespons
         f"<body>{body}</body></html>")
 
 
-def _table(headers: list[str], rows: list[str], empty: str) -> str:
-    if not rows:
-        return f"<p class='muted'>{e(empty)}</p>"
-    head = "".join(f"<th>{e(h)}</th>" for h in headers)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-
-
 def _cells(*values: str) -> str:
     """Cells already escaped/rendered by the caller."""
     return "".join(f"<td>{v}</td>" for v in values)
@@ -122,8 +130,51 @@ def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: i
     return max(0, lo - pad), hi + pad
 
 
-def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
-    """`GET /`: a page of runs, newest first."""
+# The index's orders (?sort= key: its label); "created" is the store's own order, newest first.
+# By state, the runs that need a look come first: stalled, then starting, running, paused, finished.
+SORTS = {"created": "newest first", "run": "run", "state": "state", "step": "last step", "updated": "last update"}
+STATE_ORDER = ("stalled", "starting", "running", "paused", "finished")
+INDEX_REFRESH_S = 15  # runs.js fetches the page again this often while auto-refresh is ticked
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """What the index shows of its page of runs: the sort, the state filter and the text filter,
+    all in the address (links and the no-script form keep them)."""
+
+    sort: str = "created"
+    state: str = ""  # "" = every state
+    q: str = ""  # a case-insensitive substring of the run id
+
+    def __post_init__(self) -> None:
+        if self.sort not in SORTS:
+            raise HTTPException(422, f"sort={self.sort!r} is not one of {', '.join(SORTS)}")
+        if self.state and self.state not in STATE_ORDER:
+            raise HTTPException(422, f"state={self.state!r} is not one of {', '.join(STATE_ORDER)} (or empty: all)")
+
+    def query(self, **more: Any) -> dict[str, Any]:
+        """The view's query parameters (defaults left out), plus `more`."""
+        q = {"sort": self.sort if self.sort != "created" else None, "state": self.state or None, "q": self.q or None}
+        return {k: v for k, v in {**q, **more}.items() if v is not None}
+
+    def keep(self, row: dict) -> bool:
+        return (not self.state or row["state"] == self.state) and self.q.casefold() in row["run_id"].casefold()
+
+    def order(self, rows: list[dict]) -> list[dict]:
+        """Rows of the store's page (newest first) in the view's order; ties keep that order."""
+        if self.sort == "run":
+            return sorted(rows, key=lambda r: r["run_id"].casefold())
+        if self.sort == "state":
+            return sorted(rows, key=lambda r: STATE_ORDER.index(r["state"]))
+        if self.sort == "step":  # furthest first; runs with no step last
+            return sorted(rows, key=lambda r: (r["last_step"] is None, -(r["last_step"] or 0)))
+        if self.sort == "updated":  # most recently heard from first; never heard from last
+            return sorted(rows, key=lambda r: (r["age"] is None, r["age"] or 0.0))
+        return rows
+
+
+def _index_rows(sup, cursor: str | None) -> tuple[list[dict], str | None]:
+    """A page of runs (the store's order: newest first) with what the index shows of each."""
     # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
     # its loss, what is open and when it last reported; a page of runs in three statements.
     stall_s = sup.cfg.bank_config.stall.timeout_s
@@ -134,8 +185,8 @@ def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
         seen = {g.run_id: g.last_record_at for g in metrics_store.run_gauges(s, ids)}
         ends = runs_store.newest_finishes(s, ids)
     rows = []
-    for r in page["runs"]:  # newest first
-        n_open, rid = r["open_incidents"], r["run_id"]
+    for r in page["runs"]:
+        rid = r["run_id"]
         end, at = ends.get(rid), seen.get(rid)
         age = (now - at).total_seconds() if at is not None else None
         prog = sup.progress.get(rid)
@@ -145,6 +196,16 @@ def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
             state = ("starting" if r["last_step"] is None else "stalled" if age is None or age > stall_s
                      else "running")
             loss = prog.loss if prog is not None else None
+        rows.append({**r, "state": state, "loss": loss, "age": age})
+    return rows, page["next_cursor"]
+
+
+def index_page(sup, base: str, run_url, cursor: str | None, view: IndexView = IndexView()) -> HTMLResponse:
+    """`GET /`: a page of runs (newest first, or as `view` sorts them), filtered by `view`."""
+    all_rows, next_cursor = _index_rows(sup, cursor)
+    rows = []
+    for r in view.order([r for r in all_rows if view.keep(r)]):
+        n_open, rid, loss, age, state = r["open_incidents"], r["run_id"], r["loss"], r["age"], r["state"]
         rows.append(f"<tr class='run-row' data-run='{e(rid)}'>" + _cells(
             f"<input type='checkbox' name='run' value='{e(rid)}' form='compare' aria-label='compare {e(rid)}'> "
             f"<a href='{e(run_url(rid))}'>{e(rid)}</a>", f"<span class='state state-{state}'>{state}</span>",
@@ -155,18 +216,40 @@ def index_page(sup, base: str, run_url, cursor: str | None) -> HTMLResponse:
             e(r["created_at"][:19].replace("T", " ") + "Z")) + "</tr>")
     links = []
     if cursor:
-        links.append(f"<a href='{e(base)}/' id='newest'>newest runs</a>")
-    if page["next_cursor"]:
-        links.append(f"<a href='{e(base)}/?{urlencode({'cursor': page['next_cursor']})}' id='older'>older runs</a>")
+        q = urlencode(view.query())
+        links.append(f"<a href='{e(base)}/{'?' + q if q else ''}' id='newest'>newest runs</a>")
+    if next_cursor:
+        links.append(f"<a href='{e(base)}/?{urlencode(view.query(cursor=next_cursor))}' id='older'>older runs</a>")
+    if not all_rows:
+        empty = "no older runs" if cursor else "no runs yet: a run appears when its run controller first reports"
+    else:
+        empty = f"none of this page's {len(all_rows)} runs match"
+    sorts = "".join(f"<option value='{k}'{' selected' if k == view.sort else ''}>{e(t)}</option>"
+                    for k, t in SORTS.items())
+    states = "<option value=''>every state</option>" + "".join(
+        f"<option value='{k}'{' selected' if k == view.state else ''}>{k}</option>" for k in STATE_ORDER)
+    now = dt.datetime.now(dt.timezone.utc)
+    scope = (f"sorted and filtered within this page's {len(all_rows)} runs (the store's pages are newest first)"
+             if next_cursor or cursor else "")
     body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
             "<button type='submit' id='sign-out'>sign out</button></form>"
             "<h1>thermowatch: runs</h1>"
+            f"<form id='view' class='toolbar' method='get' action='{e(base)}/'>"
+            + (f"<input type='hidden' name='cursor' value='{e(cursor)}'>" if cursor else "")
+            + f"<label>sort <select name='sort' id='sort' onchange='this.form.submit()'>{sorts}</select></label> "
+            f"<label>state <select name='state' id='state-filter' onchange='this.form.submit()'>{states}</select></label> "
+            f"<input type='search' name='q' id='q' value='{e(view.q)}' placeholder='run name contains' "
+            "aria-label='run name contains' size='16'> <button type='submit'>filter</button></form>"
+            f"<p class='toolbar muted'><span id='updated' data-at='{now.isoformat()}'>updated "
+            f"{now.strftime('%H:%M:%SZ')}</span> <label><input type='checkbox' id='auto' checked> auto-refresh every "
+            f"{INDEX_REFRESH_S} s</label>" + (f" <span>{e(scope)}</span>" if scope else "") + "</p>"
             f"<form id='compare' method='get' action='{e(base)}/compare'><button type='submit'>compare the "
             f"ticked runs</button> <span class='muted'>(up to {COMPARE_MAX}, on one chart)</span></form>"
-            + _table(["run", "state", "step", "loss", "open incidents", "last seen", "attempt", "created (UTC)"], rows,
-                     "no runs yet: a run appears when its run controller first reports"
-                     if not cursor else "no older runs")
-            + (f"<p>{' | '.join(links)}</p>" if links else ""))
+            f"<div id='runs-list' data-refresh='{INDEX_REFRESH_S}'>"
+            + table(e, "runs", ["run", "state", "step", "loss", "open incidents", "last seen", "attempt",
+                                "created (UTC)"], rows, empty, wide=("run",))
+            + (f"<p>{' | '.join(links)}</p>" if links else "") + "</div>"
+            f"<script src='{e(base)}/static/runs.js'></script>")
     return _page("thermowatch: runs", body)
 
 
@@ -216,9 +299,12 @@ def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
         return f"{base}/runs/{quote(run_id, safe='')}{suffix}" + (f"?{q}" if q else "")
 
     @router.get("/", response_class=HTMLResponse)
-    def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs")
+    def index(cursor: str | None = Query(None, max_length=1000, description="the page after this one's runs"),
+              sort: str = Query("created", description=f"the page's order: {', '.join(SORTS)}"),
+              state: str = Query("", description=f"only runs in this state: {', '.join(STATE_ORDER)}"),
+              q: str = Query("", max_length=200, description="only runs whose id contains this (any case)"),
               ) -> HTMLResponse:
-        return index_page(sup, base, run_url, cursor)
+        return index_page(sup, base, run_url, cursor, IndexView(sort, state, q.strip()))
 
     @router.get("/compare", response_class=HTMLResponse)
     def compare(

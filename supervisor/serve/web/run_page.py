@@ -49,12 +49,29 @@ def _ts(t: dt.datetime | None) -> str:
     return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if t is not None else ""
 
 
-def _table(e, headers: list[str], rows: list[str], empty: str, cls: str = "") -> str:
+def table(e, name: str, headers: list[str], rows: list[str], empty: str, wide: tuple[str, ...] = ()) -> str:
+    """A table that becomes stacked cards on a narrow screen (issue 37: on a phone the incidents
+    table was blank rows and a reason wrapped a letter a line). Each cell's label on a card is its
+    column's header, given by nth-child rules beside the table rather than a data-label on every
+    <td>: the cells stay plain, as scripts and tests read them. `wide` columns (free text, lists)
+    take a card's whole width under their label; the others flow along a line, `label value`."""
     if not rows:
         return f"<p class='muted'>{e(empty)}</p>"
     head = "".join(f"<th>{e(h)}</th>" for h in headers)
-    return (f"<div class='scroll'><table class='{cls}'><thead><tr>{head}</tr></thead>"
+    cls = f"cards t-{name}"
+    rules = "".join(f".t-{name} td:nth-child({i})::before{{content:{_css_string(h)}}}"
+                    + (f".t-{name} td:nth-child({i}){{flex-basis:100%}}"
+                       f".t-{name} td:nth-child({i})::before{{display:block}}" if h in wide else "")
+                    for i, h in enumerate(headers, 1))
+    return (f"<style>@media (max-width:700px){{{rules}}}</style>"
+            f"<div class='scroll'><table class='{cls}'><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _css_string(text: str) -> str:
+    """A CSS string literal of our own header text (never run data): quotes, backslashes and
+    anything that could close the <style> element are escaped."""
+    return '"' + "".join(c if c.isalnum() or c in " ()[],.-_" else f"\\{ord(c):x} " for c in text) + '"'
 
 
 def _cells(*values: str) -> str:
@@ -97,13 +114,16 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
                         f"onset {f['onset_step']}, detected {f['detect_step']} {pairs(f['evidence'])}</li>"
                         for f in i["findings"][:6])
         more = f"<li class='muted'>… {len(i['findings']) - 6} more findings below</li>" if len(i["findings"]) > 6 else ""
+        # a phone shows the first finding only (run.css): the approval and the first chart come first
+        rest = (f"<div class='phone-only muted'>+{len(i['findings']) - 1} more finding(s) in "
+                f"<a href='#incident-{i['id']}'>the incidents table</a></div>" if len(i["findings"]) > 1 else "")
         sel = " selected" if i["id"] == selected else ""
         cards.append(
             f"<div class='card incident{sel}' id='open-incident-{i['id']}'>"
             f"<div class='what'><a href='{e(run_url(i['run_id'], incident=i['id']))}'>incident #{i['id']}</a> "
             f"<b>{e(i['signal'])}</b> {e(i['module'])} <span class='sev-{e(i['severity'])}'>{e(i['severity'])}</span></div>"
             f"<div>onset step {i['onset_step']} &middot; detected {i['detect_step']}</div>"
-            f"<ul class='findings'>{finds}{more}</ul></div>")
+            f"<ul class='findings'>{finds}{more}</ul>{rest}</div>")
     ids = " ".join([f"a{a.id}" for a in waiting] + [f"i{i['id']}" for i in open_incs])
     body = "".join(cards) or "<p class='muted calm'>nothing waits for you: no open incident, no action awaiting approval</p>"
     return f"<section id='attention' data-ids='{e(ids)}'>{body}</section>"
@@ -255,7 +275,8 @@ def _charts(e, run_url, base: str, charts: list, run_id: str, keys, n_attempts: 
                 "<div class='marks-info muted'></div>"
                 + ("<div class='heat'><label class='muted heat-pick' hidden>heatmap of <select class='heat-attempt'>"
                    "<option value=''>the live path</option></select></label>"
-                   "<canvas class='heatmap'></canvas><div class='heat-info muted'></div></div>"
+                   "<div class='heat-body'><div class='heat-labels'></div><canvas class='heatmap'></canvas></div>"
+                   "<div class='heat-info muted'></div></div>"
                    if per_layer else "")
                 + f"<noscript><img class='plot' data-metric='{e(metric)}' alt='{e(title)}' src='{e(src)}' "
                   f"width='1100' height='320'></noscript></figure>")
@@ -271,6 +292,7 @@ def _charts(e, run_url, base: str, charts: list, run_id: str, keys, n_attempts: 
 
 
 FINDINGS_SHOWN = 3  # per incident in the table; the rest behind a click
+INCIDENTS_UNFOLDED = 3  # a phone folds the incidents table of a run with more (the demo's has 9)
 
 
 @dataclass(frozen=True)
@@ -299,7 +321,12 @@ class AttemptPages:
 
 def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpts, attempts, pages: AttemptPages,
             audit) -> str:
-    parts = ["<h2>incidents</h2>"]
+    # More than a few incidents fold on a phone too (the open ones are at the top, in #attention);
+    # a link to one of them (#incident-N) opens the fold (run.js).
+    fold = "fold" if len(incs) > INCIDENTS_UNFOLDED else "keep"
+    n_open = sum(i["state"] == "open" for i in incs)
+    parts = [f"<details class='{fold}' open><summary><h2>incidents <span class='muted'>({len(incs)}, {n_open} open)"
+             "</span></h2></summary>"]
     rows = []
     for i in reversed(incs):
         cls = " ".join(c for c in ("open" if i["state"] == "open" else "", "selected" if i is selected else "") if c)
@@ -312,8 +339,9 @@ def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpt
             f"<a href='{e(run_url(run_id, incident=i['id']))}'>#{i['id']}</a>", e(i["signal"]), e(i["module"]),
             e(i["severity"]), str(i["onset_step"]), str(i["detect_step"]), e(i["state"]), e(i["resolution"]),
             f"<ul class='findings'>{finds}</ul>" if finds else "") + "</tr>")
-    parts.append(_table(e, ["id", "signal", "module", "severity", "onset", "detect", "state", "resolution", "findings"],
-                        rows, "no incidents"))
+    parts.append(table(e, "incidents", ["id", "signal", "module", "severity", "onset", "detect", "state", "resolution",
+                                        "findings"], rows, "no incidents", wide=("resolution", "findings")))
+    parts.append("</details>")
     parts.append("<h2>actions</h2>")
     rows = []
     for a in acts:
@@ -326,13 +354,13 @@ def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpt
         rows.append(f"<tr id='action-{a.id}' class='{cls}'>" + _cells(
             str(a.id), e(a.kind), pairs(a.args), state, e(a.origin), e(a.who), e(a.reason),
             e(a.ack_step if a.ack_step is not None else ""), inc_link, _ts(a.created_at)) + "</tr>")
-    parts.append(_table(e, ["id", "kind", "args", "state", "origin", "who", "reason", "ack step", "incident",
-                            "created (UTC)"], rows, "no actions"))
+    parts.append(table(e, "actions", ["id", "kind", "args", "state", "origin", "who", "reason", "ack step", "incident",
+                                      "created (UTC)"], rows, "no actions", wide=("args", "reason")))
     parts.append("<h2>skip ranges <span class='muted'>(absolute sample indices, [lo, hi))</span></h2>")
-    parts.append(_table(e, ["lo", "hi", "samples"], ["<tr>" + _cells(str(lo), str(hi), str(hi - lo)) + "</tr>"
+    parts.append(table(e, "skips", ["lo", "hi", "samples"], ["<tr>" + _cells(str(lo), str(hi), str(hi - lo)) + "</tr>"
                                                      for lo, hi in skips], "nothing skipped"))
     parts.append("<h2>LR changes</h2>")
-    parts.append(_table(e, ["from step", "multiplier", "for steps", "action"], [
+    parts.append(table(e, "lr", ["from step", "multiplier", "for steps", "action"], [
         "<tr>" + _cells(str(c.start_step), f"{c.multiplier:g}", e(c.steps if c.steps is not None else "for good"),
                         e(c.action_id if c.action_id is not None else "")) + "</tr>" for c in lrs], "none"))
     # Pruned: the checkpoints a rollback could still use; the deleted ones (most of them on a long
@@ -345,18 +373,27 @@ def _tables(e, run_url, run_id, incs, acts, selected, incident, skips, lrs, ckpt
             e(c.path) + (" (deleted)" if c.deleted else ""), str(c.sample_cursor), _ts(c.created_at)) + "</tr>")
 
     kept, gone = [c for c in reversed(ckpts) if not c.deleted], [c for c in reversed(ckpts) if c.deleted]
-    parts.append("<h2>checkpoints</h2>")
-    parts.append(_table(e, head, [ckpt_row(c) for c in kept],
-                        "no checkpoint on disk" if gone else "no checkpoints reported"))
+    # The reference tables below fold away on a phone (run.js closes them there; open without a
+    # script): fifty audit rows as cards were most of the page's 20k px (issue 37).
+    parts.append(f"<details class='fold' open><summary><h2>checkpoints <span class='muted'>({len(kept)})</span>"
+                 "</h2></summary>")
+    parts.append(table(e, "checkpoints", head, [ckpt_row(c) for c in kept],
+                       "no checkpoint on disk" if gone else "no checkpoints reported", wide=("path",)))
     if gone:
         parts.append(f"<details id='deleted-checkpoints'><summary class='muted'>{len(gone)} deleted checkpoint(s)"
-                     "</summary>" + _table(e, head, [ckpt_row(c) for c in gone], "") + "</details>")
-    parts.append(f"<h2 id='attempts'>attempts{pages.heading(len(attempts))}</h2>")
-    parts.append(_table(e, ["attempt", "started (UTC)", "start step", "world size"], [
+                     "</summary>" + table(e, "checkpoints", head, [ckpt_row(c) for c in gone], "", wide=("path",))
+                     + "</details>")
+    parts.append("</details>")
+    parts.append(f"<details class='fold' open><summary><h2 id='attempts'>attempts{pages.heading(len(attempts))}</h2>"
+                 "</summary>")
+    parts.append(table(e, "attempts", ["attempt", "started (UTC)", "start step", "world size"], [
         "<tr>" + _cells(str(a.attempt), _ts(a.started_at), str(a.start_step), str(a.world_size)) + "</tr>"
         for a in attempts], "none"))  # newest first
     parts.append(pages.links(e))
-    parts.append(f"<h2>audit (last {AUDIT_TAIL})</h2>")
-    parts.append(_table(e, ["at (UTC)", "actor", "event", "detail"], [
-        "<tr>" + _cells(_ts(a.at), e(a.actor), e(a.event), pairs(a.detail)) + "</tr>" for a in audit], "empty"))
+    parts.append("</details>")
+    parts.append(f"<details class='fold' open><summary><h2>audit (last {AUDIT_TAIL})</h2></summary>")
+    parts.append(table(e, "audit", ["at (UTC)", "actor", "event", "detail"], [
+        "<tr>" + _cells(_ts(a.at), e(a.actor), e(a.event), pairs(a.detail)) + "</tr>" for a in audit], "empty",
+        wide=("detail",)))
+    parts.append("</details>")
     return "".join(parts)

@@ -115,11 +115,34 @@
     tw.errors.push(String(err.message || err));
     setStatus(`could not load ${what}: ${err.message || err}`, true);
   }
-  const axes = () => [{label: timeMode() ? "wall clock (your time zone)" : "step", stroke: ink(), grid: {stroke: grid()},
-                       ticks: {stroke: grid()}},
-                      {size: 56, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}];
+  const narrow = () => window.matchMedia("(max-width: 700px)").matches;
+  // A phone leaves out the x axis's title (its ticks say steps or times): ~40 px a chart. ySize:
+  // a per-layer chart's y axis is as wide as its heatmap's row labels, so the two plots align.
+  const axes = (ySize = 56) => [
+    {label: narrow() ? null : timeMode() ? "wall clock (your time zone)" : "step", size: narrow() ? 32 : 50,
+     stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}},
+    {size: ySize, values: (u, vals) => vals.map(tick), stroke: ink(), grid: {stroke: grid()}, ticks: {stroke: grid()}}];
+
+  const MERGE_PX = 8, LABEL_ROWS = 2;  // event labels (drawMarks below): merged when closer, rows of them
 
   // --- the comparison page: each run's live path of one thermometer, on one chart ---------------
+  // and each run's events in its colour (issue 37): incidents at their detection step, rollbacks
+  // at the checkpoint they loaded, labelled as on the run page (merged, never overprinted).
+  function compareMarks(per) {
+    const out = [];
+    per.forEach((p, i) => {
+      const color = PALETTE[i % PALETTE.length], ev = p.events;
+      if (!ev) return;
+      for (const a of ev.actions) {
+        if (a.kind !== "rollback" || a.to_step == null || !["acked", "done"].includes(a.state)) continue;
+        out.push({step: a.to_step, color, dash: [2, 2], width: 1.5, text: `rollback to ${a.to_step}`, run: p.run});
+      }
+      for (const inc of ev.incidents) {
+        out.push({step: inc.detect_step, color, dash: [], text: `#${inc.id} ${inc.signal}`, incident: true, run: p.run});
+      }
+    });
+    return out;
+  }
   function compareRuns() {
     const runs = JSON.parse(cmp.dataset.runs), metric = cmp.dataset.metric, logy = cmp.dataset.log === "1";
     const useMin = drawsMin(metric);
@@ -140,7 +163,8 @@
               pts.set(st, pts.has(st) ? worse(pts.get(st), v) : v);
             });
           }
-          return {run, pts, bucketSteps: resp.bucket_steps, keys: new Set(resp.series.map((s) => s.key)).size};
+          const events = await getJSON(`${BASE}/api/runs/${encodeURIComponent(run)}/events`).catch(() => null);
+          return {run, pts, events, bucketSteps: resp.bucket_steps, keys: new Set(resp.series.map((s) => s.key)).size};
         }));
         if (w !== tw.window) return;
         const xs = [...new Set(per.flatMap((p) => [...p.pts.keys()]))].sort((a, b) => a - b);
@@ -148,14 +172,28 @@
         const series = [{label: "step"}, ...per.map((p, i) => ({
           label: p.keys > 1 ? `${p.run} (worst of ${p.keys})` : p.run, stroke: PALETTE[i % PALETTE.length], width: 1.6,
           spanGaps: true, value: (u, v) => fmt(v)}))];
+        const marks = compareMarks(per);
+        const entry = {uplot: null, data, labels: series.map((s) => s.label), marks: null,
+                       runs: per.map((p) => ({run: p.run, points: p.pts.size, bucketSteps: p.bucketSteps,
+                                              events: p.events ? p.events.incidents.length + p.events.actions.length : null}))};
+        const draw = (u) => {
+          u.ctx.save();
+          u.ctx.beginPath(); u.ctx.rect(u.bbox.left, u.bbox.top, u.bbox.width, u.bbox.height); u.ctx.clip();
+          u.ctx.font = `${11 * uPlot.pxRatio}px system-ui, sans-serif`;
+          u.ctx.textAlign = "left"; u.ctx.textBaseline = "alphabetic";
+          const {placed, hidden} = paintMarks(u, marks);
+          u.ctx.restore();
+          entry.marks = {lines: marks.map((m) => ({run: m.run, step: m.step, text: m.text})), hidden,
+                         labels: placed.map((p) => ({x: p.x, w: p.w, row: p.row, text: p.text}))};
+        };
         const opts = {width: Math.max(200, area.clientWidth), height: chartHeight(),
                       scales: {x: {time: false}, y: logy ? {distr: 3, log: 10} : {}}, axes: axes(), series,
                       cursor: {drag: {x: true, y: false, setScale: false}}, legend: {live: true},
-                      hooks: {setSelect: [dragZoom]}};
+                      hooks: {setSelect: [dragZoom], draw: [draw]}};
         if (tw.charts.compare) tw.charts.compare.uplot.destroy();
         area.textContent = "";
-        tw.charts.compare = {uplot: new uPlot(opts, data, area), data, labels: series.map((s) => s.label),
-                             runs: per.map((p) => ({run: p.run, points: p.pts.size, bucketSteps: p.bucketSteps}))};
+        entry.uplot = new uPlot(opts, data, area);
+        tw.charts.compare = entry;
         loaded();
       } catch (err) {
         failed(err, "the chart");
@@ -208,7 +246,6 @@
   // Lines for every event; labels laid out so that none overprints another (issue 23): events
   // closer than MERGE_PX share one label ("#7 loss_spike +3"), a label that finds no free room in
   // LABEL_ROWS rows is left out, and hovering a chart lists every event near the cursor.
-  const MERGE_PX = 8, LABEL_ROWS = 2;
   function marksOf(ev) {  // [{step, kind, color, dash, width, text}] for the lines, from /events
     const out = [];
     if (!ev) return out;
@@ -251,6 +288,27 @@
     }
     return {placed, hidden};
   }
+  function paintMarks(u, marks) {  // the event lines and their labels, in the plot's clip; -> layoutLabels'
+    const ctx = u.ctx, {left, top, width, height} = u.bbox, pr = uPlot.pxRatio, fg = ink();
+    const X = (v) => u.valToPos(toX(v), "x", true);
+    for (const m of marks) {
+      if (!m.dash || toX(m.step) < u.scales.x.min || toX(m.step) > u.scales.x.max) continue;
+      ctx.strokeStyle = m.color === "#444" ? fg : m.color; ctx.lineWidth = (m.width || 1) * pr;
+      ctx.setLineDash(m.dash.map((d) => d * pr));
+      ctx.beginPath(); ctx.moveTo(X(m.step), top); ctx.lineTo(X(m.step), top + height); ctx.stroke();
+    }
+    ctx.setLineDash([]);
+    const out = layoutLabels(ctx, marks, X, left, left + width, pr);
+    const paper = cssVar("--bg", "#fff");
+    for (const p of out.placed) {  // on a patch of the page's background: lines never run through the words
+      const y = top + (12 + 13 * p.row) * pr;
+      ctx.globalAlpha = 0.85; ctx.fillStyle = paper;
+      ctx.fillRect(p.x - 2 * pr, y - 10 * pr, p.w - 4 * pr, 13 * pr);
+      ctx.globalAlpha = 1; ctx.fillStyle = p.color === "#444" ? fg : p.color;
+      ctx.fillText(p.text, p.x, y);
+    }
+    return out;
+  }
   function drawMarks(u, metric, nonfinite, fig, entry) {
     const ev = tw.events;
     const ctx = u.ctx, {left, top, width, height} = u.bbox, pr = uPlot.pxRatio;
@@ -275,23 +333,7 @@
         }
       }
     }
-    const marks = marksOf(ev);
-    for (const m of marks) {
-      if (!m.dash || !inView(m.step, m.step)) continue;
-      ctx.strokeStyle = m.color === "#444" ? fg : m.color; ctx.lineWidth = (m.width || 1) * pr;
-      ctx.setLineDash(m.dash.map((d) => d * pr));
-      ctx.beginPath(); ctx.moveTo(X(m.step), top); ctx.lineTo(X(m.step), top + height); ctx.stroke();
-    }
-    ctx.setLineDash([]);
-    const {placed, hidden} = layoutLabels(ctx, marks, X, left, left + width, pr);
-    const paper = cssVar("--bg", "#fff");
-    for (const p of placed) {  // on a patch of the page's background: lines never run through the words
-      const y = top + (12 + 13 * p.row) * pr;
-      ctx.globalAlpha = 0.85; ctx.fillStyle = paper;
-      ctx.fillRect(p.x - 2 * pr, y - 10 * pr, p.w - 4 * pr, 13 * pr);
-      ctx.globalAlpha = 1; ctx.fillStyle = p.color === "#444" ? fg : p.color;
-      ctx.fillText(p.text, p.x, y);
-    }
+    const {placed, hidden} = paintMarks(u, marksOf(ev));
     if (ev) {
       for (const t of ev.thresholds) {
         if (t.metric !== metric) continue;
@@ -388,17 +430,18 @@
       for (const t of thr) if (t <= hi * (logy ? 20 : 1.5)) hi = Math.max(hi, t * 1.05);  // show the ceiling when near
       return logy ? uPlot.rangeLog(lo, hi, 10, false) : uPlot.rangeNum(lo, hi, 0.1, true);
     };
+    const heat = fig.dataset.layers === "1" ? heatLabels(d.keys, Math.max(200, area.clientWidth)) : null;
     const opts = {
       width: Math.max(200, area.clientWidth), height: chartHeight(),
       scales: {x: {time: T}, y: logy ? {distr: 3, log: 10, range} : {range}},
-      axes: axes(),
+      axes: axes(heat ? Math.max(56, heat.width + 10) : 56),
       series,
       cursor: {drag: {x: true, y: false, setScale: false}, sync: {key: "tw-run"}},
       legend: {live: true},
       hooks: {
         setSelect: [dragZoom],
         // after every redraw (sizes are final only then): the marks, and the heatmap aligned to the plot
-        draw: [(u) => { drawMarks(u, metric, d.nonfinite, fig, entry); if (fig.dataset.layers === "1") heatmap(fig, u, d, logy, entry); }],
+        draw: [(u) => { drawMarks(u, metric, d.nonfinite, fig, entry); if (heat) heatmap(fig, u, d, logy, entry, heat); }],
         setCursor: [(u) => {  // the events under the cursor, in words: labels that did not fit are here
           const info = fig.querySelector(".marks-info"), i = u.cursor.idx;
           if (!info) return;
@@ -416,7 +459,9 @@
     const u = new uPlot(opts, data, area);
     // legend: the live path first; abandoned trajectories after it (they are drawn beneath)
     const rows = [...u.root.querySelectorAll(".u-legend tr.u-series")];
-    series.forEach((s, i) => { if (s.abandoned && rows[i]) rows[i].parentNode.appendChild(rows[i]); });
+    series.forEach((s, i) => {
+      if (s.abandoned && rows[i]) { rows[i].classList.add("abandoned"); rows[i].parentNode.appendChild(rows[i]); }
+    });
     const cap = fig.querySelector("figcaption");
     let note = cap.querySelector(".note");
     if (!note) { note = document.createElement("span"); note.className = "note"; cap.appendChild(note); }
@@ -437,7 +482,49 @@
     const c = RAMP[i].map((a, j) => Math.round(a + f * (RAMP[i + 1][j] - a)));
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
-  function heatmap(fig, u, d, logy, entry) {
+  // Row labels of the heatmap (issue 37: they were cut at the y axis's 56 px): the module names,
+  // less the dotted prefix every row shares, then middle segments to their initials, then a middle
+  // ellipsis, until the longest fits 40% of the chart (at most 180 px); the full name is its title.
+  const LABEL_FONT = "10px system-ui, sans-serif";
+  let measurer = null;
+  function textWidth(t) {
+    measurer = measurer || document.createElement("canvas").getContext("2d");
+    measurer.font = LABEL_FONT;
+    return Math.ceil(measurer.measureText(t).width);
+  }
+  function heatLabels(keys, chartWidth) {
+    const names = keys.map((k) => (k.includes("/") ? k.split("/").slice(1).join("/") : "global"));
+    const parts = names.map((n) => n.split("."));
+    let common = 0;  // shared leading segments, while every name keeps a word after them
+    while (parts.length > 1 && parts.every((p) => p.length > common + 1 && p[common] === parts[0][common])) common++;
+    // a bare layer number keeps the word before it: "layers.3", not "3"
+    if (common > 0 && parts.some((p) => /^\d+$/.test(p[common]))) common--;
+    const budget = Math.min(180, Math.floor(0.4 * chartWidth));
+    const fit = (segs) => {
+      const full = segs.join(".");
+      if (textWidth(full) <= budget) return full;
+      const t = segs.map((s, i) => (i === segs.length - 1 || /^\d+$/.test(s) ? s : s.slice(0, 1))).join(".");
+      if (textWidth(t) <= budget) return t;
+      for (let keep = t.length - 1; keep > 3; keep--) {  // middle ellipsis: the start and the end stay
+        const a = Math.ceil(keep / 2), cut = t.slice(0, a) + "…" + t.slice(t.length - (keep - a));
+        if (textWidth(cut) <= budget) return cut;
+      }
+      return t.slice(0, 3) + "…";
+    };
+    const labels = parts.map((p) => fit(p.slice(common)));
+    return {labels, names, width: Math.max(0, ...labels.map(textWidth)) + 2};
+  }
+  function stepTicks(min, max, px) {  // about one tick per 55 px, at 1/2/5 x 10^k
+    const want = Math.max(2, Math.floor(px / 55)), raw = (max - min) / want;
+    if (!(raw > 0)) return [];
+    const mag = 10 ** Math.floor(Math.log10(raw));
+    const step = [1, 2, 5, 10].map((m) => m * mag).find((v) => v >= raw);
+    const out = [];
+    for (let v = Math.ceil(min / step) * step; v <= max; v += step) out.push(v);
+    return out;
+  }
+  const HEAT_AXIS = 16;  // css px under the heatmap for its step axis
+  function heatmap(fig, u, d, logy, entry, heat) {
     const canvas = fig.querySelector("canvas.heatmap"), info = fig.querySelector(".heat-info");
     // Which trajectory: the live path, or an attempt a rollback abandoned (its blow-up, issue 23).
     const pick = fig.querySelector("select.heat-attempt");
@@ -457,8 +544,8 @@
     const pr = uPlot.pxRatio, rows = d.keys, n = rows.length;
     const rowH = Math.max(3, Math.min(14, Math.floor(260 / n)));
     const cssH = rowH * n;
-    canvas.style.height = `${cssH}px`;
-    canvas.width = Math.round(u.width * pr); canvas.height = Math.round(cssH * pr);
+    canvas.style.height = `${cssH + HEAT_AXIS}px`;
+    canvas.width = Math.round(u.width * pr); canvas.height = Math.round((cssH + HEAT_AXIS) * pr);
     const ctx = canvas.getContext("2d");
     const left = u.bbox.left, width = u.bbox.width;  // canvas px, aligned with the chart's plot area
     const tf = (v) => (logy ? Math.log10(Math.max(v, 1e-30)) : v);
@@ -479,9 +566,37 @@
         cells++;
       });
     });
-    ctx.fillStyle = ink(); ctx.font = `${10 * pr}px system-ui, sans-serif`; ctx.textAlign = "right";
-    const every = Math.ceil(11 / rowH);  // row labels where they fit
-    rows.forEach((k, r) => { if (r % every === 0) ctx.fillText(k.split("/").pop().replace(/^blocks\./, "b"), left - 4 * pr, (r * rowH + rowH / 2 + 4) * pr); });
+    // the step axis under it, at the chart's x scale (times on the wall-clock axis)
+    ctx.fillStyle = ink(); ctx.strokeStyle = ink(); ctx.lineWidth = pr;
+    ctx.font = `${10 * pr}px system-ui, sans-serif`; ctx.textBaseline = "top";
+    const y0 = cssH * pr, T = timeMode();
+    const ticks = stepTicks(u.scales.x.min, u.scales.x.max, width / pr);
+    ticks.forEach((v, i) => {
+      const x = u.valToPos(v, "x", true);
+      ctx.beginPath(); ctx.moveTo(x, y0); ctx.lineTo(x, y0 + 3 * pr); ctx.stroke();
+      ctx.textAlign = i === ticks.length - 1 && x > left + width - 20 * pr ? "right" : "center";
+      ctx.fillText(T ? new Date(v * 1000).toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) : tick(v), x, y0 + 4 * pr);
+    });
+    ctx.textAlign = "right";
+    ctx.fillText(T ? "time" : "step", left - 4 * pr, y0 + 4 * pr);
+    // row labels: elements beside the canvas, whole (a label that fits in no row height is left out)
+    const every = Math.ceil(11 / rowH);
+    const box = fig.querySelector(".heat-labels");
+    if (box) {
+      const key = `${heat.labels.join("|")}/${rowH}/${every}/${left}`;
+      if (box.dataset.key !== key) {
+        box.dataset.key = key;
+        box.style.width = `${Math.max(0, left / pr - 4)}px`;
+        box.replaceChildren(...heat.labels.map((t, r) => {
+          const el = document.createElement("div");
+          el.className = "heat-label";
+          el.textContent = r % every === 0 ? t : "";
+          el.title = heat.names[r];
+          el.style.top = `${r * rowH + rowH / 2 - 6}px`;
+          return el;
+        }).filter((el) => el.textContent));
+      }
+    }
     canvas.onmousemove = (e) => {
       const rect = canvas.getBoundingClientRect(), r = Math.floor((e.clientY - rect.top) / rowH);
       const step = fromX(u.posToVal((e.clientX - rect.left) * (canvas.width / rect.width) / pr - left / pr, "x"));
@@ -495,7 +610,8 @@
         `${fmt(logy ? 10 ** lo : lo)} dark → ${fmt(logy ? 10 ** hi : hi)} yellow; red: NaN/Inf`;
     };
     canvas.onmouseleave();
-    entry.heatmap = {rows: n, cols: d.xs.length, cells, drawn: cells > 0, attempt: att ? Number(pick.value) : null};
+    entry.heatmap = {rows: n, cols: d.xs.length, cells, drawn: cells > 0, attempt: att ? Number(pick.value) : null,
+                     labels: heat.labels, labelWidth: heat.width, plotLeft: left / pr, ticks: ticks.length};
   }
 
   // --- loading, zoom, refresh -------------------------------------------------------------------
@@ -586,6 +702,8 @@
 
   // Approve / Cancel: the existing API, with the sign-in cookie (same-origin only, server-checked).
   document.addEventListener("click", async (e) => {
+    const why = e.target.closest(".card .why");
+    if (why) why.classList.toggle("whole");  // a phone clamps the reasoning to three lines (run.css)
     const b = e.target.closest("button[data-verb]");
     if (!b) return;
     const id = b.dataset.actionId, verb = b.dataset.verb, card = b.closest(".card");
@@ -612,6 +730,17 @@
     resizing = setTimeout(redrawAll, 150);
   });
 
+  // A phone: the reference tables (checkpoints, attempts, audit, many incidents) start folded (open
+  // without a script); a link to a row inside one (#incident-7) opens its fold.
+  if (narrow()) document.querySelectorAll("details.fold").forEach((d) => { d.open = false; });
+  function reveal() {
+    const id = decodeURIComponent(location.hash.slice(1)), el = id && document.getElementById(id);
+    if (!el) return;
+    for (let d = el.closest("details"); d; d = d.parentElement.closest("details")) d.open = true;
+    el.scrollIntoView();
+  }
+  window.addEventListener("hashchange", reveal);
+  reveal();
   windowText();
   loadAll();
 })();
