@@ -42,6 +42,7 @@ class PagerDutyNotifier:
     """One PagerDuty service (its Events API v2 integration); the outbox's channel `pagerduty`."""
 
     channel_name = "pagerduty"  # stored on each outbox row: stable across restarts
+    links: paging.RunLinks | None = None  # signed run links (supervisor.app.service.build_notifier)
 
     def __init__(self, routing_key: str, *, base_url: str = DEFAULT_BASE_URL, web_base_url: str | None = None,
                  timeout_s: float = 10.0, key_source: str = "the routing_key argument"):
@@ -86,7 +87,7 @@ class PagerDutyNotifier:
         if fields.get("module"):
             payload["component"] = str(fields["module"])
         body.update(payload=payload, client="thermowatch")
-        url = paging.run_url(self.web_base_url, alert)
+        url = paging.run_url(self.web_base_url, alert, self.links, self.channel_name)
         if url:
             body.update(client_url=url, links=[{"href": url, "text": f"run {alert.run_id} in thermowatch"}])
         return body

@@ -16,7 +16,7 @@ import enum
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -76,10 +76,22 @@ def message_id(key: str) -> str:
     return key if len(key) <= 64 else "dedup:" + hashlib.sha256(key.encode()).hexdigest()[:58]
 
 
-def run_url(web_base_url: str | None, alert: Alert) -> str | None:
-    """The run page (the incident's place on it), as Slack links it; None without `public_url`."""
+class RunLinks(Protocol):
+    """Signed links that sign their reader in to one run, to read it (supervisor.notify.link_grants)."""
+
+    def url(self, run_id: str, incident_id: Any = None, channel: str = "") -> str | None: ...
+
+
+def run_url(web_base_url: str | None, alert: Alert, links: RunLinks | None = None, channel: str = "") -> str | None:
+    """The run page (the incident's place on it), as every channel links it; None without
+    `public_url`. With `links` (the daemon's, auth on): a signed link to it that signs its reader
+    in, read-only, once (docs/auth.md). Made here, at delivery, so it lasts its whole `link_ttl_s`;
+    the plain page when no signed one can be made (its reader signs in with a token)."""
     if not web_base_url:
         return None
+    signed = links.url(alert.run_id, alert.incident_id, channel) if links is not None else None
+    if signed:
+        return signed
     url = f"{web_base_url.rstrip('/')}/runs/{quote(alert.run_id, safe='')}"
     return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
 

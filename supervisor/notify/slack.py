@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 from urllib.error import HTTPError
-from urllib.parse import quote
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
@@ -39,6 +38,7 @@ from slack_sdk.models.blocks import (
 
 from thermowatch.monitors.contract import Severity
 from thermowatch.supervisor.notify.base import Alert, NotifyConfigError, NotifyError
+from thermowatch.supervisor.notify.paging import RunLinks, run_url
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,9 @@ class _RateLimitRetry(RetryHandler):
 
 class SlackNotifier:
     """Posts alerts to one channel; `send` returns the message ts so later alerts can thread."""
+
+    # The daemon's signed run links (supervisor.app.service.build_notifier sets them when auth is on).
+    links: RunLinks | None = None
 
     def __init__(self, token: str, channel: str, base_url: str | None = None, retries: int = 3,
                  *, max_retry_wait_s: float = 30.0, timeout_s: float = 10.0,
@@ -235,7 +238,8 @@ class SlackNotifier:
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
                           text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
                           reply_broadcast=True if alert.thread_ts and alert.broadcast else None,
-                          unfurl_links=False)
+                          # Slack's unfurler would fetch the run link, and a signed link opens once.
+                          unfurl_links=False, unfurl_media=False)
         self._channel_id = resp.get("channel") or self._channel_id
         return resp.get("ts")
 
@@ -303,10 +307,7 @@ class SlackNotifier:
         return [b.to_dict() for b in blocks]
 
     def plot_url(self, alert: Alert) -> str | None:
-        if not self.web_base_url:
-            return None
-        url = f"{self.web_base_url}/runs/{quote(alert.run_id, safe='')}"
-        return url + (f"?incident={quote(str(alert.incident_id))}" if alert.incident_id is not None else "")
+        return run_url(self.web_base_url, alert, self.links, self.channel_name)
 
 
 class SlackGroupMembers:

@@ -73,6 +73,7 @@ class WebhookNotifier:
     after a 429 / 5xx / unreachable receiver, a 400 marked failed (supervisor.notify.paging.post_json)."""
 
     channel_name = "webhook"  # stored on each outbox row: stable across restarts
+    links: paging.RunLinks | None = None  # signed run links (supervisor.app.service.build_notifier)
 
     def __init__(self, url: str, secret: str, *, min_severity: Severity = Severity.CRITICAL,
                  web_base_url: str | None = None, timeout_s: float = 10.0,
@@ -105,7 +106,7 @@ class WebhookNotifier:
     def body(self, alert: Alert) -> dict[str, Any]:
         """What the receiver gets: the alert as the daemon holds it, with the event and the key."""
         event = paging.page_event(alert, self.min_severity) or PageEvent.TRIGGER
-        url = paging.run_url(self.web_base_url, alert)
+        url = paging.run_url(self.web_base_url, alert, self.links, self.channel_name)
         return {"version": VERSION, "source": "thermowatch", "event": event.value, "dedup_key": paging.dedup_key(alert),
                 "run_id": alert.run_id, "incident_id": alert.incident_id, "severity": alert.severity.value,
                 "title": alert.title, "text": alert.text, "reasons": list(alert.reasons),

@@ -226,7 +226,11 @@ def test_an_approval_question_pages_and_the_rollback_resolves_the_page(db, tmp_p
         assert f"[action {ask.id}]" in trig[0]["payload"]["summary"]
         assert trig[0]["payload"]["custom_details"]["commands"] == [f"thermowatch approve {ask.id}",
                                                                     f"thermowatch cancel {ask.id}"]
-        assert trig[0]["links"][0]["href"] == f"https://tw.example.org/runs/{RUN}?incident={ask.incident_id}"
+        # the daemon's own signed link (auth is on): it opens this run's incident, read only, once
+        href = trig[0]["links"][0]["href"]
+        assert href.startswith("https://tw.example.org/go/") and trig[0]["client_url"] == href
+        grant = sup.link_grants.verify(href.rsplit("/", 1)[1])
+        assert (grant.run_id, grant.incident_id, grant.channel) == (RUN, str(ask.incident_id), "pagerduty")
 
         sup.executor.approve(ask.id, "alice")
         assert sup.executor.outbox.drain(20)
