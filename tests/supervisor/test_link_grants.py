@@ -6,10 +6,14 @@ itself (sign, verify, expiry, tampering, replay, replicas sharing the key), the 
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -27,6 +31,7 @@ from thermowatch.supervisor.serve.guard import COOKIE, LINK_COOKIE
 from thermowatch.supervisor.serve.server import build_app
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
+from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import link_grants as link_store
 from tests.fakes.slack_server import FakeSlack, fake_slack  # noqa: F401 - the fixture
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, make_token
@@ -397,3 +402,108 @@ def test_link_ttl_s_is_checked_like_the_other_numbers(tmp_path):
         with pytest.raises(ConfigError, match="link_ttl_s"):
             SupervisorConfig(data_dir=tmp_path, link_ttl_s=bad)
     assert SupervisorConfig(data_dir=tmp_path, link_ttl_s=86400).link_ttl_s == 86400
+
+
+# --- a real browser -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _chat_page(link: str):
+    """Another site holding the link (Slack, to the browser): a page on http://localhost, while the
+    daemon is http://127.0.0.1; different hosts are different sites, so a click is cross-site."""
+    page = f"<!doctype html><meta charset='utf-8'><a id='link' href='{link}'>open the run</a>".encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://localhost:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.timeout(180)
+def test_a_link_from_another_site_lands_signed_in_in_chromium(db, tmp_path):
+    """What the phone does: a tap in another site's page (Slack) on the alert's link. In headless
+    Chromium, over real HTTP: the run page opens signed in (SameSite=Strict and all), with its
+    charts loaded through the link's session; the same link again is the 410 page. A 390x844
+    screenshot of the run page goes to $THERMOWATCH_SCREENSHOTS/phone-link.png when set."""
+    import base64 as b64
+
+    from tests.fixtures import traces
+    from tests.live_server import running
+    from tests.supervisor.cdp import Browser
+    from tests.supervisor.test_web_page import CHROMIUM, JUMP
+
+    from thermowatch.monitors.contract import CheckpointInfo, RunInfo
+
+    if not os.path.exists(CHROMIUM) and not os.environ.get("CI"):
+        pytest.skip("chromium is not installed (apt-get install -y chromium); CI installs it")
+    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN,
+                                      advise_only=True), notifier=ConsoleNotifier(io.StringIO()))
+    try:
+        recs = traces.load("jump_qkln")  # a real divergence: an incident and an approval waiting on the page
+        sup.open_run(RunInfo(JUMP, 0, world_size=1, config={"steps": 1000}))
+        for i in range(0, len(recs), 25):
+            batch = recs[i:i + 25]
+            sup.write(JUMP, 0, batch)
+            sup.checkpoint_saved(JUMP, 0, CheckpointInfo(batch[-1].step, f"/ckpt/{batch[-1].step}",
+                                                         batch[-1].sample_hi, True))
+        with sup.sessions() as s:
+            incident = incidents_store.incidents(s, JUMP)[0].id  # the alert's incident: the link lands on it
+        with running(build_app(sup)) as base:
+            sup.link_grants.public_url = base  # the daemon's address, as public_url would say
+            link = sup.link_grants.url(JUMP, incident, "slack:#alerts")
+            b = Browser(CHROMIUM, tmp_path / "profile", "--disable-quic", "--window-size=390,844")
+            try:
+                b.page("Runtime.enable")
+                with _chat_page(link) as chat:
+                    b.goto(chat)
+                    b.js("document.getElementById('link').click()")
+                    b.wait_for(f"location.origin === {json.dumps(base)} && location.pathname === '/runs/{JUMP}' "
+                               "&& !!window.thermowatch && thermowatch.loads >= 1", timeout=60)
+                    assert b.js("document.getElementById('token') === null")  # no sign-in form: signed in
+                    assert b.js("document.getElementById('badge').textContent")
+                    assert b.js("location.search") == f"?incident={incident}"
+                    # the session reads only this run: the runs index is refused, saying why
+                    b.goto(f"{base}/")
+                    assert "signed in by a link" in b.js("document.body.textContent")
+
+                    # a phone's first screen of the run page, opened through the link
+                    b.page("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1,
+                           mobile=True)
+                    b.goto(f"{base}/runs/{JUMP}?incident={incident}")
+                    b.wait_for("!!window.thermowatch && thermowatch.loads >= 1", timeout=60)
+                    png = b64.b64decode(b.page("Page.captureScreenshot", format="png")["data"])
+                    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+                    (tmp_path / "phone-link.png").write_bytes(png)
+                    out = os.environ.get("THERMOWATCH_SCREENSHOTS")
+                    if out:
+                        Path(out).mkdir(parents=True, exist_ok=True)
+                        (Path(out) / "phone-link.png").write_bytes(png)
+
+                    # the same link again (another tap, or someone else in the channel): refused, with a page
+                    b.goto(chat)
+                    b.js("document.getElementById('link').click()")
+                    b.wait_for("!!document.getElementById('message')", timeout=30)
+                    assert "this link was already used" in b.js("document.getElementById('message').textContent")
+            finally:
+                b.close()
+        with sup.sessions() as s:
+            (opened,) = audit_store.events(s, JUMP, "link_opened")
+            (refused,) = audit_store.events(s, JUMP, "link_refused")
+        assert "Chrome" in opened.detail["user_agent"] and opened.detail["channel"] == "slack:#alerts"
+        assert refused.detail["why"] == "spent"
+    finally:
+        sup.close()
