@@ -81,10 +81,25 @@ def findings(session: Session, run_id: str, incident_id: int | None = None) -> l
     q = select(FindingRow).where(FindingRow.run_id == run_id)
     if incident_id is not None:
         q = q.where(FindingRow.incident_id == incident_id)
-    out = []
-    for r in session.execute(q.order_by(FindingRow.id)).scalars():
-        f = Finding.from_json({"signal": r.signal, "module": r.module, "severity": r.severity, "onset_step": r.onset_step,
-                               "detect_step": r.detect_step, "metric": r.metric, "evidence": r.evidence,
-                               "outcome": r.outcome})
-        out.append(StoredFinding(r.id, r.run_id, r.incident_id, f, r.created_at))
-    return out
+    return [_stored(r) for r in session.execute(q.order_by(FindingRow.id)).scalars()]
+
+
+def findings_on(session: Session, run_id: str, metrics: Iterable[str], step_lo: int | None = None,
+                step_hi: int | None = None, limit: int = 500) -> list[StoredFinding]:
+    """The run's findings about these metric keys detected in [step_lo, step_hi] (None: open
+    end), earliest detection first, at most `limit`: the thresholds a chart draws
+    (supervisor/charts/png.py). Served by the (run_id, detect_step) index."""
+    q = select(FindingRow).where(FindingRow.run_id == run_id, FindingRow.metric.in_(sorted(set(metrics))))
+    if step_lo is not None:
+        q = q.where(FindingRow.detect_step >= step_lo)
+    if step_hi is not None:
+        q = q.where(FindingRow.detect_step <= step_hi)
+    rows = session.execute(q.order_by(FindingRow.detect_step, FindingRow.id).limit(limit)).scalars()
+    return [_stored(r) for r in rows]
+
+
+def _stored(r: FindingRow) -> StoredFinding:
+    f = Finding.from_json({"signal": r.signal, "module": r.module, "severity": r.severity, "onset_step": r.onset_step,
+                           "detect_step": r.detect_step, "metric": r.metric, "evidence": r.evidence,
+                           "outcome": r.outcome})
+    return StoredFinding(r.id, r.run_id, r.incident_id, f, r.created_at)
