@@ -5,23 +5,30 @@ into an incident's thread all come from `chart_png`.
 
 Each bucket is drawn as its min and its max at the bucket's first step, so the line is the
 min/max envelope the rollups keep (a one-step spike shows at any zoom); the live path of a key
-is one line across attempts, the abandoned parts are faded beneath it.
+is one line across attempts, the abandoned parts are faded beneath it. The thresholds drawn are
+the ones the run's findings on the chart's keys fired on (their evidence's "threshold"), read
+from the findings store: the daemon's configured ceilings are not known here, only what fired.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.contract import Reduce, reduction
-from thermowatch.supervisor.charts.plots import LOG_METRICS, Chart, IncidentMark, LrMark, Marks, RollbackMark, render
+from thermowatch.monitors.contract import Finding, Reduce, reduction
+from thermowatch.supervisor.charts.plots import (LOG_METRICS, Chart, IncidentMark, LrMark, Marks, RollbackMark,
+                                                 ThresholdMark, render)
 from thermowatch.supervisor.errors import NotFound
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import chart as chart_store
+from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import lr_changes as lr_store
 from thermowatch.supervisor.store.views import incidents_with_findings
 
 MAX_LINES = 8  # more keys than this: the hottest as lines, all of them as a band
+MAX_THRESHOLDS = 3  # one line per signal that fired in the window, at most this many
 
 
 def _envelope(s: chart_store.ChartSeries) -> tuple[np.ndarray, np.ndarray]:
@@ -102,19 +109,77 @@ def to_chart(data: chart_store.ChartData, *, title: str | None = None, logy: boo
 def chart_png(session: Session, run_id: str, metric: str, step_lo: int | None = None, step_hi: int | None = None,
               *, onset: int | None = None, marks: Marks | None = None, logy: bool | None = None,
               width_px: int = 1100, height_px: int = 320, attempts: str = "all", title: str | None = None,
-              empty_ok: bool = True) -> bytes:
+              empty_ok: bool = True, thresholds: list[ThresholdMark] | None = None) -> bytes:
     """PNG of `metric` (a full key or a family prefix) of one run over [step_lo, step_hi] (default:
     the whole run), with an optional onset line and incident/rollback/LR marks. Raises
     supervisor.errors.NotFound (unknown metric, or no point in the window with `empty_ok=False`)
     or UserError (bad window). One bucket per pixel column, read from the rollups: ~100-200 ms for
-    100 series x 10^6 steps (BENCHMARKS.md)."""
+    100 series x 10^6 steps (BENCHMARKS.md). See prepare() for `thresholds`."""
+    chart, marks = prepare(session, run_id, metric, step_lo, step_hi, onset=onset, marks=marks, logy=logy,
+                           width_px=width_px, height_px=height_px, attempts=attempts, title=title,
+                           empty_ok=empty_ok, thresholds=thresholds)
+    return render(chart, marks)
+
+
+def prepare(session: Session, run_id: str, metric: str, step_lo: int | None = None, step_hi: int | None = None,
+            *, onset: int | None = None, marks: Marks | None = None, logy: bool | None = None,
+            width_px: int = 1100, height_px: int = 320, attempts: str = "all", title: str | None = None,
+            empty_ok: bool = True, thresholds: list[ThresholdMark] | None = None) -> tuple[Chart, Marks]:
+    """What chart_png draws, before it is drawn (plots.figure takes it, as tests do). `thresholds`
+    None: the ones the run's findings on the chart's keys fired on in the window (thresholds_for;
+    the selected incident's first); a list: exactly those (Slack's chart: its finding's)."""
     buckets = min(chart_store.MAX_BUCKETS, max(chart_store.MIN_BUCKETS, width_px))
     data = chart_store.chart(session, run_id, metric, step_lo, step_hi, buckets, attempts)
     if not empty_ok and not any(len(x.step) for x in data.series):
         raise NotFound(f"no points of {metric!r} in run {run_id!r} between steps {step_lo} and {step_hi}")
     chart = to_chart(data, title=title, logy=logy, onset=onset, width_px=width_px, height_px=height_px,
                      window=(step_lo, step_hi))
-    return render(chart, marks)
+    marks = Marks(list(marks.incidents), list(marks.rollbacks), list(marks.lr_changes)) if marks else Marks()
+    if thresholds is None:
+        selected = next((i.id for i in marks.incidents if i.selected), None)
+        keys = {s.key for s in data.series}
+        thresholds = thresholds_for(session, run_id, keys, step_lo, step_hi, selected=selected,
+                                    name_module=len(keys) > 1) if keys else []
+    marks.thresholds = list(thresholds)
+    return chart, marks
+
+
+def threshold_of(finding: Finding) -> float | None:
+    """The level a finding fired on, in its metric's units, from its evidence's "threshold" (every
+    detector that compares against a level writes it: monitors/detectors); None where it has none
+    (a NaN, a stall). A bar on a magnitude (act_overflow's fraction of the dtype's max) is drawn on
+    the side of zero the value was on: act_min's overflow is below zero."""
+    raw = finding.evidence.get("threshold")
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        return None
+    value = finding.evidence.get("value")
+    if isinstance(value, (int, float)) and math.isfinite(value) and value < 0 < raw:
+        return -float(raw)
+    return float(raw)
+
+
+def thresholds_for(session: Session, run_id: str, keys: set[str], step_lo: int | None, step_hi: int | None, *,
+                   selected: int | None = None, signal: str | None = None,
+                   name_module: bool = False) -> list[ThresholdMark]:
+    """One threshold per signal that fired on these keys with its detection in the window (at
+    most MAX_THRESHOLDS, earliest signal first): the `selected` incident's finding where it has
+    one, else the signal's earliest. `signal`: that signal's only. A per-module bar (the growth
+    detector's, relative to each layer's own baseline) names its module when `name_module`."""
+    chosen: dict[str, tuple[Finding, float, bool]] = {}  # signal -> (finding, level, the selected incident's)
+    for stored in findings_store.findings_on(session, run_id, keys, step_lo, step_hi):
+        f = stored.finding
+        value = threshold_of(f)
+        if value is None or (signal is not None and f.signal.value != signal):
+            continue
+        mine = selected is not None and stored.incident_id == selected
+        have = chosen.get(f.signal.value)
+        if (have is None and len(chosen) < MAX_THRESHOLDS) or (have is not None and mine and not have[2]):
+            chosen[f.signal.value] = (f, value, mine)
+    out = []
+    for name, (f, value, _) in chosen.items():
+        where = f" ({f.module})" if name_module and f.module else ""
+        out.append(ThresholdMark(value, f"{name} threshold {value:.4g}{where}"))
+    return out
 
 
 def marks_for(s: Session, run_id: str, selected: int | None) -> Marks:

@@ -1,8 +1,9 @@
 """The chart of an incident uploaded into its Slack thread (supervisor.notify.chart, the outbox's
 upload rows, SlackNotifier.upload) with the real Supervisor, real records from a diverging run,
 the real slack-sdk files_upload_v2 and the fake Slack server's upload wire format, on SQLite and
-PostgreSQL: the PNG is the finding's metric around its onset, it lands in the incident's thread,
-a failing upload is retried and never holds up or loses a text alert."""
+PostgreSQL: the PNG is the finding's metric around its onset with the threshold it fired on, it
+lands in the incident's thread, a failing upload is retried and never holds up or loses a text
+alert."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from thermowatch.supervisor.notify.base import ChartRequest
-from thermowatch.supervisor.notify.chart import HEIGHT_PX, WIDTH_PX, render_chart
+from thermowatch.supervisor.charts.plots import figure
+from thermowatch.supervisor.notify.chart import HEIGHT_PX, WIDTH_PX, chart_of, render_chart
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import findings as findings_store
 from tests.fakes.slack_server import FakeSlack
@@ -58,8 +60,25 @@ def test_the_onset_chart_is_uploaded_into_the_incidents_thread(db, tmp_path, sla
             assert req.step_lo < finding.onset_step <= finding.detect_step < req.step_hi
             # byte for byte the chart of that metric and window (matplotlib's Agg is deterministic)
             assert upload.data == render_chart(s, RUN, act.incident_id, req)
+            chart, marks = chart_of(s, RUN, act.incident_id, req)
+            fired = next(f.finding for f in findings_store.findings(s, RUN, act.incident_id)
+                         if (f.finding.metric, f.finding.detect_step) == (req.metric, req.detect_step))
             other = render_chart(s, RUN, act.incident_id, ChartRequest("loss", req.step_lo, req.step_hi,
                                                                         req.onset_step, req.detect_step))
+        # The ceiling the alert is about (issue 37: the chart left it out): the finding's own threshold,
+        # a labelled line, in the legend, inside the y range, drawn where the uploaded PNG shows it.
+        level = fired.evidence["threshold"]
+        assert [(t.value, t.label) for t in marks.thresholds] == [(level, f"{fired.signal.value} threshold {level:.4g}")]
+        fig = figure(chart, marks)
+        ax = fig.axes[0]
+        assert f"{fired.signal.value} threshold {level:.4g}" in [t.get_text() for t in fig.legends[0].get_texts()]
+        assert [ln for ln in ax.lines if list(ln.get_ydata()) == [level, level]]
+        lo, hi = ax.get_ylim()
+        assert lo < level < hi
+        row = HEIGHT_PX - int(round(ax.transData.transform((req.step_lo, level))[1]))
+        frame = ax.get_window_extent(fig.canvas.get_renderer())
+        band = matplotlib.image.imread(io.BytesIO(upload.data))[row - 1:row + 2, int(frame.x0) + 2:int(frame.x1) - 2, :3]
+        assert (band.max(axis=-1) < 0.4).any(axis=0).mean() > 0.5  # a dark dash-dot line across the axes
         assert upload.data != other
         assert _png_size(upload.data) == (WIDTH_PX, HEIGHT_PX) and upload.length == len(upload.data)
         pixels = matplotlib.image.imread(io.BytesIO(upload.data))
