@@ -229,7 +229,7 @@ def index_page(sup, base: str, run_url, cursor: str | None, view: IndexView = In
     states = "<option value=''>every state</option>" + "".join(
         f"<option value='{k}'{' selected' if k == view.state else ''}>{k}</option>" for k in STATE_ORDER)
     now = dt.datetime.now(dt.timezone.utc)
-    scope = (f"sorted and filtered within this page's {len(all_rows)} runs (the store's pages are newest first)"
+    scope = (f"sorted and filtered within this page of {len(all_rows)} run(s) (pages run newest first)"
              if next_cursor or cursor else "")
     body = (f"<form method='post' action='{e(base)}/logout' style='float:right'>"
             "<button type='submit' id='sign-out'>sign out</button></form>"
@@ -281,7 +281,8 @@ def compare_page(sup, base: str, run_url, run: list[str], metric: str, step_lo: 
             "<span id='chart-status' class='muted'></span></p>"
             f"<figure class='chart'><figcaption>{e(metric)}</figcaption><div class='plot-area'></div></figure>"
             "<p class='muted hint'>Each run's live path (the newest attempt at each step); a per-layer thermometer "
-            "is drawn as its worst layer per bucket. Drag to zoom.</p>"
+            "is drawn as its worst layer per bucket; each run's incidents (solid, at their detection step) and "
+            "rollbacks (dotted, at the checkpoint they loaded) in its colour. Drag to zoom.</p>"
             "<ul id='runs'>" + "".join(f"<li><a href='{e(run_url(r))}'>{e(r)}</a></li>" for r in ids) + "</ul>"
             "</section>")
     head, scripts = chart_assets(e, base)

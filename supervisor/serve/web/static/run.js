@@ -483,8 +483,10 @@
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
   // Row labels of the heatmap (issue 37: they were cut at the y axis's 56 px): the module names,
-  // less the dotted prefix every row shares, then middle segments to their initials, then a middle
-  // ellipsis, until the longest fits 40% of the chart (at most 180 px); the full name is its title.
+  // less the dotted prefix every row shares; then, until the longest fits a third of the chart (at
+  // most 160 px), words to their initials, the words most rows repeat first (they tell rows apart
+  // least), never a layer number or the last word; then a middle ellipsis. The full name is its title.
+  // model.layers.11.self_attn.q_proj -> m.layers.11.self_attn.q_proj -> m.l.11.self_attn.q_proj
   const LABEL_FONT = "10px system-ui, sans-serif";
   let measurer = null;
   function textWidth(t) {
@@ -499,11 +501,18 @@
     while (parts.length > 1 && parts.every((p) => p.length > common + 1 && p[common] === parts[0][common])) common++;
     // a bare layer number keeps the word before it: "layers.3", not "3"
     if (common > 0 && parts.some((p) => /^\d+$/.test(p[common]))) common--;
-    const budget = Math.min(180, Math.floor(0.4 * chartWidth));
+    const budget = Math.min(160, Math.floor(chartWidth / 3));
+    const seen = new Map();  // "position word" -> rows that have it
+    for (const p of parts) p.slice(common).forEach((w, i) => seen.set(`${i} ${w}`, (seen.get(`${i} ${w}`) || 0) + 1));
     const fit = (segs) => {
-      const full = segs.join(".");
-      if (textWidth(full) <= budget) return full;
-      const t = segs.map((s, i) => (i === segs.length - 1 || /^\d+$/.test(s) ? s : s.slice(0, 1))).join(".");
+      let t = segs.join(".");
+      const order = segs.map((w, i) => i).filter((i) => i < segs.length - 1 && !/^\d+$/.test(segs[i]))
+        .sort((a, b) => seen.get(`${b} ${segs[b]}`) - seen.get(`${a} ${segs[a]}`) || a - b);
+      for (const k of order) {
+        if (textWidth(t) <= budget) return t;
+        segs = segs.map((w, i) => (i === k ? w.slice(0, 1) : w));
+        t = segs.join(".");
+      }
       if (textWidth(t) <= budget) return t;
       for (let keep = t.length - 1; keep > 3; keep--) {  // middle ellipsis: the start and the end stay
         const a = Math.ceil(keep / 2), cut = t.slice(0, a) + "…" + t.slice(t.length - (keep - a));
