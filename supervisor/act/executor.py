@@ -89,6 +89,7 @@ def ended_words(run_id: str, fin: RunFinished) -> str:
 
 MAX_SILENCE_S = 7 * 86400.0  # a week: a silence is for a known, bounded situation, not a mute button
 APPROVAL_PAUSE = "approval_pause"  # audit event: a run paused while a proposal waited for approval
+PAGE_ACKNOWLEDGED = "page_acknowledged"  # audit event: a person took a page (acknowledge_page)
 
 
 class Executor:
@@ -622,6 +623,47 @@ class Executor:
             row = silences_store.end(s, silence_id)
             audit_store.audit(s, row.run_id, who, "unsilenced", {"silence_id": silence_id, "signal": row.signal})
             return row.to_json()
+
+    def acknowledge_page(self, run_id: str | None, who: str, *, incident_id: int | None = None,
+                         action_id: int | None = None, reason: str = "") -> dict[str, Any]:
+        """A person takes a page (issue 37): "I have it". Its story (an incident, or a manual
+        action's) gets an acknowledge: the pagers stop escalating it (PagerDuty's acknowledge, the
+        webhook's), Slack's thread says who has it, and the escalation job leaves it alone
+        (supervisor.app.jobs.escalate). Nothing about the run changes: an approval still waits
+        for its answer. Audited; a second acknowledge of the same story answers with the first
+        (`already`), sending nothing. `run_id` None: the incident's or action's own run (a Slack
+        button names only the story)."""
+        if (incident_id is None) == (action_id is None):
+            raise UserError("acknowledge names exactly one of an incident or an action")
+        in_run = f" in run {run_id!r}" if run_id is not None else ""
+        with self._session.begin() as s:
+            if run_id is not None and runs_store.get_run(s, run_id) is None:
+                raise NotFound(f"no run {run_id!r}")
+            if incident_id is not None:
+                inc = incidents_store.get_incident(s, incident_id)
+                if inc is None or run_id not in (None, inc.run_id):
+                    raise NotFound(f"no incident {incident_id}{in_run}")
+                run_id, story, thread, of = inc.run_id, {"incident_id": incident_id}, None, incident_id
+            else:
+                row = actions_store.get_action(s, action_id)
+                if row is None or run_id not in (None, row.run_id):
+                    raise NotFound(f"no action {action_id}{in_run}")
+                run_id, story, thread, of = row.run_id, {"action_id": action_id}, _thread(action_id, row.incident_id), \
+                    row.incident_id
+            first = next((e for e in audit_store.events(s, run_id, PAGE_ACKNOWLEDGED, limit=200)
+                          if all(e.detail.get(k) == v for k, v in story.items())), None)
+            if first is not None:
+                return {**story, "run_id": run_id, "who": first.actor, "at": first.at.isoformat(),
+                        "reason": first.detail.get("reason", ""), "already": True}
+            audit_store.audit(s, run_id, who, PAGE_ACKNOWLEDGED, {**story, "reason": reason})
+            what = f"incident {incident_id}" if incident_id is not None else f"action {action_id}"
+            self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO, incident_id=of, thread=thread,
+                                       title=f"{run_id}: {who} acknowledged the page for {what}",
+                                       text=reason, status=f"acknowledged by {who}",
+                                       story_state=StoryState.ANSWERED))
+        self.flush_alerts()
+        return {**story, "run_id": run_id, "who": who, "at": dt.datetime.now(dt.timezone.utc).isoformat(),
+                "reason": reason, "already": False}
 
     def _silenced(self, s: Session, alert: Alert) -> Alert:
         """A critical alert of a silenced signal pages no one: it goes out as a warning that says

@@ -5,13 +5,14 @@ file (`THERMOWATCH_DB_URL`, `THERMOWATCH_DATA_DIR`, `THERMOWATCH_HOST`, `THERMOW
 `THERMOWATCH_SLACK_CHANNEL`, `THERMOWATCH_ADVISE_ONLY`, `THERMOWATCH_API_TOKEN`,
 `THERMOWATCH_API_TOKEN_FILE`, `THERMOWATCH_DB_URL_FILE`, `THERMOWATCH_SLACK_TOKEN_FILE`,
 `THERMOWATCH_SLACK_SIGNING_SECRET_FILE`, `THERMOWATCH_PAGERDUTY_ROUTING_KEY_FILE`,
-`THERMOWATCH_WEBHOOK_SECRET_FILE`), so a systemd unit or a Kubernetes
+`THERMOWATCH_WEBHOOK_SECRET_FILE`, `THERMOWATCH_SMTP_PASSWORD_FILE`), so a systemd unit or a Kubernetes
 secret can override one field without a file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -40,6 +41,7 @@ _NUMBERS: dict[str, dict[str, Any]] = {
     "max_body_bytes": dict(lo=1, integer=True),  # an ingest body; 413 above it
     "pause_repage_s": dict(lo=0, lo_open=True),  # seconds a run waits paused before it pages again
     "link_ttl_s": dict(lo=0, lo_open=True, hi=86400),  # an alert's signed link; a day at most: it sits in a channel
+    "escalate_after_s": dict(lo=0),  # a page nobody acknowledged by then escalates; 0: never
 }
 
 
@@ -62,6 +64,11 @@ class SlackConfig:
     approvers: list[str] = field(default_factory=list)  # Slack member ids, U... (ids: names change)
     approver_groups: list[str] = field(default_factory=list)  # user-group ids, S...; bot scope usergroups:read
     approver_groups_ttl_s: float = 60.0  # a member removed from a group may still approve for this long
+    # Who a page is for (issue 37): mentioned on every CRITICAL; `escalate_to` as well when a page
+    # escalates (nobody acknowledged it within escalate_after_s). Member ids (U..., W...) and
+    # user-group ids (S...: the on-call rotation's group).
+    oncall: list[str] = field(default_factory=list)
+    escalate_to: list[str] = field(default_factory=list)
     # Flap damping (supervisor.notify.flap), for every channel: after this many threads for one
     # (run, signal, module) within flap_window_s, later incidents of it are counted replies there.
     flap_max_alerts: int = 3
@@ -70,10 +77,15 @@ class SlackConfig:
     def __post_init__(self) -> None:
         from thermowatch.supervisor.decide.approvers import GROUP_ID, USER_ID
 
+        anyone = re.compile(f"{USER_ID.pattern}|{GROUP_ID.pattern}")
         for name, pattern, what in (("approvers", USER_ID, "a Slack member id (U... or W...; a profile's "
                                                              "\u22ee menu, 'Copy member ID'), not a name"),
                                     ("approver_groups", GROUP_ID, "a Slack user-group id (S...; the group's "
-                                                                  "page in Slack, or usergroups.list)")):
+                                                                  "page in Slack, or usergroups.list)"),
+                                    ("oncall", anyone, "a Slack member id (U..., W...) or user-group id (S...), "
+                                                       "not a name"),
+                                    ("escalate_to", anyone, "a Slack member id (U..., W...) or user-group id "
+                                                            "(S...), not a name")):
             ids = getattr(self, name)
             if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
                 raise ConfigError(f"slack.{name} must be a list of ids, got {ids!r}")
@@ -150,6 +162,55 @@ class WebhookConfig:
 
 
 @dataclass
+class EmailConfig:
+    """Pages by email over SMTP (supervisor.notify.email): what pages on PagerDuty is mailed to
+    `to`; an escalation to `escalate_to` as well. On when `host` is set."""
+
+    host: str = ""  # empty: no email
+    port: int = 587
+    security: str = "starttls"  # starttls (587), ssl (SMTPS, 465) or none (a relay on loopback)
+    from_addr: str = ""  # e.g. thermowatch@example.com
+    to: list[str] = field(default_factory=list)  # the on-call's addresses (a list, a mail-to-SMS gateway)
+    escalate_to: list[str] = field(default_factory=list)
+    username: str = ""  # empty: no login (a relay that trusts the host)
+    password_env: str = "THERMOWATCH_SMTP_PASSWORD"  # never in a config file
+    password_file: str = ""  # or a mounted secret file (wins over the variable)
+    min_severity: Severity = Severity.CRITICAL
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        try:
+            check_number("email.port", self.port, lo=1, hi=65535, integer=True)
+        except SettingError as exc:
+            raise ConfigError(str(exc)) from None
+        _check_timeout("email", self.timeout_s)
+        if not self.host:
+            return
+        if self.security not in ("starttls", "ssl", "none"):
+            raise ConfigError(f"email.security must be starttls, ssl or none, got {self.security!r}")
+        for name in ("to", "escalate_to"):
+            addrs = getattr(self, name)
+            if isinstance(addrs, (str, bytes)) or not isinstance(addrs, (list, tuple)):
+                raise ConfigError(f"email.{name} must be a list of addresses, got {addrs!r}")
+            for i, a in enumerate(addrs):
+                if not isinstance(a, str) or not _ADDRESS.fullmatch(a):
+                    raise ConfigError(f"email.{name}[{i}]: {a!r} is not an email address (name@host)")
+            setattr(self, name, list(addrs))
+        if not self.to:
+            raise ConfigError("email.to: list at least one address to page (email.host is set)")
+        if not isinstance(self.from_addr, str) or not _ADDRESS.fullmatch(self.from_addr):
+            raise ConfigError(f"email.from_addr must be the sender's address (name@host), got {self.from_addr!r}")
+        try:
+            self.min_severity = Severity(self.min_severity)
+        except ValueError:
+            raise ConfigError(f"email.min_severity must be one of {', '.join(s.value for s in Severity)}, "
+                              f"got {self.min_severity!r}") from None
+
+
+_ADDRESS = re.compile(r"[^@\s<>,;\"]+@[^@\s<>,;\"]+")  # one plain address: no display name, no list
+
+
+@dataclass
 class SupervisorConfig:
     data_dir: Path = Path(".thermowatch")
     # SQLite in the data dir is the embedded default; PostgreSQL by URL at scale.
@@ -189,6 +250,11 @@ class SupervisorConfig:
     # already on it is not paged over and over; whoever missed the first page hears again while
     # the idle cluster has cost little.
     pause_repage_s: float = 1800.0
+    # A page (a CRITICAL: an approval, a pause, a failure) nobody acknowledged (`thermowatch ack`,
+    # approve, the Slack button) within this long escalates once: Slack mentions
+    # slack.escalate_to, the webhook and email say escalation 1 (supervisor.app.jobs.escalate).
+    # PagerDuty escalates by its own escalation policy until it gets the acknowledge. 0: never.
+    escalate_after_s: float = 900.0
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
     # The daemon's detectors run in a process of their own (supervisor.judge.bank_process), so judging
     # never competes with storing for the interpreter lock; false: a thread in the daemon's process.
@@ -196,6 +262,7 @@ class SupervisorConfig:
     slack: SlackConfig = field(default_factory=SlackConfig)
     pagerduty: PagerDutyConfig = field(default_factory=PagerDutyConfig)  # paging beside Slack (issue 37)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
+    email: EmailConfig = field(default_factory=EmailConfig)  # pages by SMTP (issue 37)
     # The sections below are checked key by key against the class named in `schema` (config_tree).
     policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
                                    metadata=schema("thermowatch.supervisor.decide.policy:PolicyConfig"))
@@ -218,7 +285,7 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
         # anywhere under them (issue 12), before any class below sees the value.
-        for name in ("slack", "pagerduty", "webhook", "policy", "detectors", "limits", "envelope"):
+        for name in ("slack", "pagerduty", "webhook", "email", "policy", "detectors", "limits", "envelope"):
             try:
                 check_tree(type(self), {name: getattr(self, name)})
             except ConfigTreeError as exc:
@@ -251,6 +318,8 @@ class SupervisorConfig:
             self.pagerduty = PagerDutyConfig(**self.pagerduty)
         if isinstance(self.webhook, Mapping):
             self.webhook = WebhookConfig(**self.webhook)
+        if isinstance(self.email, Mapping):
+            self.email = EmailConfig(**self.email)
         try:
             self.slack.flap()
         except UserError as exc:
@@ -305,7 +374,8 @@ class SupervisorConfig:
             if env.get(env_key):  # the token file: systemd's LoadCredential= (deploy/thermowatch.service)
                 values["slack"] = {**dict(values.get("slack") or {}), slack_key: env[env_key]}
         for section, key, env_key in (("pagerduty", "routing_key_file", "THERMOWATCH_PAGERDUTY_ROUTING_KEY_FILE"),
-                                      ("webhook", "secret_file", "THERMOWATCH_WEBHOOK_SECRET_FILE")):
+                                      ("webhook", "secret_file", "THERMOWATCH_WEBHOOK_SECRET_FILE"),
+                                      ("email", "password_file", "THERMOWATCH_SMTP_PASSWORD_FILE")):
             if env.get(env_key):  # systemd's LoadCredential=, a Kubernetes secret mounted as a file
                 values[section] = {**dict(values.get(section) or {}), key: env[env_key]}
         values.update({k: v for k, v in overrides.items() if v is not None})

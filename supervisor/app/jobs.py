@@ -9,6 +9,7 @@ daily digest      one message a day: steps, incidents, actions per run active th
 peer envelope     a run active today (of the 200 newest) whose loss is behind the runs of its
                   model config that trained with no more LR (monitors/envelope.py) -> loss_behind_peers -> page
 pause re-page     a run paused for longer than pause_repage_s -> a CRITICAL page again, once per interval
+escalate          a page nobody acknowledged within escalate_after_s -> once more, to the escalation contacts
 
 Each job costs what there is to do, not what was ever stored (issue 21, item 4: an ingest token
 made 10^5 runs): retention reads the runs a page at a time with their last steps, the scan
@@ -17,6 +18,7 @@ pages through live checkpoints, the digest covers the runs active in the last 24
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -33,6 +35,7 @@ from thermowatch.monitors.names import printable
 from thermowatch.supervisor.notify.base import Alert
 from thermowatch.supervisor.app.scheduler import Job
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import incidents as incidents_store
@@ -68,6 +71,8 @@ def default_jobs(sup: Daemon) -> list[Job]:
         Job("daily_digest", lambda: daily_digest(sup), every_s=86400.0),
         Job("peer_envelope", lambda: peer_envelope(sup), every_s=300.0, jitter=30.0),
         Job("pause_repage", lambda: pause_repage(sup), every_s=min(60.0, sup.cfg.pause_repage_s / 2), jitter=5.0),
+        *([Job("escalate", lambda: escalate(sup), every_s=min(30.0, sup.cfg.escalate_after_s / 4), jitter=2.0)]
+          if sup.cfg.escalate_after_s else []),
     ]
 
 
@@ -240,3 +245,84 @@ def _repage(pause: actions_store.ActionRow, waited: dt.timedelta) -> Alert:
         incident_id=pause.incident_id, thread=None if pause.incident_id is not None else f"action:{pause.id}",
         commands=(f"thermowatch resume {run}", f"thermowatch rollback {run} --to-step N", f"thermowatch stop {run}"),
         status=f"paused for {took}: waiting for a person")
+
+
+ESCALATED = "escalated"  # the audit event of an escalation: the story and how long its page waited
+ESCALATION_LOOKBACK = dt.timedelta(days=2)  # pages older than this unanswered are the re-page's, not ours
+
+
+def escalate(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
+    """Escalate each page nobody acknowledged within `escalate_after_s` (issue 37: a CRITICAL
+    approval was never repeated while the run trained into the divergence), once per page: the
+    page again, broadcast, for the on-call and `slack.escalate_to`, saying how long it waited.
+    A page is answered by an approval, a cancel, `thermowatch ack` (Executor.acknowledge_page)
+    or the story's end; a story whose incident is closed, whose action is final or whose run
+    has finished is not escalated. The escalation is written to the outbox like every alert (in
+    order, retried, recorded); the outbox row is what marks it done, so a restart never repeats it."""
+    if not sup.cfg.escalate_after_s:
+        return []
+    now = now or dt.datetime.now(dt.timezone.utc)
+    after = dt.timedelta(seconds=sup.cfg.escalate_after_s)
+    with sup.sessions() as s:
+        due = [p for p in alerts_store.open_pages(s, now - after - ESCALATION_LOOKBACK)
+               if not p.escalated and _aware(p.paged_at) <= now - after]
+    sent = []
+    for page in due:
+        try:
+            with sup.sessions.begin() as s:
+                if not _still_open(s, page):
+                    continue
+                alert = _escalation(page, now - _aware(page.paged_at))
+                sup.executor.outbox.enqueue(s, alert)
+                audit_store.audit(s, page.run_id, "scheduler", ESCALATED, {
+                    "thread": page.thread_key, "waited_s": round((now - _aware(page.paged_at)).total_seconds())})
+            sent.append(alert)
+        except Exception:  # noqa: BLE001 - one bad story must not stop the others
+            log.exception("escalating the page of %s (run %s) failed", page.thread_key, page.run_id)
+    if sent:
+        sup.executor.flush_alerts()
+    return sent
+
+
+def _aware(at: dt.datetime) -> dt.datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=dt.timezone.utc)  # SQLite drops the zone
+
+
+def _still_open(s, page: alerts_store.OpenPage) -> bool:
+    """The story's cause is still waiting for a person: its incident open, its action not final,
+    its run not finished."""
+    from thermowatch.monitors.commands import FINAL_STATES
+
+    if page.run_id is None:
+        return False
+    newest = runs_store.latest_attempt(s, page.run_id)
+    if newest is not None and newest.finished is not None:
+        return False
+    kind, _, ident = page.thread_key.partition(":")
+    if not ident.isdigit():
+        return True
+    if kind == "incident":
+        inc = incidents_store.get_incident(s, int(ident))
+        return inc is not None and inc.state == "open"
+    if kind == "action":
+        row = actions_store.get_action(s, int(ident))
+        return row is not None and row.state not in FINAL_STATES
+    return True
+
+
+def _escalation(page: alerts_store.OpenPage, waited: dt.timedelta) -> Alert:
+    first = Alert.from_json(page.payload)
+    minutes = max(1, int(waited.total_seconds() // 60))
+    return dataclasses.replace(
+        first, escalation=1, broadcast=True, thread=page.thread_key, thread_ts=None,
+        title=f"escalated, not acknowledged for {minutes} min: {first.title}",
+        status=f"escalated: nobody acknowledged the page for {minutes} min",
+        commands=(*first.commands, *_ack_commands(first, page.thread_key)))
+
+
+def _ack_commands(alert: Alert, thread_key: str) -> tuple[str, ...]:
+    """The command that takes the page, beside the ones that answer it."""
+    kind, _, ident = thread_key.partition(":")
+    if kind not in ("incident", "action") or not ident.isdigit():
+        return ()
+    return (f"thermowatch ack {shlex.quote(alert.run_id)} --{kind} {ident}",)

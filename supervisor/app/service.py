@@ -56,7 +56,8 @@ def check_notifier(notifier: Notifier) -> dict:
 def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = None,
                    links: LinkGrants | None = None) -> Notifier:
     """Console always (the journal is the last resort), plus Slack when a channel is set, PagerDuty
-    when a routing key source is named and the signed webhook when a URL is. Each is a channel of
+    when a routing key source is named, the signed webhook when a URL is and email when an SMTP
+    host is. Each is a channel of
     its own in the outbox, so one that is down holds up none of the others. A secret that cannot
     be read stops the start here (NotifyConfigError naming the key), closing what was built."""
     parts: list[Notifier] = [ConsoleNotifier()]
@@ -74,6 +75,10 @@ def build_notifier(cfg: SupervisorConfig, environ: Mapping[str, str] | None = No
             from thermowatch.supervisor.notify.webhook import WebhookNotifier
 
             parts.append(WebhookNotifier.from_config(cfg.webhook, environ=environ, web_base_url=web))
+        if cfg.email.host:
+            from thermowatch.supervisor.notify.email import EmailNotifier
+
+            parts.append(EmailNotifier.from_config(cfg.email, environ=environ, web_base_url=web))
     except NotifyConfigError:
         FanOut(parts).close()
         raise

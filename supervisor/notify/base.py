@@ -78,7 +78,7 @@ class StoryState(str, enum.Enum):
     (supervisor.notify.paging): a page must stop when a person has taken it and end when the
     incident does, and the text of `Alert.status` is for people, not to be compared by literal."""
 
-    ANSWERED = "answered"  # a person took the question (approved): the page stops escalating
+    ANSWERED = "answered"  # a person took the question (approved, acknowledged): the page stops escalating
     RESOLVED = "resolved"  # the story is over (done, declined, superseded, the run ended): the page ends
 
 
@@ -110,6 +110,9 @@ class Alert:
     fold_count: int = 0
     chart: ChartRequest | None = None  # upload this chart into the thread instead of a message
     story_state: StoryState | None = None  # None: the story goes on (most alerts)
+    # A page nobody acknowledged within `escalate_after_s`, sent again to the escalation contacts
+    # (supervisor.app.jobs.escalate): 1. 0: a first page or any other alert.
+    escalation: int = 0
 
     @property
     def thread_key(self) -> str | None:
@@ -125,7 +128,8 @@ class Alert:
                 "thread": self.thread, "broadcast": self.broadcast, "commands": list(self.commands),
                 "status": self.status, "approve_action": self.approve_action, "fold_count": self.fold_count,
                 "chart": self.chart.to_json() if self.chart is not None else None,
-                "story_state": self.story_state.value if self.story_state is not None else None}
+                "story_state": self.story_state.value if self.story_state is not None else None,
+                "escalation": self.escalation}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Alert":
@@ -137,7 +141,8 @@ class Alert:
                    commands=tuple(obj.get("commands") or ()), status=str(obj.get("status") or ""),
                    approve_action=obj.get("approve_action"), fold_count=int(obj.get("fold_count") or 0),
                    chart=ChartRequest.from_json(obj["chart"]) if obj.get("chart") else None,
-                   story_state=StoryState(obj["story_state"]) if obj.get("story_state") else None)
+                   story_state=StoryState(obj["story_state"]) if obj.get("story_state") else None,
+                   escalation=int(obj.get("escalation") or 0))
 
     @classmethod
     def from_decision(cls, run_id: str, finding: Finding, decision: "Decision",

@@ -63,8 +63,11 @@ class PagerDutyNotifier:
         return cls(key, base_url=cfg.base_url, web_base_url=web_base_url, timeout_s=cfg.timeout_s, key_source=source)
 
     def wants(self, alert: Alert, paged: Callable[[], bool]) -> bool:
-        """The outbox's filter: critical alerts, and the acknowledge / resolve of a story paged here."""
-        return paging.wants(alert, paged)
+        """The outbox's filter: critical alerts, and the acknowledge / resolve of a story paged here.
+        Not thermowatch's escalation (supervisor.app.jobs.escalate): the service's escalation
+        policy escalates its incident until it is acknowledged, and a second trigger of the same
+        dedup key would only be folded into it."""
+        return paging.wants(alert, paged, escalations=False)
 
     def event(self, alert: Alert) -> dict[str, Any]:
         """The Events API v2 body for `alert` (an acknowledge or resolve carries the key alone)."""

@@ -48,12 +48,14 @@ def page_event(alert: Alert, min_severity: Severity = Severity.CRITICAL) -> Page
     return PageEvent.TRIGGER if _RANK[alert.severity] >= _RANK[min_severity] else None
 
 
-def wants(alert: Alert, paged: Callable[[], bool], min_severity: Severity = Severity.CRITICAL) -> bool:
+def wants(alert: Alert, paged: Callable[[], bool], min_severity: Severity = Severity.CRITICAL, *,
+          escalations: bool = True) -> bool:
     """Whether a paging channel takes `alert` (the outbox writes its row only then). `paged`: has
     the channel taken a row of this alert's story before; asked only for an acknowledge or a
-    resolve, which mean nothing to a receiver that never saw the trigger."""
+    resolve, which mean nothing to a receiver that never saw the trigger. `escalations` False: a
+    receiver that escalates by itself (PagerDuty's escalation policy) is not sent ours."""
     event = page_event(alert, min_severity)
-    if event is None or alert.chart is not None:
+    if event is None or alert.chart is not None or (alert.escalation and not escalations):
         return False
     return event is PageEvent.TRIGGER or (alert.thread_key is not None and paged())
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 from urllib.error import HTTPError
 
 from slack_sdk import WebClient
@@ -49,7 +50,7 @@ _CHANNEL_ERRORS = {"channel_not_found", "not_in_channel", "is_archived"}
 _MESSAGE_ERRORS = {"invalid_blocks", "invalid_blocks_format", "msg_too_long", "no_text", "invalid_arguments",
                    "too_many_attachments", "invalid_attachments"}
 # The buttons' action ids: what the interactivity endpoint (supervisor.serve.api.slack) accepts.
-APPROVE, CANCEL = "thermowatch_approve", "thermowatch_cancel"
+APPROVE, CANCEL, ACK = "thermowatch_approve", "thermowatch_cancel", "thermowatch_ack"
 # Block Kit limits: header text 150 chars, section text 3000, 10 fields of 2000 each.
 _HEADER_MAX, _SECTION_MAX, _FIELDS_MAX = 150, 3000, 10
 
@@ -142,7 +143,7 @@ class SlackNotifier:
     def __init__(self, token: str, channel: str, base_url: str | None = None, retries: int = 3,
                  *, max_retry_wait_s: float = 30.0, timeout_s: float = 10.0,
                  web_base_url: str | None = None, token_source: str = "the token argument",
-                 interactive: bool = False):
+                 interactive: bool = False, oncall: Sequence[str] = (), escalate_to: Sequence[str] = ()):
         if not token:
             raise NotifyConfigError(f"SlackNotifier needs a bot token; none came from {token_source}")
         if not channel:
@@ -161,6 +162,10 @@ class SlackNotifier:
         # Buttons only where a click can be verified and acted on: a signing secret is configured
         # (supervisor.serve.api.slack); without one the commands in the message are the way to answer.
         self.interactive = interactive
+        # Who a page is for (issue 37: a CRITICAL approval @-mentioned no one): member ids (U...,
+        # W...) and user-group ids (S...), mentioned on every page; an escalation (nobody
+        # acknowledged, supervisor.app.jobs.escalate) mentions `escalate_to` as well.
+        self.oncall, self.escalate_to = list(oncall), list(escalate_to)
         backoff = BackoffRetryIntervalCalculator(backoff_factor=0.5)
         handlers = [
             ConnectionErrorRetryHandler(max_retry_count=retries, interval_calculator=backoff),
@@ -181,7 +186,8 @@ class SlackNotifier:
         # Buttons only where someone may click them (supervisor.decide.approvers: closed by default).
         approvers = bool(getattr(cfg, "approvers", None) or getattr(cfg, "approver_groups", None))
         return cls(token, cfg.channel, base_url=cfg.base_url, retries=retries,
-                   web_base_url=web_base_url, token_source=source, interactive=secret is not None and approvers)
+                   web_base_url=web_base_url, token_source=source, interactive=secret is not None and approvers,
+                   oncall=getattr(cfg, "oncall", ()), escalate_to=getattr(cfg, "escalate_to", ()))
 
     def check(self) -> dict[str, Any]:
         """auth.test at start-up: who the bot is. A refused token raises NotifyConfigError (the
@@ -217,7 +223,7 @@ class SlackNotifier:
         """Rewrite the message `ts` (a thread's top message) as `alert`, e.g. with its new status.
         chat.update needs the channel's id, which the last chat.postMessage answered with."""
         self._call("chat.update", self.client.chat_update, channel=self._channel_id or self.channel, ts=ts,
-                   text=_fallback_text(alert), blocks=self.blocks(alert))
+                   text=_fallback_text(alert), blocks=self.blocks(alert, mention=False))
 
     def upload(self, alert: Alert, png: bytes) -> str | None:
         """files_upload_v2 into the alert's thread: files.getUploadURLExternal, the bytes POSTed
@@ -235,8 +241,10 @@ class SlackNotifier:
 
     def _post(self, alert: Alert) -> str | None:
         # reply_broadcast: a failure or a page in a thread is also shown in the channel.
+        who = self.mentions(alert)
         resp = self._call("chat.postMessage", self.client.chat_postMessage, channel=self.channel,
-                          text=_fallback_text(alert), blocks=self.blocks(alert), thread_ts=alert.thread_ts,
+                          text=(who + " " if who else "") + _fallback_text(alert), blocks=self.blocks(alert),
+                          thread_ts=alert.thread_ts,
                           reply_broadcast=True if alert.thread_ts and alert.broadcast else None,
                           # Slack's unfurler would fetch the run link, and a signed link opens once.
                           unfurl_links=False, unfurl_media=False)
@@ -275,12 +283,25 @@ class SlackNotifier:
                     "(/invite @thermowatch) or fix slack.channel")
         return f"Slack {method} failed: HTTP {status}, error {error or exc}"
 
-    def blocks(self, alert: Alert) -> list[dict[str, Any]]:
-        """Block Kit (slack_sdk.models.blocks): header, the story's state, finding, reasons,
+    def mentions(self, alert: Alert) -> str:
+        """Slack's mention syntax for who a page is for: the on-call on a page (a CRITICAL that
+        asks a person: not its acknowledge or resolve, not a chart), and the escalation contacts
+        too on an escalation. "" for every other alert: a rollback done by itself wakes nobody."""
+        if alert.severity is not Severity.CRITICAL or alert.story_state is not None or alert.chart is not None:
+            return ""
+        ids = self.oncall + [i for i in self.escalate_to if i not in self.oncall] if alert.escalation else self.oncall
+        return " ".join(f"<!subteam^{i}>" if i.startswith("S") else f"<@{i}>" for i in ids)
+
+    def blocks(self, alert: Alert, *, mention: bool = True) -> list[dict[str, Any]]:
+        """Block Kit (slack_sdk.models.blocks): header, who it is for (`mention`: a page's
+        on-call; not when the top message is rewritten), the story's state, finding, reasons,
         fields, the exact commands, Approve / Cancel buttons when interactivity is configured,
         and a context line with the run, incident and a link to the plot."""
         blocks: list[Block] = [HeaderBlock(text=PlainTextObject(
             text=_cut(f"{_EMOJI[alert.severity]} {alert.title}", _HEADER_MAX), emoji=True))]
+        who = self.mentions(alert) if mention else ""
+        if who:  # ids checked by the config (U..., W..., S...): nothing to escape
+            blocks.append(_section(f"for {who}" + (" (escalated: nobody acknowledged)" if alert.escalation else "")))
         if alert.status and not alert.thread_ts:  # a reply says it in its own words
             blocks.append(_section(f"*now:* {_esc(alert.status)}"))
         if alert.text:
@@ -293,8 +314,11 @@ class SlackNotifier:
             blocks.append(SectionBlock(fields=fields))
         if alert.commands:  # the exact commands, copyable from a phone
             blocks.append(_section("\n".join(f"`{_esc(c)}`" for c in alert.commands)))
-        if self.interactive and alert.approve_action is not None:
-            blocks.append(approval_buttons(alert.approve_action))
+        if self.interactive:
+            story = alert.thread_key if mention and self.mentions(alert) else None
+            buttons = page_buttons(alert.approve_action, story if story and STORY.fullmatch(story) else None)
+            if buttons is not None:
+                blocks.append(buttons)
         context = [f"run `{_esc(alert.run_id)}`", f"severity {alert.severity.value}"]
         if alert.incident_id is not None:
             context.append(f"incident {alert.incident_id}")
@@ -359,9 +383,24 @@ def _section(text: str) -> SectionBlock:
     return SectionBlock(text=MarkdownTextObject(text=_cut(text, _SECTION_MAX)))
 
 
-def approval_buttons(action_id: int) -> ActionsBlock:
-    """Approve / Cancel for one action. Slack posts a click to the interactivity URL
+# A story a person can acknowledge (Executor.acknowledge_page): an incident's or an action's.
+STORY = re.compile(r"(incident|action):[0-9]{1,9}")
+
+
+def page_buttons(action_id: int | None, story: str | None) -> ActionsBlock | None:
+    """Approve / Cancel for an action awaiting approval, and Acknowledge for a page (`story`:
+    "incident:42"), which stops its escalation. Slack posts a click to the interactivity URL
     (supervisor.serve.api.slack), which checks the signature and acts as the Slack user."""
+    elements = approval_buttons(action_id).elements if action_id is not None else []
+    if story is not None:
+        elements.append(ButtonElement(text="Acknowledge", action_id=ACK, value=story))
+    if not elements:
+        return None
+    return ActionsBlock(block_id=f"page:{action_id or ''}:{story or ''}", elements=elements)
+
+
+def approval_buttons(action_id: int) -> ActionsBlock:
+    """Approve / Cancel for one action."""
     return ActionsBlock(block_id=f"approval:{action_id}", elements=[
         ButtonElement(text="Approve", action_id=APPROVE, value=str(action_id), style="primary",
                       confirm=ConfirmObject(title="Approve?", text=f"Send action {action_id} to the trainer.",

@@ -111,6 +111,7 @@ class WebhookNotifier:
                 "run_id": alert.run_id, "incident_id": alert.incident_id, "severity": alert.severity.value,
                 "title": alert.title, "text": alert.text, "reasons": list(alert.reasons),
                 "fields": alert.to_json()["fields"], "commands": list(alert.commands), "status": alert.status,
+                "escalation": alert.escalation,
                 "links": [{"href": url, "text": f"run {alert.run_id} in thermowatch"}] if url else []}
 
     def send(self, alert: Alert) -> str | None:

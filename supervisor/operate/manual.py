@@ -1,5 +1,5 @@
-"""Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|silence|silences|
-unsilence|runs|actions`.
+"""Manual commands: `thermowatch rollback|skip|lr|pause|resume|stop|profile|approve|cancel|ack|silence|
+silences|unsilence|runs|actions`.
 
 They are clients of the daemon's HTTP API (supervisor.operate.client: address and token from flags,
 the environment or `thermowatch login`; no database access), and the daemon writes the same
@@ -99,6 +99,13 @@ def add_manual_commands(sub, add_client_flags: Callable, handler: Callable) -> N
         p = cmd(name, f"{name} a pending action (advise-only mode)")
         p.add_argument("action_id", type=arg_int(1, INT32_MAX))
         p.add_argument("--who", default=None)
+    p = cmd("ack", "take a page: its escalation stops (an approval it asks for still waits for its answer)")
+    p.add_argument("run_id")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--incident", type=arg_int(1, INT32_MAX), help="the incident whose page you take (the alert names it)")
+    g.add_argument("--action", type=arg_int(1, INT32_MAX), help="or the action whose page you take (a manual pause's)")
+    p.add_argument("--who", default=None)
+    p.add_argument("--reason", default="", help="what you are doing about it, for the thread and the audit trail")
     p = cmd("silence", "stop a run's signal from paging for a while (its findings still act)")
     p.add_argument("run_id")
     p.add_argument("--signal", required=True, help="the signal (loss_spike, attn_logit_growth, stall, ...) or '*' for all")
@@ -145,6 +152,15 @@ def run_manual(args: argparse.Namespace) -> int:
                                                                  "who": who, "reason": args.reason})
             print(f"silence {got['id']}: {got['signal']} of run {got['run_id']} pages no one until {got['until']} "
                   f"(its findings still act); end it with `thermowatch unsilence {got['id']}`")
+            return 0
+        if name == "ack":
+            got = api.post(f"{run_path(args.run_id)}/acknowledge", {"incident": args.incident, "action": args.action,
+                                                                    "who": who, "reason": args.reason})
+            what = f"incident {args.incident}" if args.incident is not None else f"action {args.action}"
+            if got["already"]:
+                print(f"the page for {what} was already acknowledged by {got['who']} at {got['at']}; nothing sent")
+            else:
+                print(f"you have the page for {what} of run {args.run_id}: its escalation stopped")
             return 0
         if name == "silences":
             _print(api.get(f"{run_path(args.run_id)}/silences")["silences"], args.json,

@@ -142,3 +142,36 @@ def alerts(session: Session, run_id: str | None = None, limit: int = 200) -> lis
         q = q.where(Alert.run_id == run_id)
     rows = session.execute(q.order_by(Alert.id.desc()).limit(limit)).scalars()
     return [_row(r) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPage:
+    """A story whose page nobody has answered: its first page since it was last answered or
+    resolved (`payload`, the Alert), when that was written, and whether it was escalated since."""
+
+    thread_key: str
+    run_id: str | None
+    paged_at: dt.datetime
+    payload: dict[str, Any]
+    escalated: bool
+
+
+def open_pages(session: Session, since: dt.datetime, limit: int = 20_000) -> list[OpenPage]:
+    """Stories with a page (a CRITICAL that asks a person: no acknowledge, resolve, chart or fold)
+    written since `since` and not answered (approved, acknowledged) or resolved after it, oldest
+    page first (supervisor.app.jobs.escalate). One channel's rows are enough (every channel gets
+    the same alert), but a pager takes only some, so every row is read: a few hundred a day."""
+    q = (select(Alert.thread_key, Alert.run_id, Alert.created_at, Alert.payload)
+         .where(Alert.thread_key.is_not(None), Alert.created_at >= since).order_by(Alert.id).limit(limit))
+    opened: dict[str, OpenPage] = {}
+    for key, run_id, at, payload in session.execute(q):
+        p = payload or {}
+        if p.get("story_state") in ("answered", "resolved"):
+            opened.pop(key, None)
+        elif p.get("escalation"):
+            if key in opened:
+                opened[key] = OpenPage(key, run_id, opened[key].paged_at, opened[key].payload, True)
+        elif (key not in opened and p.get("severity") == "critical" and not p.get("story_state")
+              and not p.get("chart") and not p.get("fold_count")):
+            opened[key] = OpenPage(key, run_id, at, p, False)
+    return sorted(opened.values(), key=lambda o: o.paged_at)

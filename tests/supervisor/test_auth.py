@@ -55,6 +55,7 @@ SCOPE = {
     ("POST", "/api/actions/{action_id}/cancel"): "operate",
     ("POST", "/api/runs/{run_id}/silences"): "operate",
     ("POST", "/api/silences/{silence_id}/end"): "operate",
+    ("POST", "/api/runs/{run_id}/acknowledge"): "operate",
     ("GET", "/api/runs/{run_id}/silences"): "read",
     ("GET", "/api/tokens"): "admin",
     ("POST", "/api/tokens"): "admin",
@@ -97,6 +98,7 @@ BODIES = {
     "/api/actions/{action_id}/approve": {}, "/api/actions/{action_id}/cancel": {},
     "/api/runs/{run_id}/silences": {"signal": "stall", "for_s": 60},
     "/api/silences/{silence_id}/end": {},
+    "/api/runs/{run_id}/acknowledge": {"incident": 1},
     "/api/tokens": {"name": "intruder", "scopes": ["admin"]},
 }
 

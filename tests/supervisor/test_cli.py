@@ -139,6 +139,26 @@ def test_cancel_from_the_cli(db, daemon, capsys):
     assert "cannot go from 'cancelled'" in capsys.readouterr().err
 
 
+def test_ack_takes_a_page_once_from_the_cli(db, daemon, capsys):
+    """`thermowatch ack` (issue 37): a manual pause's page taken by the token's holder, audited
+    once; the second says who had it; a story of another run or none exits 2 naming it."""
+    assert main(["pause", RUN, "--who", "x", *daemon.flags]) == 0
+    (row,) = actions(db)
+    capsys.readouterr()
+    assert main(["ack", RUN, "--action", str(row.id), "--who", "al", "--reason", "on it", *daemon.flags]) == 0
+    assert f"you have the page for action {row.id} of run {RUN}" in capsys.readouterr().out
+    assert main(["ack", RUN, "--action", str(row.id), *daemon.flags]) == 0
+    assert "already acknowledged by oncall (al)" in capsys.readouterr().out
+    with db.sessions() as s:
+        (ev,) = audit_store.events(s, RUN, "page_acknowledged")
+        assert (ev.actor, ev.detail) == ("oncall (al)", {"action_id": row.id, "reason": "on it"})
+    assert main(["ack", RUN, "--incident", "777", *daemon.flags]) == 2
+    assert f"no incident 777 in run '{RUN}'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["ack", RUN, *daemon.flags])
+    assert exc.value.code == 2 and "one of the arguments --incident --action is required" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["rollback", RUN, "--to-step", "20", "--skip", "5"], "--skip takes LO:HI"),
     (["rollback", RUN, "--to-step", "20", "--skip", "9:3"], "lo must be < hi"),

@@ -50,7 +50,7 @@ def test_the_receiver_holding_the_secret_accepts_and_one_holding_another_refuses
         "run_id": RUN, "incident_id": 3, "severity": "critical", "title": f"{RUN}: paused (non_finite)",
         "text": "a NaN loss three times", "reasons": ["rung 3: pause"],
         "fields": {"signal": "non_finite", "detect step": 90}, "commands": [f"thermowatch resume {RUN}"],
-        "status": "paused",
+        "status": "paused", "escalation": 0,
         "links": [{"href": f"https://tw.example.org/runs/{RUN}?incident=3", "text": f"run {RUN} in thermowatch"}]}
 
 

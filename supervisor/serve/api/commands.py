@@ -9,6 +9,8 @@
     POST /api/runs/{run_id}/silences            {"signal", "for_s", "who"?, "reason"?} -> 201 the silence
     GET  /api/runs/{run_id}/silences            -> {"silences": [...]} (newest first, "active" or not)
     POST /api/silences/{silence_id}/end         {"who"?}                       -> the silence, ended
+    POST /api/runs/{run_id}/acknowledge         {"incident" | "action", "who"?, "reason"?} -> who has the page
+         (a person takes a page: the pagers stop escalating it; nothing about the run changes)
 
 Scopes (supervisor.serve.guard): polling and acknowledging are the trainer's (`ingest`); submitting,
 approving and cancelling are a person's (`operate`). The actor recorded in the action and audit
@@ -47,6 +49,14 @@ class SilenceBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     signal: str = Field(description="the signal to silence (attn_logit_growth, loss_spike, stall, ...) or * for all")
     for_s: float = Field(description="seconds, more than 0 and at most a week")
+    who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
+    reason: str = Field("", max_length=2000)
+
+
+class PageAck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    incident: int | None = Field(None, ge=1, le=INT32_MAX, description="the incident whose page you take")
+    action: int | None = Field(None, ge=1, le=INT32_MAX, description="or the manual action whose page you take")
     who: str = Field("", max_length=90, description="optional: the person behind the token, recorded beside the token's name")
     reason: str = Field("", max_length=2000)
 
@@ -144,6 +154,13 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
         body = await _parse(request, Approval)
         return await call(sup.executor.unsilence, silence_id, actor(who, body.who))
 
+    @router.post("/runs/{run_id}/acknowledge")
+    async def acknowledge(run_id: str, request: Request, who: Principal = operator) -> dict:
+        """Take a page: its escalation stops; an approval it asks for still waits for its answer."""
+        body = await _parse(request, PageAck)
+        return await call(lambda: sup.executor.acknowledge_page(run_id, actor(who, body.who), incident_id=body.incident,
+                                                                action_id=body.action, reason=body.reason))
+
     from thermowatch.supervisor.serve.api import document_bodies
     from thermowatch.supervisor.serve.api.schemas import AckBody, ManualActionBody
 
@@ -152,5 +169,6 @@ def make_router(sup, *, guard: Guard) -> APIRouter:
                              ("POST", "/api/actions/{action_id}/approve"): Approval,
                              ("POST", "/api/actions/{action_id}/cancel"): Approval,
                              ("POST", "/api/runs/{run_id}/silences"): SilenceBody,
-                             ("POST", "/api/silences/{silence_id}/end"): Approval})
+                             ("POST", "/api/silences/{silence_id}/end"): Approval,
+                             ("POST", "/api/runs/{run_id}/acknowledge"): PageAck})
     return router

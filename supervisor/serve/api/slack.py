@@ -1,7 +1,9 @@
-"""Slack's interactivity callbacks: the Approve / Cancel buttons on an approval alert.
+"""Slack's interactivity callbacks: the Approve / Cancel buttons on an approval alert, and the
+Acknowledge button on a page (issue 37: it stops the page's escalation, Executor.acknowledge_page).
 
     POST /api/slack/interactions   form body `payload=<JSON>` (Slack's block_actions), signed
                                    -> 200 {"ok": true, "action_id", "event"}
+                                      (Acknowledge: {"ok": true, "story", "event", "already"})
 
 Slack holds no thermowatch token, so this route is outside the token scopes (supervisor.serve.guard)
 and trusts only Slack's request signature: HMAC-SHA256 of `v0:<timestamp>:<body>` with the app's
@@ -43,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from thermowatch.supervisor.serve.api import call
 from thermowatch.supervisor.serve.body import max_body, read_body
 from thermowatch.supervisor.decide.approvers import USER_ID, Approvers
-from thermowatch.supervisor.notify.slack import APPROVE, CANCEL
+from thermowatch.supervisor.notify.slack import ACK, APPROVE, CANCEL, STORY
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +59,18 @@ _ACTION_ID = re.compile(r"[0-9]{1,9}")
 _SIGNATURE = re.compile(r"v0=[0-9a-f]{64}")
 # What of a Slack handle goes into `who`: word characters, '.', '-' (Slack's own handle rules).
 _NOT_HANDLE = re.compile(r"[^\w.\-]")
-_VERB = {APPROVE: "approve", CANCEL: "cancel"}
+_VERB = {APPROVE: "approve", CANCEL: "cancel", ACK: "acknowledge"}
 
 
 @dataclass(frozen=True, slots=True)
 class Click:
-    """One Approve / Cancel click, from a signed block_actions payload."""
+    """One Approve / Cancel / Acknowledge click, from a signed block_actions payload."""
 
-    action_id: int
-    button: str  # APPROVE or CANCEL
+    action_id: int  # Approve / Cancel: the action; Acknowledge: the story's id
+    button: str  # APPROVE, CANCEL or ACK
     user_id: str  # Slack's member id, U... or W...: what the allow-list checks
     who: str  # for the action row, the audit trail and the thread: "slack:alice (U0ALICE)"
+    story: str = ""  # Acknowledge: "incident" or "action", the kind of story `action_id` names
 
 
 def make_router(sup, *, signing_secret: str | None, clock: Callable[[], float] | None = None,
@@ -113,12 +116,21 @@ def make_router(sup, *, signing_secret: str | None, clock: Callable[[], float] |
         click = _click(_payload(text))
         verb = _VERB[click.button]
         verdict = await run_in_threadpool(approvers.decide, click.user_id)
+        if not verdict.allowed and click.button == ACK:
+            log.warning("Slack acknowledge of %s %d by %s refused (%d): %s", click.story, click.action_id, click.who,
+                        verdict.status, verdict.why)
+            raise HTTPException(verdict.status, f"{click.who} may not acknowledge pages from Slack: {verdict.why}")
         if not verdict.allowed:
             log.warning("Slack %s of action %d by %s refused (%d): %s", verb, click.action_id, click.who,
                         verdict.status, verdict.why)
             await call(sup.executor.refuse, click.action_id, click.who, verb, verdict.why)
             raise HTTPException(verdict.status, f"{click.who} may not {verb} action {click.action_id} from Slack: "
                                                 f"{verdict.why}")
+        if click.button == ACK:
+            ident = {f"{click.story}_id": click.action_id}
+            got = await call(lambda: sup.executor.acknowledge_page(None, click.who, **ident))
+            return {"ok": True, "story": f"{click.story}:{click.action_id}", "event": "acknowledged",
+                    "already": got["already"], "who": got["who"]}
         if click.button == APPROVE:
             await call(sup.executor.approve, click.action_id, click.who)
             event = "approved"
@@ -165,9 +177,15 @@ def _click(payload: dict[str, Any]) -> Click:
     if not isinstance(actions, list) or len(actions) != 1 or not isinstance(actions[0], dict):
         raise HTTPException(400, "expected exactly one action in the Slack payload")
     button, value = actions[0].get("action_id"), actions[0].get("value")
-    if button not in (APPROVE, CANCEL):
-        raise HTTPException(400, f"unknown Slack action {_show(button)}; expected {APPROVE!r} or {CANCEL!r}")
-    if not isinstance(value, str) or not _ACTION_ID.fullmatch(value):
+    if button not in (APPROVE, CANCEL, ACK):
+        raise HTTPException(400, f"unknown Slack action {_show(button)}; expected {APPROVE!r}, {CANCEL!r} or {ACK!r}")
+    story = ""
+    if button == ACK:
+        if not isinstance(value, str) or not STORY.fullmatch(value):
+            raise HTTPException(400, "the Acknowledge button's value must be incident:<id> or action:<id> (1 to 9 "
+                                     f"ASCII digits), got {_show(value)}")
+        story, value = value.split(":")
+    elif not isinstance(value, str) or not _ACTION_ID.fullmatch(value):
         raise HTTPException(400, f"the button's value must be an action id (1 to 9 ASCII digits), got {_show(value)}")
     user = payload.get("user")
     user_id = user.get("id") if isinstance(user, dict) else None
@@ -177,7 +195,7 @@ def _click(payload: dict[str, Any]) -> Click:
     handle = user.get("username") or user.get("name")
     handle = _NOT_HANDLE.sub("", handle)[:60] if isinstance(handle, str) else ""
     who = f"slack:{handle} ({user_id})" if handle else f"slack:{user_id}"
-    return Click(int(value), button, user_id, who)
+    return Click(int(value), button, user_id, who, story)
 
 
 def _show(v: Any) -> str:
