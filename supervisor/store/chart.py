@@ -151,14 +151,24 @@ def _cuts(ranges: list[tuple[int, int, int]]) -> dict[int, int | None]:
     return out
 
 
-def _by_attempt(values: dict[int, int | None], missing: int) -> np.ndarray:
-    """{attempt: value} as an array indexed by attempt, `missing` where there is none."""
-    out = np.full(max(values, default=-1) + 1, missing, np.int64)
-    got = [(a, v) for a, v in values.items() if v is not None]
-    if got:
-        idx, vals = zip(*got)
-        out[list(idx)] = vals
-    return out
+class _ByAttempt:
+    """{attempt: value}, looked up for an array of attempt numbers (`missing` where there is
+    none) by a search in the sorted attempts. Never an array indexed by attempt: an attempt
+    number is any int32 a client sent, and one of 2^31 - 1 made a chart request allocate 16 GB
+    and hang the daemon's worker (schemathesis found it)."""
+
+    def __init__(self, values: dict[int, int | None], missing: int) -> None:
+        got = sorted((a, v) for a, v in values.items() if v is not None)
+        self.ids = np.array([a for a, _ in got], np.int64)
+        self.vals = np.array([v for _, v in got], np.int64)
+        self.missing = missing
+
+    def __getitem__(self, attempts: np.ndarray) -> np.ndarray:
+        attempts = np.asarray(attempts, np.int64)
+        if not len(self.ids):
+            return np.full(attempts.shape, self.missing, np.int64)
+        i = np.minimum(np.searchsorted(self.ids, attempts), len(self.ids) - 1)
+        return np.where(self.ids[i] == attempts, self.vals[i], self.missing)
 
 
 def _group(session, run_id, keys, sids, attempt_ids, cuts, width, bucket_steps, lo, hi, attempts) -> list[ChartSeries]:
@@ -169,12 +179,12 @@ def _group(session, run_id, keys, sids, attempt_ids, cuts, width, bucket_steps, 
         data, piece_w = data.take(keep), piece_w[keep]
     else:
         data, piece_w = _split_straddles(session, run_id, sids, width, lo, hi, cuts, data, piece_w)
-    cut_of = _by_attempt(cuts, np.iinfo(np.int64).max)
+    cut_of = _ByAttempt(cuts, np.iinfo(np.int64).max)
     abandoned = (data.step + piece_w - 1 >= cut_of[data.attempt]) if len(data) else np.zeros(0, bool)
     if attempts == "current":
         data, abandoned = data.take(~abandoned), abandoned[~abandoned]
     merged = data.reduce(bucket_steps, extra_key=abandoned.astype(np.int64))
-    gone = _abandoned_of(merged, cut_of, bucket_steps, data, abandoned)
+    gone = _abandoned_of(merged, bucket_steps, data, abandoned)
     return _series(keys, merged, gone)
 
 
@@ -187,12 +197,11 @@ def _split_straddles(session, run_id, sids, width, lo, hi, cuts, data, piece_w):
         return data, piece_w
     floors = rollups.chunk_floors(session, run_id, sids, windows)
     raw = rollups.raw_points(session, run_id, sids, [(a, floors[a], b + width - 1) for a, b in windows.items()])
-    bucket_of = _by_attempt(windows, -1)
+    bucket_of = _ByAttempt(windows, -1)
 
     def in_window(b):
-        inside = b.attempt <= len(bucket_of) - 1
-        start = np.where(inside, bucket_of[np.minimum(b.attempt, len(bucket_of) - 1)], -1)
-        return inside & (start >= 0) & (b.step >= start) & (b.step < start + width)
+        start = bucket_of[b.attempt]
+        return (start >= 0) & (b.step >= start) & (b.step < start + width)
 
     drop = in_window(data)
     raw = raw.take(in_window(raw) & (raw.step >= lo // width * width) & (raw.step <= (hi // width + 1) * width - 1))
@@ -208,7 +217,7 @@ def _split_straddles(session, run_id, sids, width, lo, hi, cuts, data, piece_w):
     return rollups.Buckets.concat([data, raw], idx), ws
 
 
-def _abandoned_of(merged, cut_of, bucket_steps, data, abandoned) -> np.ndarray:
+def _abandoned_of(merged, bucket_steps, data, abandoned) -> np.ndarray:
     """Which merged buckets came from abandoned pieces: reduce() keeps group order, so recompute
     the group key the same way (first piece of each group)."""
     if not len(data):

@@ -108,6 +108,33 @@ def test_whole_run_keeps_abandoned_attempts_and_current_drops_them(client):
     assert [x["current"] for x in cur["series"]] == [True, True] and cur["series"][0]["module"] is None
 
 
+def test_an_attempt_numbered_near_int32_max_charts_without_an_array_that_large(db):
+    """Attempt numbers are any int32 a client sends. The chart's per-attempt lookups were arrays
+    indexed by attempt: attempts 0 and 2^31 - 2 (rolled back over) made one request allocate
+    16 GB and hang the daemon's worker (schemathesis found it). Now a search in the attempts."""
+    big = 2**31 - 2
+    with db.sessions.begin() as s:
+        runs.open_attempt(s, RunInfo(RUN, 0, world_size=1))
+        runs.open_attempt(s, RunInfo(RUN, big, world_size=1))
+    with db.sessions.begin() as s:
+        thermometers.append(s, RUN, 0, _recs(0, 300, 1))
+        thermometers.append(s, RUN, big, _recs(150, 400, 1))
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
+    with TestClient(app, headers=AUTH) as c:
+        for params in ({"buckets": 1000}, {"buckets": 10}, {"step_lo": 140, "step_hi": 160, "buckets": 500}):
+            r = c.get(f"/api/runs/{RUN}/chart", params={"metric": "loss", **params})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            got = {(x["attempt"], x["current"]): sum(x["count"]) for x in body["series"]}
+            lo, hi = params.get("step_lo", 0), params.get("step_hi", 399)
+            # attempt 0's steps from 150 on were re-trained by attempt 2^31-2: abandoned, not current
+            assert got.get((0, True), 0) == len(range(lo, min(hi, 149) + 1)), (params, got)
+            assert got.get((0, False), 0) == len(range(max(lo, 150), min(hi, 299) + 1)), (params, got)
+            assert got[(big, True)] == len(range(max(lo, 150), hi + 1)), (params, got)
+
+
 def test_times_are_the_live_paths_wall_clock(db):
     """GET .../times (the page's wall-clock axis): each step's newest attempt's time, sampled
     evenly; a rolled-back stretch reads the re-training's times, not the abandoned ones."""
