@@ -420,7 +420,8 @@ class Executor:
                    f"finding at step {inc.detect_step} (approval_pause_after_steps={self._approval_pause_after}): "
                    f"paused rather than training on into the divergence; `thermowatch approve {a.id}` rolls back "
                    "and ends the pause, `thermowatch resume` trains on")
-            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, "auto", "policy", None, False)
+            # the proposal's incident: its outcome and a re-page reply in the page's thread, not a new one
+            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, "auto", "policy", a.incident_id, False)
             audit_store.audit(s, run_id, "policy", APPROVAL_PAUSE, {"for_action": a.id, "pause_action": pid,
                                                                    "step": last})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL, incident_id=a.incident_id,

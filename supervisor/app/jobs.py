@@ -312,11 +312,12 @@ def _still_open(s, page: alerts_store.OpenPage) -> bool:
 
 def _escalation(page: alerts_store.OpenPage, waited: dt.timedelta) -> Alert:
     first = Alert.from_json(page.payload)
-    minutes = max(1, int(waited.total_seconds() // 60))
+    secs = int(waited.total_seconds())
+    took = f"{secs // 60} min" if secs >= 60 else f"{secs} s"
     return dataclasses.replace(
         first, escalation=1, broadcast=True, thread=page.thread_key, thread_ts=None,
-        title=f"escalated, not acknowledged for {minutes} min: {first.title}",
-        status=f"escalated: nobody acknowledged the page for {minutes} min",
+        title=f"escalated, not acknowledged for {took}: {first.title}",
+        status=f"escalated: nobody acknowledged the page for {took}",
         commands=(*first.commands, *_ack_commands(first, page.thread_key)))
 
 
