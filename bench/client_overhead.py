@@ -36,13 +36,12 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import add_model_flags, free_port, nano_config, paired_ratios, rotating_rounds  # first: sys.path
+from tests.fixtures.nanogpt import NanoGPT
+from tests.live_server import wait_healthy
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 
-from tests.fixtures.nanogpt import NanoConfig, NanoGPT  # noqa: E402
-from tests.live_server import free_port, wait_healthy  # noqa: E402
-from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
-
-import thermowatch  # noqa: E402
+import thermowatch
 
 TOKEN = "tw_bench-client-overhead-0123456789abcdef"
 
@@ -52,11 +51,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200, help="measured steps per variant")
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_flags(ap)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (a GPU: bf16 autocast, blocks timed after a sync)")
@@ -127,9 +122,7 @@ def main() -> None:
     cuda = dev.type == "cuda"
     bf16 = args.bf16 or cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
-                     n_embd=args.d_model)
-    base = NanoGPT(cfg).to(dev)
+    base = NanoGPT(nano_config(args)).to(dev)
     # The batch is gathered on the host and copied as a loader with pin_memory does (pinned,
     # non_blocking): the same for every variant, and no copy that waits for the GPU.
     data = torch.randint(0, args.vocab, (args.data_rows, args.seq_len + 1))
@@ -196,16 +189,9 @@ def main() -> None:
             sync()
             return (time.perf_counter() - w0) / n * 1e3, (time.process_time() - c0) / n * 1e3
 
-        for name in names:
-            block(name, args.warmup)
-        wall: dict[str, list[float]] = {k: [] for k in names}
-        cpu: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(max(1, args.steps // args.block)):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
-                w, c = block(name, args.block)
-                wall[name].append(w)
-                cpu[name].append(c)
+        rounds = rotating_rounds(names, block, warmup=args.warmup, steps=args.steps, block=args.block)
+        wall = {k: [w for w, _ in v] for k, v in rounds.items()}
+        cpu = {k: [c for _, c in v] for k, v in rounds.items()}
         if args.sync_debug and cuda:
             syncs(names, lambda name: block(name, args.block))
         told = {n: (tw.th.cost, tw.th.cadence, tw.th.over_budget) for n, tw in tws.items() if tw.th is not None}
@@ -217,8 +203,7 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    ratio = {k: statistics.median(a / p for a, p in zip(wall[k], wall["plain"])) for k in names}
-    cratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
+    ratio, cratio = paired_ratios(wall), paired_ratios(cpu)
     where = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
           f"{'bf16 autocast' if bf16 else 'fp32'} on {where}, "

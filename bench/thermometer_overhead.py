@@ -34,16 +34,13 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
-from thermowatch.trainer.model import GPT, GPTConfig  # noqa: E402
+from common import add_model_flags, paired_ratios, rotating_rounds  # first: this checkout on sys.path
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
+from thermowatch.trainer.model import GPT, GPTConfig
 
 OFF = 10**9  # an interval never reached after step 0 (which falls in the warm-up)
 # Each group alone is read every step (budget=None): what it costs when read (issue 36's budget
@@ -79,11 +76,7 @@ def parse() -> argparse.Namespace:
     # median over rounds would pick one of two modes, not the average cost).
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per variant first")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_flags(ap)
     ap.add_argument("--big-vocab-batch", type=int, default=4, help="batch for vocab >= 32768 (CPU time)")
     ap.add_argument("--big-vocab-seq-len", type=int, default=64)
     # fp32 by default: on CPUs without AVX-512 BF16 (this project's AMD EPYC runners) bf16
@@ -139,18 +132,10 @@ def run_case(args: argparse.Namespace, vocab: int) -> dict:
         return (time.process_time() - c0) / n * 1e3, (time.perf_counter() - t0) / n * 1e3
 
     names = list(models)
-    for name in names:
-        run(name, args.warmup)
-    cpu: dict[str, list[float]] = {k: [] for k in names}
-    wall: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(max(1, args.steps // args.block)):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:  # rotate the order every round
-            c, w = run(name, args.block)
-            cpu[name].append(c)
-            wall[name].append(w)
-    ratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
-    wratio = {k: statistics.median(a / p for a, p in zip(wall[k], wall["plain"])) for k in names}
+    rounds = rotating_rounds(names, run, warmup=args.warmup, steps=args.steps, block=args.block)
+    cpu = {k: [c for c, _ in v] for k, v in rounds.items()}
+    wall = {k: [w for _, w in v] for k, v in rounds.items()}
+    ratio, wratio = paired_ratios(cpu), paired_ratios(wall)
     return {
         "model": f"GPT {args.layers}L d{args.d_model} h{args.heads} T{seq_len} B{batch} V{vocab} {dtype}",
         "params": base.num_params(),

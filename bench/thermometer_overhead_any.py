@@ -36,16 +36,13 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.fixtures.nanogpt import NanoConfig, NanoGPT  # noqa: E402
-from thermowatch.monitors.thermometers import ThermometerConfig, instrument  # noqa: E402
+from common import add_model_flags, nano_config, paired_ratios, rotating_rounds  # first: this checkout on sys.path
+from tests.fixtures.nanogpt import NanoGPT
+from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 
 _NEVER = 10**9  # a sampling interval no step reaches: the group is off
 _EVERY = {"budget": None}  # every group every step
@@ -65,11 +62,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100, help="measured steps per variant")
     ap.add_argument("--block", type=int, default=10, help="steps per block (a multiple of update_every)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_flags(ap)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
@@ -82,11 +75,9 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
-                     n_embd=args.d_model)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    base = NanoGPT(cfg).to(dev)
+    base = NanoGPT(nano_config(args)).to(dev)
     models, thermos, opts = {}, {}, {}
     chosen = {k: v for k, v in VARIANTS.items()
               if k == "plain" or not args.variants or k in args.variants.split(",")}
@@ -128,14 +119,8 @@ def main() -> None:
         return (clock() - c0) / n * 1e3
 
     names = list(models)
-    for name in names:
-        run(name, args.warmup)
-    cpu: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(max(1, args.steps // args.block)):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            cpu[name].append(run(name, args.block))
-    ratio = {k: statistics.median(a / p for a, p in zip(cpu[k], cpu["plain"])) for k in names}
+    cpu = rotating_rounds(names, run, warmup=args.warmup, steps=args.steps, block=args.block)
+    ratio = paired_ratios(cpu)
     some = next(iter(thermos.values()))
     found = [n for n in some.names if n.startswith("attn_logit_max/")]
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
