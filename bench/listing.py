@@ -29,7 +29,6 @@ import datetime as dt
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import free_port, new_token, repo_env, wait_up  # first: this checkout on sys.path
 
 PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 FLOOD_PER_S = 500  # runs a second the flooding token made (the report: 400-600)
@@ -189,32 +188,17 @@ def serve(url: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The read budget and gate off (supervisor.serve.api.reads): the daemon as it was before them.
 UNBOUNDED_READS = {"max_reads_per_client_per_minute": 10**9, "max_reads_in_flight": 10**6}
 
 
 class Daemon:
     def __init__(self, url: str, limits: dict | None = None) -> None:
-        self.port, self.token = _port(), "tw_" + secrets.token_urlsafe(32)
-        env = dict(os.environ, THERMOWATCH_API_TOKEN=self.token, TW_BENCH_LIMITS=json.dumps(limits or {}),
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+        self.port, self.token = free_port(), new_token()
+        env = repo_env(THERMOWATCH_API_TOKEN=self.token, TW_BENCH_LIMITS=json.dumps(limits or {}))
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(self.port)], env=env)
         self.http = self.client()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.http.get("/healthz")
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("the benchmark daemon did not start") from None
-                time.sleep(0.2)
+        wait_up(lambda: self.http.get("/healthz"), self.proc, "the benchmark daemon did not start")
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600,

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import free_port, new_token, repo_env, wait_up  # first: this checkout on sys.path
 
 PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 FAMILY = "attn_logit_max"
@@ -146,12 +145,6 @@ def serve(url: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_mb(pid: int) -> tuple[float, float]:
     """(current RSS, peak RSS since start) of a process, MB."""
     got = {}
@@ -163,21 +156,12 @@ def _rss_mb(pid: int) -> tuple[float, float]:
 
 class Daemon:
     def __init__(self, url: str) -> None:
-        self.port, token = _port(), "tw_" + secrets.token_urlsafe(32)
-        env = dict(os.environ, THERMOWATCH_API_TOKEN=token,
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(self.port)], env=env)
+        self.port, token = free_port(), new_token()
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(self.port)],
+                                     env=repo_env(THERMOWATCH_API_TOKEN=token))
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=900,
                                  headers={"Authorization": f"Bearer {token}"})
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.http.get("/api/runs").raise_for_status()
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("the benchmark daemon did not start") from None
-                time.sleep(0.2)
+        wait_up(lambda: self.http.get("/api/runs").raise_for_status(), self.proc, "the benchmark daemon did not start")
 
     def get(self, path: str, **params) -> tuple[float, bytes]:
         t = time.perf_counter()
@@ -259,8 +243,7 @@ def old_paths(url: str, run_id: str, steps: int, n_series: int, repeat: int) -> 
         js_peak = d.rss()[1]
     finally:
         d.close()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")]))
+    env = repo_env()
     times, peaks = [], []
     for _ in range(max(1, repeat // 3)):
         out = subprocess.run([sys.executable, "-c", OLD_PLOT, url, run_id, FAMILY], env=env, check=True,

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import secrets
 import statistics
 import subprocess
 import sys
@@ -34,13 +32,11 @@ from pathlib import Path
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from thermowatch.monitors.contract import RunInfo, StepRecord  # noqa: E402
-from thermowatch.monitors.thermometers import instrument  # noqa: E402
-from thermowatch.transport import HttpSink  # noqa: E402
-from thermowatch.trainer.model import GPT, GPTConfig  # noqa: E402
+from common import add_model_flags, free_port, new_token, repo_env, wait_up  # first: this checkout on sys.path
+from thermowatch.monitors.contract import RunInfo, StepRecord
+from thermowatch.monitors.thermometers import instrument
+from thermowatch.transport import HttpSink
+from thermowatch.trainer.model import GPT, GPTConfig
 
 
 class NullSink:
@@ -58,40 +54,23 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=600, help="measured steps per sink and phase")
     ap.add_argument("--block", type=int, default=20, help="steps per alternating block")
     ap.add_argument("--flush-every", type=int, default=10, help="steps per batch (HttpSink's batch_steps; the controller's flush_every_steps default)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_flags(ap, heads=False, seq_len=64)
     ap.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     return ap.parse_args()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-TOKEN = "tw_" + secrets.token_urlsafe(32)  # the daemon's admin token for this run (auth on, as deployed)
+TOKEN = new_token()  # the daemon's admin token for this run (auth on, as deployed)
 
 
 def start_daemon(data_dir: Path, port: int, cpu: int | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               THERMOWATCH_API_TOKEN=TOKEN)
+    env = repo_env(THERMOWATCH_API_TOKEN=TOKEN)
     cmd = [sys.executable, "-c", "import sys; from thermowatch.cli import main; sys.exit(main(sys.argv[1:]))",
            "serve", "--data-dir", str(data_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(data_dir / "daemon.log", "ab"),
                             preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"thermowatch serve did not start; see {data_dir / 'daemon.log'}")
-        time.sleep(0.2)
+    wait_up(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200, proc,
+            f"thermowatch serve did not start; see {data_dir / 'daemon.log'}")
+    return proc
 
 
 def main() -> None:
@@ -109,7 +88,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     data = torch.randint(0, cfg.vocab_size, (256, args.seq_len + 1))
     tmp = Path(tempfile.mkdtemp(prefix="tw-step-overhead-"))
-    port = _port()
+    port = free_port()
     (tmp / "daemon").mkdir()
     daemon = start_daemon(tmp / "daemon", port, daemon_cpu)
     # As deployed: the loop hands over each step, the sink batches (RunController, Run).
