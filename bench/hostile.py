@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
-import secrets
 import struct
 import subprocess
 import sys
@@ -43,8 +41,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import PG_URL, _port  # noqa: E402
+from common import free_port, new_token, repo_env, wait_up
+from ingest import PG_URL
 
 MB = 1 << 20
 
@@ -65,26 +63,17 @@ class Daemon:
 
     def __init__(self, url: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tw-hostile-"))
-        self.port = _port()
-        self.token = "tw_" + secrets.token_urlsafe(32)
-        env = dict(os.environ, THERMOWATCH_API_TOKEN=self.token, SLACK_SIGNING_SECRET="s" * 32,
-                   PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+        self.port = free_port()
+        self.token = new_token()
+        env = repo_env(THERMOWATCH_API_TOKEN=self.token, SLACK_SIGNING_SECRET="s" * 32)
         self.log = open(self.dir / "serve.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "thermowatch.cli", "serve", "--data-dir", str(self.dir),
                                       "--db", url, "--port", str(self.port)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{self.port}"
         self.auth = {"Authorization": f"Bearer {self.token}"}
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.base}/healthz", timeout=5).status_code in (200, 503):
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon did not start; see {self.dir / 'serve.log'}")
-            time.sleep(0.2)
+        wait_up(lambda: httpx.get(f"{self.base}/healthz", timeout=5).status_code in (200, 503), self.proc,
+                f"the daemon did not start; see {self.dir / 'serve.log'}", timeout_s=90)
 
     def close(self) -> None:
         self.proc.terminate()

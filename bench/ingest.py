@@ -28,9 +28,7 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -42,6 +40,8 @@ from typing import Iterator
 
 import httpx
 import numpy as np
+
+from common import free_port, new_token, repo_env, wait_up
 
 PG_URL = os.environ.get("THERMOWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -82,12 +82,6 @@ def serve(url: str, port: int, mode: str = "daemon") -> None:
         guard = Guard(Authenticator(sessions, config_token=os.environ["THERMOWATCH_API_TOKEN"]))
         app.include_router(make_router(Ingestor(sessions), guard=guard))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keys(n: int) -> list[str]:
@@ -133,23 +127,15 @@ def _content_type(body: bytes) -> str:
 def running_daemon(url: str, mode: str = "daemon", run_id: str = "bench") -> Iterator[tuple[httpx.Client, int]]:
     """`serve` in a subprocess on a free port, auth on with a fresh admin token; yields a client
     holding that token, once attempt 0 of `run_id` is open, and the daemon's pid. Stops it after."""
-    port = _port()
-    token = "tw_" + secrets.token_urlsafe(32)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-               THERMOWATCH_API_TOKEN=token)
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port), mode], env=env)
+    port = free_port()
+    token = new_token()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", url, str(port), mode],
+                            env=repo_env(THERMOWATCH_API_TOKEN=token))
     try:
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=600, headers={"Authorization": f"Bearer {token}"}) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    c.post("/api/runs", json={"run_id": run_id, "attempt": 0, "world_size": 8}).raise_for_status()
-                    break
-                except httpx.TransportError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError("benchmark server did not start")
-                    time.sleep(0.1)
+            wait_up(lambda: c.post("/api/runs", json={"run_id": run_id, "attempt": 0, "world_size": 8}).raise_for_status(),
+                    proc, "benchmark server did not start", timeout_s=60, every_s=0.1)
             yield c, proc.pid
     finally:
         proc.terminate()
