@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 # --- metric names (DESIGN.md, "Metric names") ------------------------------------------------
 
@@ -476,6 +476,7 @@ def _req_int(obj: Mapping[str, Any], name: str, lo: int, hi: int, default: Any =
 # --- seams --------------------------------------------------------------------------------------
 
 
+@runtime_checkable  # tests/client/test_sinks.py holds every sink to it
 class RecordSink(Protocol):
     """Where the run controller sends what it measured. The supervisor's ingest implements it
     in-process (embedded mode) and over HTTP (cluster mode)."""
@@ -494,6 +495,13 @@ class RecordSink(Protocol):
     def finish_run(self, run_id: str, attempt: int, finished: RunFinished) -> None:
         """The attempt ended of its own accord (the loop closed, the steps were trained, a stop
         was obeyed): the run reads "finished" with its final loss. Sent once, before close()."""
+        ...
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Hand on everything written so far now and wait until it is taken (stored, posted or
+        spooled), `timeout` seconds at most (None: no limit; 0: start, do not wait); False if it
+        was not. The barrier before a checkpoint and before an ack: the supervisor sees the steps
+        trained before either. A sink that stores as it is called returns True at once."""
         ...
 
     def close(self) -> None: ...

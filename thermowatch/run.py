@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from thermowatch.monitors.contract import (Ack, CheckpointInfo, Command, LRChange, Rollback, RunFinished, RunInfo,
-                                          SampleRange, SetLR, Skip, StepRecord, ledger_digest, merge_ranges,
+from thermowatch.monitors.contract import (Ack, CheckpointInfo, Command, LRChange, RecordSink, Rollback, RunFinished,
+                                          RunInfo, SampleRange, SetLR, Skip, StepRecord, ledger_digest, merge_ranges,
                                           multiplier_at)
 from thermowatch.monitors.names import check_run_id
 from thermowatch.monitors.settings import check_number
@@ -99,10 +99,11 @@ class Run:
         if self.server:
             from thermowatch.transport import HttpCommandChannel, HttpSink
 
-            self._sink: Any = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s,
-                                       close_timeout=close_timeout_s)
+            http = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s,
+                            close_timeout=close_timeout_s)
+            self._sink: RecordSink = http
             self._channel: Any = HttpCommandChannel(self.server, token=token)
-            self._closers: list[Callable[[], None]] = [lambda: self._sink.close(self._time_left() + IO_RESERVE_S),
+            self._closers: list[Callable[[], None]] = [lambda: http.close(self._time_left() + IO_RESERVE_S),
                                                        self._channel.close]
         else:
             from thermowatch.supervisor.app.config import SupervisorConfig
@@ -271,8 +272,7 @@ class Run:
                     self._cv.wait(left)
             finally:
                 self._flushing -= 1
-        drain = getattr(self._sink, "drain", None)
-        return drain(timeout) if drain else True
+        return self._sink.drain(timeout)
 
     def finish(self, timeout: float | None = None, *, final_step: int | None = None,
                final_loss: float | None = None, reason: str | None = None) -> None:
@@ -449,13 +449,10 @@ class Run:
     def _drain_sink(self, timeout: float) -> bool:
         """The sink's drain(timeout), ended early by finish()'s deadline (in slices: a drain begun
         before finish() does not know of it)."""
-        drain = getattr(self._sink, "drain", None)
-        if drain is None:
-            return True
         end = time.monotonic() + timeout
         while True:
             left = min(end - time.monotonic(), self._time_left())
-            if drain(max(0.0, min(left, 0.05))):
+            if self._sink.drain(max(0.0, min(left, 0.05))):
                 return True
             if left <= 0.05:
                 return False

@@ -46,7 +46,8 @@ import httpx
 
 from thermowatch.monitors.columns import COLUMNS_CONTENT_TYPE, StepColumns
 from thermowatch.monitors.contract import (
-    INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RunFinished, RunInfo, StepRecord, dumps, loads,
+    INT32_MAX, Ack, CheckpointInfo, Command, ContractError, RecordSink, RunFinished, RunInfo, StepRecord, dumps,
+    loads,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.spool import Tail
@@ -530,7 +531,7 @@ class Batched:
 
     batches_records = True
 
-    def __init__(self, sink: Any, every_steps: int = 10, every_s: float = 1.0, max_held: int = 100_000) -> None:
+    def __init__(self, sink: RecordSink, every_steps: int = 10, every_s: float = 1.0, max_held: int = 100_000) -> None:
         self.sink, self.every_steps, self.every_s, self.max_held = sink, every_steps, every_s, max_held
         self._held: list[tuple[str, int, StepRecord]] = []  # (run, attempt, step): a retry keeps its attempt
         self._since = time.monotonic()
@@ -572,6 +573,11 @@ class Batched:
     def finish_run(self, run_id: str, attempt: int, finished: RunFinished) -> None:
         self.drain()
         self.sink.finish_run(run_id, attempt, finished)
+
+    def close(self) -> None:
+        """Write what waits. The inner sink stays open: whoever made it closes it (the embedded
+        Supervisor serves more than this loop)."""
+        self.drain()
 
 
 class _Unreachable(Exception):
