@@ -61,7 +61,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,8 +68,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, free_port  # first: this checkout on sys.path
 
 KINDS = ("plain", "hf", "lightning", "run", "ddp", "fsdp2")
 SCENARIOS = ("poisoned", "lr")
@@ -677,12 +675,6 @@ def child(args) -> None:
 
 
 # --- the parent: run each, read what happened ---------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(kind: str, scenario: str, mode: str, precise: bool, root: Path, floor_ms: float, timeout: float) -> dict:

@@ -23,22 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import secrets
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.fakes.slack_server import FakeSlack  # noqa: E402
+from common import free_port, new_token, repo_env  # first: this checkout on sys.path
+from tests.fakes.slack_server import FakeSlack
 
 SUPERVISOR = """
 data_dir: {data}
@@ -61,20 +57,13 @@ flush_every_steps: 2
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(a: argparse.Namespace, outage: bool) -> dict:
     """One supervised run; with `outage`, Slack misbehaves from the start as the docstring says.
     Returns the steps' wall times, the alert rows and what the fake Slack received."""
     tmp = Path(tempfile.mkdtemp(prefix="tw-slack-outage-"))
-    port = _port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           # auth on, as deployed: the daemon's admin token, which `train --supervisor` also sends
-           "THERMOWATCH_API_TOKEN": "tw_" + secrets.token_urlsafe(32)}
+    port = free_port()
+    # auth on, as deployed: the daemon's admin token, which `train --supervisor` also sends
+    env = repo_env(PYTHONUNBUFFERED="1", THERMOWATCH_API_TOKEN=new_token())
     cli = [sys.executable, "-m", "thermowatch.cli"]
     with FakeSlack() as slack:
         env["SLACK_BOT_TOKEN"] = slack.token
