@@ -27,8 +27,10 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.fakes.served import ServedFake
 
 ROUTING_KEY = "R0UTINGKEY0123456789ABCDEFGHIJKL"  # 32 characters, as PagerDuty's integration keys
 _SEVERITIES = {"critical", "error", "warning", "info"}
@@ -56,14 +58,13 @@ class Incident:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-class _Server:
+class _Server(ServedFake):
     path = "/"
 
     def __init__(self) -> None:
         self.requests: list[Received] = []
         self._lock = threading.Lock()
         self._failures: list[int] = []
-        self._server: ThreadingHTTPServer | None = None
 
     def fail_next(self, status: int, calls: int = 1) -> None:
         with self._lock:
@@ -75,7 +76,7 @@ class _Server:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self):
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -100,22 +101,7 @@ class _Server:
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        return Handler
 
     def _answer(self, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, Any]]:
         raise NotImplementedError

@@ -23,11 +23,13 @@ import itertools
 import json
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Iterator
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+
+from tests.fakes.served import ServedFake
 
 BOT = {"user_id": "U0THERMO", "bot_id": "B0THERMO", "team_id": "T0FAKE"}
 
@@ -53,7 +55,7 @@ class Upload:
     shared: bool = False
 
 
-class FakeSlack:
+class FakeSlack(ServedFake):
     """`auth.test`, `chat.postMessage` (threads: `thread_ts`, `reply_broadcast`), `chat.update`,
     `usergroups.users.list` and the upload trio of files_upload_v2, with switches for failures."""
 
@@ -76,8 +78,6 @@ class FakeSlack:
         self.uploads: dict[str, Upload] = {}  # file id -> what was announced, POSTed and shared
         self._upload_failures = 0
         self._file_ids = itertools.count(1)
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     # --- switches -------------------------------------------------------------------------
 
@@ -119,7 +119,9 @@ class FakeSlack:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/api/"  # slack-sdk appends the method name
 
-    def start(self) -> "FakeSlack":
+    thread_name = "fake-slack"
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -132,24 +134,7 @@ class FakeSlack:
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass  # quiet in test output
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="fake-slack", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> "FakeSlack":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        return Handler
 
     # --- queries for tests ------------------------------------------------------------------
 

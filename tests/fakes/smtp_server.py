@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from email import policy
 from email.message import EmailMessage
 from email.parser import BytesParser
-from typing import Any
+from tests.fakes.served import ServedFake
 
 
 @dataclass
@@ -35,14 +35,15 @@ class Mail:
         return self.message.get_content()
 
 
-class FakeSMTP:
+class FakeSMTP(ServedFake):
+    server_class = socketserver.ThreadingTCPServer
+
     def __init__(self, users: dict[str, str] | None = None) -> None:
         self.users = users or {}
         self.mails: list[Mail] = []
         self.logins: list[str] = []
         self._failures: list[int] = []
         self._lock = threading.Lock()
-        self._server: socketserver.ThreadingTCPServer | None = None
 
     @property
     def port(self) -> int:
@@ -53,7 +54,7 @@ class FakeSMTP:
         with self._lock:
             self._failures += [code] * calls
 
-    def start(self) -> "FakeSMTP":
+    def _handler(self) -> type[socketserver.StreamRequestHandler]:
         fake = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -143,22 +144,7 @@ class FakeSMTP:
                 self.reply("235 2.7.0 Authentication successful")
                 return True
 
-        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> "FakeSMTP":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        return Handler
 
 
 def _address(arg: str) -> str:
