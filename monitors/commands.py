@@ -240,7 +240,18 @@ def multiplier_at(step: int, changes: Sequence[LRChange]) -> float:
 # --- commands (supervisor -> run controller) ---------------------------------------------------
 
 
-class CommandKind(str, enum.Enum):
+class Word(str, enum.Enum):
+    """A stored word with a closed vocabulary: compares equal to its value, and formats and
+    prints as it (an f-string of a plain str mixin prints "ActionState.DONE" on Python 3.11+)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class CommandKind(Word):
     PAUSE = "pause"
     RESUME = "resume"
     ROLLBACK = "rollback"
@@ -518,20 +529,46 @@ class Command:
 
 BISECT_OUTCOMES = ("narrowed", "inseparable", "budget")
 
-# An action's life (the command queue's rows, supervisor/store/actions.py): its states and the
-# moves between them. One vocabulary for the store, the executor, the API and the CLI's `--wait`.
-ACTION_STATES = ("pending", "sent", "acked", "done", "failed", "cancelled", "expired")
-ACTION_TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"sent", "failed", "cancelled", "expired"}),
-    "sent": frozenset({"acked", "failed", "pending", "expired"}),  # sent -> pending: redeliver after a lost poll
-    "acked": frozenset({"done", "failed", "expired"}),
-    "done": frozenset(),
-    "failed": frozenset(),
-    "cancelled": frozenset(),
-    "expired": frozenset(),
+class ActionState(Word):
+    """An action's life (the command queue's rows, supervisor/store/actions.py), one vocabulary
+    for the store, the executor, the API, the page and the CLI's `--wait`:
+    pending -> sent -> acked -> done, or failed / cancelled / expired on the way."""
+
+    PENDING = "pending"  # waiting to be polled (or for a person's approval: requires_approval)
+    SENT = "sent"  # in a poll's answer, not yet acknowledged
+    ACKED = "acked"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def next_states(self) -> frozenset["ActionState"]:
+        return _ACTION_MOVES[self]
+
+    @property
+    def is_final(self) -> bool:
+        return not _ACTION_MOVES[self]
+
+
+_ACTION_MOVES: dict[ActionState, frozenset[ActionState]] = {
+    ActionState.PENDING: frozenset({ActionState.SENT, ActionState.FAILED, ActionState.CANCELLED, ActionState.EXPIRED}),
+    # sent -> pending: redelivered after a lost poll answer
+    ActionState.SENT: frozenset({ActionState.ACKED, ActionState.FAILED, ActionState.PENDING, ActionState.EXPIRED}),
+    ActionState.ACKED: frozenset({ActionState.DONE, ActionState.FAILED, ActionState.EXPIRED}),
+    ActionState.DONE: frozenset(), ActionState.FAILED: frozenset(), ActionState.CANCELLED: frozenset(),
+    ActionState.EXPIRED: frozenset(),
 }
-FINAL_STATES = tuple(s for s, nxt in ACTION_TRANSITIONS.items() if not nxt)
-OPEN_STATES = ("pending", "sent", "acked")
+ACTION_STATES = tuple(ActionState)
+FINAL_STATES = tuple(x for x in ActionState if x.is_final)
+OPEN_STATES = tuple(x for x in ActionState if not x.is_final)
+
+
+class ActionOrigin(Word):
+    """Who decided an action: the policy (`auto`) or a person (`manual`: the CLI, the API, the page)."""
+
+    AUTO = "auto"
+    MANUAL = "manual"
 
 
 @dataclass(frozen=True, slots=True)

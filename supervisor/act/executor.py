@@ -28,7 +28,7 @@ from typing import Any, Callable
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from thermowatch.monitors.commands import FINAL_STATES, MAX_PAUSE_REASON
+from thermowatch.monitors.commands import MAX_PAUSE_REASON, ActionOrigin, ActionState
 from thermowatch.monitors.contract import (
     Ack,
     Command,
@@ -145,7 +145,7 @@ class Executor:
         if fin is not None:  # the judge caught up after the run's last step: nothing to act on
             reasons.append(f"the run had finished ({fin.reason.value} at step {fin.step}): no action written")
         if body is not None:
-            ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), "auto", "policy", incident_id, needs_ok))
+            ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), ActionOrigin.AUTO, "policy", incident_id, needs_ok))
         audit_store.audit(s, run_id, "policy", "decision", {
             "incident_id": incident_id, "finding": finding.to_json(), "decision": decision.kind.value,
             "rung": decision.rung, "reasons": reasons, "actions": ids,
@@ -220,7 +220,7 @@ class Executor:
             except ContractError as exc:
                 raise UserError(str(exc)) from None
             feasibility.check(s, run_id, body)
-            action_id = self._enqueue(s, run_id, body, reason or "manual", "manual", who, None, False)
+            action_id = self._enqueue(s, run_id, body, reason or "manual", ActionOrigin.MANUAL, who, None, False)
             if body.kind in (CommandKind.ROLLBACK, CommandKind.SET_LR):
                 self._supersede(s, run_id, action_id, who, body)
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.INFO,
@@ -240,10 +240,10 @@ class Executor:
         open_now = actions_store.open_actions(s, run_id)
         for inc in incidents_store.open_incidents(s, run_id):
             mine = [a for a in open_now if a.incident_id == inc.id]
-            if any(not (a.state == "pending" and a.requires_approval) for a in mine):
+            if any(not (a.state is ActionState.PENDING and a.requires_approval) for a in mine):
                 continue
             for a in mine:
-                actions_store.set_action_state(s, a.id, "cancelled", error=f"superseded by {by}")
+                actions_store.set_action_state(s, a.id, ActionState.CANCELLED, error=f"superseded by {by}")
             incidents_store.resolve_incident(s, inc.id, f"superseded by {by}")
             audit_store.audit(s, run_id, who, "superseded", {"incident_id": inc.id, "by_action": action_id,
                                                             "cancelled": [a.id for a in mine]})
@@ -261,7 +261,7 @@ class Executor:
             if fin is not None:
                 raise actions_store.ActionStateError(f"action {action_id} cannot be approved: "
                                                      + ended_words(row.run_id, fin))
-            said = self._rederive(s, row) if row is not None and row.kind == "rollback" else None
+            said = self._rederive(s, row) if row is not None and row.kind is CommandKind.ROLLBACK else None
             actions_store.approve_action(s, action_id, who)
             return said
 
@@ -291,13 +291,13 @@ class Executor:
         for a Slack button clicked on a question someone else already answered."""
         def change(s: Session) -> None:
             row = actions_store.get_action(s, action_id)
-            if only_awaiting_approval and row is not None and not (row.state == "pending" and row.requires_approval):
+            if only_awaiting_approval and row is not None and not (row.state is ActionState.PENDING and row.requires_approval):
                 raise actions_store.ActionStateError(
                     f"action {action_id} no longer awaits approval (it is {row.state}"
                     f"{', approved by ' + row.who if row.state == 'pending' else ''}); "
                     f"`thermowatch cancel {action_id}` cancels it anyway")
-            actions_store.set_action_state(s, action_id, "cancelled")
-            if row is not None and row.origin == "auto":
+            actions_store.set_action_state(s, action_id, ActionState.CANCELLED)
+            if row is not None and row.origin is ActionOrigin.AUTO:
                 cancelled.append(row.run_id)
                 if row.incident_id is not None:  # declined: an open incident would keep later checkpoints unhealthy
                     incidents_store.resolve_incident(s, row.incident_id, f"declined by {who} (action {action_id} "
@@ -371,7 +371,7 @@ class Executor:
             if self._pause_for_approval(s, run_id, opened):
                 opened = actions_store.open_actions(s, run_id)  # with the pause it wrote
             for a in opened:
-                if a.state == "sent":
+                if a.state is ActionState.SENT:
                     last = max(a.updated_at, resent.get(a.id, a.updated_at))
                     if now - last >= self._redeliver:
                         try:
@@ -384,14 +384,14 @@ class Executor:
                         last = now
                     still[a.id] = last
                     continue
-                if a.state != "pending" or a.requires_approval:
+                if a.state is not ActionState.PENDING or a.requires_approval:
                     continue
                 try:
                     cmd = Command(id=a.id, body=parse_command(a.kind, a.args))
                 except ContractError as exc:
                     bad.append((a, str(exc)))
                     continue
-                actions_store.set_action_state(s, a.id, "sent")
+                actions_store.set_action_state(s, a.id, ActionState.SENT)
                 out.append(cmd)
         self._resent[run_id] = still
         for a, why in bad:
@@ -406,8 +406,9 @@ class Executor:
         if self._approval_pause_after is None:
             return False
         waiting = [a for a in opened
-                   if a.state == "pending" and a.requires_approval and a.origin == "auto" and a.incident_id]
-        if not waiting or any(a.kind == "pause" and a.state in ("pending", "sent") and not a.requires_approval
+                   if a.state is ActionState.PENDING and a.requires_approval and a.origin is ActionOrigin.AUTO and a.incident_id]
+        if not waiting or any(a.kind is CommandKind.PAUSE and a.state in (ActionState.PENDING, ActionState.SENT)
+                              and not a.requires_approval
                               for a in opened):
             return False
         last = thermo_store.latest_step(s, run_id)
@@ -421,7 +422,7 @@ class Executor:
                    f"paused rather than training on into the divergence; `thermowatch approve {a.id}` rolls back "
                    "and ends the pause, `thermowatch resume` trains on")
             # the proposal's incident: its outcome and a re-page reply in the page's thread, not a new one
-            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, "auto", "policy", a.incident_id, False)
+            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, ActionOrigin.AUTO, "policy", a.incident_id, False)
             audit_store.audit(s, run_id, "policy", APPROVAL_PAUSE, {"for_action": a.id, "pause_action": pid,
                                                                    "step": last})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL, incident_id=a.incident_id,
@@ -440,7 +441,7 @@ class Executor:
                 row = actions_store.get_action(s, ack.command_id)
                 if row is None or row.run_id != run_id:
                     raise NotFound(f"run {run_id!r} has no action {ack.command_id}")
-                if row.state in FINAL_STATES:
+                if row.state.is_final:
                     log.info("action %s already %s; duplicate ack ignored", row.id, row.state)
                     return
                 if row.requires_approval:
@@ -448,7 +449,7 @@ class Executor:
                                    f"an acknowledgement for it cannot be right")
                 result = ack.to_json()
                 if not ack.ok:
-                    actions_store.set_action_state(s, row.id, "failed", error=ack.detail or "the trainer refused it",
+                    actions_store.set_action_state(s, row.id, ActionState.FAILED, error=ack.detail or "the trainer refused it",
                                                    result=result)
                     audit_store.audit(s, run_id, actor, "failed", {"action_id": row.id, "detail": ack.detail})
                     self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
@@ -457,11 +458,11 @@ class Executor:
                                             incident_id=row.incident_id, thread=_thread(row.id, row.incident_id),
                                             broadcast=True, status=f"{row.kind} (action {row.id}) FAILED"))
                 else:
-                    if row.state == "pending":  # acked before we saw our own `sent` commit (in-process race)
-                        actions_store.set_action_state(s, row.id, "sent")
-                    actions_store.set_action_state(s, row.id, "acked", ack_step=ack.step, result=result)
+                    if row.state is ActionState.PENDING:  # acked before we saw our own `sent` commit (in-process race)
+                        actions_store.set_action_state(s, row.id, ActionState.SENT)
+                    actions_store.set_action_state(s, row.id, ActionState.ACKED, ack_step=ack.step, result=result)
                     rollback_to, resolved = self._book(s, run_id, row, ack)
-                    actions_store.set_action_state(s, row.id, "done")
+                    actions_store.set_action_state(s, row.id, ActionState.DONE)
                     self._queue_alert(s, _done_alert(run_id, row, ack, result, resolved))
                     audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
                                                                "detail": ack.detail})
@@ -478,9 +479,9 @@ class Executor:
         no such open action of this run."""
         with self._session.begin() as s:
             row = actions_store.get_action(s, action_id)
-            if row is None or row.run_id != run_id or row.state in FINAL_STATES:
+            if row is None or row.run_id != run_id or row.state.is_final:
                 return False
-            actions_store.set_action_state(s, action_id, "failed", error=why, result=result)
+            actions_store.set_action_state(s, action_id, ActionState.FAILED, error=why, result=result)
             audit_store.audit(s, run_id, "supervisor", "failed", {"action_id": action_id, "detail": why})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL,
                                     title=f"{run_id}: {row.kind} (action {action_id}) FAILED", text=why,
@@ -505,9 +506,9 @@ class Executor:
             lr_store.add_lr_change(s, run_id, change.multiplier, change.start_step, change.steps, action_id=row.id,
                                    rewarmup_steps=change.rewarmup_steps, seq=seq)
         resolved = False
-        if row.incident_id is not None and row.kind in ("rollback", "set_lr", "skip"):
+        if row.incident_id is not None and row.kind in (CommandKind.ROLLBACK, CommandKind.SET_LR, CommandKind.SKIP):
             resolved = incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
-        if row.kind == "rollback":
+        if row.kind is CommandKind.ROLLBACK:
             # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
             # they belong to the trajectory left behind and are never a target again.
             ckpt_store.distrust_from(s, run_id, ack.step)
@@ -554,7 +555,7 @@ class Executor:
                     finished[a.run_id] = ended(s, a.run_id)
                 why = self._expiry_reason(a, finished[a.run_id], now)
                 if why is not None:
-                    actions_store.set_action_state(s, a.id, "expired", error=why)
+                    actions_store.set_action_state(s, a.id, ActionState.EXPIRED, error=why)
                     audit_store.audit(s, a.run_id, "supervisor", "expired", {"action_id": a.id, "why": why})
                     failed.append(a.id)
                     self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.INFO,
@@ -562,14 +563,14 @@ class Executor:
                                                incident_id=a.incident_id, thread=_thread(a.id, a.incident_id),
                                                status=f"{a.kind} (action {a.id}) expired, never carried out"))
                     continue
-                if a.state != "sent" or a.updated_at + self._ack_timeout > now:
+                if a.state is not ActionState.SENT or a.updated_at + self._ack_timeout > now:
                     continue
                 if a.attempts <= self._ack_retries:
-                    actions_store.set_action_state(s, a.id, "pending")
+                    actions_store.set_action_state(s, a.id, ActionState.PENDING)
                     audit_store.audit(s, a.run_id, "supervisor", "redeliver", {"action_id": a.id,
                                                                                "attempts": a.attempts})
                 else:
-                    actions_store.set_action_state(s, a.id, "failed", error="no acknowledgement from the trainer")
+                    actions_store.set_action_state(s, a.id, ActionState.FAILED, error="no acknowledgement from the trainer")
                     failed.append(a.id)
                     self._queue_alert(s, Alert(run_id=a.run_id, severity=Severity.CRITICAL,
                                             title=f"{a.run_id}: {a.kind} (action {a.id}) was never acknowledged",
@@ -582,7 +583,7 @@ class Executor:
     def _expiry_reason(self, a: actions_store.ActionRow, fin: RunFinished | None, now: dt.datetime) -> str | None:
         if fin is not None:
             return f"the run finished ({fin.reason.value} at step {fin.step}) before the trainer carried it out"
-        if a.state == "acked":
+        if a.state is ActionState.ACKED:
             return None  # the trainer has it: done or failed follows from its own ack
         seen = self._last_poll.get(a.run_id, self._started)  # a poll is never older than the daemon
         if now - seen < self._expiry or now - a.created_at < self._expiry:
@@ -721,7 +722,7 @@ def _thread(action_id: int, incident_id: int | None) -> str | None:
 def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dict[str, Any],
                 resolved: bool) -> Alert:
     """The reply that says what the trainer really did, from its typed ack (supervisor.act.outcome)."""
-    o = outcome(dataclasses.replace(row, state="done", result=result, ack_step=ack.step))
+    o = outcome(dataclasses.replace(row, state=ActionState.DONE, result=result, ack_step=ack.step))
     lines = details(o, first_step=False)  # the title's summary says the first step trained
     if resolved:
         lines.append(f"incident {row.incident_id} resolved")

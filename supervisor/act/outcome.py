@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from thermowatch.monitors.commands import ActionState, CommandKind
 from thermowatch.monitors.contract import Ack, ContractError
+
+# The final states that did not do what was asked: their error says why.
+_NOT_DONE = (ActionState.FAILED, ActionState.EXPIRED, ActionState.CANCELLED)
 
 
 def outcome(row) -> dict[str, Any]:
@@ -24,7 +28,7 @@ def outcome(row) -> dict[str, Any]:
             ack = None
     args = dict(row.args)
     return {
-        "action_id": row.id, "kind": row.kind, "state": row.state, "args": args,
+        "action_id": row.id, "kind": CommandKind(row.kind), "state": ActionState(row.state), "args": args,
         "checkpoint_step": ack.checkpoint_step if ack else None,
         "checkpoint_path": ack.checkpoint_path if ack else None,
         "first_step": ack.step if ack else row.ack_step,
@@ -50,12 +54,13 @@ def _requested_lr(args: dict[str, Any]) -> str | None:
 
 def render(o: dict[str, Any]) -> str:
     """Human lines for one outcome."""
-    head = f"action {o['action_id']}: {o['kind']} {o['state']}"
-    if o["state"] not in ("done", "failed", "expired"):
+    state = ActionState(o["state"])
+    head = f"action {o['action_id']}: {o['kind']} {state}"
+    if not state.is_final:
         return head + " (no acknowledgement yet; `thermowatch actions RUN` shows it later)"
     lines = [head + (f": {o['detail']}" if o["detail"] else "")]
-    if o["state"] in ("failed", "expired"):
-        lines.append(f"  error: {o['error'] or o['detail']}")
+    if state in _NOT_DONE:  # (a cancelled action was shown as "no acknowledgement yet", issue 38)
+        lines.append(f"  error: {o['error'] or o['detail'] or 'no reason given'}")
         return "\n".join(lines)
     return "\n".join(lines + [f"  {line}" for line in details(o)])
 
@@ -66,7 +71,7 @@ def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
     lines = []
     if o["checkpoint_step"] is not None:
         lines.append(f"checkpoint loaded: step {o['checkpoint_step']} ({o['checkpoint_path']})")
-    if first_step and o["first_step"] is not None and o["kind"] != "stop":
+    if first_step and o["first_step"] is not None and o["kind"] != CommandKind.STOP:
         lines.append(f"first step trained: {o['first_step']}")
     if o["effective_lr_multiplier"] is not None:
         asked = f" (asked {o['requested_lr']})" if o["requested_lr"] else ""
@@ -83,14 +88,14 @@ def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
 def summary(o: dict[str, Any]) -> str:
     """One line of what the trainer really did, for a Slack reply or a status line:
     "rolled back to checkpoint 20, first step trained 21, LR x0.5, skipped [1280, 1344)"."""
-    if o["state"] in ("failed", "expired"):
+    if ActionState(o["state"]) in _NOT_DONE:
         return f"{o['kind']} {o['state']}: {o['error'] or o['detail'] or 'no reason given'}"
     parts = []
     if o["checkpoint_step"] is not None:
         parts.append(f"rolled back to checkpoint {o['checkpoint_step']}")
-    elif o["kind"] != "rollback":
+    elif o["kind"] != CommandKind.ROLLBACK:
         parts.append(o["kind"].replace("_", " ") + " applied")
-    if o["first_step"] is not None and o["kind"] != "stop":
+    if o["first_step"] is not None and o["kind"] != CommandKind.STOP:
         parts.append(f"first step trained {o['first_step']}")
     if o["effective_lr_multiplier"] is not None:
         parts.append(f"LR x{o['effective_lr_multiplier']:g}")

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.columns import StepColumns
+from thermowatch.monitors.commands import ActionOrigin, ActionState, CommandKind
 from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Signal
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.supervisor.judge.bank_process import BankProcess, RemoteBank
@@ -259,7 +260,7 @@ class Responder:
             # Only the supervisor's own actions in flight hold a decision back; a person's pending
             # command (a profile, a pause) must not swallow a divergence found meanwhile.
             in_flight = [a for a in actions_store.open_actions(s, run_id)
-                         if a.state in ("pending", "sent") and a.origin == "auto"]
+                         if a.state in (ActionState.PENDING, ActionState.SENT) and a.origin is ActionOrigin.AUTO]
             if in_flight and in_flight[0].incident_id is not None:
                 # One divergence trips several detectors (logits, then loss, then grad norm):
                 # while its repair is on the way, later findings join that incident.
@@ -306,14 +307,14 @@ class Responder:
                 module=inc.module if inc else "",
                 step=inc.detect_step if inc else (a.ack_step or 0),
                 time=a.created_at.timestamp() if a.created_at else self._clock(),
-                ok=a.state != "failed",
-                automatic=a.origin == "auto",
-                target_step=a.args.get("to_step") if a.kind == "rollback" else None,
+                ok=a.state is not ActionState.FAILED,
+                automatic=a.origin is ActionOrigin.AUTO,
+                target_step=a.args.get("to_step") if a.kind is CommandKind.ROLLBACK else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
-                skipped=a.kind == "rollback" and bool(a.args.get("skip_ranges")),
+                skipped=a.kind is CommandKind.ROLLBACK and bool(a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.
-                first_step=a.ack_step if a.state in ("acked", "done") else None,
+                first_step=a.ack_step if a.state in (ActionState.ACKED, ActionState.DONE) else None,
                 attempt=attempts.get(a.incident_id) if a.incident_id else None,
                 seq=a.id,
             ))
@@ -336,18 +337,19 @@ class Responder:
 def _paused(rows: Sequence[actions_store.ActionRow]) -> bool:
     """The newest pause, resume, rollback or stop the trainer carried out was a pause (rows: newest
     first; a rollback ends a pause: issue 35)."""
-    done = next((a for a in rows if a.kind in actions_store.DIRECTING and a.state in ("acked", "done")), None)
-    return done is not None and done.kind == "pause"
+    done = next((a for a in rows if a.kind in actions_store.DIRECTING
+                 and a.state in (ActionState.ACKED, ActionState.DONE)), None)
+    return done is not None and done.kind is CommandKind.PAUSE
 
 
 def _failed_and_unattended(rows: Sequence[actions_store.ActionRow]) -> bool:
     """The newest automatic action failed and no human has acted since: the run is not in the
     state the supervisor believes, so the policy pauses (rung 3). Any manual command after the
     failure (a resume, a rollback by hand) means a human has taken over and clears it."""
-    newest_auto = next((a for a in rows if a.origin == "auto"), None)  # rows: newest first
-    if newest_auto is None or newest_auto.state != "failed":
+    newest_auto = next((a for a in rows if a.origin is ActionOrigin.AUTO), None)  # rows: newest first
+    if newest_auto is None or newest_auto.state is not ActionState.FAILED:
         return False
-    return not any(a.origin == "manual" and a.id > newest_auto.id for a in rows)
+    return not any(a.origin is ActionOrigin.MANUAL and a.id > newest_auto.id for a in rows)
 
 
 def _decision_kind(action_kind: str) -> DecisionKind:

@@ -17,6 +17,7 @@ import math
 import numpy as np
 from sqlalchemy.orm import Session
 
+from thermowatch.monitors.commands import ActionState, CommandKind
 from thermowatch.monitors.contract import Finding, Reduce, reduction
 from thermowatch.supervisor.charts.plots import (LOG_METRICS, Chart, IncidentMark, LrMark, Marks, RollbackMark,
                                                  ThresholdMark, render)
@@ -192,7 +193,7 @@ def marks_for(s: Session, run_id: str, selected: int | None) -> Marks:
         marks.incidents.append(IncidentMark(i["id"], label, i["onset_step"], i["detect_step"], i["state"] == "open",
                                             i["id"] == selected))
     for a in actions_store.actions(s, run_id, limit=10_000):
-        if a.kind != "rollback" or a.state not in ("acked", "done"):
+        if a.kind is not CommandKind.ROLLBACK or a.state not in (ActionState.ACKED, ActionState.DONE):
             continue
         to = a.rollback_to
         if to is None:

@@ -23,6 +23,7 @@ from typing import Sequence
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import LR_MULTIPLIER, Finding, Severity, Signal, StepRecord, multiplier_at
+from thermowatch.monitors.commands import ActionState, CommandKind
 from thermowatch.supervisor.notify.base import Alert
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import findings as findings_store
@@ -32,7 +33,7 @@ from thermowatch.supervisor.store import skips as skips_store
 
 log = logging.getLogger(__name__)
 
-_SKIPPING = ("skip", "rollback")
+_SKIPPING = (CommandKind.SKIP, CommandKind.ROLLBACK)
 
 
 class ConsistencyCheck:
@@ -54,12 +55,12 @@ class ConsistencyCheck:
             open_rows = actions_store.open_actions(s, run_id)
             # Delivered and not yet booked (sent, or re-queued after a lost ack): the trainer may
             # already run with it.
-            if any(a.state in ("sent", "acked") or a.attempts > 0 for a in open_rows):
+            if any(a.state in (ActionState.SENT, ActionState.ACKED) or a.attempts > 0 for a in open_rows):
                 return None
             changes = lr_store.changes(s, run_id)
             digest = skips_store.digest(s, run_id)
             skip_from = max((a.ack_step or 0 for a in actions_store.actions(s, run_id, limit=1000)
-                             if a.state == "done" and a.kind in _SKIPPING), default=0)
+                             if a.state is ActionState.DONE and a.kind in _SKIPPING), default=0)
         finding = None
         for r in recs:
             got = r.values.get(LR_MULTIPLIER)

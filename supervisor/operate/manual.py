@@ -25,7 +25,7 @@ from typing import Any, Callable
 from thermowatch.monitors.contract import describe_args
 from thermowatch.supervisor.errors import UserError
 from thermowatch.supervisor.act.outcome import render
-from thermowatch.monitors.commands import FINAL_STATES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
+from thermowatch.monitors.commands import FINAL_STATES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, ActionState
 from thermowatch.monitors.names import printable_tree
 from thermowatch.monitors.settings import arg_float, arg_int
 
@@ -187,7 +187,7 @@ def run_manual(args: argparse.Namespace) -> int:
             return 0
         out = _wait(api, action_id, args.timeout)
         print(json.dumps(out) if args.json else render(printable_tree(out)))
-        return 0 if out["state"] == "done" else 1
+        return 0 if out["state"] == ActionState.DONE else 1
 
 
 def _command(name: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:

@@ -16,15 +16,14 @@ from typing import Any, Sequence
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.commands import ACTION_STATES, ACTION_TRANSITIONS, OPEN_STATES
+from thermowatch.monitors.commands import OPEN_STATES, ActionOrigin, ActionState, CommandKind
 from thermowatch.monitors.commands import json_safe
 from thermowatch.supervisor.store.orm import Action, utcnow
 
-ORIGINS = ("auto", "manual")
 # The commands that move a loop between training, waiting and ending (thermowatch.protocol's
 # Directive): a pause, and what ends one, a resume, a rollback (issue 35) or a stop. A run is
 # paused while the newest of them the trainer carried out is a pause.
-DIRECTING = ("pause", "resume", "rollback", "stop")
+DIRECTING = (CommandKind.PAUSE, CommandKind.RESUME, CommandKind.ROLLBACK, CommandKind.STOP)
 
 
 class ActionStateError(ValueError):
@@ -35,10 +34,10 @@ class ActionStateError(ValueError):
 class ActionRow:
     id: int
     run_id: str
-    kind: str
+    kind: CommandKind
     args: dict[str, Any]
-    state: str
-    origin: str
+    state: ActionState
+    origin: ActionOrigin
     who: str
     reason: str
     created_at: dt.datetime
@@ -56,7 +55,7 @@ class ActionRow:
         """A rollback's checkpoint: the one the trainer loaded (its ack's `checkpoint_step`), else
         the step asked (`args.to_step`). Never `ack_step`, the first step re-trained (checkpoint + 1):
         a rollback to checkpoint 1000 was labelled "-> 1001" where the two were mixed (issue 22)."""
-        if self.kind != "rollback":
+        if self.kind is not CommandKind.ROLLBACK:
             return None
         loaded = (self.result or {}).get("checkpoint_step")
         to = loaded if isinstance(loaded, int) else self.args.get("to_step")
@@ -69,13 +68,13 @@ def _row(a: Action) -> ActionRow:
                      result=dict(a.result) if a.result is not None else None)
 
 
-def enqueue_action(session: Session, run_id: str, kind: str, args: dict[str, Any], reason: str, origin: str,
-                   who: str, incident_id: int | None = None, requires_approval: bool = False) -> int:
+def enqueue_action(session: Session, run_id: str, kind: CommandKind | str, args: dict[str, Any], reason: str,
+                   origin: ActionOrigin | str, who: str, incident_id: int | None = None,
+                   requires_approval: bool = False) -> int:
     """Write a pending action; returns its id (the command id the run controller acks)."""
-    if origin not in ORIGINS:
-        raise ActionStateError(f"origin must be one of {ORIGINS}, got {origin!r}")
-    a = Action(run_id=run_id, kind=str(kind), args=json_safe(dict(args)), state="pending", origin=origin, who=who,
-               reason=reason, incident_id=incident_id, requires_approval=requires_approval)
+    a = Action(run_id=run_id, kind=_word(CommandKind, "kind", kind), args=json_safe(dict(args)),
+               state=ActionState.PENDING, origin=_word(ActionOrigin, "origin", origin), who=who, reason=reason,
+               incident_id=incident_id, requires_approval=requires_approval)
     session.add(a)
     session.flush()
     return a.id
@@ -86,22 +85,29 @@ def get_action(session: Session, action_id: int) -> ActionRow | None:
     return _row(a) if a is not None else None
 
 
-def set_action_state(session: Session, action_id: int, state: str, *, ack_step: int | None = None,
+def _word(words: type, what: str, value: Any) -> Any:
+    try:
+        return words(value)
+    except ValueError:
+        raise ActionStateError(f"unknown action {what} {value!r}; expected one of "
+                               f"{', '.join(w.value for w in words)}") from None
+
+
+def set_action_state(session: Session, action_id: int, state: ActionState | str, *, ack_step: int | None = None,
                      error: str | None = None, result: dict[str, Any] | None = None) -> ActionRow:
     """Move an action along its state machine; raises ActionStateError on an illegal move.
     Moving to `sent` counts a delivery attempt. Uses a compare-and-set on the old state, so two
     writers cannot both move the same action."""
-    if state not in ACTION_STATES:
-        raise ActionStateError(f"unknown action state {state!r}; expected one of {ACTION_STATES}")
+    state = _word(ActionState, "state", state)
     cur = session.execute(select(Action.state, Action.attempts).where(Action.id == action_id)).first()
     if cur is None:
         raise ActionStateError(f"no action with id {action_id}")
     old, attempts = cur
-    if state not in ACTION_TRANSITIONS[old]:
-        raise ActionStateError(f"action {action_id}: cannot go from {old!r} to {state!r} "
-                               f"(allowed: {sorted(ACTION_TRANSITIONS[old]) or 'none, it is final'})")
+    if state not in old.next_states:
+        allowed = ", ".join(sorted(w.value for w in old.next_states)) or "none, it is final"
+        raise ActionStateError(f"action {action_id}: cannot go from '{old}' to '{state}' (allowed: {allowed})")
     values: dict[str, Any] = {"state": state, "updated_at": utcnow()}
-    if state == "sent":
+    if state is ActionState.SENT:
         values["attempts"] = attempts + 1
     if ack_step is not None:
         values["ack_step"] = ack_step
@@ -111,13 +117,14 @@ def set_action_state(session: Session, action_id: int, state: str, *, ack_step: 
         values["result"] = json_safe(result)
     res = session.execute(update(Action).where(Action.id == action_id, Action.state == old).values(**values))
     if res.rowcount != 1:
-        raise ActionStateError(f"action {action_id} changed state concurrently (was {old!r})")
+        raise ActionStateError(f"action {action_id} changed state concurrently (was '{old}')")
     return get_action(session, action_id)  # type: ignore[return-value]
 
 
 def approve_action(session: Session, action_id: int, who: str) -> None:
     res = session.execute(
-        update(Action).where(Action.id == action_id, Action.state == "pending", Action.requires_approval.is_(True))
+        update(Action).where(Action.id == action_id, Action.state == ActionState.PENDING,
+                             Action.requires_approval.is_(True))
         .values(requires_approval=False, who=who, updated_at=utcnow())
     )
     if res.rowcount != 1:
@@ -126,7 +133,7 @@ def approve_action(session: Session, action_id: int, who: str) -> None:
 
 def pending_actions(session: Session, run_id: str, *, include_unapproved: bool = False) -> list[ActionRow]:
     """Pending actions in creation order; those awaiting approval only if asked for."""
-    q = select(Action).where(Action.run_id == run_id, Action.state == "pending")
+    q = select(Action).where(Action.run_id == run_id, Action.state == ActionState.PENDING)
     if not include_unapproved:
         q = q.where(Action.requires_approval.is_(False))
     return [_row(a) for a in session.execute(q.order_by(Action.id)).scalars()]
@@ -145,10 +152,10 @@ def actions(session: Session, run_id: str, limit: int = 200) -> list[ActionRow]:
     return [_row(a) for a in session.execute(q).scalars()]
 
 
-def last_done(session: Session, run_id: str, kinds: Sequence[str]) -> ActionRow | None:
+def last_done(session: Session, run_id: str, kinds: Sequence[CommandKind | str]) -> ActionRow | None:
     """The newest action of these kinds the trainer carried out (what a run's state follows:
     the last done pause or resume, a done stop)."""
-    q = (select(Action).where(Action.run_id == run_id, Action.state == "done", Action.kind.in_(list(kinds)))
+    q = (select(Action).where(Action.run_id == run_id, Action.state == ActionState.DONE, Action.kind.in_(list(kinds)))
          .order_by(Action.id.desc()).limit(1))
     row = session.execute(q).scalars().first()
     return _row(row) if row is not None else None
@@ -158,7 +165,7 @@ def paused_runs(session: Session) -> list[ActionRow]:
     """The pause each paused run waits on (its row: who, why, when it was acknowledged): every run
     whose newest acknowledged pause, resume, rollback or stop (DIRECTING) is a pause, in one query."""
     newest = (select(func.max(Action.id).label("id"))
-              .where(Action.state.in_(("acked", "done")), Action.kind.in_(DIRECTING))
+              .where(Action.state.in_((ActionState.ACKED, ActionState.DONE)), Action.kind.in_(DIRECTING))
               .group_by(Action.run_id).subquery())
-    q = select(Action).join(newest, Action.id == newest.c.id).where(Action.kind == "pause").order_by(Action.id)
+    q = select(Action).join(newest, Action.id == newest.c.id).where(Action.kind == CommandKind.PAUSE).order_by(Action.id)
     return [_row(a) for a in session.execute(q).scalars()]

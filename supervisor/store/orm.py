@@ -13,6 +13,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
@@ -26,6 +27,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from thermowatch.monitors.commands import ActionOrigin, ActionState, CommandKind, Word
 
 # Deterministic constraint names, so migrations can drop/alter them on both dialects.
 NAMING_CONVENTION = {
@@ -85,6 +88,30 @@ class ExactFloat(TypeDecorator):
 
     def process_result_value(self, value, dialect):
         return None if value is None else float(value)
+
+
+class WordColumn(TypeDecorator):
+    """A closed vocabulary (monitors.commands.Word) stored as its word: a VARCHAR the database
+    also checks (a CHECK constraint per column, `in_words`), read back as the enum member, and a
+    word outside it refused before it reaches the database (ValueError naming it)."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, words: type[Word], length: int) -> None:
+        super().__init__(length)
+        self.words = words
+
+    def process_bind_param(self, value, dialect):
+        return None if value is None else self.words(value).value
+
+    def process_result_value(self, value, dialect):
+        return None if value is None else self.words(value)
+
+
+def in_words(column: str, words: type[Word]) -> CheckConstraint:
+    """The database's own check of a WordColumn (named ck_<table>_<column>)."""
+    return CheckConstraint(f"{column} IN ({', '.join(repr(w.value) for w in words)})", name=column)
 
 
 class Base(DeclarativeBase):
@@ -281,10 +308,10 @@ class Action(Base):
     __tablename__ = "actions"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(_run_fk())
-    kind: Mapped[str] = mapped_column(String(30))
+    kind: Mapped[CommandKind] = mapped_column(WordColumn(CommandKind, 30))
     args: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    state: Mapped[str] = mapped_column(String(20), default="pending")
-    origin: Mapped[str] = mapped_column(String(10))  # auto | manual
+    state: Mapped[ActionState] = mapped_column(WordColumn(ActionState, 20), default=ActionState.PENDING)
+    origin: Mapped[ActionOrigin] = mapped_column(WordColumn(ActionOrigin, 10))
     who: Mapped[str] = mapped_column(String(200), default="")
     reason: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -296,7 +323,8 @@ class Action(Base):
     requires_approval: Mapped[bool] = mapped_column(Boolean, default=False)
     # The trainer's acknowledgement (contract.Ack JSON): what really happened.
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    __table_args__ = (Index(None, "run_id", "state"),)
+    __table_args__ = (Index(None, "run_id", "state"), in_words("kind", CommandKind), in_words("state", ActionState),
+                      in_words("origin", ActionOrigin))
 
 
 class SkipRange(Base):

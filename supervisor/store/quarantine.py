@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session
 
 from thermowatch.monitors.contract import DEFAULT_ROLLBACK_SIGNALS, merge_ranges, signal_family
 from thermowatch.monitors.ledger import SkipLedger
+from thermowatch.monitors.commands import ActionState, CommandKind
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import runs as runs_store
@@ -77,7 +78,7 @@ class SkipVerdict:
 def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[SkipVerdict]:
     """One verdict per carried-out rollback that skipped samples, oldest first."""
     acts = [a for a in actions_store.actions(session, run_id, limit=10_000)
-            if a.kind == "rollback" and a.state == "done" and (a.result or {}).get("skipped")]
+            if a.kind is CommandKind.ROLLBACK and a.state is ActionState.DONE and (a.result or {}).get("skipped")]
     if not acts:
         return []
     incs = incidents_store.incidents(session, run_id)

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from thermowatch.monitors.contract import Rollback, RunFinished
+from thermowatch.monitors.commands import ActionOrigin, ActionState, CommandKind
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store import lr_changes as lr_store
@@ -136,13 +137,13 @@ def story(session: Session, run_id: str) -> Story:
     now = last_step(session, run_id, newest.attempt) if newest is not None else None
     if now is None:
         now = furthest_step(session, run_id)
-    done = [r for r in actions_store.actions(session, run_id, limit=10_000) if r.state == "done"]
+    done = [r for r in actions_store.actions(session, run_id, limit=10_000) if r.state is ActionState.DONE]
     incs = incidents_store.incidents(session, run_id)
     return Story(
         run_id=run_id, finished=newest.finished if newest is not None else None, last_step=now,
         attempts=n_attempts,
-        auto_rollbacks=sum(r.kind == "rollback" and r.origin == "auto" for r in done),
-        manual_actions=sum(r.origin == "manual" for r in done),
+        auto_rollbacks=sum(r.kind is CommandKind.ROLLBACK and r.origin is ActionOrigin.AUTO for r in done),
+        manual_actions=sum(r.origin is ActionOrigin.MANUAL for r in done),
         lr_multiplier=lr_store.multiplier_in_force(session, run_id, now) if now is not None else 1.0,
         steps_retrained=steps_retrained,
         samples_skipped=sum(hi - lo for lo, hi in skips_store.skip_ranges(session, run_id)),

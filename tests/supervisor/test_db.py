@@ -162,6 +162,31 @@ def test_action_state_machine(db):
             actions.enqueue_action(s, "r", "pause", {}, "x", "robot", "me")
 
 
+def test_an_actions_words_are_enums_and_the_database_refuses_any_other(db):
+    """Issue 38: kind, state and origin were strings compared by literal. They read back as their
+    enums (ActionState knows is_final), and the database itself refuses a word outside them, on
+    SQLite and PostgreSQL, even from a write that bypasses the ORM."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    from thermowatch.monitors.commands import ActionOrigin, ActionState, CommandKind
+
+    _run(db)
+    with db.sessions.begin() as s:
+        a = actions.enqueue_action(s, "r", CommandKind.PAUSE, {}, "x", ActionOrigin.MANUAL, "me")
+        row = actions.get_action(s, a)
+        assert (row.kind, row.state, row.origin) == (CommandKind.PAUSE, ActionState.PENDING, ActionOrigin.MANUAL)
+        assert isinstance(row.state, ActionState) and not row.state.is_final
+        assert actions.set_action_state(s, a, ActionState.CANCELLED).state.is_final
+        assert f"{row.state} {row.kind}" == "pending pause"  # words print as words
+    for column, bad in (("state", "finished"), ("kind", "reboot"), ("origin", "robot")):
+        with pytest.raises(IntegrityError):
+            with db.sessions.begin() as s:
+                s.execute(text(f"UPDATE actions SET {column} = :bad WHERE id = :id"), {"bad": bad, "id": a})
+    with db.sessions() as s:
+        assert actions.get_action(s, a).state is ActionState.CANCELLED
+
+
 def test_skips_lr_alerts_audit(db):
     _run(db)
     with db.sessions.begin() as s:
