@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
 from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.store.views import require_run, values_json
 from thermowatch.supervisor.errors import NotFound, UserError
 from thermowatch.supervisor.store import chart as chart_store
@@ -69,7 +70,7 @@ def _http(exc: Exception) -> HTTPException:
     return HTTPException(404 if isinstance(exc, NotFound) else 422, str(exc))
 
 
-def make_router(sup, *, guard: Guard) -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["runs"], dependencies=[Depends(guard.require("read"))])
 
     @router.get("/runs/{run_id}/chart")

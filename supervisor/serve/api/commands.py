@@ -28,6 +28,7 @@ from thermowatch.monitors.commands import CommandKind
 from thermowatch.monitors.contract import INT32_MAX, Ack, ContractError
 from thermowatch.supervisor.serve.api import call
 from thermowatch.supervisor.serve.guard import Guard, actor
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.serve.body import read_json
 from thermowatch.supervisor.serve.api.openapi import explain
 from thermowatch.supervisor.serve.auth import Principal
@@ -79,7 +80,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raise HTTPException(422, explain(exc.errors(), "request body")) from None
 
 
-def make_router(sup, *, guard: Guard) -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["commands"])
     trainer = Depends(guard.require_run("ingest"))  # the run's own trainer (supervisor.serve.auth)
     operator = Depends(guard.require("operate"))

@@ -34,6 +34,7 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.serve.api.runs import json_response
 from thermowatch.supervisor.store.views import incidents_with_findings, to_wire, require_run
 from thermowatch.monitors.detectors import BankConfig
@@ -112,7 +113,7 @@ def run_events(s: Session, run_id: str, bank: BankConfig) -> dict[str, Any]:
     }
 
 
-def make_router(sup, *, guard: Guard) -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["runs"], dependencies=[Depends(guard.require("read"))])
 
     @router.get("/runs/{run_id}/events")

@@ -48,6 +48,7 @@ from fastapi.responses import Response
 
 from thermowatch.monitors.contract import INT32_MAX
 from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.act.outcome import outcome
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import quarantine as quarantine_store
@@ -76,7 +77,7 @@ def json_response(payload: Any) -> Response:
 # --- the router --------------------------------------------------------------------------------
 
 
-def make_router(sup, *, guard: Guard) -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["runs"], dependencies=[Depends(guard.require("read"))])
     # Plain `def` handlers: FastAPI runs them in its threadpool, off the event loop.
 

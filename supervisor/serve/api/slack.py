@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 
 from thermowatch.supervisor.serve.api import call
 from thermowatch.supervisor.serve.body import max_body, read_body
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.decide.approvers import USER_ID, Approvers
 from thermowatch.supervisor.notify.slack import ACK, APPROVE, CANCEL, STORY
 
@@ -73,7 +74,7 @@ class Click:
     story: str = ""  # Acknowledge: "incident" or "action", the kind of story `action_id` names
 
 
-def make_router(sup, *, signing_secret: str | None, clock: Callable[[], float] | None = None,
+def make_router(sup: Daemon, *, signing_secret: str | None, clock: Callable[[], float] | None = None,
                 approvers: Approvers | None = None) -> APIRouter:
     """`approvers`: who may click (supervisor.decide.approvers); None or empty: nobody (closed)."""
     approvers = approvers if approvers is not None else Approvers()

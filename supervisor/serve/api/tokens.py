@@ -16,6 +16,7 @@ from pydantic import ConfigDict, BaseModel, Field
 
 from thermowatch.supervisor.serve.api import call
 from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.serve.api.commands import _parse
 from thermowatch.supervisor.serve.auth import Principal
 from thermowatch.supervisor.store import audit as audit_store
@@ -54,7 +55,7 @@ def listing(sessions) -> list[dict]:
                 for t in tokens_store.list_tokens(s)]
 
 
-def make_router(sup, *, guard: Guard) -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     router = APIRouter(prefix="/api", tags=["tokens"])
     admin = Depends(guard.require("admin"))
 

@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from sqlalchemy.orm import Session
 
 from thermowatch.supervisor.serve.guard import Guard
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.store.views import (
     check_window,
     require_run,
@@ -173,7 +174,7 @@ class IndexView:
         return rows
 
 
-def _index_rows(sup, cursor: str | None) -> tuple[list[dict], str | None]:
+def _index_rows(sup: Daemon, cursor: str | None) -> tuple[list[dict], str | None]:
     """A page of runs (the store's order: newest first) with what the index shows of each."""
     # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
     # its loss, what is open and when it last reported; a page of runs in three statements.
@@ -200,7 +201,7 @@ def _index_rows(sup, cursor: str | None) -> tuple[list[dict], str | None]:
     return rows, page["next_cursor"]
 
 
-def index_page(sup, base: str, run_url, cursor: str | None, view: IndexView = IndexView()) -> HTMLResponse:
+def index_page(sup: Daemon, base: str, run_url, cursor: str | None, view: IndexView = IndexView()) -> HTMLResponse:
     """`GET /`: a page of runs (newest first, or as `view` sorts them), filtered by `view`."""
     all_rows, next_cursor = _index_rows(sup, cursor)
     rows = []
@@ -253,7 +254,7 @@ def index_page(sup, base: str, run_url, cursor: str | None, view: IndexView = In
     return _page("thermowatch: runs", body)
 
 
-def compare_page(sup, base: str, run_url, run: list[str], metric: str, step_lo: int | None,
+def compare_page(sup: Daemon, base: str, run_url, run: list[str], metric: str, step_lo: int | None,
                  step_hi: int | None) -> HTMLResponse:
     """`GET /compare`: runs on one chart, each run's live path of `metric`."""
     ids = list(dict.fromkeys(r for r in run if r))
@@ -289,7 +290,7 @@ def compare_page(sup, base: str, run_url, run: list[str], metric: str, step_lo: 
     return _page(f"compare: {', '.join(ids)}", head, body + scripts)
 
 
-def make_router(sup, *, guard: Guard, public_url: str = "") -> APIRouter:
+def make_router(sup: Daemon, *, guard: Guard, public_url: str = "") -> APIRouter:
     router = APIRouter(tags=["web"], include_in_schema=False,
                        dependencies=[Depends(guard.require("read", cookie=True))])
     # Behind an ingress that serves us under a path (https://host/thermowatch), links carry it.

@@ -36,6 +36,7 @@ from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store import skips as skips_store
 from thermowatch.supervisor.store import story as story_store
 from thermowatch.supervisor.store import thermometers
+from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.serve.web.readable import ago, pairs
 
 AUDIT_TAIL = 50
@@ -145,8 +146,8 @@ def chart_assets(e, base: str) -> tuple[str, str]:
     return head, scripts
 
 
-def render(sup, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str, charts: list,
-           zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
+def render(sup: Daemon, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str,
+           charts: list, zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
            step_hi: int | None, *, only_attention: bool = False, attempts_before: int | None = None) -> HTMLResponse:
     stall_s = sup.cfg.bank_config.stall.timeout_s
     with sup.sessions() as s:
