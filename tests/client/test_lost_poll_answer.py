@@ -8,7 +8,6 @@ a proxy that swallows the first answer carrying a command)."""
 
 from __future__ import annotations
 
-import io
 import json
 import time
 
@@ -18,23 +17,12 @@ import pytest
 import thermowatch
 from tests.fakes.network import LateProxy
 from tests.live_server import running, wait_until
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
+from tests.supervisor.auth_helpers import AUTH, make_token, sup  # noqa: F401  (sup: the fixture)
 from thermowatch.monitors.contract import Ack, Pause, StepRecord
-from thermowatch.supervisor.app.config import SupervisorConfig
-from thermowatch.supervisor.app.service import Supervisor
-from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.serve.server import build_app
 from thermowatch.supervisor.store import actions as actions_store
 
 RUN = "lossy"
-
-
-@pytest.fixture
-def sup(db, tmp_path):
-    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
-                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
-    yield s
-    s.close()
 
 
 def _carrying(body: bytes, action_id: int | None = None) -> bool:

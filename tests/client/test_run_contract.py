@@ -9,7 +9,6 @@ as `thermowatch lr/skip/pause/resume/rollback/stop/profile` send them."""
 
 from __future__ import annotations
 
-import io
 import time
 
 import httpx
@@ -17,25 +16,14 @@ import pytest
 
 import thermowatch
 from tests.live_server import running, wait_until
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
+from tests.supervisor.auth_helpers import AUTH, make_token, sup  # noqa: F401  (sup: the fixture)
 from thermowatch.monitors.contract import SampleRange, StepRecord
-from thermowatch.supervisor.app.config import SupervisorConfig
-from thermowatch.supervisor.app.service import Supervisor
-from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.serve.server import build_app
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import findings as findings_store
 
 RUN = "own-loop"
 B = 8
-
-
-@pytest.fixture
-def sup(db, tmp_path):
-    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "daemon", db_url=db.url, api_token=ADMIN_TOKEN),
-                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
-    yield s
-    s.close()
 
 
 def _final(sup, action_id: int):

@@ -4,6 +4,13 @@ token made in the real token table."""
 
 from __future__ import annotations
 
+import io
+
+import pytest
+
+from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.app.service import Supervisor
+from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.serve.guard import Guard
 from thermowatch.supervisor.serve.auth import CONFIG_TOKEN_NAME, Authenticator
 from thermowatch.supervisor.store import tokens as tokens_store
@@ -24,3 +31,14 @@ def guard(sessions, **kw) -> Guard:
 def make_token(sessions, name: str, *scopes: str) -> str:
     with sessions.begin() as s:
         return tokens_store.create_token(s, name, scopes)[1]
+
+
+@pytest.fixture
+def sup(db, tmp_path):
+    """The daemon's Supervisor as `thermowatch serve` runs it: auth on (ADMIN_TOKEN), the judge off
+    the request thread (judge_inline=False), alerts to a console nobody reads. A test module
+    imports it to use it."""
+    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
+                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
+    yield s
+    s.close()

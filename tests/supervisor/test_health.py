@@ -7,7 +7,6 @@ where nothing listens, a SQLite "file" that is a directory."""
 from __future__ import annotations
 
 import datetime as dt
-import io
 import threading
 
 import pytest
@@ -16,24 +15,13 @@ from fastapi.testclient import TestClient
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
 from thermowatch.supervisor import db as dbmod
-from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.serve.health import Health, HealthConfig
-from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.app.scheduler import Job, Scheduler
 from thermowatch.supervisor.serve.server import build_app
-from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store.orm import Alert
 from tests.live_server import free_port
-from tests.supervisor.auth_helpers import ADMIN_TOKEN
-
-
-@pytest.fixture
-def sup(db, tmp_path):
-    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
-                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
-    yield s
-    s.close()
+from tests.supervisor.auth_helpers import sup  # noqa: F401  (sup: the fixture)
 
 
 def probe(app) -> tuple[int, dict]:

@@ -7,31 +7,19 @@ series only for the active runs, counts for all, the same few statements whateve
 from __future__ import annotations
 
 import datetime as dt
-import io
 
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from thermowatch.supervisor.app.config import SupervisorConfig
-from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.app.scheduler import Job, Scheduler
 from thermowatch.supervisor.serve.server import build_app
-from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import alerts as alerts_store
 from thermowatch.supervisor.store import incidents as incidents_store
 from thermowatch.supervisor.store.orm import Action, Alert, Attempt, Incident, JudgeMark, Run
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, bearer, make_token
-
-
-@pytest.fixture
-def sup(db, tmp_path):
-    s = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN),
-                   notifier=ConsoleNotifier(io.StringIO()), judge_inline=False)
-    yield s
-    s.close()
+from tests.supervisor.auth_helpers import AUTH, bearer, make_token, sup  # noqa: F401  (sup: the fixture)
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
