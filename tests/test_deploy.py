@@ -344,8 +344,8 @@ def test_the_checkers_refuse_a_typo(tmp_path):
     (tmp_path / "ray-cluster.yaml").write_text(text)
     with pytest.raises(jsonschema.ValidationError, match="min_worker"):
         check_ray_cluster(tmp_path / "ray-cluster.yaml")
-    cm = _docs("daemon.yaml")["ConfigMap"]["data"]["supervisor.yaml"].replace("lr_multiplier", "lr_multiplir")
-    with pytest.raises(Exception, match="policy.lr_multiplir: unknown key"):
+    cm = _docs("daemon.yaml")["ConfigMap"]["data"]["supervisor.yaml"].replace("lr_factor", "lr_facter")
+    with pytest.raises(Exception, match="policy.lr_facter: unknown key"):
         check_config_text(cm, "supervisor", tmp_path)
 
 
@@ -367,9 +367,9 @@ def test_validate_config_exits_2_naming_the_file_and_the_key(tmp_path, capsys):
     assert main(["validate-config", str(bad)]) == 2
     assert f"{bad}: data.global_batch=1000 is not divisible by world_size=800" in capsys.readouterr().err
     sup = tmp_path / "sup.yaml"
-    sup.write_text("port: 8765\npolicy: {lr_multiplier: half}\n")
+    sup.write_text("port: 8765\npolicy: {lr_factor: half}\n")
     assert main(["validate-config", str(sup)]) == 2
-    assert f"{sup}: policy.lr_multiplier: expected a number, got 'half'" in capsys.readouterr().err
+    assert f"{sup}: policy.lr_factor: expected a number, got 'half'" in capsys.readouterr().err
     assert main(["validate-config", str(DEPLOY / "supervisor.example.yaml")]) == 0
     assert "supervisor config OK" in capsys.readouterr().out
     odd = tmp_path / "odd.yaml"

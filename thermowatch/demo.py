@@ -46,7 +46,7 @@ DEMO_TRAIN: dict[str, Any] = {
 DEMO_POLICY: dict[str, Any] = {
     "rollback_margin_steps": 5,
     "recurrence_window_steps": 60,
-    "lr_multiplier": 0.2,
+    "lr_factor": 0.2,
     # Three rungs of x0.2 (0.2, 0.04, 0.008): at 3e-2 peak this run needs the third. Until issue 9
     # the trainer multiplied the changes and ran the second cut (recorded x0.04) at x0.008.
     "min_lr_multiplier": 0.005,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -128,8 +129,12 @@ class PolicyConfig:
     skip_ahead_steps: int = 16
     # The same signal within this many steps of a rollback means skipping data was not enough.
     recurrence_window_steps: int = 500
-    # Rung 2 factor on the LR schedule; YaLM: halving cost ~30% speed, so it is not rung 1.
-    lr_multiplier: float = 0.5
+    # Rung 2's factor on the LR multiplier in force (relative: 0.5 halves it); YaLM: halving cost
+    # ~30% speed, so it is not rung 1. `lr_multiplier` is always absolute (on the schedule) elsewhere.
+    lr_factor: float = 0.5
+    # Deprecated (issue 38: the only relative `lr_multiplier` in the product): read as lr_factor
+    # for one release, with a warning. Removed after.
+    lr_multiplier: float | None = None
     # Floor for the cumulative multiplier: below it the run barely learns; a human should decide.
     min_lr_multiplier: float = 0.1
     # None = lower for good (OPT-175B lowered it by hand and kept it); N = for N steps only.
@@ -217,9 +222,21 @@ class PolicyConfig:
                 check_number(name, getattr(self, name), lo=0, lo_open=lo_open)
             except SettingError as exc:
                 raise PolicyConfigError(f"{exc} ({hint})") from None
-        if not 0.0 < self.lr_multiplier < 1.0:
+        if self.lr_multiplier is not None:
+            if not (isinstance(self.lr_multiplier, (int, float)) and 0.0 < self.lr_multiplier < 1.0):
+                raise PolicyConfigError(f"lr_multiplier={self.lr_multiplier} (the old name of lr_factor) must be in "
+                                        "(0, 1): it lowers the LR (0.5 halves it)")
+            if self.lr_factor not in (0.5, self.lr_multiplier):
+                raise PolicyConfigError(f"lr_multiplier={self.lr_multiplier} and lr_factor={self.lr_factor} both set: "
+                                        "lr_multiplier is lr_factor's old name; keep lr_factor only")
+            warnings.warn(f"policy.lr_multiplier is deprecated: it is now policy.lr_factor (rung 2's relative factor: "
+                          f"0.5 halves the multiplier in force); read as lr_factor={self.lr_multiplier:g}; rename it",
+                          FutureWarning, stacklevel=3)
+            object.__setattr__(self, "lr_factor", float(self.lr_multiplier))
+            object.__setattr__(self, "lr_multiplier", None)
+        if not 0.0 < self.lr_factor < 1.0:
             raise PolicyConfigError(
-                f"lr_multiplier={self.lr_multiplier} must be in (0, 1): it lowers the LR (0.5 halves it)"
+                f"lr_factor={self.lr_factor} must be in (0, 1): it lowers the LR (0.5 halves it)"
             )
         if not 0.0 < self.min_lr_multiplier <= 1.0:
             raise PolicyConfigError(f"min_lr_multiplier={self.min_lr_multiplier} must be in (0, 1]")
@@ -521,7 +538,7 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         else:  # the LR forecast (monitors/detectors/witness.py): the harm is ahead, in the schedule
             reasons.append(f"rung 2 at once: {forecast}")
         # Rounded: 0.2 * 0.2 is 0.04000000000000001 in binary, and humans read this number.
-        new = round(inp.current_lr_multiplier * cfg.lr_multiplier, 12)
+        new = round(inp.current_lr_multiplier * cfg.lr_factor, 12)
         if new < cfg.min_lr_multiplier * (1 - 1e-9):
             return _pause(head, f"lowering the LR again would take its multiplier from {inp.current_lr_multiplier:g} "
                                 f"to {new:g}, below min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human")
@@ -650,7 +667,7 @@ def _lr_reason(old: float, new: float, cfg: PolicyConfig) -> str:
     else:
         span = f"for {cfg.lr_steps} steps" + (f", then re-warm-up over {cfg.rewarmup_steps} steps"
                                               if cfg.rewarmup_steps else "")
-    return f"lowering the LR x{cfg.lr_multiplier:g}: multiplier {old:g} -> {new:g} {span}"
+    return f"lowering the LR x{cfg.lr_factor:g}: multiplier {old:g} -> {new:g} {span}"
 
 
 def _pick_checkpoint(inp: PolicyInput, cfg: PolicyConfig,

@@ -28,13 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
     ("slack: {chanel: '#x'}\n", "slack.chanel: unknown key; did you mean 'channel'?"),
     ("limits: {max_records: many}\n", "limits.max_records: expected an integer, got 'many'"),
     # wrong types
-    ("policy: {lr_multiplier: half}\n", "policy.lr_multiplier: expected a number, got 'half'"),
+    ("policy: {lr_factor: half}\n", "policy.lr_factor: expected a number, got 'half'"),
     ("detectors:\n  attn: {ceiling: high}\n", "detectors.attn.ceiling: expected a number, got 'high'"),
     ("policy: {rollback_signals: [loss_spike, bogus]}\n", "policy.rollback_signals[1]: expected one of"),
     ("auth: maybe\n", "auth: expected true or false, got 'maybe'"),
     ("policy: [1, 2]\n", "policy: expected a mapping of keys"),
     # a value of the right type out of range: the section's own check, prefixed with its name
-    ("policy: {lr_multiplier: 2.0}\n", "policy: lr_multiplier=2.0 must be in (0, 1)"),
+    ("policy: {lr_factor: 2.0}\n", "policy: lr_factor=2.0 must be in (0, 1)"),
+    ("policy: {lr_multiplier: 2.0}\n", "policy: lr_multiplier=2.0 (the old name of lr_factor) must be in (0, 1)"),
     ("detectors: {disabled: [nope]}\n", "detectors: unknown detector names in disabled: ['nope']"),
     # who may click in Slack (issue 21): typed by the tree walk, ids checked by SlackConfig
     ("slack: {approvers: U0ALICE}\n", "slack.approvers: expected a list, got 'U0ALICE'"),
@@ -57,9 +58,19 @@ def test_a_bad_key_or_value_at_any_depth_names_its_path(tmp_path, yaml_text, mes
 def test_sections_built_in_code_are_checked_too():
     with pytest.raises(ConfigError, match=r"detectors\.loss\.z_threshold: unknown key"):
         SupervisorConfig(detectors={"loss": {"z_threshold": 3}})
-    cfg = SupervisorConfig(policy={"lr_multiplier": 0.25, "rollback_signals": ["loss_spike"]},
+    cfg = SupervisorConfig(policy={"lr_factor": 0.25, "rollback_signals": ["loss_spike"]},
                            detectors={"attn": {"ceiling": 80}, "disabled": ["stall"]})
-    assert cfg.policy["lr_multiplier"] == 0.25
+    assert cfg.policy["lr_factor"] == 0.25 and cfg.policy_config.lr_factor == 0.25
+
+
+def test_the_old_relative_lr_multiplier_is_read_as_lr_factor_with_a_warning():
+    """Issue 38: `policy.lr_multiplier` was the one relative lr_multiplier (absolute everywhere
+    else). It is `lr_factor` now; the old key works for one release, saying so."""
+    with pytest.warns(FutureWarning, match="policy.lr_multiplier is deprecated: it is now policy.lr_factor"):
+        cfg = SupervisorConfig(policy={"lr_multiplier": 0.25})
+    assert (cfg.policy_config.lr_factor, cfg.policy_config.lr_multiplier) == (0.25, None)
+    with pytest.raises(ConfigError, match="both set"):
+        SupervisorConfig(policy={"lr_multiplier": 0.25, "lr_factor": 0.3})
 
 
 def test_slack_approvers_are_read_and_checked_when_built_in_code_too():
@@ -78,7 +89,7 @@ def test_slack_approvers_are_read_and_checked_when_built_in_code_too():
 
 def test_environment_overrides_still_apply_and_are_checked(tmp_path):
     path = tmp_path / "ok.yaml"
-    path.write_text("policy: {lr_multiplier: 0.25}\nslack: {token_env: MY_TOKEN}\n")
+    path.write_text("policy: {lr_factor: 0.25}\nslack: {token_env: MY_TOKEN}\n")
     cfg = SupervisorConfig.load(path, env={"THERMOWATCH_PORT": "9001", "THERMOWATCH_SLACK_CHANNEL": "#oncall",
                                            "THERMOWATCH_DATA_DIR": str(tmp_path / "d"),
                                            "THERMOWATCH_ADVISE_ONLY": "yes"})
@@ -98,11 +109,11 @@ def test_serve_exits_2_naming_the_path_without_a_traceback(tmp_path, capsys):
 
 def test_serve_as_a_process_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("policy: {lr_multiplier: half}\n")
+    bad.write_text("policy: {lr_factor: half}\n")
     proc = subprocess.run([sys.executable, "-m", "thermowatch.cli", "serve", "--config", str(bad)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr
-    assert "policy.lr_multiplier: expected a number, got 'half'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "policy.lr_factor: expected a number, got 'half'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_every_supervisor_config_in_deploy_loads(tmp_path):

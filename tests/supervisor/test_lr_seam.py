@@ -28,7 +28,7 @@ from thermowatch.supervisor.store import thermometers as thermo_store
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 RUN = "seam"
-POLICY = {"rollback_margin_steps": 2, "recurrence_window_steps": 100, "lr_multiplier": 0.5,
+POLICY = {"rollback_margin_steps": 2, "recurrence_window_steps": 100, "lr_factor": 0.5,
           "min_lr_multiplier": 0.1, "cooldown_steps": 0, "cooldown_s": 0.0, "max_interventions": 50,
           "recurrence_rollback": False}
 

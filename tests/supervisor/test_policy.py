@@ -352,8 +352,8 @@ def test_decision_to_json_is_plain():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(lr_multiplier=1.5), "lr_multiplier=1.5 must be in \\(0, 1\\)"),
-    (dict(lr_multiplier=0.0), "lr_multiplier=0.0"),
+    (dict(lr_factor=1.5), "lr_factor=1.5 must be in \\(0, 1\\)"),
+    (dict(lr_factor=0.0), "lr_factor=0.0"),
     (dict(rollback_margin_steps=-1), "rollback_margin_steps=-1"),
     (dict(max_interventions=0), "max_interventions=0 must be >= 1"),
     (dict(lr_steps=0), "lr_steps=0 must be >= 1, or None"),
@@ -578,7 +578,7 @@ def test_recurrences_climb_the_ladder_to_a_pause_however_fast_the_loop(margin, c
     0-2 s after the last action: rung 1, then rung 2 with a lower LR each time, then a pause
     (the LR floor or max_interventions), never an alert or a noop on the way. Meanwhile late
     findings of the abandoned attempt, and findings still inside the cooldown, do nothing."""
-    cfg = PolicyConfig(rollback_margin_steps=margin, cooldown_steps=cooldown_steps, lr_multiplier=lr,
+    cfg = PolicyConfig(rollback_margin_steps=margin, cooldown_steps=cooldown_steps, lr_factor=lr,
                        min_lr_multiplier=floor, max_interventions=max_interventions)
     run = Run(cfg)
     detect = 2000

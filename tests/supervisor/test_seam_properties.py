@@ -46,7 +46,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 STEPS = 14
 LAST_EVENT_STEP = STEPS - 4  # later commands could not be polled, re-sent and acked before the end
 EXAMPLES = 1  # generated plans per database, run after the two explicit plans below (CI budget)
-POLICY = {"rollback_margin_steps": 1, "recurrence_window_steps": 100, "lr_multiplier": 0.5,
+POLICY = {"rollback_margin_steps": 1, "recurrence_window_steps": 100, "lr_factor": 0.5,
           "min_lr_multiplier": 0.1, "cooldown_steps": 0, "cooldown_s": 0.0, "max_interventions": 50,
           "max_rollbacks_per_day": 50}
 _runs = itertools.count()
