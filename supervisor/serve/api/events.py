@@ -38,6 +38,7 @@ from thermowatch.supervisor.serve.daemon import Daemon
 from thermowatch.supervisor.serve.api.runs import json_response
 from thermowatch.supervisor.store.views import incidents_with_findings, to_wire, require_run
 from thermowatch.monitors.detectors import BankConfig
+from thermowatch.monitors.commands import ActionState, CommandKind
 from thermowatch.supervisor.app.config import judged_with
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -66,7 +67,7 @@ def thresholds(s: Session, run_id: str, bank: BankConfig) -> list[dict[str, Any]
 
 
 def _rollback_steps(a: actions_store.ActionRow, detect: dict[int, int]) -> tuple[int | None, int | None]:
-    if a.kind != "rollback":
+    if a.kind is not CommandKind.ROLLBACK:
         return None, None
     return detect.get(a.incident_id) if a.incident_id is not None else None, a.rollback_to
 
@@ -93,7 +94,7 @@ def run_events(s: Session, run_id: str, bank: BankConfig) -> dict[str, Any]:
         frm, to = _rollback_steps(a, detect)
         actions.append({"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
                         "reason": a.reason, "incident_id": a.incident_id,
-                        "awaiting_approval": a.requires_approval and a.state == "pending",
+                        "awaiting_approval": a.requires_approval and a.state is ActionState.PENDING,
                         "from_step": frm, "to_step": to, "ack_step": a.ack_step,
                         "created_at": a.created_at.isoformat()})
     skips = []

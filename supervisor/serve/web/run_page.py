@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse
 
 from thermowatch.monitors.contract import (THERMOMETER_COST, THERMOMETER_EVERY, ContractError, describe_args,
                                            parse_command)
+from thermowatch.monitors.commands import ActionState
 from thermowatch.supervisor.store.views import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
@@ -95,7 +96,7 @@ def attention(e, run_url: Callable[..., str], base: str, incs: list[dict], acts:
     """What waits for a person: open incidents and actions awaiting approval (also fetched alone
     by the script to refresh it: it is the page's #attention element)."""
     open_incs = [i for i in reversed(incs) if i["state"] == "open"]
-    waiting = [a for a in acts if a.requires_approval and a.state == "pending"]
+    waiting = [a for a in acts if a.requires_approval and a.state is ActionState.PENDING]
     cards = []
     for a in waiting:
         inc = f" for incident <a href='{e(run_url(a.run_id, incident=a.incident_id))}'>#{a.incident_id}</a>" \
@@ -165,7 +166,7 @@ def render(sup: Daemon, e, page: Callable[[str, str], HTMLResponse], run_url: Ca
                 step_lo, step_hi = zoom_window(s, run_id, incident, selected["onset_step"], selected["detect_step"])
         acts = actions_store.actions(s, run_id, limit=500)
         costs = {a.id: story_store.cost(s, run_id, _body(a)) for a in acts
-                 if a.requires_approval and a.state == "pending"}
+                 if a.requires_approval and a.state is ActionState.PENDING}
         top = attention(e, run_url, base, incs, acts, incident, costs)
         if only_attention:
             return HTMLResponse(top)
