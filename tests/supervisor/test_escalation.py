@@ -7,12 +7,11 @@ database and a real divergence in advise-only mode."""
 from __future__ import annotations
 
 import datetime as dt
-import io
 
 import pytest
 from fastapi.testclient import TestClient
 
-from thermowatch.monitors.contract import Ack, RunInfo, Severity
+from thermowatch.monitors.contract import Ack, Severity
 from thermowatch.supervisor.app import jobs
 from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.app.service import Supervisor, build_notifier
@@ -26,9 +25,8 @@ from thermowatch.supervisor.store import incidents as incidents_store
 from tests.fakes.pager_server import ROUTING_KEY, FakePagerDuty, FakeWebhook
 from tests.fakes.slack_server import FakeSlack
 from tests.fakes.smtp_server import FakeSMTP
-from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, feed
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
-from tests.supervisor.test_slack_api import SECRET, click, slack_config
+from tests.supervisor.auth_helpers import AUTH
+from tests.supervisor.test_slack_api import SECRET, _waiting, advise_only, click, opened, slack_config
 
 pytestmark = pytest.mark.timeout(180)
 RUN = "oncall"
@@ -47,27 +45,18 @@ def make_sup(db, tmp_path, fakes, **over) -> Supervisor:
     slack, pd, hook, smtp = fakes
     (tmp_path / "pd-key").write_text(ROUTING_KEY)
     (tmp_path / "hook-secret").write_text(WEBHOOK_SECRET)
-    cfg = SupervisorConfig(
-        data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY), detectors=dict(DETECTORS), advise_only=True,
-        api_token=ADMIN_TOKEN, public_url="https://tw.example.org",
+    cfg = advise_only(
+        db, tmp_path, public_url="https://tw.example.org",
         slack=slack_config(tmp_path, slack, oncall=[ONCALL], escalate_to=[LEAD]),
         pagerduty={"routing_key_file": str(tmp_path / "pd-key"), "base_url": pd.url},
         webhook={"url": hook.hook_url, "secret_file": str(tmp_path / "hook-secret")},
         email={"host": "127.0.0.1", "port": smtp.port, "security": "none", "from_addr": "thermowatch@example.org",
                "to": ["oncall@example.org"], "escalate_to": ["lead@example.org"]}, **over)
-    sup = Supervisor(cfg, notifier=build_notifier(cfg))
-    sup.executor.outbox.retry_s = 0.05
-    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
-    return sup
+    return opened(cfg, build_notifier(cfg), RUN, retry_s=0.05)
 
 
 def _ask(sup, tmp_path) -> actions_store.ActionRow:
-    def waiting():
-        with sup.sessions() as s:
-            return [a for a in actions_store.open_actions(s, RUN) if a.requires_approval]
-
-    feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt", stop=lambda: bool(waiting()))
-    (ask,) = waiting()
+    ask = _waiting(sup, tmp_path, RUN)
     assert sup.executor.outbox.drain(20)
     return ask
 

@@ -62,26 +62,36 @@ def slack_config(tmp_path, slack: FakeSlack, *, secret: str | None = SECRET, app
     return cfg
 
 
-def make_sup(db, tmp_path, slack: FakeSlack, *, secret: str | None = SECRET, approvers=("U0ALICE", "U0BOB"),
-             **more) -> Supervisor:
-    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY), detectors=dict(DETECTORS),
-                           advise_only=True, api_token=ADMIN_TOKEN,
-                           slack=slack_config(tmp_path, slack, secret=secret, approvers=approvers, **more))
-    # The notifier serve() builds (buttons only with a secret and approvers), with one retry.
-    notifier = FanOut([ConsoleNotifier(io.StringIO()), SlackNotifier.from_config(cfg.slack, retries=1)])
+def advise_only(db, tmp_path, **over) -> SupervisorConfig:
+    """The diverging fixture's detectors and policy in advise-only mode (a rollback waits for a
+    human), auth on."""
+    return SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, policy=dict(POLICY), detectors=dict(DETECTORS),
+                            advise_only=True, api_token=ADMIN_TOKEN, **over)
+
+
+def opened(cfg: SupervisorConfig, notifier, run: str, retry_s: float) -> Supervisor:
+    """A Supervisor whose outbox retries every `retry_s`, with attempt 0 of `run` open."""
     sup = Supervisor(cfg, notifier=notifier)
-    sup.executor.outbox.retry_s = 0.1
-    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=1))
+    sup.executor.outbox.retry_s = retry_s
+    sup.open_run(RunInfo(run_id=run, attempt=0, world_size=1))
     return sup
 
 
-def _waiting(sup, tmp_path) -> actions_store.ActionRow:
+def make_sup(db, tmp_path, slack: FakeSlack, *, secret: str | None = SECRET, approvers=("U0ALICE", "U0BOB"),
+             **more) -> Supervisor:
+    cfg = advise_only(db, tmp_path, slack=slack_config(tmp_path, slack, secret=secret, approvers=approvers, **more))
+    # The notifier serve() builds (buttons only with a secret and approvers), with one retry.
+    notifier = FanOut([ConsoleNotifier(io.StringIO()), SlackNotifier.from_config(cfg.slack, retries=1)])
+    return opened(cfg, notifier, RUN, retry_s=0.1)
+
+
+def _waiting(sup, tmp_path, run: str = RUN) -> actions_store.ActionRow:
     """A real divergence; in advise-only mode its rollback waits for a human."""
     def waiting():
         with sup.sessions() as s:
-            return [a for a in actions_store.open_actions(s, RUN) if a.requires_approval]
+            return [a for a in actions_store.open_actions(s, run) if a.requires_approval]
 
-    feed(sup, RUN, 0, diverging_records(), ckpt_root=tmp_path / "ckpt", stop=lambda: bool(waiting()))
+    feed(sup, run, 0, diverging_records(), ckpt_root=tmp_path / "ckpt", stop=lambda: bool(waiting()))
     (act,) = waiting()
     return act
 
