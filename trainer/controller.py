@@ -59,6 +59,7 @@ from thermowatch.trainer.lifecycle import (
     make_decision,
 )
 from thermowatch.trainer.lr import LRChange, changes_to_json
+from thermowatch.trainer.seam import TrainedStep
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.paused import PauseNotice
@@ -218,28 +219,28 @@ class RunController(Directed):
             return
         self._record(outs)
 
-    def _record(self, outs: list) -> None:
-        if outs[0] is None:
+    def _record(self, outs: list[TrainedStep | None]) -> None:
+        first = outs[0]
+        if first is None:
             return
-        packed, meta = outs[0]
         if self.cfg.reduction == "collective":  # the ranks reduced on the device; rank 0 sent it
-            values, ranks = self.reducer.unpack(packed)
+            values, ranks = self.reducer.unpack(first.values)
         else:
-            values, ranks = self.reducer(np.stack([v for v, _ in outs]))
-        extra = {LR_MULTIPLIER: meta["lr_multiplier"], LR_PEAK_AHEAD: meta["lr_peak_ahead"]}
+            values, ranks = self.reducer(np.stack([o.values for o in outs]))
+        extra = {LR_MULTIPLIER: first.lr_multiplier, LR_PEAK_AHEAD: first.lr_peak_ahead}
         if self._ckpt_failures or self._ckpt_recovered:
             extra[CHECKPOINT_FAILURES] = float(self._ckpt_failures)
             self._ckpt_recovered = False
-        read = self._unread.as_dict(values, meta["step"])  # a budget's unread figures are absent, not NaN
+        read = self._unread.as_dict(values, first.step)  # a budget's unread figures are absent, not NaN
         rec = StepRecord(
-            step=meta["step"],
+            step=first.step,
             values={**read, **extra},
-            sample_lo=meta["sample_lo"],
-            sample_hi=meta["sample_hi"],
-            tokens=meta["tokens"],
+            sample_lo=first.sample_lo,
+            sample_hi=first.sample_hi,
+            tokens=first.tokens,
             wall_time=time.time(),
             ranks=ranks,
-            ledger_digest=meta["ledger_digest"],
+            ledger_digest=first.ledger_digest,
         )
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
@@ -274,7 +275,7 @@ class RunController(Directed):
                 t = self.cfg.step_timeout_s
                 self.gang.call("load", ckpt.path, timeout_s=t)
                 self.gang.call("set_data_state", state, self.attempt, timeout_s=t)
-                self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=t)
+                self.gang.call("set_lr_changes", list(self.lr_changes), timeout_s=t)
                 break
             except ray.exceptions.RayTaskError as exc:  # a file the store's checksums missed
                 # the worker's own error (a refused file says so), not the actor's traceback
@@ -318,11 +319,10 @@ class RunController(Directed):
 
     def _build_gang(self, data_state: dict[str, Any]) -> GangLike:
         if self._gang_factory is not None:
-            return self._gang_factory(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes))
+            return self._gang_factory(self.cfg, self.attempt, data_state, list(self.lr_changes))
         from thermowatch.trainer.worker import Gang
 
-        return Gang(self.cfg, self.attempt, data_state, changes_to_json(self.lr_changes),
-                    exclude_nodes=self.excluded_nodes)
+        return Gang(self.cfg, self.attempt, data_state, list(self.lr_changes), exclude_nodes=self.excluded_nodes)
 
     def _restart(self, exc: BaseException) -> None:
         """A rank died or hung: the whole gang goes, a new one resumes from a checkpoint. A
@@ -484,7 +484,7 @@ class RunController(Directed):
         if ranges:
             self.gang.call("skip", ranges, timeout_s=timeout)
         if change is not None:
-            self.gang.call("set_lr_changes", changes_to_json(self.lr_changes), timeout_s=timeout)
+            self.gang.call("set_lr_changes", list(self.lr_changes), timeout_s=timeout)
         if t.profile is not None:
             self.gang.call("profile", *t.profile, timeout_s=timeout)
         return Applied(change, seq)

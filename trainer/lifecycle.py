@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from thermowatch.monitors.contract import LRChange
+
 
 @dataclass(frozen=True)
 class Initializing:
@@ -85,5 +87,5 @@ class GangLike(Protocol):
     def kill(self) -> None: ...
 
 
-# Builds a gang: (the TrainConfig, attempt, data_state, lr_changes as JSON) -> a gang.
-GangFactory = Callable[[Any, int, dict[str, Any], list[dict[str, Any]]], GangLike]
+# Builds a gang: (the TrainConfig, attempt, data_state, lr_changes) -> a gang.
+GangFactory = Callable[[Any, int, dict[str, Any], list[LRChange]], GangLike]

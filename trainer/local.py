@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from thermowatch.monitors.contract import (
-    Ack, CheckpointInfo, Command, CommandKind, RunFinished, RunInfo, StepRecord, parse_command,
+    Ack, CheckpointInfo, Command, CommandKind, LRChange, RunFinished, RunInfo, StepRecord, parse_command,
 )
 
 
@@ -112,17 +112,18 @@ class InProcessGang:
     `gang_factory`). The process group stays up across gangs (torch.distributed cannot be torn
     down and rebuilt cheaply in one process); kill() drops the engine, as a dead rank would."""
 
-    def __init__(self, config: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list) -> None:
+    def __init__(self, config: Any, attempt: int, data_state: dict[str, Any] | None,
+                 lr_changes: list[LRChange]) -> None:
         from thermowatch.trainer.worker import TrainWorker, _free_port
 
         if config.world_size != 1:
             raise ValueError(f"InProcessGang runs one rank; set world_size=1 (got {config.world_size})")
         self.worker = TrainWorker(0, 1)
         info = self.worker.setup(config.to_dict(), attempt, data_state, lr_changes, "127.0.0.1", _free_port(), 0, 1)
-        self.names: list[str] = info["names"]
-        self.hosts = {0: info["host"]}
+        self.names: list[str] = info.names
+        self.hosts = {0: info.host}
         self.workers = [self.worker]
-        self.flops_per_token = info["flops_per_token"]
+        self.flops_per_token = info.flops_per_token
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
         if self.worker is None:

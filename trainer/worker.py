@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from thermowatch.monitors.contract import LOSS, TOKENS_PER_S, ledger_digest, multiplier_at
+from thermowatch.monitors.contract import LOSS, TOKENS_PER_S, LRChange, ledger_digest, multiplier_at
+from thermowatch.trainer.seam import RankReady, TrainedStep
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def _free_port() -> int:
 
 
 class TrainWorker:
-    """Use as a Ray actor (`ray.remote(TrainWorker)`); plain methods, plain return values."""
+    """Use as a Ray actor (`ray.remote(TrainWorker)`); plain methods, typed values across the
+    seam (trainer.seam, contract.LRChange)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -43,7 +45,7 @@ class TrainWorker:
         # (attempt, step, sample ids) of the latest steps, for tests and forensics; bounded so a
         # long run does not grow it without limit.
         self._seen: deque[tuple[int, int, np.ndarray]] = deque(maxlen=4096)
-        self._held: dict[int, dict[str, Any]] = {}  # meta of ended steps not yet handed out
+        self._held: dict[int, dict[str, Any]] = {}  # ended steps not yet handed out: TrainedStep's fields so far
         self._profiler = None
         self._profile_left = 0
 
@@ -61,12 +63,12 @@ class TrainWorker:
         config: dict[str, Any],
         attempt: int,
         data_state: dict[str, Any] | None,
-        lr_changes: list[dict[str, Any]],
+        lr_changes: list[LRChange],
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         local_rank: int = 0,
         local_size: int = 1,
-    ) -> dict[str, Any]:
+    ) -> RankReady:
         """Join the process group, build model, engine, thermometers and data loader."""
         from thermowatch.trainer.config import TrainConfig
 
@@ -87,7 +89,6 @@ class TrainWorker:
         from thermowatch.monitors.thermometers import instrument
         from thermowatch.trainer.data import DataLoader, DataState
         from thermowatch.trainer.engine import Engine, decline_shm_comm_op
-        from thermowatch.trainer.lr import changes_from_json
         from thermowatch.trainer.model import GPT
 
         if not cfg.use_gpu:
@@ -115,11 +116,11 @@ class TrainWorker:
             self.thermo.finish = CollectiveReducer(self.names, len(self.thermo.names), self.thermo.device,
                                                    self.rank, self.world_size)
         self.schedule = cfg.lr_schedule()
-        self.lr_changes = changes_from_json(lr_changes)
+        self.lr_changes = list(lr_changes)
         state = DataState.from_json(data_state) if data_state else None
         self.loader = DataLoader.from_config(cfg.data, self.rank, self.world_size, state=state)
         self._note_ledger()
-        return {"names": self.names, "host": socket.gethostname(), "flops_per_token": self.flops_per_token}
+        return RankReady(names=self.names, host=socket.gethostname(), flops_per_token=self.flops_per_token)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -127,9 +128,9 @@ class TrainWorker:
     def next_step(self) -> int:
         return self.loader.state.step + 1
 
-    def step(self, step: int) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """Train (1-based) `step`. Returns the *previous* step's (values aligned with `names`,
-        meta), read a step late so that training never waits for the thermometers' host copy
+    def step(self, step: int) -> TrainedStep | None:
+        """Train (1-based) `step`. Returns the *previous* step (its values aligned with `names`),
+        read a step late so that training never waits for the thermometers' host copy
         (DESIGN.md, "Nothing blocks training"; `TrainConfig.read_late`, on by default on a GPU);
         None on the first step after a (re)start or a `drain()`. `drain()` hands out the step
         still held back. With read_late off it returns this step's own values."""
@@ -175,28 +176,27 @@ class TrainWorker:
         }
         return self._take() if len(self.thermo.pending_steps) > (1 if self._read_late else 0) else None
 
-    def drain(self) -> tuple[np.ndarray, dict[str, Any]] | None:
+    def drain(self) -> TrainedStep | None:
         """The step held back by `step()`, if any (before a checkpoint, a command, the end)."""
         return self._take()
 
-    def _take(self) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """(values, meta) of the oldest ended step. Collective reduction: rank 0 hands out the
+    def _take(self) -> TrainedStep | None:
+        """The oldest ended step. Collective reduction: rank 0 hands out the
         reduced, packed vector (monitors.collective) and the other ranks None, so the driver
         receives one vector per step whatever the world size; driver reduction: every rank
         hands out its own values."""
         values = self.thermo.collect()  # the oldest ended step: its copy finished a step ago
         if values is None:
             return None
-        meta = self._held.pop(self.thermo.last_step)
-        tokens_per_s = meta.pop("tokens_per_s")
+        held = self._held.pop(self.thermo.last_step)
+        tokens_per_s = held.pop("tokens_per_s")
         if self._collective:
             if self.rank != 0:
                 return None
         else:
             values = np.append(values, tokens_per_s)
-        meta["step"] = self.thermo.last_step
-        meta["loss"] = float(values[self._loss_slot])  # already on the host (reduced, if collective)
-        return values, meta
+        # loss: already on the host (reduced, if collective)
+        return TrainedStep(step=self.thermo.last_step, values=values, loss=float(values[self._loss_slot]), **held)
 
     def _forget_held(self) -> None:
         """A new data state abandons steps not handed out (the controller drains first)."""
@@ -228,10 +228,8 @@ class TrainWorker:
         # Hashed when the ledger changes, not per step.
         self._ledger_digest = ledger_digest(self.loader.state.ledger.ranges)
 
-    def set_lr_changes(self, changes: list[dict[str, Any]]) -> None:
-        from thermowatch.trainer.lr import changes_from_json
-
-        self.lr_changes = changes_from_json(changes)
+    def set_lr_changes(self, changes: list[LRChange]) -> None:
+        self.lr_changes = list(changes)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -303,7 +301,7 @@ class Gang:
         config: Any,  # TrainConfig
         attempt: int,
         data_state: dict[str, Any] | None,
-        lr_changes: list[dict[str, Any]],
+        lr_changes: list[LRChange],
         ready_timeout_s: float = 600.0,
         exclude_nodes: list[str] = (),
         placement_timeout_s: float | None = None,
@@ -340,7 +338,7 @@ class Gang:
             raise
 
     def _bring_up(
-        self, cfg: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list, timeout_s: float
+        self, cfg: Any, attempt: int, data_state: dict[str, Any] | None, lr_changes: list[LRChange], timeout_s: float
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -386,8 +384,8 @@ class Gang:
             ],
             timeout_s,
         )
-        self.names: list[str] = infos[0]["names"]
-        self.flops_per_token: int = infos[0]["flops_per_token"]
+        self.names: list[str] = infos[0].names
+        self.flops_per_token: int = infos[0].flops_per_token
 
     def submit(self, method: str, *args: Any) -> list:
         """Call `method` on every rank; returns the object refs (ranks run collectives together)."""
