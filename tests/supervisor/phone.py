@@ -92,11 +92,9 @@ def _demo_like(sup: Supervisor) -> None:
                         {"action_id": rollbacks[k % 2], "step": k, "note": "the policy's decision, as it was logged"})
 
 
-def phone_daemon(tmp: Path) -> PhoneRuns:
-    """A Supervisor over a fresh SQLite database in `tmp` holding the three runs; the caller closes it."""
-    url = f"sqlite:///{tmp / 'phone.db'}"
-    upgrade(url)
-    sup = Supervisor(SupervisorConfig(data_dir=tmp / "data", db_url=url, api_token=ADMIN_TOKEN, advise_only=True),
+def jump_supervisor(data_dir: Path, db_url: str) -> Supervisor:
+    """The real Supervisor in advise-only mode fed JUMP's recorded trace; the caller closes it."""
+    sup = Supervisor(SupervisorConfig(data_dir=data_dir, db_url=db_url, api_token=ADMIN_TOKEN, advise_only=True),
                      notifier=ConsoleNotifier(io.StringIO()))
     recs = traces.load("jump_qkln")
     sup.open_run(RunInfo(JUMP, 0, world_size=1, config={"steps": 1000}))
@@ -104,10 +102,23 @@ def phone_daemon(tmp: Path) -> PhoneRuns:
         batch = recs[i:i + 25]
         sup.write(JUMP, 0, batch)
         sup.checkpoint_saved(JUMP, 0, CheckpointInfo(batch[-1].step, f"/ckpt/{batch[-1].step}", batch[-1].sample_hi, True))
+    return sup
+
+
+def awaiting_approval(sup: Supervisor) -> list:
+    """JUMP's actions the policy left pending for a person (advise-only: its rollback)."""
+    with sup.sessions() as s:
+        return [a for a in actions_store.actions(s, JUMP) if a.requires_approval and a.state == "pending"]
+
+
+def phone_daemon(tmp: Path) -> PhoneRuns:
+    """A Supervisor over a fresh SQLite database in `tmp` holding the three runs; the caller closes it."""
+    url = f"sqlite:///{tmp / 'phone.db'}"
+    upgrade(url)
+    sup = jump_supervisor(tmp / "data", url)
     _demo_like(sup)
     seed(type("DB", (), {"sessions": sup.sessions})())
-    with sup.sessions() as s:
-        waiting = [a for a in actions_store.actions(s, JUMP) if a.requires_approval and a.state == "pending"]
+    waiting = awaiting_approval(sup)
     assert len(waiting) == 1, waiting
     return PhoneRuns(sup, waiting[0].id)
 

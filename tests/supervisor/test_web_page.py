@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
+from thermowatch.monitors.contract import RunInfo, StepRecord
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.serve.server import build_app
@@ -33,27 +33,19 @@ from thermowatch.supervisor.store import thermometers
 from tests.fixtures import traces
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, make_token
+from tests.supervisor.phone import JUMP, awaiting_approval, jump_supervisor
 from tests.supervisor.test_runs_api import RUN as SEEDED
 from tests.supervisor.test_runs_api import seed
 
-JUMP = "jump-qkln"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture
 def daemon(db, tmp_path):
     """The real Supervisor over the recorded trace, plus the seeded rollback run; yields (sup, action id)."""
-    sup = Supervisor(SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, api_token=ADMIN_TOKEN, advise_only=True),
-                     notifier=ConsoleNotifier(io.StringIO()))
-    recs = traces.load("jump_qkln")
-    sup.open_run(RunInfo(JUMP, 0, world_size=1, config={"steps": 1000}))
-    for i in range(0, len(recs), 25):  # the run controller's batches, a checkpoint after each
-        batch = recs[i:i + 25]
-        sup.write(JUMP, 0, batch)
-        sup.checkpoint_saved(JUMP, 0, CheckpointInfo(batch[-1].step, f"/ckpt/{batch[-1].step}", batch[-1].sample_hi, True))
+    sup = jump_supervisor(tmp_path / "data", db.url)
     seeded = seed(type("DB", (), {"sessions": sup.sessions})())
-    with sup.sessions() as s:
-        waiting = [a for a in actions_store.actions(s, JUMP) if a.requires_approval and a.state == "pending"]
+    waiting = awaiting_approval(sup)
     assert len(waiting) == 1 and waiting[0].kind == "rollback", waiting  # what the page must offer
     sup.seeded = seeded  # the rolled-back run's ids
     yield sup, waiting[0].id
