@@ -36,8 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from common import add_model_flags, free_port, nano_config, paired_ratios, rotating_rounds  # first: sys.path
-from tests.fixtures.nanogpt import NanoGPT
+from common import add_model_flags, free_port, nano_model, paired_ratios, rotating_rounds  # first: sys.path
 from tests.live_server import wait_healthy
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 
@@ -116,13 +115,10 @@ def syncs(names: list[str], run_block) -> None:
 
 def main() -> None:
     args = parse()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dev = torch.device(args.device)
+    base, dev = nano_model(args)
     cuda = dev.type == "cuda"
     bf16 = args.bf16 or cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    base = NanoGPT(nano_config(args)).to(dev)
     # The batch is gathered on the host and copied as a loader with pin_memory does (pinned,
     # non_blocking): the same for every variant, and no copy that waits for the GPU.
     data = torch.randint(0, args.vocab, (args.data_rows, args.seq_len + 1))

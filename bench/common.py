@@ -65,12 +65,19 @@ def add_model_flags(ap: argparse.ArgumentParser, *, heads: bool = True, seq_len:
     ap.add_argument("--batch", type=int, default=8)
 
 
-def nano_config(args: argparse.Namespace):
-    """tests/fixtures/nanogpt.py's config from add_model_flags' flags and --vocab."""
-    from tests.fixtures.nanogpt import NanoConfig
+def nano_model(args: argparse.Namespace):
+    """(model, device): --threads torch threads, seed 0, and tests/fixtures/nanogpt.py's GPT (its
+    attention calls F.scaled_dot_product_attention) from add_model_flags' flags and --vocab, on --device."""
+    import torch
 
-    return NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
-                      n_embd=args.d_model)
+    from tests.fixtures.nanogpt import NanoConfig, NanoGPT
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
+    cfg = NanoConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
+                     n_embd=args.d_model)
+    return NanoGPT(cfg).to(dev), dev
 
 
 def rotating_rounds(names: Sequence[str], run: Callable[[str, int], T], *, warmup: int, steps: int,

@@ -40,8 +40,7 @@ import time
 
 import torch
 
-from common import add_model_flags, nano_config, paired_ratios, rotating_rounds  # first: this checkout on sys.path
-from tests.fixtures.nanogpt import NanoGPT
+from common import add_model_flags, nano_model, paired_ratios, rotating_rounds  # first: this checkout on sys.path
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 
 _NEVER = 10**9  # a sampling interval no step reaches: the group is off
@@ -73,11 +72,8 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dev = torch.device(args.device)
+    base, dev = nano_model(args)
     cuda = dev.type == "cuda"
-    base = NanoGPT(nano_config(args)).to(dev)
     models, thermos, opts = {}, {}, {}
     chosen = {k: v for k, v in VARIANTS.items()
               if k == "plain" or not args.variants or k in args.variants.split(",")}
