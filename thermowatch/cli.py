@@ -248,8 +248,8 @@ def _load_mapping(path: str | None) -> dict:
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
     from thermowatch.supervisor.operate.client import SERVER_ENV, TOKEN_ENV
 
-    p.add_argument("--server", help=f"the daemon's URL (default: ${SERVER_ENV}, then `thermowatch login`'s, "
-                                    "then http://127.0.0.1:8765)")
+    p.add_argument("--server", help=f"the daemon's URL, or its replicas' comma-separated, tried in turn (default: "
+                                    f"${SERVER_ENV}, then `thermowatch login`'s, then http://127.0.0.1:8765)")
     p.add_argument("--token", help=f"API token (default: ${TOKEN_ENV}, then `thermowatch login`'s)")
 
 
@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="launch a supervised training run")
     p.add_argument("config_file", help="training config (YAML/JSON; only what differs from defaults)")
-    p.add_argument("--supervisor", help="URL of a running daemon; default: an embedded one in this process")
+    p.add_argument("--supervisor", help="URL of a running daemon, or its replicas' comma-separated (the sink fails "
+                                        "over between them); default: an embedded one in this process")
     p.add_argument("--progress-every", type=arg_int(1), default=10, metavar="N",
                    help="a progress line (step, loss, tokens/s, max attention logit, ETA) every N steps")
     p.add_argument("-v", "--verbose", action="store_true", help="also log every HTTP request (httpx, httpcore)")

@@ -41,7 +41,13 @@ def train(config_file: str, *, supervisor_url: str | None, sup_config: Superviso
         require_gpus(config_file, tcfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0,
                      "torch sees")
     if supervisor_url:
+        from thermowatch.supervisor.operate.servers import joined, parse_servers
         from thermowatch.transport import HttpCommandChannel, HttpSink
+
+        try:  # one URL, or several replicas' comma-separated (issue 40): the sink fails over between them
+            supervisor_url = joined(parse_servers(supervisor_url, "--supervisor"))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
 
         # The daemon's auth is on by default: the trainer needs a token with the `ingest` scope
         # (`thermowatch token create trainer --scope ingest`), from THERMOWATCH_TOKEN, else the

@@ -52,7 +52,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -98,7 +98,7 @@ class Watch(Directed):
     first step and when the run ended diverged), `lr_multiplier`, `probing`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
-                 global_batch: int, server: str | None = None, token: str | None = None,
+                 global_batch: int, server: str | Sequence[str] | None = None, token: str | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 50,
                  keep_checkpoints: int = 5, scheduler: Any = None,
                  thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,

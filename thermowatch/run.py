@@ -12,7 +12,8 @@ their own checkpoints and want typed commands (docs/any-trainer.md, "Your own ch
 
 Where it sends: `server=`/`token=`, else `THERMOWATCH_SERVER`/`THERMOWATCH_TOKEN`, else the file
 `thermowatch login` wrote; with none of them an embedded supervisor (SQLite under `.thermowatch/`)
-runs in this process, as `thermowatch train` does without `--supervisor`.
+runs in this process, as `thermowatch train` does without `--supervisor`. Several daemon replicas
+(issue 40): a list, or one comma-separated string; it fails over between them (thermowatch.transport).
 
 Nothing here runs on the caller's thread but a queue append: one background thread registers
 the run, sends records, checkpoints and acks in the order they were made (records before the
@@ -51,10 +52,11 @@ log = logging.getLogger(__name__)
 IO_RESERVE_S = 0.5  # finish(): the I/O thread's waits end this long before close_timeout_s (see _stop)
 
 
-def resolve_server(server: str | None, token: str | None) -> tuple[str | None, str | None]:
+def resolve_server(server: str | Sequence[str] | None, token: str | None) -> tuple[str | None, str | None]:
     """The daemon's address and token, resolved as the command line resolves them (arguments, then
     THERMOWATCH_SERVER / THERMOWATCH_TOKEN, then `thermowatch login`'s file); no server named
-    anywhere is None (the embedded supervisor), not the command line's default address."""
+    anywhere is None (the embedded supervisor), not the command line's default address. Several
+    addresses come back as one comma-separated string."""
     from thermowatch.supervisor.operate.client import FROM_DEFAULT, resolve  # httpx and stdlib only
 
     found = resolve(server, token)
@@ -65,7 +67,8 @@ class Run:
     """One run's records, checkpoints, commands and acks, sent and polled off the caller's thread."""
 
     def __init__(self, run_id: str, *, steps: int | None = None, global_batch: int | None = None,
-                 config: dict[str, Any] | None = None, server: str | None = None, token: str | None = None,
+                 config: dict[str, Any] | None = None, server: str | Sequence[str] | None = None,
+                 token: str | None = None,
                  state_dir: str | os.PathLike | None = None, world_size: int = 1, poll_interval_s: float = 1.0,
                  send_interval_s: float = 0.5, supervisor_config: Any = None, close_timeout_s: float = 10.0,
                  dataset_size: int | None = None) -> None:

@@ -27,6 +27,12 @@ were never stored).
 HttpCommandChannel implements contract.CommandChannel:
     GET  /api/runs/{run_id}/commands -> {"commands": [Command.to_json(), ...]}
     POST /api/runs/{run_id}/acks     <- Ack.to_json()
+
+Both take several daemon addresses (replicas on one PostgreSQL, one leading: issue 40), a list or
+one comma-separated string, and fail over between them (supervisor.operate.servers): a message
+goes to the replica that answered last, else to the next one, before anything is spooled; a
+standby's 503 for what only the leader takes (checkpoint reports, a finish, polls, acks) moves it
+to the leader at once. Retry-After (capped) sets the next try once every address has failed.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from thermowatch.monitors.contract import (
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.spool import Tail
+from thermowatch.supervisor.operate.servers import Servers
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
@@ -86,7 +93,7 @@ class HttpSink:
 
     batches_records = True  # callers hand it steps one by one (RunController, Run): it batches
 
-    def __init__(self, base_url: str, spool_dir: str | os.PathLike, token: str | None = None, *,
+    def __init__(self, base_url: str | Sequence[str], spool_dir: str | os.PathLike, token: str | None = None, *,
                  timeout: float = 30.0, connect_timeout: float = 2.0, retry_interval: float = 1.0,
                  max_retry_interval: float = 60.0, queue_size: int = 256, close_timeout: float = 10.0,
                  max_server_errors: int = 3, batch_s: float = 0.5, batch_steps: int = 256,
@@ -99,9 +106,10 @@ class HttpSink:
         # While the supervisor is unreachable, messages go straight to the spool and one replay is
         # tried per retry interval, which doubles up to max_retry_interval: a blackholed host
         # (connect timeout, 2 s) costs the sender thread ~15 stalls in a ten-minute outage.
-        self.base_url = base_url.rstrip("/")
-        self._client = httpx.Client(base_url=self.base_url, headers=_headers(token),
-                                    timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        # Every address it may send to (several replicas: the one that answered last first).
+        self._servers = Servers(base_url, headers=_headers(token),
+                                timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self.base_url = self._servers.all  # one address: exactly as given, less a trailing slash
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self.retry_interval = retry_interval
         self.max_retry_interval = max_retry_interval
@@ -194,7 +202,7 @@ class HttpSink:
             with self._disk:
                 self._close_file()
             if not self._thread.is_alive():  # else it is still in a request: it ends with the process
-                self._client.close()
+                self._servers.close()
         tail = Tail.of(self.spool_dir)
         if tail and say:
             why = f" ({self.last_error})" if self.last_error else ""
@@ -403,15 +411,21 @@ class HttpSink:
                 self.last_error = str(exc)
                 self._reject(_spool_line(path, data, content_type), str(exc))
 
+    def _time_left(self) -> Any:
+        """A request's timeout: the client's, or what is left before close()'s deadline."""
+        if self._deadline is None:
+            return httpx.USE_CLIENT_DEFAULT
+        left = self._deadline - SPOOL_RESERVE_S - time.monotonic()  # closing: no request outlives close_timeout
+        if left <= 0:
+            raise _Unreachable(self.last_error or "close_timeout reached")
+        return httpx.Timeout(min(self._timeout, left), connect=min(self._connect_timeout, left))
+
     def _post(self, path: str, data: bytes, content_type: str = JSON) -> None:
-        timeout: Any = httpx.USE_CLIENT_DEFAULT
-        if self._deadline is not None:  # closing: no request outlives close_timeout
-            left = self._deadline - SPOOL_RESERVE_S - time.monotonic()
-            if left <= 0:
-                raise _Unreachable(self.last_error or "close_timeout reached")
-            timeout = httpx.Timeout(min(self._timeout, left), connect=min(self._connect_timeout, left))
+        # Every address in turn (supervisor.operate.servers); ingest is idempotent, so a message
+        # whose answer was lost may go to the next replica as well.
         try:
-            r = self._client.post(path, content=data, headers={"content-type": content_type}, timeout=timeout)
+            r = self._servers.request("POST", path, content=data, headers={"content-type": content_type},
+                                      timeout=self._time_left)
         except httpx.TransportError as exc:  # connect refused/timeout, reset, read timeout
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise _Unreachable(self.last_error) from exc
@@ -515,7 +529,10 @@ class HttpSink:
         log.error("spooled message moved to rejected.jsonl: %s", why)
 
     def _failed(self) -> None:
-        self._next_retry = time.monotonic() + self._backoff
+        # The servers' Retry-After when they gave one (capped: a standby leads within seconds),
+        # else the doubling backoff.
+        wait = self._servers.retry_after_s
+        self._next_retry = time.monotonic() + (self._backoff if wait is None else wait)
         self._backoff = min(self._backoff * 2, self.max_retry_interval)
 
 
@@ -628,12 +645,16 @@ class HttpCommandChannel:
     (connection error, 5xx) is kept and re-sent before the next poll, while one it refuses (4xx:
     it failed the command and says why) is dropped with a log line, so one bad ack never holds
     back the ones behind it. A poll that fails returns no commands; training goes on. After
-    `close_by(deadline)` no request outlives the deadline (the run's close_timeout_s)."""
+    `close_by(deadline)` no request outlives the deadline (the run's close_timeout_s). Several
+    addresses: each poll and ack goes to the one that answered last, else the next (a standby
+    answers both 503: only the leader sends commands); when none answered, their Retry-After
+    (capped) passes before the next try."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 10.0,
+    def __init__(self, base_url: str | Sequence[str], token: str | None = None, *, timeout: float = 10.0,
                  max_unsent: int = 10_000) -> None:
-        self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout)
+        self._servers = Servers(base_url, headers=_headers(token), timeout=timeout)
         self._timeout = timeout
+        self._quiet_until = 0.0  # monotonic: every address asked us to wait (Retry-After) until then
         self._deadline: float | None = None
         self._unsent: list[tuple[str, Ack]] = []
         self._max_unsent = max_unsent
@@ -656,10 +677,18 @@ class HttpCommandChannel:
             raise httpx.TimeoutException("the run's close_timeout_s has passed")
         return min(self._timeout, left)
 
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        r = self._servers.request(method, path, timeout=self._time_left, **kw)
+        if self._servers.retry_after_s is not None:  # no address could answer; they said when to come back
+            self._quiet_until = time.monotonic() + self._servers.retry_after_s
+        return r
+
     def poll(self, run_id: str) -> list[Command]:
+        if time.monotonic() < self._quiet_until:
+            return []  # a takeover under way: the acks wait with the poll
         self._resend_acks()
         try:
-            r = self._client.get(f"{_run_path(run_id)}/commands", timeout=self._time_left())
+            r = self._request("GET", f"{_run_path(run_id)}/commands")
         except httpx.TransportError as exc:
             log.warning("cannot poll commands (%s); training goes on", exc)
             return []
@@ -696,8 +725,8 @@ class HttpCommandChannel:
         while self._unsent:
             run_id, ack = self._unsent[0]
             try:
-                r = self._client.post(f"{_run_path(run_id)}/acks", content=dumps(ack.to_json()),
-                                      headers={"content-type": "application/json"}, timeout=self._time_left())
+                r = self._request("POST", f"{_run_path(run_id)}/acks", content=dumps(ack.to_json()),
+                                  headers={"content-type": "application/json"})
             except httpx.TransportError as exc:
                 log.warning("cannot deliver ack for command %s (%s); will retry", ack.command_id, exc)
                 return
@@ -710,4 +739,4 @@ class HttpCommandChannel:
             self._unsent.pop(0)
 
     def close(self) -> None:
-        self._client.close()
+        self._servers.close()

@@ -10,6 +10,12 @@ from, first found wins:
    mode 0600, like kubectl's and ray's own);
 4. the address alone defaults to http://127.0.0.1:8765 (`thermowatch serve`'s default).
 
+The address may name several replicas of the daemon, comma-separated (`--server
+http://a:8765,http://b:8765`): a request goes to the one that answered last, else the next
+(supervisor.operate.servers), so the leader's loss or a standby's 503 costs a retry, not an
+error. A request that must not happen twice (a manual command) moves on only when nothing
+reached the daemon it tried.
+
 Every failure is one sentence: an unreachable daemon names the address tried and how to point
 elsewhere (exit 3), a refused token says which scope was missing and where the token came from
 (exit 2), a refused request carries the daemon's own message naming the field (exit 2).
@@ -24,11 +30,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import time
+from typing import Sequence
+
 import httpx
 
 from thermowatch.monitors.commands import ContractError
 from thermowatch.monitors.names import check_run_id
 from thermowatch.supervisor.errors import DaemonUnreachable, UserError
+from thermowatch.supervisor.operate.servers import Servers, joined, parse_servers
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 FROM_DEFAULT = "the default"  # Endpoint.server_from when nothing named a server
@@ -76,13 +86,18 @@ def save_login(server: str, token: str | None) -> Path:
 
 @dataclass(frozen=True)
 class Endpoint:
-    server: str
+    server: str  # one URL, or several replicas' comma-separated (`servers` splits them)
     token: str | None
     server_from: str  # where each came from, for error messages
     token_from: str
 
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return parse_servers(self.server)
 
-def resolve(server: str | None = None, token: str | None = None) -> Endpoint:
+
+def resolve(server: str | Sequence[str] | None = None, token: str | None = None) -> Endpoint:
+    """`server`: one URL, several comma-separated, or a list of them (Python's `server=`)."""
     saved = read_login() if not (server and token) else {}
     s, s_from = next(((v, w) for v, w in ((server, "--server"), (os.environ.get(SERVER_ENV), SERVER_ENV),
                                          (saved.get("server"), str(config_path())))
@@ -90,16 +105,18 @@ def resolve(server: str | None = None, token: str | None = None) -> Endpoint:
     t, t_from = next(((v, w) for v, w in ((token, "--token"), (os.environ.get(TOKEN_ENV), TOKEN_ENV),
                                          (saved.get("token"), str(config_path())))
                       if v), (None, "nowhere"))
-    if not s.startswith(("http://", "https://")):
-        raise UserError(f"the server address {s!r} (from {s_from}) must start with http:// or https://")
-    return Endpoint(s.rstrip("/"), t, s_from, t_from)
+    try:
+        urls = parse_servers(s, f"the server address (from {s_from})")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return Endpoint(joined(urls), t, s_from, t_from)
 
 
 class Client:
     def __init__(self, endpoint: Endpoint, timeout: float = 30.0) -> None:
         self.endpoint = endpoint
         headers = {"Authorization": f"Bearer {endpoint.token}"} if endpoint.token else {}
-        self._http = httpx.Client(base_url=endpoint.server, headers=headers, timeout=timeout)
+        self._http = Servers(endpoint.server, headers=headers, timeout=timeout)
 
     def close(self) -> None:
         self._http.close()
@@ -122,23 +139,33 @@ class Client:
 
     def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
         ep = self.endpoint
+        # A GET may go to the next replica whatever happened; a POST (a command, an approval) only
+        # when it cannot have been carried out: never twice (supervisor.operate.servers).
+        resend = method == "GET"
         try:
-            r = self._http.request(method, path, **kw)
+            r = self._http.request(method, path, resend=resend, **kw)
+            if r.status_code == 503 and self._http.retry_after_s is not None:
+                # Every replica said "not now" (a standby, a takeover under way): once more after
+                # the wait they asked for, capped at a few seconds.
+                time.sleep(self._http.retry_after_s)
+                r = self._http.request(method, path, resend=resend, **kw)
         except httpx.TransportError as exc:
+            where = f"at {ep.server}" if len(self._http.urls) == 1 else f"at any of {', '.join(self._http.urls)}"
             raise DaemonUnreachable(
-                f"no thermowatch daemon answered at {ep.server} (from {ep.server_from}): {exc or type(exc).__name__}. "
-                f"Point the CLI elsewhere with --server URL, {SERVER_ENV}=URL, or `thermowatch login --server URL`"
+                f"no thermowatch daemon answered {where} (from {ep.server_from}): {exc or type(exc).__name__}. "
+                f"Point the CLI elsewhere with --server URL (several: comma-separated), {SERVER_ENV}=URL, "
+                "or `thermowatch login --server URL`"
             ) from None
         if r.status_code < 400:
             return r.content if raw else r.json()
-        detail = _detail(r)
+        detail, server = _detail(r), self._http.answered
         if r.status_code in (401, 403):
             where = f"the token from {ep.token_from}" if ep.token else "no token"
-            raise Refused(r.status_code, f"{ep.server} refused the request with {where} ({r.status_code}: {detail}). "
+            raise Refused(r.status_code, f"{server} refused the request with {where} ({r.status_code}: {detail}). "
                                          f"Pass --token, set {TOKEN_ENV}, or run `thermowatch login`")
         if r.status_code < 500:
             raise Refused(r.status_code, detail)
-        raise RuntimeError(f"{ep.server} failed on {method} {path} ({r.status_code}: {detail}); see the daemon's log")
+        raise RuntimeError(f"{server} failed on {method} {path} ({r.status_code}: {detail}); see the daemon's log")
 
 
 def run_path(run_id: str) -> str:
