@@ -274,6 +274,12 @@ class Responder:
             findings_store.add_finding(s, run_id, finding, incident_id, attempt)
             self._distrust_checkpoints(s, run_id, finding)
             decision = make_decision(self._policy_input(s, run_id, finding, bool(in_flight), attempt), self._policy)
+            if decision.distrust_step is not None:
+                # Its weights went non-finite right after loading: never a rollback target again
+                # (written with the decision, before the rollback away from it is carried out).
+                n = ckpt_store.distrust_step(s, run_id, decision.distrust_step)
+                log.warning("run %s: checkpoint %d went non-finite right after loading; %d row(s) marked unhealthy",
+                            run_id, decision.distrust_step, n)
             if decision.recheck_step is not None and attempt is not None:
                 self._recheck[run_id] = (attempt, decision.recheck_step)
             log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
@@ -299,8 +305,12 @@ class Responder:
         rows = actions_store.actions(s, run_id)
         incs = {i.id: i for i in incidents_store.incidents(s, run_id)}
         attempts = findings_store.incident_attempts(s, run_id, [a.incident_id for a in rows if a.incident_id])
+        recent: list = []  # the newest attempts, newest first: what a manual rollback left (below)
+        if any(a.kind is CommandKind.ROLLBACK and not a.incident_id for a in rows):
+            recent, _ = runs_store.attempts_page(s, run_id, limit=50)
         for a in rows:
             inc = incs.get(a.incident_id) if a.incident_id else None
+            done = a.state in (ActionState.ACKED, ActionState.DONE)
             history.append(Intervention(
                 kind=_decision_kind(a.kind),
                 signal=Signal(inc.signal) if inc else None,
@@ -314,9 +324,16 @@ class Responder:
                 skipped=a.kind is CommandKind.ROLLBACK and bool(a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.
-                first_step=a.ack_step if a.state in (ActionState.ACKED, ActionState.DONE) else None,
+                first_step=a.ack_step if done else None,
                 attempt=attempts.get(a.incident_id) if a.incident_id else None,
+                # a manual rollback has no finding: the attempt it left is the one running when it was asked
+                left_attempt=(None if a.incident_id or a.kind is not CommandKind.ROLLBACK or a.created_at is None
+                              else next((r.attempt for r in recent if r.started_at <= a.created_at), None)),
                 seq=a.id,
+                # what the trainer loaded (it falls back past a corrupt target): a NaN right after
+                # the load indicts this one (policy._bad_load)
+                loaded_step=a.rollback_to if done and a.kind is CommandKind.ROLLBACK else None,
+                onset=inc.onset_step if inc else None,
             ))
         # The multiplier in force at the step the trainer trains next (absolute, newest change
         # wins: contract.multiplier_at), not the last row's: a temporary change may have ended.

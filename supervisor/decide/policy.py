@@ -31,6 +31,12 @@ The ladder (DESIGN.md, "Rollback semantics"):
             -> set the LR back to what it was before the raise, in place. The damage is slow and
                the LR explains it; a rollback would keep the weights' history no better. Off with
                `revert_lr_jumps: false` (then it alerts).
+    rung 1  non-finite values within BAD_LOAD_STEPS of where a rollback re-started (its first
+            re-trained steps): the checkpoint it loaded holds bad weights, not the data or the LR
+            -> distrust that checkpoint and roll back to the newest healthy one before it, at
+               the same LR, skipping nothing more (Megatron-LM #5281: a corrupt checkpoint gave
+               NaN three steps after every load, 44 restarts). At most MAX_BAD_LOADS of these in
+               a row, then rung 3.
     rung 3  too many automatic interventions in `intervention_window_s`, the per-day rollback
             cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
             -> PAUSE and page a human.
@@ -73,6 +79,16 @@ class DecisionKind(str, enum.Enum):
 ACTIONS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE})
 # Kinds after which the same signal coming back counts as a recurrence (rung 2).
 _LADDER_KINDS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR})
+
+# A non-finite value within this many steps of a rollback's first re-trained step means the
+# checkpoint it loaded is bad (Megatron-LM #5281: NaN three steps after every load). Constants, not
+# PolicyConfig fields: a healthy checkpoint does not go non-finite within 3 steps at the LR it was
+# saved at, so there is nothing for a team to tune.
+BAD_LOAD_STEPS = 3
+# Checkpoints that may prove bad one after another before a human is paged (the first rollback's
+# target, then two fallbacks further back): more in a row is a broken loader or storage, not one
+# bad file.
+MAX_BAD_LOADS = 2
 
 # A rollback cannot fix these: a stall is not in the weights, an outlier rank is hardware.
 _NEVER_ROLLBACK = frozenset({Signal.STALL, Signal.OUTLIER_RANK})
@@ -267,6 +283,13 @@ class Intervention:
     # The attempt its finding was judged on; a rollback leaves this attempt (and older) behind.
     attempt: int | None = None
     seq: int = 0  # orders actions decided in the same second (the action row's id: higher is newer)
+    # ROLLBACK: the checkpoint the trainer really loaded (its ack's checkpoint_step; target_step
+    # when it fell back on a corrupt one). None until acknowledged.
+    loaded_step: int | None = None
+    onset: int | None = None  # the onset step of the finding it answered
+    # A manual action has no finding, so no `attempt`: the attempt running when it was asked,
+    # which a manual rollback leaves behind (only _bad_load reads it).
+    left_attempt: int | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +327,9 @@ class Decision:
     # detectors fire again on a condition that persists (their latches would keep it silent for
     # the rest of the run: issue 22), so a recurrence climbs the ladder after the cooldown.
     recheck_step: int | None = None
+    # A checkpoint whose weights proved bad (non-finite right after it was loaded): the responder
+    # marks it unhealthy in the store, so no later decision picks it again.
+    distrust_step: int | None = None
 
     @property
     def acts(self) -> bool:
@@ -407,7 +433,8 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
                       f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
                       "on its own"])
         into = _cooling(inp, cfg, h)
-        if into is not None and _family(h.signal) == fam and _data_recurrence(inp, h) is None:
+        if (into is not None and _family(h.signal) == fam and _data_recurrence(inp, h) is None
+                and _bad_load(inp, h) is None):
             return Decision(DecisionKind.NOOP, [
                 head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
                       f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect, judged again at "
@@ -517,6 +544,9 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     f = inp.finding
     reasons = [head]
     for h in _live(inp.history):
+        bad = _bad_load(inp, h)
+        if bad is not None:
+            return _fall_back(inp, cfg, head, h, bad)
         again = _data_recurrence(inp, h)
         if again is not None:
             return _skip_further(inp, cfg, head, h, again)
@@ -618,6 +648,74 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
                        "yet: the stretch has come back before, so it likely goes on")
     return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
                     skip_steps=skip, skip_ahead_steps=ahead, rung=1)
+
+
+def _bad_load(inp: PolicyInput, h: Intervention) -> int | None:
+    """The checkpoint rollback `h` loaded, when the finding says its weights are bad: non-finite,
+    judged on an attempt newer than h's, with its onset in the first BAD_LOAD_STEPS steps `h`
+    re-trained. Else None. Manual rollbacks count too: a bad file is bad whoever asked for it."""
+    f = inp.finding
+    if not (f.signal is Signal.NON_FINITE and h.kind is DecisionKind.ROLLBACK and h.ok
+            and h.first_step is not None and h.loaded_step is not None):
+        return None
+    left = h.attempt if h.attempt is not None else h.left_attempt
+    if inp.attempt is None or left is None or inp.attempt <= left:
+        return None
+    return h.loaded_step if h.first_step <= f.onset_step < h.first_step + BAD_LOAD_STEPS else None
+
+
+def _bad_loads_before(inp: PolicyInput, h: Intervention) -> list[int]:
+    """The checkpoints that proved bad right after loading in the chain `h` ends (h's own loaded
+    one not included), newest first: each rollback of the chain answered a non-finite finding
+    whose onset fell in the first BAD_LOAD_STEPS steps the rollback before it re-trained."""
+    done = _newest_first([x for x in inp.history if x.kind is DecisionKind.ROLLBACK and x.ok
+                          and x.first_step is not None and x.loaded_step is not None])
+    out: list[int] = []
+    at = next((i for i, x in enumerate(done) if x is h), None)
+    while at is not None and at + 1 < len(done):
+        cur, prev = done[at], done[at + 1]
+        if not (cur.signal is Signal.NON_FINITE and cur.onset is not None
+                and prev.first_step <= cur.onset < prev.first_step + BAD_LOAD_STEPS):
+            break
+        out.append(prev.loaded_step)
+        at += 1
+    return out
+
+
+def _fall_back(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, bad: int) -> Decision:
+    """Non-finite right after a rollback loaded checkpoint `bad`: its weights are bad (the data and
+    the LR trained finely from it before). Back to the newest healthy checkpoint before it, at the
+    same LR and with no new skip, and `bad` distrusted; bounded by MAX_BAD_LOADS in a row."""
+    f = inp.finding
+    earlier = _bad_loads_before(inp, h)
+    proved = [bad, *earlier]
+    what = (f"non-finite at step {f.onset_step}, {f.onset_step - h.first_step + 1} step(s) after the rollback "
+            f"to checkpoint {bad} took effect (first step {h.first_step}): the weights it loaded are bad, not "
+            "the data or the LR")
+    if len(proved) > MAX_BAD_LOADS:
+        d = _pause(head, f"{what}; checkpoints {', '.join(map(str, proved))} each went non-finite right after "
+                         f"loading ({len(proved)} in a row, at most {MAX_BAD_LOADS} are fallen back past): the "
+                         "storage or the loader is suspect; a human has to check the files and pick a target "
+                         "(`thermowatch rollback RUN --to-step N`)")
+        return dataclasses.replace(d, distrust_step=bad)
+    rollbacks = [x for x in inp.history if x.automatic and x.kind is DecisionKind.ROLLBACK
+                 and inp.now - x.time < DAY_S]
+    if len(rollbacks) >= cfg.max_rollbacks_per_day:
+        d = _pause(head, f"{what}; {len(rollbacks)} automatic rollbacks in the last 24 h "
+                         f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
+        return dataclasses.replace(d, distrust_step=bad)
+    older = [c for c in inp.checkpoints if c.healthy and c.step < min(proved)]
+    target = _newest_at_or_before(older, min(proved) - 1)
+    if target is None:
+        d = _pause(head, f"{what}; no healthy checkpoint before step {min(proved)} to fall back to; a human has "
+                         "to pick a target")
+        return dataclasses.replace(d, distrust_step=bad)
+    return Decision(DecisionKind.ROLLBACK, [
+        head, what,
+        f"checkpoint {bad} is distrusted (marked unhealthy); falling back to checkpoint {target.step}, the newest "
+        f"healthy one before it (fallback {len(proved)} of at most {MAX_BAD_LOADS} in a row), at the same LR, "
+        "skipping nothing more (the samples skipped already stay skipped)"],
+        target_step=target.step, target_path=target.path, rung=1, distrust_step=bad)
 
 
 def _revert_lr(inp: PolicyInput, head: str) -> Decision:

@@ -88,6 +88,15 @@ def distrust_from(session: Session, run_id: str, step: int) -> int:
     return res.rowcount
 
 
+def distrust_step(session: Session, run_id: str, step: int) -> int:
+    """Mark the run's live checkpoint(s) at exactly `step` unhealthy: its weights went non-finite
+    right after a rollback loaded it (policy._bad_load). Returns how many changed."""
+    res = session.execute(update(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == step,
+                                                   Checkpoint.deleted.is_(False),
+                                                   Checkpoint.healthy.is_(True)).values(healthy=False))
+    return res.rowcount
+
+
 def mark_checkpoint(session: Session, checkpoint_id: int, *, healthy: bool | None = None, deleted: bool | None = None) -> None:
     values = {k: v for k, v in (("healthy", healthy), ("deleted", deleted)) if v is not None}
     if values:
