@@ -252,13 +252,19 @@ def test_every_file_in_deploy_is_checked(tmp_path):
 def test_the_kubernetes_objects_are_the_ones_a_cluster_team_needs(tmp_path):
     kinds = {(d["kind"], d["metadata"]["name"]) for p in sorted((DEPLOY / "k8s").glob("*.yaml"))
              for d in check_manifests(p, tmp_path)}
-    assert {("RayJob", "yalm-100b"), ("RayCluster", "yalm-100b"), ("Deployment", "thermowatch"),
-            ("Service", "thermowatch"), ("Secret", "thermowatch-secrets"), ("ConfigMap", "thermowatch-config"),
+    assert {("RayJob", "yalm-100b"), ("RayCluster", "yalm-100b"), ("StatefulSet", "thermowatch"),
+            ("Service", "thermowatch"), ("Service", "thermowatch-replicas"),
+            ("PodDisruptionBudget", "thermowatch"), ("Secret", "thermowatch-secrets"), ("ConfigMap", "thermowatch-config"),
             ("PersistentVolumeClaim", "thermowatch-checkpoints"), ("StatefulSet", "postgres")} <= kinds
 
 
 def _docs(name: str) -> dict[str, dict]:
-    return {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())}
+    """kind -> the file's first object of that kind, and "kind/name" -> each object."""
+    out: dict[str, dict] = {}
+    for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()):
+        out.setdefault(d["kind"], d)
+        out[f"{d['kind']}/{d['metadata']['name']}"] = d
+    return out
 
 
 def _mounts(pod_spec: dict) -> dict[str, dict]:
@@ -296,7 +302,7 @@ def test_the_rayjob_runs_the_example_config_on_the_shared_volume():
 
 def test_the_daemon_reads_its_config_and_secrets_where_they_are_mounted(tmp_path):
     docs = _docs("daemon.yaml")
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    pod = docs["StatefulSet"]["spec"]["template"]["spec"]
     main_c = pod["containers"][0]
     args = main_c["args"]
     config_path = args[args.index("--config") + 1]
@@ -310,11 +316,36 @@ def test_the_daemon_reads_its_config_and_secrets_where_they_are_mounted(tmp_path
             assert mounts[d]["secret"]["secretName"] == docs["Secret"]["metadata"]["name"] and key in secret_keys
     assert main_c["ports"][0]["containerPort"] == sup["port"] and sup["host"] == "0.0.0.0"
     assert "--no-upgrade" in args and pod["initContainers"][0]["args"][:2] == ["db", "upgrade"]
-    svc = docs["Service"]["spec"]
-    assert svc["selector"] == docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    svc = docs["Service/thermowatch"]["spec"]
+    assert svc["selector"] == docs["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
     # The db-url the Secret holds by default points at postgres.yaml's Service.
     pg = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / "postgres.yaml").read_text())}
     assert f"@{pg['Service']['metadata']['name']}:{pg['Service']['spec']['ports'][0]['port']}/" in docs["Secret"]["stringData"]["db-url"]
+
+
+def test_the_daemon_runs_a_standby_that_clients_can_reach(tmp_path):
+    """Issue 40 item 4: two replicas on PostgreSQL, never both evicted, each ready on /readyz and
+    named by the headless Service, and the trainer given both names."""
+    docs = _docs("daemon.yaml")
+    sts = docs["StatefulSet/thermowatch"]["spec"]
+    labels = sts["template"]["metadata"]["labels"]
+    assert sts["replicas"] >= 2
+    # A standby needs the one shared database: the Secret's URL is PostgreSQL (SQLite refuses a second daemon).
+    assert docs["Secret"]["stringData"]["db-url"].startswith("postgresql")
+    pdb = docs["PodDisruptionBudget/thermowatch"]["spec"]
+    assert pdb["minAvailable"] == 1 < sts["replicas"] and pdb["selector"]["matchLabels"] == labels
+    probe = sts["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz"  # both replicas ready: see the manifest's comment for why not /readyz/leader
+    headless = docs[f"Service/{sts['serviceName']}"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == labels == docs["Service/thermowatch"]["spec"]["selector"]
+    # The RayJob's trainer is given every replica by its stable name, and they parse as the CLI's --server does.
+    from thermowatch.supervisor.operate.servers import parse_servers
+
+    entry = shlex.split(_docs("rayjob.yaml")["RayJob"]["spec"]["entrypoint"])
+    urls = parse_servers(entry[entry.index("--supervisor") + 1])
+    port = docs["Service/thermowatch"]["spec"]["ports"][0]["port"]
+    assert urls == tuple(f"http://thermowatch-{i}.{sts['serviceName']}.thermowatch.svc:{port}"
+                         for i in range(sts["replicas"]))
 
 
 def test_the_launcher_cluster_holds_the_example_run():
@@ -328,7 +359,7 @@ def test_the_launcher_cluster_holds_the_example_run():
 
 def test_the_checkers_refuse_a_typo(tmp_path):
     """Each checker above can fail: one misspelt field in each kind of file."""
-    dep = copy.deepcopy(_docs("daemon.yaml")["Deployment"])
+    dep = copy.deepcopy(_docs("daemon.yaml")["StatefulSet"])
     dep["spec"]["replica"] = dep["spec"].pop("replicas")
     with pytest.raises(kubernetes_validate.ValidationError, match="replica"):
         check_kubernetes(dep)
