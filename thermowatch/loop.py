@@ -11,7 +11,9 @@
 Every command is carried out here, on the training thread, between two steps:
 
 - rollback: loads model, optimizer, scheduler and RNG state from the newest intact checkpoint at
-  or before the step asked (exactly it with `exact`), deletes the checkpoints after it (that
+  or before the step asked (exactly it with `exact`; one whose files no longer match their
+  checksums, or that does not read, is passed over for the next older healthy one, and the ack
+  says which and why: thermowatch/checkpoint_trust.py), deletes the checkpoints after it (that
   trajectory is abandoned), adds the skip ranges, applies the LR change from the step after the
   checkpoint, and opens the next attempt; `steps()` then yields the checkpoint's step + 1 again.
 - skip: the ranges join the skip ledger; `batch_ids` passes over them from then on.
@@ -57,6 +59,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from thermowatch import checkpoint_trust
 from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, refused_reason, set_aside
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
@@ -154,6 +157,7 @@ class Watch(Directed):
         self._meta: dict[int, tuple[int, int, float, float, float]] = {}  # step -> ids lo, hi, lr x, peak, lr
         self._healthy = True  # every loss since the last checkpoint was finite
         self._checked_loads = False  # the first checkpoint saved was read back as data
+        self._passed_over: list[str] = []  # why the last _load_newest passed over the ones it did
         self._started = False
         self._closed = False
         self.th = None
@@ -462,7 +466,7 @@ class Watch(Directed):
         if cmd.exact and cmd.to_step not in usable:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} is not in {self.dir} "
                            f"(have {self._checkpoints() or 'none'})")
-        loaded = self._load_newest([cmd.to_step] if cmd.exact else usable)
+        loaded = self._load_newest([cmd.to_step] if cmd.exact else usable, healthy_fallback=True)
         if loaded is None and cmd.exact:
             raise _Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable (the log says why)")
         if loaded is None:
@@ -499,7 +503,8 @@ class Watch(Directed):
         self._peak = self._forecast()
         detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
                   + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip and not precise else "")
-                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else ""))
+                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else "")
+                  + (f"; passed over {'; '.join(self._passed_over)}" if self._passed_over else ""))
         out = Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
                       lr_seq=seq, skipped=() if precise else cmd.skip,
                       directive=resumed_by_rollback(self.directive))  # it ends a pause (issue 35)
@@ -573,6 +578,7 @@ class Watch(Directed):
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+            checkpoint_trust.remove_manifest(path)
 
     def _checkpoint_exists(self, step: int) -> bool:
         return self._path(step).exists()
@@ -589,8 +595,11 @@ class Watch(Directed):
         if self.dist.world > 1:
             self.dist.save(self.model, self.optimizer, extra, tmp)
         else:
-            torch.save({**extra, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
-            with open(tmp, "rb+") as f:
+            with open(tmp, "wb") as f:  # its checksum taken as it is written: nothing is read back
+                hashed = checkpoint_trust.HashingWriter(f)
+                torch.save({**extra, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                           hashed)
+                f.flush()
                 os.fsync(f.fileno())
         # Once a run, on rank 0 (every rank's part holds the same types; the others' parts are
         # renamed away under them): the types a loop's state holds do not change.
@@ -606,14 +615,24 @@ class Watch(Directed):
             self.dist.barrier()  # rank 0 renames, registers and prunes; then every rank goes on
             self._healthy = True
             return
+        if self.dist.world > 1:  # every rank's files are written (dcp.save is collective): list them
+            checkpoint_trust.write_manifest(tmp, step, self.cursor, self._healthy, checkpoint_trust.listing(tmp))
         os.replace(tmp, path)
         fsync_dir(self.dir)
+        if self.dist.world == 1:  # after the file: a manifest never vouches for a file not in place
+            checkpoint_trust.write_manifest(path, step, self.cursor, self._healthy, {path.name: hashed.digest()})
         self._save_state()
         self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=self._healthy,
                                   manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
         self._healthy = True
         steps = self._checkpoints()
         keep = retained(steps, self.keep_checkpoints, KEEP_EVERY, now=step, behind=KEEP_BEHIND)
+        # Never the newest checkpoint saved healthy, however many unhealthy ones came since
+        # (pocket-tts #262: after a NaN, keep-last-3 deleted every healthy checkpoint and the
+        # resume reloaded NaN weights). The store's guard too (trainer/checkpoint.py, prune).
+        newest_healthy = next((s for s in reversed(steps) if checkpoint_trust.healthy(self._path(s))), None)
+        if newest_healthy is not None:
+            keep.add(newest_healthy)
         old = [s for s in steps if s not in keep]
         for s in old:
             self._remove(s)
@@ -637,27 +656,45 @@ class Watch(Directed):
         self._ids_step = self.step
         return self.step
 
-    def _load_newest(self, steps: list[int]) -> int | None:
-        """Load the newest of these checkpoints that reads; an unreadable file falls back to an
-        older one. The step loaded, or None when none reads. Under torchrun every rank tries
-        the same ones in the same order and keeps one only when every rank read it.
+    def _load_newest(self, steps: list[int], healthy_fallback: bool = False) -> int | None:
+        """Load the newest of these checkpoints that matches its manifest's checksums and reads;
+        one that does not falls back to an older one (with `healthy_fallback`, a rollback's: only
+        to one saved healthy). The step loaded, or None when none does; `_passed_over` says why
+        each one before it was passed over. Under torchrun every rank tries the same ones in the
+        same order and keeps one only when every rank read it.
 
         A file refused for holding code (thermowatch/checkpoint_io.py) is set aside as
         `<name>.refused`: kept for whoever looks into it, never tried again, and out of the way
         of the checkpoint this run saves at that step when it trains there again."""
-        for s in sorted(steps, reverse=True):
+        self._passed_over = []
+        for i, s in enumerate(sorted(steps, reverse=True)):
             refused = False
+            if i and healthy_fallback and not checkpoint_trust.healthy(self._path(s)):
+                log.warning("thermowatch: passing over checkpoint step %d: saved after a non-finite loss", s)
+                self._passed_over.append(f"{s} (saved after a non-finite loss)")
+                continue
+            why = checkpoint_trust.problem(self._path(s))
+            if not self.dist.all_ok(why is None):
+                why = why or "another rank found its files corrupt"
+                log.error("thermowatch: checkpoint step %d does not match its manifest (%s); trying an older one",
+                          s, why)
+                self._passed_over.append(f"{s} ({why})")
+                continue
             try:
                 self._load(s)
                 ok = True
             except CheckpointRefused as exc:
                 log.error("thermowatch: checkpoint step %d was refused, not loaded: %s; trying an older one", s, exc)
                 ok, refused = False, True
+                self._passed_over.append(f"{s} (refused: it names code or types outside the allow-list)")
             except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so, try the next
                 log.error("thermowatch: checkpoint %s is unreadable (%s); trying an older one", self._path(s), exc)
                 ok = False
+                self._passed_over.append(f"{s} (unreadable: {type(exc).__name__})")
             if self.dist.all_ok(ok):
                 return s
+            if ok:  # read here, not on another rank
+                self._passed_over.append(f"{s} (unreadable on another rank)")
             if not self.dist.all_ok(not refused) and self.dist.rank == 0:  # any rank refused it
                 set_aside(self._path(s))
         return None

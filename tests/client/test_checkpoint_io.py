@@ -5,6 +5,7 @@ loop falls back to the checkpoint before it. The marker file says whether the co
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import shutil
@@ -17,6 +18,7 @@ import thermowatch
 from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
 from tests.fixtures.planted import Payload, plant
 from thermowatch.checkpoint_io import CheckpointRefused, load_as_data
+from thermowatch.monitors.manifest import file_digest
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 
@@ -69,6 +71,11 @@ def test_a_planted_newest_checkpoint_is_refused_on_resume_and_on_rollback(db, tm
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [f"step_{s:08d}.pt" for s in (10, 20, 30)]
     plant(ckpt / "step_00000030.pt", tmp_path / "ran_resume")
+    # ... and its manifest rewritten to vouch for it (whoever can plant the file can do that too;
+    # without it the checksum alone passes the file over, unread: test_checkpoint_trust.py)
+    body = json.loads((ckpt / "step_00000030.json").read_text())
+    body["files"]["step_00000030.pt"] = file_digest(ckpt / "step_00000030.pt", "full")
+    (ckpt / "step_00000030.json").write_text(json.dumps(body))
 
     # Resume: checkpoint 30 is refused, the run resumes from 20; the file is set aside, kept.
     tw, model, opt, sched = _watch(db, tmp_path, steps=40)
