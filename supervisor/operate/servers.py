@@ -9,7 +9,9 @@ checkpoint reports, a run's finish, manual commands). Every address is tried onc
 caller backs off; `retry_after_s` then says how long the servers asked it to wait, capped at
 RETRY_AFTER_CAP_S so a client never sleeps long on a standby's word while a takeover runs.
 
-One address is exactly one httpx.Client, as before: nothing changes for a single daemon. The
+One address is one httpx.Client, as before; after a 502/503/504 it opens a new connection, so an
+address that is a load balancer over the replicas (deploy/k8s's `thermowatch` Service) reaches
+another one on the next try. Nothing else changes for a single daemon. The
 trainer's sink and command channel (thermowatch.transport) and the CLI (supervisor.operate.client)
 share this, as they share `resolve`; httpx and the standard library only.
 """
@@ -71,6 +73,7 @@ class Servers:
 
     def __init__(self, servers: str | Sequence[str], **client_kw: Any) -> None:
         self.urls = parse_servers(servers)
+        self._client_kw = client_kw
         self._clients = [httpx.Client(base_url=u, **client_kw) for u in self.urls]
         self.current = 0  # the one that answered last: tried first
         # After a request that no address answered: the shortest Retry-After any gave (capped);
@@ -115,6 +118,10 @@ class Servers:
                 continue
             if r.status_code in FAIL_OVER:
                 answer, self.answered = r, self.urls[i]
+                # A new connection next time: behind one address (a Kubernetes Service over both
+                # replicas) it may reach another replica, where a kept-alive one would reach this again.
+                self._clients[i].close()
+                self._clients[i] = httpx.Client(base_url=self.urls[i], **self._client_kw)
                 wait = retry_after(r)
                 if wait is not None:
                     self.retry_after_s = wait if self.retry_after_s is None else min(self.retry_after_s, wait)

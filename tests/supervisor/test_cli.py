@@ -264,6 +264,41 @@ def test_login_remembers_the_server_for_this_user_only(db, daemon, tmp_path, cap
     assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [RUN]
 
 
+def test_several_addresses_the_first_dead_the_second_a_standby(db, daemon, tmp_path, capsys, monkeypatch):
+    """Issue 40: --server names every replica, comma-separated; a read and a manual command reach
+    the leader past a dead address and a standby's 503, the command once; `login` keeps the list."""
+    from tests.fakes.replica import Replica
+    from tests.live_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with Replica(daemon.url, "standby") as standby:
+        servers = ",".join([dead, standby.url, daemon.url])
+        assert main(["runs", "--server", servers, *daemon.token_flags, "--json"]) == 0
+        assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [RUN]
+        assert main(["pause", RUN, "--who", "ana", "--server", servers, *daemon.token_flags]) == 0
+        assert [(a.kind, a.who) for a in actions(db)] == [("pause", "oncall (ana)")]  # once
+        assert standby.refused("POST") == [f"/api/runs/{RUN}/actions"]
+        path = tmp_path / "cfg" / "client.json"
+        monkeypatch.setenv("THERMOWATCH_CLIENT_CONFIG", str(path))
+        monkeypatch.delenv("THERMOWATCH_SERVER", raising=False)
+        assert main(["login", "--server", servers, *daemon.token_flags, *([] if daemon.token else ["--no-token"])]) == 0
+        assert json.loads(path.read_text())["server"] == servers
+        capsys.readouterr()
+        assert main(["actions", RUN, "--json"]) == 0  # the saved list, the dead one first
+    assert len(json.loads(capsys.readouterr().out)) == 1
+
+
+def test_every_address_dead_names_them_all(tmp_path, capsys, monkeypatch):
+    from tests.live_server import free_port
+
+    monkeypatch.setenv("THERMOWATCH_CLIENT_CONFIG", str(tmp_path / "none.json"))
+    a, b = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    monkeypatch.setenv("THERMOWATCH_SERVER", f"{a}, {b}/")
+    assert main(["runs"]) == 3
+    err = capsys.readouterr().err
+    assert f"at any of {a}, {b} (from THERMOWATCH_SERVER)" in err and "Traceback" not in err
+
+
 def _write_log(path, recs, replace=None, torn_at=None):
     """JSONL as a run controller would log it (Python's json writes NaN/Infinity literals);
     `replace` swaps in raw lines by step, `torn_at` inserts a torn line before that index."""
