@@ -32,6 +32,14 @@ class QuotaExceeded(UserError):
         self.retry_after_s = retry_after_s
 
 
+class NotLeader(RuntimeError):
+    """This replica is a standby (or was deposed): what was asked is the leader's to do (issue 40:
+    commands, approvals, acknowledgements). HTTP 503 with Retry-After, naming the leader, so a
+    client with several daemon addresses tries the next one."""
+
+    retry_after_s = 2
+
+
 class DaemonUnreachable(RuntimeError):
     """The CLI found no thermowatch daemon at the address; the message names it and how to point
     elsewhere (exit 3)."""

@@ -20,10 +20,11 @@ Manual commands (CLI, HTTP API, web) call `submit`, which writes the same rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -97,8 +98,14 @@ class Executor:
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
                  on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
                  on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S,
-                 approval_pause_after_steps: int | None = None, runbook_url: str = ""):
+                 approval_pause_after_steps: int | None = None, runbook_url: str = "",
+                 fence: Callable[[Session], None] | None = None, may_send: Callable[[], bool] | None = None,
+                 start_outbox: bool = True):
         self._session = session_factory
+        # Several replicas on one database (supervisor.app.lease, issue 40): every write here is
+        # the leader's, checked in its own transaction; a standby's or a deposed leader's raises
+        # NotLeader (503) and changes nothing. None: the one daemon (or the embedded mode).
+        self._fence = fence or (lambda s: None)
         self._runbook_url = runbook_url
         self._approval_pause_after = approval_pause_after_steps
         self._flap = flap or FlapConfig()
@@ -125,11 +132,21 @@ class Executor:
         self._on_proposal_cancelled = on_proposal_cancelled or (lambda run_id: None)
         # Alerts are rows written in the deciding transaction and sent by a background thread, so
         # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
-        self.outbox = Outbox(session_factory, notifier).start()
+        self.outbox = Outbox(session_factory, notifier, may_send=may_send)
+        if start_outbox:  # a standby's outbox starts when it leads (Supervisor.lead)
+            self.outbox.start()
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[Session]:
+        """A transaction of the leader's: fenced first (see __init__)."""
+        with self._session.begin() as s:
+            self._fence(s)
+            yield s
 
     # --- decisions -> rows ---------------------------------------------------------------------
 
     def carry_out(self, s: Session, run_id: str, incident_id: int, finding: Finding, decision: Decision) -> list[int]:
+        self._fence(s)
         """Write what `decision` asks for as action rows (in the caller's transaction)."""
         reasons = list(decision.reasons)
         needs_ok = decision.requires_approval or self._advise_only
@@ -206,7 +223,7 @@ class Executor:
             raise UserError(f"unknown command {kind!r}; expected one of {sorted(MANUAL_KINDS)}")
         if not who:
             raise UserError("a manual command needs a `who` (your name), for the audit trail")
-        with self._session.begin() as s:
+        with self._begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}; `thermowatch runs` lists the known runs")
             fin = ended(s, run_id)
@@ -312,7 +329,7 @@ class Executor:
         """A human's answer that is not theirs to give (a Slack user who is not an approver,
         supervisor.decide.approvers): the action is left as it is; the audit trail and the action's
         thread say who tried what and why it was refused. An unknown action id is audited too."""
-        with self._session.begin() as s:
+        with self._begin() as s:
             row = actions_store.get_action(s, action_id)
             audit_store.audit(s, row.run_id if row else None, who, "refused",
                               {"action_id": action_id, "wanted": wanted, "why": why})
@@ -326,7 +343,7 @@ class Executor:
 
     def _human_decides(self, action_id: int, who: str, event: str, change: Callable[[Session], str | None],
                        story_state: StoryState) -> None:
-        with self._session.begin() as s:
+        with self._begin() as s:
             row = actions_store.get_action(s, action_id)
             if row is None:
                 raise NotFound(f"no action {action_id}")
@@ -363,7 +380,7 @@ class Executor:
         self._last_poll[run_id] = now
         resent = self._resent.get(run_id, {})
         still: dict[int, dt.datetime] = {}
-        with self._session.begin() as s:
+        with self._begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}: open it first (POST /api/runs) or check the run id")
             out = []
@@ -437,7 +454,7 @@ class Executor:
         be booked fails the action with an alert and raises UserError (a 4xx) with the reason."""
         rollback_to = None
         try:
-            with self._session.begin() as s:
+            with self._begin() as s:
                 row = actions_store.get_action(s, ack.command_id)
                 if row is None or row.run_id != run_id:
                     raise NotFound(f"run {run_id!r} has no action {ack.command_id}")
@@ -477,7 +494,7 @@ class Executor:
     def fail(self, run_id: str, action_id: int, why: str, result: dict[str, Any] | None = None) -> bool:
         """Fail an open action with an alert (a bad ack, an undeliverable row). False if there is
         no such open action of this run."""
-        with self._session.begin() as s:
+        with self._begin() as s:
             row = actions_store.get_action(s, action_id)
             if row is None or row.run_id != run_id or row.state.is_final:
                 return False
@@ -520,7 +537,7 @@ class Executor:
         its open incidents close (each thread's top message says so), and one "run finished"
         message tells the story (store.story). Returns the action ids expired."""
         expired = self.expire(run_id=run_id)
-        with self._session.begin() as s:
+        with self._begin() as s:
             fin = ended(s, run_id)
             if fin is None:  # a relaunch got in first
                 return expired
@@ -548,7 +565,7 @@ class Executor:
         no trainer will carry them out. Returns the ids failed or expired."""
         now = now or dt.datetime.now(dt.timezone.utc)
         failed = []
-        with self._session.begin() as s:
+        with self._begin() as s:
             finished: dict[str, RunFinished | None] = {}
             for a in actions_store.open_actions(s, run_id):
                 if a.run_id not in finished:
@@ -595,7 +612,7 @@ class Executor:
 
     def notify(self, alert: Alert) -> None:
         """Queue an alert in a transaction of its own (callers outside the executor's ones)."""
-        with self._session.begin() as s:
+        with self._begin() as s:
             self._queue_alert(s, alert)
         self.flush_alerts()
 
@@ -610,7 +627,7 @@ class Executor:
         except SettingError:
             raise UserError(f"a silence lasts more than 0 and at most {MAX_SILENCE_S / 86400:g} days "
                             f"({MAX_SILENCE_S:g} s), got {for_s!r} s") from None
-        with self._session.begin() as s:
+        with self._begin() as s:
             if runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}")
             until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=for_s)
@@ -621,7 +638,7 @@ class Executor:
 
     def unsilence(self, silence_id: int, who: str) -> dict:
         """End a silence early; audited."""
-        with self._session.begin() as s:
+        with self._begin() as s:
             row = silences_store.end(s, silence_id)
             audit_store.audit(s, row.run_id, who, "unsilenced", {"silence_id": silence_id, "signal": row.signal})
             return row.to_json()
@@ -638,7 +655,7 @@ class Executor:
         if (incident_id is None) == (action_id is None):
             raise UserError("acknowledge names exactly one of an incident or an action")
         in_run = f" in run {run_id!r}" if run_id is not None else ""
-        with self._session.begin() as s:
+        with self._begin() as s:
             if run_id is not None and runs_store.get_run(s, run_id) is None:
                 raise NotFound(f"no run {run_id!r}")
             if incident_id is not None:

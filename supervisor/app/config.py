@@ -42,6 +42,7 @@ _NUMBERS: dict[str, dict[str, Any]] = {
     "pause_repage_s": dict(lo=0, lo_open=True),  # seconds a run waits paused before it pages again
     "link_ttl_s": dict(lo=0, lo_open=True, hi=86400),  # an alert's signed link; a day at most: it sits in a channel
     "escalate_after_s": dict(lo=0),  # a page nobody acknowledged by then escalates; 0: never
+    "lease_ttl_s": dict(lo=1, hi=300),  # the leader's lease (supervisor.app.lease); standbys take over past it
 }
 
 
@@ -255,6 +256,11 @@ class SupervisorConfig:
     # slack.escalate_to, the webhook and email say escalation 1 (supervisor.app.jobs.escalate).
     # PagerDuty escalates by its own escalation policy until it gets the acknowledge. 0: never.
     escalate_after_s: float = 900.0
+    # Several replicas on one PostgreSQL database (supervisor.app.lease, issue 40): the leader
+    # renews its lease every quarter of this; a standby leads once it has run out. Shorter: a
+    # faster takeover, more renewals (one small UPDATE each); a leader that cannot renew for
+    # three quarters of it steps down by itself.
+    lease_ttl_s: float = 6.0
     max_body_bytes: int = 64 << 20  # ingest batches above this are refused with 413
     # The daemon's detectors run in a process of their own (supervisor.judge.bank_process), so judging
     # never competes with storing for the interpreter lock; false: a thread in the daemon's process.

@@ -39,6 +39,8 @@ from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.link_grants import LinkGrants
 from thermowatch.supervisor.act.respond import Responder
 from thermowatch.supervisor.app.scheduler import Job
+from thermowatch.supervisor.app.lease import Lease
+from thermowatch.supervisor.errors import NotLeader
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +185,15 @@ def _last_cell(cols: StepColumns, key: str) -> float | None:
 
 class Supervisor:
     def __init__(self, cfg: SupervisorConfig, notifier: Notifier | None = None, *, auto_upgrade: bool = True,
-                 clock: Callable[[], float] = time.time, judge_inline: bool = True):
+                 clock: Callable[[], float] = time.time, judge_inline: bool = True, lease: "Lease | None" = None,
+                 standby: bool = False):
         self.cfg = cfg
+        # Several replicas on one database (issue 40, supervisor.app.lease): `lease` is this one's,
+        # `standby` until it leads (lead()). A standby stores steps and serves reads; judging,
+        # deciding, commands and alerts are the leader's. None: the one daemon, always leading.
+        self.lease = lease
+        self.leading = not standby
+        self._catching_up: threading.Thread | None = None
         # Slack's signing secret, for the Approve / Cancel callbacks (supervisor.serve.api.slack); None:
         # no buttons. An unreadable secret file stops the start here, like a refused token.
         from thermowatch.supervisor.notify.slack import resolve_signing_secret
@@ -217,6 +226,9 @@ class Supervisor:
             db.check_current(self.engine)
         self.sessions = db.make_sessionmaker(self.engine)
         self.link_grants.use(self.sessions)
+        if lease is not None:
+            lease.use(self.sessions)
+        self.coordinator = None  # serve()'s, with a lease (supervisor.app.lease.Coordinator)
         self.notifier = notifier
         policy = self.policy = cfg.policy_config
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
@@ -225,7 +237,9 @@ class Supervisor:
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  command_expiry_s=cfg.command_expiry_s, redeliver_s=cfg.redeliver_s,
                                  on_rollback_done=self._rewind, flap=cfg.slack.flap(),
-                                 on_proposal_cancelled=self._recheck_after_no)
+                                 on_proposal_cancelled=self._recheck_after_no,
+                                 fence=lease.fence if lease is not None else None,
+                                 may_send=lease.holds if lease is not None else None, start_outbox=not standby)
         bank_cfg = cfg.bank_config
         # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
         # waits for each judgement anyway, so it keeps them in its own.
@@ -236,13 +250,62 @@ class Supervisor:
         self.checkpoint_health = CheckpointFailures(self.sessions, self.executor)
         # Commit, answer, then judge (supervisor.judge.judge). judge_inline: write() returns after the
         # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
-        self.judge = Judge(self.sessions, self.responder.on_records).start()
+        self.judge = Judge(self.sessions, self.responder.on_records)
+        if not standby:
+            self.judge.start()
         self._judge_inline = judge_inline
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
-        self.ingestor = Ingestor(self.sessions, on_records=self.judge.submit, check_state=self._check_state,
+        self.ingestor = Ingestor(self.sessions, on_records=self._judge_later, check_state=self._check_state,
                                  check_keys=self.consistency.reads + self.checkpoint_health.reads,
                                  limits=cfg.limits_config, judged_with=judged_with(cfg.bank_config))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
+
+    # --- roles (supervisor.app.lease) -------------------------------------------------------------
+
+    def lead(self) -> None:
+        """This standby now leads: judge what every replica stored since the last judgement (the
+        durable markers), send what the outbox holds, answer commands. With a lease, every second
+        it also reads back what the standbys stored."""
+        if self.leading:
+            return
+        self.leading = True
+        self.judge.start()  # its first turn catches up from the markers
+        self.executor.outbox.start()
+        log.info("leading: judging from the durable markers, sending the outbox, answering commands")
+        self._start_catch_up()
+
+    def _start_catch_up(self) -> None:
+        if self.lease is None or self._catching_up is not None:
+            return
+
+        def tick() -> None:
+            while self.leading and self.lease is not None and self.lease.token is not None:
+                self.judge.request_catch_up()
+                time.sleep(1.0)
+
+        self._catching_up = threading.Thread(target=tick, name="thermowatch-catch-up", daemon=True)
+        self._catching_up.start()
+
+    def _judge_later(self, run_id: str, attempt: int, batch) -> None:
+        """An ingested batch: judged here when this replica leads; a standby's is read back from
+        the database by the leader (Judge.request_catch_up)."""
+        if self.leading:
+            self.judge.submit(run_id, attempt, batch)
+
+    def _leader_only(self, what: str) -> None:
+        if not self.leading:
+            raise NotLeader(f"this replica is a standby: {what} is the leader's ({self.leader_name() or 'none yet'}); "
+                            "send it there, or retry: a standby leads within seconds of the leader's loss")
+
+    def leader_name(self) -> str | None:
+        """The replica that leads (its lease's holder), None without a lease row or a lease."""
+        if self.lease is None:
+            return None
+        try:
+            st = self.lease.state()
+        except Exception:  # noqa: BLE001 - for a message only
+            return None
+        return st.holder if st is not None and st.live else None
 
     # --- RecordSink ---------------------------------------------------------------------------
 
@@ -265,6 +328,7 @@ class Supervisor:
         return n
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
+        self._leader_only("a checkpoint's health (it is judged against the detectors' state)")
         # The trainer reports a checkpoint after the steps before it, so one saved at or after a
         # divergence's onset can arrive after the finding: it was saved while unhealthy. The steps
         # before it are judged first (they were sent first), so a finding among them counts.
@@ -280,6 +344,7 @@ class Supervisor:
         self.ingestor.checkpoints_deleted(run_id, attempt, steps, reason, actor)
 
     def finish_run(self, run_id: str, attempt: int, finished: RunFinished, actor: str = "run-controller") -> None:
+        self._leader_only("a run's finish (it closes its actions and incidents)")
         self.ingestor.finish_run(run_id, attempt, finished, actor)
         self.executor.run_finished(run_id)  # what is still open for it can never be carried out
 
@@ -290,9 +355,11 @@ class Supervisor:
     # --- CommandChannel -----------------------------------------------------------------------
 
     def poll(self, run_id: str) -> list[Command]:
+        self._leader_only("answering a command poll")
         return self.executor.deliver(run_id)
 
     def ack(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
+        self._leader_only("booking a command's acknowledgement")
         self.executor.acknowledge(run_id, ack, actor)
 
     # --- internals ------------------------------------------------------------------------------
@@ -300,6 +367,8 @@ class Supervisor:
     def _check_state(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         """After each committed batch: the trainer's state against the supervisor's record, and
         whether it still saves checkpoints. Each pages on its own; one failing skips no other."""
+        if not self.leading:  # a standby stores; the checks alert, which is the leader's
+            return
         for check in (self.consistency, self.checkpoint_health):
             try:
                 check(run_id, attempt, records)

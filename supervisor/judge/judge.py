@@ -52,6 +52,7 @@ class Judge:
         self._cv = threading.Condition()
         self._busy = False
         self._catch_up = True  # at start: steps committed by an earlier process but never judged
+        self._routine = False  # the catch-up asked for is the leader's routine one (request_catch_up)
         self._stop = False
         self._through: dict[tuple[str, int], int] = {}  # the newest step judged, per attempt (in memory)
         self._marks: dict[tuple[str, int], int] = {}  # markers to write (the marker thread's queue)
@@ -78,6 +79,14 @@ class Judge:
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy and not self._catch_up
                                      and not self._marks and not self._marking, timeout)
+
+    def request_catch_up(self) -> None:
+        """Read back what this process did not submit (another replica stored it, supervisor.app.
+        lease): the next turn judges every attempt's stored steps beyond its marker."""
+        with self._cv:
+            self._catch_up = True
+            self._routine = True  # every second on a leader: not worth a log line per run
+            self._cv.notify_all()
 
     @property
     def backlog(self) -> int:
@@ -208,8 +217,9 @@ class Judge:
                     recs = thermometers.records_after(s, run_id, attempt, through, _CATCH_UP_STEPS)
                 if not recs:
                     break
-                log.info("judge: catching up run %s attempt %d, steps %d..%d", run_id, attempt,
-                         recs[0].step, recs[-1].step)
+                log.log(logging.DEBUG if self._routine else logging.INFO,
+                        "judge: catching up run %s attempt %d, steps %d..%d", run_id, attempt, recs[0].step,
+                        recs[-1].step)
                 self._judge(run_id, attempt, StepColumns.from_records(recs))  # what ingest hands over
                 n += len(recs)
                 through = recs[-1].step

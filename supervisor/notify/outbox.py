@@ -59,8 +59,11 @@ class Outbox:
     def __init__(self, sessions: sessionmaker, notifier: Notifier, *, retry_s: float = 2.0,
                  max_retry_s: float = 600.0, idle_s: float = 10.0, batch: int = 50, upload_attempts: int = 5,
                  clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc),
-                 charts: ChartRenderer | None = None) -> None:
+                 charts: ChartRenderer | None = None, may_send: Callable[[], bool] | None = None) -> None:
         self._sessions = sessions
+        # Several replicas (supervisor.app.lease): asked before each delivery; False (this replica
+        # was deposed) leaves the row pending for the leader's sender: nothing is sent twice.
+        self._may_send = may_send
         self._charts = charts or render_chart
         self.upload_attempts = upload_attempts
         parts: Sequence[Notifier] = notifier.parts if isinstance(notifier, FanOut) else [notifier]
@@ -166,6 +169,9 @@ class Outbox:
                 return None
             soonest: float | None = None  # the next try of an upload stepped over
             for row in rows:
+                if self._may_send is not None and not self._may_send():
+                    log.warning("alert sender %s: this replica no longer leads; its rows are the leader's", name)
+                    return self.idle_s
                 now = self._clock()
                 upload = _is_upload(row)
                 if row.next_attempt_at is not None and row.next_attempt_at > now:

@@ -77,11 +77,27 @@ class Health:
         return {"ok": True}
 
     def report(self) -> dict[str, Any]:
-        checks = {"database": self._database(), "judge": self._judge(), "alert_senders": self._senders(),
-                  "scheduler": self._scheduler()}
+        if self.sup.leading:
+            checks = {"database": self._database(), "judge": self._judge(), "alert_senders": self._senders(),
+                      "scheduler": self._scheduler()}
+        else:  # a standby (supervisor.app.lease) judges, sends and schedules nothing until it leads
+            checks = {"database": self._database(),
+                      **{part: {"ok": True, "why": "standby: the leader's"}
+                         for part in ("judge", "alert_senders", "scheduler")}}
         warnings = self._warnings() if checks["database"]["ok"] else []
         return {"ok": all(c["ok"] for c in checks.values()), "checks": checks, "warnings": warnings,
-                "judge_backlog": self.sup.judge.backlog}
+                "judge_backlog": self.sup.judge.backlog, **self.role()}
+
+    def role(self) -> dict[str, Any]:
+        """{"role": "leader" | "standby", "lease": {holder, token, age_s} | None} (issue 40): which
+        replica this is, and how long since its lease was last renewed (the leader's)."""
+        coord = getattr(self.sup, "coordinator", None)
+        if coord is None:
+            return {"role": "leader", "lease": None}  # the one daemon, no lease to keep
+        age = coord.lease_age_s()
+        return {"role": "leader" if self.sup.leading else "standby",
+                "lease": {"holder": coord.lease.holder, "token": coord.lease.token,
+                          "age_s": round(age, 3) if age is not None else None}}
 
     # --- the checks --------------------------------------------------------------------------
 

@@ -154,6 +154,15 @@ class DaemonCollector:
                                   "because its queue was full.", value=judge.dropped)
         yield GaugeMetricFamily("thermowatch_judge_up", "1 while the judge thread is alive.",
                                 value=int(judge.alive))
+        # Several replicas on one database (supervisor.app.lease, issue 40): which one leads, and
+        # how long since it last renewed its lease (absent on a standby and without a lease).
+        yield GaugeMetricFamily("thermowatch_leader", "1 on the replica that leads (judges, acts, notifies), "
+                                "0 on a standby.", value=int(bool(getattr(self.sup, "leading", True))))
+        coord = getattr(self.sup, "coordinator", None)
+        age = coord.lease_age_s() if coord is not None else None
+        if age is not None:
+            yield GaugeMetricFamily("thermowatch_lease_age_seconds", "Seconds since the leader last renewed its "
+                                    "lease (a standby takes over past the lease's ttl).", value=age)
         if getattr(self.sup, "bank_process", None) is not None:
             yield CounterMetricFamily("thermowatch_detectors_process_restarts", "Times the detectors' process died "
                                       "and a new one took over from the saved state.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -16,7 +17,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from thermowatch.supervisor import db
 from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.app.lease import Coordinator, Lease
 from thermowatch.supervisor.app.service import Supervisor
+from thermowatch.supervisor.errors import UserError
 
 if TYPE_CHECKING:
     from thermowatch.supervisor.serve.guard import Guard
@@ -87,6 +90,13 @@ def build_app(sup: Supervisor, guard: "Guard | None" = None, *, scheduler: "Sche
         # schema revision. Open for the same reason; nothing about any run.
         report = health.readiness()
         return JSONResponse(report, 200 if report["ok"] else 503)
+
+    @app.get("/readyz/leader", responses={503: {"description": "this replica is a standby (or not ready)"}})
+    def readyz_leader() -> JSONResponse:
+        # For a Service that routes commands to the leader only (deploy/k8s: several replicas on
+        # one PostgreSQL, supervisor.app.lease): ready when ready and leading.
+        report = health.readiness()
+        return JSONResponse(report, 200 if report["ok"] and report["role"] == "leader" else 503)
 
     @app.get("/metrics", dependencies=[Depends(guard.require("read"))], response_class=PlainTextResponse)
     def prometheus() -> Response:
@@ -193,16 +203,42 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     for noisy in ("alembic", "apscheduler"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     check_bind(cfg)  # before anything is opened: an open daemon on a network never starts
-    sup = Supervisor(cfg, auto_upgrade=auto_upgrade, judge_inline=False)  # answer, then judge
+    # One leader per database (supervisor.app.lease, issue 40): this replica starts as a standby
+    # and leads once it holds the lease, at once when nobody else does.
+    lease = Lease(ttl_s=cfg.lease_ttl_s)
+    sup = Supervisor(cfg, auto_upgrade=auto_upgrade, judge_inline=False, lease=lease, standby=True)
+    scheduler = Scheduler(sup.jobs())
+
+    def on_lead(token: int) -> None:
+        sup.lead()
+        scheduler.start()
+
+    def on_lost(why: str) -> None:
+        # Deposed, or unsure it still leads: stop acting at once. Writes are fenced anyway; the
+        # service manager (systemd Restart=, a Kubernetes pod) starts this replica again as a standby.
+        log.critical("stepping down (%s): exiting so this replica restarts as a standby", why)
+        logging.shutdown()
+        os._exit(75)  # EX_TEMPFAIL
+
+    coordinator = sup.coordinator = Coordinator(lease, on_lead, on_lost, renew_s=cfg.lease_ttl_s / 4)
     try:
+        coordinator.step()  # a lone daemon leads before it answers anything
+        if not coordinator.leading and not lease.shared:
+            holder = sup.leader_name()
+            raise UserError(f"another daemon ({holder}) leads this SQLite database ({db.redact(cfg.db_url)}): SQLite "
+                            "is single-replica; stop that one first, or share a PostgreSQL database between "
+                            "replicas for a standby (docs/operations.md, 'Two daemons')")
         bootstrap_admin(cfg, sup.sessions)
     except BaseException:
+        coordinator.stop()
         sup.close()
         raise
+    if not coordinator.leading:
+        log.info("standby: %s leads; this replica serves reads and ingest and takes over if it stops renewing",
+                 sup.leader_name())
+    coordinator.start()
     if not cfg.auth:
         log.warning("auth: false -- every route is open to anyone who can reach %s (loopback only)", cfg.host)
-    scheduler = Scheduler(sup.jobs())
-    scheduler.start()
     server = make_server(build_app(sup, scheduler=scheduler), cfg.host, cfg.port)
     settle_heap()
     log.info("thermowatch supervising at http://%s:%d (db %s)", cfg.host, cfg.port, db.redact(cfg.db_url))
@@ -211,7 +247,9 @@ def serve(cfg: SupervisorConfig, *, auto_upgrade: bool = True) -> int:
     try:
         server.run()
     finally:
-        scheduler.shutdown()
+        if scheduler.running:
+            scheduler.shutdown()
         sup.close()
+        coordinator.stop(release=True)  # a standby leads at its next poll, not after the ttl
     return 0
 

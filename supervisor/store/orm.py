@@ -265,6 +265,18 @@ class Incident(Base):
     __table_args__ = (Index(None, "run_id", "state"),)
 
 
+class LeaderLease(Base):
+    """Who leads this database (supervisor.app.lease): the one replica that judges, decides, acts
+    and notifies until `expires_at`; `token` grows at each takeover (the fencing token)."""
+
+    __tablename__ = "leader_lease"
+    name: Mapped[str] = mapped_column(String(50), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(300))
+    token: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[dt.datetime] = mapped_column()
+    expires_at: Mapped[dt.datetime] = mapped_column()
+
+
 class Silence(Base):
     """A silenced signal of a run until a time (issue 37): its alerts stop paging, its findings
     still act by policy. `signal` "*" silences every signal of the run."""

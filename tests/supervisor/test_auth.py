@@ -39,7 +39,7 @@ RUN = "auth"
 # Open on purpose: the liveness probe; the API's schema and its viewers (no run data in them);
 # the sign-in and sign-out forms (which check the Origin themselves: test_web.py); Slack's
 # interactivity callbacks (Slack's request signature instead of a token: test_slack_api.py).
-OPEN = {("POST", "/api/slack/interactions"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
+OPEN = {("POST", "/api/slack/interactions"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/readyz/leader"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
         ("GET", "/login"), ("POST", "/login"), ("POST", "/logout"),
         ("GET", "/go/{grant}")}  # an alert's signed link: the grant is the credential (test_link_grants)
 SCOPE = {

@@ -164,7 +164,7 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
     assert len(incs) == 2 and incs[1].state == "open" and incs[1].signal in ATTN_SIGNALS
     inc2 = incs[1]
     assert act2.kind == "rollback" and act2.incident_id == inc2.id
-    assert act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_multiplier"])
+    assert act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_factor"])
     # rung 2 goes back no later than where rung 1 went: the checkpoints since had the same LR
     assert act2.args["to_step"] <= to_step and act2.args["to_step"] <= inc2.onset_step - MARGIN
     # rung 2 cuts the LR and skips nothing: the skip before it did not stop it (issue 35)
@@ -176,7 +176,7 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
     with sup.sessions() as s:
         changes = lr_store.lr_changes(s, RUN)
         assert [(c.multiplier, c.start_step, c.action_id) for c in changes] == [
-            (pytest.approx(POLICY["lr_multiplier"]), ack_step, act2.id)]
+            (pytest.approx(POLICY["lr_factor"]), ack_step, act2.id)]
         ranges = skips_store.skip_ranges(s, RUN)
         assert incidents_store.get_incident(s, inc2.id).state == "resolved"
     # the first skip is the ledger's, alone
@@ -204,7 +204,7 @@ def test_two_divergences_seconds_apart_climb_the_ladder_with_the_default_cooldow
         act2 = acts[0]
         assert (act2.created_at - act.created_at).total_seconds() < 60, "the two actions are seconds apart"
         assert "rung 1" in act.reason and "rung 2" in act2.reason, (act.reason, act2.reason)
-        assert act2.kind == "rollback" and act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_multiplier"])
+        assert act2.kind == "rollback" and act2.args["lr_multiplier"] == pytest.approx(POLICY["lr_factor"])
         assert "cooldown" not in act2.reason
     finally:
         sup.close()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from thermowatch.monitors.contract import ContractError
-from thermowatch.supervisor.errors import Conflict, Forbidden, NotFound, QuotaExceeded, UserError
+from thermowatch.supervisor.errors import Conflict, Forbidden, NotFound, NotLeader, QuotaExceeded, UserError
 from thermowatch.supervisor.ingest.ingestor import BatchTooLarge, UnknownRun
 from thermowatch.supervisor.limits import INT32_MAX, INT64_MAX, LimitExceeded, check_int, check_run_id, check_text
 
@@ -38,6 +38,8 @@ async def call(fn, *args):
         raise HTTPException(403, str(exc)) from None
     except QuotaExceeded as exc:
         raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
+    except NotLeader as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from None
     except (ContractError, UserError) as exc:
         raise HTTPException(422, str(exc)) from None
 
@@ -181,3 +183,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for cls, status in ((NotFound, 404), (Forbidden, 403), (Conflict, 409), (QuotaExceeded, 429), (UserError, 422)):
         app.add_exception_handler(cls, user_error(status))
+
+    async def not_leader(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, 503, headers={"Retry-After": str(NotLeader.retry_after_s)})
+
+    app.add_exception_handler(NotLeader, not_leader)

@@ -47,7 +47,7 @@ PATH_PARAMS = {
     "attempt": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
     "action_id": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
 }
-OPEN_PATHS = {"/healthz", "/readyz"}  # no token, no body, no parameters: 503 only
+OPEN_PATHS = {"/healthz", "/readyz", "/readyz/leader"}  # no token, no body, no parameters: 503 only
 # Text a column can hold (supervisor.limits.check_text): no NUL. (No lone surrogate either, but a
 # pattern naming them is one schemathesis' generator cannot use, and drops.)
 TEXT_PATTERN = r"^[^\x00]*$"
