@@ -1,6 +1,6 @@
 """deploy/k8s/daemon.yaml run as its pod would run it (issue 13.7): the init container's
 command, then the daemon's, each with the container's own arguments and environment, the
-ConfigMap's config and the Secret's keys as files. Real PostgreSQL (the Deployment is for
+ConfigMap's config and the Secret's keys as files. Real PostgreSQL (the StatefulSet is for
 PostgreSQL; the Secret's db-url points at it), real uvicorn; the one thing faked is Slack's API.
 
 Adapted only where a pod and this machine differ, each substitution counted: the mount paths
@@ -37,7 +37,7 @@ def _sub(pattern: str, repl: str, text: str) -> str:
 
 def test_the_daemon_pod_migrates_then_serves_with_its_secrets(tmp_path, pg_admin):
     docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "deploy/k8s/daemon.yaml").read_text())}
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    pod = docs["StatefulSet"]["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     root = tmp_path / "pod"
 
