@@ -120,6 +120,7 @@ class RunController(Directed):
         self.commands_state = CommandBook(self.store.root)
         self.obey = Obey(self)
         self.loaded_checkpoint: CheckpointInfo | None = None
+        self.passed_over: list[str] = []  # the checkpoints the last start_attempt could not load, and why
         self.schedule = config.lr_schedule()
         self.ledger = SkipLedger()
         self.lr_changes: list[LRChange] = []
@@ -262,6 +263,9 @@ class RunController(Directed):
         self._drain()  # a live gang's held-back step belongs to the old attempt (sent under its number)
         self.attempt = next_attempt(self.store.root, self.attempt)  # never repeats across relaunches
         self.result.attempts.append(self.attempt)
+        self.passed_over = []
+        # A rollback's target is healthy: what it falls back to must be too (a resume takes any)
+        healthy_only = ckpt is not None and ckpt.healthy
         while True:
             state = self._data_state(ckpt)
             if self.gang is not None and (not reuse_gang or ckpt is None):
@@ -279,11 +283,12 @@ class RunController(Directed):
                 break
             except ray.exceptions.RayTaskError as exc:  # a file the store's checksums missed
                 # the worker's own error (a refused file says so), not the actor's traceback
-                log.error("checkpoint step %d failed to load (%s); trying an older one", ckpt.step,
-                          getattr(exc, "cause", None) or exc)
+                cause = getattr(exc, "cause", None) or exc
+                log.error("checkpoint step %d failed to load (%s); trying an older one", ckpt.step, cause)
+                self.passed_over.append(f"{ckpt.step} (failed to load: {type(cause).__name__})")
                 self.gang.kill()  # a half-loaded engine is not trusted; the next try starts clean
                 self.gang = None
-                ckpt = self._resume_point(ckpt.step - 1)
+                ckpt = self._resume_point(ckpt.step - 1, healthy_only=healthy_only)
         self.step = 0 if ckpt is None else ckpt.step
         self.loaded_checkpoint = ckpt
         self._healthy = True
@@ -479,7 +484,7 @@ class RunController(Directed):
         if ckpt is not None:  # the new attempt's gang gets the ledger and the LR changes above
             before = self.attempt
             self.start_attempt(ckpt, reason=t.words, reuse_gang=not t.exclude)
-            return Applied(change, seq, self.loaded_checkpoint or ckpt, (before, self.attempt))
+            return Applied(change, seq, self.loaded_checkpoint or ckpt, (before, self.attempt), tuple(self.passed_over))
         timeout = self.cfg.step_timeout_s
         if ranges:
             self.gang.call("skip", ranges, timeout_s=timeout)

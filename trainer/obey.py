@@ -77,6 +77,7 @@ class Applied:
     lr_seq: int | None = None
     loaded: CheckpointInfo | None = None
     attempts: tuple[int, int] = (0, 0)
+    passed_over: tuple[str, ...] = ()  # the checkpoints that failed to load before `loaded`, and why
 
 
 class Controlled(Protocol):
@@ -217,6 +218,7 @@ def outcome(t: Transition, done: Applied) -> Outcome:
     detail = (f"rolled back to checkpoint {loaded.step}{_without(t.exclude, cmd)}; {asked}; "
               f"attempt {done.attempts[0]} -> {done.attempts[1]}"
               + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip else "")
-              + (f", {cmd.lr.describe()} from step {done.lr_change.start_step}" if done.lr_change else ""))
+              + (f", {cmd.lr.describe()} from step {done.lr_change.start_step}" if done.lr_change else "")
+              + (f"; passed over {'; '.join(done.passed_over)}" if done.passed_over else ""))
     return Outcome(detail, checkpoint=CheckpointRef(loaded.step, loaded.path), lr_change=done.lr_change,
                    lr_seq=done.lr_seq, skipped=cmd.skip)

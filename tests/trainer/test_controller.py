@@ -205,6 +205,7 @@ def test_a_planted_checkpoint_file_is_refused_and_the_rollback_falls_back(ray_se
     assert not marker.exists(), "loading the planted checkpoint ran its command"
     ack = q.ack_for(cmd["rb"])
     assert ack.ok and ack.checkpoint_step == 8 and ack.step == 9, ack
+    assert "passed over 12 (failed to load: " in ack.detail, ack.detail  # the ack says which and why
     assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
     assert result.final_step == 14
     refusal = [r.getMessage() for r in caplog.records if "checkpoint step 12 failed to load" in r.getMessage()]
