@@ -120,17 +120,25 @@ def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="step", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-    state = {"attempt": None}
+    state: dict = {"attempt": None, "logit": None}
 
     def update(record, attempt: int) -> None:
         if state["attempt"] is not None and attempt != state["attempt"]:
             bar.write(f"attempt {attempt}: resumed at step {record.step - 1}")
+            state["logit"] = None
         state["attempt"] = attempt
         bar.n = record.step
         loss = record.values.get("loss", math.nan)
-        logit = max((v for k, v in record.values.items() if k.startswith(("attn_logit_max/", "attn_logit_lse/"))),
-                    default=math.nan)
-        bar.set_postfix_str(f"loss {loss:.3f}  max attn logit {logit:.1f}  attempt {attempt}", refresh=False)
+        # The attention figure is read on its cadence (the thermometers' cost budget): a step that
+        # did not read it shows the last one read and its step, never "nan" (it was not measured).
+        read = [v for k, v in record.values.items() if k.startswith(("attn_logit_max/", "attn_logit_lse/"))
+                and not math.isnan(v)]
+        if read:
+            state["logit"] = (max(read), record.step)
+        logit = state["logit"]
+        shown = ("-" if logit is None else f"{logit[0]:.1f}" if logit[1] == record.step
+                 else f"{logit[0]:.1f} (step {logit[1]})")
+        bar.set_postfix_str(f"loss {loss:.3f}  max attn logit {shown}  attempt {attempt}", refresh=False)
         bar.refresh()
 
     return bar, update

@@ -31,3 +31,22 @@ def test_a_missing_config_is_exit_2_with_the_reason(tmp_path, capsys):
     code = main(["demo", "--data-dir", str(tmp_path / "d"), "--config", str(tmp_path / "nope.yaml")])
     err = capsys.readouterr().err
     assert code == 2 and "nope.yaml" in err, err
+
+
+def test_the_demo_bar_shows_the_last_attention_figure_read_never_nan(capsys):
+    """Under the thermometers' budget the attention figure is read every few steps: the demo's
+    progress bar showed "max attn logit nan" on every other step. It shows the last one read,
+    with its step when it is not this one's."""
+    import math
+
+    from thermowatch.demo import _progress
+    from thermowatch.monitors.contract import StepRecord
+
+    bar, update = _progress(10, True, "demo")
+    update(StepRecord(step=1, values={"loss": 3.0}), 0)
+    update(StepRecord(step=2, values={"loss": 2.9, "attn_logit_lse/blocks.0.attn": 12.5}), 0)
+    update(StepRecord(step=3, values={"loss": 2.8, "attn_logit_lse/blocks.0.attn": math.nan}), 0)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "max attn logit -" in err and "max attn logit 12.5 " in err and "max attn logit 12.5 (step 2)" in err
+    assert "logit nan" not in err
