@@ -527,7 +527,12 @@ class Command:
         return cls(id=_int("command", "id", o.get("id"), 0, INT32_MAX), body=parse_command(o.get("kind"), o.get("args")))
 
 
-BISECT_OUTCOMES = ("narrowed", "inseparable", "budget")
+# cleared: replay triage (issue 39) found the cause was not the data, so nothing was skipped
+BISECT_OUTCOMES = ("narrowed", "inseparable", "budget", "cleared")
+# Replay triage's labels (thermowatch/precise_skip.py, Search): the divergence reproduced with the
+# same samples and not without the suspects (data), did not reproduce (hardware: a transient
+# fault), or reproduced without the suspects too (optimizer: its state or the LR).
+CAUSES = ("data", "hardware", "optimizer")
 
 class ActionState(Word):
     """An action's life (the command queue's rows, supervisor/store/actions.py), one vocabulary
@@ -571,19 +576,133 @@ class ActionOrigin(Word):
     MANUAL = "manual"
 
 
+def _loss(owner: str, name: str, v: Any) -> float | None:
+    if v is None:
+        return None
+    return _float(owner, name, v, -1e30, 1e30)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One replay of replay triage (issue 39), trained from the rollback's checkpoint: with the
+    same samples as the path the rollback abandoned (`suspects_skipped` false) or with every
+    suspect skipped. Whether its loss spiked (precise skip's bar), at which step (`step`: the
+    spike's, or the last step trained when it ran clean), the loss there and the level it was
+    judged against (the median of the newest 4 before it), and the steps it trained. A loss is
+    None when it was not finite (NaN or Inf: a JSON column on PostgreSQL refuses them); a level
+    is None when the bar had fewer than 4 losses yet."""
+
+    suspects_skipped: bool
+    spiked: bool
+    step: int
+    loss: float | None
+    level: float | None
+    steps: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.suspects_skipped, bool) or not isinstance(self.spiked, bool):
+            raise ContractError("replay: suspects_skipped and spiked must be true or false")
+        _int("replay", "step", self.step)
+        _int("replay", "steps", self.steps)
+        object.__setattr__(self, "loss", _loss("replay", "loss", self.loss))
+        object.__setattr__(self, "level", _loss("replay", "level", self.level))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"suspects_skipped": self.suspects_skipped, "spiked": self.spiked, "step": self.step,
+                "loss": self.loss, "level": self.level, "steps": self.steps}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Replay":
+        names = ("suspects_skipped", "spiked", "step", "loss", "level", "steps")
+        o = _only("replay", obj, set(names))
+        for name in names:
+            if name not in o:
+                raise ContractError(f"replay: missing field {name!r}")
+        return cls(*(o[n] for n in names))
+
+    def words(self) -> str:
+        what = "without the suspects" if self.suspects_skipped else "of the same samples"
+        if self.spiked:
+            over = "" if self.level is None else f" over a level of {self.level:.3g}"
+            return f"the replay {what} spiked at step {self.step}, loss {_loss_words(self.loss)}{over}"
+        return f"the replay {what} ran clean through step {self.step}, loss {_loss_words(self.loss)}"
+
+
+def _loss_words(v: float | None) -> str:
+    return "non-finite" if v is None else f"{v:.3g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """Replay triage's verdict (issue 39), before precise skip bisects: `label` (CAUSES), its
+    evidence (the step where the abandoned path's loss spiked, `recorded_step`, and its loss
+    there; the replays, the same samples first, then without the suspects when the first spiked)
+    and what the replays cost (steps, seconds). The label follows from the replays: the checks
+    below keep a label and its evidence from disagreeing on the wire."""
+
+    label: str
+    recorded_step: int
+    recorded_loss: float | None
+    replays: tuple[Replay, ...]
+    steps: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.label not in CAUSES:
+            raise ContractError(f"cause: label must be one of {CAUSES}, got {self.label!r}")
+        _int("cause", "recorded_step", self.recorded_step)
+        object.__setattr__(self, "recorded_loss", _loss("cause", "recorded_loss", self.recorded_loss))
+        object.__setattr__(self, "replays", tuple(self.replays))
+        _int("cause", "steps", self.steps)
+        object.__setattr__(self, "seconds", _float("cause", "seconds", self.seconds, 0.0, 1e9, lo_open=False))
+        r = self.replays
+        if not 1 <= len(r) <= 2 or r[0].suspects_skipped or (len(r) == 2 and not r[1].suspects_skipped):
+            raise ContractError("cause: replays are the same samples' replay, then (when it spiked) the one "
+                                "without the suspects")
+        label = ("hardware" if not r[0].spiked else None if len(r) < 2
+                 else "optimizer" if r[1].spiked else "data")
+        if label != self.label:
+            raise ContractError(f"cause: label {self.label!r} disagrees with its replays (they say {label!r})")
+
+    def words(self) -> str:
+        """"hardware (the replay of the same samples ran clean through step 171, ...)": the label and
+        its evidence."""
+        return (f"{self.label} ({'; '.join(x.words() for x in self.replays)}; the run had spiked at step "
+                f"{self.recorded_step}, loss {_loss_words(self.recorded_loss)})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "recorded_step": self.recorded_step, "recorded_loss": self.recorded_loss,
+                "replays": [x.to_json() for x in self.replays], "steps": self.steps, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Cause":
+        names = ("label", "recorded_step", "recorded_loss", "replays", "steps", "seconds")
+        o = _only("cause", obj, set(names))
+        for name in names:
+            if name not in o:
+                raise ContractError(f"cause: missing field {name!r}")
+        if not isinstance(o["replays"], list):
+            raise ContractError("cause: replays must be a list")
+        return cls(o["label"], o["recorded_step"], o["recorded_loss"], tuple(Replay.from_json(x) for x in o["replays"]),
+                   o["steps"], o["seconds"])
+
+
 @dataclass(frozen=True, slots=True)
 class Bisected:
     """A precise skip's search (thermowatch/precise_skip.py): the rollback's suspect samples,
     how many probes and training steps the search spent re-training from the checkpoint and in
     how many seconds, and its outcome: narrowed (the ack's `skipped` is fewer than the suspects),
     inseparable (no half spiked alone: all of them skipped) or budget (it ran out of steps or time:
-    what it had not cleared is skipped)."""
+    what it had not cleared is skipped) or cleared (replay triage found the cause was not the data:
+nothing skipped). `cause`: replay triage's verdict, None when it did not run (an older client,
+a divergence the loss did not show, or the budget ran out during it)."""
 
     suspects: tuple[SampleRange, ...]
     probes: int
     steps: int
     seconds: float
     outcome: str
+    cause: Cause | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "suspects", tuple(self.suspects))
@@ -592,6 +711,12 @@ class Bisected:
         object.__setattr__(self, "seconds", _float("bisected", "seconds", self.seconds, 0.0, 1e9, lo_open=False))
         if self.outcome not in BISECT_OUTCOMES:
             raise ContractError(f"bisected: outcome must be one of {BISECT_OUTCOMES}, got {self.outcome!r}")
+        if self.cause is not None and not isinstance(self.cause, Cause):
+            raise ContractError(f"bisected: cause must be a Cause, got {type(self.cause).__name__}")
+        # cleared <=> the cause is not the data (nothing skipped)
+        if (self.outcome == "cleared") != (self.cause is not None and self.cause.label != "data"):
+            raise ContractError(f"bisected: outcome 'cleared' goes with a cause other than data, and only with it "
+                                f"(outcome {self.outcome!r}, cause {self.cause.label if self.cause else None!r})")
 
     @property
     def samples(self) -> int:
@@ -599,15 +724,18 @@ class Bisected:
 
     def to_json(self) -> dict[str, Any]:
         return {"suspects": [r.to_json() for r in self.suspects], "probes": self.probes, "steps": self.steps,
-                "seconds": self.seconds, "outcome": self.outcome}
+                "seconds": self.seconds, "outcome": self.outcome,
+                "cause": None if self.cause is None else self.cause.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any) -> "Bisected":
-        o = _only("bisected", obj, {"suspects", "probes", "steps", "seconds", "outcome"})
+        o = _only("bisected", obj, {"suspects", "probes", "steps", "seconds", "outcome", "cause"})
         for name in ("suspects", "probes", "steps", "seconds", "outcome"):
             if name not in o:
                 raise ContractError(f"bisected: missing field {name!r}")
-        return cls(ranges_from_json(o["suspects"]), o["probes"], o["steps"], o["seconds"], o["outcome"])
+        cause = o.get("cause")  # absent from an older client's acks
+        return cls(ranges_from_json(o["suspects"]), o["probes"], o["steps"], o["seconds"], o["outcome"],
+                   None if cause is None else Cause.from_json(cause))
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,9 +178,9 @@ class StepRecord:
 # (one vocabulary, re-exported here so both sides import it from the contract)
 
 from thermowatch.monitors.commands import (  # noqa: E402
-    BISECT_OUTCOMES, COMMAND_TYPES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, Ack, Bisected, Command, CommandBody, CommandKind, ContractError,
+    BISECT_OUTCOMES, CAUSES, COMMAND_TYPES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, Ack, Bisected, Cause, Command, CommandBody, CommandKind, ContractError,
     describe, describe_args, LRChange, Pause, Profile, Resume, Rollback, SampleRange, SetLR, Skip, Stop, dumps, json_int, ledger_digest, loads,
-    merge_ranges, multiplier_at, parse_command, ranges_from_json,
+    merge_ranges, multiplier_at, parse_command, ranges_from_json, Replay,
 )
 from thermowatch.monitors.names import check_run_id  # noqa: E402
 

@@ -96,6 +96,32 @@ def test_an_ack_says_what_a_precise_skip_searched():
         Ack.from_json({**ack.to_json(), "bisected": {k: v for k, v in b.to_json().items() if k != "steps"}})
 
 
+def test_an_ack_says_what_replay_triage_found_and_its_label_agrees_with_its_evidence():
+    """Issue 39: Bisected.cause (data, hardware, optimizer), its replays and cost; an older
+    client's bisected (no cause) still reads."""
+    from thermowatch.monitors.contract import Cause, Replay
+
+    same = Replay(False, False, 96, 3.1, 3.0, 26)
+    hw = Cause("hardware", 96, None, (same,), 26, 1.5)
+    b = Bisected((SampleRange(1184, 1536),), probes=1, steps=26, seconds=1.5, outcome="cleared", cause=hw)
+    ack = Ack(3, True, 71, "rolled back", bisected=b)
+    assert Ack.from_json(loads(dumps(ack.to_json()))) == ack
+    old = {k: v for k, v in b.to_json().items() if k != "cause"}
+    assert Bisected.from_json({**old, "outcome": "narrowed"}).cause is None
+    spiked = Replay(False, True, 95, None, 3.0, 25)
+    for label, replays in (("data", (same,)), ("optimizer", (spiked, Replay(True, False, 95, 3.0, 3.0, 25))),
+                           ("hardware", (spiked, Replay(True, True, 95, 9.0, 3.0, 25))), ("flaky", (same,))):
+        with pytest.raises(ContractError):
+            Cause(label, 95, None, replays, 50, 1.0)
+    with pytest.raises(ContractError, match="cleared"):  # nothing skipped goes with a cause other than data
+        Bisected(b.suspects, 1, 26, 1.5, "narrowed", hw)
+    with pytest.raises(ContractError, match="cleared"):
+        Bisected(b.suspects, 1, 26, 1.5, "cleared")
+    with pytest.raises(ContractError, match="unknown field"):
+        Ack.from_json({**ack.to_json(), "bisected": {**b.to_json(), "cause": {**hw.to_json(), "rank": 0}}})
+    assert hw.words().startswith("hardware (the replay of the same samples ran clean through step 96")
+
+
 def test_an_ack_empty_skip_range_is_nothing_not_an_error():
     """[x, x) (or lo > hi) skipped no sample: the ack is taken without it (issue 21: JSON Schema
     cannot say lo < hi). A range that is not a pair of sample ids is still refused."""

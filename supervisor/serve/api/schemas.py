@@ -126,6 +126,32 @@ _LR_CHANGE_WITH_SEQ = {"anyOf": [
     {"properties": {"lr_change": {"type": "null"}, "lr_seq": {"type": "null"}}}]}
 
 
+class ReplayBody(BaseModel):
+    """thermowatch.monitors.commands.Replay: one replay of replay triage from the checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    suspects_skipped: bool = Field(description="false: the same samples as the abandoned path; true: every suspect skipped")
+    spiked: bool
+    step: int = Field(ge=0, le=INT64_MAX, description="the step it spiked at, or the last it trained when clean")
+    loss: float | None = Field(description="the loss there; null when not finite")
+    level: float | None = Field(description="the level it was judged against; null with fewer than 4 losses")
+    steps: int = Field(ge=0, le=INT64_MAX)
+
+
+class CauseBody(BaseModel):
+    """thermowatch.monitors.commands.Cause: replay triage's verdict, evidence and cost (issue 39)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Literal["data", "hardware", "optimizer"]
+    recorded_step: int = Field(ge=0, le=INT64_MAX, description="where the abandoned path's loss spiked")
+    recorded_loss: float | None = Field(description="its loss there; null when not finite")
+    replays: list[ReplayBody] = Field(min_length=1, max_length=2)
+    steps: int = Field(ge=0, le=INT64_MAX, description="training steps the replays took")
+    seconds: float = Field(ge=0, le=1e9)
+
+
 class BisectedBody(BaseModel):
     """thermowatch.monitors.commands.Bisected: a precise skip's search of a rollback's suspects."""
 
@@ -135,7 +161,8 @@ class BisectedBody(BaseModel):
     probes: int = Field(ge=0, le=INT32_MAX)
     steps: int = Field(ge=0, le=INT64_MAX, description="training steps the probes took")
     seconds: float = Field(ge=0, le=1e9)
-    outcome: Literal["narrowed", "inseparable", "budget"]
+    outcome: Literal["narrowed", "inseparable", "budget", "cleared"]
+    cause: CauseBody | None = Field(None, description="replay triage's verdict; absent from older clients")
 
 
 class AckBody(BaseModel):
