@@ -63,8 +63,8 @@ from thermowatch import checkpoint_trust
 from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, refused_reason, set_aside
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
-    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Command, LRChange, Pause, Resume, Rollback, SetLR, Skip, Stop,
-    StepRecord, ledger_digest, multiplier_at,
+    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Cause, Command, LRChange, Pause, Replay, Resume, Rollback, SetLR, Skip,
+    Stop, StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
@@ -74,7 +74,7 @@ from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, ids_of, ranges_of
+from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ids_of, ranges_of
 from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed, resumed_by_rollback
 from thermowatch.ranks import Ranks, rng_state, set_rng_state
@@ -237,7 +237,7 @@ class Watch(Directed):
         lo, hi, mult, peak, lr = self._meta[step]
         if self._probing is not None:  # a precise skip's probe: judged here, never sent
             self._meta.pop(step)
-            self._probing.observe(self._ids, self.dist.mean(loss))
+            self._probing.observe(step, self._ids, self.dist.mean(loss))
             self.cursor, self.step, self._recorded = hi, step, True
             return
         if self.th is not None:
@@ -487,6 +487,9 @@ class Watch(Directed):
             self.lr_changes.append(change)
             seq = len(self.lr_changes) - 1
         abandoned = [s for s in self._checkpoints() if s > loaded]
+        if precise:  # its newest losses first: the spike replay triage compares with may be in them
+            self._collect_all()
+        left = [(s, v) for s, v in self._losses if s > loaded]  # the abandoned path's losses (replay triage)
         self.dist.barrier()  # every rank has loaded before rank 0 deletes anything
         if self.dist.rank == 0:
             for s in abandoned:
@@ -515,10 +518,16 @@ class Watch(Directed):
             healthy = self._ckpt_losses or [v for s, v in self._losses if s <= loaded]
             budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))
             base = self.ledger.copy()
+            # replay triage (issue 39): the replays run through where the abandoned path spiked;
+            # a path whose loss never spiked gives them nothing to compare with
+            recorded = first_spike(healthy, left, self.precise)
+            if recorded is not None:
+                budget += 2 * (recorded[0] - loaded)  # the replays' own budget, beside the search's
             # whole steps per probe; past the suspects, the ids the loop would train next
             search = Search(suspects, self.precise.min_samples or self.global_batch, align=self.global_batch,
-                            follow=lambda after, n: base.take(after + 1, n))
-            self._probing = _Probing(command, out, loaded, base, suspects, search, healthy, self.precise, budget)
+                            follow=lambda after, n: base.take(after + 1, n), triage=recorded is not None)
+            self._probing = _Probing(command, out, loaded, base, suspects, search, healthy, self.precise, budget,
+                                     recorded)
         return out
 
     # --- precise skip: probes from the rollback's checkpoint ------------------------------------
@@ -529,7 +538,8 @@ class Watch(Directed):
         p = self._probing
         over = p.steps >= p.budget or time.monotonic() - p.t0 >= self.precise.max_seconds
         if p.under_way():
-            ended = p.spiked or p.after >= self.precise.settle or self.step >= self.total
+            ended = (p.spiked or self.step >= self.total
+                     or (self.step >= p.through if p.through is not None else p.after >= self.precise.settle))
             if not (ended or over):
                 return self.step + 1
             if ended:  # its verdict (a probe cut short by the budget has none)
@@ -537,9 +547,11 @@ class Watch(Directed):
             self._load(p.checkpoint)
         if over:
             p.search.give_up()  # what is not cleared yet, the probe cut short included, is skipped
+        replaying = p.search.replaying
         probe = p.search.next()
         if probe is not None:
-            p.open(probe)
+            # a replay of triage runs through the abandoned path's spike, a search's probe through its last sample
+            p.open(probe, through=p.recorded[0] if replaying else None)
             return self.step + 1
         self._probing = None
         found = p.search.offenders()
@@ -548,14 +560,22 @@ class Watch(Directed):
         self._save_state()
         # the suspects reported: every sample searched, the blocks past the rollback's window included
         searched = p.search.universe
+        cause = None
+        if p.search.cause is not None:
+            step, loss, _ = p.recorded
+            cause = Cause(p.search.cause, step, loss if math.isfinite(loss) else None, tuple(p.replays),
+                          sum(r.steps for r in p.replays), round(p.replay_s, 3))
         bisected = Bisected(ranges_of(searched), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
-                            p.search.outcome)
+                            p.search.outcome, cause)
         past = len(searched) - len(p.suspects)
         what = (f"{len(found):,} of {len(searched):,} suspect samples" if len(found) < len(searched)
                 else f"all {len(searched):,} suspect samples ({bisected.outcome})")
         what += f" ({past:,} of them past the window: the bad stretch went on)" if past else ""
+        if bisected.outcome == "cleared":
+            what = "nothing: the cause is not the data"
         detail = (p.out.detail + f"; precise skip: {bisected.probes} probes, {bisected.steps} steps, "
-                  f"{bisected.seconds:.1f} s; skipping {what}"
+                  f"{bisected.seconds:.1f} s"
+                  + (f"; cause {cause.words()}" if cause is not None else "") + f"; skipping {what}"
                   + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
         out = Outcome(detail, checkpoint=p.out.checkpoint, lr_change=p.out.lr_change, lr_seq=p.out.lr_seq,
                       skipped=skipped, bisected=bisected)
@@ -743,9 +763,13 @@ class _Probing:
     skipped)."""
 
     def __init__(self, cmd: Command, out: Outcome, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
-                 search: Search, healthy: list[float], cfg: PreciseSkip, budget: int) -> None:
+                 search: Search, healthy: list[float], cfg: PreciseSkip, budget: int,
+                 recorded: tuple[int, float, float | None] | None = None) -> None:
         self.cmd, self.out, self.checkpoint, self.base = cmd, out, checkpoint, base
         self.suspects, self.search, self.healthy, self.cfg, self.budget = suspects, search, healthy, cfg, budget
+        self.recorded = recorded  # (step, loss, level) of the abandoned path's spike: what triage replays
+        self.replays: list[Replay] = []  # triage's evidence, one per replay
+        self.replay_s = 0.0
         self.t0 = time.monotonic()
         self.steps = 0
         self.probe: np.ndarray | None = None
@@ -754,8 +778,11 @@ class _Probing:
     def under_way(self) -> bool:
         return self.probe is not None
 
-    def open(self, probe: np.ndarray) -> None:
-        self.probe, self.last = probe, int(probe[-1])
+    def open(self, probe: np.ndarray, through: int | None = None) -> None:
+        """`through`: a replay of triage's, trained through this step (the abandoned path's spike)."""
+        self.probe, self.last, self.through = probe, int(probe[-1]) if len(probe) else -1, through
+        self.opened = time.monotonic()
+        self.at = self.loss = None  # the step trained last, and its loss
         self.ledger = self.base.copy()
         # the rest of what the search covers is skipped: the suspects and the blocks past them
         self.ledger.add_many([r.to_json() for r in ranges_of(np.setdiff1d(self.search.universe, probe,
@@ -765,10 +792,13 @@ class _Probing:
         self.spiked = False
         self.after = -1  # steps trained since the probe's last sample was (-1: not yet)
 
-    def observe(self, ids: np.ndarray, loss: float) -> None:
+    def observe(self, step: int, ids: np.ndarray, loss: float) -> None:
         self.steps += 1
         self.trained.append(ids)
         self.spiked = self.bar.spiked(loss)
+        self.at, self.loss = step, float(loss)
+        if self.through is not None:
+            return
         if self.after >= 0:
             self.after += 1
         elif int(ids[-1]) >= self.last:
@@ -779,6 +809,12 @@ class _Probing:
         last = np.intersect1d(self.probe, self.trained[-1]) if self.spiked else None
         log.debug("thermowatch: precise skip probe %s: %d steps, %s", ranges_of(self.probe), len(self.trained),
                   f"spiked, {len(seen)} of its samples trained by then" if self.spiked else "clean")
+        if self.through is not None:  # a replay of triage: its evidence
+            self.replays.append(Replay(suspects_skipped=len(self.probe) == 0, spiked=self.spiked,
+                                       step=self.at if self.at is not None else self.checkpoint,
+                                       loss=self.loss if self.loss is not None and math.isfinite(self.loss) else None,
+                                       level=self.bar.level, steps=len(self.trained)))
+            self.replay_s += time.monotonic() - self.opened
         self.search.report(self.spiked, seen, last)
         self.probe = None
 

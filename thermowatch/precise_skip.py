@@ -43,8 +43,28 @@ offending ones before it resumes, by re-training from the rollback's checkpoint:
   bar started empty, took a probe's first 4 (poisoned) losses for its level and released them,
   and a one-step probe could never spike (its group then skipped whole as "inseparable").
 
+Replay triage (issue 39) comes first, when the path the rollback abandoned showed a loss spike
+(by the same bar, `recorded`): two replays from the checkpoint, each through the step where it
+spiked, label the cause (CAUSES in monitors/commands.py):
+
+- the same samples, nothing skipped. It runs clean: the divergence did not reproduce, so it was
+  not the data nor the optimizer but a transient fault -> **hardware** (PaLM and Gemini saw
+  replays that did not spike; Gemini found 6% of its replayed steps were real corruption).
+  Nothing is skipped;
+- it spiked: every suspect skipped. It spikes again: the data is not the reason, the optimizer
+  state or the LR is -> **optimizer**. Nothing is skipped (the supervisor cuts the LR:
+  supervisor/act/respond.py);
+- it ran clean without them: -> **data**, and the search above bisects, starting from what the
+  replay showed (the suspects it had trained by its spike hold an offender).
+
+A divergence the loss never showed (attention logits growing under a calm loss) cannot be told
+apart by replaying the loss: triage does not run and the search bisects as before it. The
+replays have their own budget (twice the abandoned path's steps to its spike) beside the
+search's; `max_seconds` covers both.
+
 Then the checkpoint is loaded once more, only the offenders join the skip ledger, and the ack
-carries `skipped` (the offenders) and `bisected` (the suspects, probes, steps and seconds spent).
+carries `skipped` (the offenders) and `bisected` (the suspects, probes, steps and seconds spent,
+and triage's `cause`).
 `Search` is the pure part (no torch): the loop (thermowatch/loop.py) trains its probes.
 """
 
@@ -111,21 +131,35 @@ class SpikeBar:
     def __init__(self, healthy: Sequence[float], cfg: PreciseSkip) -> None:
         self.cfg = cfg
         self.trail: deque[float] = deque((float(v) for v in healthy if math.isfinite(v)), maxlen=cfg.window)
+        self.level: float | None = None  # the level the newest loss was judged against (None: too few yet)
 
     def spiked(self, loss: float) -> bool:
+        self.level = float(np.median(np.fromiter(self.trail, float)[-4:])) if len(self.trail) >= 4 else None
         if not math.isfinite(loss):
             return True
         if len(self.trail) >= 4:
             # the level: the newest few; the spread: of the step-to-step changes, so the early
             # steps' steep fall (a checkpoint may sit there) does not pass for noise
             t = np.fromiter(self.trail, float)
-            level = float(np.median(t[-4:]))
+            level = self.level
             d = np.diff(t)
             sigma = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
             if loss > level + max(self.cfg.z * sigma, self.cfg.min_rise * abs(level)):
                 return True
         self.trail.append(loss)
         return False
+
+
+def first_spike(healthy: Sequence[float], losses: Iterable[tuple[int, float]],
+                cfg: PreciseSkip) -> tuple[int, float, float | None] | None:
+    """Where the path a rollback abandoned spiked by the probes' own bar, seeded as theirs are:
+    (step, loss, level) of its first spike, or None when its loss never did (triage then does not
+    run: a replay that is compared with nothing proves nothing)."""
+    bar = SpikeBar(healthy, cfg)
+    for step, loss in losses:
+        if bar.spiked(loss):
+            return int(step), float(loss), bar.level
+    return None
 
 
 class Search:
@@ -141,10 +175,17 @@ class Search:
     samples of the spike's own step (`last`: a batch of bad data shows in its own loss, so they
     are probed first, in one step) and the rest; the suspects are halved. Halving alone failed
     on real data: a halving that cuts a poisoned stretch spreads it over two batches, each too
-    diluted to spike, and the whole group had to be skipped."""
+    diluted to spike, and the whole group had to be skipped.
+
+    With `triage`, two replays come first (the module docstring): `next()` gives all the
+    suspects (the same samples: nothing skipped), then none of them (every suspect skipped);
+    `report()` takes whether each spiked. `cause` is then "hardware" or "optimizer" (the search
+    ends, nothing found) or "data" (it bisects, from the replay's spike on). `replaying` says a
+    replay is the probe under way: the loop runs it through the abandoned path's spike, not
+    through the probe's last sample."""
 
     def __init__(self, suspects: np.ndarray, min_samples: int, align: int = 1,
-                 follow: Callable[[int, int], np.ndarray] | None = None) -> None:
+                 follow: Callable[[int, int], np.ndarray] | None = None, triage: bool = False) -> None:
         """`align`: a halving cuts at a multiple of this many ids from the group's start (the
         loop's global batch: a probe of whole steps ends on a step of its own, never beside the
         unknown data after the search's samples). `follow(after, n)`: the n ids the data gives
@@ -168,6 +209,39 @@ class Search:
         self.beyond: list[np.ndarray] = []
         self.end = int(self.suspects[-1]) if len(self.suspects) else -1  # the newest id searched
         self.block = max(self.align, self.min_samples)
+        # replay triage: the replays' spikes (the same samples', then without the suspects'), the
+        # replay's seen and last, and the label once known
+        self.triage = bool(triage) and len(self.suspects) > 0
+        self.replays: list[bool] = []
+        self._replay_seen: tuple[np.ndarray, np.ndarray] | None = None
+        self.cause: str | None = None
+
+    @property
+    def replaying(self) -> bool:
+        """A replay of triage is the next probe (or the one under way)."""
+        return self.triage and self.cause is None and not self.gave_up
+
+    def _triage(self, spiked: bool, seen: np.ndarray, last: np.ndarray) -> None:
+        """A replay's result. The label is pure logic on the two spikes (issue 39):
+        same samples clean -> hardware; spiked without the suspects too -> optimizer; else data."""
+        self.probes += 1
+        self.replays.append(bool(spiked))
+        if len(self.replays) == 1:
+            if not spiked:
+                self.cause = "hardware"
+                self.work.clear()
+            else:
+                self._replay_seen = (seen, last)
+            return
+        if spiked:
+            self.cause = "optimizer"
+            self.work.clear()
+            return
+        self.cause = "data"
+        seen, last = self._replay_seen
+        if len(seen):  # the replay was the search's first probe of them all: go on from its spike
+            rest = np.setdiff1d(self.suspects, seen, assume_unique=True)
+            self.work = deque([(seen, True, last)] + ([(rest, False, np.zeros(0, np.int64))] if len(rest) else []))
 
     @property
     def universe(self) -> np.ndarray:
@@ -194,6 +268,8 @@ class Search:
         return mid if 0 < mid < len(g) else (self.align if self.align < len(g) else len(g) // 2)
 
     def next(self) -> np.ndarray | None:
+        if self.replaying:  # the same samples (all of them), then none of them
+            return self.suspects if not self.replays else self.suspects[:0]
         while not self.probes_due:
             if not self.work:
                 return None
@@ -214,6 +290,10 @@ class Search:
     def report(self, spiked: bool, seen: np.ndarray, last: np.ndarray | None = None) -> None:
         """A probe's result: whether it spiked, its ids trained by the spike's step (`seen`) and
         those of that step itself (`last`)."""
+        if self.replaying:
+            seen = np.asarray(seen, dtype=np.int64)
+            self._triage(spiked, seen, np.zeros(0, np.int64) if last is None else np.intersect1d(last, seen))
+            return
         if not self.probes_due:
             raise RuntimeError("report() without a probe under way")
         self.probes += 1
@@ -251,7 +331,10 @@ class Search:
     @property
     def outcome(self) -> str:
         """narrowed (fewer than the suspects), inseparable (all of them: no half spiked alone),
-        or budget (the budget ran out; what was not cleared is skipped)."""
+        budget (the budget ran out; what was not cleared is skipped), or cleared (triage found the
+        cause was not the data: nothing skipped)."""
+        if self.cause in ("hardware", "optimizer"):
+            return "cleared"
         if self.gave_up:
             return "budget"
         found = np.intersect1d(self.offenders(), self.suspects, assume_unique=True)

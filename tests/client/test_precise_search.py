@@ -147,3 +147,46 @@ def test_a_halving_never_cuts_a_step_so_clean_ids_are_not_blamed_for_what_follow
     found = set(search_by_steps(search, bad, 800, B, base=set(range(2400, 2464))).offenders().tolist())
     assert found - bad == set(), f"clean ids skipped: {ranges_of(np.array(sorted(found - bad)))}"
     assert found == bad
+
+
+# --- replay triage (issue 39): the two replays before the search label the cause -----------------
+
+@pytest.mark.parametrize("same, without, cause, outcome", [
+    (False, None, "hardware", "cleared"),  # the same samples ran clean: not reproduced
+    (True, True, "optimizer", "cleared"),  # diverged without the suspects too
+    (True, False, "data", "narrowed"),  # with them, not without: bisect
+])
+def test_triage_labels_the_cause_from_the_two_replays(same, without, cause, outcome):
+    suspects = np.arange(0, 256)
+    bad = 100
+    search = Search(suspects, 16, align=16, triage=True)
+    assert search.replaying and search.next() is suspects  # the same samples: nothing skipped
+    seen = suspects[: 113] if same else suspects[:0]
+    search.report(same, seen, suspects[96:113] if same else None)
+    if without is not None:
+        assert search.replaying and len(search.next()) == 0  # every suspect skipped
+        search.report(without, suspects[:0])
+    assert search.cause == cause and not search.replaying and search.replays == [same] + ([without] if without is not None else [])
+    while (probe := search.next()) is not None:  # the bisection, data only
+        hit = bad in probe.tolist()
+        search.report(hit, probe[: probe.tolist().index(bad) + 1] if hit else probe[:0])
+    found = search.offenders().tolist()
+    assert search.outcome == outcome
+    assert (found == []) if cause != "data" else (bad in found and len(found) <= 16)
+
+
+def test_triage_cut_short_by_the_budget_skips_every_suspect_and_names_no_cause():
+    search = Search(np.arange(0, 64), 16, triage=True)
+    search.next()
+    search.give_up()
+    assert search.cause is None and search.outcome == "budget" and len(search.offenders()) == 64
+
+
+def test_the_abandoned_paths_first_spike_is_what_the_replays_run_through():
+    from thermowatch.precise_skip import first_spike
+
+    healthy = list(np.linspace(4.0, 3.0, 16))
+    path = [(51 + i, 2.95 - 0.01 * i) for i in range(10)] + [(61, 6.0), (62, float("nan"))]
+    step, loss, level = first_spike(healthy, path, PreciseSkip())
+    assert (step, loss) == (61, 6.0) and level == pytest.approx(2.875, abs=0.02)
+    assert first_spike(healthy, path[:10], PreciseSkip()) is None  # a calm loss: no triage
