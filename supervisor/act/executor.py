@@ -513,7 +513,9 @@ class Executor:
         rollback went back to (or None) and whether it resolved the action's incident."""
         body = parse_command(row.kind, row.args)
         asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
-        for r in ack.skipped or asked_ranges:
+        # A precise skip's ack says exactly what it skipped, nothing included (replay triage found
+        # the cause was not the data); a bare ack from an older trainer books what was asked.
+        for r in ack.skipped if ack.bisected is not None else ack.skipped or asked_ranges:
             skips_store.add_skip_range(s, run_id, r.lo, r.hi, action_id=row.id)
         change, seq = ack.lr_change, ack.lr_seq
         if change is None and ack.checkpoint_step is None:

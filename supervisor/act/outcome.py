@@ -4,8 +4,9 @@
 Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled, expired), args (as asked),
 checkpoint_step and checkpoint_path (what a rollback loaded), first_step (the first step trained
 after it), effective_lr_multiplier (in force at first_step), lr_change, skipped_ranges (what the
-trainer added to its ledger), ledger_digest, bisected (a precise skip's search), detail (the
-trainer's words), error.
+trainer added to its ledger), ledger_digest, bisected (a precise skip's search, with replay
+triage's `cause`: data, hardware or optimizer, its evidence and cost), detail (the trainer's
+words), error.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from thermowatch.monitors.commands import ActionState, CommandKind
-from thermowatch.monitors.contract import Ack, ContractError
+from thermowatch.monitors.contract import Ack, Cause, ContractError
 
 # The final states that did not do what was asked: their error says why.
 _NOT_DONE = (ActionState.FAILED, ActionState.EXPIRED, ActionState.CANCELLED)
@@ -82,7 +83,22 @@ def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
     if b:
         lines.append(f"precise skip ({b['outcome']}): {b['probes']} probes, {b['steps']:,} steps re-trained, "
                      f"{b['seconds']:.1f} s, over {sum(hi - lo for lo, hi in b['suspects']):,} suspect samples")
+        c = _cause(o)
+        if c is not None:
+            lines.append(f"cause: {c.words()}; the replays took {c.steps:,} steps, {c.seconds:.1f} s"
+                         + ("; nothing skipped" if c.label != "data" else ""))
     return lines
+
+
+def _cause(o: dict[str, Any]) -> Cause | None:
+    """Replay triage's verdict in an outcome (issue 39), typed; None without one."""
+    c = (o.get("bisected") or {}).get("cause")
+    return Cause.from_json(c) if c else None
+
+
+_CAUSE_SHORT = {"hardware": "the replay of the same samples ran clean",
+                "optimizer": "it diverged again without the suspect samples",
+                "data": "it diverged with the suspect samples and not without them"}
 
 
 def summary(o: dict[str, Any]) -> str:
@@ -101,4 +117,7 @@ def summary(o: dict[str, Any]) -> str:
         parts.append(f"LR x{o['effective_lr_multiplier']:g}")
     if o["skipped_ranges"]:
         parts.append("skipped " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    c = _cause(o)
+    if c is not None:
+        parts.append(("" if c.label == "data" else "skipped nothing, ") + f"cause: {c.label} ({_CAUSE_SHORT[c.label]})")
     return ", ".join(parts) or f"{o['kind']} done"

@@ -31,7 +31,9 @@ from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Sign
 from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.supervisor.judge.bank_process import BankProcess, RemoteBank
 from thermowatch.supervisor.act.executor import Executor
-from thermowatch.supervisor.decide.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
+from thermowatch.monitors.contract import Ack, ContractError
+from thermowatch.supervisor.decide.policy import (DecisionKind, Intervention, PolicyConfig, PolicyInput, after_triage,
+                                                  make_decision)
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
 from thermowatch.supervisor.store import detector_state
@@ -185,10 +187,43 @@ class Responder:
                  run_id, due[1])
 
     def rewind(self, run_id: str, to_step: int) -> None:
-        """After a rollback to `to_step` took effect: detectors forget what came after it."""
+        """After a rollback to `to_step` took effect: detectors forget what came after it, and
+        what its replay triage found is acted on (after_triage)."""
         with self._lock:
             self.bank(run_id).reset(to_step)
             self._save_state(run_id)
+        self._after_triage(run_id)
+
+    def _after_triage(self, run_id: str) -> None:
+        """The newest done rollback's ack names a cause (issue 39): the policy says what follows
+        (policy.after_triage: the LR cut when it is the optimizer), the executor writes it, in the
+        rollback's incident. Once per rollback: a set_lr or pause written after it ends it. A
+        manual rollback has no finding to decide on; its reply shows the cause to its author."""
+        with self._lock, self._session.begin() as s:
+            rows = actions_store.actions(s, run_id, limit=50)  # newest first
+            done = next((a for a in rows if a.kind is CommandKind.ROLLBACK and a.state is ActionState.DONE), None)
+            if done is None or done.incident_id is None or not done.result:
+                return
+            try:
+                b = Ack.from_json(done.result).bisected
+            except ContractError:
+                return
+            if b is None or b.cause is None:
+                return
+            if any(a.id > done.id and a.kind in (CommandKind.SET_LR, CommandKind.PAUSE) for a in rows):
+                return
+            found = findings_store.findings(s, run_id, done.incident_id)
+            if not found:
+                return
+            current = lr_store.multiplier_in_force(s, run_id, max(done.ack_step or 0, 1))
+            decision = after_triage(found[0].finding, b.cause.label, current, self._policy,
+                                    findings_store.incident_attempts(s, run_id, [done.incident_id]).get(done.incident_id))
+            if decision is None:
+                return
+            log.info("run %s: rollback %d's replay triage says %s -> %s (%s)", run_id, done.id, b.cause.label,
+                     decision.kind.value, "; ".join(decision.reasons))
+            self._executor.carry_out(s, run_id, done.incident_id, found[0].finding, decision)
+        self._executor.flush_alerts()
 
     def save_states(self) -> None:
         """Write every loaded bank's state (on close)."""
@@ -321,7 +356,9 @@ class Responder:
                 automatic=a.origin is ActionOrigin.AUTO,
                 target_step=a.args.get("to_step") if a.kind is CommandKind.ROLLBACK else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
-                skipped=a.kind is CommandKind.ROLLBACK and bool(a.args.get("skip_ranges")),
+                # what it skipped: a precise skip's ack says (none, when replay triage cleared the data)
+                skipped=a.kind is CommandKind.ROLLBACK and bool(
+                    a.result["skipped"] if done and a.result and a.result.get("bisected") else a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.
                 first_step=a.ack_step if done else None,

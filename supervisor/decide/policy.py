@@ -614,6 +614,32 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
                     skip_steps=skip, skip_ahead_steps=ahead, rung=rung, **lr)
 
 
+def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg: PolicyConfig | None = None,
+                 attempt: int | None = None) -> Decision | None:
+    """What follows a rollback (done) whose replay triage named `cause` (issue 39; the ack's
+    bisected.cause). "optimizer": both replays from its checkpoint diverged, the second without the
+    suspects, so the same LR will diverge again from it: rung 2's LR cut comes now, in place (the
+    run has just gone back to the checkpoint: the cut applies from its next steps), instead of
+    after a recurrence the replays have already shown. The LR floor pauses as rung 2 does.
+    "data" and "hardware": the rollback was the answer (the offenders skipped; a transient fault
+    left nothing to repair); None. Pure: same input, same decision."""
+    cfg = cfg or PolicyConfig()
+    if cause != "optimizer":
+        return None
+    head = _describe(finding, attempt)
+    new = round(current_lr_multiplier * cfg.lr_factor, 12)
+    if new < cfg.min_lr_multiplier * (1 - 1e-9):
+        return _finish(cfg, _pause(head, f"replay triage names the optimizer state or the LR, and lowering the LR "
+                                         f"would take its multiplier from {current_lr_multiplier:g} to {new:g}, below "
+                                         f"min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human"))
+    return _finish(cfg, Decision(DecisionKind.LOWER_LR, [
+        head, "rung 2 at once: replay triage reproduced the divergence from the rollback's checkpoint with the "
+              "suspect samples skipped too, so the data is not the reason: the optimizer state or the LR is",
+        _lr_reason(current_lr_multiplier, new, cfg)],
+        lr_multiplier=new, lr_steps=cfg.lr_steps, rewarmup_steps=cfg.rewarmup_steps if cfg.lr_steps is not None else None,
+        rung=2))
+
+
 def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, target_step: int) -> Decision:
     """The same cause on the path a data rollback re-trained (_data_recurrence): back to that
     rollback's checkpoint again, at once and at the same LR, the skip grown through this detection.

@@ -686,3 +686,19 @@ def test_only_a_data_rollback_skips_ahead_and_zero_turns_it_off():
 def test_a_bad_approval_pause_is_refused_with_its_name(bad):
     with pytest.raises(PolicyConfigError, match="approval_pause_after_steps"):
         PolicyConfig(approval_pause_after_steps=bad)
+
+
+# --- after replay triage (issue 39) --------------------------------------------------------------
+
+def test_after_triage_cuts_the_lr_only_when_the_optimizer_is_named():
+    from thermowatch.supervisor.decide.policy import after_triage
+
+    f = finding()
+    assert after_triage(f, "data", 1.0) is None and after_triage(f, "hardware", 1.0) is None
+    d = after_triage(f, "optimizer", 0.5)
+    assert d.kind is DecisionKind.LOWER_LR and d.rung == 2 and d.lr_multiplier == 0.25
+    assert any("replay triage" in r for r in d.reasons)
+    floor = after_triage(f, "optimizer", 0.1)  # 0.05 would be below min_lr_multiplier 0.1
+    assert floor.kind is DecisionKind.PAUSE and floor.page and floor.rung == 3
+    advised = after_triage(f, "optimizer", 1.0, PolicyConfig(advise_only=True))
+    assert advised.requires_approval
