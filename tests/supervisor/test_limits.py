@@ -273,7 +273,7 @@ def test_input_errors_left_to_the_net_are_4xx_and_internal_errors_stay_500(db, s
 def test_openapi_describes_every_post_body(client):
     doc = client.get("/openapi.json").json()
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
-    assert len(posts) == 14, sorted(posts)  # 5 ingest, 4 commands, 2 silences, 2 tokens, Slack's callback
+    assert len(posts) == 15, sorted(posts)  # 5 ingest, 4 commands, 2 silences, a page's acknowledge, 2 tokens, Slack's callback
     assert "requestBody" not in posts.pop("/api/tokens/{name}/revoke")  # the only POST with no body
     slack = posts.pop("/api/slack/interactions")["requestBody"]["content"]["application/x-www-form-urlencoded"]
     assert slack["schema"]["required"] == ["payload"]  # Slack posts a form, signed, not JSON
