@@ -178,6 +178,7 @@ class Watch(Directed):
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
         self._ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
         self._probing: _Probing | None = None
+        self._probe_grad_finite = True  # the probe step's gradient was finite (_before_optimizer_step)
         self._waiting: list[Command] = []  # commands that came with a rollback that is still probing
         self._saved_lrs: list[Any] | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -237,7 +238,8 @@ class Watch(Directed):
         lo, hi, mult, peak, lr = self._meta[step]
         if self._probing is not None:  # a precise skip's probe: judged here, never sent
             self._meta.pop(step)
-            self._probing.observe(step, self._ids, self.dist.mean(loss))
+            ok, self._probe_grad_finite = self._probe_grad_finite, True
+            self._probing.observe(step, self._ids, self.dist.mean(loss) if ok else math.nan)
             self.cursor, self.step, self._recorded = hi, step, True
             return
         if self.th is not None:
@@ -325,7 +327,10 @@ class Watch(Directed):
         loss = vals.get("loss", math.nan)
         self._healthy &= math.isfinite(loss)
         self.final_loss = loss
-        self._losses.append((step, loss))
+        # precise skip's view of the path: a non-finite gradient is a spike at its step, as in its
+        # probes (a flipped bit shows in grad_norm a step before the loss)
+        grad = vals.get("grad_norm", 0.0)
+        self._losses.append((step, loss if grad is None or math.isfinite(grad) else math.nan))
         self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
                                  ranks=ranks or {}, ledger_digest=ledger_digest(self.ledger.ranges)))
 
@@ -345,6 +350,12 @@ class Watch(Directed):
         return float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
 
     def _before_optimizer_step(self, opt, args, kwargs) -> None:
+        if self._probing is not None:
+            # A probe's spike is a non-finite gradient too (a flipped bit shows there a step before
+            # the loss does; replay triage compares with the abandoned path's grad_norm). Probes only:
+            # one reduction and one host read a probe step, never on a training step.
+            grads = [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+            self._probe_grad_finite = bool(torch.isfinite(torch.stack([x.norm() for x in grads]).sum())) if grads else True
         mult = multiplier_at(self._ids_step, self.lr_changes)
         meta = self._meta.get(self._ids_step)
         if meta is not None:  # the LR the step really trains at: a loop that sets it by hand has by now
