@@ -237,8 +237,19 @@ class Coordinator:
             return
         if self.lease.renew():
             self._ok_at = time.monotonic()
-        else:
+        elif self.lease.shared or self._taken():
             self._lose("another replica holds the lease now")
+        else:  # SQLite: our own lease ran out while the file was busy; take it back
+            self.lease.token = None
+            token = self.lease.acquire()
+            if token is None:
+                self._lose("another daemon holds this SQLite database's lease now")
+            else:
+                self._ok_at = time.monotonic()
+
+    def _taken(self) -> bool:
+        st = self.lease.state()
+        return st is not None and st.holder != self.lease.holder and st.live
 
     def _run(self) -> None:
         while not self._stop.is_set() and not self._lost:
@@ -249,7 +260,9 @@ class Coordinator:
             self._stop.wait(self.renew_s)
 
     def _watch(self) -> None:
-        while not self._stop.is_set() and not self._lost:
+        # SQLite is one daemon's: no standby can take over, so a renewal held up by a busy file
+        # (a long write) is no reason to step down. The lease only keeps a second daemon out.
+        while not self._stop.is_set() and not self._lost and self.lease.shared:
             if self.leading and time.monotonic() - self._ok_at > self.deadline_s:
                 self._lose(f"no renewal of the lease for {time.monotonic() - self._ok_at:.1f} s "
                            f"(it lasts {self.lease.ttl.total_seconds():g} s): the database is unreachable")
