@@ -6,10 +6,18 @@ growth and no spike; it simply learns worse (bench/divergence.py's `qkln-degrade
 nats behind `healthy-qkln`), and its own trend is a fine straight line. Only other runs of the
 same model say it is behind. Not every run ahead counts, though: a run at a higher LR is ahead of
 a low-LR run that is merely slow. So at each step the envelope is the lowest smoothed loss among
-the comparable runs that trained with *no more* LR so far (cumulative LR, the sum of the recorded
-`lr` up to that step): being behind those means this run's extra LR hurt it.
+the comparable runs that trained with *no more* LR so far (cumulative LR, the recorded `lr` summed
+over the steps up to that one): being behind those means this run's extra LR hurt it.
 
-    behind = smoothed loss - envelope >= gap_nats, for `confirm` steps in a row, from step `start`
+    behind = smoothed loss - envelope >= gap_nats, and smoothed loss >= the envelope `lag` steps
+             before, for `confirm` steps in a row (steps, not records), from step `start`
+
+The second condition is issue 39's (item 4). Early on every curve falls steeply and seeds leave
+the first plateau a few steps apart, so a run a few steps late stands tenths of a nat behind
+without being worse; that is why a fixed `start: 150` held every verdict back, and it paged two
+held-out no-growth runs 124 and 156 steps after they fell behind. Worse than where the peers were
+`lag` steps before is more than late. Once the peers' curve flattens the condition is the first
+one's, so their own curve decides when a verdict can come, not a fixed step.
 
 Pure, like the detectors: `behind_peers(run, peers)` over arrays; supervisor.app.jobs reads the
 runs from the store (supervisor/store/peers.py) and hands the finding to the responder (an alert
@@ -32,9 +40,13 @@ class EnvelopeConfig:
     # 0.25 nats for 30 steps: on the grid (68 runs) this alerts on every qkln-degrade run (final
     # gap 0.43-0.63) and on no healthy run that ends less than 0.3 nats behind.
     gap_nats: float = 0.25
-    confirm: int = 30
-    start: int = 150  # steps before any verdict: runs at different LRs part ways in their warm-ups
-    smooth: int = 10  # trailing mean: one batch is ~0.1 nats of noise here
+    confirm: int = 30  # steps (not records): a run recorded every 10th step confirms as fast
+    start: int = 0  # steps before any verdict (was 150); `lag` keeps the steep start out instead
+    # 20 steps: on the grid (issue 39) the degraded runs page 29-103 steps after falling behind
+    # (median 42; start 150: 68-156), the same healthy run pages as before and no other, and no
+    # other healthy run stays behind for more than 12 steps in a row (start 150: 29).
+    lag: int = 20  # steps a run may trail its peers' curve and not be behind (see the docstring)
+    smooth: int = 10  # steps of trailing mean: one batch is ~0.1 nats of noise here
     min_peers: int = 1  # fewer comparable runs than this: no verdict
 
     def __post_init__(self) -> None:
@@ -43,8 +55,9 @@ class EnvelopeConfig:
         for name in ("confirm", "smooth", "min_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.start >= 0:  # steps; a negative start was accepted and meant 0 (issue 34)
-            raise ValueError(f"start must be >= 0 steps, got {self.start!r}")
+        for name in ("start", "lag"):  # steps; a negative start was accepted and meant 0 (issue 34)
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 steps, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,13 @@ class Curve:
 
 
 def _smoothed(c: Curve, smooth: int) -> np.ndarray:
+    """The mean finite loss over the last `smooth` steps (the records within them): in steps, as
+    a window of records would reach 100 steps back on a run recorded every 10th step, into
+    its steep start, and put a healthy run behind."""
     x = np.where(np.isfinite(c.loss), c.loss, np.nan)
     ok = np.isfinite(x).astype(float)
     csum, cnt = np.cumsum(np.nan_to_num(x)), np.cumsum(ok)
-    lo = np.maximum(np.arange(len(x)) - smooth, -1)
+    lo = np.searchsorted(c.steps, c.steps - smooth, side="right") - 1  # the last record left out
     tot = csum - np.where(lo >= 0, csum[np.maximum(lo, 0)], 0.0)
     n = cnt - np.where(lo >= 0, cnt[np.maximum(lo, 0)], 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -69,17 +85,22 @@ def _smoothed(c: Curve, smooth: int) -> np.ndarray:
 
 
 def _area(c: Curve) -> np.ndarray:
-    return np.cumsum(np.where(np.isfinite(c.lr) & (c.lr > 0), c.lr, 0.0))
+    """Cumulative LR: each recorded LR times the steps since the record before (one step for
+    the first), so a run recorded every 10th step is weighed like one recorded every step."""
+    lr = np.where(np.isfinite(c.lr) & (c.lr > 0), c.lr, 0.0)
+    return np.cumsum(lr * np.diff(c.steps, prepend=c.steps[:1] - 1)) if len(c.steps) else lr
 
 
 @dataclass(frozen=True)
 class Envelope:
-    """Per step of the run: its smoothed loss, the envelope (inf where no peer is eligible), the
-    index of the peer that sets it (-1: none), the run's cumulative LR, and each peer's."""
+    """Per step of the run: its smoothed loss; the envelope (inf where no peer is eligible); the
+    index of the peer that sets it (-1: none); the envelope `lag` steps before (inf: none yet); the
+    run's cumulative LR, and each peer's."""
 
     own: np.ndarray
     best: np.ndarray
     who: np.ndarray
+    before: np.ndarray
     area: np.ndarray
     peer_areas: list[np.ndarray]
 
@@ -103,25 +124,38 @@ def envelope(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = No
         eligible = have & (pa <= area * (1 + 1e-9)) & np.isfinite(ps)
         better = eligible & (ps < best)
         best, who = np.where(better, ps, best), np.where(better, i, who)
-    return Envelope(own, best, who, area, areas)
+    # At the run's last recorded step at or before step - lag (none yet: inf, no verdict).
+    back = np.searchsorted(run.steps, run.steps - cfg.lag, side="right") - 1
+    before = np.where(back >= 0, best[np.maximum(back, 0)], np.inf)
+    return Envelope(own, best, who, before, area, areas)
+
+
+def _confirmed(hit: np.ndarray, steps: np.ndarray, confirm: int) -> tuple[int, int] | None:
+    """The first stretch of hits (consecutive records) to span `confirm` steps, as the indices of
+    its first hit and of the hit that completes the span; counted in steps, so a run recorded
+    every 10th step confirms as soon as one recorded every step."""
+    idx = np.arange(len(hit))
+    # Index of the first hit of the stretch each index is in: one past the last miss before it.
+    since = np.maximum.accumulate(np.where(hit, -1, idx)) + 1
+    span = steps - steps[np.minimum(since, len(steps) - 1)] + 1
+    done = np.flatnonzero(hit & (span >= confirm))
+    return (int(since[done[0]]), int(done[0])) if done.size else None
 
 
 def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None = None) -> Finding | None:
     """The first confirmed stretch of `run` behind its envelope, as a finding (None: not behind)."""
     cfg = cfg or EnvelopeConfig()
-    if len(run.steps) < cfg.confirm or len(peers) < cfg.min_peers:
+    if len(run.steps) == 0 or len(peers) < cfg.min_peers:
         return None
     env = envelope(run, peers, cfg)
     own, best, who, area, areas = env.own, env.best, env.who, env.area, env.peer_areas
     gap = own - best
-    hit = (run.steps >= cfg.start) & np.isfinite(gap) & (gap >= cfg.gap_nats)
-    # The first index closing a run of `confirm` hits in a row.
-    runs = np.convolve(hit.astype(int), np.ones(cfg.confirm, int), mode="full")[: len(hit)]
-    done = np.flatnonzero(runs >= cfg.confirm)
-    if not done.size:
+    with np.errstate(invalid="ignore"):
+        hit = (run.steps >= cfg.start) & np.isfinite(gap) & (gap >= cfg.gap_nats) & (own >= env.before)
+    stretch = _confirmed(hit, run.steps, cfg.confirm)
+    if stretch is None:
         return None
-    k = int(done[0])
-    first = k - cfg.confirm + 1
+    first, k = stretch
     peer = peers[int(who[k])]
     return Finding(
         signal=Signal.LOSS_BEHIND_PEERS, module="", severity=Severity.WARN, onset_step=int(run.steps[first]),
@@ -129,4 +163,5 @@ def behind_peers(run: Curve, peers: Sequence[Curve], cfg: EnvelopeConfig | None 
         evidence={"value": float(own[k]), "envelope": float(best[k]), "gap_nats": float(gap[k]),
                   "threshold_nats": cfg.gap_nats, "peer_run": peer.run_id, "peers": len(peers),
                   "lr_area": float(area[k]), "peer_lr_area": float(areas[int(who[k])][np.searchsorted(peer.steps, run.steps[k])]),
-                  "steps_behind": cfg.confirm, "onset_method": "envelope"})
+                  "envelope_lag": float(env.before[k]), "lag": cfg.lag, "steps_behind": int(run.steps[k] - run.steps[first] + 1),
+                  "onset_method": "envelope"})
