@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _divergence_envelope as envelope_rules
 import _divergence_grid as grid_mod
 import _divergence_runs as runs
 import _divergence_thin as thinning
@@ -97,7 +98,10 @@ class Run:
         self.steps = np.array([r.step for r in self.records])
         self.loss = np.array([r.values.get("loss", math.nan) for r in self.records])
         keys = [k for k in self.records[0].values if k.split("/")[0] in (ATTN_LOGIT_MAX, ATTN_LOGIT_LSE)]
-        self.attn = np.array([np.nanmax([r.values.get(k, math.nan) for k in keys]) for r in self.records])
+        # The trainer's budget (issue 36) reads attention every few steps: a record without its keys
+        # is unread (-inf), not a crossing; a read that is NaN still counts as one.
+        read = [[r.values[k] for k in keys if k in r.values] for r in self.records]
+        self.attn = np.array([np.nanmax(v) if v else -np.inf for v in read])
         finite = np.where(np.isfinite(self.loss), self.loss, np.inf)  # a NaN loss counts as +inf
         c = np.convolve(finite, np.ones(SMOOTH) / SMOOTH, mode="valid")
         self.smooth = np.concatenate([np.full(SMOOTH - 1, np.nan), c])
@@ -451,6 +455,11 @@ def main() -> None:
           f"same model and seed): {len(deg)}; alerted by loss_behind_peers: {degradation['degraded_alerted']}/{len(deg)}"
           f"; the other healthy runs alerted by it: {len(degradation['other_healthy_alerted'])}/{len(calm)} "
           f"{degradation['other_healthy_alerted'] or ''}")
+    # The envelope's rule before issue 39 beside today's: degraded = the runs above and the damaged
+    # runs no act caught (no-growth: only the envelope pages them).
+    rules = envelope_rules.compare([envelope_rules.Judged(
+        r.label, _model(r), _curve(r), "degraded" if r in deg or (r.damaged and not _acts(r, "policy"))
+        else "damaged" if r.damaged else "healthy") for r in all_runs])
     tl = target_lead(all_runs)
     print("\nRuns whose logits crossed 100 before the damage. act lead = (damage - first act) / (damage - "
           "crossing); reach = (damage - onset the first act rolls back before) / (damage - onset of the ceiling's "
@@ -474,7 +483,7 @@ def main() -> None:
     summary = json.dumps({
         "bench": "divergence", "command": command, "wall_s": round(wall_s, 1), "train_s": round(train_s, 1),
         "replay_s": round(replay_s, 2), "runs_trained": n_trained, "ground_truth": RULE, "detectors": rows,
-        "target_lead": tl, "degradation": degradation,
+        "target_lead": tl, "degradation": degradation, "envelope_rules": rules,
         # The every-step figures above stay what `thermowatch simulate` reads; the thinned ones beside.
         "thinned": compared,
         "runs": [{"name": r.spec.name, "label": r.label, "steps": len(r.records), "damage_step": r.div_step,
