@@ -586,7 +586,7 @@ def _loss(owner: str, name: str, v: Any) -> float | None:
 class Replay:
     """One replay of replay triage (issue 39), trained from the rollback's checkpoint: with the
     same samples as the path the rollback abandoned (`suspects_skipped` false) or with every
-    suspect skipped. Whether its loss spiked (precise skip's bar), at which step (`step`: the
+    suspect skipped (the healthy path's last samples before the checkpoint in their place). Whether its loss spiked (precise skip's bar), at which step (`step`: the
     spike's, or the last step trained when it ran clean), the loss there and the level it was
     judged against (the median of the newest 4 before it), and the steps it trained. A loss is
     None when it was not finite (NaN or Inf: a JSON column on PostgreSQL refuses them); a level

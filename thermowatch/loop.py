@@ -298,6 +298,8 @@ class Watch(Directed):
 
     def _prepare(self, step: int) -> None:
         probe = self._probing
+        if probe is not None and probe.clean is not None and self.cursor >= probe.clean[1]:
+            self.cursor = probe.clean[0]  # replay triage's known-clean samples, round again
         ids = (probe.ledger if probe is not None else self.ledger).take(self.cursor, self.global_batch)
         self._ids, self._ids_step, self._recorded = ids, step, False
         mult = multiplier_at(step, self.lr_changes)
@@ -563,6 +565,15 @@ class Watch(Directed):
         if probe is not None:
             # a replay of triage runs through the abandoned path's spike, a search's probe through its last sample
             p.open(probe, through=p.recorded[0] if replaying else None)
+            if replaying and not len(probe) and self.cursor >= self.global_batch:
+                # Without the suspects, in their place the samples the healthy path trained last
+                # before the checkpoint, round and round (a young checkpoint has fewer steps of them
+                # than the replay needs): known clean. The ones after the suspects are unknown, and
+                # a poisoned stretch running on into them spiked this replay and passed for the
+                # optimizer (test_quarantine's stretch, with skip_ahead_steps 0).
+                n = min(p.recorded[0] - p.checkpoint, self.cursor // self.global_batch) * self.global_batch
+                p.clean = (self.cursor - n, self.cursor)
+                self.cursor = p.clean[0]
             return self.step + 1
         self._probing = None
         found = p.search.offenders()
@@ -784,6 +795,7 @@ class _Probing:
         self.t0 = time.monotonic()
         self.steps = 0
         self.probe: np.ndarray | None = None
+        self.clean: tuple[int, int] | None = None
         self.ledger = base
 
     def under_way(self) -> bool:
@@ -792,6 +804,7 @@ class _Probing:
     def open(self, probe: np.ndarray, through: int | None = None) -> None:
         """`through`: a replay of triage's, trained through this step (the abandoned path's spike)."""
         self.probe, self.last, self.through = probe, int(probe[-1]) if len(probe) else -1, through
+        self.clean: tuple[int, int] | None = None  # [lo, hi) cursors the replay without the suspects goes round
         self.opened = time.monotonic()
         self.at = self.loss = None  # the step trained last, and its loss
         self.ledger = self.base.copy()

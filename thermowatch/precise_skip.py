@@ -51,7 +51,9 @@ spiked, label the cause (CAUSES in monitors/commands.py):
   not the data nor the optimizer but a transient fault -> **hardware** (PaLM and Gemini saw
   replays that did not spike; Gemini found 6% of its replayed steps were real corruption).
   Nothing is skipped;
-- it spiked: every suspect skipped. It spikes again: the data is not the reason, the optimizer
+- it spiked: every suspect skipped, and in their place the samples the healthy path trained
+  last before the checkpoint (known clean: the samples after the suspects are not, a poisoned
+  stretch may run on into them). It spikes again: the data is not the reason, the optimizer
   state or the LR is -> **optimizer**. Nothing is skipped (the supervisor cuts the LR:
   supervisor/act/respond.py);
 - it ran clean without them: -> **data**, and the search above bisects, starting from what the
