@@ -533,7 +533,7 @@ class Watch(Directed):
             base = self.ledger.copy()
             # replay triage (issue 39): the replays run through where the abandoned path spiked;
             # a path whose loss never spiked gives them nothing to compare with
-            recorded = first_spike(healthy, left, self.precise)
+            recorded = first_spike(healthy, left, self.precise) if self.precise.triage else None
             if recorded is not None:
                 budget += 2 * (recorded[0] - loaded)  # the replays' own budget, beside the search's
             # whole steps per probe; past the suspects, the ids the loop would train next

@@ -89,6 +89,12 @@ class PreciseSkip:
 
     max_steps: int | None = None  # probe steps in all; None: 4x the suspects' steps (4 x len(S) / global batch)
     max_seconds: float = 90.0  # keep it under the daemon's ack_timeout_s (120 s by default)
+    # Replay triage (issue 39) first: two replays from the checkpoint name the cause (hardware,
+    # optimizer, data) before the search. Off by default for now: the replays cost about twice the
+    # steps from the checkpoint to the spike and share `max_seconds` with the search, and on a
+    # poisoned stretch running past its window (tests/client/test_quarantine.py) they left the
+    # search its budget's end, a second rollback instead of one (session 21).
+    triage: bool = False
     min_samples: int | None = None  # a group this small is not halved again; None: one step's global batch
     # Steps trained past a probe's last sample before it is called clean. 0: what comes after a
     # probe is data no path has trained yet (the other suspects are skipped), and a spike there is

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import thermowatch
+from thermowatch.precise_skip import PreciseSkip
 from tests.client.faults import Faults
 from tests.client.user_loop import train_step, user_model
 from tests.supervisor.auth_helpers import ADMIN_TOKEN
@@ -36,7 +37,7 @@ def train(db, tmp_path, run: str, faults: Faults, policy: dict | None = None):
                            policy={**POLICY, **(policy or {})})
     tw = thermowatch.watch(model, opt, run=run, steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
                            checkpoint_every=EVERY, scheduler=sched, supervisor_config=cfg, poll_interval_s=0.02,
-                           precise_skip=True)
+                           precise_skip=PreciseSkip(triage=True))
     for step in tw.steps():
         faults.before_step(step, opt, sched)
         x, y = faults.batch(torch.as_tensor(tw.batch_ids(step)))
