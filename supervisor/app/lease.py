@@ -6,13 +6,13 @@ a standby takes it once it has expired, incrementing `token`, the fencing token.
 database's clock (`now()` on PostgreSQL), never a replica's, so clock skew between machines
 cannot make two leaders.
 
-A leader that cannot renew (its machine is slow, its network to the database is cut) deposes
-itself before its lease can expire for the others (`Coordinator`: a deadline on the monotonic
-clock, `ttl_s - renew_s` after its last renewal, checked by a thread that never touches the
-database, so a hung connection cannot keep it leading). Beyond that, every leader-only write
-checks the token in its own transaction (`Lease.fence`: a shared lock on the row, so a takeover
+A leader that cannot renew (its network to the database is cut, the database restarts) can do
+nothing that counts meanwhile: every leader-only write checks the token in its own transaction (`Lease.fence`: a shared lock on the row, so a takeover
 waits for the write to commit, and a write after a takeover is refused), and the alert outbox
 checks it before each delivery: a deposed leader's writes and messages are refused, never doubled.
+Once the database answers again, a leader that was replaced learns it at its next renewal and
+steps down (the daemon exits to restart as a standby); one whose lease merely ran out, nobody
+having taken it (a single daemon through a PostgreSQL restart), takes it back with a new token.
 
 SQLite is single-replica: a second daemon on the same file finds the lease held and stops with
 a message saying so. A holder on this host whose process is gone (a SIGKILL, a crash) is taken
@@ -196,10 +196,10 @@ class Lease:
 
 class Coordinator:
     """Keeps this replica's role: a standby polls for the lease every `renew_s`; the leader renews
-    it as often. `on_lead(token)` once it leads; `on_lost(why)` once it cannot be sure it still
-    does (a renewal refused, or none succeeded for `ttl_s - renew_s`), from a watchdog that never
-    waits on the database. After on_lost this replica must stop acting (the daemon exits: its
-    service manager restarts it as a standby)."""
+    it as often. `on_lead(token)` once it leads; `on_lost(why)` once another replica holds the
+    lease (a renewal refused). After on_lost this replica must stop acting (the daemon exits: its
+    service manager restarts it as a standby). `unsure`: no renewal for `ttl_s - renew_s` (a
+    watchdog thread that never waits on the database says so; /readyz shows the lease's age)."""
 
     def __init__(self, lease: Lease, on_lead: Callable[[int], None], on_lost: Callable[[str], None], *,
                  renew_s: float = RENEW_S) -> None:
@@ -208,6 +208,7 @@ class Coordinator:
         self._ok_at = 0.0  # monotonic time of the last successful acquire or renewal
         self._stop = threading.Event()
         self._lost = False
+        self.unsure = False  # leading, but no renewal for ttl - renew (the database away)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -237,15 +238,18 @@ class Coordinator:
             return
         if self.lease.renew():
             self._ok_at = time.monotonic()
-        elif self.lease.shared or self._taken():
+            self.unsure = False
+        elif self._taken():
             self._lose("another replica holds the lease now")
-        else:  # SQLite: our own lease ran out while the file was busy; take it back
+        else:  # our own lease ran out (the database was away longer than the ttl), nobody took it
             self.lease.token = None
             token = self.lease.acquire()
             if token is None:
-                self._lose("another daemon holds this SQLite database's lease now")
+                self._lose("another replica holds the lease now")
             else:
+                log.warning("the lease had run out (the database was away); taken back (token %d)", token)
                 self._ok_at = time.monotonic()
+                self.unsure = False
 
     def _taken(self) -> bool:
         st = self.lease.state()
@@ -260,12 +264,18 @@ class Coordinator:
             self._stop.wait(self.renew_s)
 
     def _watch(self) -> None:
-        # SQLite is one daemon's: no standby can take over, so a renewal held up by a busy file
-        # (a long write) is no reason to step down. The lease only keeps a second daemon out.
-        while not self._stop.is_set() and not self._lost and self.lease.shared:
-            if self.leading and time.monotonic() - self._ok_at > self.deadline_s:
-                self._lose(f"no renewal of the lease for {time.monotonic() - self._ok_at:.1f} s "
-                           f"(it lasts {self.lease.ttl.total_seconds():g} s): the database is unreachable")
+        # No renewal for ttl - renew: this replica cannot be sure it still leads. It does not exit
+        # (a single daemon must ride out a PostgreSQL restart, tests/faults/test_postgres_restart.py):
+        # its writes and its outbox's sends all go through the database, each checking the token,
+        # so while the database is away they fail, and once it is back a replica that was
+        # replaced learns so at its next renewal and steps down (_lose).
+        while not self._stop.is_set() and not self._lost:
+            late = self.leading and time.monotonic() - self._ok_at > self.deadline_s
+            if late and not self.unsure:
+                log.warning("no renewal of the lease for %.1f s (it lasts %g s): the database is unreachable; "
+                            "nothing is written or sent until it is back", time.monotonic() - self._ok_at,
+                            self.lease.ttl.total_seconds())
+            self.unsure = late
             self._stop.wait(min(0.25, self.renew_s / 4))
 
     def _lose(self, why: str) -> None:
