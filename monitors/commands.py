@@ -117,6 +117,15 @@ def _only(owner: str, obj: Any, known: set[str]) -> Mapping[str, Any]:
     return obj
 
 
+def _fields(owner: str, obj: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """`obj` as a JSON object of these fields only, every `required` one present."""
+    o = _only(owner, obj, {*required, *optional})
+    for name in required:
+        if name not in o:
+            raise ContractError(f"{owner}: missing field {name!r}")
+    return o
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRange:
     """Half-open [lo, hi) of absolute sample ids (DESIGN.md, "Rollback semantics")."""
@@ -614,10 +623,7 @@ class Replay:
     @classmethod
     def from_json(cls, obj: Any) -> "Replay":
         names = ("suspects_skipped", "spiked", "step", "loss", "level", "steps")
-        o = _only("replay", obj, set(names))
-        for name in names:
-            if name not in o:
-                raise ContractError(f"replay: missing field {name!r}")
+        o = _fields("replay", obj, names)
         return cls(*(o[n] for n in names))
 
     def words(self) -> str:
@@ -676,11 +682,7 @@ class Cause:
 
     @classmethod
     def from_json(cls, obj: Any) -> "Cause":
-        names = ("label", "recorded_step", "recorded_loss", "replays", "steps", "seconds")
-        o = _only("cause", obj, set(names))
-        for name in names:
-            if name not in o:
-                raise ContractError(f"cause: missing field {name!r}")
+        o = _fields("cause", obj, ("label", "recorded_step", "recorded_loss", "replays", "steps", "seconds"))
         if not isinstance(o["replays"], list):
             raise ContractError("cause: replays must be a list")
         return cls(o["label"], o["recorded_step"], o["recorded_loss"], tuple(Replay.from_json(x) for x in o["replays"]),
@@ -729,10 +731,7 @@ a divergence the loss did not show, or the budget ran out during it)."""
 
     @classmethod
     def from_json(cls, obj: Any) -> "Bisected":
-        o = _only("bisected", obj, {"suspects", "probes", "steps", "seconds", "outcome", "cause"})
-        for name in ("suspects", "probes", "steps", "seconds", "outcome"):
-            if name not in o:
-                raise ContractError(f"bisected: missing field {name!r}")
+        o = _fields("bisected", obj, ("suspects", "probes", "steps", "seconds", "outcome"), ("cause",))
         cause = o.get("cause")  # absent from an older client's acks
         return cls(ranges_from_json(o["suspects"]), o["probes"], o["steps"], o["seconds"], o["outcome"],
                    None if cause is None else Cause.from_json(cause))
@@ -790,11 +789,9 @@ class Ack:
 
     @classmethod
     def from_json(cls, obj: Any) -> "Ack":
-        o = _only("ack", obj, {"command_id", "ok", "step", "detail", "checkpoint_step", "checkpoint_path",
-                               "lr_multiplier", "lr_change", "lr_seq", "skipped", "ledger_digest", "bisected"})
-        for name in ("command_id", "ok", "step"):
-            if name not in o:
-                raise ContractError(f"ack: missing field {name!r}")
+        o = _fields("ack", obj, ("command_id", "ok", "step"), ("detail", "checkpoint_step", "checkpoint_path",
+                                                                "lr_multiplier", "lr_change", "lr_seq", "skipped",
+                                                                "ledger_digest", "bisected"))
         path = o.get("checkpoint_path")
         return cls(o["command_id"], o["ok"], o["step"], o.get("detail", ""), o.get("checkpoint_step"),
                    _opt_str("ack", "checkpoint_path", path), o.get("lr_multiplier"),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,3 +20,15 @@ def fsync_dir(path: Path) -> None:
         pass  # some network filesystems refuse fsync on a directory; the rename still happened
     finally:
         os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to a sibling temp file, fsync, rename over `path`, fsync the directory:
+    a reader sees the old file or the new one, whole (checkpoint manifests, the store's index)."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

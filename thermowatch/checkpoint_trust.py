@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import zlib
 from pathlib import Path
 from typing import IO, Any
 
-from thermowatch.monitors.durable import fsync_dir
+from thermowatch.monitors.durable import write_json_atomic
 from thermowatch.monitors.manifest import MANIFEST, file_digest, files_problem
 
 log = logging.getLogger(__name__)
@@ -63,16 +62,8 @@ def listing(ckpt: Path) -> dict[str, Any]:
 
 def write_manifest(ckpt: Path, step: int, cursor: int, healthy: bool, files: dict[str, Any]) -> None:
     """Write `ckpt`'s manifest atomically (a temp file, fsync, rename, fsync the directory)."""
-    path = manifest_path(ckpt)
-    body = {"format": FORMAT, "step": int(step), "cursor": int(cursor), "healthy": bool(healthy),
-            "checksum": "full", "files": files}
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_json_atomic(manifest_path(ckpt), {"format": FORMAT, "step": int(step), "cursor": int(cursor),
+                                            "healthy": bool(healthy), "checksum": "full", "files": files})
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any] | None:

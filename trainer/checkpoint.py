@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from thermowatch.monitors.contract import CheckpointInfo
-from thermowatch.monitors.durable import fsync_dir
+from thermowatch.monitors.durable import fsync_dir, write_json_atomic
 from thermowatch.monitors.manifest import MANIFEST, file_digest, files_problem  # noqa: F401 - file_digest is this module's API too
 from thermowatch.monitors.retention import BEHIND, retained
 
@@ -193,7 +193,7 @@ class CheckpointStore:
         body.update(
             format=FORMAT, step=step, wall_time=time.time(), checksum=self.retention.checksum, files=listing
         )
-        _write_json_atomic(staging / MANIFEST, body)
+        write_json_atomic(staging / MANIFEST, body)
         final = self.path(step)
         trash = None
         if final.exists():
@@ -315,7 +315,7 @@ class CheckpointStore:
         body["healthy"] = False
         body["unhealthy_reason"] = reason
         body["marked_unhealthy_at"] = time.time()
-        _write_json_atomic(self.path(step) / MANIFEST, body)
+        write_json_atomic(self.path(step) / MANIFEST, body)
         log.info("checkpoint step %d marked unhealthy: %s", step, reason)
 
     def abandon_after(self, step: int, reason: str = "") -> list[int]:
@@ -355,7 +355,7 @@ class CheckpointStore:
         # (harmless, pruned next time); the reverse order could leave an index naming deleted
         # checkpoints. Each doomed dir is renamed to *.deleting first (atomic), so a crash
         # mid-rmtree never leaves a half-deleted dir under a checkpoint's name.
-        _write_json_atomic(
+        write_json_atomic(
             self.root / "index.json",
             {"retained": sorted(keep & set(steps)), "deleting": doomed, "retention": vars(self.retention), "time": time.time()},
         )
@@ -392,16 +392,3 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a sibling temp file, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
