@@ -265,27 +265,23 @@ def escalate(sup: Daemon, now: dt.datetime | None = None) -> list[Alert]:
     after = dt.timedelta(seconds=sup.cfg.escalate_after_s)
     with sup.sessions() as s:
         due = [p for p in alerts_store.open_pages(s, now - after - ESCALATION_LOOKBACK)
-               if not p.escalated and _aware(p.paged_at) <= now - after]
+               if not p.escalated and p.paged_at <= now - after]
     sent = []
     for page in due:
         try:
             with sup.sessions.begin() as s:
                 if not _still_open(s, page):
                     continue
-                alert = _escalation(page, now - _aware(page.paged_at))
+                alert = _escalation(page, now - page.paged_at)
                 sup.executor.outbox.enqueue(s, alert)
                 audit_store.audit(s, page.run_id, "scheduler", ESCALATED, {
-                    "thread": page.thread_key, "waited_s": round((now - _aware(page.paged_at)).total_seconds())})
+                    "thread": page.thread_key, "waited_s": round((now - page.paged_at).total_seconds())})
             sent.append(alert)
         except Exception:  # noqa: BLE001 - one bad story must not stop the others
             log.exception("escalating the page of %s (run %s) failed", page.thread_key, page.run_id)
     if sent:
         sup.executor.flush_alerts()
     return sent
-
-
-def _aware(at: dt.datetime) -> dt.datetime:
-    return at if at.tzinfo is not None else at.replace(tzinfo=dt.timezone.utc)  # SQLite drops the zone
 
 
 def _still_open(s, page: alerts_store.OpenPage) -> bool:
