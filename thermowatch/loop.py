@@ -172,9 +172,6 @@ class Watch(Directed):
                 self._reducer = Reducer(self.th.names)
         self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
         self.precise = PreciseSkip() if precise_skip is True else precise_skip or None
-        if self.precise is not None and self.dist.world > 1:
-            log.warning("thermowatch: precise_skip is not supported under torchrun yet; rollbacks skip their whole window")
-            self.precise = None
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
         self._ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
         self._probing: _Probing | None = None
@@ -239,7 +236,9 @@ class Watch(Directed):
         if self._probing is not None:  # a precise skip's probe: judged here, never sent
             self._meta.pop(step)
             ok, self._probe_grad_finite = self._probe_grad_finite, True
-            self._probing.observe(step, self._ids, self.dist.mean(loss) if ok else math.nan)
+            # Every rank's verdict at once (issue 39 item 3): one rank's non-finite gradient or loss
+            # makes the mean NaN on every rank, so every rank's search takes the same turn.
+            self._probing.observe(step, self._ids, self.dist.mean(loss if ok else math.nan))
             self.cursor, self.step, self._recorded = hi, step, True
             return
         if self.th is not None:
@@ -289,6 +288,12 @@ class Watch(Directed):
         """True while the steps being trained are a precise skip's probes (`precise_skip`): they
         are re-trained from a checkpoint and thrown away, so a loop's own logging may leave them out."""
         return self._probing is not None
+
+    @property
+    def serving(self) -> SkipLedger:
+        """The ledger the step being trained was taken through: a probe's while probing (the other
+        suspects skipped), else the run's own. What a framework's data iterator must follow."""
+        return self._probing.ledger if self._probing is not None else self.ledger
 
     @property
     def lr_multiplier(self) -> float:
@@ -356,7 +361,9 @@ class Watch(Directed):
             # A probe's spike is a non-finite gradient too (a flipped bit shows there a step before
             # the loss does; replay triage compares with the abandoned path's grad_norm). Probes only:
             # one reduction and one host read a probe step, never on a training step.
-            grads = [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+            # (FSDP2: this rank's shards; the ranks' verdicts meet in record's mean)
+            grads = [q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+                     for g in opt.param_groups for q in g["params"] if q.grad is not None]
             self._probe_grad_finite = bool(torch.isfinite(torch.stack([x.norm() for x in grads]).sum())) if grads else True
         mult = multiplier_at(self._ids_step, self.lr_changes)
         meta = self._meta.get(self._ids_step)
@@ -549,7 +556,8 @@ class Watch(Directed):
         """The next probe step to train, or None once the search has ended (the checkpoint
         loaded again, the offenders skipped, the rollback answered)."""
         p = self._probing
-        over = p.steps >= p.budget or time.monotonic() - p.t0 >= self.precise.max_seconds
+        # out of time on any rank is out of time on every rank (each rank's clock is its own)
+        over = not self.dist.all_ok(p.steps < p.budget and time.monotonic() - p.t0 < self.precise.max_seconds)
         if p.under_way():
             ended = (p.spiked or self.step >= self.total
                      or (self.step >= p.through if p.through is not None else p.after >= self.precise.settle))

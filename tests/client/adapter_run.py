@@ -125,3 +125,49 @@ def check_rollback_and_skip(db, run_id: str, op: Operator, trained: Trained, fin
     assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "completed", final_step), st
     # issue 35: a finished run pages no stall, however long after its last step the check runs
     assert op.sup.responder.check_stalls(now=time.time() + 3600) == []
+
+
+# --- precise skip through a framework's data iterator (issue 39 item 3) ---------------------------
+POISON = 50  # this sample's loss is NaN (a corrupt record): first-pass step 13 holds it (ids 48-51)
+PRECISE_STEPS = 40  # room for the supervisor's rollback to arrive, the probes, and the path after
+
+
+@dataclass
+class Steps:
+    """Every step trained, in order, probes included: (attempt, step, probing, ids at the input)."""
+
+    rows: list[tuple[int, int, bool, list[int]]] = field(default_factory=list)
+
+    def step_end(self, watch, trained: Trained, step: int) -> None:
+        ids = trained.pending_ids
+        # the framework's iterator served exactly what the Watch says this step trains: a probe's
+        # ledger (the other suspects skipped), or after it the run's, never a batch fetched before
+        assert ids == watch._ids.tolist(), (step, watch.probing, ids, watch._ids.tolist())
+        self.rows.append((watch.attempt, step, watch.probing, ids))
+
+
+def check_precise_skip(db, run_id: str, steps: Steps, final_step: int) -> None:
+    """The supervisor rolled back on the NaN and asked to skip its window; the probes, trained
+    through the framework's own loop, narrowed the skip to the poisoned sample's step."""
+    deadline = time.monotonic() + 30
+    while True:
+        with db.sessions() as s:
+            rb = next((a for a in actions_store.actions(s, run_id) if a.kind == "rollback"), None)
+        if (rb is not None and rb.state in ("done", "failed")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert rb is not None and rb.state == "done", rb
+    res = rb.result
+    assert res["bisected"]["outcome"] == "narrowed" and res["bisected"]["probes"] >= 2, res
+    skipped = [i for lo, hi in res["skipped"] for i in range(lo, hi)]
+    assert POISON in skipped and len(skipped) <= GLOBAL, res["skipped"]
+    probes = [r for r in steps.rows if r[2]]
+    assert probes and all(r[0] == 2 for r in probes)  # after the rollback, before the path goes on
+    assert any(POISON in r[3] for r in probes) and any(POISON not in r[3] for r in probes)
+    kept = [r for r in steps.rows if r[0] == 2 and not r[2]]
+    assert kept[0][1] == res["checkpoint_step"] + 1 and kept[-1][1] == final_step
+    assert [r[1] for r in kept] == list(range(kept[0][1], final_step + 1))  # each step once, in order
+    assert not any(i in skipped for r in kept for i in r[3])
+    with db.sessions() as s:
+        st = run_status(s, run_id, stall_after_s=600)
+    assert (st["state"], st["finish_reason"], st["final_step"]) == ("finished", "completed", final_step), st

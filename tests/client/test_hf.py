@@ -5,12 +5,14 @@ input, so a stale batch the DataLoader fetched ahead would show."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from tests.client.adapter_run import (
-    ACCUM, EVERY, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
+    ACCUM, EVERY, MICRO, POISON, PRECISE_STEPS, SEQ, STEPS, VOCAB, Operator, Steps, Trained, check_precise_skip,
+    check_rollback_and_skip, ids_of, samples,
 )
 from thermowatch.integrations.hf import ThermowatchCallback
 from thermowatch.checkpoint_io import load_as_data
@@ -165,3 +167,49 @@ def test_the_trainers_logged_loss_after_a_resume_is_a_per_step_mean(db, tmp_path
     expected = [loss[6]] + [(loss[k - 1] + loss[k]) / 2 for k in (8, 10, 12, 14)]
     assert [round(v, 4) for _, v in logged] == [round(v, 4) for v in expected]
     assert abs(out.training_loss - sum(loss.values()) / len(loss)) < 1e-4, (out.training_loss, loss)
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_precise_skip_probes_run_through_the_trainers_own_loop(db, tmp_path):
+    """Issue 39 item 3: precise skip under the Trainer. Sample 50 is corrupt (its loss is NaN);
+    the supervisor rolls back and asks to skip the window; each probe re-trains from the
+    checkpoint with its own ledger, served by a fresh iterator of the Trainer's DataLoader, and the
+    search narrows the skip to the corrupt sample's step. The probes are not logged."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2))
+
+    def corrupt(mod, a, kw, out):  # a record whose loss is NaN, whenever it is trained
+        if mod.training and POISON in ids_of(kw["input_ids"]):
+            out.loss = out.loss * float("nan")
+        return out
+
+    model.register_forward_hook(corrupt, with_kwargs=True)
+    data = [{"input_ids": x, "labels": x} for x in samples()]
+    tw = ThermowatchCallback(run="hf-precise", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             poll_interval_s=0.02, precise_skip=True,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained, steps = Trained(), Steps()
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.register_forward_hook(lambda mod, a, kw, out: trained.micro_batch(kw["input_ids"], 0.0)
+                                        if mod.training else None, with_kwargs=True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            assert state.global_step == tw.watch._ids_step  # the Trainer's count follows every probe
+            steps.step_end(tw.watch, trained, state.global_step)
+            trained.step_end(tw.watch.attempt, state.global_step)
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=PRECISE_STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUM, learning_rate=3e-3, report_to="none",
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=tw.dataset(data), callbacks=[Seen(), tw])
+    out = trainer.train()
+    assert out.global_step == PRECISE_STEPS
+    check_precise_skip(db, "hf-precise", steps, PRECISE_STEPS)
+    # logged every step, yet no probe was: each step of the paths trained for keeps, the first
+    # attempt's last (the rollback's boundary, as before) aside
+    first = [s for a, s, probing, _ in steps.rows if a == 1]
+    kept = [s for a, s, probing, _ in steps.rows if a == 2 and not probing]
+    logged = [e["step"] for e in trainer.state.log_history if "loss" in e]
+    assert logged == first[:-1] + kept, logged

@@ -7,12 +7,14 @@ Lightning handed to training_step, so a stale batch its fetcher held ahead would
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.client.adapter_run import (
-    ACCUM, EVERY, GLOBAL, MICRO, SEQ, STEPS, VOCAB, Operator, Trained, check_rollback_and_skip, samples,
+    ACCUM, EVERY, GLOBAL, MICRO, POISON, PRECISE_STEPS, SEQ, STEPS, VOCAB, Operator, Steps, Trained,
+    check_precise_skip, check_rollback_and_skip, ids_of, samples,
 )
 from thermowatch.integrations.lightning import ThermowatchCallback
 from thermowatch.checkpoint_io import load_as_data
@@ -63,8 +65,8 @@ class Recorder(pl.Callback):
         self.seen_step = trainer.global_step  # after a rollback, the adapter set it back
 
 
-def _trainer(callbacks, **kw) -> pl.Trainer:
-    return pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+def _trainer(callbacks, max_steps: int = STEPS, **kw) -> pl.Trainer:
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kw)
 
 
@@ -156,3 +158,43 @@ def test_lightnings_logged_loss_after_a_rollback_is_each_steps_own(db, tmp_path)
     epochs = [float(r["train_loss_epoch"]) for r in rows if r["train_loss_epoch"]]
     per_step = list(trained.loss.values())
     assert len(epochs) == 3 and all(min(per_step) <= v <= max(per_step) for v in epochs), (epochs, per_step)
+
+
+class CorruptLM(TinyLM):
+    """Sample 50 is a corrupt record: its loss is NaN whenever it is trained."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if POISON in ids_of(batch) else loss
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_precise_skip_probes_run_through_lightnings_own_loop(db, tmp_path):
+    """Issue 39 item 3: precise skip under Lightning. The supervisor rolls back on the NaN and asks
+    to skip the window; each probe re-trains from the checkpoint, its batches served by a new
+    iterator of Lightning's DataLoader through the probe's own ledger, and the search narrows the
+    skip to the corrupt sample's step."""
+    torch.manual_seed(0)
+    tw = ThermowatchCallback(run="pl-precise", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=EVERY,
+                             poll_interval_s=0.02, precise_skip=True,
+                             supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    trained, steps = Trained(), Steps()
+
+    class Seen(pl.Callback):
+        seen = 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen = trainer.global_step
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trained.micro_batch(batch, 0.0)
+            if trainer.global_step == self.seen:
+                return  # accumulating
+            assert trainer.global_step == tw.watch._ids_step  # Lightning's count follows every probe
+            steps.step_end(tw.watch, trained, trainer.global_step)
+            trained.step_end(tw.watch.attempt, trainer.global_step)
+
+    trainer = _trainer([Seen(), tw], accumulate_grad_batches=ACCUM, max_steps=PRECISE_STEPS)
+    trainer.fit(CorruptLM(), tw.dataloader(list(samples()), batch_size=MICRO))
+    assert trainer.global_step == PRECISE_STEPS
+    check_precise_skip(db, "pl-precise", steps, PRECISE_STEPS)

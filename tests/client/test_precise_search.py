@@ -79,16 +79,6 @@ def test_the_config_says_what_is_wrong():
             PreciseSkip(**bad)
 
 
-def test_the_framework_callbacks_refuse_precise_skip_with_the_reason():
-    """Probes re-train from a checkpoint with their own ledger; the HF / Lightning data iterator
-    follows the Watch only at a boundary, so the callbacks say so instead of skipping wrongly."""
-    from thermowatch.integrations.core import Adapter
-
-    with pytest.raises(ValueError, match="precise_skip is not supported by the Hugging Face and Lightning"):
-        Adapter(run="r", precise_skip=True)
-    assert Adapter(run="r", precise_skip=False).run_id == "r"
-
-
 # --- the bad stretch, whole (issue 35) -----------------------------------------------------------
 # A simulator of the loop's probes, batch by batch: a probe trains from the checkpoint with the
 # rest of the search's samples skipped (the base data before and after them is not), `B` ids a

@@ -74,3 +74,30 @@ def test_a_two_rank_ddp_loop_rolls_back_skips_and_stops_on_every_rank_at_once(db
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)
 def test_a_two_rank_fsdp2_loop_rolls_back_skips_and_stops_on_every_rank_at_once(db, tmp_path):
     _check(db, tmp_path, "fsdp")
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
+    """Issue 39 item 3: precise skip under torchrun. Sample 50's loss is NaN on the rank that
+    trains it; the supervisor rolls back and asks to skip the window; both ranks train the same
+    probes (the verdicts agreed: the loss averaged, one rank's NaN gradient or timeout every rank's)
+    and the search narrows the skip to that sample's step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                        str(REPO / "tests/client/torchrun_loop.py"), db.url, str(tmp_path / "data"), str(tmp_path),
+                        "precise"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    seq = [[(t["attempt"], t["step"], t["probing"]) for t in rk["trained"]] for rk in ranks]
+    assert seq[0] == seq[1] and ranks[0]["params"] == ranks[1]["params"]
+    with db.sessions() as s:
+        (rb,) = [a for a in actions_store.actions(s, "precise") if a.kind == "rollback"]
+    assert rb.state == "done" and rb.result["bisected"]["outcome"] == "narrowed", rb.result
+    skipped = {i for lo, hi in rb.result["skipped"] for i in range(lo, hi)}
+    assert 50 in skipped and len(skipped) <= 8, rb.result["skipped"]
+    probes = [t for t in ranks[0]["trained"] if t["probing"]]
+    assert len(probes) >= 2 and any(50 in t["ids"] for rk in ranks for t in rk["trained"] if t["probing"])
+    kept = [(t["step"], t["ids"]) for rk in ranks for t in rk["trained"] if t["attempt"] == 2 and not t["probing"]]
+    assert not any(i in skipped for _, ids in kept for i in ids)
+    assert ranks[0]["step"] == 40 and all(np.isfinite(t["loss"]) for t in ranks[0]["trained"][-5:])

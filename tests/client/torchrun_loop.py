@@ -4,7 +4,11 @@ operator: once the loop has passed step 15 it asks (through its embedded supervi
 as `thermowatch rollback` would) to roll back to step 10 skipping samples 96-119, and once the
 re-trained attempt passes step 25, to stop. Each rank writes what it trained to <out>/rank<r>.json.
 
-    torchrun --nproc_per_node 2 tests/client/torchrun_loop.py <db_url> <data_dir> <out> ddp|fsdp
+    torchrun --nproc_per_node 2 tests/client/torchrun_loop.py <db_url> <data_dir> <out> ddp|fsdp|precise
+
+`precise` (DDP, issue 39 item 3): no operator; sample 50 is a corrupt record whose loss is NaN on
+the rank that trains it, the supervisor rolls back on it by itself, and precise skip's probes run
+on both ranks together until they find it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = user_model()
+POISON = 50
+precise = wrap == "precise"
 if wrap == "fsdp":  # FSDP2: each block its own unit, then the root
     from torch.distributed.fsdp import fully_shard
 
@@ -38,16 +44,26 @@ else:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
 
-tw = thermowatch.watch(model, opt, run=wrap, steps=400, global_batch=8, checkpoint_dir=data_dir / "ckpt",
-                       checkpoint_every=5, scheduler=sched, poll_interval_s=0.05,
+tw = thermowatch.watch(model, opt, run=wrap, steps=40 if precise else 400, global_batch=8, checkpoint_dir=data_dir / "ckpt",
+                       checkpoint_every=5, scheduler=sched, poll_interval_s=0.05, precise_skip=precise,
                        supervisor_config=SupervisorConfig(data_dir=data_dir / "sup", db_url=db_url))
 trained, asked = [], {}
 for step in tw.steps():
     ids = tw.batch_ids(step)
-    loss = train_step(model, opt, *user_batch(DATA, ids))
+    if precise:  # a corrupt record: NaN on the rank that trains it (DDP carries it into both ranks' grads)
+        _, loss = model(*user_batch(DATA, ids))
+        loss = loss * float("nan") if POISON in ids else loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    else:
+        loss = train_step(model, opt, *user_batch(DATA, ids))
     sched.step()
-    trained.append({"step": step, "attempt": tw.attempt, "ids": ids.tolist(), "loss": float(loss)})
+    trained.append({"step": step, "attempt": tw.attempt, "probing": tw.probing, "ids": ids.tolist(),
+                    "loss": float(loss)})
     tw.record(loss)
+    if precise:
+        continue
     if rank == 0 and step >= 15 and "rollback" not in asked:
         # the supervisor refuses to skip samples it has not seen trained: hand it the steps first
         # (the client batches its records for up to half a second)

@@ -146,11 +146,6 @@ class Adapter:
     client = "thermowatch.integrations"
 
     def __init__(self, *, run: str, checkpoint_dir: str | Path | None = None, **watch_kwargs: Any) -> None:
-        if watch_kwargs.get("precise_skip"):
-            # Probes re-train from a checkpoint again and again with their own ledger; the framework's
-            # data iterator follows the Watch's cursor and ledger at a boundary, not a probe's.
-            raise ValueError("precise_skip is not supported by the Hugging Face and Lightning callbacks yet: "
-                             "it needs a loop that calls tw.steps() and tw.batch_ids() itself")
         for k in ("model", "optimizer", "steps", "global_batch", "scheduler"):
             if k in watch_kwargs:
                 raise TypeError(f"{k}= comes from the trainer; pass only run=, checkpoint_dir= and watch's other keywords")
@@ -202,7 +197,8 @@ class Adapter:
             raise RuntimeError("the dataset was iterated before training started; iterate it through the trainer "
                                "that has this callback in its callbacks=[...]")
         left = 0 if self._next is None else w.total - w.step
-        return Plan(w.cursor, tuple(w.ledger.ranges), w.global_batch, self._micro_batch, left, w.dataset_size)
+        # the ledger the next step is taken through: a precise skip's probe has its own (issue 39)
+        return Plan(w.cursor, tuple(w.serving.ranges), w.global_batch, self._micro_batch, left, w.dataset_size)
 
     def begin(self) -> None:
         """The step's first micro-batch is about to run: whatever ran between the boundary and now
@@ -210,7 +206,7 @@ class Adapter:
         if self._rng_after_boundary is not None:
             set_rng_state(self._rng_after_boundary)
             self._rng_after_boundary = None
-        if self.watch is not None and self.watch.th is not None and self._next is not None:
+        if self.watch is not None and self.watch.th is not None and self._next is not None and not self.watch.probing:
             self.watch.th.begin_step(self._next)
 
     def add_loss(self, loss: Any) -> None:
@@ -234,11 +230,16 @@ class Adapter:
         elif mean and self._losses > 1:
             loss = loss / self._losses
         self._loss, self._losses = None, 0
-        attempt, ranges = w.attempt, w.ledger.to_json()
+        attempt, ranges, step = w.attempt, w.serving.to_json(), w._ids_step
         w.record(loss)
+        served_to = w.cursor  # the iterator's next sample id, had nothing changed
         self._next = next(self._steps, None)
-        rolled_back = w.attempt != attempt
-        restart = self._next is not None and (rolled_back or w.ledger.to_json() != ranges)
+        # back to a checkpoint: a rollback, or a precise skip's probe starting again from it
+        rolled_back = self._next is not None and (w.attempt != attempt or self._next != step + 1)
+        # The iterator serves on from served_to through the ledger it was planned with: a new
+        # ledger (a skip, a probe's), a rollback, or a cursor moved (a replay going round its
+        # known-clean samples) needs a new one.
+        restart = self._next is not None and (rolled_back or w.serving.to_json() != ranges or w.cursor != served_to)
         if restart:
             # The new data iterator draws from the global RNG; the step after the boundary must
             # see the RNG the boundary left (a rollback's: the checkpoint's), as in a plain loop.

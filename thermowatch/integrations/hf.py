@@ -88,7 +88,10 @@ class ThermowatchCallback(Adapter, TrainerCallback):
         w, logged = self.watch, self._logged
         if logged is not None and state.global_step % w.checkpoint_every == 0:
             logged.step_ended(state.global_step)  # before end(): it saves the checkpoint, and may roll back to it
+        probe = w.probing  # a precise skip's probe: re-trained and thrown away, so neither logged nor saved
         b = self.end(mean=self._mean)
+        if probe:
+            control.should_log = control.should_save = control.should_evaluate = False
         if logged is not None and state.global_step % w.checkpoint_every == 0:
             logged.keep(w._checkpoints())
         if b.next_step is None:
