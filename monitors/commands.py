@@ -644,7 +644,10 @@ class Cause:
     evidence (the step where the abandoned path's loss spiked, `recorded_step`, and its loss
     there; the replays, the same samples first, then without the suspects when the first spiked)
     and what the replays cost (steps, seconds). The label follows from the replays: the checks
-    below keep a label and its evidence from disagreeing on the wire."""
+    below keep a label and its evidence from disagreeing on the wire. `rank`: under torchrun, the
+    one rank whose figures went non-finite on the abandoned path, when only one did (the
+    reduction names the rank that held a NaN extreme); None when every rank did, or no figure
+    named one."""
 
     label: str
     recorded_step: int
@@ -652,6 +655,7 @@ class Cause:
     replays: tuple[Replay, ...]
     steps: int
     seconds: float
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.label not in CAUSES:
@@ -661,6 +665,7 @@ class Cause:
         object.__setattr__(self, "replays", tuple(self.replays))
         _int("cause", "steps", self.steps)
         object.__setattr__(self, "seconds", _float("cause", "seconds", self.seconds, 0.0, 1e9, lo_open=False))
+        object.__setattr__(self, "rank", _opt_int("cause", "rank", self.rank, 0, INT32_MAX))
         r = self.replays
         if not 1 <= len(r) <= 2 or r[0].suspects_skipped or (len(r) == 2 and not r[1].suspects_skipped):
             raise ContractError("cause: replays are the same samples' replay, then (when it spiked) the one "
@@ -674,19 +679,22 @@ class Cause:
         """"hardware (the replay of the same samples ran clean through step 171, ...)": the label and
         its evidence."""
         return (f"{self.label} ({'; '.join(x.words() for x in self.replays)}; the run had spiked at step "
-                f"{self.recorded_step}, loss {_loss_words(self.recorded_loss)})")
+                f"{self.recorded_step}, loss {_loss_words(self.recorded_loss)}"
+                + (f", only rank {self.rank}'s figures non-finite" if self.rank is not None else "") + ")")
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "recorded_step": self.recorded_step, "recorded_loss": self.recorded_loss,
-                "replays": [x.to_json() for x in self.replays], "steps": self.steps, "seconds": self.seconds}
+                "replays": [x.to_json() for x in self.replays], "steps": self.steps, "seconds": self.seconds,
+                "rank": self.rank}
 
     @classmethod
     def from_json(cls, obj: Any) -> "Cause":
-        o = _fields("cause", obj, ("label", "recorded_step", "recorded_loss", "replays", "steps", "seconds"))
+        o = _fields("cause", obj, ("label", "recorded_step", "recorded_loss", "replays", "steps", "seconds"),
+                    ("rank",))  # rank: a client before it sends none
         if not isinstance(o["replays"], list):
             raise ContractError("cause: replays must be a list")
         return cls(o["label"], o["recorded_step"], o["recorded_loss"], tuple(Replay.from_json(x) for x in o["replays"]),
-                   o["steps"], o["seconds"])
+                   o["steps"], o["seconds"], o.get("rank"))
 
 
 @dataclass(frozen=True, slots=True)

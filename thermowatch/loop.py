@@ -173,6 +173,8 @@ class Watch(Directed):
         self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
         self.precise = PreciseSkip() if precise_skip is True else precise_skip or None
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
+        # (step, rank): under torchrun, steps whose non-finite figures the reduction pinned on one rank
+        self._lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
         self._ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
         self._probing: _Probing | None = None
         self._probe_grad_finite = True  # the probe step's gradient was finite (_before_optimizer_step)
@@ -338,6 +340,11 @@ class Watch(Directed):
         # probes (a flipped bit shows in grad_norm a step before the loss)
         grad = vals.get("grad_norm", 0.0)
         self._losses.append((step, loss if grad is None or math.isfinite(grad) else math.nan))
+        if ranks and not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
+            # rare (a broken step): which rank(s) held the non-finite extremes (replay triage's evidence)
+            named = {r for k, r in ranks.items() if not math.isfinite(vals.get(k, 0.0))}
+            if len(named) == 1:
+                self._lone.append((step, named.pop()))
         self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
                                  ranks=ranks or {}, ledger_digest=ledger_digest(self.ledger.ranges)))
 
@@ -510,6 +517,8 @@ class Watch(Directed):
         if precise:  # its newest losses first: the spike replay triage compares with may be in them
             self._collect_all()
         left = [(s, v) for s, v in self._losses if s > loaded]  # the abandoned path's losses (replay triage)
+        lone = {r for s, r in self._lone if s > loaded}  # one rank broke alone on it: hardware's evidence
+        self._lone.clear()
         self.dist.barrier()  # every rank has loaded before rank 0 deletes anything
         if self.dist.rank == 0:
             for s in abandoned:
@@ -547,7 +556,7 @@ class Watch(Directed):
             search = Search(suspects, self.precise.min_samples or self.global_batch, align=self.global_batch,
                             follow=lambda after, n: base.take(after + 1, n), triage=recorded is not None)
             self._probing = _Probing(command, out, loaded, base, suspects, search, healthy, self.precise, budget,
-                                     recorded)
+                                     recorded, lone.pop() if len(lone) == 1 else None)
         return out
 
     # --- precise skip: probes from the rollback's checkpoint ------------------------------------
@@ -594,7 +603,7 @@ class Watch(Directed):
         if p.search.cause is not None:
             step, loss, _ = p.recorded
             cause = Cause(p.search.cause, step, loss if math.isfinite(loss) else None, tuple(p.replays),
-                          sum(r.steps for r in p.replays), round(p.replay_s, 3))
+                          sum(r.steps for r in p.replays), round(p.replay_s, 3), rank=p.rank)
         bisected = Bisected(ranges_of(searched), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
                             p.search.outcome, cause)
         past = len(searched) - len(p.suspects)
@@ -794,8 +803,9 @@ class _Probing:
 
     def __init__(self, cmd: Command, out: Outcome, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
                  search: Search, healthy: list[float], cfg: PreciseSkip, budget: int,
-                 recorded: tuple[int, float, float | None] | None = None) -> None:
+                 recorded: tuple[int, float, float | None] | None = None, rank: int | None = None) -> None:
         self.cmd, self.out, self.checkpoint, self.base = cmd, out, checkpoint, base
+        self.rank = rank  # the one rank whose figures broke on the abandoned path (torchrun), if one did
         self.suspects, self.search, self.healthy, self.cfg, self.budget = suspects, search, healthy, cfg, budget
         self.recorded = recorded  # (step, loss, level) of the abandoned path's spike: what triage replays
         self.replays: list[Replay] = []  # triage's evidence, one per replay

@@ -217,7 +217,8 @@ class Responder:
                 return
             current = lr_store.multiplier_in_force(s, run_id, max(done.ack_step or 0, 1))
             decision = after_triage(found[0].finding, b.cause.label, current, self._policy,
-                                    findings_store.incident_attempts(s, run_id, [done.incident_id]).get(done.incident_id))
+                                    findings_store.incident_attempts(s, run_id, [done.incident_id]).get(done.incident_id),
+                                    rank=b.cause.rank)
             if decision is None:
                 return
             log.info("run %s: rollback %d's replay triage says %s -> %s (%s)", run_id, done.id, b.cause.label,

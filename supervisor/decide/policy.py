@@ -615,18 +615,30 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
 
 
 def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg: PolicyConfig | None = None,
-                 attempt: int | None = None) -> Decision | None:
+                 attempt: int | None = None, rank: int | None = None) -> Decision | None:
     """What follows a rollback (done) whose replay triage named `cause` (issue 39; the ack's
     bisected.cause). "optimizer": both replays from its checkpoint diverged, the second without the
     suspects, so the same LR will diverge again from it: rung 2's LR cut comes now, in place (the
     run has just gone back to the checkpoint: the cut applies from its next steps), instead of
     after a recurrence the replays have already shown. The LR floor pauses as rung 2 does.
-    "data" and "hardware": the rollback was the answer (the offenders skipped; a transient fault
-    left nothing to repair); None. Pure: same input, same decision."""
+    "hardware" with the one `rank` whose figures broke (torchrun): the run goes on from the
+    rollback, and a person is paged to look at that rank's device, since a chip that corrupted
+    one step may corrupt the next (Gemini 2.5 excluded such chips within minutes); the loop
+    cannot restart without it, the launcher can. "data", and "hardware" with no rank named: the
+    rollback was the answer (the offenders skipped; a transient fault left nothing to repair);
+    None. Pure: same input, same decision."""
     cfg = cfg or PolicyConfig()
+    head = _describe(finding, attempt)
+    if cause == "hardware" and rank is not None:
+        return Decision(DecisionKind.ALERT, [
+            head, f"replay triage: the divergence did not reproduce from the checkpoint, and only rank {rank}'s "
+                  f"figures went non-finite on the abandoned path: suspect rank {rank}'s device",
+            f"the run goes on from the rollback; if it happens again, restart without rank {rank}'s node "
+            "(your launcher's node exclusion; the bundled trainer restarts without it given a rollback with "
+            f"exclude_rank={rank})"],
+            page=True)
     if cause != "optimizer":
         return None
-    head = _describe(finding, attempt)
     new = round(current_lr_multiplier * cfg.lr_factor, 12)
     if new < cfg.min_lr_multiplier * (1 - 1e-9):
         return _finish(cfg, _pause(head, f"replay triage names the optimizer state or the LR, and lowering the LR "

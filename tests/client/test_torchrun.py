@@ -15,6 +15,7 @@ import pytest
 from tests.client.user_loop import REPO
 from tests.live_server import free_port
 from thermowatch.supervisor.store import actions as actions_store
+from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import thermometers
 
 
@@ -76,24 +77,32 @@ def test_a_two_rank_fsdp2_loop_rolls_back_skips_and_stops_on_every_rank_at_once(
     _check(db, tmp_path, "fsdp")
 
 
-@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
-def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
-    """Issue 39 item 3: precise skip under torchrun. Sample 50's loss is NaN on the rank that
-    trains it; the supervisor rolls back and asks to skip the window; both ranks train the same
-    probes (the verdicts agreed: the loss averaged, one rank's NaN gradient or timeout every rank's)
-    and the search narrows the skip to that sample's step."""
+def _torchrun(db, tmp_path, mode: str):
+    """tests/client/torchrun_loop.py in `mode` on 2 ranks: each rank's record, every rank having
+    trained the same steps (probes and replays included) to the same weights."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                         str(REPO / "tests/client/torchrun_loop.py"), db.url, str(tmp_path / "data"), str(tmp_path),
-                        "precise"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                        mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     seq = [[(t["attempt"], t["step"], t["probing"]) for t in rk["trained"]] for rk in ranks]
     assert seq[0] == seq[1] and ranks[0]["params"] == ranks[1]["params"]
     with db.sessions() as s:
-        (rb,) = [a for a in actions_store.actions(s, "precise") if a.kind == "rollback"]
+        (rb,) = [a for a in actions_store.actions(s, mode) if a.kind == "rollback"]
+    return ranks, rb
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
+    """Issue 39 item 3: precise skip under torchrun. Sample 50's loss is NaN on the rank that
+    trains it; the supervisor rolls back and asks to skip the window; both ranks train the same
+    probes (the verdicts agreed: the loss averaged, one rank's NaN gradient or timeout every rank's),
+    triage names the data, and the search narrows the skip to that sample's step."""
+    ranks, rb = _torchrun(db, tmp_path, "precise")
     assert rb.state == "done" and rb.result["bisected"]["outcome"] == "narrowed", rb.result
+    assert rb.result["bisected"]["cause"]["label"] == "data", rb.result
     skipped = {i for lo, hi in rb.result["skipped"] for i in range(lo, hi)}
     assert 50 in skipped and len(skipped) <= 8, rb.result["skipped"]
     probes = [t for t in ranks[0]["trained"] if t["probing"]]
@@ -101,3 +110,24 @@ def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
     kept = [(t["step"], t["ids"]) for rk in ranks for t in rk["trained"] if t["attempt"] == 2 and not t["probing"]]
     assert not any(i in skipped for _, ids in kept for i in ids)
     assert ranks[0]["step"] == 40 and all(np.isfinite(t["loss"]) for t in ranks[0]["trained"][-5:])
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_a_gradient_fault_on_one_rank_is_hardware_on_that_rank_and_pages(db, tmp_path):
+    """Issue 39: rank 1's gradient is corrupted once, after DDP's all-reduce; its weights break
+    first, so the next step's NaN activations are pinned on rank 1 alone by the reduction. The
+    replay from the checkpoint, on both ranks, runs clean: hardware, on rank 1; nothing skipped,
+    and a person is paged to look at rank 1's device."""
+    ranks, rb = _torchrun(db, tmp_path, "hardware")
+    assert rb.state == "done", rb
+    cause = rb.result["bisected"]["cause"]
+    assert cause["label"] == "hardware" and cause["rank"] == 1 and cause["recorded_step"] == 12, cause
+    assert rb.result["skipped"] == [] and rb.result["bisected"]["outcome"] == "cleared"
+    replays = [t for t in ranks[0]["trained"] if t["probing"]]
+    assert [t["step"] for t in replays] == list(range(rb.result["checkpoint_step"] + 1, 13))  # one replay
+    assert all(np.isfinite(t["loss"]) for t in replays)
+    assert ranks[0]["step"] == 40 and np.isfinite(ranks[1]["trained"][-1]["loss"])
+    with db.sessions() as s:
+        decisions = [e.detail for e in audit_store.events(s, "hardware", "decision")]
+    paged = [d for d in decisions if d["decision"] == "alert" and d["incident_id"] == rb.incident_id]
+    assert len(paged) == 1 and any("suspect rank 1's device" in r for r in paged[0]["reasons"]), decisions

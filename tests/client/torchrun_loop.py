@@ -8,7 +8,9 @@ re-trained attempt passes step 25, to stop. Each rank writes what it trained to 
 
 `precise` (DDP, issue 39 item 3): no operator; sample 50 is a corrupt record whose loss is NaN on
 the rank that trains it, the supervisor rolls back on it by itself, and precise skip's probes run
-on both ranks together until they find it.
+on both ranks together until they find it. `hardware` (DDP, replay triage on): rank 1's gradient
+is corrupted once, at step 12, after DDP's all-reduce (tests/client/faults.py's stuck exponent), so
+rank 1 alone breaks first.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thermowatch
+from tests.client.faults import Faults
+from thermowatch.precise_skip import PreciseSkip
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
 from thermowatch.supervisor.app.config import SupervisorConfig
 
@@ -32,7 +36,8 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 model = user_model()
 POISON = 50
-precise = wrap == "precise"
+precise = wrap in ("precise", "hardware")
+faults = Faults(grad_step=12 if wrap == "hardware" and rank == 1 else None)
 if wrap == "fsdp":  # FSDP2: each block its own unit, then the root
     from torch.distributed.fsdp import fully_shard
 
@@ -44,17 +49,20 @@ else:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
 
-tw = thermowatch.watch(model, opt, run=wrap, steps=40 if precise else 400, global_batch=8, checkpoint_dir=data_dir / "ckpt",
-                       checkpoint_every=5, scheduler=sched, poll_interval_s=0.05, precise_skip=precise,
+tw = thermowatch.watch(model, opt, run=wrap, steps=40 if precise else 400, global_batch=8,
+                       checkpoint_dir=data_dir / "ckpt",
+                       checkpoint_every=5, scheduler=sched, poll_interval_s=0.05,
+                       precise_skip=PreciseSkip(triage=True) if precise else False,
                        supervisor_config=SupervisorConfig(data_dir=data_dir / "sup", db_url=db_url))
 trained, asked = [], {}
 for step in tw.steps():
     ids = tw.batch_ids(step)
     if precise:  # a corrupt record: NaN on the rank that trains it (DDP carries it into both ranks' grads)
         _, loss = model(*user_batch(DATA, ids))
-        loss = loss * float("nan") if POISON in ids else loss
+        loss = loss * float("nan") if wrap == "precise" and POISON in ids else loss
         opt.zero_grad()
         loss.backward()
+        faults.after_backward(step, model.module)
         opt.step()
     else:
         loss = train_step(model, opt, *user_batch(DATA, ids))

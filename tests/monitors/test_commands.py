@@ -118,8 +118,15 @@ def test_an_ack_says_what_replay_triage_found_and_its_label_agrees_with_its_evid
     with pytest.raises(ContractError, match="cleared"):
         Bisected(b.suspects, 1, 26, 1.5, "cleared")
     with pytest.raises(ContractError, match="unknown field"):
-        Ack.from_json({**ack.to_json(), "bisected": {**b.to_json(), "cause": {**hw.to_json(), "rank": 0}}})
+        Ack.from_json({**ack.to_json(), "bisected": {**b.to_json(), "cause": {**hw.to_json(), "node": "n1"}}})
     assert hw.words().startswith("hardware (the replay of the same samples ran clean through step 96")
+    # under torchrun: the one rank whose figures went non-finite (an older client sends no rank)
+    on1 = Cause("hardware", 96, None, (same,), 26, 1.5, rank=1)
+    assert Cause.from_json(loads(dumps(on1.to_json()))) == on1 and on1.words().endswith("only rank 1's figures non-finite)")
+    assert Cause.from_json({k: v for k, v in on1.to_json().items() if k != "rank"}).rank is None
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(ContractError, match="rank"):
+            Cause.from_json({**on1.to_json(), "rank": bad})
 
 
 def test_an_ack_empty_skip_range_is_nothing_not_an_error():

@@ -702,3 +702,18 @@ def test_after_triage_cuts_the_lr_only_when_the_optimizer_is_named():
     assert floor.kind is DecisionKind.PAUSE and floor.page and floor.rung == 3
     advised = after_triage(f, "optimizer", 1.0, PolicyConfig(advise_only=True))
     assert advised.requires_approval
+
+
+def test_after_triage_pages_about_the_one_rank_a_hardware_fault_broke():
+    """Under torchrun the abandoned path's non-finite figures named one rank: a person is paged
+    to look at its device; the run changes no further (an alert, nothing to approve)."""
+    from thermowatch.supervisor.decide.policy import after_triage
+    from thermowatch.supervisor.notify.base import Alert
+
+    f = finding()
+    d = after_triage(f, "hardware", 1.0, rank=1)
+    assert d.kind is DecisionKind.ALERT and d.page and not d.acts and not d.requires_approval
+    assert any("suspect rank 1's device" in r for r in d.reasons) and any("exclude_rank=1" in r for r in d.reasons)
+    assert Alert.from_decision("r", f, d).severity is Severity.CRITICAL
+    assert after_triage(f, "data", 1.0, rank=1) is None  # the data explains it: the rank only held the sample
+    assert after_triage(f, "optimizer", 0.5, rank=1).kind is DecisionKind.LOWER_LR
