@@ -63,8 +63,8 @@ from thermowatch import checkpoint_trust
 from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, refused_reason, set_aside
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
-    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Cause, Command, LRChange, Pause, Replay, Resume, Rollback, SetLR, Skip,
-    Stop, StepRecord, ledger_digest, multiplier_at,
+    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Cause, CheckpointInfo, Command, LRChange, Replay, StepRecord,
+    ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
@@ -76,7 +76,8 @@ from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ids_of, ranges_of
 from thermowatch.paused import PauseNotice
-from thermowatch.protocol import CheckpointRef, Directed, Directive, Outcome, ack_for, directed, resumed_by_rollback
+from thermowatch.obey import Applied, Obey, Refused, Transition
+from thermowatch.protocol import Directed, Directive, Outcome, ack_for
 from thermowatch.ranks import Ranks, rng_state, set_rng_state
 from thermowatch.run import Run
 
@@ -148,8 +149,9 @@ class Watch(Directed):
         self.cursor = 0  # the next absolute sample id to consider
         self.ledger = SkipLedger(period=self.dataset_size, index=data_index)
         self.lr_changes: list[LRChange] = []
-        self.directive = Directive.RUN  # set only in _direct, from the Outcome a command returns
+        self.directive = Directive.RUN  # set only in transition, from the command's Transition
         self.pause_notice = PauseNotice(run)  # a pause says why and what ends it (rank 0; issue 35)
+        self._executor = Obey(self)  # thermowatch/obey.py: the commands' handlers, shared with the bundled trainer
         self.final_loss = math.nan
         self._ids: np.ndarray | None = None
         self._ids_step = 0
@@ -435,31 +437,25 @@ class Watch(Directed):
         cmds = self._waiting + self.dist.agree(self.run.commands)
         self._waiting = []
         for i, cmd in enumerate(cmds):
-            out, error = None, None
-            try:
-                out = self._carry_out(cmd)
-                if out.directive is not None:
-                    self._direct(cmd, out.directive, out.detail)
-            except _Refused as exc:
-                error = str(exc)
-            except Exception as exc:  # noqa: BLE001 - a bad file or a bug: refuse, keep training
-                log.exception("thermowatch: command %s failed", cmd)
-                error = f"{type(exc).__name__}: {exc}"
+            was = self.directive
+            out, error = self._executor.answer(cmd)  # thermowatch/obey.py: the bundled trainer's too
+            self._said(cmd, was, out)
             if self._probing is not None:  # answered when its search ends; the rest wait for it
+                if self._probing.out is None:
+                    self._probing.cmd, self._probing.out = cmd, out
                 self._waiting = cmds[i + 1:]
                 return
             self._answer(cmd, out, error)
 
-    def _direct(self, cmd: Command, directive: Directive, detail: str) -> None:
-        """The loop's next Directive; a pause that begins or ends says so on rank 0, with the
-        reason it was given and the commands that end it (thermowatch/paused.py)."""
-        was, self.directive = self.directive, directive
-        if self.dist.rank != 0 or (was is Directive.PAUSE) == (directive is Directive.PAUSE):
+    def _said(self, cmd: Command, was: Directive, out: Outcome | None) -> None:
+        """A pause that began or ended says so on rank 0, with the reason it was given and the
+        commands that end it (thermowatch/paused.py)."""
+        if self.dist.rank != 0 or (was is Directive.PAUSE) == (self.directive is Directive.PAUSE):
             return
-        if directive is Directive.PAUSE:
+        if self.paused:
             self.pause_notice.paused(self.step + 1, getattr(cmd.body, "reason", ""), self._checkpoints())
         else:
-            self.pause_notice.ended(detail)
+            self.pause_notice.ended(out.detail if out is not None else "")
 
     def _answer(self, cmd: Command, out: Outcome | None, error: str | None) -> None:
         ack = ack_for(cmd, out, error, first_step=self.step + 1, lr_changes=self.lr_changes,
@@ -467,37 +463,55 @@ class Watch(Directed):
         # remembered with the ledger and the LR changes before it leaves (thermowatch.protocol)
         self.run.ack(ack, cmd, lr_changes=self.lr_changes, skip_ranges=self.ledger.ranges)
 
-    def _carry_out(self, cmd: Command) -> Outcome:
-        body = cmd.body
-        if isinstance(body, (Pause, Resume, Stop)):
-            return directed(self.directive, body, self.step)
-        if isinstance(body, Skip):
-            self.ledger.add_many([r.to_json() for r in body.ranges])
-            return Outcome(f"skipping {', '.join(map(str, body.ranges))}", skipped=body.ranges)
-        if isinstance(body, SetLR):
-            change = body.change(self.step + 1)
-            self.lr_changes.append(change)
-            return Outcome(f"{body.describe()} from step {change.start_step}", lr_change=change,
-                           lr_seq=len(self.lr_changes) - 1)
-        if isinstance(body, Rollback):
-            return self._rollback(body, cmd)
-        raise _Refused(f"{cmd.kind.value} is not supported by thermowatch.watch; the bundled trainer supports it")
+    # --- the shared executor's host (thermowatch/obey.py) --------------------------------------
 
-    def _rollback(self, cmd: Rollback, command: Command) -> Outcome:
-        """`command`: the one a precise skip answers when its search ends (its ack waits for it)."""
-        if cmd.exclude_rank is not None or cmd.exclude_node:
-            raise _Refused("restarting without a rank or node is up to your launcher; thermowatch.watch cannot do it")
-        target = min(cmd.to_step, self.step)
+    def rollback_target(self, max_step: int) -> CheckpointInfo | None:
+        """The newest checkpoint at or before `max_step` (rank 0's listing); its load may still
+        fall back to an older healthy one (transition)."""
+        usable = self.dist.from_rank0(lambda: [s for s in self._checkpoints() if s <= max_step])
+        if not usable:
+            return None
+        path = self._path(usable[-1])
+        # the cursor is read from the file when it loads: unknown (0) until then
+        return CheckpointInfo(usable[-1], str(path), 0, checkpoint_trust.healthy(path))
+
+    def why_not(self, step: int) -> str:
+        if step > self.step:
+            return f"is in the future (the run is at step {self.step})"
+        if step not in self.dist.from_rank0(self._checkpoints):
+            return f"is not in {self.dir} (never saved, or removed by retention)"
+        problem = checkpoint_trust.problem(self._path(step))
+        if problem:
+            return f"is not intact ({problem})"
+        return "is marked unhealthy (saved after a non-finite loss)"
+
+    def transition(self, t: Transition) -> Applied:
+        """Apply a command's Transition: the one place a command changes this loop."""
+        if t.restart_from is not None:
+            return self._rollback(t)
+        self.ledger.add_many([r.to_json() for r in t.skip])
+        change = seq = None
+        if t.lr is not None:
+            change = t.lr.change(t.lr_from)
+            self.lr_changes.append(change)
+            seq = len(self.lr_changes) - 1
+        if t.directive is not None:
+            self.directive = t.directive
+        return Applied(change, seq)
+
+    def _rollback(self, t: Transition) -> Applied:
+        """Load the checkpoint (or an older healthy one), abandon the path after it, and open the
+        next attempt; with precise skip, the probes start before the skip is decided."""
+        cmd = t.rollback
         trained_to = self.cursor  # the abandoned path trained every id below this
-        usable = self.dist.from_rank0(lambda: [s for s in self._checkpoints() if s <= target])
-        if cmd.exact and cmd.to_step not in usable:
-            raise _Refused(f"--exact: checkpoint {cmd.to_step} is not in {self.dir} "
-                           f"(have {self._checkpoints() or 'none'})")
-        loaded = self._load_newest([cmd.to_step] if cmd.exact else usable, healthy_fallback=True)
-        if loaded is None and cmd.exact:
-            raise _Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable (the log says why)")
+        steps = [t.restart_from.step] if cmd.exact else [s for s in self.dist.from_rank0(self._checkpoints)
+                                                         if s <= t.restart_from.step]
+        loaded = self._load_newest(steps, healthy_fallback=True)
         if loaded is None:
-            raise _Refused(f"no readable checkpoint at or before step {cmd.to_step} in {self.dir}; nothing to roll back to")
+            raise Refused(f"checkpoint {t.restart_from.step} in {self.dir} and every older healthy one are "
+                          f"unreadable ({'; '.join(self._passed_over) or 'the log says why'}); nothing to roll back to"
+                          if not cmd.exact else f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable "
+                          f"({'; '.join(self._passed_over) or 'the log says why'})")
         suspects = np.zeros(0, np.int64)
         if self.precise is not None and cmd.skip:  # a blunt skip never lists its ids
             suspects = ids_of(cmd.skip)
@@ -507,10 +521,10 @@ class Watch(Directed):
             suspects = suspects[~self.ledger.contains(suspects)]  # already skipped: not suspects
         precise = len(suspects) > 0
         if not precise:
-            self.ledger.add_many([r.to_json() for r in cmd.skip])
+            self.ledger.add_many([r.to_json() for r in t.skip])
         change = seq = None
-        if cmd.lr is not None:
-            change = cmd.lr.change(loaded + 1)
+        if t.lr is not None:
+            change = t.lr.change(loaded + 1)
             self.lr_changes.append(change)
             seq = len(self.lr_changes) - 1
         abandoned = [s for s in self._checkpoints() if s > loaded]
@@ -533,13 +547,8 @@ class Watch(Directed):
         self.run.start(start_step=loaded)
         self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
         self._peak = self._forecast()
-        detail = (f"rolled back to checkpoint {loaded} (asked <= {cmd.to_step}); attempt {prev} -> {self.run.attempt}"
-                  + (f", skipping {', '.join(map(str, cmd.skip))}" if cmd.skip and not precise else "")
-                  + (f", {cmd.lr.describe()} from step {change.start_step}" if change else "")
-                  + (f"; passed over {'; '.join(self._passed_over)}" if self._passed_over else ""))
-        out = Outcome(detail, checkpoint=CheckpointRef(loaded, str(self._path(loaded))), lr_change=change,
-                      lr_seq=seq, skipped=() if precise else cmd.skip,
-                      directive=resumed_by_rollback(self.directive))  # it ends a pause (issue 35)
+        if t.directive is not None:  # it ends a pause (issue 35)
+            self.directive = t.directive
         if precise:
             # the spike bar's healthy trail: the newest losses of the path up to the checkpoint, kept
             # in it when it was saved (the sent losses were cut back at each rollback, but a
@@ -555,9 +564,13 @@ class Watch(Directed):
             # whole steps per probe; past the suspects, the ids the loop would train next
             search = Search(suspects, self.precise.min_samples or self.global_batch, align=self.global_batch,
                             follow=lambda after, n: base.take(after + 1, n), triage=recorded is not None)
-            self._probing = _Probing(command, out, loaded, base, suspects, search, healthy, self.precise, budget,
+            # its command and Outcome are handed over by _obey once the executor has said it
+            self._probing = _Probing(None, None, loaded, base, suspects, search, healthy, self.precise, budget,
                                      recorded, lone.pop() if len(lone) == 1 else None)
-        return out
+        ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(
+            loaded, str(self._path(loaded)), self.cursor, checkpoint_trust.healthy(self._path(loaded)))
+        return Applied(change, seq, ckpt, (prev, self.run.attempt), tuple(self._passed_over),
+                       skipped=() if precise else None)
 
     # --- precise skip: probes from the rollback's checkpoint ------------------------------------
 
@@ -792,16 +805,12 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     return {"class": type(model).__qualname__, "parameters": n, "fingerprint": h.hexdigest()[:16]}
 
 
-class _Refused(Exception):
-    """A command that cannot be carried out as asked; the ack says why."""
-
-
 class _Probing:
     """A precise skip under way (thermowatch/precise_skip.py): the rollback it answers, the
     search, and the probe being trained (its ledger: the base ledger with the other suspects
     skipped)."""
 
-    def __init__(self, cmd: Command, out: Outcome, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
+    def __init__(self, cmd: Command | None, out: Outcome | None, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
                  search: Search, healthy: list[float], cfg: PreciseSkip, budget: int,
                  recorded: tuple[int, float, float | None] | None = None, rank: int | None = None) -> None:
         self.cmd, self.out, self.checkpoint, self.base = cmd, out, checkpoint, base

@@ -5,7 +5,7 @@
         for finding in bank.observe(record):
             policy(finding)
     bank.check(now)                        # wall-clock stall test, called by the scheduler
-    bank.reset(to_step)                    # after a rollback: steps >= to_step will repeat
+    bank.reset(first_step)                 # after a rollback: steps >= first_step will repeat
 
 Routing (ROUTES): every key -> non_finite; attn_logit_max/* and attn_logit_lse/* -> attention
 growth + ceiling; loss -> loss spike + loss degradation; grad_norm and grad_norm/* -> grad spike;
@@ -25,7 +25,7 @@ the ring chunks written since) as named parts, which the supervisor upserts as r
 
 Judged once: `observe(record, attempt=...)` skips a step this bank has already judged for the
 same attempt (a batch the sink delivered twice), so a re-sent batch gives no second finding.
-A new attempt (after a rollback or restart) may repeat steps; `reset(to_step)` announces it.
+A new attempt (after a rollback or restart) may repeat steps; `reset(first_step)` announces it.
 
 Across ranks: the record's values are already reduced (max of maxima, min of minima, mean of
 losses; contract.reduction), so a spike on one rank shows in the reduced series and nothing more
@@ -344,19 +344,20 @@ class DetectorBank:
             bank.release_latches()
         self.outlier.release_latches()
 
-    def reset(self, to_step: int | None = None) -> None:
-        """After a rollback to `to_step`: forget buffered points at/after it and all latches,
-        keep the healthy history before it (no new warm-up). None forgets everything."""
+    def reset(self, first_step: int | None = None) -> None:
+        """After a rollback whose first re-trained step is `first_step` (the checkpoint's + 1):
+        forget buffered points at/after it and all latches, keep the healthy history before it
+        (no new warm-up). None forgets everything."""
         for bank in self.series.values():
-            bank.reset(to_step)
-        self.outlier.reset(to_step)
-        self.stall.reset(to_step)
-        self.lr_jump.reset(to_step)
-        self.co_rise.reset(to_step)
-        self.witnesses.reset(to_step)
+            bank.reset(first_step)
+        self.outlier.reset(first_step)
+        self.stall.reset(first_step)
+        self.lr_jump.reset(first_step)
+        self.co_rise.reset(first_step)
+        self.witnesses.reset(first_step)
         if self.judged is not None:
-            # The steps from to_step on are trained again (in a new attempt, or this one).
-            self.judged = None if to_step is None else (self.judged[0], min(self.judged[1], to_step - 1))
+            # The steps from first_step on are trained again (in a new attempt, or this one).
+            self.judged = None if first_step is None else (self.judged[0], min(self.judged[1], first_step - 1))
 
     # --- state: named parts, saved incrementally ------------------------------------------
 

@@ -255,22 +255,22 @@ class Rows:
     def sizes(self, rows: np.ndarray, n: int, skip_last: int = 0) -> np.ndarray:
         return np.clip(np.minimum(n, self.length[rows] - skip_last), 0, None)
 
-    def rewind(self, rows: np.ndarray, to_step: int | None) -> np.ndarray:
+    def rewind(self, rows: np.ndarray, first_step: int | None) -> np.ndarray:
         """History.rewind per row; returns how many points each row dropped."""
         self._batch = None  # a batch taken ahead assumed no rewind inside it
         if rows.size == 0:
             return np.zeros(0, np.int64)
-        if to_step is None:
+        if first_step is None:
             dropped = self.length[rows].copy()
             self.length[rows] = 0
             self.born[rows] = NO_STEP
             return dropped
         order = self._slots(rows, self.H, 0)
         valid = np.arange(self.H)[None, :] >= (self.H - self.length[rows])[:, None]
-        dropped = ((self.steps[rows[:, None], order] >= to_step) & valid).sum(axis=1)
+        dropped = ((self.steps[rows[:, None], order] >= first_step) & valid).sum(axis=1)
         self.length[rows] -= dropped
         self.pos[rows] = (self.pos[rows] - dropped) % self.H
-        self.born[rows] = np.where(self.born[rows] >= to_step, NO_STEP, self.born[rows])
+        self.born[rows] = np.where(self.born[rows] >= first_step, NO_STEP, self.born[rows])
         return dropped
 
     # --- counters and the latch -----------------------------------------------------------

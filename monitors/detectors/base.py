@@ -31,7 +31,7 @@ class SeriesDetector(Protocol):
 
     def update(self, step: int, value: float, wall_time: float | None = None) -> Finding | None: ...
 
-    def reset(self, to_step: int | None = None) -> None: ...
+    def reset(self, first_step: int | None = None) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -73,14 +73,14 @@ class History:
         start = max(0, end - n)
         return np.fromiter(islice(self.steps, start, end), dtype=np.float64, count=end - start)
 
-    def rewind(self, to_step: int | None) -> int:
-        """Drop points at or after `to_step` (all with None); returns how many were dropped."""
+    def rewind(self, first_step: int | None) -> int:
+        """Drop points at or after `first_step` (all with None); returns how many were dropped."""
         n = len(self.steps)
-        if to_step is None:
+        if first_step is None:
             self.steps.clear()
             self.values.clear()
             return n
-        while self.steps and self.steps[-1] >= to_step:
+        while self.steps and self.steps[-1] >= first_step:
             self.steps.pop()
             self.values.pop()
         return n - len(self.steps)

@@ -63,7 +63,7 @@ class _Peer:
     def _judge(self, step: int, value: float) -> tuple[int, dict[str, Any]] | None:  # pragma: no cover
         raise NotImplementedError
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         # Upstream keeps no step-indexed state, so a rollback clears the window entirely.
         self.active = False
         self.last_step = None
@@ -87,8 +87,8 @@ class OlmoCoreSpike(_Peer):
         self.history.append(value)
         return hit
 
-    def reset(self, to_step: int | None = None) -> None:
-        super().reset(to_step)
+    def reset(self, first_step: int | None = None) -> None:
+        super().reset(first_step)
         self.history.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,8 +130,8 @@ class FoundryKillLossSpike(_Peer):
         self.n += 1
         return hit
 
-    def reset(self, to_step: int | None = None) -> None:
-        super().reset(to_step)
+    def reset(self, first_step: int | None = None) -> None:
+        super().reset(first_step)
         self.history.clear()
         self.outliers, self.first_outlier, self.n = 0, -1, 0
 
@@ -165,9 +165,9 @@ class MegatronSpikyLoss(_Peer):
             return step, {"value": value, "baseline": self.max_value, "threshold": self.max_value * self.threshold}
         return None
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         # Upstream keeps the sampled max across restarts (it is checkpointed); so do we.
-        super().reset(to_step)
+        super().reset(first_step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count, "max_value": self.max_value, "active": self.active}
@@ -210,9 +210,9 @@ class PeerBank:
     def observe_many(self, records: Iterable[StepRecord]) -> list[Finding]:
         return [f for r in records for f in self.observe(r)]
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         for det in self.series.values():
-            det.reset(to_step)
+            det.reset(first_step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "series": {k: d.state_dict() for k, d in self.series.items()}}

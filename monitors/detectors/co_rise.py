@@ -175,12 +175,12 @@ class CoRiseDetector:
                       "grad_norm_recent": g_rec, "grad_norm_baseline": g_base, "grad_ratio": g_rec / g_base, "recent": c.recent, "baseline_points": c.baseline,
                       "steps_in_a_row": self.run, "onset_method": "co_rise"})
 
-    def reset(self, to_step: int | None = None) -> None:
-        """A rollback to `to_step`: the points at or after it will be trained again."""
-        if to_step is None:
+    def reset(self, first_step: int | None = None) -> None:
+        """A rollback to `first_step`: the points at or after it will be trained again."""
+        if first_step is None:
             self.__init__(self.config)
             return
-        kept = [p for p in self.points if p[0] < to_step]
+        kept = [p for p in self.points if p[0] < first_step]
         self.seen = max(0, self.seen - (len(self.points) - len(kept)))
         self.points = deque(kept, maxlen=self.points.maxlen)
         self.run, self.first, self.latched, self.quiet = 0, -1, False, 0

@@ -116,10 +116,10 @@ class DegradationBank(SeriesBank):
             out.append((i, self._finding(row, severity, fired[0], step, evidence, outcome)))
         return out
 
-    def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
-        super().reset_rows(rows, to_step)
+    def reset_rows(self, rows: np.ndarray, first_step: int | None) -> None:
+        super().reset_rows(rows, first_step)
         for row in rows.tolist():
-            self.trends[row].reset(to_step)
+            self.trends[row].reset(first_step)
             self.worst[row] = 0.0
 
     def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:

@@ -163,14 +163,14 @@ class LrJumpDetector:
             self.points.clear()
         return None
 
-    def reset(self, to_step: int | None = None) -> None:
-        """A rollback to `to_step`: a raise at or after it will be trained again (or not)."""
-        if to_step is None:
+    def reset(self, first_step: int | None = None) -> None:
+        """A rollback to `first_step`: a raise at or after it will be trained again (or not)."""
+        if first_step is None:
             self.__init__(self.config)
             return
-        keep = lambda d: deque(((s, v) for s, v in d if s < to_step), maxlen=d.maxlen)  # noqa: E731
+        keep = lambda d: deque(((s, v) for s, v in d if s < first_step), maxlen=d.maxlen)  # noqa: E731
         self.raw, self.points = keep(self.raw), keep(self.points)
-        if self.jump is not None and self.jump["step"] >= to_step:
+        if self.jump is not None and self.jump["step"] >= first_step:
             self.jump = None
         elif self.jump is not None:
             self.behind = 0

@@ -229,11 +229,11 @@ class OutlierRankDetector:
         """Forget the ranks already reported: one still out of line is reported again."""
         self._latched[:] = -1
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         R = self._rows
-        R.rewind(as_rows(range(len(R))), to_step)
+        R.rewind(as_rows(range(len(R))), first_step)
         self._latched[:] = -1
-        if to_step is None:
+        if first_step is None:
             self._max_rank = -1
         last = R.steps[np.arange(len(R)), (R.pos[:len(R)] - 1) % R.H]
         R.last_step[:len(R)] = np.where(R.length[:len(R)] > 0, last, NO_STEP)

@@ -230,10 +230,10 @@ class SeriesBank:
             age = np.maximum(age, R.age(rows, first_step, first_step))
         return np.flatnonzero(every & (R.lsev[rows] < 0) & (age > warmup) & (R.length[rows] >= points))
 
-    def reset(self, to_step: int | None = None) -> None:
-        """After a rollback to `to_step`: forget points at or after it, drop the latches. With
+    def reset(self, first_step: int | None = None) -> None:
+        """After a rollback to `first_step`: forget points at or after it, drop the latches. With
         None, forget everything (warm-up starts again)."""
-        self.reset_rows(as_rows(range(len(self.rows))), to_step)
+        self.reset_rows(as_rows(range(len(self.rows))), first_step)
 
     def release_latches(self) -> None:
         """Drop every latch and keep everything else (the points, the excursion counters): a
@@ -241,12 +241,12 @@ class SeriesBank:
         finding back (supervisor.act.respond)."""
         self.rows.reset_latch(as_rows(range(len(self.rows))))
 
-    def reset_rows(self, rows: np.ndarray, to_step: int | None) -> None:
+    def reset_rows(self, rows: np.ndarray, first_step: int | None) -> None:
         R = self.rows
-        dropped = R.rewind(rows, to_step)
+        dropped = R.rewind(rows, first_step)
         R.reset_latch(rows)
         R.run[rows], R.first_exceed[rows] = 0, -1
-        if to_step is None:
+        if first_step is None:
             R.seen[rows], R.last_step[rows] = 0, NO_STEP
         else:
             # Warm-up is about the run's age, and a rollback does not make a detector that was
@@ -357,8 +357,8 @@ class Single:
         found = self.bank.observe(int(step), self._rows, np.array([float(value)]))
         return found[0][1] if found else None
 
-    def reset(self, to_step: int | None = None) -> None:
-        self.bank.reset(to_step)
+    def reset(self, first_step: int | None = None) -> None:
+        self.bank.reset(first_step)
 
     def release_latches(self) -> None:
         self.bank.release_latches()

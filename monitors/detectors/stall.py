@@ -70,7 +70,7 @@ class StallDetector:
                        detect_step=self.last_step, metric="step", evidence=json_safe(evidence),
                        outcome=Outcome.ALERT)
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         """After a rollback the restart takes time; the silence clock starts at the next step."""
         self.last_time = None
         self.severity = None

@@ -182,12 +182,12 @@ class LossTrend:
         self.last = (excess, margin)
         return self.last
 
-    def reset(self, to_step: int | None = None) -> None:
-        dropped = self.history.rewind(to_step)
-        self.raw.rewind(to_step)
-        self.seen = 0 if to_step is None else max(0, self.seen - dropped)
+    def reset(self, first_step: int | None = None) -> None:
+        dropped = self.history.rewind(first_step)
+        self.raw.rewind(first_step)
+        self.seen = 0 if first_step is None else max(0, self.seen - dropped)
         self.last = None
-        if to_step is None:
+        if first_step is None:
             self.lr_max, self.settled = -math.inf, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -559,14 +559,14 @@ class Witnesses:
         """Every witness speaking now, counted or not (shown in evidence)."""
         return dict(self.active)
 
-    def reset(self, to_step: int | None = None) -> None:
+    def reset(self, first_step: int | None = None) -> None:
         self._ahead = {}
-        self.loss.reset(to_step)
-        self.shifts.rows.rewind(as_rows(range(len(self.shifts.rows))), to_step)
+        self.loss.reset(first_step)
+        self.shifts.rows.rewind(as_rows(range(len(self.shifts.rows))), first_step)
         self.active = {}
         self.behind = 0
-        self.step = -1 if to_step is None else to_step - 1
-        if to_step is None or (self.episode is not None and self.episode >= to_step):
+        self.step = -1 if first_step is None else first_step - 1
+        if first_step is None or (self.episode is not None and self.episode >= first_step):
             self.episode, self.quiet, self.peak, self.since_peak = None, 0, -math.inf, 0  # rolled back before it
 
     def parts(self, prefix: str, dirty_only: bool = False) -> dict[str, bytes]:

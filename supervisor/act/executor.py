@@ -452,7 +452,7 @@ class Executor:
     def acknowledge(self, run_id: str, ack: Ack, actor: str = "trainer") -> None:
         """The run controller says what the command did (or that it failed). An ack that cannot
         be booked fails the action with an alert and raises UserError (a 4xx) with the reason."""
-        rollback_to = None
+        first_step = None  # a rollback's first re-trained step: the detectors rewind to it
         try:
             with self._begin() as s:
                 row = actions_store.get_action(s, ack.command_id)
@@ -478,7 +478,7 @@ class Executor:
                     if row.state is ActionState.PENDING:  # acked before we saw our own `sent` commit (in-process race)
                         actions_store.set_action_state(s, row.id, ActionState.SENT)
                     actions_store.set_action_state(s, row.id, ActionState.ACKED, ack_step=ack.step, result=result)
-                    rollback_to, resolved = self._book(s, run_id, row, ack)
+                    first_step, resolved = self._book(s, run_id, row, ack)
                     actions_store.set_action_state(s, row.id, ActionState.DONE)
                     self._queue_alert(s, _done_alert(run_id, row, ack, result, resolved))
                     audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
@@ -487,8 +487,8 @@ class Executor:
             why = f"the acknowledgement could not be booked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             self.fail(run_id, ack.command_id, why, result=ack.to_json())
             raise UserError(f"action {ack.command_id}: {why}") from None
-        if rollback_to is not None:
-            self._on_rollback_done(run_id, rollback_to)
+        if first_step is not None:
+            self._on_rollback_done(run_id, first_step)
         self.flush_alerts()
 
     def fail(self, run_id: str, action_id: int, why: str, result: dict[str, Any] | None = None) -> bool:
@@ -509,8 +509,9 @@ class Executor:
 
     def _book(self, s: Session, run_id: str, row: actions_store.ActionRow, ack: Ack) -> tuple[int | None, bool]:
         """The lasting effects of an acknowledged command, as the trainer reports them (a bare
-        ack, from an older trainer, books what the command asked for). Returns the step a
-        rollback went back to (or None) and whether it resolved the action's incident."""
+        ack, from an older trainer, books what the command asked for). Returns a rollback's first
+        re-trained step (the ack's `step`, the checkpoint's + 1; None for any other command) and
+        whether it resolved the action's incident."""
         body = parse_command(row.kind, row.args)
         asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
         # A precise skip's ack says exactly what it skipped, nothing included (replay triage found

@@ -186,11 +186,12 @@ class Responder:
         log.info("run %s: a proposal was declined; the detectors fire again from step %d on what persists",
                  run_id, due[1])
 
-    def rewind(self, run_id: str, to_step: int) -> None:
-        """After a rollback to `to_step` took effect: detectors forget what came after it, and
-        what its replay triage found is acted on (after_triage)."""
+    def rewind(self, run_id: str, first_step: int) -> None:
+        """After a rollback took effect, `first_step` its first re-trained step: the detectors
+        forget every point at or after it, and what its replay triage found is acted on
+        (after_triage)."""
         with self._lock:
-            self.bank(run_id).reset(to_step)
+            self.bank(run_id).reset(first_step)
             self._save_state(run_id)
         self._after_triage(run_id)
 
@@ -370,7 +371,7 @@ class Responder:
                 seq=a.id,
                 # what the trainer loaded (it falls back past a corrupt target): a NaN right after
                 # the load indicts this one (policy._bad_load)
-                loaded_step=a.rollback_to if done and a.kind is CommandKind.ROLLBACK else None,
+                loaded_step=a.checkpoint_step if done and a.kind is CommandKind.ROLLBACK else None,
                 onset=inc.onset_step if inc else None,
             ))
         # The multiplier in force at the step the trainer trains next (absolute, newest change

@@ -375,8 +375,8 @@ class Supervisor:
             except Exception:  # the batch is committed; a failing check must not bounce it
                 log.exception("%s failed for run %s attempt %s", type(check).__name__, run_id, attempt)
 
-    def _rewind(self, run_id: str, step: int) -> None:
-        self.responder.rewind(run_id, step)
+    def _rewind(self, run_id: str, first_step: int) -> None:
+        self.responder.rewind(run_id, first_step)
 
     def _recheck_after_no(self, run_id: str) -> None:
         """A proposal was cancelled: what persists `cooldown_steps` later fires again (and asks

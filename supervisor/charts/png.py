@@ -195,7 +195,7 @@ def marks_for(s: Session, run_id: str, selected: int | None) -> Marks:
     for a in actions_store.actions(s, run_id, limit=10_000):
         if a.kind is not CommandKind.ROLLBACK or a.state not in (ActionState.ACKED, ActionState.DONE):
             continue
-        to = a.rollback_to
+        to = a.checkpoint_step
         if to is None:
             continue
         inc = incs.get(a.incident_id) if a.incident_id is not None else None

@@ -51,7 +51,7 @@ class ActionRow:
     result: dict[str, Any] | None = None  # the trainer's ack (contract.Ack JSON)
 
     @property
-    def rollback_to(self) -> int | None:
+    def checkpoint_step(self) -> int | None:
         """A rollback's checkpoint: the one the trainer loaded (its ack's `checkpoint_step`), else
         the step asked (`args.to_step`). Never `ack_step`, the first step re-trained (checkpoint + 1):
         a rollback to checkpoint 1000 was labelled "-> 1001" where the two were mixed (issue 22)."""

@@ -69,7 +69,7 @@ def thresholds(s: Session, run_id: str, bank: BankConfig) -> list[dict[str, Any]
 def _rollback_steps(a: actions_store.ActionRow, detect: dict[int, int]) -> tuple[int | None, int | None]:
     if a.kind is not CommandKind.ROLLBACK:
         return None, None
-    return detect.get(a.incident_id) if a.incident_id is not None else None, a.rollback_to
+    return detect.get(a.incident_id) if a.incident_id is not None else None, a.checkpoint_step
 
 
 def run_events(s: Session, run_id: str, bank: BankConfig) -> dict[str, Any]:

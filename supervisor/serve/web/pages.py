@@ -125,8 +125,8 @@ def zoom_window(s: Session, run_id: str, incident_id: int, onset: int, detect: i
     lo, hi = onset, detect
     for a in actions_store.actions(s, run_id, limit=10_000):
         if a.incident_id == incident_id and a.kind == "rollback":
-            if a.rollback_to is not None:
-                lo = min(lo, a.rollback_to)
+            if a.checkpoint_step is not None:
+                lo = min(lo, a.checkpoint_step)
     pad = max(ZOOM_MIN_PAD, (hi - lo) // 2)
     return max(0, lo - pad), hi + pad
 
