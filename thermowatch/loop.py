@@ -49,8 +49,6 @@ import copy
 import logging
 import math
 import os
-import re
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -60,36 +58,27 @@ import numpy as np
 import torch
 
 from thermowatch import checkpoint_trust
-from thermowatch.checkpoint_io import CheckpointRefused, load_as_data, refused_reason, set_aside
+from thermowatch.checkpoint_dir import KEEP_BEHIND, KEEP_EVERY, CheckpointDir
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
     LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Cause, CheckpointInfo, Command, LRChange, Replay, StepRecord,
     ledger_digest, multiplier_at,
 )
-from thermowatch.monitors.durable import fsync_dir
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.names import check_run_id
 from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
-from thermowatch.monitors.retention import retained
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ids_of, ranges_of
 from thermowatch.paused import PauseNotice
 from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.protocol import Directed, Directive, Outcome, ack_for
-from thermowatch.ranks import Ranks, rng_state, set_rng_state
+from thermowatch.ranks import Ranks, rng_state
 from thermowatch.run import Run
 
 log = logging.getLogger(__name__)
 
-_CKPT = re.compile(r"^step_(\d{8,})\.pt$")
-_CKPT_DIR = re.compile(r"^step_(\d{8,})$")  # a torch.distributed.checkpoint directory (torchrun)
-# Retention (monitors/retention.py, the bundled trainer's rule): besides the newest keep_checkpoints,
-# one per KEEP_EVERY-step span and the newest checkpoint at least KEEP_BEHIND steps old: the
-# policy's target for a divergence found now (onset - 100 steps by default, + 10 for the detection
-# and the command's trip) is still there when its rollback arrives.
-KEEP_EVERY, KEEP_BEHIND = 1000, 110
 FORECAST_HORIZON = 200_000  # steps of the schedule dry-run for lr_peak_ahead (one pass, at start)
 
 
@@ -132,6 +121,7 @@ class Watch(Directed):
         self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
         self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.ckpts = CheckpointDir(self.dir, self.dist, model, optimizer, scheduler, self.keep_checkpoints)
         # `model`: what makes runs comparable for the peer envelope (supervisor/store/peers.py);
         # a config that names its own model section keeps it
         cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every},
@@ -158,8 +148,6 @@ class Watch(Directed):
         self._recorded = True
         self._meta: dict[int, tuple[int, int, float, float, float]] = {}  # step -> ids lo, hi, lr x, peak, lr
         self._healthy = True  # every loss since the last checkpoint was finite
-        self._checked_loads = False  # the first checkpoint saved was read back as data
-        self._passed_over: list[str] = []  # why the last _load_newest passed over the ones it did
         self._started = False
         self._closed = False
         self.th = None
@@ -356,7 +344,7 @@ class Watch(Directed):
 
     def _after_step(self) -> None:
         if self._started and self.step and self.step % self.checkpoint_every == 0 and self._ids_step == self.step:
-            if not self._checkpoint_exists(self.step):
+            if not self.ckpts.exists(self.step):
                 self._save(self.step)
 
     # --- the LR multiplier, around optimizer.step() --------------------------------------------
@@ -471,16 +459,16 @@ class Watch(Directed):
         usable = self.dist.from_rank0(lambda: [s for s in self._checkpoints() if s <= max_step])
         if not usable:
             return None
-        path = self._path(usable[-1])
+        path = self.ckpts.path(usable[-1])
         # the cursor is read from the file when it loads: unknown (0) until then
-        return CheckpointInfo(usable[-1], str(path), 0, checkpoint_trust.healthy(path))
+        return CheckpointInfo(usable[-1], str(path), 0, self.ckpts.healthy(usable[-1]))
 
     def why_not(self, step: int) -> str:
         if step > self.step:
             return f"is in the future (the run is at step {self.step})"
         if step not in self.dist.from_rank0(self._checkpoints):
             return f"is not in {self.dir} (never saved, or removed by retention)"
-        problem = checkpoint_trust.problem(self._path(step))
+        problem = checkpoint_trust.problem(self.ckpts.path(step))
         if problem:
             return f"is not intact ({problem})"
         return "is marked unhealthy (saved after a non-finite loss)"
@@ -509,9 +497,9 @@ class Watch(Directed):
         loaded = self._load_newest(steps, healthy_fallback=True)
         if loaded is None:
             raise Refused(f"checkpoint {t.restart_from.step} in {self.dir} and every older healthy one are "
-                          f"unreadable ({'; '.join(self._passed_over) or 'the log says why'}); nothing to roll back to"
+                          f"unreadable ({'; '.join(self.ckpts.passed_over) or 'the log says why'}); nothing to roll back to"
                           if not cmd.exact else f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable "
-                          f"({'; '.join(self._passed_over) or 'the log says why'})")
+                          f"({'; '.join(self.ckpts.passed_over) or 'the log says why'})")
         suspects = np.zeros(0, np.int64)
         if self.precise is not None and cmd.skip:  # a blunt skip never lists its ids
             suspects = ids_of(cmd.skip)
@@ -536,7 +524,7 @@ class Watch(Directed):
         self.dist.barrier()  # every rank has loaded before rank 0 deletes anything
         if self.dist.rank == 0:
             for s in abandoned:
-                self._remove(s)
+                self.ckpts.remove(s)
         prev = self.run.attempt
         self.run.checkpoints_deleted(abandoned, f"abandoned by the rollback to step {loaded}")
         if self.th is not None:
@@ -568,8 +556,8 @@ class Watch(Directed):
             self._probing = _Probing(None, None, loaded, base, suspects, search, healthy, self.precise, budget,
                                      recorded, lone.pop() if len(lone) == 1 else None)
         ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(
-            loaded, str(self._path(loaded)), self.cursor, checkpoint_trust.healthy(self._path(loaded)))
-        return Applied(change, seq, ckpt, (prev, self.run.attempt), tuple(self._passed_over),
+            loaded, str(self.ckpts.path(loaded)), self.cursor, self.ckpts.healthy(loaded))
+        return Applied(change, seq, ckpt, (prev, self.run.attempt), tuple(self.ckpts.passed_over),
                        skipped=() if precise else None)
 
     # --- precise skip: probes from the rollback's checkpoint ------------------------------------
@@ -635,25 +623,10 @@ class Watch(Directed):
         self._answer(p.cmd, out, None)
         return None
 
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def _path(self, step: int) -> Path:
-        return self.dir / (f"step_{step:08d}.pt" if self.dist.world == 1 else f"step_{step:08d}")
+    # --- checkpoints (thermowatch/checkpoint_dir.py does the files) ---------------------------
 
     def _checkpoints(self) -> list[int]:
-        pattern = _CKPT if self.dist.world == 1 else _CKPT_DIR
-        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := pattern.match(p.name)))
-
-    def _remove(self, step: int) -> None:
-        path = self._path(step)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-            checkpoint_trust.remove_manifest(path)
-
-    def _checkpoint_exists(self, step: int) -> bool:
-        return self._path(step).exists()
+        return self.ckpts.steps()
 
     def _save(self, step: int) -> None:
         self._collect_all()  # the health of the steps before it is known before it is registered
@@ -662,114 +635,31 @@ class Watch(Directed):
                  "rng": rng_state()}
         if self.precise is not None:  # a precise skip's healthy trail, should a rollback come back here
             extra["losses"] = [v for _, v in list(self._losses)[-self.precise.window:]]
-        path = self._path(step)
-        tmp = path.with_name(path.name + ".partial")
-        if self.dist.world > 1:
-            self.dist.save(self.model, self.optimizer, extra, tmp)
-        else:
-            with open(tmp, "wb") as f:  # its checksum taken as it is written: nothing is read back
-                hashed = checkpoint_trust.HashingWriter(f)
-                torch.save({**extra, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                           hashed)
-                f.flush()
-                os.fsync(f.fileno())
-        # Once a run, on rank 0 (every rank's part holds the same types; the others' parts are
-        # renamed away under them): the types a loop's state holds do not change.
-        if not self._checked_loads and self.dist.rank == 0:
-            self._checked_loads = True
-            why = refused_reason(tmp if self.dist.world == 1 else tmp / "extra_rank0.pt")
-            if why is not None:
-                log.error("thermowatch: checkpoint step %d holds a type outside the checkpoint allow-list (%s), so "
-                          "a resume or rollback will refuse it and fall back past it: keep plain values in your "
-                          "scheduler's and optimizer's state, or allow the type with "
-                          "torch.serialization.add_safe_globals before thermowatch.watch", step, why)
-        if self.dist.world > 1 and self.dist.rank != 0:
-            self.dist.barrier()  # rank 0 renames, registers and prunes; then every rank goes on
-            self._healthy = True
-            return
-        if self.dist.world > 1:  # every rank's files are written (dcp.save is collective): list them
-            checkpoint_trust.write_manifest(tmp, step, self.cursor, self._healthy, checkpoint_trust.listing(tmp))
-        os.replace(tmp, path)
-        fsync_dir(self.dir)
-        if self.dist.world == 1:  # after the file: a manifest never vouches for a file not in place
-            checkpoint_trust.write_manifest(path, step, self.cursor, self._healthy, {path.name: hashed.digest()})
-        self._save_state()
-        self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=self._healthy,
-                                  manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
+        path = self.ckpts.save(step, extra, self.cursor, self._healthy)
+        if path is not None:  # rank 0: registered, the book kept, retention, then the others go on
+            self._save_state()
+            self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=self._healthy,
+                                      manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
+            old = self.ckpts.prune(step)
+            self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.ckpts.keep}, one per "
+                                              f"{KEEP_EVERY} steps, the newest {KEEP_BEHIND}+ steps old")
+            self.ckpts.released()
         self._healthy = True
-        steps = self._checkpoints()
-        keep = retained(steps, self.keep_checkpoints, KEEP_EVERY, now=step, behind=KEEP_BEHIND)
-        # Never the newest checkpoint saved healthy, however many unhealthy ones came since
-        # (pocket-tts #262: after a NaN, keep-last-3 deleted every healthy checkpoint and the
-        # resume reloaded NaN weights). The store's guard too (trainer/checkpoint.py, prune).
-        newest_healthy = next((s for s in reversed(steps) if checkpoint_trust.healthy(self._path(s))), None)
-        if newest_healthy is not None:
-            keep.add(newest_healthy)
-        old = [s for s in steps if s not in keep]
-        for s in old:
-            self._remove(s)
-        self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.keep_checkpoints}, one per "
-                                          f"{KEEP_EVERY} steps, the newest {KEEP_BEHIND}+ steps old")
-        if self.dist.world > 1:
-            self.dist.barrier()
 
-    def _load(self, step: int) -> int:
-        if self.dist.world > 1:
-            state = self.dist.load(self.model, self.optimizer, self._path(step))
-        else:
-            state = load_as_data(self._path(step))  # as data: a planted pickle is refused, not run
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+    def _adopt(self, state: dict[str, Any]) -> int:
+        """A loaded checkpoint's own state: the step, the cursor and the precise skip's trail."""
         self._ckpt_losses = [float(v) for v in state.get("losses") or []]
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self._ids_step = self.step
         return self.step
 
-    def _load_newest(self, steps: list[int], healthy_fallback: bool = False) -> int | None:
-        """Load the newest of these checkpoints that matches its manifest's checksums and reads;
-        one that does not falls back to an older one (with `healthy_fallback`, a rollback's: only
-        to one saved healthy). The step loaded, or None when none does; `_passed_over` says why
-        each one before it was passed over. Under torchrun every rank tries the same ones in the
-        same order and keeps one only when every rank read it.
+    def _load(self, step: int) -> int:
+        return self._adopt(self.ckpts.load(step))
 
-        A file refused for holding code (thermowatch/checkpoint_io.py) is set aside as
-        `<name>.refused`: kept for whoever looks into it, never tried again, and out of the way
-        of the checkpoint this run saves at that step when it trains there again."""
-        self._passed_over = []
-        for i, s in enumerate(sorted(steps, reverse=True)):
-            refused = False
-            if i and healthy_fallback and not checkpoint_trust.healthy(self._path(s)):
-                log.warning("thermowatch: passing over checkpoint step %d: saved after a non-finite loss", s)
-                self._passed_over.append(f"{s} (saved after a non-finite loss)")
-                continue
-            why = checkpoint_trust.problem(self._path(s))
-            if not self.dist.all_ok(why is None):
-                why = why or "another rank found its files corrupt"
-                log.error("thermowatch: checkpoint step %d does not match its manifest (%s); trying an older one",
-                          s, why)
-                self._passed_over.append(f"{s} ({why})")
-                continue
-            try:
-                self._load(s)
-                ok = True
-            except CheckpointRefused as exc:
-                log.error("thermowatch: checkpoint step %d was refused, not loaded: %s; trying an older one", s, exc)
-                ok, refused = False, True
-                self._passed_over.append(f"{s} (refused: it names code or types outside the allow-list)")
-            except Exception as exc:  # noqa: BLE001 - a torn or foreign file: say so, try the next
-                log.error("thermowatch: checkpoint %s is unreadable (%s); trying an older one", self._path(s), exc)
-                ok = False
-                self._passed_over.append(f"{s} (unreadable: {type(exc).__name__})")
-            if self.dist.all_ok(ok):
-                return s
-            if ok:  # read here, not on another rank
-                self._passed_over.append(f"{s} (unreadable on another rank)")
-            if not self.dist.all_ok(not refused) and self.dist.rank == 0:  # any rank refused it
-                set_aside(self._path(s))
-        return None
+    def _load_newest(self, steps: list[int], healthy_fallback: bool = False) -> int | None:
+        """The step of the newest of `steps` that loaded (CheckpointDir.load_newest), or None."""
+        state = self.ckpts.load_newest(steps, healthy_fallback)
+        return self._adopt(state) if state is not None else None
 
     def _save_state(self) -> None:
         """The ledger and the LR changes are absolute and outlive every rollback: kept in the run's
