@@ -61,8 +61,7 @@ from thermowatch import checkpoint_trust
 from thermowatch.checkpoint_dir import KEEP_BEHIND, KEEP_EVERY, CheckpointDir
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import (
-    LR_MULTIPLIER, LR_PEAK_AHEAD, Bisected, Cause, CheckpointInfo, Command, LRChange, Replay, StepRecord,
-    ledger_digest, multiplier_at,
+    LR_MULTIPLIER, LR_PEAK_AHEAD, CheckpointInfo, Command, LRChange, StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.names import check_run_id
@@ -70,7 +69,8 @@ from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ids_of, ranges_of
+from thermowatch.precise_skip import PreciseSkip, ids_of, ranges_of
+from thermowatch.probing import Probing
 from thermowatch.paused import PauseNotice
 from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.protocol import Directed, Directive, Outcome, ack_for
@@ -166,7 +166,7 @@ class Watch(Directed):
         # (step, rank): under torchrun, steps whose non-finite figures the reduction pinned on one rank
         self._lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
         self._ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
-        self._probing: _Probing | None = None
+        self._probing: Probing | None = None
         self._probe_grad_finite = True  # the probe step's gradient was finite (_before_optimizer_step)
         self._waiting: list[Command] = []  # commands that came with a rollback that is still probing
         self._saved_lrs: list[Any] | None = None
@@ -537,89 +537,28 @@ class Watch(Directed):
         self._peak = self._forecast()
         if t.directive is not None:  # it ends a pause (issue 35)
             self.directive = t.directive
-        if precise:
-            # the spike bar's healthy trail: the newest losses of the path up to the checkpoint, kept
-            # in it when it was saved (the sent losses were cut back at each rollback, but a
-            # rollback far back, or a relaunch, has no more of them)
+        if precise:  # its command and Outcome are handed over by _obey once the executor has said it
             healthy = self._ckpt_losses or [v for s, v in self._losses if s <= loaded]
-            budget = self.precise.max_steps or 4 * max(1, -(-len(suspects) // self.global_batch))
-            base = self.ledger.copy()
-            # replay triage (issue 39): the replays run through where the abandoned path spiked;
-            # a path whose loss never spiked gives them nothing to compare with
-            recorded = first_spike(healthy, left, self.precise) if self.precise.triage else None
-            if recorded is not None:
-                budget += 2 * (recorded[0] - loaded)  # the replays' own budget, beside the search's
-            # whole steps per probe; past the suspects, the ids the loop would train next
-            search = Search(suspects, self.precise.min_samples or self.global_batch, align=self.global_batch,
-                            follow=lambda after, n: base.take(after + 1, n), triage=recorded is not None)
-            # its command and Outcome are handed over by _obey once the executor has said it
-            self._probing = _Probing(None, None, loaded, base, suspects, search, healthy, self.precise, budget,
-                                     recorded, lone.pop() if len(lone) == 1 else None)
+            self._probing = Probing.begin(self.precise, suspects, loaded, self.ledger.copy(), healthy, left,
+                                          self.global_batch, lone.pop() if len(lone) == 1 else None)
         ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(
             loaded, str(self.ckpts.path(loaded)), self.cursor, self.ckpts.healthy(loaded))
         return Applied(change, seq, ckpt, (prev, self.run.attempt), tuple(self.ckpts.passed_over),
                        skipped=() if precise else None)
 
-    # --- precise skip: probes from the rollback's checkpoint ------------------------------------
+    # --- precise skip: probes from the rollback's checkpoint (thermowatch/probing.py) ----------
 
     def _probe_next(self) -> int | None:
         """The next probe step to train, or None once the search has ended (the checkpoint
         loaded again, the offenders skipped, the rollback answered)."""
         p = self._probing
-        # out of time on any rank is out of time on every rank (each rank's clock is its own)
-        over = not self.dist.all_ok(p.steps < p.budget and time.monotonic() - p.t0 < self.precise.max_seconds)
-        if p.under_way():
-            ended = (p.spiked or self.step >= self.total
-                     or (self.step >= p.through if p.through is not None else p.after >= self.precise.settle))
-            if not (ended or over):
-                return self.step + 1
-            if ended:  # its verdict (a probe cut short by the budget has none)
-                p.close()
-            self._load(p.checkpoint)
-        if over:
-            p.search.give_up()  # what is not cleared yet, the probe cut short included, is skipped
-        replaying = p.search.replaying
-        probe = p.search.next()
-        if probe is not None:
-            # a replay of triage runs through the abandoned path's spike, a search's probe through its last sample
-            p.open(probe, through=p.recorded[0] if replaying else None)
-            if replaying and not len(probe) and self.cursor >= self.global_batch:
-                # Without the suspects, in their place the samples the healthy path trained last
-                # before the checkpoint, round and round (a young checkpoint has fewer steps of them
-                # than the replay needs): known clean. The ones after the suspects are unknown, and
-                # a poisoned stretch running on into them spiked this replay and passed for the
-                # optimizer (test_quarantine's stretch, with skip_ahead_steps 0).
-                n = min(p.recorded[0] - p.checkpoint, self.cursor // self.global_batch) * self.global_batch
-                p.clean = (self.cursor - n, self.cursor)
-                self.cursor = p.clean[0]
+        if p.advance(self):
             return self.step + 1
         self._probing = None
-        found = p.search.offenders()
-        skipped = ranges_of(found)
-        self.ledger.add_many([r.to_json() for r in skipped])
+        found, out = p.result()
+        self.ledger.add_many([r.to_json() for r in ranges_of(found)])
         self._save_state()
-        # the suspects reported: every sample searched, the blocks past the rollback's window included
-        searched = p.search.universe
-        cause = None
-        if p.search.cause is not None:
-            step, loss, _ = p.recorded
-            cause = Cause(p.search.cause, step, loss if math.isfinite(loss) else None, tuple(p.replays),
-                          sum(r.steps for r in p.replays), round(p.replay_s, 3), rank=p.rank)
-        bisected = Bisected(ranges_of(searched), p.search.probes, p.steps, round(time.monotonic() - p.t0, 3),
-                            p.search.outcome, cause)
-        past = len(searched) - len(p.suspects)
-        what = (f"{len(found):,} of {len(searched):,} suspect samples" if len(found) < len(searched)
-                else f"all {len(searched):,} suspect samples ({bisected.outcome})")
-        what += f" ({past:,} of them past the window: the bad stretch went on)" if past else ""
-        if bisected.outcome == "cleared":
-            what = "nothing: the cause is not the data"
-        detail = (p.out.detail + f"; precise skip: {bisected.probes} probes, {bisected.steps} steps, "
-                  f"{bisected.seconds:.1f} s"
-                  + (f"; cause {cause.words()}" if cause is not None else "") + f"; skipping {what}"
-                  + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
-        out = Outcome(detail, checkpoint=p.out.checkpoint, lr_change=p.out.lr_change, lr_seq=p.out.lr_seq,
-                      skipped=skipped, bisected=bisected)
-        log.info("thermowatch: %s", detail)
+        log.info("thermowatch: %s", out.detail)
         self._answer(p.cmd, out, None)
         return None
 
@@ -693,71 +632,6 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         n += p.numel()
     return {"class": type(model).__qualname__, "parameters": n, "fingerprint": h.hexdigest()[:16]}
-
-
-class _Probing:
-    """A precise skip under way (thermowatch/precise_skip.py): the rollback it answers, the
-    search, and the probe being trained (its ledger: the base ledger with the other suspects
-    skipped)."""
-
-    def __init__(self, cmd: Command | None, out: Outcome | None, checkpoint: int, base: SkipLedger, suspects: np.ndarray,
-                 search: Search, healthy: list[float], cfg: PreciseSkip, budget: int,
-                 recorded: tuple[int, float, float | None] | None = None, rank: int | None = None) -> None:
-        self.cmd, self.out, self.checkpoint, self.base = cmd, out, checkpoint, base
-        self.rank = rank  # the one rank whose figures broke on the abandoned path (torchrun), if one did
-        self.suspects, self.search, self.healthy, self.cfg, self.budget = suspects, search, healthy, cfg, budget
-        self.recorded = recorded  # (step, loss, level) of the abandoned path's spike: what triage replays
-        self.replays: list[Replay] = []  # triage's evidence, one per replay
-        self.replay_s = 0.0
-        self.t0 = time.monotonic()
-        self.steps = 0
-        self.probe: np.ndarray | None = None
-        self.clean: tuple[int, int] | None = None
-        self.ledger = base
-
-    def under_way(self) -> bool:
-        return self.probe is not None
-
-    def open(self, probe: np.ndarray, through: int | None = None) -> None:
-        """`through`: a replay of triage's, trained through this step (the abandoned path's spike)."""
-        self.probe, self.last, self.through = probe, int(probe[-1]) if len(probe) else -1, through
-        self.clean: tuple[int, int] | None = None  # [lo, hi) cursors the replay without the suspects goes round
-        self.opened = time.monotonic()
-        self.at = self.loss = None  # the step trained last, and its loss
-        self.ledger = self.base.copy()
-        # the rest of what the search covers is skipped: the suspects and the blocks past them
-        self.ledger.add_many([r.to_json() for r in ranges_of(np.setdiff1d(self.search.universe, probe,
-                                                                          assume_unique=True))])
-        self.bar = SpikeBar(self.healthy, self.cfg)
-        self.trained: list[np.ndarray] = []
-        self.spiked = False
-        self.after = -1  # steps trained since the probe's last sample was (-1: not yet)
-
-    def observe(self, step: int, ids: np.ndarray, loss: float) -> None:
-        self.steps += 1
-        self.trained.append(ids)
-        self.spiked = self.bar.spiked(loss)
-        self.at, self.loss = step, float(loss)
-        if self.through is not None:
-            return
-        if self.after >= 0:
-            self.after += 1
-        elif int(ids[-1]) >= self.last:
-            self.after = 0
-
-    def close(self) -> None:
-        seen = np.intersect1d(self.probe, np.concatenate(self.trained)) if self.spiked else np.zeros(0, np.int64)
-        last = np.intersect1d(self.probe, self.trained[-1]) if self.spiked else None
-        log.debug("thermowatch: precise skip probe %s: %d steps, %s", ranges_of(self.probe), len(self.trained),
-                  f"spiked, {len(seen)} of its samples trained by then" if self.spiked else "clean")
-        if self.through is not None:  # a replay of triage: its evidence
-            self.replays.append(Replay(suspects_skipped=len(self.probe) == 0, spiked=self.spiked,
-                                       step=self.at if self.at is not None else self.checkpoint,
-                                       loss=self.loss if self.loss is not None and math.isfinite(self.loss) else None,
-                                       level=self.bar.level, steps=len(self.trained)))
-            self.replay_s += time.monotonic() - self.opened
-        self.search.report(self.spiked, seen, last)
-        self.probe = None
 
 
 class _Quiet:
