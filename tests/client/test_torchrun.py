@@ -65,8 +65,8 @@ def _check(db, tmp_path, wrap: str) -> None:
     assert len(gnorm) == len({s for _, s in seq[0]}) and np.isfinite(gnorm).all() and (gnorm > 0).all()
 
 
-# The operator's rollback, skip and stop on FSDP2 (PostgreSQL); DDP's rollbacks are the two
-# precise-skip runs below (SQLite), which check the same agreement (CI time: one run each). The
+# The operator's rollback, skip and stop on FSDP2 (PostgreSQL); the precise-skip runs below
+# (SQLite) roll back FSDP2 and DDP by themselves and check the same agreement (CI time: one run each). The
 # broadcast, the rollback and the skip do not depend on the database; the store is tested on both.
 @pytest.mark.parametrize("db", ["postgres"], indirect=True)
 def test_a_two_rank_fsdp2_loop_rolls_back_skips_and_stops_on_every_rank_at_once(db, tmp_path):
@@ -92,8 +92,8 @@ def _torchrun(db, tmp_path, mode: str):
 
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
-    """Issue 39 item 3: precise skip under torchrun. Sample 50's loss is NaN on the rank that
-    trains it; the supervisor rolls back and asks to skip the window; both ranks train the same
+    """Issue 39 item 3: precise skip under torchrun, FSDP2 (a probe's gradient check reads each
+    rank's own shards). Sample 50's loss is NaN on the rank that trains it; the supervisor rolls back and asks to skip the window; both ranks train the same
     probes (the verdicts agreed: the loss averaged, one rank's NaN gradient or timeout every rank's),
     triage names the data, and the search narrows the skip to that sample's step."""
     ranks, rb = _torchrun(db, tmp_path, "precise")

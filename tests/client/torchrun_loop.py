@@ -6,9 +6,9 @@ re-trained attempt passes step 25, to stop. Each rank writes what it trained to 
 
     torchrun --nproc_per_node 2 tests/client/torchrun_loop.py <db_url> <data_dir> <out> ddp|fsdp|precise
 
-`precise` (DDP, issue 39 item 3): no operator; sample 50 is a corrupt record whose loss is NaN on
-the rank that trains it, the supervisor rolls back on it by itself, and precise skip's probes run
-on both ranks together until they find it. `hardware` (DDP, replay triage on): rank 1's gradient
+`precise` (FSDP2, issue 39 item 3): no operator; sample 50 is a corrupt record whose loss is NaN
+on the rank that trains it (its NaN gradients reach every rank's shards), the supervisor rolls
+back on it by itself, and precise skip's probes run on both ranks together until they find it. `hardware` (DDP, replay triage on): rank 1's gradient
 is corrupted once, at step 12, after DDP's all-reduce (tests/client/faults.py's stuck exponent), so
 rank 1 alone breaks first.
 """
@@ -38,7 +38,7 @@ model = user_model()
 POISON = 50
 precise = wrap in ("precise", "hardware")
 faults = Faults(grad_step=12 if wrap == "hardware" and rank == 1 else None)
-if wrap == "fsdp":  # FSDP2: each block its own unit, then the root
+if wrap in ("fsdp", "precise"):  # FSDP2: each block its own unit, then the root
     from torch.distributed.fsdp import fully_shard
 
     for block in model.transformer.h:
@@ -62,7 +62,7 @@ for step in tw.steps():
         loss = loss * float("nan") if wrap == "precise" and POISON in ids else loss
         opt.zero_grad()
         loss.backward()
-        faults.after_backward(step, model.module)
+        faults.after_backward(step, getattr(model, "module", model))
         opt.step()
     else:
         loss = train_step(model, opt, *user_batch(DATA, ids))
