@@ -8,6 +8,12 @@ the new attempt's first step on, as the daemon's do when a rollback takes effect
 rolled-back run finds each divergence an abandoned attempt had. A malformed line is reported on stderr with its line
 number and skipped: one torn line at the end of a log must not hide the divergence before it.
 
+A JSONL line with an `event` (what `thermowatch export` writes for each rollback the daemon's
+run went through, before the attempt it opened: the checkpoint loaded, the first re-trained
+step, what was skipped, and replay triage's cause, issue 39) is no record: the replay prints it
+where that attempt starts, so a reader sees what the run did and why beside what the detectors
+find again.
+
 Exit codes: 0 no finding, 1 at least one finding, 2 the file could not be read (or held no
 record at all).
 """
@@ -23,6 +29,7 @@ from typing import Any, Callable, Iterator, TextIO
 from thermowatch.monitors.contract import RECORD_FIELDS, ContractError, Finding, StepRecord
 
 ATTEMPT = "attempt"  # a record's attempt: read beside the record, never a metric
+EVENT = "event"  # a line that is what the run did (a rollback), not a step record
 
 from .detectors import BankConfig, DetectorBank
 
@@ -71,6 +78,8 @@ def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecor
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ContractError(f"expected a JSON object, got {type(obj).__name__}")
+                if EVENT in obj:  # what the run did (read_events), not a step record
+                    continue
                 yield lineno, *_split(_coerce(obj, warned, where, err))
             except (json.JSONDecodeError, ContractError, TypeError, ValueError) as exc:
                 print(f"{where}: skipped malformed record: {exc}", file=err)
@@ -123,6 +132,43 @@ def read_attempts(path: str | Path, err: TextIO | None = None) -> Iterator[tuple
     return reader(p, err)
 
 
+def read_events(path: str | Path) -> dict[int | None, list[dict[str, Any]]]:
+    """A JSONL export's event lines by the attempt they opened (None: no attempt followed them);
+    {} for CSV, which carries none."""
+    p = Path(path)
+    out: dict[int | None, list[dict[str, Any]]] = {}
+    if p.suffix.lower() == ".csv":
+        return out
+    with p.open("r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if f'"{EVENT}"' not in line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # _jsonl reports it
+            if isinstance(obj, dict) and EVENT in obj:
+                at = obj.get(ATTEMPT)
+                out.setdefault(at if isinstance(at, int) and not isinstance(at, bool) else None, []).append(obj)
+    return out
+
+
+def format_event(e: dict[str, Any]) -> str:
+    """A rollback the run went through, in one line: what it loaded, skipped, and why."""
+    cause = e.get("cause") if isinstance(e.get("cause"), dict) else None
+    skipped = e.get("skipped") or []
+    line = (f"attempt {e.get(ATTEMPT, '?')}: {e.get(EVENT)} (action {e.get('action')}, {e.get('origin') or '?'}) "
+            f"to checkpoint {e.get('checkpoint_step')}, re-training from step {e.get('first_step')}; skipped "
+            + (", ".join(f"[{r[0]}, {r[1]})" for r in skipped if isinstance(r, list) and len(r) == 2) or "nothing"))
+    if e.get("search"):
+        line += f"; precise skip: {e['search']}"
+    if cause is not None:
+        line += (f"; cause: {cause.get('label')} (the run had spiked at step {cause.get('recorded_step')}"
+                 + (f", only rank {cause['rank']}'s figures non-finite" if cause.get("rank") is not None else "")
+                 + f"; replays {len(cause.get('replays') or [])}, {cause.get('steps')} steps, {cause.get('seconds')} s)")
+    return line
+
+
 def read_records(path: str | Path, err: TextIO | None = None) -> Iterator[tuple[int, StepRecord]]:
     """(line number, record) for each good line (read_attempts without the attempt)."""
     return ((lineno, rec) for lineno, _, rec in read_attempts(path, err))
@@ -167,11 +213,18 @@ def replay(
         return EXIT_ERROR
     bank = DetectorBank(config)
     n_records = n_findings = 0
+
+    def said(events: list[dict[str, Any]]) -> None:
+        for e in events:
+            out.write((json.dumps(e, default=str) if json_out else format_event(e)) + "\n")
+
     try:
+        events = read_events(p)
         current: int | None = None
         for _, attempt, record in read_attempts(p, err):
             n_records += 1
             if attempt is not None and current is not None and attempt != current:
+                said(events.pop(attempt, []))  # what the run did there, and why
                 bank.reset(record.step)  # the new attempt re-trains from here (Responder.rewind)
             current = attempt if attempt is not None else current
             for finding in bank.observe(record, attempt):
@@ -184,6 +237,7 @@ def replay(
                     out.write(json.dumps(obj, default=str) + "\n")
                 else:
                     out.write(format_finding(finding, decision) + "\n")
+        said([e for es in events.values() for e in es])  # nothing trained after them
     except OSError as exc:
         print(f"thermowatch replay: cannot read {p}: {exc}", file=err)
         return EXIT_ERROR

@@ -212,8 +212,11 @@ def cmd_export(args: argparse.Namespace) -> int:
                 for step, value in zip(steps, values):
                     rows.setdefault((attempt, step), {})[key] = (_NONFINITE.get(value, value)
                                                                  if isinstance(value, str) else value)
-    fmt = args.format or ("csv" if out.suffix.lower() == ".csv" else "jsonl")
+        fmt = args.format or ("csv" if out.suffix.lower() == ".csv" else "jsonl")
+        # what the daemon did between the attempts, with replay triage's cause (issue 39): JSONL only
+        done = api.get(f"{run_path(args.run_id)}/actions", limit=10_000)["actions"] if every and fmt == "jsonl" else []
     order = sorted(rows, key=lambda k: (k[0] or 0, k[1]))
+    events = _rollback_events(done, order)
     with replacing(out, flag="--out") as fh:  # whole or not at all, and only over a regular file
         if fmt == "csv":
             w = csv.writer(fh)
@@ -224,11 +227,40 @@ def cmd_export(args: argparse.Namespace) -> int:
                 w.writerow(([attempt] if every else []) + [step, *(repr(float(vals[k])) if k in vals else "" for k in keys)])
         else:
             for attempt, step in order:
+                for event in events.pop((attempt, step), []):  # before the attempt it opened
+                    fh.write(json.dumps(event) + "\n")
                 head = {"step": step} if attempt is None else {"attempt": attempt, "step": step}
                 # allow_nan (the default): NaN / Infinity literals, as the run controller logs them
                 fh.write(json.dumps({**head, **rows[(attempt, step)]}) + "\n")
+            for event in (e for es in events.values() for e in es):  # nothing trained after them
+                fh.write(json.dumps(event) + "\n")
     n_att = len({a for a, _ in rows})
     print(f"wrote {len(rows)} records ({len(keys)} series{f', {n_att} attempts' if every else ''}) of run "
           f"{args.run_id} to {out}" + (f"; `thermowatch replay {out}` runs them through the detectors"
                                         if fmt == "jsonl" else " as CSV"))
     return 0
+
+
+def _rollback_events(actions: list[dict[str, Any]], order: list[tuple[int | None, int]]) -> dict[tuple, list[dict]]:
+    """Each done rollback as an export line of its own, keyed by the (attempt, step) record it
+    goes before: the first record of the first attempt after the previous rollback's that starts
+    at its first re-trained step. `thermowatch replay` prints it there (monitors/replay.py)."""
+    firsts = {}
+    for attempt, step in order:  # each attempt's first step, attempts in order
+        firsts.setdefault(attempt, step)
+    out: dict[tuple, list[dict]] = {}
+    later = [a for a in firsts if a is not None]
+    for a in sorted(actions, key=lambda x: x["id"]):
+        r = a.get("result") or {}
+        if a.get("kind") != "rollback" or a.get("state") != "done" or not isinstance(r.get("step"), int):
+            continue
+        bisected = r.get("bisected") or {}
+        event = {"event": "rollback", "action": a["id"], "origin": a.get("origin"),
+                 "checkpoint_step": r.get("checkpoint_step"), "first_step": r["step"], "skipped": r.get("skipped") or [],
+                 "search": bisected.get("outcome"), "cause": bisected.get("cause")}
+        at = next((x for x in later if firsts[x] == r["step"]), None)
+        if at is not None:
+            later = later[later.index(at) + 1:]
+            event["attempt"] = at
+        out.setdefault((at, r["step"]) if at is not None else ("end", a["id"]), []).append(event)
+    return out
