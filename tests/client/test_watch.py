@@ -73,8 +73,13 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
             submitted["rollback"] = sup.executor.submit("mine", "rollback", {"to_step": 35}, "ana", "spike")
         if step == 45 and tw.attempt == 2 and "pause" not in submitted:
             submitted["pause"] = sup.executor.submit("mine", "pause", {}, "ana", "look")
-            threading.Timer(1.5, lambda: submitted.setdefault(
-                "resume", sup.executor.submit("mine", "resume", {}, "ana", "fine"))).start()
+
+            def resume_later() -> None:  # 1.5 s after the pause was carried out, however late it arrived
+                _wait_done(sup, submitted["pause"])
+                time.sleep(1.5)
+                submitted.setdefault("resume", sup.executor.submit("mine", "resume", {}, "ana", "fine"))
+
+            threading.Thread(target=resume_later, daemon=True).start()
         if "resume" in submitted and "stop" not in submitted:  # after the pause has been lifted
             submitted["stop"] = sup.executor.submit("mine", "stop", {}, "ana", "enough")
     last = tw.step
