@@ -1,7 +1,7 @@
 """Suite-wide collection order: the longest tests first.
 
-The suite runs on three workers (`pytest -n 3 --dist loadfile`, README's test command), which
-take whole files in collection order; a long file collected last would leave one worker training
+The suite runs on two workers (`pytest -n 2 --dist loadfile`, README's test command), which take
+whole files in collection order; a long file collected last would leave one worker training
 alone at the end. A test's hang guard (`pytest.mark.timeout`) is sized to its expected length,
 so files holding the largest guards go first; everything else keeps its order."""
 
