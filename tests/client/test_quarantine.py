@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import thermowatch
-from tests.client.user_loop import DATA, train_step, user_batch, user_model
+from tests.client.faults import Faults
+from tests.client.user_loop import train_step, user_model
 from tests.live_server import running
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 from thermowatch.checkpoint_io import load_as_data
@@ -35,14 +36,8 @@ DATASET = 4000  # the loop's data: one pass and a bit; the quarantine names its 
 
 
 def batch(ids: torch.Tensor, poison: range = POISON) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = user_batch(DATA, ids)
-    bad = torch.tensor([int(i) in poison for i in ids])
-    if bad.any():  # a corrupt shard: uniformly random bytes, the same for the same id
-        g = torch.Generator().manual_seed(int(ids[bad][0]))
-        noise = torch.randint(0, 256, (int(bad.sum()), x.shape[1] + 1), generator=g)
-        x, y = x.clone(), y.clone()
-        x[bad], y[bad] = noise[:, :-1], noise[:, 1:]
-    return x, y
+    """A corrupt shard: the poisoned ids' data is uniformly random bytes (tests/client/faults.py)."""
+    return Faults(poison=poison).batch(ids)
 
 
 def train(db, tmp_path, run: str, precise: bool = True, poison: range = POISON, trained: list | None = None,
