@@ -69,7 +69,7 @@ from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.precise_skip import PreciseSkip, ids_of, ranges_of
+from thermowatch.precise_skip import PreciseSkip, ids_of
 from thermowatch.probing import Probing
 from thermowatch.paused import PauseNotice
 from thermowatch.obey import Applied, Obey, Refused, Transition
@@ -496,10 +496,11 @@ class Watch(Directed):
                                                          if s <= t.restart_from.step]
         loaded = self._load_newest(steps, healthy_fallback=True)
         if loaded is None:
+            why = "; ".join(self.ckpts.passed_over) or "the log says why"
+            if cmd.exact:
+                raise Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable ({why})")
             raise Refused(f"checkpoint {t.restart_from.step} in {self.dir} and every older healthy one are "
-                          f"unreadable ({'; '.join(self.ckpts.passed_over) or 'the log says why'}); nothing to roll back to"
-                          if not cmd.exact else f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable "
-                          f"({'; '.join(self.ckpts.passed_over) or 'the log says why'})")
+                          f"unreadable ({why}); nothing to roll back to")
         suspects = np.zeros(0, np.int64)
         if self.precise is not None and cmd.skip:  # a blunt skip never lists its ids
             suspects = ids_of(cmd.skip)
@@ -555,8 +556,8 @@ class Watch(Directed):
         if p.advance(self):
             return self.step + 1
         self._probing = None
-        found, out = p.result()
-        self.ledger.add_many([r.to_json() for r in ranges_of(found)])
+        out = p.result()
+        self.ledger.add_many([r.to_json() for r in out.skipped])
         self._save_state()
         log.info("thermowatch: %s", out.detail)
         self._answer(p.cmd, out, None)

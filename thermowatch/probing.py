@@ -109,9 +109,9 @@ class Probing:
             w.cursor = self.clean[0]
         return True
 
-    def result(self) -> tuple[np.ndarray, Outcome]:
-        """The offenders (the ids to skip) and the rollback's Outcome: its own words, then the
-        search's (probes, steps, seconds, the cause, what is skipped)."""
+    def result(self) -> Outcome:
+        """The rollback's Outcome: its own words, then the search's (probes, steps, seconds, the
+        cause, what is skipped); its `skipped`, the offenders' ranges."""
         found = self.search.offenders()
         skipped = ranges_of(found)
         # the suspects reported: every sample searched, the blocks past the rollback's window included
@@ -133,8 +133,8 @@ class Probing:
                   f"{bisected.seconds:.1f} s"
                   + (f"; cause {cause.words()}" if cause is not None else "") + f"; skipping {what}"
                   + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
-        return found, Outcome(detail, checkpoint=self.out.checkpoint, lr_change=self.out.lr_change,
-                              lr_seq=self.out.lr_seq, skipped=skipped, bisected=bisected)
+        return Outcome(detail, checkpoint=self.out.checkpoint, lr_change=self.out.lr_change, lr_seq=self.out.lr_seq,
+                       skipped=skipped, bisected=bisected)
 
     # --- one probe ----------------------------------------------------------------------------
 
