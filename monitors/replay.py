@@ -67,7 +67,8 @@ def _split(obj: dict[str, Any]) -> tuple[int | None, StepRecord]:
     return attempt, StepRecord.from_json(obj)
 
 
-def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecord]]:
+def _jsonl(path: Path, err: TextIO, events: dict[int | None, list[dict[str, Any]]] | None = None,
+           ) -> Iterator[tuple[int, int | None, StepRecord]]:
     warned: set[str] = set()
     with path.open("r", encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -78,7 +79,10 @@ def _jsonl(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecor
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ContractError(f"expected a JSON object, got {type(obj).__name__}")
-                if EVENT in obj:  # what the run did (read_events), not a step record
+                if EVENT in obj:  # what the run did, not a step record: kept by the attempt it opened
+                    if events is not None:
+                        at = obj.get(ATTEMPT)
+                        events.setdefault(at if isinstance(at, int) and not isinstance(at, bool) else None, []).append(obj)
                     continue
                 yield lineno, *_split(_coerce(obj, warned, where, err))
             except (json.JSONDecodeError, ContractError, TypeError, ValueError) as exc:
@@ -123,34 +127,17 @@ def _csv(path: Path, err: TextIO) -> Iterator[tuple[int, int | None, StepRecord]
                 print(f"{where}: skipped malformed record: {exc}", file=err)
 
 
-def read_attempts(path: str | Path, err: TextIO | None = None) -> Iterator[tuple[int, int | None, StepRecord]]:
+def read_attempts(path: str | Path, err: TextIO | None = None,
+                  events: dict[int | None, list[dict[str, Any]]] | None = None,
+                  ) -> Iterator[tuple[int, int | None, StepRecord]]:
     """(line number, attempt or None, record) for each good line; `.csv` files are CSV, anything
-    else JSONL. Raises OSError if the file cannot be opened (replay turns that into exit code 2)."""
+    else JSONL. Raises OSError if the file cannot be opened (replay turns that into exit code 2).
+    `events`: a JSONL export's event lines go there as they are read, by the attempt they opened
+    (None: no attempt followed them); an event comes before its attempt's first record, so it is
+    there when that record is yielded. CSV carries none."""
     p = Path(path)
     err = err if err is not None else sys.stderr
-    reader = _csv if p.suffix.lower() == ".csv" else _jsonl
-    return reader(p, err)
-
-
-def read_events(path: str | Path) -> dict[int | None, list[dict[str, Any]]]:
-    """A JSONL export's event lines by the attempt they opened (None: no attempt followed them);
-    {} for CSV, which carries none."""
-    p = Path(path)
-    out: dict[int | None, list[dict[str, Any]]] = {}
-    if p.suffix.lower() == ".csv":
-        return out
-    with p.open("r", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if f'"{EVENT}"' not in line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # _jsonl reports it
-            if isinstance(obj, dict) and EVENT in obj:
-                at = obj.get(ATTEMPT)
-                out.setdefault(at if isinstance(at, int) and not isinstance(at, bool) else None, []).append(obj)
-    return out
+    return _csv(p, err) if p.suffix.lower() == ".csv" else _jsonl(p, err, events)
 
 
 def format_event(e: dict[str, Any]) -> str:
@@ -219,9 +206,9 @@ def replay(
             out.write((json.dumps(e, default=str) if json_out else format_event(e)) + "\n")
 
     try:
-        events = read_events(p)
+        events: dict[int | None, list[dict[str, Any]]] = {}
         current: int | None = None
-        for _, attempt, record in read_attempts(p, err):
+        for _, attempt, record in read_attempts(p, err, events):
             n_records += 1
             if attempt is not None and current is not None and attempt != current:
                 said(events.pop(attempt, []))  # what the run did there, and why
