@@ -88,7 +88,7 @@ class Watch(Directed):
     Read during or after the loop: `step` (the last step trained), `attempt`, `final_loss` (the
     loss of the last step recorded: one step's, not a mean, as the run's finish report and
     `thermowatch status` carry it for every client, the bundled trainer's included; NaN before the
-    first step and when the run ended diverged), `lr_multiplier`, `probing`."""
+    first step and when the run ended diverged), `lr_multiplier`, `probing`, `serving`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
                  global_batch: int, server: str | Sequence[str] | None = None, token: str | None = None,
