@@ -87,6 +87,42 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault drills (issue 39): real faults put into the run on purpose, so the supervisor's
+    replay triage (precise_skip.triage) and its response can be seen and tested on any machine
+    (tests/faults/test_replay_triage.py). All off by default; never for a run that should train well.
+    Each is real training: the same model, data and engine, with one thing broken."""
+
+    # hardware: at this step, on the run's first attempt only (once: a replay does not repeat
+    # it, as a transient fault would not), one activation element of rank `flip_rank`'s forward
+    # gets its exponent bits set, as a flipped bit reads (NaN); 0 = off
+    flip_step: int = 0
+    flip_rank: int = 0
+    # data: samples with ids in [lo, hi) are uniformly random tokens, the same on every pass (a
+    # corrupt shard); [0, 0] = off
+    poison: tuple[int, int] = (0, 0)
+    # optimizer: from this step on, on every pass, the LR is `lr_factor` x the schedule's (a wrong
+    # config: a rollback re-trains into it again); 0 = off
+    lr_step: int = 0
+    lr_factor: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive_int("faults", "flip_step", self.flip_step, minimum=0)
+        _positive_int("faults", "flip_rank", self.flip_rank, minimum=0)
+        _positive_int("faults", "lr_step", self.lr_step, minimum=0)
+        self.poison = tuple(self.poison)  # YAML gives a list
+        if len(self.poison) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.poison) \
+                or self.poison[1] < self.poison[0]:
+            raise ConfigError(f"faults.poison must be [lo, hi) sample ids, 0 <= lo <= hi, got {self.poison!r}")
+        if not (self.lr_factor > 0 and math.isfinite(self.lr_factor)):
+            raise ConfigError(f"faults.lr_factor must be a positive finite float, got {self.lr_factor!r}")
+
+    @property
+    def any(self) -> bool:
+        return bool(self.flip_step or self.poison[1] > self.poison[0] or self.lr_step)
+
+
+@dataclass
 class TrainConfig:
     run_id: str = "run"  # the supervisor's key for this run; reuse it to resume
     seed: int = 0  # model init; data order has its own seed (data.seed)
@@ -129,6 +165,12 @@ class TrainConfig:
                                          metadata=schema("thermowatch.monitors.thermometers.config:ThermometerConfig"))
     # A user's own DeepSpeed JSON, merged over the one engine.py builds (dicts merge key by key).
     deepspeed_config_override: dict[str, Any] = field(default_factory=dict)
+    # Precise skip (issue 24 item 5, issue 39): before a data rollback resumes, probes re-trained
+    # from its checkpoint find which suspect samples did it, and skip only those; with
+    # `triage: true` two replays first name the cause (data, hardware, optimizer). null = off;
+    # {} = on with thermowatch.precise_skip.PreciseSkip's defaults. Needs a fixed batch (no ramp).
+    precise_skip: dict[str, Any] | None = field(default=None, metadata=schema("thermowatch.precise_skip:PreciseSkip"))
+    faults: FaultConfig = field(default_factory=FaultConfig)  # fault drills; off
 
     def __post_init__(self) -> None:
         try:  # the daemon's own rule (monitors.names): checkpoints go to <checkpoint.dir>/<run_id>
@@ -157,7 +199,7 @@ class TrainConfig:
         if not self.cpus_per_rank > 0:
             raise ConfigError(f"cpus_per_rank must be > 0, got {self.cpus_per_rank!r}")
         for sub, cls in (("data", DataConfig), ("optim", OptimConfig), ("checkpoint", CheckpointConfig),
-                         ("model", GPTConfig)):
+                         ("model", GPTConfig), ("faults", FaultConfig)):
             val = getattr(self, sub)
             if isinstance(val, Mapping):
                 setattr(self, sub, _build(cls, val, sub))
@@ -179,6 +221,12 @@ class TrainConfig:
         if self.optim.warmup_steps > self.steps:
             raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} exceeds steps={self.steps}")
         self.thermometer_config()
+        self.precise()
+        if self.precise_skip is not None and self.data.ramp_tokens:
+            raise ConfigError("precise_skip needs a fixed batch: a probe is whole steps of data.global_batch "
+                              f"samples, and data.ramp_tokens={self.data.ramp_tokens} ramps it; drop one of them")
+        if self.faults.flip_step and self.faults.flip_rank >= self.world_size:
+            raise ConfigError(f"faults.flip_rank={self.faults.flip_rank} is not a rank of world_size={self.world_size}")
 
     # --- derived objects ------------------------------------------------------------------------
 
@@ -189,6 +237,19 @@ class TrainConfig:
             return ThermometerConfig(**self.thermometers)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"thermometers: {exc}") from exc
+
+    def precise(self):
+        """The PreciseSkip the run controller searches with, or None (off)."""
+        from thermowatch.precise_skip import PreciseSkip
+
+        if self.precise_skip is None:
+            return None
+        try:
+            return PreciseSkip(**self.precise_skip)
+        except ValueError as exc:  # its own messages name the key
+            raise ConfigError(str(exc)) from exc
+        except TypeError as exc:
+            raise ConfigError(f"precise_skip: {exc}") from exc
 
     def lr_schedule(self) -> LRSchedule:
         o = self.optim

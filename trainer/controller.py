@@ -15,6 +15,7 @@ state, written into every checkpoint manifest and re-applied on every start and 
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -63,9 +64,10 @@ from thermowatch.trainer.seam import TrainedStep
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.paused import PauseNotice
-from thermowatch.protocol import CommandBook, Directed, Directive, next_attempt
+from thermowatch.protocol import CommandBook, Directed, Directive, Outcome, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Applied, Obey, Transition
+from thermowatch.trainer.probes import Probes, suspects_of
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
@@ -142,6 +144,14 @@ class RunController(Directed):
         self._ckpt_failures = 0  # consecutive failed checkpoint saves (reported in every record)
         self._ckpt_recovered = False
         self.last_checkpoint_error: str | None = None
+        # Precise skip (trainer/probes.py): the path's (step, loss), a non-finite gradient as NaN
+        # (the spike replay triage replays; a checkpoint keeps its newest as the probes' trail),
+        # the steps where one rank alone broke (hardware's evidence), the abandoned path's end.
+        self.precise = config.precise()
+        self.probes: Probes | None = None  # a search the executor's Outcome hands the rollback to
+        self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
+        self._lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        self._trained_to = 0  # the abandoned path trained every sample id below this
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -220,14 +230,21 @@ class RunController(Directed):
             return
         self._record(outs)
 
+    def _reduced(self, outs: list[TrainedStep | None]) -> tuple[np.ndarray, dict[str, int]]:
+        if self.cfg.reduction == "collective":  # the ranks reduced on the device; rank 0 sent it
+            return self.reducer.unpack(outs[0].values)
+        return self.reducer(np.stack([o.values for o in outs]))
+
+    def reduce(self, outs: list[TrainedStep | None]) -> dict[str, float]:
+        """A step's reduced figures by name (a precise skip's probe: trainer/probes.py)."""
+        values, _ = self._reduced(outs)
+        return self._unread.as_dict(values, outs[0].step)
+
     def _record(self, outs: list[TrainedStep | None]) -> None:
         first = outs[0]
         if first is None:
             return
-        if self.cfg.reduction == "collective":  # the ranks reduced on the device; rank 0 sent it
-            values, ranks = self.reducer.unpack(first.values)
-        else:
-            values, ranks = self.reducer(np.stack([o.values for o in outs]))
+        values, ranks = self._reduced(outs)
         extra = {LR_MULTIPLIER: first.lr_multiplier, LR_PEAK_AHEAD: first.lr_peak_ahead}
         if self._ckpt_failures or self._ckpt_recovered:
             extra[CHECKPOINT_FAILURES] = float(self._ckpt_failures)
@@ -245,6 +262,14 @@ class RunController(Directed):
         )
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
+        self._trained_to = max(self._trained_to, first.sample_hi)
+        if self.precise is not None:
+            self._losses.append((first.step, loss if math.isfinite(norm) else math.nan))
+            if ranks and not (math.isfinite(loss) and math.isfinite(norm)):
+                # rare (a broken step): the one rank that held the non-finite extremes, if one did
+                named = {r for k, r in ranks.items() if not math.isfinite(rec.values.get(k, 0.0))}
+                if len(named) == 1:
+                    self._lone.append((first.step, named.pop()))
         self.result.final_loss = loss
         self.result.steps_recorded += 1
         self._tell(self.sink.write, self.cfg.run_id, self.attempt, [rec])
@@ -292,6 +317,8 @@ class RunController(Directed):
         self.step = 0 if ckpt is None else ckpt.step
         self.loaded_checkpoint = ckpt
         self._healthy = True
+        self._trained_to = 0 if ckpt is None else int(ckpt.manifest["data"]["cursor"])
+        self._losses = collections.deque(((s, v) for s, v in self._losses if s <= self.step), maxlen=256)
         self._last_ckpt_step = self.step if ckpt is not None else -1
         self.reducer = Reducer(self.gang.names)
         self._unread = Unread(list(self.gang.names))  # a thermometer budget's figures (issue 36)
@@ -418,6 +445,8 @@ class RunController(Directed):
             run_id=self.cfg.run_id,
             world_size=self.cfg.world_size,
             zero_stage=self.cfg.zero_stage,
+            # a precise skip's spike bar starts from them, should a rollback come back here
+            **({"losses": [v for _, v in list(self._losses)[-self.precise.window:]]} if self.precise else {}),
         )
         # Durability barrier: every step this checkpoint covers is posted or spooled before the
         # checkpoint exists. A controller that dies right after the commit is relaunched from
@@ -469,9 +498,17 @@ class RunController(Directed):
         The checkpoints a rollback walks away from are marked first: a crash from here on must not
         let a relaunch resume from one of them."""
         ckpt = t.restart_from
+        suspects = None
         if ckpt is not None:
             self.store.abandon_after(ckpt.step, f"{_ABANDONED} by rollback to step {ckpt.step} from attempt {self.attempt}")
-        ranges = [r.to_json() for r in t.skip]
+            if self.precise is not None and t.skip:  # a data rollback: which samples did it, first
+                self._drain()  # the abandoned path's newest loss may be the spike triage replays
+                suspects = suspects_of(t.skip, self._trained_to, self.ledger)
+                left = [(s, v) for s, v in self._losses if s > ckpt.step]
+                lone = {r for s, r in self._lone if s > ckpt.step} | self._broke_alone(ckpt.step)
+                self._lone.clear()
+                suspects = suspects if len(suspects) else None
+        ranges = [r.to_json() for r in t.skip] if suspects is None else []
         self.ledger.add_many(ranges)
         change = seq = None
         if t.lr is not None:
@@ -484,7 +521,17 @@ class RunController(Directed):
         if ckpt is not None:  # the new attempt's gang gets the ledger and the LR changes above
             before = self.attempt
             self.start_attempt(ckpt, reason=t.words, reuse_gang=not t.exclude)
-            return Applied(change, seq, self.loaded_checkpoint or ckpt, (before, self.attempt), tuple(self.passed_over))
+            loaded = self.loaded_checkpoint or ckpt
+            if suspects is not None and loaded.step < self.cfg.steps:
+                # the probes run once the executor has said what the rollback did (trainer/obey.py)
+                self.probes = Probes.begin(self, self.precise, suspects, loaded, left, self.cfg.steps,
+                                           self.cfg.data.global_batch, self.cfg.step_timeout_s,
+                                           lone.pop() if len(lone) == 1 else None)
+            elif suspects is not None:
+                self.ledger.add_many([r.to_json() for r in t.skip])
+                self.gang.call("skip", [r.to_json() for r in t.skip], timeout_s=self.cfg.step_timeout_s)
+            return Applied(change, seq, loaded, (before, self.attempt), tuple(self.passed_over),
+                           skipped=() if self.probes is not None else None)
         timeout = self.cfg.step_timeout_s
         if ranges:
             self.gang.call("skip", ranges, timeout_s=timeout)
@@ -493,6 +540,33 @@ class RunController(Directed):
         if t.profile is not None:
             self.gang.call("profile", *t.profile, timeout_s=timeout)
         return Applied(change, seq)
+
+    def _broke_alone(self, after_step: int) -> set[int]:
+        """The ranks whose own loss went non-finite alone at a step after `after_step` on the path
+        a rollback abandons: each rank's losses before the reduction (a mean: NaN on one rank is
+        NaN for all, with no rank named), read once, from the device."""
+        if self.cfg.world_size == 1 or self.gang is None:
+            return set()
+        per_rank = [dict(own) for own in self.gang.call("own_losses", after_step, timeout_s=self.cfg.step_timeout_s)]
+        alone = set()
+        for step in sorted(set().union(*per_rank)):
+            broke = [r for r, own in enumerate(per_rank) if not math.isfinite(own.get(step, 0.0))]
+            if len(broke) == 1:
+                alone.add(broke[0])
+        return alone
+
+    def bisect(self, out: Outcome) -> Outcome:
+        """A rollback's precise skip (trainer/probes.py), after the executor said what the rollback
+        did: the probes from its checkpoint, then the offenders skipped and the ranks given the
+        final data state. Its Outcome carries the search."""
+        probes, self.probes = self.probes, None
+        out = probes.run(out)  # ends with the checkpoint loaded again
+        self.ledger.add_many([r.to_json() for r in out.skipped])
+        t = self.cfg.step_timeout_s
+        self.gang.call("set_data_state", self._data_state(probes.ckpt), self.attempt, timeout_s=t)
+        self.gang.call("set_lr_changes", list(self.lr_changes), timeout_s=t)
+        log.info("run %s: %s", self.cfg.run_id, out.detail)
+        return out
 
     def _apply(self, cmd: Command) -> None:
         was = self.directive

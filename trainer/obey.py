@@ -15,12 +15,13 @@ Outcome and the ack are thermowatch.protocol's: the same code as thermowatch.wat
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from dataclasses import replace
+from typing import Any, Callable, Protocol
 
 from thermowatch import obey
 from thermowatch.monitors.contract import Ack, CheckpointInfo, Command, Profile, Rollback
 from thermowatch.obey import Applied, Refused, Transition, outcome  # noqa: F401 - the trainer's names for them
-from thermowatch.protocol import CommandBook, Directive, ack_for
+from thermowatch.protocol import CommandBook, Directive, Outcome, ack_for
 from thermowatch.trainer.checkpoint import CheckpointStorage
 from thermowatch.trainer.config import TrainConfig
 from thermowatch.trainer.data import SkipLedger
@@ -46,9 +47,13 @@ class Controlled(Protocol):
     step: int
     directive: Directive
 
+    probes: Any  # trainer.probes.Probes: a rollback's precise skip, run once its Outcome is known
+
     def rollback_target(self, max_step: int) -> CheckpointInfo | None: ...
 
     def transition(self, t: Transition) -> Applied: ...
+
+    def bisect(self, out: Outcome) -> Outcome: ...
 
 
 class Obey(obey.Obey):
@@ -76,6 +81,18 @@ class Obey(obey.Obey):
             return f"the gang failed while applying it ({exc!r}); restarted"
 
         out, error = self.answer(cmd, gang_failures, restarted)
+        if ctl.probes is not None and out is None:  # the rollback failed once begun: the blunt skip
+            ctl.probes = None
+            ctl.ledger.add_many([r.to_json() for r in cmd.body.skip])
+        elif ctl.probes is not None:  # a rollback's precise skip: its probes, before the ack leaves
+            try:
+                out = ctl.bisect(out)
+            except gang_failures as exc:  # cut short: every suspect skipped, as the policy asked
+                ctl.probes = None
+                ctl.ledger.add_many([r.to_json() for r in cmd.body.skip])
+                reason = restarted(exc)
+                out = replace(out, detail=f"{out.detail}; precise skip cut short ({reason}): skipping "
+                                          f"{', '.join(map(str, cmd.body.skip))}", skipped=cmd.body.skip)
         ack = ack_for(cmd, out, error, first_step=ctl.step + 1, lr_changes=ctl.lr_changes,
                       skip_ranges=ctl.ledger.ranges)
         ctl.commands_state.record(ack, cmd, lr_changes=ctl.lr_changes, skip_ranges=ctl.ledger.ranges)

@@ -28,6 +28,60 @@ from thermowatch.trainer.seam import RankReady, TrainedStep
 log = logging.getLogger(__name__)
 
 
+PROBE = -1  # the attempt a probe step's samples are recorded under (sample_ids_seen)
+
+
+class Faults:
+    """A rank's part of a fault drill (TrainConfig.faults, issue 39): each fault real training
+    with one thing broken. Off, every call is a branch."""
+
+    def __init__(self, cfg: Any, rank: int, vocab: int) -> None:
+        self.cfg, self.vocab = cfg, vocab
+        lo, hi = cfg.poison
+        self.poison = (lo, hi) if hi > lo else None
+        self.flips = bool(cfg.flip_step) and rank == cfg.flip_rank
+        self._due = self.fired = False
+
+    def arm(self, module: Any) -> None:
+        """A forward hook on the first block's MLP that sets one output element's exponent bits
+        (NaN, as a flipped exponent reads) when the flip is due."""
+        import torch
+
+        def flip(_mod: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if not self._due:
+                return None
+            self._due, self.fired = False, True
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+        block = next(m for name, m in module.named_modules() if name.endswith("mlp"))
+        block.register_forward_hook(flip)
+
+    def at(self, step: int, attempt: int) -> None:
+        """The flip is due at its step of the run's first attempt, once (a replay does not repeat it)."""
+        self._due = self.flips and not self.fired and attempt == 0 and step == self.cfg.flip_step
+
+    def lr_factor(self, step: int) -> float:
+        return self.cfg.lr_factor if self.cfg.lr_step and step >= self.cfg.lr_step else 1.0
+
+    def batch(self, batch: Any) -> Any:
+        """Samples in the poisoned range become uniformly random tokens, seeded by their id."""
+        if self.poison is None:
+            return batch
+        import torch
+
+        bad = (batch.sample_ids >= self.poison[0]) & (batch.sample_ids < self.poison[1])
+        if not bad.any():
+            return batch
+        x, y = batch.inputs.clone(), batch.targets.clone()
+        for row in np.flatnonzero(bad):  # a drill's few rows, not a hot path
+            g = torch.Generator().manual_seed(int(batch.sample_ids[row]))
+            noise = torch.randint(0, self.vocab, (x.shape[1] + 1,), generator=g)
+            x[row], y[row] = noise[:-1], noise[1:]
+        return dataclasses.replace(batch, inputs=x, targets=y)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -45,6 +99,10 @@ class TrainWorker:
         # (attempt, step, sample ids) of the latest steps, for tests and forensics; bounded so a
         # long run does not grow it without limit.
         self._seen: deque[tuple[int, int, np.ndarray]] = deque(maxlen=4096)
+        # This rank's own losses of the path since its data state was set, left on the device (no
+        # sync per step): read only when a rollback asks which rank broke alone (own_losses).
+        self._own: deque[tuple[int, Any]] = deque(maxlen=256)
+        self._probing = False  # a precise skip's probe step: recorded in _seen as PROBE, not the attempt's
         self._held: dict[int, dict[str, Any]] = {}  # ended steps not yet handed out: TrainedStep's fields so far
         self._profiler = None
         self._profile_left = 0
@@ -120,6 +178,9 @@ class TrainWorker:
         state = DataState.from_json(data_state) if data_state else None
         self.loader = DataLoader.from_config(cfg.data, self.rank, self.world_size, state=state)
         self._note_ledger()
+        self.faults = Faults(cfg.faults, self.rank, cfg.model.vocab_size)
+        if self.faults.flips:
+            self.faults.arm(self._engine.module)
         return RankReady(names=self.names, host=socket.gethostname(), flops_per_token=self.flops_per_token)
 
     # --- training -----------------------------------------------------------------------------
@@ -145,13 +206,14 @@ class TrainWorker:
             )
         t0 = time.perf_counter()
         self._profile_tick()
-        batch = self.loader.next_batch()
+        batch = self.faults.batch(self.loader.next_batch())  # a fault drill's poisoned samples (cfg.faults)
+        self.faults.at(step, self.attempt)
         # Dropout (if any) becomes a pure function of the step: replay after rollback is exact.
         torch.manual_seed((self.cfg.seed * 1_000_003 + step) * 4099 + self.rank)
         # What this rank really trains with goes into the record (DESIGN.md, "Trust"): the
         # supervisor compares it with the commands it booked.
         multiplier = multiplier_at(step, self.lr_changes)
-        lr = lr_at(step, self.schedule, self.lr_changes)
+        lr = lr_at(step, self.schedule, self.lr_changes) * self.faults.lr_factor(step)
         self._engine.set_lr(lr)
         self.thermo.begin_step(step)
         loss, norm = self._engine.train_step(batch.inputs, batch.targets, self.thermo.measure_update)
@@ -161,7 +223,8 @@ class TrainWorker:
         tokens_per_s = float(np.float32(batch.inputs.numel() / dt))
         self.thermo.finish_args = (tokens_per_s,)
         self.thermo.end_step(loss=loss, lr=lr, grad_norm=norm)
-        self._seen.append((self.attempt, step, batch.sample_ids))
+        self._own.append((step, loss))
+        self._seen.append((PROBE if self._probing else self.attempt, step, batch.sample_ids))
         self._held[step] = {
             "sample_lo": batch.sample_lo,
             "sample_hi": batch.sample_hi,
@@ -179,6 +242,18 @@ class TrainWorker:
     def drain(self) -> TrainedStep | None:
         """The step held back by `step()`, if any (before a checkpoint, a command, the end)."""
         return self._take()
+
+    def probe_step(self, step: int, state: dict[str, Any]) -> TrainedStep | None:
+        """A precise skip's probe step (trainer/probes.py): from data state `state` (the probe's
+        ledger, its cursor), train `step` and hand out its own values at once (a probe is judged
+        before the next one; nothing else is held back while probing)."""
+        self.set_data_state(state)
+        self._probing = True
+        try:
+            out = self.step(step)
+        finally:
+            self._probing = False
+        return out if out is not None else self._take()
 
     def _take(self) -> TrainedStep | None:
         """The oldest ended step. Collective reduction: rank 0 hands out the
@@ -198,6 +273,18 @@ class TrainWorker:
         # loss: already on the host (reduced, if collective)
         return TrainedStep(step=self.thermo.last_step, values=values, loss=float(values[self._loss_slot]), **held)
 
+    def own_losses(self, after_step: int) -> list[tuple[int, float]]:
+        """This rank's own (step, loss) after `after_step` on the path trained since its data state
+        was last set, before any reduction: which rank broke alone (replay triage's evidence, read
+        once at a rollback: one copy from the device)."""
+        import torch
+
+        own = [(s, v) for s, v in self._own if s > after_step]
+        if not own:
+            return []
+        values = torch.stack([v.float() for _, v in own]).cpu().tolist()
+        return [(s, float(v)) for (s, _), v in zip(own, values)]
+
     def _forget_held(self) -> None:
         """A new data state abandons steps not handed out (the controller drains first)."""
         n = self.thermo.discard_pending() if self._engine is not None else 0
@@ -214,6 +301,7 @@ class TrainWorker:
         from thermowatch.trainer.data import DataState
 
         self._forget_held()
+        self._own.clear()  # a new path starts
         self.loader.load_state(DataState.from_json(state))
         self._note_ledger()
         if attempt is not None:

@@ -76,3 +76,30 @@ def test_every_numeric_training_setting_refuses_nan_infinity_and_a_negative_numb
         with pytest.raises(ConfigError) as exc:
             TrainConfig.from_dict({path[0]: value})
         assert path[-1] in str(exc.value), (path, bad, str(exc.value))
+
+
+def test_the_fault_drill_example_in_the_docs_loads_and_bad_drills_and_precise_skip_are_refused():
+    """docs/configuration.md's `faults:` example is a config `train` accepts (issue 39), and a drill
+    or a precise skip that cannot run as written is refused at load, naming the key."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text[text.index("### Fault drills"):]
+    cfg = TrainConfig.from_dict(yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1)))
+    assert cfg.faults.poison == (480, 496) and cfg.faults.any and cfg.precise().triage
+    assert not TrainConfig().faults.any and TrainConfig().precise() is None  # both off by default
+    for obj, message in [
+        ({"faults": {"poison": [496, 480]}}, "faults.poison must be [lo, hi)"),
+        ({"faults": {"poison": [1, 2, 3]}}, "faults.poison: expected a list of 2 values"),
+        ({"faults": {"flip_step": 5, "flip_rank": 2}}, "faults.flip_rank=2 is not a rank of world_size=2"),
+        ({"faults": {"lr_factor": 0.0}}, "faults.lr_factor must be a positive finite float"),
+        ({"precise_skip": {"window": 2}}, "precise_skip: settle must be >= 0 and window >= 4"),
+        ({"precise_skip": {"triage": "yes"}}, "precise_skip.triage: expected true or false"),
+        ({"precise_skip": {}, "data": {"ramp_tokens": 4096, "start_batch": 8, "start_seq_len": 32}},
+         "precise_skip needs a fixed batch"),
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            TrainConfig.from_dict(obj)
+        assert message in str(exc.value), (obj, str(exc.value))
