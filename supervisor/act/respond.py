@@ -198,7 +198,7 @@ class Responder:
     def _after_triage(self, run_id: str) -> None:
         """The newest done rollback's ack names a cause (issue 39): the policy says what follows
         (policy.after_triage: the LR cut when it is the optimizer), the executor writes it, in the
-        rollback's incident. Once per rollback: a set_lr or pause written after it ends it. A
+        rollback's incident. Once per rollback: a set_lr, pause or rollback written after it ends it. A
         manual rollback has no finding to decide on; its reply shows the cause to its author."""
         with self._lock, self._session.begin() as s:
             rows = actions_store.actions(s, run_id, limit=50)  # newest first
@@ -206,12 +206,14 @@ class Responder:
             if done is None or done.incident_id is None or not done.result:
                 return
             try:
-                b = Ack.from_json(done.result).bisected
+                ack = Ack.from_json(done.result)
             except ContractError:
                 return
+            b = ack.bisected
             if b is None or b.cause is None:
                 return
-            if any(a.id > done.id and a.kind in (CommandKind.SET_LR, CommandKind.PAUSE) for a in rows):
+            if any(a.id > done.id and a.kind in (CommandKind.SET_LR, CommandKind.PAUSE, CommandKind.ROLLBACK)
+                   for a in rows):
                 return
             found = findings_store.findings(s, run_id, done.incident_id)
             if not found:
@@ -219,7 +221,8 @@ class Responder:
             current = lr_store.multiplier_in_force(s, run_id, max(done.ack_step or 0, 1))
             decision = after_triage(found[0].finding, b.cause.label, current, self._policy,
                                     findings_store.incident_attempts(s, run_id, [done.incident_id]).get(done.incident_id),
-                                    rank=b.cause.rank)
+                                    rank=b.cause.rank, checkpoint=None if ack.checkpoint_step is None
+                                    else (ack.checkpoint_step, ack.checkpoint_path))
             if decision is None:
                 return
             log.info("run %s: rollback %d's replay triage says %s -> %s (%s)", run_id, done.id, b.cause.label,

@@ -615,7 +615,8 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
 
 
 def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg: PolicyConfig | None = None,
-                 attempt: int | None = None, rank: int | None = None) -> Decision | None:
+                 attempt: int | None = None, rank: int | None = None,
+                 checkpoint: tuple[int, str | None] | None = None) -> Decision | None:
     """What follows a rollback (done) whose replay triage named `cause` (issue 39; the ack's
     bisected.cause). "optimizer": both replays from its checkpoint diverged, the second without the
     suspects, so the same LR will diverge again from it: rung 2's LR cut comes now, in place (the
@@ -623,12 +624,23 @@ def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg
     after a recurrence the replays have already shown. The LR floor pauses as rung 2 does.
     "hardware" with the one `rank` whose figures broke (torchrun): the run goes on from the
     rollback, and a person is paged to look at that rank's device, since a chip that corrupted
-    one step may corrupt the next (Gemini 2.5 excluded such chips within minutes); the loop
-    cannot restart without it, the launcher can. "data", and "hardware" with no rank named: the
+    one step may corrupt the next (Gemini 2.5 excluded such chips within minutes). With
+    `restart_without_outlier` on (the team lets the supervisor drain a suspect node: the bundled
+    trainer restarts without it where the cluster has room, and refuses, saying so, where it has
+    not) the same page comes with a rollback to `checkpoint` (the one the rollback loaded: the run
+    is a few steps past it) without that rank's node, nothing skipped; off, a person decides (a
+    plain loop cannot restart without a node, its launcher can). "data", and "hardware" with no rank named: the
     rollback was the answer (the offenders skipped; a transient fault left nothing to repair);
     None. Pure: same input, same decision."""
     cfg = cfg or PolicyConfig()
     head = _describe(finding, attempt)
+    if cause == "hardware" and rank is not None and cfg.restart_without_outlier and checkpoint is not None:
+        return _finish(cfg, Decision(DecisionKind.ROLLBACK, [
+            head, f"replay triage: the divergence did not reproduce from the checkpoint, and only rank {rank}'s "
+                  f"figures went non-finite on the abandoned path: suspect rank {rank}'s device",
+            f"restart_without_outlier: restarting from the checkpoint at step {checkpoint[0]} (the one the rollback "
+            f"loaded) without rank {rank}'s node; no data skipped"],
+            target_step=checkpoint[0], target_path=checkpoint[1], exclude_rank=int(rank), page=True, rung=1))
     if cause == "hardware" and rank is not None:
         return Decision(DecisionKind.ALERT, [
             head, f"replay triage: the divergence did not reproduce from the checkpoint, and only rank {rank}'s "

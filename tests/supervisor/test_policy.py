@@ -717,3 +717,23 @@ def test_after_triage_pages_about_the_one_rank_a_hardware_fault_broke():
     assert Alert.from_decision("r", f, d).severity is Severity.CRITICAL
     assert after_triage(f, "data", 1.0, rank=1) is None  # the data explains it: the rank only held the sample
     assert after_triage(f, "optimizer", 0.5, rank=1).kind is DecisionKind.LOWER_LR
+
+
+def test_after_triage_restarts_without_the_broken_ranks_node_when_the_team_allows_it():
+    """restart_without_outlier on: the hardware verdict's rank is restarted without, from the
+    checkpoint the rollback loaded, nothing skipped, and a person is still paged; off, or with no
+    rank or no checkpoint known, the page alone (a human decides)."""
+    from thermowatch.supervisor.decide.policy import after_triage
+
+    f = finding()
+    on = PolicyConfig(restart_without_outlier=True)
+    d = after_triage(f, "hardware", 1.0, on, rank=1, checkpoint=(40, "/ckpt/step_40"))
+    assert d.kind is DecisionKind.ROLLBACK and d.acts and d.page and d.exclude_rank == 1
+    assert (d.target_step, d.target_path, d.skip_steps, d.lr_multiplier) == (40, "/ckpt/step_40", None, None)
+    assert any("without rank 1's node; no data skipped" in r for r in d.reasons)
+    assert after_triage(f, "hardware", 1.0, on, rank=None, checkpoint=(40, "p")) is None
+    assert after_triage(f, "hardware", 1.0, on, rank=1).kind is DecisionKind.ALERT  # no checkpoint known
+    assert after_triage(f, "hardware", 1.0, rank=1, checkpoint=(40, "p")).kind is DecisionKind.ALERT  # off
+    advised = after_triage(f, "hardware", 1.0, PolicyConfig(restart_without_outlier=True, advise_only=True),
+                           rank=1, checkpoint=(40, "p"))
+    assert advised.kind is DecisionKind.ROLLBACK and advised.requires_approval
