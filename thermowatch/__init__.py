@@ -21,7 +21,7 @@ del _Path, _checkout
 # The public names, imported on first use: `import thermowatch` costs nothing until one is used,
 # and `thermowatch.supervisor` (the daemon) never pulls in torch through here.
 _PUBLIC = {
-    "watch": "thermowatch.loop", "Watch": "thermowatch.loop",
+    "watch": "thermowatch.loop", "Watch": "thermowatch.loop", "WatchConfig": "thermowatch.watch_config",
     "Run": "thermowatch.run",
     "ThermometerConfig": "thermowatch.monitors.thermometers", "instrument": "thermowatch.monitors.thermometers",
     "StepRecord": "thermowatch.monitors.contract", "Ack": "thermowatch.monitors.contract",

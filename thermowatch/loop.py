@@ -48,11 +48,9 @@ import collections
 import copy
 import logging
 import math
-import os
 import time
 import warnings
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -64,18 +62,17 @@ from thermowatch.monitors.contract import (
     LR_MULTIPLIER, LR_PEAK_AHEAD, CheckpointInfo, Command, LRChange, StepRecord, ledger_digest, multiplier_at,
 )
 from thermowatch.monitors.ledger import SkipLedger
-from thermowatch.monitors.names import check_run_id
-from thermowatch.monitors.settings import check_number
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.precise_skip import PreciseSkip, ids_of
+from thermowatch.precise_skip import ids_of
 from thermowatch.probing import Probing
 from thermowatch.paused import PauseNotice
 from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.protocol import Directed, Directive, Outcome, ack_for
 from thermowatch.ranks import Ranks, rng_state
 from thermowatch.run import Run
+from thermowatch.watch_config import WatchConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +87,16 @@ class Watch(Directed):
     `thermowatch status` carry it for every client, the bundled trainer's included; NaN before the
     first step and when the run ended diverged), `lr_multiplier`, `probing`, `serving`."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, run: str, steps: int,
-                 global_batch: int, server: str | Sequence[str] | None = None, token: str | None = None,
-                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 50,
-                 keep_checkpoints: int = 5, scheduler: Any = None,
-                 thermometers: ThermometerConfig | bool = True, config: dict[str, Any] | None = None,
-                 poll_interval_s: float = 1.0, supervisor_config: Any = None,
-                 precise_skip: PreciseSkip | bool = False, lr_schedule: Any = None, close_timeout_s: float = 10.0,
-                 dataset_size: int | None = None, data_index: Any = None) -> None:
-        check_run_id(run)  # before anything is made from it (checkpoints/<run>), on every rank (issue 34)
-        if steps < 1 or global_batch < 1 or checkpoint_every < 1 or keep_checkpoints < 1:
-            raise ValueError(f"steps ({steps}), global_batch ({global_batch}), checkpoint_every ({checkpoint_every}) "
-                             f"and keep_checkpoints ({keep_checkpoints}) must be >= 1")
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: WatchConfig | None = None, *,
+                 scheduler: Any = None, lr_schedule: Any = None, data_index: Any = None, supervisor_config: Any = None,
+                 **settings: Any) -> None:
+        """`cfg`, or its fields as keyword arguments (`settings`): thermowatch/watch_config.py."""
+        if cfg is None:
+            cfg = WatchConfig(**settings)
+        elif settings:
+            raise TypeError(f"Watch takes a WatchConfig or its settings as keyword arguments, not both: {sorted(settings)}")
+        self.cfg = cfg
+        run, steps, global_batch, dataset_size = cfg.run, cfg.steps, cfg.global_batch, cfg.dataset_size
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         if lr_schedule is not None and not callable(lr_schedule):
             raise ValueError(f"lr_schedule must be a function of the step (1-based) giving its LR, got {lr_schedule!r}")
@@ -109,8 +104,6 @@ class Watch(Directed):
         self.dist = Ranks.detect(model)
         if global_batch % self.dist.world:
             raise ValueError(f"global_batch ({global_batch}) must divide among the {self.dist.world} ranks")
-        if dataset_size is not None:
-            check_number("dataset_size", dataset_size, lo=1, integer=True)
         # A loop that indexes `data[ids % dataset_size]` passes over its data more than once: a skip
         # then stands for the data it skipped, in every pass (monitors.ledger, issue 35).
         self.dataset_size = None if dataset_size is None else int(dataset_size)
@@ -118,23 +111,24 @@ class Watch(Directed):
         # integrations' WatchedDataset.data_index; None = `id % dataset_size`.
         self.data_index = data_index
         self.total, self.global_batch = int(steps), int(global_batch)
-        self.checkpoint_every, self.keep_checkpoints = int(checkpoint_every), int(keep_checkpoints)
-        self.dir = Path(checkpoint_dir or Path("checkpoints") / run)
+        self.checkpoint_every, self.keep_checkpoints = cfg.checkpoint_every, cfg.keep_checkpoints
+        self.dir = cfg.dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpts = CheckpointDir(self.dir, self.dist, model, optimizer, scheduler, self.keep_checkpoints)
         # `model`: what makes runs comparable for the peer envelope (supervisor/store/peers.py);
         # a config that names its own model section keeps it
-        cfg = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every},
-               "model": model_fingerprint(model), **(config or {})}
+        info = {"client": "thermowatch.watch", "checkpoint": {"every": self.checkpoint_every},
+               "model": model_fingerprint(model), **(cfg.config or {})}
         if data_index is not None:  # the quarantine's data indices are the loader's to map (quarantine API)
-            cfg["data"] = {**cfg.get("data", {}), "shuffled": True}
+            info["data"] = {**info.get("data", {}), "shuffled": True}
         # Rank 0 talks to the supervisor; the others hear its commands through _agree().
         self.run: Run | _Quiet = Run(
-            run, steps=steps, global_batch=global_batch, config=cfg, server=server, token=token, state_dir=self.dir,
-            world_size=self.dist.world, poll_interval_s=poll_interval_s, supervisor_config=supervisor_config,
-            close_timeout_s=close_timeout_s,  # close() waits at most this for the daemon (thermowatch.run)
+            run, steps=steps, global_batch=global_batch, config=info, server=cfg.server, token=cfg.token,
+            state_dir=self.dir, world_size=self.dist.world, poll_interval_s=cfg.poll_interval_s,
+            supervisor_config=supervisor_config,
+            close_timeout_s=cfg.close_timeout_s,  # close() waits at most this for the daemon (thermowatch.run)
             dataset_size=self.dataset_size,
-        ) if self.dist.rank == 0 else _Quiet(poll_interval_s)
+        ) if self.dist.rank == 0 else _Quiet(cfg.poll_interval_s)
         self.step = 0  # the last step trained
         self.cursor = 0  # the next absolute sample id to consider
         self.ledger = SkipLedger(period=self.dataset_size, index=data_index)
@@ -152,16 +146,16 @@ class Watch(Directed):
         self._closed = False
         self.th = None
         self._reducer: Reducer | None = None
-        if thermometers is not False:
+        if cfg.thermometers is not False:
             # gradient norms read from .grad in the optimizer post-hook (_after_optimizer_step)
-            self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None,
+            self.th = instrument(model, cfg.thermometers if isinstance(cfg.thermometers, ThermometerConfig) else None,
                                  grad_hooks=False)
             self._unread = Unread(self.th.names)
             if self.dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
                 self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
                 self._reducer = Reducer(self.th.names)
         self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
-        self.precise = PreciseSkip() if precise_skip is True else precise_skip or None
+        self.precise = cfg.precise
         self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)  # (step, loss) sent
         # (step, rank): under torchrun, steps whose non-finite figures the reduction pinned on one rank
         self._lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
@@ -656,6 +650,7 @@ class _Quiet:
     ack = checkpoint_saved = checkpoints_deleted = finish = send
 
 
-def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Watch:
-    """Protect a training loop: see Watch and docs/any-trainer.md."""
-    return Watch(model, optimizer, **kwargs)
+def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: WatchConfig | None = None,
+          **kwargs: Any) -> Watch:
+    """Protect a training loop: see Watch, WatchConfig and docs/any-trainer.md."""
+    return Watch(model, optimizer, cfg, **kwargs)
