@@ -87,7 +87,9 @@ class Obey(obey.Obey):
         elif ctl.probes is not None:  # a rollback's precise skip: its probes, before the ack leaves
             try:
                 out = ctl.bisect(out)
-            except gang_failures as exc:  # cut short: every suspect skipped, as the policy asked
+            except Exception as exc:  # noqa: BLE001 - cut short: every suspect skipped, as the policy asked
+                if not isinstance(exc, gang_failures):  # a bug or a refused file: the ranks start again clean
+                    log.exception("precise skip for command %s failed", cmd)
                 ctl.probes = None
                 ctl.ledger.add_many([r.to_json() for r in cmd.body.skip])
                 reason = restarted(exc)

@@ -33,7 +33,9 @@ POLICY = {"rollback_margin_steps": 20, "cooldown_steps": 15, "skip_ahead_steps":
 DETECTORS = {"loss": {"warmup": 40, "window": 32}, "grad": {"warmup": 40, "window": 32}, "disabled": ["outlier_rank"]}
 
 
-def train(db, tmp_path, run: str, faults: dict, world_size: int = 1, policy: dict | None = None):
+def train(db, tmp_path, run: str, faults: dict, world_size: int = 1, policy: dict | None = None,
+          lose_rank_at_probe: int | None = None):
+    """`lose_rank_at_probe`: the in-process rank dies at that probe step (a lost node mid-search)."""
     from thermowatch.supervisor.app.config import SupervisorConfig
     from thermowatch.supervisor.app.service import Supervisor
     from thermowatch.supervisor.notify.console import ConsoleNotifier
@@ -42,6 +44,7 @@ def train(db, tmp_path, run: str, faults: dict, world_size: int = 1, policy: dic
     from thermowatch.supervisor.store import skips as skips_store
     from thermowatch.trainer.controller import RunController
     from thermowatch.trainer.local import InProcessGang
+    from thermowatch.trainer.worker import GangTimeout
 
     cfg = tiny_config(tmp_path, run_id=run, world_size=world_size, steps=STEPS, optim={"warmup_steps": 10},
                       checkpoint={"every": 10, "keep_last": 8, "keep_every": 0},
@@ -54,8 +57,19 @@ def train(db, tmp_path, run: str, faults: dict, world_size: int = 1, policy: dic
     def on_step(rec, attempt):
         losses.setdefault(attempt, {})[rec.step] = rec.values.get(LOSS, math.nan)
 
+    probes = []
+
+    class Lost(InProcessGang):
+        def call(self, method, *args, timeout_s=None):
+            if method == "probe_step":
+                probes.append(args[0])
+                if len(probes) == lose_rank_at_probe:
+                    self.kill()
+                    raise GangTimeout("1 rank(s) did not answer within 600s (the node was lost mid-probe)")
+            return super().call(method, *args, timeout_s=timeout_s)
+
     def in_process(*args):
-        g = InProcessGang(*args)
+        g = Lost(*args)
         gangs.append(g.worker)  # the rank, still readable once the run has killed its gang
         return g
 
@@ -147,3 +161,20 @@ def test_an_lr_blow_up_is_the_optimizer_skips_nothing_and_the_lr_is_cut(db, tmp_
     assert cut.id > rb.id and cut.incident_id == rb.incident_id and cut.state is ActionState.DONE, cut
     assert cut.args["lr_multiplier"] == pytest.approx(0.01) and "replay triage" in cut.reason
     assert result.final_step == STEPS and math.isfinite(result.final_loss)
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_a_rank_lost_during_the_probes_skips_every_suspect_and_the_run_trains_on(db, tmp_path):
+    """The gang dies in the middle of the search: no verdict, so the rollback is answered with the
+    blunt skip the policy asked for (every suspect), the gang is restarted from the rollback's
+    checkpoint, and the run trains to its end without meeting the poison."""
+    poison = ((AT - 1) * B, (AT + 1) * B)
+    result, acts, skips, _, _, seen = train(db, tmp_path, "tri-lost", {"poison": list(poison)}, lose_rank_at_probe=3)
+    rb = next(a for a in acts if a.kind is CommandKind.ROLLBACK)
+    assert rb.state is ActionState.DONE and "precise skip cut short" in rb.result["detail"], rb.result
+    assert Ack.from_json(rb.result).bisected is None  # no search result to report
+    asked = [tuple(r) for r in rb.args["skip_ranges"]]
+    assert [tuple(r) for r in rb.result["skipped"]] == asked and skips == asked  # the policy's whole window
+    assert set(range(*poison)) <= {i for lo, hi in asked for i in range(lo, hi)}, asked
+    assert result.restarts == 1 and result.final_step == STEPS and math.isfinite(result.final_loss)
+    assert seen is not None and not ((seen >= poison[0]) & (seen < poison[1])).any()
