@@ -65,8 +65,7 @@ from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.precise_skip import ids_of
-from thermowatch.probing import Probing
+from thermowatch.probing import Probing, lone_rank, suspects_of
 from thermowatch.paused import PauseNotice
 from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.protocol import Directed, Directive, Outcome, ack_for
@@ -325,10 +324,10 @@ class Watch(Directed):
         grad = vals.get("grad_norm", 0.0)
         self._losses.append((step, loss if grad is None or math.isfinite(grad) else math.nan))
         if ranks and not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
-            # rare (a broken step): which rank(s) held the non-finite extremes (replay triage's evidence)
-            named = {r for k, r in ranks.items() if not math.isfinite(vals.get(k, 0.0))}
-            if len(named) == 1:
-                self._lone.append((step, named.pop()))
+            # rare (a broken step): the one rank that held the non-finite extremes, if one did
+            lone = lone_rank(vals, ranks)
+            if lone is not None:
+                self._lone.append((step, lone))
         self.run.send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
                                  ranks=ranks or {}, ledger_digest=ledger_digest(self.ledger.ranges)))
 
@@ -495,13 +494,8 @@ class Watch(Directed):
                 raise Refused(f"--exact: checkpoint {cmd.to_step} in {self.dir} is unreadable ({why})")
             raise Refused(f"checkpoint {t.restart_from.step} in {self.dir} and every older healthy one are "
                           f"unreadable ({why}); nothing to roll back to")
-        suspects = np.zeros(0, np.int64)
-        if self.precise is not None and cmd.skip:  # a blunt skip never lists its ids
-            suspects = ids_of(cmd.skip)
-            # The samples trained after the window (between the detection and this command) were on
-            # the abandoned path too: a poisoned stretch can run past the detection step.
-            suspects = np.union1d(suspects, np.arange(suspects[-1] + 1, max(trained_to, suspects[-1] + 1)))
-            suspects = suspects[~self.ledger.contains(suspects)]  # already skipped: not suspects
+        # a blunt skip never lists its ids
+        suspects = suspects_of(cmd.skip, trained_to, self.ledger) if self.precise is not None else np.zeros(0, np.int64)
         precise = len(suspects) > 0
         if not precise:
             self.ledger.add_many([r.to_json() for r in t.skip])

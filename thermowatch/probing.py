@@ -13,17 +13,35 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from thermowatch.monitors.contract import Bisected, Cause, Command, Replay
 from thermowatch.monitors.ledger import SkipLedger
-from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ranges_of
+from thermowatch.precise_skip import PreciseSkip, Search, SpikeBar, first_spike, ids_of, ranges_of
 from thermowatch.protocol import Outcome
 from thermowatch.ranks import Ranks
 
 log = logging.getLogger(__name__)
+
+
+def suspects_of(skip: Any, trained_to: int, ledger: SkipLedger) -> np.ndarray:
+    """A rollback's suspects (both hosts: thermowatch/loop.py, trainer/probes.py): its skip ranges,
+    the samples the abandoned path trained after them (between the detection and the command: a
+    poisoned stretch can run past the detection step), less what the ledger skips already."""
+    ids = ids_of(skip)
+    if not len(ids):
+        return ids
+    ids = np.union1d(ids, np.arange(ids[-1] + 1, max(trained_to, int(ids[-1]) + 1)))
+    return ids[~ledger.contains(ids)]
+
+
+def lone_rank(values: dict[str, float], ranks: dict[str, int]) -> int | None:
+    """The one rank that held a broken step's non-finite extremes (replay triage's evidence for
+    hardware), or None when none or several did."""
+    named = {r for k, r in ranks.items() if not math.isfinite(values.get(k, 0.0))}
+    return named.pop() if len(named) == 1 else None
 
 
 class ProbeHost(Protocol):

@@ -117,10 +117,6 @@ class FaultConfig:
         if not (self.lr_factor > 0 and math.isfinite(self.lr_factor)):
             raise ConfigError(f"faults.lr_factor must be a positive finite float, got {self.lr_factor!r}")
 
-    @property
-    def any(self) -> bool:
-        return bool(self.flip_step or self.poison[1] > self.poison[0] or self.lr_step)
-
 
 @dataclass
 class TrainConfig:

@@ -67,7 +67,8 @@ from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CommandBook, Directed, Directive, Outcome, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Applied, Obey, Transition
-from thermowatch.trainer.probes import Probes, suspects_of
+from thermowatch.probing import lone_rank, suspects_of
+from thermowatch.trainer.probes import Probes
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
 
@@ -267,9 +268,9 @@ class RunController(Directed):
             self._losses.append((first.step, loss if math.isfinite(norm) else math.nan))
             if ranks and not (math.isfinite(loss) and math.isfinite(norm)):
                 # rare (a broken step): the one rank that held the non-finite extremes, if one did
-                named = {r for k, r in ranks.items() if not math.isfinite(rec.values.get(k, 0.0))}
-                if len(named) == 1:
-                    self._lone.append((first.step, named.pop()))
+                lone = lone_rank(rec.values, ranks)
+                if lone is not None:
+                    self._lone.append((first.step, lone))
         self.result.final_loss = loss
         self.result.steps_recorded += 1
         self._tell(self.sink.write, self.cfg.run_id, self.attempt, [rec])

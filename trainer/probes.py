@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from thermowatch.monitors.contract import GRAD_NORM, LOSS, CheckpointInfo
 from thermowatch.monitors.ledger import SkipLedger
-from thermowatch.precise_skip import PreciseSkip, ids_of
+from thermowatch.precise_skip import PreciseSkip
 from thermowatch.probing import Probing
 from thermowatch.protocol import Outcome
 from thermowatch.ranks import Ranks
@@ -41,17 +41,6 @@ class ProbeController(Protocol):
     ledger: SkipLedger
 
     def reduce(self, outs: list) -> dict[str, float]: ...
-
-
-def suspects_of(skip: Any, trained_to: int, ledger: SkipLedger) -> np.ndarray:
-    """A rollback's suspects: its skip ranges, the samples the abandoned path trained after them
-    (between the detection and the command: a poisoned stretch can run past the detection step),
-    less what the ledger skips already. The loop's rule (thermowatch/loop.py)."""
-    ids = ids_of(skip)
-    if not len(ids):
-        return ids
-    ids = np.union1d(ids, np.arange(ids[-1] + 1, max(trained_to, int(ids[-1]) + 1)))
-    return ids[~ledger.contains(ids)]
 
 
 class Probes:

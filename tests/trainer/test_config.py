@@ -88,8 +88,9 @@ def test_the_fault_drill_example_in_the_docs_loads_and_bad_drills_and_precise_sk
     text = (ROOT / "docs" / "configuration.md").read_text()
     section = text[text.index("### Fault drills"):]
     cfg = TrainConfig.from_dict(yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1)))
-    assert cfg.faults.poison == (480, 496) and cfg.faults.any and cfg.precise().triage
-    assert not TrainConfig().faults.any and TrainConfig().precise() is None  # both off by default
+    assert cfg.faults.poison == (480, 496) and cfg.precise().triage
+    off = TrainConfig().faults  # both off by default
+    assert (off.flip_step, off.poison, off.lr_step) == (0, (0, 0), 0) and TrainConfig().precise() is None
     for obj, message in [
         ({"faults": {"poison": [496, 480]}}, "faults.poison must be [lo, hi)"),
         ({"faults": {"poison": [1, 2, 3]}}, "faults.poison: expected a list of 2 values"),
