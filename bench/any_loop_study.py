@@ -297,7 +297,7 @@ def after_finish(ctx: Ctx, sup) -> None:
         verdicts = quarantine_store.verdicts(s, RUN_ID)
     out["actions"] = [{"id": a.id, "kind": a.kind, "state": a.state, "origin": a.origin, "who": a.who,
                        "ack_step": a.ack_step, "reason": a.reason[:300], "error": a.error[:200],
-                       "result": {k: (a.result or {}).get(k) for k in ("checkpoint_step", "step", "skipped",
+                       "result": {k: (a.result or {}).get(k) for k in ("checkpoint_step", "first_step", "skip_ranges",
                                                                        "lr_multiplier", "ok", "detail")}}
                       for a in acts]
     out["incidents"] = [{"signal": i.signal, "module": i.module, "severity": i.severity, "onset": i.onset_step,
@@ -758,7 +758,7 @@ def summarize(kind, scenario, mode, precise, wd: Path, rc, wall) -> dict:
     auto_done = [a for a in acts if a["origin"] == "auto" and a["state"] == "done"]
     count = {k: sum(1 for a in auto_done if a["kind"] == k) for k in ("rollback", "skip", "set_lr", "pause", "stop")}
     pause_lines = err.count(PAUSED)
-    skipped = {i for a in acts if a["state"] == "done" for lo, hi in (a["result"].get("skipped") or [])
+    skipped = {i for a in acts if a["state"] == "done" for lo, hi in (a["result"].get("skip_ranges", a["result"].get("skipped")) or [])
                for i in range(lo, hi)}
     pauses = [a for a in acts if a["kind"] == "pause" and a["state"] == "done"]
     res.update({
@@ -862,7 +862,8 @@ def notes(results: list[dict]) -> str:
             f"{a['kind']}({a['origin']},{a['state']})"
             + (f"->ckpt {a['result']['checkpoint_step']}"
                if a["kind"] == "rollback" and a["result"].get("checkpoint_step") is not None else "")
-            + (f" skip {a['result']['skipped']}" if a["result"].get("skipped") else "")
+            + (f" skip {a['result'].get('skip_ranges', a['result'].get('skipped'))}"
+               if a["result"].get("skip_ranges", a["result"].get("skipped")) else "")
             + (f" x{a['result']['lr_multiplier']}" if a["kind"] in ("set_lr", "rollback")
                and a["result"].get("lr_multiplier") not in (None, 1.0) else "")
             for a in r["actions"] or [])

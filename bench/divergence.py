@@ -62,7 +62,7 @@ from thermowatch.supervisor.decide.replay_policy import replay_decider
 SIGNALS = ("attn_logit_growth", "attn_logit_ceiling", "loss_spike", "loss_degradation", "grad_spike", "non_finite",
            "lr_jump", "loss_grad_rise", "loss_behind_peers")
 PEERS = ("olmo_core", "llm_foundry", "megatron_lm")
-ACTS = ("rollback", "lower_lr", "pause")
+ACTS = ("rollback", "set_lr", "pause")
 CEILING = 100.0  # the fixed reference: QK-clip tau (Kimi K2), Megatron-LM's --qk-clip
 
 # --- ground truth (from the loss only) --------------------------------------------------------
@@ -226,11 +226,11 @@ def rollback_reach(r: Run) -> dict:
     that old, the policy pauses instead)."""
     first = next(((f, d) for f, d in r.decisions if d.get("kind") in ACTS), None)
     ceil = next((f for f in r.findings["ours"] if f.signal.value == "attn_logit_ceiling"), None)
-    out = {"act_onset": first[0].onset_step if first else None, "target": first[1].get("target_step") if first else None,
+    out = {"act_onset": first[0].onset_step if first else None, "target": first[1].get("to_step") if first else None,
            "ceiling_onset": ceil.onset_step if ceil else None, "ceiling_target": None}
     if ceil is not None:
         forced = dataclasses.replace(ceil, outcome=Outcome.ACT, severity=Severity.CRITICAL)
-        out["ceiling_target"] = replay_decider({})(forced).get("target_step")
+        out["ceiling_target"] = replay_decider({})(forced).get("to_step")
     return out
 
 

@@ -37,7 +37,7 @@ def _row(trainer: str, fault: str, acts: list, wall: float) -> dict:
     rb = next(a for a in acts if a.kind is CommandKind.ROLLBACK)
     b = Ack.from_json(rb.result).bisected
     c = b.cause if b is not None else None
-    skipped = sum(hi - lo for lo, hi in rb.result["skipped"])
+    skipped = sum(hi - lo for lo, hi in rb.result["skip_ranges"])
     after = [a for a in acts if a.id > rb.id and a.incident_id == rb.incident_id]
     done = [f"skipped {skipped} samples" if skipped else "skipped nothing"]
     done += [f"LR x{a.args['lr_multiplier']:g} ({a.state.value})" for a in after if a.kind is CommandKind.SET_LR]

@@ -16,6 +16,7 @@ import enum
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, Sequence, Union
 
@@ -445,6 +446,11 @@ class Pause:
             raise ContractError(f"pause: reason must be text of at most {MAX_PAUSE_REASON} characters, "
                                 f"got {str(self.reason)[:40]!r}{' ...' if len(str(self.reason)) > 40 else ''}")
 
+    @classmethod
+    def saying(cls, text: str) -> "Pause":
+        """A pause whose reason is `text`, cut to MAX_PAUSE_REASON characters."""
+        return cls(text if len(text) <= MAX_PAUSE_REASON else text[:MAX_PAUSE_REASON - 4] + " ...")
+
     def to_args(self) -> dict[str, Any]:
         return {"reason": self.reason} if self.reason else {}
 
@@ -745,33 +751,67 @@ a divergence the loss did not show, or the budget ran out during it)."""
                    None if cause is None else Cause.from_json(cause))
 
 
+# Ack fields renamed for one name per concept (issue 38), read under their old names for one
+# release: an older client's acks, and the acks stored in action rows before the rename.
+ACK_OLD_NAMES = {"step": "first_step", "skipped": "skip_ranges"}
+
+
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """The run controller's answer, carrying what really happened. `step` is the first step
-    trained after the command took effect; the rest say what it did: the checkpoint loaded
-    (rollback), the effective LR multiplier at `step`, the LR change it applied and that
-    change's position in the trainer's list (`lr_seq`, the order changes are applied in), the
-    ranges it added to the skip ledger, and the ledger's digest afterwards; `bisected`, when a
-    precise skip searched the rollback's suspects for the ones it skipped (Bisected)."""
+    """The run controller's answer, carrying what really happened. `first_step` is the first
+    step trained after the command took effect (after a rollback to checkpoint T, T + 1); the
+    rest say what it did: the checkpoint loaded (rollback: `checkpoint_step`), the effective LR
+    multiplier at `first_step`, the LR change it applied and that change's position in the
+    trainer's list (`lr_seq`, the order changes are applied in), the sample ranges it added to
+    the skip ledger (`skip_ranges`, half-open), and the ledger's digest afterwards; `bisected`,
+    when a precise skip searched the rollback's suspects for the ones it skipped (Bisected).
+    `step` and `skipped`, the old names, are read for one release (a DeprecationWarning)."""
 
     command_id: int
     ok: bool
-    step: int
+    first_step: int
     detail: str = ""
     checkpoint_step: int | None = None
     checkpoint_path: str | None = None
     lr_multiplier: float | None = None
     lr_change: LRChange | None = None
     lr_seq: int | None = None
-    skipped: tuple[SampleRange, ...] = ()
+    skip_ranges: tuple[SampleRange, ...] = ()
     ledger_digest: str = ""
     bisected: Bisected | None = None
+
+    def __init__(self, command_id: int, ok: bool, first_step: int | None = None, detail: str = "",
+                 checkpoint_step: int | None = None, checkpoint_path: str | None = None,
+                 lr_multiplier: float | None = None, lr_change: LRChange | None = None, lr_seq: int | None = None,
+                 skip_ranges: Iterable[SampleRange] = (), ledger_digest: str = "", bisected: Bisected | None = None,
+                 **old: Any) -> None:
+        for name in old:
+            if name not in ACK_OLD_NAMES:
+                raise TypeError(f"Ack() got an unexpected keyword argument {name!r}")
+            _deprecated(name)
+        if "step" in old:
+            if first_step is not None:
+                raise ContractError("ack: first_step and step (its old name) both given")
+            first_step = old["step"]
+        if "skipped" in old:
+            if skip_ranges:
+                raise ContractError("ack: skip_ranges and skipped (its old name) both given")
+            skip_ranges = old["skipped"]
+        if first_step is None:
+            raise ContractError("ack: missing field 'first_step', the first step trained after the command")
+        for name, value in (("command_id", command_id), ("ok", ok), ("first_step", first_step), ("detail", detail),
+                            ("checkpoint_step", checkpoint_step), ("checkpoint_path", checkpoint_path),
+                            ("lr_multiplier", lr_multiplier), ("lr_change", lr_change), ("lr_seq", lr_seq),
+                            ("skip_ranges", tuple(skip_ranges)), ("ledger_digest", ledger_digest),
+                            ("bisected", bisected)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _int("ack", "command_id", self.command_id, 0, INT32_MAX)
         if not isinstance(self.ok, bool):  # bool("false") is True: a refused rollback read as done
             raise ContractError(f"ack: ok must be true or false, got {self.ok!r}")
-        _int("ack", "step", self.step)
+        _int("ack", "first_step", self.first_step)
         _opt_int("ack", "checkpoint_step", self.checkpoint_step)
         _opt_int("ack", "lr_seq", self.lr_seq, 0, INT32_MAX)
         if self.lr_multiplier is not None:
@@ -779,33 +819,52 @@ class Ack:
                                                              MAX_LR_MULTIPLIER, lo_open=False))
         if (self.lr_change is None) != (self.lr_seq is None):
             raise ContractError("ack: lr_change and lr_seq go together (the change and its place in the list)")
-        object.__setattr__(self, "skipped", tuple(self.skipped))
         if not isinstance(self.detail, str) or not isinstance(self.ledger_digest, str):
             raise ContractError("ack: detail and ledger_digest must be strings")
 
     @property
-    def first_step(self) -> int:
-        return self.step
+    def step(self) -> int:
+        """Deprecated: first_step."""
+        _deprecated("step")
+        return self.first_step
+
+    @property
+    def skipped(self) -> tuple[SampleRange, ...]:
+        """Deprecated: skip_ranges."""
+        _deprecated("skipped")
+        return self.skip_ranges
 
     def to_json(self) -> dict[str, Any]:
-        return {"command_id": self.command_id, "ok": self.ok, "step": self.step, "detail": self.detail,
+        return {"command_id": self.command_id, "ok": self.ok, "first_step": self.first_step, "detail": self.detail,
                 "checkpoint_step": self.checkpoint_step, "checkpoint_path": self.checkpoint_path,
                 "lr_multiplier": self.lr_multiplier,
                 "lr_change": None if self.lr_change is None else self.lr_change.to_json(), "lr_seq": self.lr_seq,
-                "skipped": [r.to_json() for r in self.skipped], "ledger_digest": self.ledger_digest,
+                "skip_ranges": [r.to_json() for r in self.skip_ranges], "ledger_digest": self.ledger_digest,
                 "bisected": None if self.bisected is None else self.bisected.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any) -> "Ack":
-        o = _fields("ack", obj, ("command_id", "ok", "step"), ("detail", "checkpoint_step", "checkpoint_path",
-                                                                "lr_multiplier", "lr_change", "lr_seq", "skipped",
-                                                                "ledger_digest", "bisected"))
+        o = dict(_only("ack", obj, {"command_id", "ok", "first_step", "detail", "checkpoint_step", "checkpoint_path",
+                                    "lr_multiplier", "lr_change", "lr_seq", "skip_ranges", "ledger_digest",
+                                    "bisected", *ACK_OLD_NAMES}))
+        for old, new in ACK_OLD_NAMES.items():  # an older client's ack (null: not given)
+            if o.get(old) is not None:
+                if new in o:
+                    raise ContractError(f"ack: {new} and {old} (its old name) both given")
+                o[new] = o[old]
+            o.pop(old, None)
+        for name in ("command_id", "ok", "first_step"):
+            if name not in o:
+                raise ContractError(f"ack: missing field {name!r}")
         path = o.get("checkpoint_path")
-        return cls(o["command_id"], o["ok"], o["step"], o.get("detail", ""), o.get("checkpoint_step"),
+        return cls(o["command_id"], o["ok"], o["first_step"], o.get("detail", ""), o.get("checkpoint_step"),
                    _opt_str("ack", "checkpoint_path", path), o.get("lr_multiplier"),
                    None if o.get("lr_change") is None else LRChange.from_json(o["lr_change"]), o.get("lr_seq"),
                    # issue 21: [x, x) is schema-valid (JSON Schema cannot say lo < hi) and skipped nothing
-                   ranges_from_json(o.get("skipped"), drop_empty=True), o.get("ledger_digest", ""),
+                   ranges_from_json(o.get("skip_ranges"), drop_empty=True), o.get("ledger_digest", ""),
                    None if o.get("bisected") is None else Bisected.from_json(o["bisected"]))
 
 
+def _deprecated(old: str) -> None:
+    warnings.warn(f"Ack.{old} is deprecated: use {ACK_OLD_NAMES[old]} (the old name is read until the next "
+                  "release)", DeprecationWarning, stacklevel=3)

@@ -143,7 +143,7 @@ def read_attempts(path: str | Path, err: TextIO | None = None,
 def format_event(e: dict[str, Any]) -> str:
     """A rollback the run went through, in one line: what it loaded, skipped, and why."""
     cause = e.get("cause") if isinstance(e.get("cause"), dict) else None
-    skipped = e.get("skipped") or []
+    skipped = e.get("skip_ranges", e.get("skipped")) or []  # "skipped": exported before issue 38's rename
     line = (f"attempt {e.get(ATTEMPT, '?')}: {e.get(EVENT)} (action {e.get('action')}, {e.get('origin') or '?'}) "
             f"to checkpoint {e.get('checkpoint_step')}, re-training from step {e.get('first_step')}; skipped "
             + (", ".join(f"[{r[0]}, {r[1]})" for r in skipped if isinstance(r, list) and len(r) == 2) or "nothing"))

@@ -39,17 +39,17 @@ def line(run_id: str, ack: Ack, command: Command | None) -> str | None:
     if not ack.ok:
         kind = f" ({body.kind.value})" if body is not None else ""
         return f"{run} refused {act}{kind}: {printable(ack.detail)}"
-    skipped = ", ".join(map(str, ack.skipped))
+    skipped = ", ".join(map(str, ack.skip_ranges))
     lr = (f"LR x{ack.lr_change.multiplier:g} of the schedule from step {ack.lr_change.start_step}"
           if ack.lr_change is not None else "")
     if isinstance(body, Rollback):
-        return (f"{run} rolled back to checkpoint {ack.checkpoint_step} ({act}); re-training from step {ack.step}"
+        return (f"{run} rolled back to checkpoint {ack.checkpoint_step} ({act}); re-training from step {ack.first_step}"
                 + (f", skipping samples {skipped}" if skipped else "") + (f", {lr}" if lr else ""))
     if isinstance(body, Skip):
-        return f"{run} skipping samples {skipped} from step {ack.step} ({act})"
+        return f"{run} skipping samples {skipped} from step {ack.first_step} ({act})"
     if isinstance(body, SetLR):
-        return f"{run} {lr or f'LR x{ack.lr_multiplier:g} of the schedule from step {ack.step}'} ({act})"
+        return f"{run} {lr or f'LR x{ack.lr_multiplier:g} of the schedule from step {ack.first_step}'} ({act})"
     if isinstance(body, Stop):
-        return f"{run} stopping after step {ack.step - 1} ({act}): the loop ends here"
+        return f"{run} stopping after step {ack.first_step - 1} ({act}): the loop ends here"
     return f"{run} carried out {act}" + (f" ({body.kind.value})" if body is not None else "") + (
         f": {printable(ack.detail)}" if ack.detail else "")

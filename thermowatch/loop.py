@@ -533,7 +533,7 @@ class Watch(Directed):
         ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(
             loaded, str(self.ckpts.path(loaded)), self.cursor, self.ckpts.healthy(loaded))
         return Applied(change, seq, ckpt, (prev, self.run.attempt), tuple(self.ckpts.passed_over),
-                       skipped=() if precise else None)
+                       skip_ranges=() if precise else None)
 
     # --- precise skip: probes from the rollback's checkpoint (thermowatch/probing.py) ----------
 
@@ -545,7 +545,7 @@ class Watch(Directed):
             return self.step + 1
         self._probing = None
         out = p.result()
-        self.ledger.add_many([r.to_json() for r in out.skipped])
+        self.ledger.add_many([r.to_json() for r in out.skip_ranges])
         self._save_state()
         log.info("thermowatch: %s", out.detail)
         self._answer(p.cmd, out, None)

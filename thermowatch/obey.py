@@ -60,7 +60,7 @@ class Applied:
     loaded: CheckpointInfo | None = None
     attempts: tuple[int, int] = (0, 0)
     passed_over: tuple[str, ...] = ()  # the checkpoints that failed to load before `loaded`, and why
-    skipped: tuple[SampleRange, ...] | None = None
+    skip_ranges: tuple[SampleRange, ...] | None = None
 
 
 class Host(Protocol):
@@ -168,9 +168,9 @@ def outcome(t: Transition, done: Applied) -> Outcome:
     """The Outcome (the ack's words and fields) of a Transition the host applied."""
     cmd = t.rollback
     if cmd is None:
-        return Outcome(t.words, lr_change=done.lr_change, lr_seq=done.lr_seq, skipped=t.skip, directive=t.directive)
+        return Outcome(t.words, lr_change=done.lr_change, lr_seq=done.lr_seq, skip_ranges=t.skip, directive=t.directive)
     loaded = done.loaded or t.restart_from
-    skipped = cmd.skip if done.skipped is None else done.skipped
+    skipped = cmd.skip if done.skip_ranges is None else done.skip_ranges
     why = t.why or "could not be loaded (the log says why)"
     asked = f"asked <= {cmd.to_step}" + (f"; {cmd.to_step} {why}" if loaded.step != cmd.to_step else "")
     detail = (f"rolled back to checkpoint {loaded.step}{without(t.exclude, cmd)}; {asked}; "
@@ -179,4 +179,4 @@ def outcome(t: Transition, done: Applied) -> Outcome:
               + (f", {cmd.lr.describe()} from step {done.lr_change.start_step}" if done.lr_change else "")
               + (f"; passed over {'; '.join(done.passed_over)}" if done.passed_over else ""))
     return Outcome(detail, checkpoint=CheckpointRef(loaded.step, loaded.path), lr_change=done.lr_change,
-                   lr_seq=done.lr_seq, skipped=skipped, directive=t.directive)
+                   lr_seq=done.lr_seq, skip_ranges=skipped, directive=t.directive)

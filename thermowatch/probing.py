@@ -152,7 +152,7 @@ class Probing:
                   + (f"; cause {cause.words()}" if cause is not None else "") + f"; skipping {what}"
                   + (f": {', '.join(map(str, skipped[:8]))}{' ...' if len(skipped) > 8 else ''}" if skipped else ""))
         return Outcome(detail, checkpoint=self.out.checkpoint, lr_change=self.out.lr_change, lr_seq=self.out.lr_seq,
-                       skipped=skipped, bisected=bisected)
+                       skip_ranges=skipped, bisected=bisected)
 
     # --- one probe ----------------------------------------------------------------------------
 

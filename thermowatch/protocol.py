@@ -182,7 +182,7 @@ class Outcome:
     checkpoint: CheckpointRef | None = None  # the checkpoint a rollback loaded
     lr_change: LRChange | None = None
     lr_seq: int | None = None
-    skipped: tuple[SampleRange, ...] = ()
+    skip_ranges: tuple[SampleRange, ...] = ()  # what it added to the skip ledger
     bisected: Bisected | None = None  # a precise skip's search (thermowatch/precise_skip.py)
     directive: Directive | None = None  # pause / resume / stop: what the loop does next
 
@@ -191,9 +191,9 @@ def ack_for(cmd: Command, out: Outcome | None, error: str | None, *, first_step:
             lr_changes: list[LRChange], skip_ranges: Iterable[Any]) -> Ack:
     """The ack of `cmd`: carried out (`out`) or refused (`error`, why), the first step trained
     under it, the LR multiplier then, and the ledger's digest."""
-    return Ack(command_id=cmd.id, ok=error is None, step=first_step, detail=out.detail if error is None else error,
+    return Ack(command_id=cmd.id, ok=error is None, first_step=first_step, detail=out.detail if error is None else error,
                checkpoint_step=out.checkpoint.step if out and out.checkpoint else None,
                checkpoint_path=out.checkpoint.path if out and out.checkpoint else None,
                lr_multiplier=multiplier_at(first_step, lr_changes), lr_change=out.lr_change if out else None,
-               lr_seq=out.lr_seq if out else None, skipped=out.skipped if out else (),
+               lr_seq=out.lr_seq if out else None, skip_ranges=out.skip_ranges if out else (),
                ledger_digest=ledger_digest(skip_ranges), bisected=out.bisected if out else None)

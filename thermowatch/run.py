@@ -7,7 +7,7 @@ their own checkpoints and want typed commands (docs/any-trainer.md, "Your own ch
     run.checkpoint_saved(step, path, sample_cursor)
     for cmd in run.commands():                 # typed commands (Rollback, Skip, SetLR, ...)
         ...carry it out...
-        run.ack(Ack(command_id=cmd.id, ok=True, step=first_step_trained_after, ...))
+        run.ack(Ack(command_id=cmd.id, ok=True, first_step=first_step_trained_after, ...))
     run.finish(final_step=step, final_loss=loss, reason="completed")   # the run reads finished
 
 Where it sends: `server=`/`token=`, else `THERMOWATCH_SERVER`/`THERMOWATCH_TOKEN`, else the file
@@ -246,7 +246,7 @@ class Run:
                                                 "(Run.done(cmd, first_step, checkpoint_step=..., checkpoint_path=...))")
         ref = CheckpointRef(int(checkpoint_step), str(checkpoint_path or "")) if checkpoint_step is not None else None
         out = Outcome(f"{cmd.kind.value} carried out", checkpoint=ref, lr_change=change, lr_seq=seq,
-                      skipped=tuple(ranges))
+                      skip_ranges=tuple(ranges))
         merged = merge_ranges(skips)
         ack = ack_for(cmd, out, None, first_step=first_step, lr_changes=changes, skip_ranges=merged)
         self.ack(ack, cmd, lr_changes=changes, skip_ranges=merged)

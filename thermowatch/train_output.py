@@ -81,14 +81,14 @@ def ack_line(run_id: str, kind: str, ack: Ack) -> str:
     what = []
     if ack.checkpoint_step is not None:
         what.append(f"checkpoint {ack.checkpoint_step}")
-    if ack.skipped:
-        what.append(f"skipped {len(ack.skipped)} range(s)")
+    if ack.skip_ranges:
+        what.append(f"skipped {len(ack.skip_ranges)} range(s)")
     if ack.lr_multiplier is not None:
         what.append(f"lr x{ack.lr_multiplier:g}")
     if ack.detail:
         what.append(ack.detail)
     state = "done" if ack.ok else "FAILED"
-    return f"{run_id} command {ack.command_id} {kind}: {state} at step {ack.step}" + (
+    return f"{run_id} command {ack.command_id} {kind}: {state} at step {ack.first_step}" + (
         f" ({'; '.join(what)})" if what else "")
 
 

@@ -711,7 +711,7 @@ class HttpCommandChannel:
                 log.error("command %r refused: %s", c, exc)
                 cid = c.get("id") if isinstance(c, dict) else None
                 if isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid <= INT32_MAX:
-                    self.ack(run_id, Ack(command_id=cid, ok=False, step=0, detail=f"unreadable command: {exc}"))
+                    self.ack(run_id, Ack(command_id=cid, ok=False, first_step=0, detail=f"unreadable command: {exc}"))
         return out
 
     def ack(self, run_id: str, ack: Ack) -> None:

@@ -532,7 +532,7 @@ class RunController(Directed):
                 self.ledger.add_many([r.to_json() for r in t.skip])
                 self.gang.call("skip", [r.to_json() for r in t.skip], timeout_s=self.cfg.step_timeout_s)
             return Applied(change, seq, loaded, (before, self.attempt), tuple(self.passed_over),
-                           skipped=() if self.probes is not None else None)
+                           skip_ranges=() if self.probes is not None else None)
         timeout = self.cfg.step_timeout_s
         if ranges:
             self.gang.call("skip", ranges, timeout_s=timeout)
@@ -562,7 +562,7 @@ class RunController(Directed):
         final data state. Its Outcome carries the search."""
         probes, self.probes = self.probes, None
         out = probes.run(out)  # ends with the checkpoint loaded again
-        self.ledger.add_many([r.to_json() for r in out.skipped])
+        self.ledger.add_many([r.to_json() for r in out.skip_ranges])
         t = self.cfg.step_timeout_s
         self.gang.call("set_data_state", self._data_state(probes.ckpt), self.attempt, timeout_s=t)
         self.gang.call("set_lr_changes", list(self.lr_changes), timeout_s=t)

@@ -94,7 +94,7 @@ class Obey(obey.Obey):
                 ctl.ledger.add_many([r.to_json() for r in cmd.body.skip])
                 reason = restarted(exc)
                 out = replace(out, detail=f"{out.detail}; precise skip cut short ({reason}): skipping "
-                                          f"{', '.join(map(str, cmd.body.skip))}", skipped=cmd.body.skip)
+                                          f"{', '.join(map(str, cmd.body.skip))}", skip_ranges=cmd.body.skip)
         ack = ack_for(cmd, out, error, first_step=ctl.step + 1, lr_changes=ctl.lr_changes,
                       skip_ranges=ctl.ledger.ranges)
         ctl.commands_state.record(ack, cmd, lr_changes=ctl.lr_changes, skip_ranges=ctl.ledger.ranges)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from thermowatch.monitors.commands import MAX_PAUSE_REASON, ActionOrigin, ActionState
+from thermowatch.monitors.commands import ActionOrigin, ActionState
 from thermowatch.monitors.contract import (
     Ack,
     Command,
@@ -56,7 +56,7 @@ from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier, St
 from thermowatch.supervisor.notify.flap import FlapConfig
 from thermowatch.supervisor.notify.outbox import Outbox
 from thermowatch.supervisor.act.outcome import details, outcome, summary
-from thermowatch.supervisor.decide.policy import Decision, DecisionKind
+from thermowatch.supervisor.decide.policy import Decision
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
@@ -152,22 +152,22 @@ class Executor:
         needs_ok = decision.requires_approval or self._advise_only
         ids: list[int] = []
         body = None
-        fin = ended(s, run_id) if decision.kind is not DecisionKind.NOOP else None
+        fin = ended(s, run_id) if decision.acts or decision.alert else None
         try:
-            body = None if fin is not None else self._decision_body(s, run_id, decision)
+            body = None if fin is not None else self._with_skip(s, run_id, decision)
         except ContractError as exc:  # never write a command the trainer could not carry out
-            log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.kind.value, exc)
+            log.error("run %s: the policy's %s is not a valid command (%s); pausing", run_id, decision.word, exc)
             reasons.append(f"the decision is not a valid command ({exc}); pausing for a human instead")
-            body = Pause(pause_reason("; ".join(reasons)))
+            body = Pause.saying("; ".join(reasons))
         if fin is not None:  # the judge caught up after the run's last step: nothing to act on
             reasons.append(f"the run had finished ({fin.reason.value} at step {fin.step}): no action written")
         if body is not None:
             ids.append(self._enqueue(s, run_id, body, "; ".join(reasons), ActionOrigin.AUTO, "policy", incident_id, needs_ok))
         audit_store.audit(s, run_id, "policy", "decision", {
-            "incident_id": incident_id, "finding": finding.to_json(), "decision": decision.kind.value,
+            "incident_id": incident_id, "finding": finding.to_json(), "decision": decision.word,
             "rung": decision.rung, "reasons": reasons, "actions": ids,
             "requires_approval": needs_ok})
-        if decision.kind is not DecisionKind.NOOP:
+        if decision.acts or decision.alert:
             alert = Alert.from_decision(run_id, finding, decision, incident_id, runbook_url=self._runbook_url)
             if needs_ok and ids:  # what the reader types: the id and the exact commands
                 # (an alert-only decision writes no action: nothing awaits approval, so no prefix)
@@ -180,7 +180,7 @@ class Executor:
             # Only alert-only repeats fold: a decision that wrote an action (a pause, a rollback,
             # an approval to give) is a story of its own, never a counted reply in another
             # incident's thread (issue 23: an approval hidden as "repeat 2 in 1 min").
-            fold = None if decision.kind is DecisionKind.PAUSE or ids else flaps.decide_fold(
+            fold = None if isinstance(decision.command, Pause) or ids else flaps.decide_fold(
                 s, self._flap, run_id, finding.signal.value, finding.module, incident_id)
             if fold is not None:  # a repeat of a flapping signal: a counted reply, no page, no chart
                 alert = dataclasses.replace(
@@ -194,27 +194,20 @@ class Executor:
                     chart=ChartRequest.around(finding)))
         return ids
 
-    def _decision_body(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
-        lr = None
-        if decision.lr_multiplier is not None:
-            lr = SetLR(decision.lr_multiplier, decision.lr_steps, decision.rewarmup_steps or 0)
-        if decision.kind is DecisionKind.ROLLBACK:
-            skip: tuple[SampleRange, ...] = ()
-            if decision.skip_steps is not None:
-                rng = steps_store.sample_range(s, run_id, decision.skip_steps[0], decision.skip_steps[1])
-                if rng is not None and rng[0] < rng[1]:
-                    lo, hi = int(rng[0]), int(rng[1])
-                    if decision.skip_ahead_steps:  # at the steps' own width: samples no step has trained yet
-                        width = (hi - lo) // (decision.skip_steps[1] - decision.skip_steps[0] + 1)
-                        hi += decision.skip_ahead_steps * width
-                    skip = (SampleRange(lo, hi),)
-            return Rollback(to_step=decision.target_step, checkpoint=decision.target_path, skip=skip, lr=lr,
-                            exclude_rank=decision.exclude_rank, exclude_node=decision.exclude_node)
-        if decision.kind is DecisionKind.LOWER_LR:
-            return lr
-        if decision.kind is DecisionKind.PAUSE:  # the paused loop prints why (issue 35)
-            return Pause(pause_reason("; ".join(decision.reasons)))
-        return None
+    def _with_skip(self, s: Session, run_id: str, decision: Decision) -> CommandBody | None:
+        """The decision's command as it is, a rollback's `skip_steps` turned into sample ids from
+        the run's stored steps (the one thing the pure policy cannot know)."""
+        cmd = decision.command
+        if not isinstance(cmd, Rollback) or decision.skip_steps is None:
+            return cmd
+        lo_step, hi_step = decision.skip_steps
+        rng = steps_store.sample_range(s, run_id, lo_step, hi_step)
+        if rng is None or rng[0] >= rng[1]:
+            return cmd
+        lo, hi = int(rng[0]), int(rng[1])
+        if decision.skip_ahead_steps:  # at the steps' own width: samples no step has trained yet
+            hi += decision.skip_ahead_steps * ((hi - lo) // (hi_step - lo_step + 1))
+        return dataclasses.replace(cmd, skip=(SampleRange(lo, hi),))
 
     def submit(self, run_id: str, kind: str, args: dict[str, Any], who: str, reason: str) -> int:
         """A manual command (CLI, API, web): same rows, same executor, never needs approval.
@@ -231,7 +224,7 @@ class Executor:
                 raise Conflict(ended_words(run_id, fin))
             args = feasibility.resolve_relative(s, run_id, args or {})
             if kind == CommandKind.PAUSE.value and not args.get("reason"):  # what the paused loop prints
-                args = {**args, "reason": pause_reason(f"paused by {who}" + (f": {reason}" if reason else ""))}
+                args = {**args, "reason": Pause.saying(f"paused by {who}" + (f": {reason}" if reason else "")).reason}
             try:
                 body = parse_command(kind, args)
             except ContractError as exc:
@@ -439,7 +432,7 @@ class Executor:
                    f"paused rather than training on into the divergence; `thermowatch approve {a.id}` rolls back "
                    "and ends the pause, `thermowatch resume` trains on")
             # the proposal's incident: its outcome and a re-page reply in the page's thread, not a new one
-            pid = self._enqueue(s, run_id, Pause(pause_reason(why)), why, ActionOrigin.AUTO, "policy", a.incident_id, False)
+            pid = self._enqueue(s, run_id, Pause.saying(why), why, ActionOrigin.AUTO, "policy", a.incident_id, False)
             audit_store.audit(s, run_id, "policy", APPROVAL_PAUSE, {"for_action": a.id, "pause_action": pid,
                                                                    "step": last})
             self._queue_alert(s, Alert(run_id=run_id, severity=Severity.CRITICAL, incident_id=a.incident_id,
@@ -477,11 +470,11 @@ class Executor:
                 else:
                     if row.state is ActionState.PENDING:  # acked before we saw our own `sent` commit (in-process race)
                         actions_store.set_action_state(s, row.id, ActionState.SENT)
-                    actions_store.set_action_state(s, row.id, ActionState.ACKED, ack_step=ack.step, result=result)
+                    actions_store.set_action_state(s, row.id, ActionState.ACKED, ack_step=ack.first_step, result=result)
                     first_step, resolved = self._book(s, run_id, row, ack)
                     actions_store.set_action_state(s, row.id, ActionState.DONE)
                     self._queue_alert(s, _done_alert(run_id, row, ack, result, resolved))
-                    audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.step,
+                    audit_store.audit(s, run_id, actor, "done", {"action_id": row.id, "step": ack.first_step,
                                                                "detail": ack.detail})
         except (ContractError, DataError, IntegrityError, actions_store.ActionStateError) as exc:
             why = f"the acknowledgement could not be booked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
@@ -516,23 +509,23 @@ class Executor:
         asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
         # A precise skip's ack says exactly what it skipped, nothing included (replay triage found
         # the cause was not the data); a bare ack from an older trainer books what was asked.
-        for r in ack.skipped if ack.bisected is not None else ack.skipped or asked_ranges:
+        for r in ack.skip_ranges if ack.bisected is not None else ack.skip_ranges or asked_ranges:
             skips_store.add_skip_range(s, run_id, r.lo, r.hi, action_id=row.id)
         change, seq = ack.lr_change, ack.lr_seq
         if change is None and ack.checkpoint_step is None:
             lr = body if isinstance(body, SetLR) else body.lr if isinstance(body, Rollback) else None
-            change = lr.change(max(1, ack.step)) if lr is not None else None
+            change = lr.change(max(1, ack.first_step)) if lr is not None else None
         if change is not None:
             lr_store.add_lr_change(s, run_id, change.multiplier, change.start_step, change.steps, action_id=row.id,
                                    rewarmup_steps=change.rewarmup_steps, seq=seq)
         resolved = False
         if row.incident_id is not None and row.kind in (CommandKind.ROLLBACK, CommandKind.SET_LR, CommandKind.SKIP):
-            resolved = incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.step}")
+            resolved = incidents_store.resolve_incident(s, row.incident_id, f"{row.kind} done at step {ack.first_step}")
         if row.kind is CommandKind.ROLLBACK:
             # The trainer abandoned every checkpoint after the one it went back to (step ack - 1):
             # they belong to the trajectory left behind and are never a target again.
-            ckpt_store.distrust_from(s, run_id, ack.step)
-            return ack.step, resolved
+            ckpt_store.distrust_from(s, run_id, ack.first_step)
+            return ack.first_step, resolved
         return None, resolved
 
     def run_finished(self, run_id: str) -> list[int]:
@@ -729,11 +722,6 @@ class Executor:
         self.outbox.close()
 
 
-def pause_reason(text: str) -> str:
-    """A pause's reason as the command carries it (contract.Pause, at most MAX_PAUSE_REASON)."""
-    return text if len(text) <= MAX_PAUSE_REASON else text[:MAX_PAUSE_REASON - 4] + " ..."
-
-
 def _thread(action_id: int, incident_id: int | None) -> str | None:
     """An action's story: its incident's thread, or (a manual command) a thread of its own."""
     return None if incident_id is not None else f"action:{action_id}"
@@ -742,7 +730,7 @@ def _thread(action_id: int, incident_id: int | None) -> str | None:
 def _done_alert(run_id: str, row: actions_store.ActionRow, ack: Ack, result: dict[str, Any],
                 resolved: bool) -> Alert:
     """The reply that says what the trainer really did, from its typed ack (supervisor.act.outcome)."""
-    o = outcome(dataclasses.replace(row, state=ActionState.DONE, result=result, ack_step=ack.step))
+    o = outcome(dataclasses.replace(row, state=ActionState.DONE, result=result, ack_step=ack.first_step))
     lines = details(o, first_step=False)  # the title's summary says the first step trained
     if resolved:
         lines.append(f"incident {row.incident_id} resolved")

@@ -3,8 +3,9 @@
 
 Fields: action_id, kind, state (pending, sent, acked, done, failed, cancelled, expired), args (as asked),
 checkpoint_step and checkpoint_path (what a rollback loaded), first_step (the first step trained
-after it), effective_lr_multiplier (in force at first_step), lr_change, skipped_ranges (what the
-trainer added to its ledger), ledger_digest, bisected (a precise skip's search, with replay
+after it), effective_lr_multiplier (in force at first_step), lr_change, skip_ranges (what the
+trainer added to its ledger, [lo, hi) sample ids; `skipped_ranges`, its old name, is written too
+until the next release), ledger_digest, bisected (a precise skip's search, with replay
 triage's `cause`: data, hardware or optimizer, its evidence and cost), detail (the trainer's
 words), error.
 """
@@ -28,15 +29,17 @@ def outcome(row) -> dict[str, Any]:
         except ContractError:
             ack = None
     args = dict(row.args)
+    skip = [r.to_json() for r in ack.skip_ranges] if ack else []
     return {
         "action_id": row.id, "kind": CommandKind(row.kind), "state": ActionState(row.state), "args": args,
         "checkpoint_step": ack.checkpoint_step if ack else None,
         "checkpoint_path": ack.checkpoint_path if ack else None,
-        "first_step": ack.step if ack else row.ack_step,
+        "first_step": ack.first_step if ack else row.ack_step,
         "effective_lr_multiplier": ack.lr_multiplier if ack else None,
         "lr_change": ack.lr_change.to_json() if ack and ack.lr_change else None,
         "requested_lr": _requested_lr(args),
-        "skipped_ranges": [r.to_json() for r in ack.skipped] if ack else [],
+        "skip_ranges": skip,
+        "skipped_ranges": skip,  # deprecated: skip_ranges; written until the next release
         "ledger_digest": ack.ledger_digest if ack else "",
         "bisected": ack.bisected.to_json() if ack and ack.bisected else None,
         "detail": ack.detail if ack else "",
@@ -77,8 +80,8 @@ def details(o: dict[str, Any], *, first_step: bool = True) -> list[str]:
     if o["effective_lr_multiplier"] is not None:
         asked = f" (asked {o['requested_lr']})" if o["requested_lr"] else ""
         lines.append(f"effective LR multiplier: x{o['effective_lr_multiplier']:g}{asked}")
-    if o["skipped_ranges"]:
-        lines.append("ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    if o["skip_ranges"]:
+        lines.append("ranges skipped: " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skip_ranges"]))
     b = o.get("bisected")
     if b:
         lines.append(f"precise skip ({b['outcome']}): {b['probes']} probes, {b['steps']:,} steps re-trained, "
@@ -115,8 +118,8 @@ def summary(o: dict[str, Any]) -> str:
         parts.append(f"first step trained {o['first_step']}")
     if o["effective_lr_multiplier"] is not None:
         parts.append(f"LR x{o['effective_lr_multiplier']:g}")
-    if o["skipped_ranges"]:
-        parts.append("skipped " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skipped_ranges"]))
+    if o["skip_ranges"]:
+        parts.append("skipped " + ", ".join(f"[{lo}, {hi})" for lo, hi in o["skip_ranges"]))
     c = _cause(o)
     if c is not None:
         parts.append(("" if c.label == "data" else "skipped nothing, ") + f"cause: {c.label} ({_CAUSE_SHORT[c.label]})")

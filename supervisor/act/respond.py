@@ -32,7 +32,7 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank
 from thermowatch.supervisor.judge.bank_process import BankProcess, RemoteBank
 from thermowatch.supervisor.act.executor import Executor
 from thermowatch.monitors.contract import Ack, ContractError
-from thermowatch.supervisor.decide.policy import (DecisionKind, Intervention, PolicyConfig, PolicyInput, after_triage,
+from thermowatch.supervisor.decide.policy import (Intervention, PolicyConfig, PolicyInput, after_triage,
                                                   make_decision)
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
@@ -226,7 +226,7 @@ class Responder:
             if decision is None:
                 return
             log.info("run %s: rollback %d's replay triage says %s -> %s (%s)", run_id, done.id, b.cause.label,
-                     decision.kind.value, "; ".join(decision.reasons))
+                     decision.word, "; ".join(decision.reasons))
             self._executor.carry_out(s, run_id, done.incident_id, found[0].finding, decision)
         self._executor.flush_alerts()
 
@@ -323,11 +323,11 @@ class Responder:
             if decision.recheck_step is not None and attempt is not None:
                 self._recheck[run_id] = (attempt, decision.recheck_step)
             log.info("run %s: %s on %r onset %d detect %d -> %s (%s)", run_id, finding.signal.value, finding.module,
-                     finding.onset_step, finding.detect_step, decision.kind.value, "; ".join(decision.reasons))
+                     finding.onset_step, finding.detect_step, decision.word, "; ".join(decision.reasons))
             self._executor.carry_out(s, run_id, incident_id, finding, decision)
-            if decision.kind in (DecisionKind.NOOP, DecisionKind.ALERT):
-                incidents_store.resolve_incident(s, incident_id, f"{decision.kind.value}: {decision.reasons[0]}"
-                                                 if decision.reasons else decision.kind.value)
+            if not decision.acts:
+                incidents_store.resolve_incident(s, incident_id, f"{decision.word}: {decision.reasons[0]}"
+                                                 if decision.reasons else decision.word)
         self._executor.flush_alerts()
         return incident_id
 
@@ -352,7 +352,7 @@ class Responder:
             inc = incs.get(a.incident_id) if a.incident_id else None
             done = a.state in (ActionState.ACKED, ActionState.DONE)
             history.append(Intervention(
-                kind=_decision_kind(a.kind),
+                kind=_intervention_kind(a.kind),
                 signal=Signal(inc.signal) if inc else None,
                 module=inc.module if inc else "",
                 step=inc.detect_step if inc else (a.ack_step or 0),
@@ -363,7 +363,7 @@ class Responder:
                 lowered_lr=a.args.get("lr_multiplier") is not None,
                 # what it skipped: a precise skip's ack says (none, when replay triage cleared the data)
                 skipped=a.kind is CommandKind.ROLLBACK and bool(
-                    a.result["skipped"] if done and a.result and a.result.get("bisected") else a.args.get("skip_ranges")),
+                    a.result["skip_ranges"] if done and a.result and a.result.get("bisected") else a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.
                 first_step=a.ack_step if done else None,
@@ -411,6 +411,8 @@ def _failed_and_unattended(rows: Sequence[actions_store.ActionRow]) -> bool:
     return not any(a.origin is ActionOrigin.MANUAL and a.id > newest_auto.id for a in rows)
 
 
-def _decision_kind(action_kind: str) -> DecisionKind:
-    return {"rollback": DecisionKind.ROLLBACK, "set_lr": DecisionKind.LOWER_LR, "pause": DecisionKind.PAUSE,
-            "skip": DecisionKind.ROLLBACK}.get(action_kind, DecisionKind.ALERT)
+def _intervention_kind(kind: CommandKind) -> CommandKind:
+    """A past command as the policy's history counts it: a manual skip as a rollback (it changed
+    which samples the run trains, as a data rollback does); the rest as they are (a resume, a stop
+    or a profile is no intervention: policy.ACTIONS leaves them out)."""
+    return CommandKind.ROLLBACK if kind is CommandKind.SKIP else CommandKind(kind)

@@ -1,14 +1,14 @@
 """The supervisor's decision: a pure function from one finding and the run's state to an action.
 
 Only a finding whose outcome is `act` can change the run (DESIGN.md, Trust: three outcomes):
-`watch` is recorded (NOOP), `alert` tells a human (ALERT), whatever the signal, the severity or
+`watch` is recorded (no command), `alert` tells a human (no command, `alert`), whatever the signal, the severity or
 the state of the run. An `act` finding still only acts if its signal is in `rollback_signals`
 and its severity is at least `act_min_severity` (critical by default: a warning never acts).
 
 Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
 no I/O. The responder (supervisor/act/respond.py) gathers a `PolicyInput` and calls
-`make_decision`; the executor (supervisor/act/executor.py) writes the action row and carries it
-out. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
+`make_decision`; the Decision holds the typed command (monitors/commands.py: Rollback, SetLR,
+Pause) that the executor (supervisor/act/executor.py) stores as it is and hands to the trainer. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
 
 The ladder (DESIGN.md, "Rollback semantics"):
 
@@ -54,10 +54,11 @@ so a rollback to s replays from step s + 1; `skip_steps` is an inclusive step ra
 from __future__ import annotations
 
 import dataclasses
-import enum
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
+
+from thermowatch.monitors.commands import CommandKind, ContractError, Pause, Rollback, SetLR
 
 from thermowatch.monitors.contract import (DEFAULT_ROLLBACK_SIGNALS, CheckpointInfo, Finding, Outcome, Severity, Signal,
                                           signal_family)
@@ -67,18 +68,13 @@ from thermowatch.supervisor.errors import UserError
 DAY_S = 86_400.0
 
 
-class DecisionKind(str, enum.Enum):
-    NOOP = "noop"
-    ALERT = "alert"
-    ROLLBACK = "rollback"
-    LOWER_LR = "lower_lr"
-    PAUSE = "pause"
-
-
-# Kinds that change the run (need approval in advise-only mode, count towards the caps).
-ACTIONS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE})
+# The commands the policy may tell a run (monitors/commands.py's typed commands, stored and
+# delivered as the policy built them): each changes the run, so each needs approval in
+# advise-only mode and counts towards the caps.
+PolicyCommand = Union[Rollback, SetLR, Pause]
+ACTIONS = frozenset({CommandKind.ROLLBACK, CommandKind.SET_LR, CommandKind.PAUSE})
 # Kinds after which the same signal coming back counts as a recurrence (rung 2).
-_LADDER_KINDS = frozenset({DecisionKind.ROLLBACK, DecisionKind.LOWER_LR})
+_LADDER_KINDS = frozenset({CommandKind.ROLLBACK, CommandKind.SET_LR})
 
 # A non-finite value within this many steps of a rollback's first re-trained step means the
 # checkpoint it loaded is bad (Megatron-LM #5281: NaN three steps after every load). Constants, not
@@ -264,7 +260,7 @@ class PolicyConfig:
 class Intervention:
     """One past action on this run (from the action rows), newest last or in any order."""
 
-    kind: DecisionKind
+    kind: CommandKind  # a manual skip is booked as a rollback (respond._intervention_kind)
     signal: Signal | None  # None for manual actions not tied to a finding
     module: str
     step: int  # the run's step when the action was decided (the finding's detect step)
@@ -291,6 +287,9 @@ class Intervention:
     # which a manual rollback leaves behind (only _bad_load reads it).
     left_attempt: int | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CommandKind(self.kind))  # "rollback" from JSON is the member
+
 
 @dataclass(frozen=True)
 class PolicyInput:
@@ -307,23 +306,24 @@ class PolicyInput:
 
 @dataclass(frozen=True)
 class Decision:
-    kind: DecisionKind
+    """What the policy says about one finding. `command` is what the run is told, as the typed
+    command the executor stores and the trainer carries out (Rollback, SetLR or Pause); None
+    changes nothing: an alert to a human (`alert`), or only recorded (a watch finding, a
+    finding held back while an action is in flight)."""
+
+    command: PolicyCommand | None
     reasons: list[str]
-    target_step: int | None = None  # ROLLBACK: checkpoint step to load
-    target_path: str | None = None  # ROLLBACK: that checkpoint's path (steps can repeat across attempts)
-    skip_steps: tuple[int, int] | None = None  # inclusive steps whose samples to skip
-    # ... and this many steps' worth of samples past them, not trained yet: the rest of a bad
-    # stretch that came back on a re-trained path (_skip_further)
+    alert: bool = True  # command None: tell a human (False: record only)
+    # Rollback: the steps whose samples it skips (inclusive), and this many steps' worth of
+    # samples past them, not trained yet: the rest of a bad stretch (_skip_further). Steps, since
+    # the policy has no sample ids: the executor turns them into the command's skip ranges
+    # from the run's stored steps (store/steps.sample_range).
+    skip_steps: tuple[int, int] | None = None
     skip_ahead_steps: int = 0
-    lr_multiplier: float | None = None  # new multiplier on the schedule (absolute, not relative)
-    lr_steps: int | None = None  # None = permanent
-    rewarmup_steps: int | None = None
-    exclude_rank: int | None = None  # restart without this rank (outlier rank)
-    exclude_node: str | None = None
     page: bool = False  # page a human now
     requires_approval: bool = False  # advise-only: do nothing until a human approves
-    rung: int = 0  # 0: no ladder step (noop/alert), 1..3: the rung taken
-    # NOOP/ALERT held back by a step cooldown: the step it ends. The responder then lets the
+    rung: int = 0  # 0: no ladder step (no command), 1..3: the rung taken
+    # No command, held back by a step cooldown: the step it ends. The responder then lets the
     # detectors fire again on a condition that persists (their latches would keep it silent for
     # the rest of the run: issue 22), so a recurrence climbs the ladder after the cooldown.
     recheck_step: int | None = None
@@ -331,15 +331,34 @@ class Decision:
     # marks it unhealthy in the store, so no later decision picks it again.
     distrust_step: int | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.command, Pause) and not self.command.reason:  # the paused loop prints why (issue 35)
+            object.__setattr__(self, "command", Pause.saying("; ".join(self.reasons)))
+
+    @property
+    def kind(self) -> CommandKind | None:
+        return None if self.command is None else self.command.kind
+
+    @property
+    def word(self) -> str:
+        """The decision in one word, as the audit log and `replay --json` write it."""
+        return self.command.kind.value if self.command is not None else "alert" if self.alert else "noop"
+
     @property
     def acts(self) -> bool:
-        return self.kind in ACTIONS
+        return self.command is not None
+
+    @property
+    def lr(self) -> SetLR | None:
+        """The LR change it makes (a SetLR, or a rollback's), if any."""
+        return self.command if isinstance(self.command, SetLR) else getattr(self.command, "lr", None)
 
     def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["kind"] = self.kind.value
-        out["skip_steps"] = list(self.skip_steps) if self.skip_steps else None
-        return out
+        return {"kind": self.word, "reasons": list(self.reasons), "rung": self.rung, "page": self.page,
+                "requires_approval": self.requires_approval,
+                "skip_steps": list(self.skip_steps) if self.skip_steps else None,
+                "skip_ahead_steps": self.skip_ahead_steps, "recheck_step": self.recheck_step,
+                "distrust_step": self.distrust_step, **(self.command.to_args() if self.command is not None else {})}
 
 
 # --- the decision ----------------------------------------------------------------------------
@@ -348,15 +367,23 @@ class Decision:
 def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision:
     """Decide what to do about `inp.finding`. Pure: same input, same decision."""
     cfg = cfg or PolicyConfig()
+    try:
+        return _decide(inp, cfg)
+    except ContractError as exc:  # a value no command may carry: never written, a human decides
+        return _finish(cfg, _pause(_describe(inp.finding, inp.attempt),
+                                   f"the decision is not a valid command ({exc}); pausing for a human instead"))
+
+
+def _decide(inp: PolicyInput, cfg: PolicyConfig) -> Decision:
     f = inp.finding
     head = _describe(f, inp.attempt)
     # First, before any state of the run is looked at: only `act` may change the run.
     if f.outcome is Outcome.WATCH:
-        return Decision(DecisionKind.NOOP, [head, "outcome watch: recorded and drawn on the run's page"])
+        return Decision(None, alert=False, reasons=[head, "outcome watch: recorded and drawn on the run's page"])
     if f.outcome is not Outcome.ACT:
-        return Decision(DecisionKind.ALERT, [head, _why_alert(f, inp)], page=f.signal in cfg.page_signals)
+        return Decision(None, [head, _why_alert(f, inp)], page=f.signal in cfg.page_signals)
     if inp.paused:
-        return Decision(DecisionKind.NOOP, [head, "the run is paused: findings are recorded, a human decides "
+        return Decision(None, alert=False, reasons=[head, "the run is paused: findings are recorded, a human decides "
                                                   "when to resume"])
     if inp.failed_action_pending:
         return _finish(cfg, _pause(head, "a previous action failed, so the run is not in the state the supervisor "
@@ -365,14 +392,14 @@ def make_decision(inp: PolicyInput, cfg: PolicyConfig | None = None) -> Decision
         return _finish(cfg, _outlier(inp, cfg, head))
     if f.signal is Signal.LR_JUMP:
         if not cfg.revert_lr_jumps:
-            return Decision(DecisionKind.ALERT, [head, "revert_lr_jumps is off: alert only; set the LR by hand "
+            return Decision(None, [head, "revert_lr_jumps is off: alert only; set the LR by hand "
                                                        "(thermowatch lr RUN --multiplier M)"])
         return _finish(cfg, _guards(inp, cfg, head) or _revert_lr(inp, head))
     if f.signal not in cfg.rollback_signals:
         why = _ALERT_ONLY_WHY.get(f.signal, f"{f.signal.value} is not in rollback_signals: alert only")
-        return Decision(DecisionKind.ALERT, [head, why], page=f.signal in cfg.page_signals)
+        return Decision(None, [head, why], page=f.signal in cfg.page_signals)
     if _SEVERITY_ORDER[f.severity] < _SEVERITY_ORDER[cfg.act_min_severity]:
-        return Decision(DecisionKind.ALERT, [head, f"severity {f.severity.value} is below act_min_severity="
+        return Decision(None, [head, f"severity {f.severity.value} is below act_min_severity="
                                                    f"{cfg.act_min_severity.value}: alert only"])
     return _finish(cfg, _guards(inp, cfg, head) or _ladder(inp, cfg, head))
 
@@ -405,13 +432,18 @@ def _family(signal: Signal | None) -> str | None:
 
 
 def _pause(head: str, why: str) -> Decision:
-    return Decision(DecisionKind.PAUSE, [head, f"rung 3: {why}"], page=True, rung=3)
+    return Decision(Pause(), [head, f"rung 3: {why}"], page=True, rung=3)
+
+
+def _lower(cfg: PolicyConfig, multiplier: float) -> SetLR:
+    """Rung 2's LR change: the new absolute multiplier, for `lr_steps` (then re-warmed) or for good."""
+    return SetLR(multiplier, cfg.lr_steps, cfg.rewarmup_steps if cfg.lr_steps is not None else 0)
 
 
 def _finish(cfg: PolicyConfig, d: Decision) -> Decision:
     if cfg.advise_only and d.acts:
-        return dataclasses.replace(
-            d, requires_approval=True, page=True,
+        return dataclasses.replace(  # a pause's reason is written again with the new sentence
+            d, requires_approval=True, page=True, command=Pause() if isinstance(d.command, Pause) else d.command,
             reasons=[*d.reasons, "advise-only: nothing happens until a human approves this"],
         )
     return d
@@ -422,20 +454,20 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
     same incident, a cooldown, the caps."""
     f = inp.finding
     if inp.action_in_flight:
-        return Decision(DecisionKind.NOOP, [head, "an action for this run is in flight; waiting for its "
+        return Decision(None, alert=False, reasons=[head, "an action for this run is in flight; waiting for its "
                                                   "acknowledgement before deciding again"])
     fam = _family(f.signal)
     live = _live(inp.history)
     for h in live:
         if _abandoned(inp, h):
-            return Decision(DecisionKind.NOOP, [
+            return Decision(None, alert=False, reasons=[
                 head, f"late finding of attempt {inp.attempt}, which the rollback to step {h.target_step} (decided "
                       f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
                       "on its own"])
         into = _cooling(inp, cfg, h)
         if (into is not None and _family(h.signal) == fam and _data_recurrence(inp, h) is None
                 and _bad_load(inp, h) is None):
-            return Decision(DecisionKind.NOOP, [
+            return Decision(None, alert=False, reasons=[
                 head, f"same incident as the {h.kind.value} at step {h.step}: {_since_text(h, into)} (within "
                       f"cooldown_steps={cfg.cooldown_steps}); waiting for it to take effect, judged again at "
                       f"step {_cooldown_end(cfg, h)} if it persists"], recheck_step=_cooldown_end(cfg, h))
@@ -449,7 +481,7 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
             if into is not None or age < cfg.cooldown_s:
                 why = (f"{_since_text(h, into)} (cooldown_steps={cfg.cooldown_steps})" if into is not None
                        else f"{age:.0f}s ago (cooldown_s={cfg.cooldown_s:g})")
-                return Decision(DecisionKind.ALERT, [
+                return Decision(None, [
                     head, f"cooldown: the last automatic {h.kind.value} (step {h.step}) was {why}; not acting "
                           "again so soon; if it persists it is handled after the cooldown"],
                     page=f.severity is Severity.CRITICAL,
@@ -470,14 +502,14 @@ def _live(history: Sequence[Intervention]) -> list[Intervention]:
     for h in _newest_first(history):
         if h.kind in ACTIONS and h.ok:
             out.append(h)
-            if h.kind is DecisionKind.ROLLBACK and h.first_step is not None:
+            if h.kind is CommandKind.ROLLBACK and h.first_step is not None:
                 break
     return out
 
 
 def _abandoned(inp: PolicyInput, h: Intervention) -> bool:
     """The finding was judged on an attempt that rollback `h` left behind (it arrived late)."""
-    return (h.kind is DecisionKind.ROLLBACK and h.ok and h.first_step is not None
+    return (h.kind is CommandKind.ROLLBACK and h.ok and h.first_step is not None
             and inp.attempt is not None and h.attempt is not None and inp.attempt <= h.attempt)
 
 
@@ -488,7 +520,7 @@ def _cooling(inp: PolicyInput, cfg: PolicyConfig, h: Intervention) -> int | None
     which the action had not reached yet."""
     step = inp.finding.detect_step
     took_effect = h.first_step if h.first_step is not None else h.step
-    lo = took_effect if h.kind is DecisionKind.ROLLBACK else min(h.step, took_effect)
+    lo = took_effect if h.kind is CommandKind.ROLLBACK else min(h.step, took_effect)
     return step - took_effect if lo <= step < took_effect + cfg.cooldown_steps else None
 
 
@@ -512,7 +544,7 @@ def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
     same stretch are the cause, so waiting only trains them. Spikes only (_DATA_FAMILIES).
     Replay triage (issue 39) is what will tell data from the optimizer for certain."""
     f = inp.finding
-    if not (h.kind is DecisionKind.ROLLBACK and h.ok and h.automatic and h.skipped and h.first_step is not None
+    if not (h.kind is CommandKind.ROLLBACK and h.ok and h.automatic and h.skipped and h.first_step is not None
             and h.target_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
         return None
     if inp.attempt is None or h.attempt is None or inp.attempt <= h.attempt or f.detect_step < h.first_step:
@@ -536,7 +568,7 @@ def _since_text(h: Intervention, into: int | None) -> str:
         return f"{into} steps after it"
     if into is not None and into < 0:
         return f"before it took effect at step {h.first_step}"
-    where = "the re-trained attempt" if h.kind is DecisionKind.ROLLBACK else "its effect"
+    where = "the re-trained attempt" if h.kind is CommandKind.ROLLBACK else "its effect"
     return f"{into} steps into {where} (first step {h.first_step})"
 
 
@@ -552,7 +584,7 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
             return _skip_further(inp, cfg, head, h, again)
     prev = _recurrence(inp, cfg)
     forecast = (f.evidence.get("witnesses") or {}).get("lr_forecast")
-    lr: dict[str, Any] = {}
+    lr: SetLR | None = None
     if prev is None and not forecast:
         reasons.append(f"rung 1: {f.signal.value} is a rollback signal")
         rung = 1
@@ -572,23 +604,22 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
         if new < cfg.min_lr_multiplier * (1 - 1e-9):
             return _pause(head, f"lowering the LR again would take its multiplier from {inp.current_lr_multiplier:g} "
                                 f"to {new:g}, below min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human")
-        lr = {"lr_multiplier": new, "lr_steps": cfg.lr_steps,
-              "rewarmup_steps": cfg.rewarmup_steps if cfg.lr_steps is not None else None}
+        lr = _lower(cfg, new)
         reasons.append(_lr_reason(inp.current_lr_multiplier, new, cfg))
         if prev is None:
             reasons.append("no witness of harm yet, so nothing to roll back: lowering the LR in place before the "
                            "schedule raises it further")
-            return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)
+            return Decision(lr, reasons, rung=2)
         if not cfg.recurrence_rollback:
             reasons.append("recurrence_rollback is off: lowering the LR in place, no rollback")
-            return Decision(DecisionKind.LOWER_LR, reasons, rung=2, **lr)
+            return Decision(lr, reasons, rung=2)
 
-    rollbacks = [h for h in inp.history if h.automatic and h.kind is DecisionKind.ROLLBACK
+    rollbacks = [h for h in inp.history if h.automatic and h.kind is CommandKind.ROLLBACK
                  and inp.now - h.time < DAY_S]
     if len(rollbacks) >= cfg.max_rollbacks_per_day:
         return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
                             f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
-    cap = (prev.target_step if prev is not None and prev.kind is DecisionKind.ROLLBACK and not prev.lowered_lr
+    cap = (prev.target_step if prev is not None and prev.kind is CommandKind.ROLLBACK and not prev.lowered_lr
            else None)
     target, why = _pick_checkpoint(inp, cfg, cap)
     if target is None:
@@ -610,8 +641,8 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
             ahead = cfg.skip_ahead_steps
             reasons.append(f"and {ahead} steps' worth past them, not trained yet (skip_ahead_steps): a bad stretch "
                            "of data goes on past the step it was seen at")
-    return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
-                    skip_steps=skip, skip_ahead_steps=ahead, rung=rung, **lr)
+    return Decision(Rollback(target.step, checkpoint=target.path, lr=lr), reasons, skip_steps=skip,
+                    skip_ahead_steps=ahead, rung=rung)
 
 
 def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg: PolicyConfig | None = None,
@@ -635,14 +666,14 @@ def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg
     cfg = cfg or PolicyConfig()
     head = _describe(finding, attempt)
     if cause == "hardware" and rank is not None and cfg.restart_without_outlier and checkpoint is not None:
-        return _finish(cfg, Decision(DecisionKind.ROLLBACK, [
+        return _finish(cfg, Decision(Rollback(checkpoint[0], checkpoint=checkpoint[1], exclude_rank=int(rank)), [
             head, f"replay triage: the divergence did not reproduce from the checkpoint, and only rank {rank}'s "
                   f"figures went non-finite on the abandoned path: suspect rank {rank}'s device",
             f"restart_without_outlier: restarting from the checkpoint at step {checkpoint[0]} (the one the rollback "
             f"loaded) without rank {rank}'s node; no data skipped"],
-            target_step=checkpoint[0], target_path=checkpoint[1], exclude_rank=int(rank), page=True, rung=1))
+            page=True, rung=1))
     if cause == "hardware" and rank is not None:
-        return Decision(DecisionKind.ALERT, [
+        return Decision(None, [
             head, f"replay triage: the divergence did not reproduce from the checkpoint, and only rank {rank}'s "
                   f"figures went non-finite on the abandoned path: suspect rank {rank}'s device",
             f"the run goes on from the rollback; if it happens again, restart without rank {rank}'s node "
@@ -656,12 +687,10 @@ def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg
         return _finish(cfg, _pause(head, f"replay triage names the optimizer state or the LR, and lowering the LR "
                                          f"would take its multiplier from {current_lr_multiplier:g} to {new:g}, below "
                                          f"min_lr_multiplier={cfg.min_lr_multiplier:g}; pausing for a human"))
-    return _finish(cfg, Decision(DecisionKind.LOWER_LR, [
+    return _finish(cfg, Decision(_lower(cfg, new), [
         head, "rung 2 at once: replay triage reproduced the divergence from the rollback's checkpoint with the "
               "suspect samples skipped too, so the data is not the reason: the optimizer state or the LR is",
-        _lr_reason(current_lr_multiplier, new, cfg)],
-        lr_multiplier=new, lr_steps=cfg.lr_steps, rewarmup_steps=cfg.rewarmup_steps if cfg.lr_steps is not None else None,
-        rung=2))
+        _lr_reason(current_lr_multiplier, new, cfg)], rung=2))
 
 
 def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, target_step: int) -> Decision:
@@ -669,7 +698,7 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
     rollback's checkpoint again, at once and at the same LR, the skip grown through this detection.
     The caps (max_interventions, max_rollbacks_per_day) still bound it."""
     f = inp.finding
-    rollbacks = [x for x in inp.history if x.automatic and x.kind is DecisionKind.ROLLBACK
+    rollbacks = [x for x in inp.history if x.automatic and x.kind is CommandKind.ROLLBACK
                  and inp.now - x.time < DAY_S]
     if len(rollbacks) >= cfg.max_rollbacks_per_day:
         return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
@@ -696,8 +725,8 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
         reasons.append(f"skipping the samples of steps {skip[0]}-{skip[1]} (from the checkpoint to detection; "
                        f"the samples already skipped stay skipped) and {ahead} steps' worth past them, not trained "
                        "yet: the stretch has come back before, so it likely goes on")
-    return Decision(DecisionKind.ROLLBACK, reasons, target_step=target.step, target_path=target.path,
-                    skip_steps=skip, skip_ahead_steps=ahead, rung=1)
+    return Decision(Rollback(target.step, checkpoint=target.path), reasons, skip_steps=skip, skip_ahead_steps=ahead,
+                    rung=1)
 
 
 def _bad_load(inp: PolicyInput, h: Intervention) -> int | None:
@@ -705,7 +734,7 @@ def _bad_load(inp: PolicyInput, h: Intervention) -> int | None:
     judged on an attempt newer than h's, with its onset in the first BAD_LOAD_STEPS steps `h`
     re-trained. Else None. Manual rollbacks count too: a bad file is bad whoever asked for it."""
     f = inp.finding
-    if not (f.signal is Signal.NON_FINITE and h.kind is DecisionKind.ROLLBACK and h.ok
+    if not (f.signal is Signal.NON_FINITE and h.kind is CommandKind.ROLLBACK and h.ok
             and h.first_step is not None and h.loaded_step is not None):
         return None
     left = h.attempt if h.attempt is not None else h.left_attempt
@@ -718,7 +747,7 @@ def _bad_loads_before(inp: PolicyInput, h: Intervention) -> list[int]:
     """The checkpoints that proved bad right after loading in the chain `h` ends (h's own loaded
     one not included), newest first: each rollback of the chain answered a non-finite finding
     whose onset fell in the first BAD_LOAD_STEPS steps the rollback before it re-trained."""
-    done = _newest_first([x for x in inp.history if x.kind is DecisionKind.ROLLBACK and x.ok
+    done = _newest_first([x for x in inp.history if x.kind is CommandKind.ROLLBACK and x.ok
                           and x.first_step is not None and x.loaded_step is not None])
     out: list[int] = []
     at = next((i for i, x in enumerate(done) if x is h), None)
@@ -748,7 +777,7 @@ def _fall_back(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, 
                          "storage or the loader is suspect; a human has to check the files and pick a target "
                          "(`thermowatch rollback RUN --to-step N`)")
         return dataclasses.replace(d, distrust_step=bad)
-    rollbacks = [x for x in inp.history if x.automatic and x.kind is DecisionKind.ROLLBACK
+    rollbacks = [x for x in inp.history if x.automatic and x.kind is CommandKind.ROLLBACK
                  and inp.now - x.time < DAY_S]
     if len(rollbacks) >= cfg.max_rollbacks_per_day:
         d = _pause(head, f"{what}; {len(rollbacks)} automatic rollbacks in the last 24 h "
@@ -760,12 +789,12 @@ def _fall_back(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, 
         d = _pause(head, f"{what}; no healthy checkpoint before step {min(proved)} to fall back to; a human has "
                          "to pick a target")
         return dataclasses.replace(d, distrust_step=bad)
-    return Decision(DecisionKind.ROLLBACK, [
+    return Decision(Rollback(target.step, checkpoint=target.path), [
         head, what,
         f"checkpoint {bad} is distrusted (marked unhealthy); falling back to checkpoint {target.step}, the newest "
         f"healthy one before it (fallback {len(proved)} of at most {MAX_BAD_LOADS} in a row), at the same LR, "
         "skipping nothing more (the samples skipped already stay skipped)"],
-        target_step=target.step, target_path=target.path, rung=1, distrust_step=bad)
+        rung=1, distrust_step=bad)
 
 
 def _revert_lr(inp: PolicyInput, head: str) -> Decision:
@@ -780,7 +809,7 @@ def _revert_lr(inp: PolicyInput, head: str) -> Decision:
     jump, peak = ev.get("jump_step", inp.finding.onset_step), ev.get("planned_peak")
     planned = (f"past the schedule's own forecast of at most {peak:.3g}" if peak is not None else
                "after a flat LR, and the trainer sends no forecast of its schedule")
-    return Decision(DecisionKind.LOWER_LR, [
+    return Decision(SetLR(new), [
         head,
         f"the LR rose x{after / before:.3g} at step {jump} (from {before:.3g} to {after:.3g}), {planned}: "
         "a change nobody planned in the schedule (an edit, or a resume with another config)",
@@ -788,7 +817,7 @@ def _revert_lr(inp: PolicyInput, head: str) -> Decision:
         f"trend from before the raise, {ev.get('points_behind')} smoothed points in a row past the "
         f"{ev.get('margin', 0):.0%} margin: the raise is doing lasting harm, not a transient cost",
         f"setting the LR back to {before:.3g}, as before the raise: multiplier {inp.current_lr_multiplier:g} -> "
-        f"{new:g} for the rest of the run"], rung=2, lr_multiplier=new, lr_steps=None)
+        f"{new:g} for the rest of the run"], rung=2)
 
 
 def _newest_first(history: Sequence[Intervention]) -> list[Intervention]:
@@ -888,13 +917,13 @@ def _outlier(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     node = f.evidence.get("node") or f.evidence.get("host")
     who = f"rank {rank if rank is not None else '?'}" + (f" on node {node}" if node else "")
     if not cfg.outlier_rank_alerts:
-        return Decision(DecisionKind.NOOP, [head, f"{who} is an outlier; outlier_rank_alerts is off"])
+        return Decision(None, alert=False, reasons=[head, f"{who} is an outlier; outlier_rank_alerts is off"])
     seen = f"{who} is an outlier on {f.metric or 'its metrics'} (a slow or faulty GPU/node drags every step)"
     if not cfg.restart_without_outlier:
-        return Decision(DecisionKind.ALERT, [head, seen, "restart_without_outlier is off: a human decides "
+        return Decision(None, [head, seen, "restart_without_outlier is off: a human decides "
                                                          "whether to drain the node"])
     if rank is None:
-        return Decision(DecisionKind.ALERT, [head, seen, "the finding names no rank, so the run cannot be "
+        return Decision(None, [head, seen, "the finding names no rank, so the run cannot be "
                                                          "restarted without it; alert only"])
     guard = _guards(inp, cfg, head)
     if guard is not None:
@@ -904,11 +933,10 @@ def _outlier(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     if best is None:
         return _pause(head, f"{seen}; no healthy checkpoint to restart from without it")
     # The data is not at fault, so nothing is skipped.
-    return Decision(DecisionKind.ROLLBACK, [
+    return Decision(Rollback(best.step, checkpoint=best.path, exclude_rank=int(rank),
+                             exclude_node=str(node) if node else None), [
         head, seen, f"restart_without_outlier: restarting from the checkpoint at step {best.step} "
-                    f"(newest healthy) without {who}; no data skipped"],
-        target_step=best.step, target_path=best.path, exclude_rank=int(rank),
-        exclude_node=str(node) if node else None, rung=1)
+                    f"(newest healthy) without {who}; no data skipped"], rung=1)
 
 
 def _hours(seconds: float) -> str:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from thermowatch.monitors.contract import CheckpointInfo, Finding
-from thermowatch.supervisor.decide.policy import DecisionKind, Intervention, PolicyConfig, PolicyInput, make_decision
+from thermowatch.monitors.commands import Rollback
+from thermowatch.supervisor.decide.policy import Intervention, PolicyConfig, PolicyInput, make_decision
 
 
 # The replay's own settings, beside PolicyConfig's fields in its --policy file.
@@ -42,14 +43,15 @@ def replay_decider(settings: dict[str, Any] | None = None) -> Callable[[Finding]
                for s in range(0, f.detect_step + 1, every)]
         d = make_decision(PolicyInput(finding=f, now=f.detect_step * seconds_per_step, checkpoints=cks,
                                       history=list(history), current_lr_multiplier=lr[0]), cfg)
-        if d.kind in (DecisionKind.ROLLBACK, DecisionKind.LOWER_LR, DecisionKind.PAUSE):
+        if d.acts:
             history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                         time=f.detect_step * seconds_per_step, ok=True,
-                                        target_step=d.target_step, lowered_lr=d.lr_multiplier is not None,
+                                        target_step=d.command.to_step if isinstance(d.command, Rollback) else None,
+                                        lowered_lr=d.lr is not None,
                                         seq=len(history)))
-            if d.lr_multiplier is not None:
-                lr[0] = d.lr_multiplier
-            if d.kind is DecisionKind.ROLLBACK:
+            if d.lr is not None:
+                lr[0] = d.lr.multiplier
+            if isinstance(d.command, Rollback):
                 unhealthy_from.clear()  # the re-trained steps after the target start healthy again
         return d.to_json()
 

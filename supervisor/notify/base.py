@@ -150,29 +150,29 @@ class Alert:
                       runbook_url: str = "") -> "Alert":
         """The alert the executor sends for a policy decision, with its signal's runbook line
         (supervisor.notify.runbook) and, given `runbook_url`, the link to its row."""
-        from thermowatch.supervisor.decide.policy import DecisionKind
+        from thermowatch.monitors.commands import Pause, Rollback, SetLR
         from thermowatch.supervisor.notify.runbook import runbook_link, what_to_do
 
-        kind = decision.kind
+        cmd = decision.command
         # Severity follows what happened to the run, not how far the series is from its baseline
         # (issue 23: nine alert-only notes read [CRITICAL] and the two real rollbacks [WARN]): a
         # human is needed (a pause, a page, an approval) > the run was changed for them (an act)
         # > nothing changed (alert-only, no action: INFO, never a page).
-        if kind is DecisionKind.PAUSE or decision.page or (decision.requires_approval and decision.acts):
+        if isinstance(cmd, Pause) or decision.page or (decision.requires_approval and decision.acts):
             severity = Severity.CRITICAL
         elif decision.acts:
             severity = Severity.WARN
         else:
             severity = Severity.INFO
-        verb = {
-            DecisionKind.ROLLBACK: f"rollback to step {decision.target_step}",
-            DecisionKind.LOWER_LR: f"LR x{decision.lr_multiplier:g}" if decision.lr_multiplier else "lower LR",
-            DecisionKind.PAUSE: "paused",
-            DecisionKind.ALERT: "alert",
-            DecisionKind.NOOP: "no action",
-        }[kind]
-        if kind is DecisionKind.ROLLBACK and decision.lr_multiplier is not None:
-            verb += f" + LR multiplier {decision.lr_multiplier:g}"
+        lr = decision.lr
+        if isinstance(cmd, Rollback):
+            verb = f"rollback to step {cmd.to_step}" + (f" + LR multiplier {lr.multiplier:g}" if lr else "")
+        elif isinstance(cmd, SetLR):
+            verb = f"LR x{cmd.multiplier:g}"
+        elif isinstance(cmd, Pause):
+            verb = "paused"
+        else:
+            verb = "alert" if decision.alert else "no action"
         if decision.requires_approval:
             verb = f"approval needed: {verb}"
         where = finding.module or finding.metric
@@ -183,10 +183,10 @@ class Alert:
             "onset step": finding.onset_step,
             "detect step": finding.detect_step,
             "rung": decision.rung or None,
-            "target step": decision.target_step,
+            "target step": cmd.to_step if isinstance(cmd, Rollback) else None,
             "skip steps": f"{decision.skip_steps[0]}-{decision.skip_steps[1]}" if decision.skip_steps else None,
-            "LR multiplier": decision.lr_multiplier,
-            "exclude": decision.exclude_node or decision.exclude_rank,
+            "LR multiplier": lr.multiplier if lr else None,
+            "exclude": (cmd.exclude_node or cmd.exclude_rank) if isinstance(cmd, Rollback) else None,
             "what to do": what_to_do(finding.signal.value),
             "runbook": runbook_link(runbook_url, finding.signal.value) if runbook_url else None,
         }

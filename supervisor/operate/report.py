@@ -252,15 +252,17 @@ def _rollback_events(actions: list[dict[str, Any]], order: list[tuple[int | None
     later = [a for a in firsts if a is not None]
     for a in sorted(actions, key=lambda x: x["id"]):
         r = a.get("result") or {}
-        if a.get("kind") != "rollback" or a.get("state") != "done" or not isinstance(r.get("step"), int):
+        first = r.get("first_step", r.get("step"))  # "step": an export written before the rename (issue 38)
+        if a.get("kind") != "rollback" or a.get("state") != "done" or not isinstance(first, int):
             continue
         bisected = r.get("bisected") or {}
         event = {"event": "rollback", "action": a["id"], "origin": a.get("origin"),
-                 "checkpoint_step": r.get("checkpoint_step"), "first_step": r["step"], "skipped": r.get("skipped") or [],
+                 "checkpoint_step": r.get("checkpoint_step"), "first_step": first,
+                 "skip_ranges": r.get("skip_ranges", r.get("skipped")) or [],
                  "search": bisected.get("outcome"), "cause": bisected.get("cause")}
-        at = next((x for x in later if firsts[x] == r["step"]), None)
+        at = next((x for x in later if firsts[x] == first), None)
         if at is not None:
             later = later[later.index(at) + 1:]
             event["attempt"] = at
-        out.setdefault((at, r["step"]) if at is not None else ("end", a["id"]), []).append(event)
+        out.setdefault((at, first) if at is not None else ("end", a["id"]), []).append(event)
     return out

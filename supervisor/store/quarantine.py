@@ -3,7 +3,7 @@ divergence come back on the re-trained path?
 
 PaLM found that replaying the same batches from an earlier checkpoint often did not spike: the
 data alone was not always the cause. So a skip is a hypothesis, and the re-trained path tests it.
-For each rollback the trainer carried out with a skip (`result.skipped`, the ack's ranges; after
+For each rollback the trainer carried out with a skip (`result.skip_ranges`, the ack's ranges; after
 a precise skip, only the offenders its search found among the suspects, `result.bisected`):
 
 - `recurred`: an incident of the same signal family (attention growth and ceiling are one) was
@@ -78,7 +78,7 @@ class SkipVerdict:
 def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[SkipVerdict]:
     """One verdict per carried-out rollback that skipped samples, oldest first."""
     acts = [a for a in actions_store.actions(session, run_id, limit=10_000)
-            if a.kind is CommandKind.ROLLBACK and a.state is ActionState.DONE and (a.result or {}).get("skipped")]
+            if a.kind is CommandKind.ROLLBACK and a.state is ActionState.DONE and (a.result or {}).get("skip_ranges")]
     if not acts:
         return []
     incs = incidents_store.incidents(session, run_id)
@@ -88,8 +88,8 @@ def verdicts(session: Session, run_id: str, horizon: int = HORIZON) -> list[Skip
     out = []
     for a in sorted(acts, key=lambda a: a.id):
         res = a.result or {}
-        ranges = [(int(lo), int(hi)) for lo, hi in res["skipped"]]
-        first = int(res["step"])
+        ranges = [(int(lo), int(hi)) for lo, hi in res["skip_ranges"]]
+        first = int(res["first_step"])
         inc = by_id.get(a.incident_id) if a.incident_id is not None else None
         detect = inc.detect_step if inc is not None else first
         families = {signal_family(inc.signal)} if inc is not None else _ROLLBACK_FAMILIES

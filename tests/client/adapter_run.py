@@ -98,9 +98,9 @@ def check_rollback_and_skip(db, run_id: str, op: Operator, trained: Trained, fin
         time.sleep(0.05)
     assert {k: r.state for k, r in rows.items()} == {"skip": "done", "rollback": "done"}, rows
     skip, rb = rows["skip"].result, rows["rollback"].result
-    assert skip["ok"] and skip["step"] == 4 and skip["skipped"] == [SKIP], skip
+    assert skip["ok"] and skip["first_step"] == 4 and skip["skip_ranges"] == [SKIP], skip
     assert rb["ok"] and rb["checkpoint_step"] == ROLLBACK_TO and rb["step"] == ROLLBACK_TO + 1, rb
-    assert rb["skipped"] == [ROLLBACK_SKIP], rb
+    assert rb["skip_ranges"] == [ROLLBACK_SKIP], rb
 
     # attempt 1: steps 1-3 in order, then the skip from step 4 on, until the rollback after 12
     first = expected_ids(0, SkipLedger(), 3) + expected_ids(12, SkipLedger([SKIP]), ROLLBACK_AT - 3)
@@ -159,8 +159,8 @@ def check_precise_skip(db, run_id: str, steps: Steps, final_step: int) -> None:
     assert rb is not None and rb.state == "done", rb
     res = rb.result
     assert res["bisected"]["outcome"] == "narrowed" and res["bisected"]["probes"] >= 2, res
-    skipped = [i for lo, hi in res["skipped"] for i in range(lo, hi)]
-    assert POISON in skipped and len(skipped) <= GLOBAL, res["skipped"]
+    skipped = [i for lo, hi in res["skip_ranges"] for i in range(lo, hi)]
+    assert POISON in skipped and len(skipped) <= GLOBAL, res["skip_ranges"]
     probes = [r for r in steps.rows if r[2]]
     assert probes and all(r[0] == 2 for r in probes)  # after the rollback, before the path goes on
     assert any(POISON in r[3] for r in probes) and any(POISON not in r[3] for r in probes)

@@ -19,7 +19,7 @@ def test_any_sequence_ends_where_an_operator_expects(seq, step):
     d = Directive.RUN
     for name in seq:
         out = directed(d, BODIES[name], step)
-        assert out.directive is not None and out.checkpoint is None and out.skipped == ()
+        assert out.directive is not None and out.checkpoint is None and out.skip_ranges == ()
         d = out.directive
     if "stop" in seq:  # a stop is final: nothing after it restarts the loop
         assert d is Directive.STOP

@@ -59,7 +59,7 @@ def test_a_lost_poll_answer_is_sent_again_within_10_s_and_carried_out_once(sup, 
             time.sleep(0.1)
         copies = sum(_carrying(body, aid) for _, _, path, body in proxy.answered if path.endswith("/commands"))
         assert copies > copies_before, "the daemon stopped re-sending a command it never heard back about"
-        run.ack(Ack(command_id=aid, ok=True, step=2, detail="paused"), handed[0])
+        run.ack(Ack(command_id=aid, ok=True, first_step=2, detail="paused"), handed[0])
         wait_until(lambda: api.get(f"/api/runs/{RUN}/actions").json()["actions"][0]["state"] == "done", "ack", 30)
         end = time.monotonic() + 6.0  # a copy in flight as it was acked is answered from the book
         while time.monotonic() < end:

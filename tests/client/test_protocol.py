@@ -31,7 +31,7 @@ def test_a_command_delivered_again_is_answered_with_its_ack_and_a_reused_id_is_c
     assert not book.loaded
     skip = _cmd(3, Skip(ranges=(SampleRange(10, 20),)))
     assert book.answered(skip) is None
-    ack = Ack(command_id=3, ok=True, step=5, detail="skipping [10, 20)")
+    ack = Ack(command_id=3, ok=True, first_step=5, detail="skipping [10, 20)")
     book.record(ack, skip, lr_changes=[LRChange(start_step=5, multiplier=0.5)], skip_ranges=[(10, 20), (15, 30)])
     again = CommandBook(tmp_path)  # a relaunched trainer reads the same file
     assert again.loaded and again.answered(skip) == ack
@@ -45,7 +45,7 @@ def test_the_book_keeps_the_newest_acks_only(tmp_path, monkeypatch):
     monkeypatch.setattr(protocol, "KEEP_ACKS", 3)
     book = CommandBook(tmp_path)
     for i in range(1, 6):
-        book.record(Ack(command_id=i, ok=True, step=i, detail="x"), _cmd(i, SetLR(multiplier=1.0)))
+        book.record(Ack(command_id=i, ok=True, first_step=i, detail="x"), _cmd(i, SetLR(multiplier=1.0)))
     again = CommandBook(tmp_path)
     assert sorted(again.acks) == [3, 4, 5] and sorted(again.commands) == [3, 4, 5]
 
@@ -54,7 +54,7 @@ def test_ack_for_says_what_was_done_or_why_not():
     lr = [LRChange(start_step=3, multiplier=0.5)]
     ranges = [SampleRange(0, 8)]
     cmd = _cmd(1, Skip(ranges=(SampleRange(0, 8),)))
-    done = ack_for(cmd, Outcome("rolled back", checkpoint=CheckpointRef(10, "/c/10"), skipped=(SampleRange(0, 8),)),
+    done = ack_for(cmd, Outcome("rolled back", checkpoint=CheckpointRef(10, "/c/10"), skip_ranges=(SampleRange(0, 8),)),
                    None, first_step=11, lr_changes=lr, skip_ranges=ranges)
     assert done.ok and done.step == 11 and done.checkpoint_step == 10 and done.checkpoint_path == "/c/10"
     assert done.lr_multiplier == 0.5 and done.ledger_digest == ledger_digest(ranges)

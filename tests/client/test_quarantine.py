@@ -92,7 +92,7 @@ def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
     assert first.samples == len(ids) <= len(POISON) + B  # at most one step's batch beside the poison
     with sup.sessions() as s:
         done = [outcome(a) for a in actions_store.actions(s, "poisoned") if a.kind == "rollback"]
-    assert done[0]["bisected"] == b and done[0]["skipped_ranges"] == [list(r) for r in first.ranges]
+    assert done[0]["bisected"] == b and done[0]["skip_ranges"] == [list(r) for r in first.ranges]
 
     # the same through the daemon's API and the CLI, as the data team reads it
     with running(build_app(sup)) as url:

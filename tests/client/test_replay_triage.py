@@ -76,7 +76,7 @@ def test_a_gradient_fault_is_hardware_and_skips_nothing(db, tmp_path):
     assert not replay.spiked and replay.step == AT and replay.loss is not None
     assert c.steps == replay.steps == AT - rb.result["checkpoint_step"] and c.seconds > 0
     assert b.probes == 1 and b.steps == c.steps
-    assert rb.result["skipped"] == [] and skips == []  # the window asked for is dropped
+    assert rb.result["skip_ranges"] == [] and skips == []  # the window asked for is dropped
     o = outcome(rb)
     assert "cause: hardware (the replay of the same samples ran clean through step" in "\n".join(details(o))
     assert "skipped nothing, cause: hardware (the replay of the same samples ran clean)" in summary(o)
@@ -94,9 +94,9 @@ def test_poisoned_samples_are_data_and_only_they_are_skipped(db, tmp_path):
     same, without = c.replays
     assert same.spiked and same.step in (AT, AT + 1) and not without.spiked and without.step == same.step
     assert c.recorded_step == same.step and c.steps == same.steps + without.steps and b.steps > c.steps
-    skipped = {i for lo, hi in rb.result["skipped"] for i in range(lo, hi)}
-    assert set(poison) <= skipped and len(skipped) <= len(poison) + B, rb.result["skipped"]
-    assert [tuple(r) for r in skips] == [tuple(r) for r in rb.result["skipped"]]
+    skipped = {i for lo, hi in rb.result["skip_ranges"] for i in range(lo, hi)}
+    assert set(poison) <= skipped and len(skipped) <= len(poison) + B, rb.result["skip_ranges"]
+    assert [tuple(r) for r in skips] == [tuple(r) for r in rb.result["skip_ranges"]]
     assert "cause: data (the replay of the same samples spiked at step" in "\n".join(details(outcome(rb)))
     assert not any(a.kind is CommandKind.SET_LR for a in acts)
 
@@ -111,7 +111,7 @@ def test_an_lr_blow_up_is_the_optimizer_skips_nothing_and_the_lr_is_cut(db, tmp_
     assert c is not None and c.label == "optimizer" and b.outcome == "cleared", rb.result
     same, without = c.replays
     assert same.spiked and without.spiked and without.suspects_skipped
-    assert rb.result["skipped"] == [] and skips == []
+    assert rb.result["skip_ranges"] == [] and skips == []
     assert "skipped nothing, cause: optimizer" in summary(outcome(rb))
     # the supervisor followed with the policy's LR cut, in the rollback's incident, carried out
     cut = next(a for a in acts if a.kind is CommandKind.SET_LR)

@@ -64,7 +64,7 @@ def test_every_command_is_done_or_refused_with_a_correct_ack_and_the_books_agree
             if kind == "rollback":
                 run.start(start_step=10)
                 ack = run.done(cmd, 11, checkpoint_step=10, checkpoint_path=tmp_path / "ck10")
-                assert (ack.checkpoint_step, ack.step) == (10, 11)
+                assert (ack.checkpoint_step, ack.first_step) == (10, 11)
                 step = 10
             elif kind == "profile":
                 ack = run.refuse(cmd, step + 1, "this loop does not profile")

@@ -48,7 +48,7 @@ def _check(db, tmp_path, wrap: str) -> None:
         acts = {a.kind: a for a in actions_store.actions(s, wrap)}
         by_attempt = thermometers.history_by_attempt(s, wrap, "loss")
     assert acts["rollback"].state == "done" and acts["stop"].state == "done", acts
-    assert acts["rollback"].result["checkpoint_step"] == 10 and acts["rollback"].result["skipped"] == [[96, 120]]
+    assert acts["rollback"].result["checkpoint_step"] == 10 and acts["rollback"].result["skip_ranges"] == [[96, 120]]
     # one record a step, from rank 0 only, with the loss averaged over both ranks' halves
     steps, values = by_attempt[2]
     losses = dict(zip(steps.tolist(), values.tolist()))
@@ -99,8 +99,8 @@ def test_precise_skip_probes_on_every_rank_at_once(db, tmp_path):
     ranks, rb = _torchrun(db, tmp_path, "precise")
     assert rb.state == "done" and rb.result["bisected"]["outcome"] == "narrowed", rb.result
     assert rb.result["bisected"]["cause"]["label"] == "data", rb.result
-    skipped = {i for lo, hi in rb.result["skipped"] for i in range(lo, hi)}
-    assert 50 in skipped and len(skipped) <= 8, rb.result["skipped"]
+    skipped = {i for lo, hi in rb.result["skip_ranges"] for i in range(lo, hi)}
+    assert 50 in skipped and len(skipped) <= 8, rb.result["skip_ranges"]
     probes = [t for t in ranks[0]["trained"] if t["probing"]]
     assert len(probes) >= 2 and any(50 in t["ids"] for rk in ranks for t in rk["trained"] if t["probing"])
     kept = [(t["step"], t["ids"]) for rk in ranks for t in rk["trained"] if t["attempt"] == 2 and not t["probing"]]
@@ -118,7 +118,7 @@ def test_a_gradient_fault_on_one_rank_is_hardware_on_that_rank_and_pages(db, tmp
     assert rb.state == "done", rb
     cause = rb.result["bisected"]["cause"]
     assert cause["label"] == "hardware" and cause["rank"] == 1 and cause["recorded_step"] == 12, cause
-    assert rb.result["skipped"] == [] and rb.result["bisected"]["outcome"] == "cleared"
+    assert rb.result["skip_ranges"] == [] and rb.result["bisected"]["outcome"] == "cleared"
     replays = [t for t in ranks[0]["trained"] if t["probing"]]
     assert [t["step"] for t in replays] == list(range(rb.result["checkpoint_step"] + 1, 13))  # one replay
     assert all(np.isfinite(t["loss"]) for t in replays)

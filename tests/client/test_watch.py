@@ -94,7 +94,7 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
 
     # skip: from its ack's step on, no step trains an id in [120, 140)
     skip = rows["skip"].result
-    assert skip["skipped"] == [[120, 140]] and skip["ok"] and skip["step"] < 30
+    assert skip["skip_ranges"] == [[120, 140]] and skip["ok"] and skip["first_step"] < 30
     after = [ids for a, s, ids, _, _ in trained if s >= skip["step"]]
     assert not any(120 <= i < 140 for ids in after for i in ids)
     assert any(i >= 140 for ids in after for i in ids)
@@ -226,7 +226,7 @@ def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowe
     rollbacks = [a for a in acts if a.kind == "rollback" and a.origin == "auto"]
     assert len(rollbacks) >= 2 and all(a.state == "done" for a in rollbacks), [(a.kind, a.state, a.reason) for a in acts]
     first, second = rollbacks[0].result, rollbacks[1].result
-    assert first["ok"] and first["skipped"] and first["lr_change"] is None  # rung 1: roll back, skip
+    assert first["ok"] and first["skip_ranges"] and first["lr_change"] is None  # rung 1: roll back, skip
     assert second["ok"] and second["lr_change"]["multiplier"] < 1.0  # rung 2: and lower the LR
     assert len(attempts) >= 3 and tw.lr_multiplier < 1.0
 

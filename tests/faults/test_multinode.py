@@ -65,7 +65,7 @@ def test_zero_trains_across_two_nodes_and_a_rollback_without_the_outlier_ranks_n
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     ack = q.ack_for(seen["cmd"])
     assert ack.ok, ack.detail
-    assert f"without node {seen['bad']}" in ack.detail and ack.step == 3
+    assert f"without node {seen['bad']}" in ack.detail and ack.first_step == 3
     assert result.final_step == 6 and result.attempts == [0, 1]
     assert seen["bad"] not in seen["nodes"].values() and len(set(seen["nodes"].values())) == cfg.world_size
     runs = sink.runs

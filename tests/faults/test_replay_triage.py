@@ -108,9 +108,9 @@ def test_poisoned_samples_are_data_and_the_re_trained_path_never_meets_them(db, 
     assert without.suspects_skipped and not without.spiked and without.step == same.step
     assert c.steps == same.steps + without.steps == 2 * (same.step - rb.result["checkpoint_step"])
     assert b.steps > c.steps and b.seconds >= c.seconds > 0
-    skipped = {i for lo, hi in rb.result["skipped"] for i in range(lo, hi)}
-    assert set(range(*poison)) <= skipped and len(skipped) <= poison[1] - poison[0] + B, rb.result["skipped"]
-    assert skips == [tuple(r) for r in rb.result["skipped"]]  # what the supervisor booked: exactly that
+    skipped = {i for lo, hi in rb.result["skip_ranges"] for i in range(lo, hi)}
+    assert set(range(*poison)) <= skipped and len(skipped) <= poison[1] - poison[0] + B, rb.result["skip_ranges"]
+    assert skips == [tuple(r) for r in rb.result["skip_ranges"]]  # what the supervisor booked: exactly that
     assert not any(a.kind is CommandKind.SET_LR for a in acts)
     # the path after the rollback never trained a poisoned sample, and trained on to the end, finite
     assert result.final_step == STEPS and result.attempt == rb.result["command_id"] and math.isfinite(result.final_loss)
@@ -132,7 +132,7 @@ def test_a_flipped_bit_on_rank_1_is_hardware_on_that_rank_skips_nothing_and_page
     (replay,) = c.replays
     assert not replay.spiked and replay.step == AT and math.isfinite(replay.loss)
     assert b.probes == 1 and b.steps == c.steps == AT - rb.result["checkpoint_step"]
-    assert rb.result["skipped"] == [] and skips == []  # the window asked for is dropped
+    assert rb.result["skip_ranges"] == [] and skips == []  # the window asked for is dropped
     assert "only rank 1's figures non-finite" in rb.result["detail"]
     paged = [d for d in decisions if d["incident_id"] == rb.incident_id
              and any("suspect rank 1's device" in r for r in d["reasons"])]
@@ -156,7 +156,7 @@ def test_an_lr_blow_up_is_the_optimizer_skips_nothing_and_the_lr_is_cut(db, tmp_
     assert c.label == "optimizer" and b.outcome == "cleared", rb.result
     same, without = c.replays
     assert same.spiked and without.spiked and without.suspects_skipped
-    assert rb.result["skipped"] == [] and skips == []
+    assert rb.result["skip_ranges"] == [] and skips == []
     cut = next(a for a in acts if a.kind is CommandKind.SET_LR)
     assert cut.id > rb.id and cut.incident_id == rb.incident_id and cut.state is ActionState.DONE, cut
     assert cut.args["lr_multiplier"] == pytest.approx(0.01) and "replay triage" in cut.reason
@@ -174,7 +174,7 @@ def test_a_rank_lost_during_the_probes_skips_every_suspect_and_the_run_trains_on
     assert rb.state is ActionState.DONE and "precise skip cut short" in rb.result["detail"], rb.result
     assert Ack.from_json(rb.result).bisected is None  # no search result to report
     asked = [tuple(r) for r in rb.args["skip_ranges"]]
-    assert [tuple(r) for r in rb.result["skipped"]] == asked and skips == asked  # the policy's whole window
+    assert [tuple(r) for r in rb.result["skip_ranges"]] == asked and skips == asked  # the policy's whole window
     assert set(range(*poison)) <= {i for lo, hi in asked for i in range(lo, hi)}, asked
     assert result.restarts == 1 and result.final_step == STEPS and math.isfinite(result.final_loss)
     assert seen is not None and not ((seen >= poison[0]) & (seen < poison[1])).any()

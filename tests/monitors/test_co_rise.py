@@ -18,7 +18,7 @@ from thermowatch.monitors.contract import DEFAULT_ROLLBACK_SIGNALS
 from thermowatch.supervisor.decide.replay_policy import replay_decider
 from tests.fixtures import traces
 
-ACTS = {"rollback", "lower_lr", "pause"}
+ACTS = {"rollback", "set_lr", "pause"}
 
 
 def _acts(name: str, disabled: tuple[str, ...] = ()) -> list[tuple[str, int, int, str]]:

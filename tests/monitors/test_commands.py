@@ -72,19 +72,43 @@ def test_invalid_commands_cannot_be_built(kind, args, words):
 
 def test_acks_are_strict_and_bounded():
     ack = Ack(3, True, 31, "rolled back", checkpoint_step=30, checkpoint_path="/c", lr_multiplier=0.5,
-              lr_change=LRChange(31, 0.5), lr_seq=1, skipped=(SampleRange(1, 2),), ledger_digest="ab")
+              lr_change=LRChange(31, 0.5), lr_seq=1, skip_ranges=(SampleRange(1, 2),), ledger_digest="ab")
     assert Ack.from_json(loads(dumps(ack.to_json()))) == ack
     for bad, words in (({"ok": "false"}, "ok must be true or false"), ({"command_id": 2**31}, "command_id"),
-                       ({"step": -1}, "step"), ({"lr_multiplier": math.nan}, "lr_multiplier"),
+                       ({"first_step": -1}, "first_step"), ({"lr_multiplier": math.nan}, "lr_multiplier"),
                        ({"lr_seq": 0}, "go together"), ({"extra": 1}, "unknown field")):
         with pytest.raises(ContractError) as exc:
             Ack.from_json({**Ack(3, True, 31).to_json(), **bad})
         assert words in str(exc.value), (bad, exc.value)
 
 
+def test_an_ack_read_under_its_old_names_for_one_release():
+    """Issue 38: `step` and `skipped` became `first_step` and `skip_ranges`. An older client's ack
+    (and Python code using the old keywords) still reads, with a DeprecationWarning; the new JSON
+    says the new names only; both names at once, or the old one with a different value, is refused."""
+    new = Ack(3, True, 31, skip_ranges=(SampleRange(4, 9),))
+    assert set(new.to_json()) >= {"first_step", "skip_ranges"} and not set(new.to_json()) & {"step", "skipped"}
+    old_json = {"command_id": 3, "ok": True, "step": 31, "skipped": [[4, 9]]}
+    assert Ack.from_json(old_json) == new
+    assert Ack.from_json({**new.to_json(), "step": None, "skipped": None}) == new  # null: not given
+    with pytest.warns(DeprecationWarning, match="use first_step"):
+        assert Ack(3, True, step=31, skip_ranges=(SampleRange(4, 9),)) == new
+    with pytest.warns(DeprecationWarning, match="use skip_ranges"):
+        assert new.skipped == new.skip_ranges
+    with pytest.warns(DeprecationWarning, match="use first_step"):
+        assert new.step == 31
+    for both in ({"step": 31}, {"skipped": [[4, 9]]}):
+        with pytest.raises(ContractError, match="old name"):
+            Ack.from_json({**new.to_json(), **both})
+    with pytest.raises(ContractError, match="missing field 'first_step'"):
+        Ack.from_json({"command_id": 3, "ok": True})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stepp'"):
+        Ack(3, True, 31, stepp=4)
+
+
 def test_an_ack_says_what_a_precise_skip_searched():
     b = Bisected((SampleRange(800, 2432),), probes=16, steps=216, seconds=11.7, outcome="narrowed")
-    ack = Ack(3, True, 51, "rolled back", skipped=(SampleRange(2396, 2432),), bisected=b)
+    ack = Ack(3, True, 51, "rolled back", skip_ranges=(SampleRange(2396, 2432),), bisected=b)
     assert Ack.from_json(loads(dumps(ack.to_json()))) == ack and b.samples == 1632
     assert Ack.from_json(Ack(3, True, 51).to_json()).bisected is None
     for bad, words in (({"outcome": "found"}, "outcome must be one of"), ({"probes": -1}, "probes"),
@@ -133,11 +157,11 @@ def test_an_ack_empty_skip_range_is_nothing_not_an_error():
     """[x, x) (or lo > hi) skipped no sample: the ack is taken without it (issue 21: JSON Schema
     cannot say lo < hi). A range that is not a pair of sample ids is still refused."""
     base = Ack(3, True, 31).to_json()
-    got = Ack.from_json({**base, "skipped": [[0, 0], [4, 9], [7, 3]]})
-    assert got.skipped == (SampleRange(4, 9),)
+    got = Ack.from_json({**base, "skip_ranges": [[0, 0], [4, 9], [7, 3]]})
+    assert got.skip_ranges == (SampleRange(4, 9),)
     for bad in ([[-1, -1]], [[1, 2, 3]], [[0, 2**63]]):
         with pytest.raises(ContractError):
-            Ack.from_json({**base, "skipped": bad})
+            Ack.from_json({**base, "skip_ranges": bad})
     assert parse_command("set_lr", {"lr_multiplier": 0.5, "rewarmup_steps": None}).rewarmup_steps == 0
 
 

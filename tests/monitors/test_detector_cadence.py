@@ -26,7 +26,7 @@ from tests.fixtures import traces
 
 pytestmark = pytest.mark.timeout(300)
 
-ACTS = {"rollback", "lower_lr", "pause"}
+ACTS = {"rollback", "set_lr", "pause"}
 # The groups a budget thins, by metric name (as bench/_divergence_thin.py): the global grad_norm stays.
 GROUPS = {"attn": {ATTN_LOGIT_MAX, ATTN_LOGIT_LSE, ATTN_ENTROPY_MIN}, "act": {ACT_MAX, ACT_MIN, Z},
           "grad": {GRAD_NORM}, "update": {UPDATE_RATIO}}

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from thermowatch.monitors.contract import LOSS, LR, LR_PEAK_AHEAD, CheckpointInfo, Outcome, Severity, Signal
 from thermowatch.monitors.contract import StepRecord
 from thermowatch.monitors.detectors import BankConfig, DetectorBank, LrJumpConfig, LrJumpDetector
-from thermowatch.supervisor.decide.policy import DecisionKind, PolicyConfig, PolicyInput, make_decision
+from tests.supervisor.test_policy import lr_multiplier, lr_steps, to_step
+from thermowatch.supervisor.decide.policy import PolicyConfig, PolicyInput, make_decision
 
 JUMP = 200
 
@@ -136,22 +137,22 @@ def test_policy_sets_the_lr_back_to_before_the_raise_with_its_reasons():
     f = _finding()
     ck = [CheckpointInfo(step=s, path=f"c{s}", sample_cursor=0, healthy=True) for s in (100, 200, 300)]
     d = make_decision(PolicyInput(finding=f, now=1e9, checkpoints=ck, current_lr_multiplier=0.5))
-    assert d.kind is DecisionKind.LOWER_LR and d.rung == 2 and d.lr_steps is None
-    assert d.lr_multiplier == pytest.approx(0.5 / 30, rel=1e-5)  # below min_lr_multiplier: an LR the run trained at
+    assert d.word == "set_lr" and d.rung == 2 and lr_steps(d) is None
+    assert lr_multiplier(d) == pytest.approx(0.5 / 30, rel=1e-5)  # below min_lr_multiplier: an LR the run trained at
     text = " ".join(d.reasons)
     assert "rose x30 at step 200" in text and "past the schedule's own forecast" in text
     assert "setting the LR back to 0.001" in text and "0.5 -> 0.0166667" in text
-    assert d.target_step is None and d.skip_steps is None  # in place: nothing rolled back
+    assert to_step(d) is None and d.skip_steps is None  # in place: nothing rolled back
 
 
 def test_policy_alerts_when_reverting_is_off_and_waits_while_an_action_is_in_flight():
     f = _finding()
     d = make_decision(PolicyInput(finding=f, now=1e9), PolicyConfig(revert_lr_jumps=False))
-    assert d.kind is DecisionKind.ALERT and "revert_lr_jumps is off" in d.reasons[-1]
+    assert d.word == "alert" and "revert_lr_jumps is off" in d.reasons[-1]
     d = make_decision(PolicyInput(finding=f, now=1e9, action_in_flight=True))
-    assert d.kind is DecisionKind.NOOP
+    assert d.word == "noop"
     d = make_decision(PolicyInput(finding=f, now=1e9), PolicyConfig(advise_only=True))
-    assert d.kind is DecisionKind.LOWER_LR and d.requires_approval
+    assert d.word == "set_lr" and d.requires_approval
 
 
 def test_a_finding_from_json_round_trips_through_the_policy():
@@ -159,5 +160,5 @@ def test_a_finding_from_json_round_trips_through_the_policy():
     from thermowatch.monitors.contract import Finding
 
     g = Finding.from_json(f.to_json())
-    assert make_decision(PolicyInput(finding=g, now=0.0)).lr_multiplier == pytest.approx(1 / 30, rel=1e-5)
+    assert lr_multiplier(make_decision(PolicyInput(finding=g, now=0.0))) == pytest.approx(1 / 30, rel=1e-5)
     assert math.isfinite(g.evidence["above_trend"])

@@ -25,7 +25,7 @@ def test_a_spike_right_after_a_rollback_100_steps_back_is_found_on_its_second_st
         bank.observe(StepRecord(step=152, values={"loss": 7.6}), 1)
     assert [(f.signal.value, f.detect_step) for f in found] == [("loss_spike", 152)]
     # The rollback to checkpoint 50: the supervisor resets to the first step trained after it, as
-    # the executor books it (ack.step); step 50's point is the checkpoint's and stays. (A reset to
+    # the executor books it (ack.first_step); step 50's point is the checkpoint's and stays. (A reset to
     # 50 would say step 50 is re-trained too, and the onset would be 50, the step after the last
     # point kept: issue 36's onset on a series with a gap.)
     bank.reset(51)

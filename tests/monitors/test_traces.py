@@ -10,7 +10,7 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank, Witnesses
 from thermowatch.supervisor.decide.replay_policy import replay_decider
 from tests.fixtures import traces
 
-ACTS = {"rollback", "lower_lr", "pause"}
+ACTS = {"rollback", "set_lr", "pause"}
 
 
 def _replay(name: str, drop: tuple[str, ...] = ()):
@@ -56,7 +56,7 @@ def test_lr_jump_loss_spike_acts_and_rolls_back():
     assert spikes, "the loss spike after the LR jump was not seen"
     f, d = spikes[0]
     assert jump <= f.detect_step <= jump + 5 and f.outcome is Outcome.ACT and d["kind"] == "rollback"
-    assert d["target_step"] < f.onset_step
+    assert d["to_step"] < f.onset_step
 
 
 def test_witness_sees_the_loss_leave_its_trend_after_the_jump_and_not_before():
@@ -150,8 +150,8 @@ def test_the_lr_forecast_acts_at_the_crossing_and_lowers_the_lr_in_place():
     assert at.values[LR_PEAK_AHEAD] / at.values[LR] >= 2.0
     assert set(first_act.evidence["witnesses"]) == {"lr_forecast"}
     assert "raise the LR" in first_act.evidence["outcome_why"]
-    assert decision["kind"] == "lower_lr" and decision["lr_multiplier"] == 0.5 and decision["rung"] == 2
-    assert decision.get("target_step") is None
+    assert decision["kind"] == "set_lr" and decision["lr_multiplier"] == 0.5 and decision["rung"] == 2
+    assert decision.get("to_step") is None
 
 
 def test_a_healthy_crossing_before_the_peak_lr_only_alerts():

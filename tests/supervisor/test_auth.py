@@ -93,7 +93,7 @@ BODIES = {
                                                           "healthy": True},
     "/api/runs/{run_id}/attempts/{attempt}/checkpoints/deleted": {"steps": [3], "reason": "x"},
     "/api/runs/{run_id}/attempts/{attempt}/finished": {"step": 5, "final_loss": 1.0, "reason": "closed"},
-    "/api/runs/{run_id}/acks": {"command_id": 1, "ok": True, "step": 5},
+    "/api/runs/{run_id}/acks": {"command_id": 1, "ok": True, "first_step": 5},
     "/api/runs/{run_id}/actions": {"kind": "stop", "reason": "intruder"},
     "/api/actions/{action_id}/approve": {}, "/api/actions/{action_id}/cancel": {},
     "/api/runs/{run_id}/silences": {"signal": "stall", "for_s": 60},
@@ -212,7 +212,7 @@ def test_every_audit_row_of_a_request_names_its_token(sup):
                       headers=trainer).status_code == 201
         aid = c.post("/api/runs/r7/actions", json={"kind": "pause"}, headers=oncall).json()["action_id"]
         assert [x["id"] for x in c.get("/api/runs/r7/commands", headers=trainer).json()["commands"]] == [aid]
-        assert c.post("/api/runs/r7/acks", json={"command_id": aid, "ok": True, "step": 3},
+        assert c.post("/api/runs/r7/acks", json={"command_id": aid, "ok": True, "first_step": 3},
                       headers=trainer).status_code == 200
         audit = [(a["actor"], a["event"]) for a in c.get("/api/runs/r7/audit", headers=oncall).json()["audit"]]
     assert sorted(audit) == [("oncall", "enqueued"), ("trainer-run7", "attempt_opened"), ("trainer-run7", "done")]

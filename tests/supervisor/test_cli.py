@@ -339,7 +339,7 @@ def test_replay_json_on_a_real_divergence(tmp_path, capsys):
     decided = [f["decision"]["kind"] for f in findings]
     assert "rollback" in decided
     rb = next(f["decision"] for f in findings if f["decision"]["kind"] == "rollback")
-    assert rb["target_step"] % 5 == 0 and rb["reasons"]
+    assert rb["to_step"] % 5 == 0 and rb["reasons"]
 
 
 def test_replay_of_the_healthy_run_is_clean(tmp_path, capsys):
@@ -399,9 +399,9 @@ def test_wait_and_json_print_what_the_trainer_did(daemon, capsys):
     got = json.loads(capsys.readouterr().out)
     assert out["code"] == 0
     assert {k: got[k] for k in ("state", "first_step", "effective_lr_multiplier", "checkpoint_step",
-                                "skipped_ranges", "action_id")} == {
+                                "skip_ranges", "action_id")} == {
         "state": "done", "first_step": 31, "effective_lr_multiplier": 0.5, "checkpoint_step": None,
-        "skipped_ranges": [], "action_id": cmd.id}
+        "skip_ranges": [], "action_id": cmd.id}
     assert got["requested_lr"] == "x0.5 (= x1 in force, times 0.5)"
 
 

@@ -72,10 +72,10 @@ def test_a_bad_command_and_a_bad_ack_do_not_block_a_pause(served):
         pause = c.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "who": "bob"}).json()["action_id"]
     ch = HttpCommandChannel(url, ADMIN_TOKEN)
     try:
-        ch.ack(RUN, Ack(command_id=123456, ok=True, step=3))  # an ack the supervisor refuses (404)
+        ch.ack(RUN, Ack(command_id=123456, ok=True, first_step=3))  # an ack the supervisor refuses (404)
         cmds = ch.poll(RUN)
         assert [c.id for c in cmds] == [pause]  # the pause arrives
-        ch.ack(RUN, Ack(command_id=pause, ok=True, step=4, detail="paused before step 4"))
+        ch.ack(RUN, Ack(command_id=pause, ok=True, first_step=4, detail="paused before step 4"))
         assert not ch._unsent, "an ack stayed behind a refused one"
         assert [a.command_id for a, _ in ch.refused] == [123456]
     finally:
@@ -144,12 +144,12 @@ def test_a_precise_skips_ack_travels_and_a_bad_one_is_refused(served):
         aid, other = (c.post(f"/api/runs/{RUN}/actions", json={"kind": "skip", "args": {"skip_ranges": [[0, 64]]},
                                                                 "who": "bob"}).json()["action_id"] for _ in range(2))
         c.get(f"/api/runs/{RUN}/commands")
-        good = Ack(aid, True, 7, skipped=(SampleRange(8, 16),), bisected=b).to_json()
+        good = Ack(aid, True, 7, skip_ranges=(SampleRange(8, 16),), bisected=b).to_json()
         assert c.post(f"/api/runs/{RUN}/acks", json=good).status_code < 300
         bad = {**Ack(other, True, 7).to_json(), "bisected": {**b.to_json(), "outcome": "x"}}
         r = c.post(f"/api/runs/{RUN}/acks", json=bad)
         assert r.status_code == 422 and "outcome" in r.text, r.text
     o = outcome(_row(sup, aid))
-    assert o["bisected"] == b.to_json() and o["skipped_ranges"] == [[8, 16]]
+    assert o["bisected"] == b.to_json() and o["skip_ranges"] == [[8, 16]]
     assert "precise skip (narrowed): 4 probes, 20 steps re-trained, 1.5 s, over 64 suspect samples" in details(o)
     assert _row(sup, other).state == "failed"  # the trainer will not send it differently

@@ -79,7 +79,7 @@ def test_a_trainer_that_lost_an_lr_change_is_paged_once_and_nothing_is_done_to_i
 
 def test_a_ledger_digest_that_differs_from_the_booked_skips_is_a_mismatch(sup):
     booked = ledger_digest([SampleRange(0, 64)])
-    carry_out(sup, "skip", {"skip_ranges": [[0, 64]]}, 0, lambda cmd: Outcome("skip", skipped=cmd.body.ranges))
+    carry_out(sup, "skip", {"skip_ranges": [[0, 64]]}, 0, lambda cmd: Outcome("skip", skip_ranges=cmd.body.ranges))
     sup.write(RUN, 0, steps(1, 6, digest=booked))
     assert mismatches(sup) == []
     sup.write(RUN, 0, steps(6, 9, digest=ledger_digest([])))  # the trainer lost the skip

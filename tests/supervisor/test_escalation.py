@@ -112,7 +112,7 @@ def test_a_page_names_the_oncall_escalates_once_and_ends_with_its_story(db, tmp_
         # Approving answers the page; the rollback's ack ends it, on every channel that was paged.
         sup.executor.approve(ask.id, "alice")
         (cmd,) = sup.poll(RUN)
-        sup.ack(RUN, Ack(command_id=cmd.id, ok=True, step=ask.args["to_step"] + 1, detail="rolled back"))
+        sup.ack(RUN, Ack(command_id=cmd.id, ok=True, first_step=ask.args["to_step"] + 1, detail="rolled back"))
         assert sup.executor.outbox.drain(20)
         assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge", "resolve"]
         assert [b["event"] for b in hook.accepted()][-2:] == ["acknowledge", "resolve"]

@@ -74,11 +74,11 @@ def test_ack_moves_sent_to_done_and_a_duplicate_ack_is_ignored(sup):
     aid = skip(sup)
     assert action(sup, aid).state == "pending"
     assert [c.id for c in sup.poll(RUN)] == [aid]
-    sup.ack(RUN, Ack(aid, ok=True, step=7))
+    sup.ack(RUN, Ack(aid, ok=True, first_step=7))
     row = action(sup, aid)
     assert (row.state, row.ack_step) == ("done", 7)
-    sup.ack(RUN, Ack(aid, ok=True, step=9))  # the controller re-sends its ack
-    sup.ack(RUN, Ack(aid, ok=False, step=9, detail="late"))
+    sup.ack(RUN, Ack(aid, ok=True, first_step=9))  # the controller re-sends its ack
+    sup.ack(RUN, Ack(aid, ok=False, first_step=9, detail="late"))
     row = action(sup, aid)
     assert (row.state, row.ack_step, row.error) == ("done", 7, "")
     with sup.sessions() as s:
@@ -88,7 +88,7 @@ def test_ack_moves_sent_to_done_and_a_duplicate_ack_is_ignored(sup):
 def test_failed_ack_marks_failed_and_sends_a_critical_alert(sup, stream):
     aid = skip(sup)
     sup.poll(RUN)
-    sup.ack(RUN, Ack(aid, ok=False, step=3, detail="checkpoint step_35 is unreadable"))
+    sup.ack(RUN, Ack(aid, ok=False, first_step=3, detail="checkpoint step_35 is unreadable"))
     row = action(sup, aid)
     assert row.state == "failed" and "unreadable" in row.error
     with sup.sessions() as s:
@@ -102,9 +102,9 @@ def test_ack_for_another_runs_action_or_an_unknown_one_is_not_found(sup):
     aid = skip(sup)
     sup.open_run(RunInfo(run_id="other", attempt=0, world_size=1))
     with pytest.raises(NotFound, match="has no action"):
-        sup.ack("other", Ack(aid, ok=True, step=1))
+        sup.ack("other", Ack(aid, ok=True, first_step=1))
     with pytest.raises(NotFound):
-        sup.ack(RUN, Ack(aid + 1000, ok=True, step=1))
+        sup.ack(RUN, Ack(aid + 1000, ok=True, first_step=1))
     assert action(sup, aid).state == "pending"
 
 
@@ -137,7 +137,7 @@ def test_expire_leaves_pending_and_done_actions_alone(sup):
     a1 = skip(sup)
     a2 = skip(sup, 300, 400)
     sup.poll(RUN)
-    sup.ack(RUN, Ack(a2, ok=True, step=2))
+    sup.ack(RUN, Ack(a2, ok=True, first_step=2))
     a3 = skip(sup, 500, 600)  # pending, never polled
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10)  # past the ack timeout, not the expiry
     sup.executor.expire(now=later)
@@ -333,7 +333,7 @@ def test_an_ack_cannot_bypass_approval(db, tmp_path):
         act = _diverge(sup, tmp_path)
         assert act.requires_approval and sup.poll(RUN) == []
         with pytest.raises(Conflict):
-            sup.ack(RUN, Ack(act.id, ok=True, step=act.args["to_step"] + 1))
+            sup.ack(RUN, Ack(act.id, ok=True, first_step=act.args["to_step"] + 1))
         row = action(sup, act.id)
         assert (row.state, row.requires_approval) == ("pending", True)
         with sup.sessions() as s:
@@ -379,8 +379,8 @@ def test_done_and_failed_actions_report_in_their_thread(db, tmp_path, slack):
     try:
         ok, bad = skip(sup), skip(sup, 300, 400)
         sup.poll(RUN)
-        sup.ack(RUN, Ack(ok, ok=True, step=12, skipped=(SampleRange(100, 200),)))
-        sup.ack(RUN, Ack(bad, ok=False, step=12, detail="ledger is read-only"))
+        sup.ack(RUN, Ack(ok, ok=True, first_step=12, skip_ranges=(SampleRange(100, 200),)))
+        sup.ack(RUN, Ack(bad, ok=False, first_step=12, detail="ledger is read-only"))
         assert sup.executor.outbox.drain(30)
         parents = slack.top_level()
         assert len(parents) == 2 and all(p["reply_count"] == 1 for p in parents)
@@ -416,8 +416,8 @@ def test_the_finish_closes_open_incidents_and_tells_the_story_in_one_message(db,
                                                   "spike", "auto", "policy", incident_id=inc)
             sup.executor.notify(Alert(RUN, Sev.CRITICAL, f"{RUN}: loss spike", incident_id=inc))
             sup.poll(RUN)
-            sup.ack(RUN, Ack(rb, ok=True, step=21, checkpoint_step=20, checkpoint_path=str(tmp_path / "c20"),
-                             skipped=(SampleRange(400, 480),)))
+            sup.ack(RUN, Ack(rb, ok=True, first_step=21, checkpoint_step=20, checkpoint_path=str(tmp_path / "c20"),
+                             skip_ranges=(SampleRange(400, 480),)))
             sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=20))
             sup.write(RUN, 1, recs(21, 100))
             with sup.sessions.begin() as s:
@@ -464,8 +464,8 @@ def test_a_sent_command_goes_out_again_until_acknowledged_without_a_new_attempt(
         assert [c.id for c in sup.poll(RUN)] == [aid, later]  # in order, with the new one
         row = action(sup, aid)
         assert (row.state, row.attempts) == ("sent", 1)
-        sup.ack(RUN, Ack(aid, ok=True, step=7))
-        sup.ack(RUN, Ack(later, ok=True, step=7))
+        sup.ack(RUN, Ack(aid, ok=True, first_step=7))
+        sup.ack(RUN, Ack(later, ok=True, first_step=7))
         time.sleep(0.6)
         assert sup.poll(RUN) == []
         with sup.sessions() as s:

@@ -38,14 +38,14 @@ def test_an_export_of_every_attempt_replays_to_the_daemons_acting_incidents(db, 
         same, without = Replay(False, True, 60, 9.5, 4.0, 20), Replay(True, False, 60, 3.1, 4.0, 20)
         cause = Cause("data", 60, 9.5, (same, without), 40, 2.5)
         suspects = (SampleRange(skip[0], skip[1] + 64),)
-        sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1, checkpoint_step=to_step,
-                         skipped=(SampleRange(*skip),), bisected=Bisected(suspects, 3, 70, 5.0, "narrowed", cause)))
+        sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=to_step + 1, checkpoint_step=to_step,
+                         skip_ranges=(SampleRange(*skip),), bisected=Bisected(suspects, 3, 70, 5.0, "narrowed", cause)))
         sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
         feed_until_action(sup, 1, after_skip(recs, to_step + 1, cursor=recs[to_step - 1].sample_hi,
                                              skip=tuple(skip)), tmp_path)
         (act2,) = open_actions(sup)
         sup.poll(RUN)
-        sup.ack(RUN, Ack(command_id=act2.id, ok=True, step=act2.args["to_step"] + 1))
+        sup.ack(RUN, Ack(command_id=act2.id, ok=True, first_step=act2.args["to_step"] + 1))
         # both divergences are detected at the same step of their attempt: counted, not a set
         daemon = Counter((i.signal, i.detect_step) for i in acted(sup))
         assert sum(daemon.values()) == 2, daemon
@@ -64,7 +64,7 @@ def test_an_export_of_every_attempt_replays_to_the_daemons_acting_incidents(db, 
         assert [r["action"] for _, r in events] == [act.id, act2.id], events
         (i, first), (_, second) = events
         assert lines[i + 1]["attempt"] == first["attempt"] == 1 and lines[i + 1]["step"] == to_step + 1
-        assert first["cause"]["label"] == "data" and first["search"] == "narrowed" and first["skipped"] == [skip]
+        assert first["cause"]["label"] == "data" and first["search"] == "narrowed" and first["skip_ranges"] == [skip]
         assert first["checkpoint_step"] == to_step and second["cause"] is None and "attempt" not in second
         detectors = tmp_path / "detectors.json"
         detectors.write_text(json.dumps(DETECTORS))

@@ -140,16 +140,15 @@ def test_only_alert_only_repeats_fold_an_approval_gets_its_own_thread_and_button
     human (an approval) or changes the run still starts a thread of its own, [CRITICAL] with its
     buttons; an alert-only repeat folds and, having changed nothing, reads [INFO]."""
     from thermowatch.monitors.contract import Finding, Signal
-    from thermowatch.supervisor.decide.policy import Decision, DecisionKind
+    from thermowatch.monitors.commands import SetLR
+    from thermowatch.supervisor.decide.policy import Decision
 
     sup = make_sup(db, tmp_path, slack, flap_max_alerts=1, interactive=True)
     try:
         made = []
-        for n, (kind, approval) in enumerate([(DecisionKind.ALERT, False), (DecisionKind.ALERT, False),
-                                              (DecisionKind.LOWER_LR, True)]):
+        for n, (command, approval) in enumerate([(None, False), (None, False), (SetLR(0.5), True)]):
             f = Finding(Signal.GRAD_SPIKE, "", Severity.CRITICAL, 100 + 10 * n, 101 + 10 * n, metric="grad_norm")
-            d = Decision(kind, [f"decision {n}"], lr_multiplier=0.5 if kind is DecisionKind.LOWER_LR else None,
-                         requires_approval=approval, rung=1 if approval else 0)
+            d = Decision(command, [f"decision {n}"], requires_approval=approval, rung=1 if approval else 0)
             with sup.sessions.begin() as s:
                 inc = incidents_store.open_incident(s, RUN, f.signal.value, f.module, f.onset_step, f.detect_step,
                                                     f.severity.value)

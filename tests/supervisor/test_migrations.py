@@ -135,3 +135,34 @@ def test_0012_attempt_finished_columns_up_and_down_with_data(empty_url):
         dbmod.check_current(engine)
     finally:
         engine.dispose()
+
+
+def test_0020_stored_acks_say_first_step_and_skip_ranges_and_downgrade_back(empty_url):
+    """Acks stored before 0020 said `step` and `skipped`: rewritten to `first_step` and
+    `skip_ranges` (issue 38), read back through the store as the executor wrote them since; the
+    rest of the row, other rows and a row with no result are untouched; a downgrade writes the
+    old names again."""
+    engine = dbmod.make_engine(empty_url)
+    sessions = dbmod.make_sessionmaker(engine)
+    old = {"command_id": 1, "ok": True, "step": 51, "checkpoint_step": 50, "skipped": [[800, 2400]], "detail": "x"}
+    try:
+        dbmod.upgrade(engine, "0019")
+        with sessions.begin() as s:
+            runs.open_attempt(s, RunInfo("r", 0, 1))
+            done = actions.enqueue_action(s, "r", "rollback", {"to_step": 50}, "spike", "auto", "policy")
+            actions.set_action_state(s, done, "sent")
+            actions.set_action_state(s, done, "acked", ack_step=51, result=old)
+            waiting = actions.enqueue_action(s, "r", "pause", {}, "x", "manual", "ana")
+        dbmod.upgrade(engine)
+        with sessions() as s:
+            rows = {a.id: a for a in actions.actions(s, "r")}
+        assert rows[done].result == {"command_id": 1, "ok": True, "first_step": 51, "checkpoint_step": 50,
+                                     "skip_ranges": [[800, 2400]], "detail": "x"}
+        assert rows[done].checkpoint_step == 50 and rows[waiting].result is None
+        dbmod.downgrade(engine, "0019")
+        with sessions() as s:
+            assert actions.actions(s, "r")[-1].result == old
+        dbmod.upgrade(engine)
+        dbmod.check_current(engine)
+    finally:
+        engine.dispose()

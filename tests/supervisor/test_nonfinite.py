@@ -53,7 +53,7 @@ def test_nan_from_real_training_is_stored_and_rolled_back_at_once(db, tmp_path):
 
         # The trainer takes it; the incident closes; the NaN steps' checkpoints are never targets.
         assert [c.id for c in sup.poll(RUN)] == [act.id]
-        sup.ack(RUN, Ack(command_id=act.id, ok=True, step=expected + 1))
+        sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=expected + 1))
         with sup.sessions() as s:
             assert incidents_store.get_incident(s, first.id).state == "resolved"
             assert actions_store.get_action(s, act.id).state == "done"

@@ -155,7 +155,7 @@ def _diverge(sup, tmp_path):
 def _ack_rollback(sup, act):
     assert [c.id for c in sup.poll(RUN)] == [act.id]
     to = act.args["to_step"]
-    sup.ack(RUN, Ack(act.id, ok=True, step=to + 1, checkpoint_step=to, checkpoint_path=f"/ckpt/{to}",
+    sup.ack(RUN, Ack(act.id, ok=True, first_step=to + 1, checkpoint_step=to, checkpoint_path=f"/ckpt/{to}",
                      lr_multiplier=0.5, detail="reloaded"))
     return to
 
@@ -215,7 +215,7 @@ def test_a_slack_outage_mid_incident_still_ends_with_one_ordered_thread(db, tmp_
         to = _ack_rollback(sup, act)  # its reply is decided while the parent has no ts yet
         aid = sup.executor.submit(RUN, "pause", {}, "bob", "look at the logits")
         sup.poll(RUN)
-        sup.ack(RUN, Ack(aid, ok=False, step=to + 3, detail="controller lost rank 1"))
+        sup.ack(RUN, Ack(aid, ok=False, first_step=to + 3, detail="controller lost rank 1"))
         slack.rate_limit(calls=4, retry_after=10)  # then 429 with a long Retry-After, then 500s
         slack.server_error(calls=3)
         slack.release()
@@ -242,7 +242,7 @@ def test_a_reply_whose_parent_was_refused_goes_top_level_and_says_so(db, tmp_pat
         slack.fail_next("msg_too_long")  # the manual command's own message is refused for good
         aid = sup.executor.submit(RUN, "pause", {}, "bob", "first")
         sup.poll(RUN)
-        sup.ack(RUN, Ack(aid, ok=False, step=5, detail="no GPU answered"))
+        sup.ack(RUN, Ack(aid, ok=False, first_step=5, detail="no GPU answered"))
         assert sup.executor.outbox.drain(30)
         first, second = _rows(sup)
         assert first.state == "failed" and second.state == "sent"

@@ -236,7 +236,7 @@ def test_an_approval_question_pages_and_the_rollback_resolves_the_page(db, tmp_p
         assert sup.executor.outbox.drain(20)
         assert pd.incidents[0].state == "acknowledged"
         (cmd,) = sup.poll(RUN)
-        sup.ack(RUN, Ack(command_id=cmd.id, ok=True, step=ask.args["to_step"] + 1, detail="rolled back"))
+        sup.ack(RUN, Ack(command_id=cmd.id, ok=True, first_step=ask.args["to_step"] + 1, detail="rolled back"))
         assert sup.executor.outbox.drain(20)
         assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge", "resolve"]
         assert pd.incidents[0].state == "resolved" and len(pd.incidents) == 1

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from thermowatch.monitors.commands import CommandKind, Rollback
 from thermowatch.monitors.contract import CheckpointInfo, Finding, Outcome, Severity, Signal
 from thermowatch.supervisor.decide.policy import (
     DEFAULT_ROLLBACK_SIGNALS,
     Decision,
-    DecisionKind,
     Intervention,
     PolicyConfig,
     PolicyConfigError,
@@ -25,8 +25,44 @@ from thermowatch.supervisor.decide.policy import (
 
 NOW = 1_800_000_000.0
 H = 3600.0
-K = DecisionKind
 S = Signal
+
+
+class K:
+    """A decision's word (Decision.word): its command's kind, else alert or noop."""
+    ROLLBACK, SET_LR, PAUSE, ALERT, NOOP = "rollback", "set_lr", "pause", "alert", "noop"
+
+
+# What a decision's command says, read off the typed command (None where it has no such field).
+def to_step(d: Decision) -> int | None:
+    return d.command.to_step if isinstance(d.command, Rollback) else None
+
+
+def checkpoint(d: Decision) -> str | None:
+    return d.command.checkpoint if isinstance(d.command, Rollback) else None
+
+
+def lr_multiplier(d: Decision) -> float | None:
+    return d.lr.multiplier if d.lr is not None else None
+
+
+def lr_steps(d: Decision) -> int | None:
+    return d.lr.steps if d.lr is not None else None
+
+
+def rewarmup_steps(d: Decision) -> int | None:
+    return d.lr.rewarmup_steps if d.lr is not None else None
+
+
+def exclude_rank(d: Decision) -> int | None:
+    return d.command.exclude_rank if isinstance(d.command, Rollback) else None
+
+
+def exclude_node(d: Decision) -> str | None:
+    return d.command.exclude_node if isinstance(d.command, Rollback) else None
+
+
+VIEW = {f.__name__: f for f in (to_step, checkpoint, lr_multiplier, lr_steps, rewarmup_steps, exclude_rank, exclude_node)}
 
 
 def ck(step: int, healthy: bool = True) -> CheckpointInfo:
@@ -41,7 +77,7 @@ def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.CRITICAL, 
 
 def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True, first_step=None,
        attempt=None, target_step=None, lowered_lr=False) -> Intervention:
-    return Intervention(kind=kind, signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic,
+    return Intervention(kind=CommandKind(kind), signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic,
                         first_step=first_step, attempt=attempt, target_step=target_step, lowered_lr=lowered_lr)
 
 
@@ -56,250 +92,250 @@ CKPTS = [ck(800), ck(850), ck(900), ck(950)]
 CASES = [
     ("rung1-loss-spike-margin-100",
      dict(finding=finding(), checkpoints=CKPTS), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=850, target_path="/ckpt/step850", skip_steps=(890, 1000),
+     dict(word=K.ROLLBACK, rung=1, to_step=850, checkpoint="/ckpt/step850", skip_steps=(890, 1000),
           lr_multiplier=None, page=False, requires_approval=False, says=["rung 1", "step 850", "890-1000"])),
     ("rung1-small-run-margin-20",
      dict(finding=finding(), checkpoints=[ck(900), ck(950), ck(980)]), dict(rollback_margin_steps=20),
-     dict(kind=K.ROLLBACK, target_step=950, skip_steps=(970, 1000))),
+     dict(word=K.ROLLBACK, to_step=950, skip_steps=(970, 1000))),
     ("rung1-attention-logit-growth",
      dict(finding=finding(S.ATTN_LOGIT_GROWTH, module="blocks.3.attn"), checkpoints=CKPTS), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=850, says=["blocks.3.attn"])),
+     dict(word=K.ROLLBACK, rung=1, to_step=850, says=["blocks.3.attn"])),
     ("rung1-unhealthy-checkpoint-passed-over",
      dict(finding=finding(), checkpoints=[ck(800), ck(850, healthy=False), ck(950)]), {},
-     dict(kind=K.ROLLBACK, target_step=800, skip_steps=(890, 1000), says=["850", "unhealthy"])),
+     dict(word=K.ROLLBACK, to_step=800, skip_steps=(890, 1000), says=["850", "unhealthy"])),
     ("rung1-target-at-limit-skips-from-next-step",
      dict(finding=finding(), checkpoints=[ck(890)]), {},
-     dict(kind=K.ROLLBACK, target_step=890, skip_steps=(891, 1000))),
+     dict(word=K.ROLLBACK, to_step=890, skip_steps=(891, 1000))),
     ("rung2-recurrence-rollback-and-lower-lr",
      dict(finding=finding(onset=940, detect=950), checkpoints=CKPTS, history=[iv(step=1000)]), {},
-     dict(kind=K.ROLLBACK, rung=2, target_step=800, skip_steps=None, lr_multiplier=0.5, lr_steps=None,
+     dict(word=K.ROLLBACK, rung=2, to_step=800, skip_steps=None, lr_multiplier=0.5, lr_steps=None,
           page=False, says=["rung 2", "50 steps short of step", "1 -> 0.5", "no samples skipped"])),
     ("rung2-at-once-on-the-lr-forecast",  # issue 8: a rollback alone would replay the same rising LR
      dict(finding=finding(S.ATTN_LOGIT_CEILING, module="blocks.1.attn", onset=940, detect=1000,
                           witnesses={"lr_forecast": "the schedule will still raise the LR x3.1"}),
           checkpoints=CKPTS), {},
-     dict(kind=K.LOWER_LR, rung=2, target_step=None, skip_steps=None, lr_multiplier=0.5,
+     dict(word=K.SET_LR, rung=2, to_step=None, skip_steps=None, lr_multiplier=0.5,
           says=["rung 2 at once", "x3.1", "1 -> 0.5", "nothing to roll back"])),
     ("rung2-forecast-at-the-lr-floor-pauses",
      dict(finding=finding(S.ATTN_LOGIT_CEILING, witnesses={"lr_forecast": "x3"}), checkpoints=CKPTS,
           current_lr_multiplier=0.01), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["min_lr_multiplier"])),
+     dict(word=K.PAUSE, rung=3, page=True, says=["min_lr_multiplier"])),
     ("rung1-another-witness-keeps-the-lr",
      dict(finding=finding(S.ATTN_LOGIT_CEILING, module="blocks.1.attn", witnesses={"grad_growth": "grad norm x2.3"}),
           checkpoints=CKPTS), {},
-     dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
+     dict(word=K.ROLLBACK, rung=1, lr_multiplier=None)),
     ("rung2-multiplier-compounds",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1100)], current_lr_multiplier=0.5), {},
-     dict(kind=K.ROLLBACK, rung=2, lr_multiplier=0.25)),
+     dict(word=K.ROLLBACK, rung=2, lr_multiplier=0.25)),
     ("rung2-attention-growth-then-ceiling-is-same-signal",
      dict(finding=finding(S.ATTN_LOGIT_CEILING, module="blocks.5.attn"), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=1020)]), {},
-     dict(kind=K.ROLLBACK, rung=2, lr_multiplier=0.5)),
+     dict(word=K.ROLLBACK, rung=2, lr_multiplier=0.5)),
     ("rung2-temporary-lr-with-rewarmup",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)]), dict(lr_steps=2000, rewarmup_steps=100),
-     dict(kind=K.ROLLBACK, rung=2, lr_steps=2000, rewarmup_steps=100, says=["2000 steps", "re-warm-up"])),
+     dict(word=K.ROLLBACK, rung=2, lr_steps=2000, rewarmup_steps=100, says=["2000 steps", "re-warm-up"])),
     ("rung2-lower-lr-in-place",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)]), dict(recurrence_rollback=False),
-     dict(kind=K.LOWER_LR, rung=2, target_step=None, skip_steps=None, lr_multiplier=0.5)),
+     dict(word=K.SET_LR, rung=2, to_step=None, skip_steps=None, lr_multiplier=0.5)),
     ("rung1-previous-rollback-outside-step-window",
      dict(finding=finding(onset=1990, detect=2000), checkpoints=CKPTS + [ck(1800)], history=[iv(step=1000)]), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=1800, lr_multiplier=None)),
+     dict(word=K.ROLLBACK, rung=1, to_step=1800, lr_multiplier=None)),
     ("rung1-previous-rollback-on-another-signal",
      dict(finding=finding(S.ATTN_LOGIT_GROWTH), checkpoints=CKPTS, history=[iv(**RB)]), {},
-     dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
+     dict(word=K.ROLLBACK, rung=1, lr_multiplier=None)),
     ("rung1-previous-rollback-failed-is-no-recurrence",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000, ok=False)]), {},
-     dict(kind=K.ROLLBACK, rung=1, lr_multiplier=None)),
+     dict(word=K.ROLLBACK, rung=1, lr_multiplier=None)),
     ("rung3-lr-floor",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB)], current_lr_multiplier=0.125), {},
-     dict(kind=K.PAUSE, rung=3, page=True, target_step=None, says=["min_lr_multiplier"])),
+     dict(word=K.PAUSE, rung=3, page=True, to_step=None, says=["min_lr_multiplier"])),
     ("rung3-too-many-interventions",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in
                    [(3000, 5 * H), (5000, 4 * H), (7000, 3 * H), (9000, 2 * H)]]), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["4 automatic interventions", "max_interventions=4"])),
+     dict(word=K.PAUSE, rung=3, page=True, says=["4 automatic interventions", "max_interventions=4"])),
     ("interventions-outside-window-do-not-count",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=7 * H) for s in (3000, 5000, 7000, 9000)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("manual-interventions-do-not-count",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=None, step=s, ago=2 * H, automatic=False) for s in (3000, 5000, 7000, 9000)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("rung3-no-healthy-checkpoint-before-onset",  # one at the onset is not before it
      dict(finding=finding(), checkpoints=[ck(990), ck(1000)]), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 990",
+     dict(word=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 990",
                                                  "thermowatch rollback RUN --to-step N"])),
     ("rung3-only-unhealthy-checkpoints-before-onset",
      dict(finding=finding(), checkpoints=[ck(800, healthy=False), ck(850, healthy=False), ck(1000)]), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["unhealthy at [800, 850]"])),
+     dict(word=K.PAUSE, rung=3, page=True, says=["unhealthy at [800, 850]"])),
     ("rung1-inside-the-margin-when-none-is-that-old",  # issue 35: was a pause
      dict(finding=finding(), checkpoints=[ck(950), ck(1000)]), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=950, skip_steps=(951, 1000),
+     dict(word=K.ROLLBACK, rung=1, to_step=950, skip_steps=(951, 1000),
           says=["no healthy checkpoint at or before step 890", "inside the margin to step 950", "oldest"])),
     ("rung3-failed-action",
      dict(finding=finding(), checkpoints=CKPTS, failed_action_pending=True), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["previous action failed"])),
+     dict(word=K.PAUSE, rung=3, page=True, says=["previous action failed"])),
     ("non-finite-rolls-back-with-margin",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL), checkpoints=CKPTS), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=900, skip_steps=(901, 1000))),
+     dict(word=K.ROLLBACK, rung=1, to_step=900, skip_steps=(901, 1000))),
     ("non-finite-inside-margin-when-needed",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1001, sev=Severity.CRITICAL),
           checkpoints=[ck(950), ck(980, healthy=False), ck(1000)]), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=950, skip_steps=(951, 1001), says=["inside the margin", "980"])),
+     dict(word=K.ROLLBACK, rung=1, to_step=950, skip_steps=(951, 1001), says=["inside the margin", "980"])),
     ("non-finite-no-healthy-checkpoint-before-onset",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL),
           checkpoints=[ck(950, healthy=False), ck(1000)]), {},
-     dict(kind=K.PAUSE, rung=3, page=True)),
+     dict(word=K.PAUSE, rung=3, page=True)),
     ("non-finite-ignores-cooldown",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1000, sev=Severity.CRITICAL), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     # The wall-clock cooldown is off by default (issue 22); set, it still holds any action back.
     ("cooldown-s-off-by-default",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=1)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("cooldown-s-too-soon-alerts",
      dict(finding=finding(sev=Severity.WARN), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(act_min_severity="warn", cooldown_s=600),
-     dict(kind=K.ALERT, rung=0, page=False, target_step=None, says=["cooldown", "60s ago", "cooldown_s=600"])),
+     dict(word=K.ALERT, rung=0, page=False, to_step=None, says=["cooldown", "60s ago", "cooldown_s=600"])),
     ("cooldown-s-critical-finding-pages",
      dict(finding=finding(sev=Severity.CRITICAL), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=60)]), dict(cooldown_s=600),
-     dict(kind=K.ALERT, page=True)),
+     dict(word=K.ALERT, page=True)),
     ("cooldown-s-holds-back-a-recurrence-too",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(**RB, ago=60)]), dict(cooldown_s=600),
-     dict(kind=K.ALERT, page=True, says=["60s ago"])),
+     dict(word=K.ALERT, page=True, says=["60s ago"])),
     ("cooldown-s-expired-acts",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=3000, ago=700)]),
      dict(cooldown_s=600),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("cooldown-s-manual-action-does-not-block",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=None, step=3000, ago=60, automatic=False)]), dict(cooldown_s=600),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     # Steps: another signal within cooldown_steps of where the last action took effect alerts.
     ("cooldown-steps-another-signal-alerts",
      dict(finding=finding(onset=880, detect=890), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), {},
-     dict(kind=K.ALERT, page=True, says=["cooldown", "39 steps into the re-trained attempt", "cooldown_steps=50"])),
+     dict(word=K.ALERT, page=True, says=["cooldown", "39 steps into the re-trained attempt", "cooldown_steps=50"])),
     ("cooldown-steps-over-acts",
      dict(finding=finding(onset=900, detect=901), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("cooldown-steps-zero-is-off",
      dict(finding=finding(onset=850, detect=851), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, **RB, ago=1)]), dict(cooldown_steps=0, rollback_margin_steps=0),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("same-incident-is-noop",
      dict(finding=finding(onset=990, detect=1010), checkpoints=CKPTS, history=[iv(step=1000, ago=30)]), {},
-     dict(kind=K.NOOP, says=["same incident", "step 1000"])),
+     dict(word=K.NOOP, says=["same incident", "step 1000"])),
     ("same-incident-on-the-re-trained-attempt-is-noop",
      dict(finding=finding(onset=880, detect=890), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
           attempt=1), {},
-     dict(kind=K.NOOP, says=["same incident", "39 steps into the re-trained attempt (first step 851)"])),
+     dict(word=K.NOOP, says=["same incident", "39 steps into the re-trained attempt (first step 851)"])),
     ("recurrence-past-cooldown-on-the-re-trained-attempt-climbs",  # issue 22: rollback to 850, again at 910
      dict(finding=finding(onset=900, detect=910), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
           attempt=1), {},
-     dict(kind=K.ROLLBACK, rung=2, target_step=800, lr_multiplier=0.5, says=["rung 2", "90 steps short of step"])),
+     dict(word=K.ROLLBACK, rung=2, to_step=800, lr_multiplier=0.5, says=["rung 2", "90 steps short of step"])),
     ("late-finding-of-the-abandoned-attempt-is-noop",
      dict(finding=finding(onset=1100, detect=1200), checkpoints=CKPTS, history=[iv(**RB, ago=1, attempt=0)],
           attempt=0), {},
-     dict(kind=K.NOOP, says=["late finding of attempt 0", "left behind"])),
+     dict(word=K.NOOP, says=["late finding of attempt 0", "left behind"])),
     ("late-finding-of-the-abandoned-attempt-any-signal-is-noop",
      dict(finding=finding(S.NON_FINITE, onset=1200, detect=1200), checkpoints=CKPTS,
           history=[iv(**RB, ago=1, attempt=2)], attempt=1), {},
-     dict(kind=K.NOOP, says=["late finding of attempt 1"])),
+     dict(word=K.NOOP, says=["late finding of attempt 1"])),
     ("lower-lr-in-place-same-incident-until-cooldown-steps-after-its-ack",
      dict(finding=finding(onset=1000, detect=1040), checkpoints=CKPTS,
-          history=[iv(kind=K.LOWER_LR, step=1000, first_step=1002, lowered_lr=True, ago=1, attempt=0)],
+          history=[iv(kind=K.SET_LR, step=1000, first_step=1002, lowered_lr=True, ago=1, attempt=0)],
           attempt=0), {},
-     dict(kind=K.NOOP, says=["38 steps into its effect"])),
+     dict(word=K.NOOP, says=["38 steps into its effect"])),
     ("failed-action-starts-no-cooldown",
      dict(finding=finding(), checkpoints=CKPTS, history=[iv(step=1000, ago=1, ok=False)]), {},
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("same-incident-non-finite-is-noop",
      dict(finding=finding(S.NON_FINITE, onset=1000, detect=1003, sev=Severity.CRITICAL), checkpoints=CKPTS,
           history=[iv(signal=S.NON_FINITE, step=1000, ago=30)]), {},
-     dict(kind=K.NOOP)),
+     dict(word=K.NOOP)),
     ("per-day-cap",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in [(3000, 20 * H), (5000, 10 * H)]]),
      dict(max_rollbacks_per_day=2),
-     dict(kind=K.PAUSE, rung=3, page=True, says=["2 automatic rollbacks in the last 24 h"])),
+     dict(word=K.PAUSE, rung=3, page=True, says=["2 automatic rollbacks in the last 24 h"])),
     ("per-day-cap-forgets-yesterday",
      dict(finding=finding(), checkpoints=CKPTS,
           history=[iv(signal=S.ATTN_LOGIT_GROWTH, step=s, ago=a) for s, a in [(3000, 30 * H), (5000, 10 * H)]]),
      dict(max_rollbacks_per_day=2),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("advise-only-rollback-needs-approval",
      dict(finding=finding(), checkpoints=CKPTS), dict(advise_only=True),
-     dict(kind=K.ROLLBACK, target_step=850, skip_steps=(890, 1000), requires_approval=True, page=True,
+     dict(word=K.ROLLBACK, to_step=850, skip_steps=(890, 1000), requires_approval=True, page=True,
           says=["advise-only"])),
     ("advise-only-pause-needs-approval",
      dict(finding=finding(), checkpoints=[]), dict(advise_only=True),
-     dict(kind=K.PAUSE, requires_approval=True)),
+     dict(word=K.PAUSE, requires_approval=True)),
     ("advise-only-alert-needs-no-approval",
      dict(finding=finding(S.GRAD_SPIKE), checkpoints=CKPTS), dict(advise_only=True),
-     dict(kind=K.ALERT, requires_approval=False)),
+     dict(word=K.ALERT, requires_approval=False)),
     ("grad-spike-alerts-only",
      dict(finding=finding(S.GRAD_SPIKE, sev=Severity.CRITICAL), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, page=False, target_step=None, says=["clipping"])),
+     dict(word=K.ALERT, page=False, to_step=None, says=["clipping"])),
     ("grad-spike-rolls-back-when-configured",
      dict(finding=finding(S.GRAD_SPIKE), checkpoints=CKPTS),
      dict(rollback_signals=["grad_spike", "loss_spike"]),
-     dict(kind=K.ROLLBACK, target_step=850)),
+     dict(word=K.ROLLBACK, to_step=850)),
     ("stall-alerts-and-pages",
      dict(finding=finding(S.STALL), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, page=True, says=["stall"])),
+     dict(word=K.ALERT, page=True, says=["stall"])),
     ("info-severity-alerts-only",
      dict(finding=finding(sev=Severity.INFO), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, says=["below act_min_severity"])),
+     dict(word=K.ALERT, says=["below act_min_severity"])),
     ("warn-severity-never-acts-by-default",
      dict(finding=finding(S.ATTN_LOGIT_GROWTH, sev=Severity.WARN), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, says=["below act_min_severity=critical"])),
+     dict(word=K.ALERT, says=["below act_min_severity=critical"])),
     ("warn-severity-acts-when-configured",
      dict(finding=finding(S.ATTN_LOGIT_GROWTH, sev=Severity.WARN), checkpoints=CKPTS), dict(act_min_severity="warn"),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("watch-outcome-is-noop",
      dict(finding=finding(S.ATTN_LOGIT_GROWTH, outcome=Outcome.WATCH), checkpoints=CKPTS), {},
-     dict(kind=K.NOOP, page=False, says=["outcome watch"])),
+     dict(word=K.NOOP, page=False, says=["outcome watch"])),
     ("alert-outcome-critical-alerts-only",
      dict(finding=finding(S.ATTN_LOGIT_CEILING, outcome=Outcome.ALERT), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, target_step=None, says=["outcome alert"])),
+     dict(word=K.ALERT, to_step=None, says=["outcome alert"])),
     ("alert-outcome-with-failed-action-does-not-pause",
      dict(finding=finding(outcome=Outcome.ALERT), checkpoints=CKPTS, failed_action_pending=True), {},
-     dict(kind=K.ALERT, rung=0, says=["earlier action failed"])),
+     dict(word=K.ALERT, rung=0, says=["earlier action failed"])),
     ("loss-degradation-alerts-by-default",
      dict(finding=finding(S.LOSS_DEGRADATION), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, target_step=None, says=["behind its own trend"])),
+     dict(word=K.ALERT, to_step=None, says=["behind its own trend"])),
     ("loss-degradation-acts-when-configured",
      dict(finding=finding(S.LOSS_DEGRADATION), checkpoints=CKPTS),
      dict(rollback_signals=["loss_degradation", "loss_spike"]),
-     dict(kind=K.ROLLBACK, rung=1)),
+     dict(word=K.ROLLBACK, rung=1)),
     ("alert-outcome-stall-pages",
      dict(finding=finding(S.STALL, outcome=Outcome.ALERT), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, page=True)),
+     dict(word=K.ALERT, page=True)),
     ("paused-run-is-noop",
      dict(finding=finding(S.NON_FINITE, sev=Severity.CRITICAL), checkpoints=CKPTS, paused=True), {},
-     dict(kind=K.NOOP, says=["paused"])),
+     dict(word=K.NOOP, says=["paused"])),
     ("action-in-flight-is-noop",
      dict(finding=finding(), checkpoints=CKPTS, action_in_flight=True), {},
-     dict(kind=K.NOOP, says=["in flight"])),
+     dict(word=K.NOOP, says=["in flight"])),
     ("outlier-rank-alert-names-rank-and-node",
      dict(finding=finding(S.OUTLIER_RANK, rank=5, node="gpu-node-07"), checkpoints=CKPTS), {},
-     dict(kind=K.ALERT, target_step=None, exclude_rank=None, says=["rank 5 on node gpu-node-07"])),
+     dict(word=K.ALERT, to_step=None, exclude_rank=None, says=["rank 5 on node gpu-node-07"])),
     ("outlier-rank-alerts-off",
      dict(finding=finding(S.OUTLIER_RANK, rank=5), checkpoints=CKPTS), dict(outlier_rank_alerts=False),
-     dict(kind=K.NOOP)),
+     dict(word=K.NOOP)),
     ("outlier-rank-restart-without-it",
      dict(finding=finding(S.OUTLIER_RANK, rank=5, host="gpu-node-07"), checkpoints=CKPTS),
      dict(restart_without_outlier=True),
-     dict(kind=K.ROLLBACK, target_step=950, skip_steps=None, exclude_rank=5, exclude_node="gpu-node-07",
+     dict(word=K.ROLLBACK, to_step=950, skip_steps=None, exclude_rank=5, exclude_node="gpu-node-07",
           says=["without rank 5"])),
     ("outlier-rank-restart-needs-a-rank",
      dict(finding=finding(S.OUTLIER_RANK), checkpoints=CKPTS), dict(restart_without_outlier=True),
-     dict(kind=K.ALERT, exclude_rank=None, says=["names no rank"])),
+     dict(word=K.ALERT, exclude_rank=None, says=["names no rank"])),
 ]
 
 
@@ -308,7 +344,7 @@ def test_decision_table(inp_kw, cfg_kw, expected):
     decision = make_decision(PolicyInput(now=NOW, **inp_kw), PolicyConfig(**cfg_kw))
     expected = dict(expected)
     says = expected.pop("says", [])
-    got = {k: getattr(decision, k) for k in expected}
+    got = {k: VIEW[k](decision) if k in VIEW else getattr(decision, k) for k in expected}
     assert got == expected, decision.reasons
     text = "\n".join(decision.reasons)
     for phrase in says:
@@ -328,9 +364,9 @@ def test_never_targets_an_unhealthy_checkpoint_or_one_past_the_onset():
         cfg = PolicyConfig(rollback_margin_steps=rng.choice([0, 20, 100]))
         d = make_decision(inp, cfg)
         assert d == make_decision(inp, cfg)  # pure
-        assert d.kind in (K.ROLLBACK, K.PAUSE)
-        if d.kind is K.ROLLBACK:
-            chosen = next(c for c in ckpts if c.step == d.target_step)
+        assert d.word in (K.ROLLBACK, K.PAUSE)
+        if d.word == K.ROLLBACK:
+            chosen = next(c for c in ckpts if c.step == to_step(d))
             assert chosen.healthy
             limit = onset - cfg.rollback_margin_steps
             if chosen.step <= limit:  # the newest healthy one that old
@@ -339,7 +375,7 @@ def test_never_targets_an_unhealthy_checkpoint_or_one_past_the_onset():
                 assert not any(c.healthy and c.step <= limit for c in ckpts)
                 assert chosen.step < onset and not any(c.healthy and c.step < chosen.step for c in ckpts)
             if d.skip_steps:
-                assert d.target_step < d.skip_steps[0] <= d.skip_steps[1] == inp.finding.detect_step
+                assert to_step(d) < d.skip_steps[0] <= d.skip_steps[1] == inp.finding.detect_step
         else:  # a pause: no healthy checkpoint before the onset at all
             assert not any(c.healthy and c.step < onset for c in ckpts)
 
@@ -347,7 +383,7 @@ def test_never_targets_an_unhealthy_checkpoint_or_one_past_the_onset():
 def test_decision_to_json_is_plain():
     d = make_decision(PolicyInput(finding=finding(), now=NOW, checkpoints=CKPTS))
     j = d.to_json()
-    assert j["kind"] == "rollback" and j["skip_steps"] == [890, 1000] and j["target_step"] == 850
+    assert j["kind"] == "rollback" and j["skip_steps"] == [890, 1000] and j["to_step"] == 850
     assert isinstance(d, Decision) and d.acts
 
 
@@ -392,7 +428,7 @@ _findings = st.builds(
     outcome=st.sampled_from([Outcome.WATCH, Outcome.ALERT]),
 )
 _history = st.lists(st.builds(
-    Intervention, kind=st.sampled_from(list(DecisionKind)), signal=st.none() | st.sampled_from(list(Signal)),
+    Intervention, kind=st.sampled_from(list(CommandKind)), signal=st.none() | st.sampled_from(list(Signal)),
     module=st.just(""), step=st.integers(0, 3000), time=st.floats(NOW - 2 * 86_400, NOW), ok=st.booleans(),
     automatic=st.booleans(), target_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans(),
     first_step=st.none() | st.integers(0, 3000), attempt=st.none() | st.integers(0, 3)), max_size=6)
@@ -414,9 +450,9 @@ def test_watch_and_alert_findings_never_change_the_run(inp, cfg):
     """Whatever the signal, severity, run state and settings: a watch or alert finding never
     rolls back, lowers the LR or pauses (issue 8)."""
     d = make_decision(inp, cfg)
-    assert d.kind in (K.NOOP, K.ALERT), d.reasons
-    assert not d.acts and d.target_step is None and d.lr_multiplier is None and d.rung == 0
-    assert d.kind is (K.NOOP if inp.finding.outcome is Outcome.WATCH else K.ALERT)
+    assert d.word in (K.NOOP, K.ALERT), d.reasons
+    assert not d.acts and to_step(d) is None and lr_multiplier(d) is None and d.rung == 0
+    assert d.word == (K.NOOP if inp.finding.outcome is Outcome.WATCH else K.ALERT)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -433,9 +469,9 @@ def test_an_act_on_the_lr_forecast_alone_never_rolls_back(inp, cfg, signal):
     inp = dataclasses.replace(inp, finding=f, history=[], paused=False, action_in_flight=False,
                               failed_action_pending=False)
     d = make_decision(inp, cfg)
-    assert d.kind is not K.ROLLBACK, d.reasons
-    if d.kind is K.LOWER_LR:
-        assert d.lr_multiplier < inp.current_lr_multiplier and d.target_step is None and d.rung == 2
+    assert d.word != K.ROLLBACK, d.reasons
+    if d.word == K.SET_LR:
+        assert lr_multiplier(d) < inp.current_lr_multiplier and to_step(d) is None and d.rung == 2
 
 
 # --- the ladder at any speed (issue 22) ----------------------------------------------------------
@@ -462,13 +498,13 @@ class Run:
         self.now += gap_s
         d = make_decision(self.inp(f), self.cfg)
         if d.acts:
-            first = d.target_step + 1 if d.kind is K.ROLLBACK else f.detect_step + 1
+            first = to_step(d) + 1 if d.word == K.ROLLBACK else f.detect_step + 1
             self.history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                              time=self.now, ok=True, first_step=first, attempt=self.attempt,
-                                             target_step=d.target_step, lowered_lr=d.lr_multiplier is not None,
+                                             target_step=to_step(d), lowered_lr=lr_multiplier(d) is not None,
                                              skipped=d.skip_steps is not None, seq=len(self.history)))
-            self.lr = d.lr_multiplier or self.lr
-            if d.kind is K.ROLLBACK:
+            self.lr = lr_multiplier(d) or self.lr
+            if d.word == K.ROLLBACK:
                 self.attempt += 1
         return d
 
@@ -487,12 +523,12 @@ def test_issue_22_recurrence_after_a_rollback_climbs_instead_of_being_silenced()
     second later: rung 2 (roll back again, lower the LR), then a pause at the LR floor."""
     run = Run(PolicyConfig(rollback_margin_steps=20, min_lr_multiplier=0.5))
     d1 = run.decide(attn(onset=125, detect=130))
-    assert (d1.kind, d1.rung, d1.target_step) == (K.ROLLBACK, 1, 100), d1.reasons
+    assert (d1.word, d1.rung, to_step(d1)) == (K.ROLLBACK, 1, 100), d1.reasons
     d2 = run.decide(attn(onset=150, detect=160))
-    assert (d2.kind, d2.rung, d2.lr_multiplier) == (K.ROLLBACK, 2, 0.5), d2.reasons
-    assert d2.target_step <= 100  # no later than rung 1 went: the checkpoints since had the same LR
-    d3 = run.decide(attn(onset=d2.target_step + 55, detect=d2.target_step + 60))
-    assert (d3.kind, d3.rung, d3.page) == (K.PAUSE, 3, True), d3.reasons
+    assert (d2.word, d2.rung, lr_multiplier(d2)) == (K.ROLLBACK, 2, 0.5), d2.reasons
+    assert to_step(d2) <= 100  # no later than rung 1 went: the checkpoints since had the same LR
+    d3 = run.decide(attn(onset=to_step(d2) + 55, detect=to_step(d2) + 60))
+    assert (d3.word, d3.rung, d3.page) == (K.PAUSE, 3, True), d3.reasons
     assert "min_lr_multiplier" in "\n".join(d3.reasons)
 
 
@@ -508,20 +544,20 @@ def test_issue_35_the_rest_of_a_bad_stretch_is_skipped_at_once_not_trained_in_th
     detection, until the caps stop the loop."""
     run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50, max_interventions=4))
     d1 = run.decide(loss(onset=171, detect=172))
-    assert (d1.kind, d1.rung, d1.target_step, d1.skip_steps) == (K.ROLLBACK, 1, 70, (71, 172)), d1.reasons
+    assert (d1.word, d1.rung, to_step(d1), d1.skip_steps) == (K.ROLLBACK, 1, 70, (71, 172)), d1.reasons
     d2 = run.decide(loss(onset=73, detect=74))  # 3 steps into the re-trained path: the stretch goes on
-    assert (d2.kind, d2.rung, d2.target_step, d2.skip_steps, d2.lr_multiplier) == (K.ROLLBACK, 1, 70, (71, 74), None)
+    assert (d2.word, d2.rung, to_step(d2), d2.skip_steps, lr_multiplier(d2)) == (K.ROLLBACK, 1, 70, (71, 74), None)
     assert "the bad stretch goes on past the samples it skipped" in "\n".join(d2.reasons)
     # the first skips skip_ahead_steps past its detection (16 by default); a return skips past the new
     # detection too, doubling with each: 2x, then 4x the onset-to-detection steps
     assert d1.skip_ahead_steps == 16 and d2.skip_ahead_steps == 2 * 2
     assert "16 steps' worth past them" in "\n".join(d1.reasons)
     d3 = run.decide(loss(onset=72, detect=73))
-    assert (d3.kind, d3.target_step, d3.skip_ahead_steps) == (K.ROLLBACK, 70, 2 * 4), d3.reasons
+    assert (d3.word, to_step(d3), d3.skip_ahead_steps) == (K.ROLLBACK, 70, 2 * 4), d3.reasons
     d4 = run.decide(loss(onset=72, detect=73))
-    assert d4.kind is K.ROLLBACK
+    assert d4.word == K.ROLLBACK
     d5 = run.decide(loss(onset=72, detect=73))  # the fifth in the window: the caps hold
-    assert (d5.kind, d5.rung) == (K.PAUSE, 3) and "max_interventions=4" in "\n".join(d5.reasons)
+    assert (d5.word, d5.rung) == (K.PAUSE, 3) and "max_interventions=4" in "\n".join(d5.reasons)
 
 
 @pytest.mark.parametrize("first, again, skipped", [
@@ -531,11 +567,11 @@ def test_issue_35_the_rest_of_a_bad_stretch_is_skipped_at_once_not_trained_in_th
 def test_issue_35_only_a_spike_after_a_data_rollback_skips_the_cooldown(first, again, skipped):
     run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
     d1 = run.decide(first)
-    assert d1.kind is K.ROLLBACK
+    assert d1.word == K.ROLLBACK
     if not skipped:
         run.history[-1] = dataclasses.replace(run.history[-1], skipped=False)
     d2 = run.decide(again)
-    assert d2.kind in (K.NOOP, K.ALERT) and "cooldown" in "\n".join(d2.reasons), d2.reasons
+    assert d2.word in (K.NOOP, K.ALERT) and "cooldown" in "\n".join(d2.reasons), d2.reasons
 
 
 def test_issue_35_a_spike_back_at_the_same_step_on_other_samples_is_the_lr_not_the_data():
@@ -545,26 +581,26 @@ def test_issue_35_a_spike_back_at_the_same_step_on_other_samples_is_the_lr_not_t
     poisoned stretch comes back right after the skip (the test above)."""
     run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
     d1 = run.decide(loss(onset=152, detect=153))
-    assert (d1.kind, d1.target_step) == (K.ROLLBACK, 50) and d1.skip_steps[1] == 153
+    assert (d1.word, to_step(d1)) == (K.ROLLBACK, 50) and d1.skip_steps[1] == 153
     d2 = run.decide(loss(onset=152, detect=153))
     assert "the bad stretch goes on" not in "\n".join(d2.reasons), d2.reasons
-    assert d2.kind is not K.ROLLBACK or d2.lr_multiplier is not None, d2.reasons
+    assert d2.word != K.ROLLBACK or lr_multiplier(d2) is not None, d2.reasons
 
 
 def test_issue_35_a_late_finding_of_the_abandoned_attempt_still_never_acts():
     run = Run(PolicyConfig(rollback_margin_steps=100, cooldown_steps=50))
     run.decide(loss(onset=171, detect=172))
     d = make_decision(run.inp(loss(onset=173, detect=175), attempt=0), run.cfg)  # the old attempt, arriving late
-    assert d.kind is K.NOOP and "left behind" in "\n".join(d.reasons)
+    assert d.word == K.NOOP and "left behind" in "\n".join(d.reasons)
 
 
 def test_issue_22_a_wall_clock_cooldown_still_holds_when_set():
     run = Run(PolicyConfig(rollback_margin_steps=20, cooldown_s=600))
-    assert run.decide(attn(onset=125, detect=130)).kind is K.ROLLBACK
+    assert run.decide(attn(onset=125, detect=130)).word == K.ROLLBACK
     d = run.decide(attn(onset=150, detect=160))
-    assert (d.kind, d.page) == (K.ALERT, True) and "cooldown_s=600" in "\n".join(d.reasons)
+    assert (d.word, d.page) == (K.ALERT, True) and "cooldown_s=600" in "\n".join(d.reasons)
     d = run.decide(attn(onset=170, detect=180), gap_s=601)
-    assert (d.kind, d.rung) == (K.ROLLBACK, 2), d.reasons
+    assert (d.word, d.rung) == (K.ROLLBACK, 2), d.reasons
 
 
 @settings(max_examples=50, deadline=None)
@@ -586,19 +622,19 @@ def test_recurrences_climb_the_ladder_to_a_pause_however_fast_the_loop(margin, c
     for i in range(8):
         d = run.decide(attn(onset=detect - lag, detect=detect), gaps[i])
         rungs.append(d.rung)
-        assert d.kind in (K.ROLLBACK, K.PAUSE), d.reasons
-        if d.kind is K.PAUSE:
+        assert d.word in (K.ROLLBACK, K.PAUSE), d.reasons
+        if d.word == K.PAUSE:
             assert d.rung == 3 and d.page
             why = "\n".join(d.reasons)
             assert "min_lr_multiplier" in why or "max_interventions" in why, why
             break
-        assert d.rung == (1 if i == 0 else 2) and (d.lr_multiplier is None) == (i == 0)
+        assert d.rung == (1 if i == 0 else 2) and (lr_multiplier(d) is None) == (i == 0)
         # The abandoned attempt's findings arrive late: nothing happens.
         late = make_decision(run.inp(attn(onset=detect, detect=detect + 5), attempt=run.attempt - 1), cfg)
-        assert late.kind is K.NOOP and "left behind" in late.reasons[1]
+        assert late.word == K.NOOP and "left behind" in late.reasons[1]
         if cooldown_steps:  # the re-trained attempt, still inside the cooldown: the same incident
             soon = make_decision(run.inp(attn(onset=run.start, detect=run.start + cooldown_steps - 1)), cfg)
-            assert soon.kind is K.NOOP and "same incident" in soon.reasons[1], soon.reasons
+            assert soon.word == K.NOOP and "same incident" in soon.reasons[1], soon.reasons
         detect = run.start + cooldown_steps + extra[i]
     else:
         raise AssertionError(f"no pause after 8 recurrences: rungs {rungs}")
@@ -616,7 +652,7 @@ def test_a_late_finding_of_an_abandoned_attempt_never_acts(inp, cfg, signal, ste
     a finding judged on attempt `left` or older changes nothing."""
     f = Finding(signal=signal, module="blocks.1.attn", severity=Severity.CRITICAL, onset_step=step,
                 detect_step=step, outcome=Outcome.ACT)
-    rb = Intervention(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, module="", step=rolled_back + 10, time=NOW - 1,
+    rb = Intervention(kind=CommandKind.ROLLBACK, signal=S.LOSS_SPIKE, module="", step=rolled_back + 10, time=NOW - 1,
                       ok=True, target_step=rolled_back, first_step=rolled_back + 1, attempt=left, seq=99)
     inp = dataclasses.replace(inp, finding=f, history=[h for h in inp.history if h.time < NOW - 1] + [rb],
                               attempt=left - (step % 2 if left else 0), failed_action_pending=False, paused=False)
@@ -624,7 +660,7 @@ def test_a_late_finding_of_an_abandoned_attempt_never_acts(inp, cfg, signal, ste
     d = make_decision(inp, cfg)
     assert not d.acts, d.reasons
     if not inp.action_in_flight:
-        assert d.kind is K.NOOP and "left behind" in d.reasons[1], d.reasons
+        assert d.word == K.NOOP and "left behind" in d.reasons[1], d.reasons
 
 
 # Issue 35, item 3: the default margin adapts to the checkpoints that exist. With none at or
@@ -634,31 +670,31 @@ EVERY_10 = [ck(s) for s in range(10, 80, 10)]
 MARGIN_CASES = [
     ("a-run-younger-than-the-margin",  # the issue's "no healthy checkpoint at or before step -29"
      dict(finding=finding(onset=71, detect=72), checkpoints=EVERY_10), {},
-     dict(kind=K.ROLLBACK, rung=1, target_step=10, skip_steps=(11, 72), page=False,
+     dict(word=K.ROLLBACK, rung=1, to_step=10, skip_steps=(11, 72), page=False,
           says=["no healthy checkpoint at or before step -29", "inside the margin to step 10",
                 "61 steps before it", "from the checkpoint"])),
     ("the-oldest-healthy-one-unhealthy-ones-passed-over",
      dict(finding=finding(onset=71, detect=72), checkpoints=[ck(10, False), ck(20, False), *EVERY_10[2:]]), {},
-     dict(kind=K.ROLLBACK, target_step=30, skip_steps=(31, 72), says=["step 30"])),
+     dict(word=K.ROLLBACK, to_step=30, skip_steps=(31, 72), says=["step 30"])),
     ("the-margin-met-is-still-preferred",
      dict(finding=finding(onset=171, detect=172), checkpoints=[ck(s) for s in range(10, 180, 10)]), {},
-     dict(kind=K.ROLLBACK, target_step=70, skip_steps=(71, 172), says=["margin 100 = step 71"])),
+     dict(word=K.ROLLBACK, to_step=70, skip_steps=(71, 172), says=["margin 100 = step 71"])),
     ("a-quarter-margin-is-not-the-rule-the-oldest-is",  # 46 would be onset - margin/4: 10 is nearer to -29
      dict(finding=finding(onset=71, detect=72), checkpoints=[ck(10), ck(40), ck(60)]), {},
-     dict(kind=K.ROLLBACK, target_step=10)),
+     dict(word=K.ROLLBACK, to_step=10)),
     ("no-checkpoint-before-the-onset-pauses",
      dict(finding=finding(onset=30, detect=32), checkpoints=[ck(50)]), {},
-     dict(kind=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 30",
+     dict(word=K.PAUSE, rung=3, page=True, says=["no healthy checkpoint before the onset at step 30",
                                                  "healthy checkpoints at [50]"])),
     ("no-checkpoint-at-all-pauses",
      dict(finding=finding(onset=30, detect=32), checkpoints=[]), {},
-     dict(kind=K.PAUSE, rung=3, says=["healthy checkpoints at none"])),
+     dict(word=K.PAUSE, rung=3, says=["healthy checkpoints at none"])),
     ("non-finite-the-same-rule",
      dict(finding=finding(S.NON_FINITE, onset=71, detect=71), checkpoints=EVERY_10), {},
-     dict(kind=K.ROLLBACK, target_step=10, skip_steps=(11, 71))),
+     dict(word=K.ROLLBACK, to_step=10, skip_steps=(11, 71))),
     ("recurrence-past-the-cap-when-none-is-left-before-it",  # rung 2: the cap is 850, gone
      dict(finding=finding(onset=1000, detect=1010), checkpoints=[ck(900), ck(950)], history=[iv(**RB)]), {},
-     dict(kind=K.ROLLBACK, rung=2, target_step=900, skip_steps=None, lr_multiplier=0.5,
+     dict(word=K.ROLLBACK, rung=2, to_step=900, skip_steps=None, lr_multiplier=0.5,
           says=["oldest healthy one before the onset", "none is left at or before step 850"])),
 ]
 
@@ -673,11 +709,11 @@ def test_only_a_data_rollback_skips_ahead_and_zero_turns_it_off():
     likely cause): an attention-logit blow-up is the optimizer's, and skipping data past it would
     only lose clean samples; 0 turns it off."""
     d = Run(PolicyConfig(rollback_margin_steps=100)).decide(finding(S.ATTN_LOGIT_CEILING, onset=171, detect=172))
-    assert d.kind is K.ROLLBACK and d.skip_steps is not None and d.skip_ahead_steps == 0, d.reasons
+    assert d.word == K.ROLLBACK and d.skip_steps is not None and d.skip_ahead_steps == 0, d.reasons
     d = Run(PolicyConfig(rollback_margin_steps=100, skip_ahead_steps=0)).decide(loss(onset=171, detect=172))
-    assert d.kind is K.ROLLBACK and d.skip_ahead_steps == 0
+    assert d.word == K.ROLLBACK and d.skip_ahead_steps == 0
     d = Run(PolicyConfig(rollback_margin_steps=100, skip_ahead_steps=5)).decide(loss(onset=171, detect=172))
-    assert d.kind is K.ROLLBACK and d.skip_ahead_steps == 5, d.reasons
+    assert d.word == K.ROLLBACK and d.skip_ahead_steps == 5, d.reasons
     with pytest.raises(PolicyConfigError, match="skip_ahead_steps"):
         PolicyConfig(skip_ahead_steps=-1)
 
@@ -696,10 +732,10 @@ def test_after_triage_cuts_the_lr_only_when_the_optimizer_is_named():
     f = finding()
     assert after_triage(f, "data", 1.0) is None and after_triage(f, "hardware", 1.0) is None
     d = after_triage(f, "optimizer", 0.5)
-    assert d.kind is DecisionKind.LOWER_LR and d.rung == 2 and d.lr_multiplier == 0.25
+    assert d.word == K.SET_LR and d.rung == 2 and lr_multiplier(d) == 0.25
     assert any("replay triage" in r for r in d.reasons)
     floor = after_triage(f, "optimizer", 0.1)  # 0.05 would be below min_lr_multiplier 0.1
-    assert floor.kind is DecisionKind.PAUSE and floor.page and floor.rung == 3
+    assert floor.word == K.PAUSE and floor.page and floor.rung == 3
     advised = after_triage(f, "optimizer", 1.0, PolicyConfig(advise_only=True))
     assert advised.requires_approval
 
@@ -712,11 +748,11 @@ def test_after_triage_pages_about_the_one_rank_a_hardware_fault_broke():
 
     f = finding()
     d = after_triage(f, "hardware", 1.0, rank=1)
-    assert d.kind is DecisionKind.ALERT and d.page and not d.acts and not d.requires_approval
+    assert d.word == K.ALERT and d.page and not d.acts and not d.requires_approval
     assert any("suspect rank 1's device" in r for r in d.reasons) and any("exclude_rank=1" in r for r in d.reasons)
     assert Alert.from_decision("r", f, d).severity is Severity.CRITICAL
     assert after_triage(f, "data", 1.0, rank=1) is None  # the data explains it: the rank only held the sample
-    assert after_triage(f, "optimizer", 0.5, rank=1).kind is DecisionKind.LOWER_LR
+    assert after_triage(f, "optimizer", 0.5, rank=1).word == K.SET_LR
 
 
 def test_after_triage_restarts_without_the_broken_ranks_node_when_the_team_allows_it():
@@ -728,12 +764,12 @@ def test_after_triage_restarts_without_the_broken_ranks_node_when_the_team_allow
     f = finding()
     on = PolicyConfig(restart_without_outlier=True)
     d = after_triage(f, "hardware", 1.0, on, rank=1, checkpoint=(40, "/ckpt/step_40"))
-    assert d.kind is DecisionKind.ROLLBACK and d.acts and d.page and d.exclude_rank == 1
-    assert (d.target_step, d.target_path, d.skip_steps, d.lr_multiplier) == (40, "/ckpt/step_40", None, None)
+    assert d.word == K.ROLLBACK and d.acts and d.page and exclude_rank(d) == 1
+    assert (to_step(d), checkpoint(d), d.skip_steps, lr_multiplier(d)) == (40, "/ckpt/step_40", None, None)
     assert any("without rank 1's node; no data skipped" in r for r in d.reasons)
     assert after_triage(f, "hardware", 1.0, on, rank=None, checkpoint=(40, "p")) is None
-    assert after_triage(f, "hardware", 1.0, on, rank=1).kind is DecisionKind.ALERT  # no checkpoint known
-    assert after_triage(f, "hardware", 1.0, rank=1, checkpoint=(40, "p")).kind is DecisionKind.ALERT  # off
+    assert after_triage(f, "hardware", 1.0, on, rank=1).word == K.ALERT  # no checkpoint known
+    assert after_triage(f, "hardware", 1.0, rank=1, checkpoint=(40, "p")).word == K.ALERT  # off
     advised = after_triage(f, "hardware", 1.0, PolicyConfig(restart_without_outlier=True, advise_only=True),
                            rank=1, checkpoint=(40, "p"))
-    assert advised.kind is DecisionKind.ROLLBACK and advised.requires_approval
+    assert advised.word == K.ROLLBACK and advised.requires_approval

@@ -26,7 +26,7 @@ def _rolled_back(s, signal: str = "loss_spike", manual: bool = False) -> int:
     for state in ("sent", "acked"):
         actions_store.set_action_state(s, aid, state)
     actions_store.set_action_state(s, aid, "done", ack_step=51, result={
-        "command_id": aid, "ok": True, "step": 51, "checkpoint_step": 50, "skipped": [[800, 2400]]})
+        "command_id": aid, "ok": True, "first_step": 51, "checkpoint_step": 50, "skip_ranges": [[800, 2400]]})
     if inc is not None:
         incidents_store.resolve_incident(s, inc, "rollback done")
     runs_store.open_attempt(s, RunInfo(RUN, 1, 1, start_step=50))
@@ -81,7 +81,7 @@ def test_a_stretch_that_went_on_is_judged_with_the_skip_that_went_on(db):
         for state in ("sent", "acked"):
             actions_store.set_action_state(s, aid, state)
         actions_store.set_action_state(s, aid, "done", ack_step=51, result={
-            "command_id": aid, "ok": True, "step": 51, "checkpoint_step": 50, "skipped": [[2400, 2448]]})
+            "command_id": aid, "ok": True, "first_step": 51, "checkpoint_step": 50, "skip_ranges": [[2400, 2448]]})
         incidents_store.resolve_incident(s, inc, "rollback done")
         runs_store.open_attempt(s, RunInfo(RUN, 2, 1, start_step=50))
         steps_store.record_steps(s, RUN, 2, [StepRecord(step=k, values={"loss": 3.0}) for k in range(51, 200)])
@@ -98,6 +98,6 @@ def test_no_rollback_with_a_skip_no_verdict(db):
         aid = actions_store.enqueue_action(s, RUN, "rollback", {"to_step": 50}, "x", "manual", "ana")
         for state in ("sent", "acked"):
             actions_store.set_action_state(s, aid, state)
-        actions_store.set_action_state(s, aid, "done", ack_step=51, result={"command_id": aid, "ok": True, "step": 51,
-                                                                            "skipped": []})
+        actions_store.set_action_state(s, aid, "done", ack_step=51, result={"command_id": aid, "ok": True, "first_step": 51,
+                                                                            "skip_ranges": []})
         assert quarantine_store.verdicts(s, RUN) == []

@@ -142,7 +142,7 @@ def test_team_b_cannot_poison_team_a(sup):
             ("post", "/api/runs/llm-a/attempts/0/checkpoints/deleted", {"steps": [0], "reason": "x"}),
             ("post", "/api/runs/llm-a/attempts/0/finished", {"step": 1, "final_loss": 9.0, "reason": "closed"}),
             ("get", "/api/runs/llm-a/commands", None),
-            ("post", "/api/runs/llm-a/acks", {"command_id": 1, "ok": True, "step": 1}),
+            ("post", "/api/runs/llm-a/acks", {"command_id": 1, "ok": True, "first_step": 1}),
             ("post", "/api/runs", {"run_id": "llm-a", "attempt": 1, "world_size": 1}),
         ]
         for method, url, body in hostile:

@@ -12,7 +12,7 @@ import pytest
 from thermowatch.monitors.contract import Finding, RunInfo, Severity, Signal
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.app.service import Supervisor
-from thermowatch.supervisor.decide.policy import Decision, DecisionKind
+from thermowatch.supervisor.decide.policy import Decision
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.notify.runbook import WHAT_TO_DO
 from thermowatch.supervisor.store import alerts as alerts_store
@@ -48,7 +48,7 @@ def test_an_alert_carries_what_to_do_and_links_the_row(db, tmp_path):
         f = Finding(Signal.LOSS_SPIKE, "", Severity.CRITICAL, 10, 12, metric="loss")
         with sup.sessions.begin() as s:
             inc = incidents_store.open_incident(s, "r", f.signal.value, "", 10, 12, "critical")
-            sup.executor.carry_out(s, "r", inc, f, Decision(DecisionKind.ALERT, ["loss_spike on loss"]))
+            sup.executor.carry_out(s, "r", inc, f, Decision(None, ["loss_spike on loss"]))
         with sup.sessions() as s:
             (row, *_) = [a for a in alerts_store.alerts(s, "r") if a.payload and not a.payload.get("chart")]
         fields = row.payload["fields"]

@@ -123,8 +123,8 @@ class Harness:
         return cmds
 
     def ack(self, run_id, ack):
-        if ack.ok and ack.skipped:
-            self.skips.extend((ack.step, self.ctl.attempt, (r.lo, r.hi)) for r in ack.skipped)
+        if ack.ok and ack.skip_ranges:
+            self.skips.extend((ack.first_step, self.ctl.attempt, (r.lo, r.hi)) for r in ack.skip_ranges)
         if self.drop:
             self.drop = False
             return  # lost on the way; the ack watchdog re-sends the command, the trainer re-acks

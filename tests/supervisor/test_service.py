@@ -135,7 +135,7 @@ def test_poll_ack_books_the_skip_and_resolves_the_incident(sup, tmp_path):
     assert row.state == "sent" and row.attempts == 1
 
     to_step = act.args["to_step"]
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1, detail="rolled back"))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=to_step + 1, detail="rolled back"))
     with sup.sessions() as s:
         row = actions_store.get_action(s, act.id)
         assert row.state == "done" and row.ack_step == to_step + 1
@@ -150,7 +150,7 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
     sup.poll(RUN)
     to_step = act.args["to_step"]
     skip = act.args["skip_ranges"][0]
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=to_step + 1))
 
     # Attempt 1 re-trains from the checkpoint at the same LR: the same divergence comes back,
     # on the samples the loader serves once the skipped range is passed over.
@@ -172,7 +172,7 @@ def test_recurrence_after_the_rollback_is_rung_2_with_a_lower_lr(sup, tmp_path):
 
     assert [c.id for c in sup.poll(RUN)] == [act2.id]
     ack_step = act2.args["to_step"] + 1
-    sup.ack(RUN, Ack(command_id=act2.id, ok=True, step=ack_step))
+    sup.ack(RUN, Ack(command_id=act2.id, ok=True, first_step=ack_step))
     with sup.sessions() as s:
         changes = lr_store.lr_changes(s, RUN)
         assert [(c.multiplier, c.start_step, c.action_id) for c in changes] == [
@@ -194,7 +194,7 @@ def test_two_divergences_seconds_apart_climb_the_ladder_with_the_default_cooldow
         recs, _last, _inc, act = diverge(sup, tmp_path)
         sup.poll(RUN)
         to_step = act.args["to_step"]
-        sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+        sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=to_step + 1))
         sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
         again = after_skip(recs, to_step + 1, cursor=recs[to_step - 1].sample_hi,
                            skip=tuple(act.args["skip_ranges"][0]))
@@ -216,7 +216,7 @@ def test_late_findings_of_the_abandoned_attempt_do_not_act_before_its_successor_
     blowup again. The policy knows that attempt was left behind and does nothing."""
     recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=act.args["to_step"] + 1))
     late = [r for r in recs if r.step > act.args["to_step"]]
     sup.write(RUN, 0, late)
     assert open_actions(sup) == []
@@ -230,7 +230,7 @@ def test_late_findings_of_the_abandoned_attempt_do_not_act_before_its_successor_
 def test_late_records_of_an_older_attempt_are_stored_not_judged(sup, tmp_path):
     recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=act.args["to_step"] + 1))
     sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
     # The rest of attempt 0 (its logits keep blowing up, other layers included) arrives late.
     late = [r for r in recs if r.step > last]
@@ -249,7 +249,7 @@ def test_a_fresh_supervisor_knows_the_newest_attempt_before_judging(db, tmp_path
     sup = make_sup(db, tmp_path)
     recs, last, _inc, act = diverge(sup, tmp_path)
     sup.poll(RUN)
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=act.args["to_step"] + 1))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=act.args["to_step"] + 1))
     sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=act.args["to_step"]))
     sup.close()
     sup2 = make_sup(db, tmp_path)
@@ -330,7 +330,7 @@ def test_checkpoints_of_the_abandoned_trajectory_are_not_targets_after_a_rollbac
     _recs, _last, _inc, act = diverge(sup, tmp_path)
     to_step = act.args["to_step"]
     sup.poll(RUN)
-    sup.ack(RUN, Ack(command_id=act.id, ok=True, step=to_step + 1))
+    sup.ack(RUN, Ack(command_id=act.id, ok=True, first_step=to_step + 1))
     sup.open_run(RunInfo(run_id=RUN, attempt=1, world_size=1, start_step=to_step))
     with sup.sessions() as s:
         stale = [(c.attempt, c.step) for c in ckpt_store.checkpoints(s, RUN)
@@ -517,7 +517,7 @@ def test_a_run_waiting_for_approval_is_paused_before_it_trains_far_into_the_dive
             return
         (pause,) = cmds
         assert isinstance(pause.body, Pause) and f"action {act.id} (rollback) has waited for approval" in pause.body.reason
-        sup.ack(RUN, Ack(command_id=pause.id, ok=True, step=inc.detect_step + 26))
+        sup.ack(RUN, Ack(command_id=pause.id, ok=True, first_step=inc.detect_step + 26))
         assert sup.poll(RUN) == []  # once per proposal
         with sup.sessions() as s:
             assert actions_store.get_action(s, act.id).state == "pending"  # the proposal still waits

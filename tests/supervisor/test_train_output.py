@@ -52,7 +52,7 @@ def test_one_line_per_acknowledged_command_then_the_real_ack():
     out = io.StringIO()
     ch = announced_commands(inner, out=out)
     assert [c.id for c in ch.poll("r1")] == [7]
-    ack = Ack(7, True, 21, detail="", checkpoint_step=20, lr_multiplier=1.0, skipped=(SampleRange(100, 200),))
+    ack = Ack(7, True, 21, detail="", checkpoint_step=20, lr_multiplier=1.0, skip_ranges=(SampleRange(100, 200),))
     ch.ack("r1", ack)
     ch.ack("r1", Ack(8, False, 30, detail="no checkpoint at or before step 3"))
     assert out.getvalue().splitlines() == [

@@ -91,7 +91,7 @@ def test_rollback_replays_bit_exact_and_skips_never_reach_the_model(ray_session,
     # Rollback 2 asks for step 12; the newest valid checkpoint <= 12 is step 8 (checkpoint
     # every 8 steps). It skips the samples of steps 10-11 (ids 72..88).
     ack2 = q.ack_for(seen["rb2"])
-    assert ack2.ok and ack2.step == 9, ack2
+    assert ack2.ok and ack2.first_step == 9, ack2
     lo, hi = seen["skip"]
     assert (lo, hi) == (72, 88)
     ids2 = seen["ids2"]
@@ -172,7 +172,7 @@ def test_corrupt_checkpoint_is_passed_over(ray_session, tmp_path):
 
     result, sink, q = _run(cfg, on_step)
     ack = q.ack_for(cmd["rb"])
-    assert ack.ok and ack.step == 9 and ack.checkpoint_step == 8, ack
+    assert ack.ok and ack.first_step == 9 and ack.checkpoint_step == 8, ack
     assert "rolled back to checkpoint 8; asked <= 12; 12 is not intact" in ack.detail, ack.detail
     assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
     assert result.final_step == 14 and result.attempts == [0, 1]
@@ -204,7 +204,7 @@ def test_a_planted_checkpoint_file_is_refused_and_the_rollback_falls_back(ray_se
         result, sink, q = _run(cfg, on_step)
     assert not marker.exists(), "loading the planted checkpoint ran its command"
     ack = q.ack_for(cmd["rb"])
-    assert ack.ok and ack.checkpoint_step == 8 and ack.step == 9, ack
+    assert ack.ok and ack.checkpoint_step == 8 and ack.first_step == 9, ack
     assert "passed over 12 (failed to load: " in ack.detail, ack.detail  # the ack says which and why
     assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
     assert result.final_step == 14
@@ -254,7 +254,7 @@ def test_set_lr_skip_pause_profile_and_curriculum_take_effect_at_the_acked_step(
     assert [r.step for r in sink.attempt("cmd", 0)] == list(range(1, 15)) and sink.failures > 3  # none lost
     sched = cfg.lr_schedule()
     lr_ack = q.ack_for(cmds["lr"])
-    assert lr_ack.ok and lr_ack.step == 4
+    assert lr_ack.ok and lr_ack.first_step == 4
     for k, r in recs.items():
         want = sched.at(k) * (0.5 if 4 <= k < 8 else 1.0)
         assert r.values["lr"] == pytest.approx(want, rel=1e-6), k

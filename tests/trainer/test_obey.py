@@ -113,4 +113,4 @@ def test_a_rollback_outcome_names_the_checkpoint_really_loaded(ctl):
     assert out.checkpoint.step == 10
     assert "rolled back to checkpoint 10; asked <= 20; 20 could not be loaded" in out.detail
     assert "attempt 0 -> 1, skipping [0, 8)" in out.detail
-    assert out.skipped == (SampleRange(0, 8),)
+    assert out.skip_ranges == (SampleRange(0, 8),)

@@ -172,18 +172,24 @@ class AckBody(BaseModel):
 
     command_id: int = Field(ge=0, le=INT32_MAX)
     ok: bool
-    step: int = Field(ge=0, le=INT64_MAX, description="the first step trained after the command took effect")
+    first_step: int = Field(ge=0, le=INT64_MAX, description="the first step trained after the command took effect "
+                                                           "(after a rollback to checkpoint T, T + 1)")
     detail: str = ""
     checkpoint_step: int | None = Field(None, ge=0, le=INT64_MAX)
     checkpoint_path: str | None = None
     lr_multiplier: float | None = Field(None, ge=0, le=MAX_LR_MULTIPLIER)
     lr_change: LRChangeBody | None = None
     lr_seq: int | None = Field(None, ge=0, le=INT32_MAX)
-    skipped: list[Annotated[tuple[_Sample, _Sample], Field(description="[lo, hi)")]] = Field(
+    skip_ranges: list[Annotated[tuple[_Sample, _Sample], Field(description="[lo, hi)")]] = Field(
         default_factory=list, description="[lo, hi) sample ranges added to the ledger; an empty one (lo >= hi) is "
                                           "nothing and is dropped")
     ledger_digest: str = ""
     bisected: BisectedBody | None = Field(None, description="a precise skip's search, when one ran")
+    # The old names (issue 38: one name per concept), read until the next release; never with the new one.
+    step: int | None = Field(None, ge=0, le=INT64_MAX, deprecated=True,
+                             description="deprecated: the old name of first_step, read until the next release")
+    skipped: list[Annotated[tuple[_Sample, _Sample], Field(description="[lo, hi)")]] | None = Field(
+        None, deprecated=True, description="deprecated: the old name of skip_ranges, read until the next release")
 
 
 # --- manual actions: args per kind (validated by monitors.commands' from_args) -------------------
