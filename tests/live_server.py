@@ -4,8 +4,10 @@ need the daemon over real HTTP (the CLI, the trainer's channels, a browser)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,26 @@ def running(app, timeout_s: float = 20.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+@contextlib.contextmanager
+def served(db_url: str, data_dir: Path, admin_token: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`thermowatch serve` as its own process on a free port with `admin_token` as the API's
+    admin token, its log in data_dir/../serve.log; yields (base URL, process) once it answers
+    /healthz, and stops it on exit."""
+    port = free_port()
+    log = Path(data_dir).parent / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "thermowatch", "serve", "--data-dir", str(data_dir),
+                             "--db", db_url, "--port", str(port)],
+                            env={**os.environ, "THERMOWATCH_API_TOKEN": admin_token},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: str | Path | None = None,

@@ -362,7 +362,7 @@ class Responder:
                 target_step=a.args.get("to_step") if a.kind is CommandKind.ROLLBACK else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
                 # what it skipped: a precise skip's ack says (none, when replay triage cleared the data)
-                skipped=a.kind is CommandKind.ROLLBACK and bool(
+                skipped_samples=a.kind is CommandKind.ROLLBACK and bool(
                     a.result["skip_ranges"] if done and a.result and a.result.get("bisected") else a.args.get("skip_ranges")),
                 # Cooldowns count from the first step trained after it (not from the detection
                 # step, nor in seconds: issue 22); the attempt tells late findings apart.

@@ -272,7 +272,7 @@ class Intervention:
     # saved since were trained at the very LR that diverged again.
     target_step: int | None = None
     lowered_lr: bool = False
-    skipped: bool = False  # ROLLBACK: it skipped samples (a data rollback)
+    skipped_samples: bool = False  # ROLLBACK: it skipped samples (a data rollback)
     # The first step trained after it took effect (the ack's step; after a rollback to T, T + 1);
     # None until it is acknowledged. Cooldowns count from here.
     first_step: int | None = None
@@ -544,7 +544,7 @@ def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
     same stretch are the cause, so waiting only trains them. Spikes only (_DATA_FAMILIES).
     Replay triage (issue 39) is what will tell data from the optimizer for certain."""
     f = inp.finding
-    if not (h.kind is CommandKind.ROLLBACK and h.ok and h.automatic and h.skipped and h.first_step is not None
+    if not (h.kind is CommandKind.ROLLBACK and h.ok and h.automatic and h.skipped_samples and h.first_step is not None
             and h.target_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
         return None
     if inp.attempt is None or h.attempt is None or inp.attempt <= h.attempt or f.detect_step < h.first_step:
@@ -713,7 +713,7 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
     # (2x, 4x, ... the steps from onset to detection), so a stretch of any length is passed
     # within the caps, at the cost of a few clean samples (issue 35: 2 steps at a time met the
     # 4-intervention cap 9 poisoned steps short of the end).
-    again = sum(1 for x in rollbacks if x.skipped and x.ok and x.target_step == h.target_step) - 1
+    again = sum(1 for x in rollbacks if x.skipped_samples and x.ok and x.target_step == h.target_step) - 1
     ahead = (f.detect_step - f.onset_step + 1) * 2 ** (max(0, again) + 1) if skip else 0
     reasons = [head,
                f"the same cause again on the path the rollback at step {h.step} re-trained (first step "

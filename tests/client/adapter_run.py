@@ -99,7 +99,7 @@ def check_rollback_and_skip(db, run_id: str, op: Operator, trained: Trained, fin
     assert {k: r.state for k, r in rows.items()} == {"skip": "done", "rollback": "done"}, rows
     skip, rb = rows["skip"].result, rows["rollback"].result
     assert skip["ok"] and skip["first_step"] == 4 and skip["skip_ranges"] == [SKIP], skip
-    assert rb["ok"] and rb["checkpoint_step"] == ROLLBACK_TO and rb["step"] == ROLLBACK_TO + 1, rb
+    assert rb["ok"] and rb["checkpoint_step"] == ROLLBACK_TO and rb["first_step"] == ROLLBACK_TO + 1, rb
     assert rb["skip_ranges"] == [ROLLBACK_SKIP], rb
 
     # attempt 1: steps 1-3 in order, then the skip from step 4 on, until the rollback after 12

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import thermowatch
-from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.app.config import SupervisorConfig
+from tests.client.user_loop import DATA, calm, train_step, user_batch
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import thermometers as thermo_store
@@ -22,13 +21,8 @@ STEPS = 70  # two budget decisions (every 32 steps)
 
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_a_thinned_group_is_not_read_as_non_finite_and_the_cost_is_a_figure_of_the_run(db, tmp_path):
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
     budget = thermowatch.ThermometerConfig(budget=1e-6)  # every group down to its floor
-    tw = thermowatch.watch(model, opt, run="budget", steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=1000, supervisor_config=cfg, poll_interval_s=0.05, thermometers=budget)
+    tw, model, opt = calm(db, tmp_path, "budget", STEPS, checkpoint_every=1000, thermometers=budget)
     for step in tw.steps():
         tw.record(train_step(model, opt, *user_batch(DATA, torch.as_tensor(tw.batch_ids(step)))))
     tw.close()
@@ -53,13 +47,8 @@ def test_the_loops_own_clipped_norm_is_the_recorded_one_and_frees_the_gradient_g
     """record(loss, grad_norm=gn): the norm clip_grad_norm_ returned is stored as the run's grad_norm
     on every step (not reduced again), and under a budget the per-layer norms may thin past every
     step, which they may not while the thermometers must reduce the global norm themselves."""
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
-    tw = thermowatch.watch(model, opt, run="clip", steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=1000, supervisor_config=cfg, poll_interval_s=0.05,
-                           thermometers=thermowatch.ThermometerConfig(budget=1e-6))
+    tw, model, opt = calm(db, tmp_path, "clip", STEPS, checkpoint_every=1000,
+                          thermometers=thermowatch.ThermometerConfig(budget=1e-6))
     clipped: dict[int, float] = {}
     for step in tw.steps():
         x, y = user_batch(DATA, torch.as_tensor(tw.batch_ids(step)))

@@ -9,11 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 
-import thermowatch
-from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
-from thermowatch.supervisor.app.config import SupervisorConfig
+from tests.client.user_loop import DATA, calm, train_step, user_batch
 from thermowatch.supervisor.store import actions as actions_store
 
 
@@ -28,12 +25,7 @@ def _carried_out(sup, action_id: int) -> None:
 
 
 def test_each_command_carried_out_is_one_line_on_stderr_and_the_log(db, tmp_path, capsys, caplog):
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tw = thermowatch.watch(model, opt, run="told", steps=60, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=5, poll_interval_s=0.02,
-                           supervisor_config=SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url))
+    tw, model, opt = calm(db, tmp_path, "told", 60, poll_interval_s=0.02)
     sup = tw.run.supervisor
     plan = {(1, 4): ("skip", {"skip_ranges": [[40, 44]]}), (1, 8): ("set_lr", {"lr_multiplier": 0.5}),
             (1, 13): ("rollback", {"to_step": 10, "skip_ranges": [[48, 52]]}),

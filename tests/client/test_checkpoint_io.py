@@ -102,7 +102,7 @@ def test_a_planted_newest_checkpoint_is_refused_on_resume_and_on_rollback(db, tm
     # The rollback landed on 20 (the newest that loads), and the run trained on from 21.
     with db.sessions() as s:
         row = actions_store.get_action(s, submitted["rollback"])
-    assert row.state == "done" and row.result["checkpoint_step"] == 20 and row.result["step"] == 21, row.result
+    assert row.state == "done" and row.result["checkpoint_step"] == 20 and row.result["first_step"] == 21, row.result
     assert (3, 21) in trained and trained[-1] == (3, 40)
     # Both planted files are kept aside for whoever looks into them and never read again; the run
     # saved its own checkpoint 30 again, and it loads as data.

@@ -19,22 +19,11 @@ import time
 
 import torch
 
-import thermowatch
-from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
+from tests.client.user_loop import DATA, calm, train_step, user_batch
+from tests.waits import action_final
 from thermowatch.checkpoint_io import load_as_data
-from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
-
-
-def _watch(db, tmp_path, run: str, steps: int, **kw):
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, **kw.pop("sup", {}))
-    tw = thermowatch.watch(model, opt, run=run, steps=steps, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=5, poll_interval_s=0.05, supervisor_config=cfg, **kw)
-    return tw, model, opt
 
 
 def _train(tw, model, opt, before=None, after=None) -> list[tuple[int, int, float]]:
@@ -58,17 +47,6 @@ def _flip(path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _wait_done(sup, action_id: int, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        with sup.sessions() as s:
-            row = actions_store.get_action(s, action_id)
-        if row.state in ("done", "failed", "expired", "cancelled"):
-            return row
-        assert time.monotonic() < deadline, row
-        time.sleep(0.05)
-
-
 def _wait_sent(sup, run: str, timeout: float = 20.0) -> None:
     """Until the supervisor's own action for `run` is in the loop's hands (polled, or done)."""
     deadline = time.monotonic() + timeout
@@ -80,7 +58,7 @@ def _wait_sent(sup, run: str, timeout: float = 20.0) -> None:
 
 
 def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_run_goes_on(db, tmp_path):
-    tw, model, opt = _watch(db, tmp_path, "flipped", steps=30)
+    tw, model, opt = calm(db, tmp_path, "flipped", steps=30)
     ckpt, asked = tmp_path / "ckpt", {}
 
     def after(step: int) -> None:
@@ -93,9 +71,9 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_run_goes_on(db, tmp_
             asked["rb"] = tw.run.supervisor.executor.submit("flipped", "rollback", {"to_step": 20}, "ana", "spike")
 
     trained = _train(tw, model, opt, after=after)
-    row = _wait_done(tw.run.supervisor, asked["rb"])
+    row = action_final(tw.run.supervisor, asked["rb"])
     res = row.result
-    assert res["ok"] and res["checkpoint_step"] == 15 and res["step"] == 16, res
+    assert res["ok"] and res["checkpoint_step"] == 15 and res["first_step"] == 16, res
     assert "passed over 20 (step_00000020.pt crc32" in res["detail"] and "(corrupted)" in res["detail"], res
     # the run went on from 16 to the end, every loss finite; the corrupt file went with its trajectory
     assert [s for a, s, _ in trained if a == tw.attempt][:1] == [16] and trained[-1][1] == 30
@@ -104,7 +82,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_run_goes_on(db, tmp_
 
 
 def test_a_nan_after_load_checkpoint_falls_back_once_and_the_run_finishes(db, tmp_path):
-    tw, model, opt = _watch(db, tmp_path, "nanload", steps=40)
+    tw, model, opt = calm(db, tmp_path, "nanload", steps=40)
     sup, ckpt, kept, asked = tw.run.supervisor, tmp_path / "ckpt", {}, {}
 
     def after(step: int) -> None:
@@ -132,7 +110,7 @@ def test_a_nan_after_load_checkpoint_falls_back_once_and_the_run_finishes(db, tm
     assert [(a.kind, a.origin, a.args["to_step"]) for a in auto] == [("rollback", "auto", 15)], \
         [(a.kind, a.origin, a.args, a.reason) for a in auto]
     (fb,) = auto
-    assert fb.state == "done" and fb.result["checkpoint_step"] == 15 and fb.result["step"] == 16, fb.result
+    assert fb.state == "done" and fb.result["checkpoint_step"] == 15 and fb.result["first_step"] == 16, fb.result
     assert "checkpoint 20 is distrusted" in fb.reason and "weights it loaded are bad" in fb.reason, fb.reason
     assert not ckpts[20].healthy  # never a target again
     # Attempt 2 (from 20) trained NaN; attempt 3 (from 15) trained to the end, every loss finite.
@@ -143,7 +121,7 @@ def test_a_nan_after_load_checkpoint_falls_back_once_and_the_run_finishes(db, tm
 
 def test_retention_after_a_run_of_nan_checkpoints_keeps_the_healthy_one(db, tmp_path):
     # Advise-only and never paused for the wait: nothing rolls the NaN run back, it only saves.
-    tw, model, opt = _watch(db, tmp_path, "keep", steps=60, keep_checkpoints=2,
+    tw, model, opt = calm(db, tmp_path, "keep", steps=60, keep_checkpoints=2,
                             sup={"policy": {"advise_only": True, "approval_pause_after_steps": None}})
 
     def after(step: int) -> None:

@@ -9,9 +9,6 @@ Retry-After), and the live leader."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,7 +19,7 @@ import thermowatch
 from tests.client.user_loop import DATA, train_step, user_batch, user_model
 from tests.fakes.network import Silent
 from tests.fakes.replica import Replica
-from tests.live_server import free_port, running, wait_healthy
+from tests.live_server import free_port, running, served
 from thermowatch.monitors.contract import RunInfo, StepRecord
 from thermowatch.spool import Tail
 from thermowatch.supervisor.operate.servers import RETRY_AFTER_CAP_S, Servers
@@ -42,13 +39,7 @@ def _stored_steps(api: httpx.Client, run: str) -> dict[str, list[int]]:
 
 
 def test_a_loop_given_a_dead_address_a_standby_and_the_leader_loses_nothing(db, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "thermowatch", "serve", "--data-dir", str(tmp_path / "srv"),
-                             "--db", db.url, "--port", str(port)], env={**os.environ, "THERMOWATCH_API_TOKEN": ADMIN},
-                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
-    leader = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(leader, proc, tmp_path / "serve.log")
+    with served(db.url, tmp_path / "srv", ADMIN) as (leader, _):
         api = httpx.Client(base_url=leader, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
         made = api.post("/api/tokens", json={"name": "my-trainer", "scopes": ["ingest"]})
         assert made.status_code == 201, made.text
@@ -82,7 +73,7 @@ def test_a_loop_given_a_dead_address_a_standby_and_the_leader_loses_nothing(db, 
         # The operator's command came from the leader, was carried out once and acknowledged there.
         acts = api.get("/api/runs/failover/actions").json()["actions"]
         assert [(a["kind"], a["state"]) for a in acts] == [("skip", "done")], acts
-        skipped_from = acts[0]["result"]["step"]
+        skipped_from = acts[0]["result"]["first_step"]
         assert not any(100 <= i < 140 for s, ids in trained if s >= skipped_from for i in ids)
         # The standby took what a standby stores and refused what only the leader does; a poll
         # never got a command from it.
@@ -93,9 +84,6 @@ def test_a_loop_given_a_dead_address_a_standby_and_the_leader_loses_nothing(db, 
         # Nothing waits, nothing was set aside.
         assert not Tail.of(tmp_path / "ckpt" / "spool")
         assert not (tmp_path / "ckpt" / "spool" / "rejected.jsonl").exists()
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_an_unplanned_raise_that_hurts_is_set_back_by_the_policy(db, tmp_path):
     assert act.args["lr_multiplier"] == pytest.approx(0.01)
     assert "rose x100 at step 101" in act.reason and "setting the LR back to 0.001" in act.reason
     assert attempt == 1  # in place: nothing was rolled back
-    first = act.result["step"]  # the first step trained after the ack
+    first = act.result["first_step"]  # the first step trained after the ack
     assert RAISE_AT + 100 <= first <= RAISE_AT + 140, first
     # the optimizer stepped at 1e-3 before the raise, 0.1 until the revert, 1e-3 again after it
     assert lr_used[RAISE_AT - 1] == pytest.approx(1e-3) and lr_used[RAISE_AT] == pytest.approx(0.1)

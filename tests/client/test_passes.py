@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import thermowatch
-from tests.client.user_loop import train_step, user_batch, user_model, DATA
+from tests.client.user_loop import DATA, calm, train_step, user_batch
 from thermowatch.integrations.core import Plan, WatchedDataset
 from thermowatch.monitors.ledger import SkipLedger
-from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import steps as steps_store
 
@@ -25,12 +23,7 @@ BAD = (10, 14)  # data indices 10-13, skipped during the first pass
 
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_a_skipped_sample_is_never_trained_again_in_any_pass(db, tmp_path):
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
-    tw = thermowatch.watch(model, opt, run="passes", steps=STEPS, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=5, supervisor_config=cfg, poll_interval_s=0.05, dataset_size=N)
+    tw, model, opt = calm(db, tmp_path, "passes", STEPS, global_batch=B, dataset_size=N)
     sup = tw.run.supervisor
     trained: dict[int, list[int]] = {}
     for step in tw.steps():

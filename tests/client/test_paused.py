@@ -17,10 +17,10 @@ from typing import Callable
 import pytest
 import torch
 
-import thermowatch
-from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
+from tests.client.user_loop import DATA, calm, diverging, train_step, user_batch
+from tests.live_server import wait_until
+from tests.waits import action_final
 from thermowatch.paused import PauseNotice, say
-from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import runs as runs_store
 from thermowatch.supervisor.store.views import run_status
@@ -141,27 +141,9 @@ class Stderr:
         return self.seen
 
 
-def wait_for(cond: Callable[[], object], timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _rows(sup, run: str, kind: str):
     with sup.sessions() as s:
         return [a for a in sorted(actions_store.actions(s, run), key=lambda a: a.id) if a.kind == kind]
-
-
-def _done(sup, run: str, action_id: int, timeout: float = 30.0):
-    def final():
-        with sup.sessions() as s:
-            row = actions_store.get_action(s, action_id)
-        return row if row.state in ("done", "failed", "expired", "cancelled") else None
-    return wait_for(final, timeout, f"action {action_id} never final")
 
 
 def test_a_loop_the_supervisor_pauses_says_why_and_how_to_resume_within_a_second_and_resumes(db, tmp_path, capsys,
@@ -170,24 +152,16 @@ def test_a_loop_the_supervisor_pauses_says_why_and_how_to_resume_within_a_second
     policy pauses (rung 3, the one pause the margin leaves). The loop says so on stderr within a
     second of the pause being written, with the policy's reason and `thermowatch resume hot`, and
     trains on when the on-call resumes it."""
-    from tests.fixtures.diverging import DETECTORS, POLICY
-
     caplog.set_level(logging.WARNING, logger="thermowatch")
-    torch.manual_seed(0)
-    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
-    model = user_model(seq=32, heads=4, d=64)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS), policy=dict(POLICY))
-    tw = thermowatch.watch(model, opt, run="hot", steps=400, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=1000, supervisor_config=cfg, poll_interval_s=0.05)
+    model, opt, data, tw = diverging(db, tmp_path, "hot", checkpoint_every=1000, poll_interval_s=0.05)
     sup = tw.run.supervisor
     err = Stderr(capsys)
     loop = Loop(tw, lambda step: train_step(model, opt, *user_batch(data, tw.batch_ids(step), 32)))
     loop.start()
     try:
-        pause = wait_for(lambda: next(iter(_rows(sup, "hot", "pause")), None), 120, "the policy never paused")
+        pause = wait_until(lambda: next(iter(_rows(sup, "hot", "pause")), None), "pause from the policy", 120)
         written = time.monotonic()
-        wait_for(lambda: "is PAUSED" in err(), 10, "nothing on stderr")
+        wait_until(lambda: "is PAUSED" in err(), "PAUSED line on stderr", 10)
         assert time.monotonic() - written < 1.0
         assert pause.origin == "auto" and "rung 3" in pause.reason and "no healthy checkpoint before the onset" in pause.reason
         line = next(ln for ln in err().splitlines() if "is PAUSED" in ln)
@@ -196,12 +170,12 @@ def test_a_loop_the_supervisor_pauses_says_why_and_how_to_resume_within_a_second
         assert "none on disk yet" in line and "`thermowatch stop hot`" in line
         assert any(r.name.startswith("thermowatch") and r.levelno == logging.WARNING and "is PAUSED" in r.getMessage()
                    for r in caplog.records)  # the logger HF's and Lightning's users read
-        paused_at = _done(sup, "hot", pause.id).result["step"]  # the step it waits before
+        paused_at = action_final(sup, pause.id).result["first_step"]  # the step it waits before
         time.sleep(0.3)
         assert max(s for _, s in loop.trained) == paused_at - 1  # waiting, not training
         resume = sup.executor.submit("hot", "resume", {}, "ana", "looked; go on")
-        wait_for(lambda: max(s for _, s in loop.trained) >= paused_at, 30, "the loop did not resume")
-        assert _done(sup, "hot", resume).state == "done"
+        wait_until(lambda: max(s for _, s in loop.trained) >= paused_at, "step trained after the resume", 30)
+        assert action_final(sup, resume).state == "done"
         assert "thermowatch: run hot no longer paused after" in err() and ": resumed" in err()
     finally:
         for kind in ("stop",):  # end it however it stands (a diverging run may pause again)
@@ -215,12 +189,7 @@ def test_a_rollback_or_a_stop_ends_a_pause(db, tmp_path, capsys, ends):
     """Issue 35: an acked manual rollback left the loop paused; only `resume` ended it. A person
     pauses a healthy loop; while it waits it repeats a short line; a rollback then trains on from
     the rollback's checkpoint (a new attempt from step 11), a stop ends the loop."""
-    torch.manual_seed(0)
-    model = user_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url)
-    tw = thermowatch.watch(model, opt, run="calm", steps=30, global_batch=B, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=5, supervisor_config=cfg, poll_interval_s=0.05)
+    tw, model, opt = calm(db, tmp_path, "calm", 30)
     tw.pause_notice.every_s = 0.3  # the repeat, at a test's pace (300 s in a run)
     sup = tw.run.supervisor
     asked: dict[str, int] = {}
@@ -233,11 +202,11 @@ def test_a_rollback_or_a_stop_ends_a_pause(db, tmp_path, capsys, ends):
     loop = Loop(tw, lambda step: train_step(model, opt, *user_batch(DATA, tw.batch_ids(step))), on_step)
     loop.start()
     try:
-        wait_for(lambda: "is PAUSED" in err(), 60, "nothing on stderr")  # a loaded machine: 30 s ran out once
+        wait_until(lambda: "is PAUSED" in err(), "PAUSED line on stderr", 60)  # a loaded machine: 30 s ran out once
         line = next(ln for ln in err().splitlines() if "is PAUSED" in ln)
         assert ": paused by ana: looking at the logits." in line and "on disk: 5, 10" in line
-        wait_for(lambda: "still paused" in err(), 10, "no repeat while it waits")
-        paused_at = _done(sup, "calm", asked["pause"]).result["step"]
+        wait_until(lambda: "still paused" in err(), "repeated line while it waits", 10)
+        paused_at = action_final(sup, asked["pause"]).result["first_step"]
         assert max(s for _, s in loop.trained) == paused_at - 1 and paused_at > 11
         if ends == "rollback":
             asked[ends] = sup.executor.submit("calm", "rollback", {"to_step": 10}, "ana", "from 10")
@@ -249,14 +218,14 @@ def test_a_rollback_or_a_stop_ends_a_pause(db, tmp_path, capsys, ends):
             sup.executor.submit("calm", "stop", {}, "ana", "test cleanup")
             loop.finish()
         tw.close()
-    row = _done(sup, "calm", asked[ends])
+    row = action_final(sup, asked[ends])
     assert row.state == "done", row.error
     ended = next(ln for ln in err().splitlines() if "no longer paused" in ln)
     with sup.sessions() as s:
         finished = runs_store.latest_attempt(s, "calm").finished
         state = run_status(s, "calm", stall_after_s=600)["state"]
     if ends == "rollback":
-        assert (row.result["checkpoint_step"], row.result["step"]) == (10, 11)
+        assert (row.result["checkpoint_step"], row.result["first_step"]) == (10, 11)
         assert "rolled back to checkpoint 10" in ended
         after = loop.trained[loop.trained.index((1, paused_at - 1)) + 1:]
         assert after[0] == (2, 11) and after[-1] == (2, 30)  # trained on from the checkpoint, to the end

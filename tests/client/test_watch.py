@@ -16,24 +16,14 @@ import pytest
 import torch
 
 import thermowatch
-from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
+from tests.client.user_loop import B, DATA, diverging, train_step, user_batch, user_model
+from tests.waits import action_final
 from thermowatch.checkpoint_io import load_as_data
 from thermowatch.supervisor.store.views import run_status
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import runs as runs_store
 
-
-
-def _wait_done(sup, action_id: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        with sup.sessions() as s:
-            row = actions_store.get_action(s, action_id)
-        if row.state in ("done", "failed", "expired", "cancelled"):
-            return row
-        assert time.monotonic() < deadline, row
-        time.sleep(0.05)
 
 
 def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
@@ -75,7 +65,7 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
             submitted["pause"] = sup.executor.submit("mine", "pause", {}, "ana", "look")
 
             def resume_later() -> None:  # 1.5 s after the pause was carried out, however late it arrived
-                _wait_done(sup, submitted["pause"])
+                action_final(sup, submitted["pause"])
                 time.sleep(1.5)
                 submitted.setdefault("resume", sup.executor.submit("mine", "resume", {}, "ana", "fine"))
 
@@ -85,7 +75,7 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
     last = tw.step
     tw.close()
     for i in submitted.values():
-        _wait_done(sup, i)
+        action_final(sup, i)
 
     with db.sessions() as s:
         rows = {kind: actions_store.get_action(s, i) for kind, i in submitted.items()}
@@ -95,24 +85,24 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
     # skip: from its ack's step on, no step trains an id in [120, 140)
     skip = rows["skip"].result
     assert skip["skip_ranges"] == [[120, 140]] and skip["ok"] and skip["first_step"] < 30
-    after = [ids for a, s, ids, _, _ in trained if s >= skip["step"]]
+    after = [ids for a, s, ids, _, _ in trained if s >= skip["first_step"]]
     assert not any(120 <= i < 140 for ids in after for i in ids)
     assert any(i >= 140 for ids in after for i in ids)
 
     # set_lr: the optimizer stepped at 0.5x the schedule from the ack's step, 1x before it;
     # the scheduler itself never saw the multiplier (it would have compounded in a chainable one)
     lr = rows["set_lr"].result
-    assert lr["lr_multiplier"] == 0.5 and lr["lr_change"]["start_step"] == lr["step"]
+    assert lr["lr_multiplier"] == 0.5 and lr["lr_change"]["start_step"] == lr["first_step"]
     first_attempt = [(s, used) for a, s, _, used, _ in trained if a == 1]
     schedule = {s: 1e-3 * min(1.0, s / 20) for s in range(1, 81)}  # LambdaLR at step s: (s-1+1)/20
     for s, used in first_attempt:
-        want = schedule[s] * (0.5 if s >= lr["step"] else 1.0)
+        want = schedule[s] * (0.5 if s >= lr["first_step"] else 1.0)
         assert used == pytest.approx(want, rel=1e-6), (s, used, want)
 
     # rollback: checkpoint 30 (the newest at or before 35 that exists: every 10), attempt 2,
     # steps 31.. trained again on the same ids, with the weights and RNG of step 30
     rb = rows["rollback"].result
-    assert rb["checkpoint_step"] == 30 and rb["step"] == 31 and attempts == [1, 2]
+    assert rb["checkpoint_step"] == 30 and rb["first_step"] == 31 and attempts == [1, 2]
     # one name per concept (issue 22): the page and the events say the checkpoint loaded, 30,
     # not the first step re-trained, 31 (a rollback to checkpoint 1000 was labelled "-> 1001")
     from thermowatch.monitors.detectors import BankConfig
@@ -132,13 +122,13 @@ def test_a_plain_loop_obeys_skip_lr_rollback_pause_and_stop(db, tmp_path):
         torch.testing.assert_close(ckpt["model"][k], v, rtol=0, atol=0)
     # the LR change survives the rollback: it is absolute on the schedule from its start step
     for s, used in [(s, used) for a, s, _, used, _ in trained if a == 2]:
-        assert used == pytest.approx(schedule[s] * (0.5 if s >= lr["step"] else 1.0), rel=1e-6), (s, used)
+        assert used == pytest.approx(schedule[s] * (0.5 if s >= lr["first_step"] else 1.0), rel=1e-6), (s, used)
 
     # pause/resume: steps() blocked between two steps until the resume; stop: it ended where
     # the stop's ack says, before the planned 80 steps
     assert rows["pause"].result["detail"].startswith("paused before step")
     assert max(np.diff(ends)) >= 1.0, "steps() must block while paused"
-    assert rows["stop"].result["step"] == last + 1 and 45 <= last < 80
+    assert rows["stop"].result["first_step"] == last + 1 and 45 <= last < 80
     with db.sessions() as s:
         stored = runs_store.attempts(s, "mine")
     assert stored[-1].start_step == 30
@@ -189,15 +179,7 @@ def test_a_real_divergence_in_a_users_sdpa_model_is_rolled_back_then_the_lr_lowe
     of thermowatch inside) trained at a learning rate that really diverges; the daemon reads its
     attention logits, rolls the loop back (rung 1), and when it diverges again climbs to rung 2
     (roll back and lower the LR) within seconds, not after a wall-clock cooldown."""
-    from tests.fixtures.diverging import DETECTORS, POLICY
-
-    torch.manual_seed(0)
-    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
-    model = user_model(seq=32, heads=4, d=64)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS), policy=dict(POLICY))
-    tw = thermowatch.watch(model, opt, run="hot", steps=400, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=2, keep_checkpoints=200, supervisor_config=cfg, poll_interval_s=0.1)
+    model, opt, data, tw = diverging(db, tmp_path, "hot", checkpoint_every=2, keep_checkpoints=200, poll_interval_s=0.1)
     human = threading.Event()
 
     def on_call():  # rung 3 pauses for a human: this one looks and stops the run
@@ -236,17 +218,9 @@ def test_a_divergence_that_recurs_inside_a_step_cooldown_is_judged_again_when_th
     time to take effect), but a latched detector would then stay silent for the rest of the
     excursion: before the fix this run trained 90 diverged steps with nothing done. Now the
     detectors' latches are released when the cooldown ends and the ladder climbs (rung 2)."""
-    from tests.fixtures.diverging import DETECTORS, POLICY
-
     cooldown = 25
-    torch.manual_seed(0)
-    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(1))
-    model = user_model(seq=32, heads=4, d=64)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    cfg = SupervisorConfig(data_dir=tmp_path / "sup", db_url=db.url, detectors=dict(DETECTORS),
-                           policy={**POLICY, "cooldown_steps": cooldown})
-    tw = thermowatch.watch(model, opt, run="recur", steps=400, global_batch=8, checkpoint_dir=tmp_path / "ckpt",
-                           checkpoint_every=2, keep_checkpoints=200, supervisor_config=cfg, poll_interval_s=0.1)
+    model, opt, data, tw = diverging(db, tmp_path, "recur", policy={"cooldown_steps": cooldown}, checkpoint_every=2,
+                                     keep_checkpoints=200, poll_interval_s=0.1)
 
     def rollbacks_done() -> int:
         with db.sessions() as s:
@@ -269,7 +243,7 @@ def test_a_divergence_that_recurs_inside_a_step_cooldown_is_judged_again_when_th
         incidents = s.execute(text("SELECT detect_step, resolution FROM incidents WHERE run_id = 'recur' "
                                    "ORDER BY id")).all()
     assert len(rollbacks) >= 2 and all(a.state == "done" for a in rollbacks), [(a.state, a.reason) for a in rollbacks]
-    first_step = rollbacks[0].result["step"]  # where the first rollback took effect
+    first_step = rollbacks[0].result["first_step"]  # where the first rollback took effect
     held = [d for d, r in incidents if r.startswith("noop")]
     assert held and all(first_step <= d < first_step + cooldown for d in held), incidents  # inside the cooldown
     # ... and acted on once it ended: rung 2, the LR lowered

@@ -5,9 +5,6 @@ through the client's poller and are carried out between two steps."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -16,19 +13,13 @@ import torch
 
 import thermowatch
 from tests.client.user_loop import DATA, user_batch, user_model, train_step
-from tests.live_server import free_port, wait_healthy
+from tests.live_server import served
 
 ADMIN = "tw_client-http-admin-0123456789abcdef"
 
 
 def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "thermowatch", "serve", "--data-dir", str(tmp_path / "srv"),
-                             "--db", db.url, "--port", str(port)], env={**os.environ, "THERMOWATCH_API_TOKEN": ADMIN},
-                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, tmp_path / "serve.log")
+    with served(db.url, tmp_path / "srv", ADMIN) as (url, _):
         started = (tmp_path / "serve.log").read_text()  # a fresh database: every migration ran
         assert "Running upgrade" not in started and "Added job" not in started, started  # issue 23: 41 lines
         api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
@@ -60,9 +51,9 @@ def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
         tw.close()
 
         acts = {a["kind"]: a for a in api.get("/api/runs/wire/actions").json()["actions"]}
-        assert acts["skip"]["state"] == "done" and acts["skip"]["result"]["skipped"] == [[200, 240]]
-        assert not any(200 <= i < 240 for s, ids in trained if s >= acts["skip"]["result"]["step"] for i in ids)
-        assert acts["stop"]["state"] == "done" and acts["stop"]["result"]["step"] == tw.step + 1 < 200
+        assert acts["skip"]["state"] == "done" and acts["skip"]["result"]["skip_ranges"] == [[200, 240]]
+        assert not any(200 <= i < 240 for s, ids in trained if s >= acts["skip"]["result"]["first_step"] for i in ids)
+        assert acts["stop"]["state"] == "done" and acts["stop"]["result"]["first_step"] == tw.step + 1 < 200
         status = api.get("/api/runs/wire/status").json()
         assert status["state"] == "finished" and status["finish_reason"] == "stopped", status
         assert status["final_step"] == tw.step == status["last_step"]
@@ -73,6 +64,3 @@ def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
         assert late.status_code == 409, late.text
         assert f"has finished (stopped at step {tw.step}" in late.json()["detail"]
         assert len(api.get("/api/runs/wire/actions").json()["actions"]) == 2
-    finally:
-        proc.terminate()
-        proc.wait(30)

@@ -74,7 +74,7 @@ def test_the_bundled_trainer_says_why_it_paused_and_a_rollback_ends_the_pause(db
         ended = next(ln for ln in err.splitlines() if "no longer paused" in ln)
         assert "rolled back to checkpoint 4" in ended
         # the rollback ended the pause: a new attempt from checkpoint 4, trained to the end
-        assert (rollback.result["checkpoint_step"], rollback.result["step"]) == (4, 5)
+        assert (rollback.result["checkpoint_step"], rollback.result["first_step"]) == (4, 5)
         assert result.final_step == 14 and not result.stopped and not ctl.paused
         assert len(result.attempts) == 2
     finally:

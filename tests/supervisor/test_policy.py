@@ -502,7 +502,7 @@ class Run:
             self.history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                              time=self.now, ok=True, first_step=first, attempt=self.attempt,
                                              target_step=to_step(d), lowered_lr=lr_multiplier(d) is not None,
-                                             skipped=d.skip_steps is not None, seq=len(self.history)))
+                                             skipped_samples=d.skip_steps is not None, seq=len(self.history)))
             self.lr = lr_multiplier(d) or self.lr
             if d.word == K.ROLLBACK:
                 self.attempt += 1
@@ -569,7 +569,7 @@ def test_issue_35_only_a_spike_after_a_data_rollback_skips_the_cooldown(first, a
     d1 = run.decide(first)
     assert d1.word == K.ROLLBACK
     if not skipped:
-        run.history[-1] = dataclasses.replace(run.history[-1], skipped=False)
+        run.history[-1] = dataclasses.replace(run.history[-1], skipped_samples=False)
     d2 = run.decide(again)
     assert d2.word in (K.NOOP, K.ALERT) and "cooldown" in "\n".join(d2.reasons), d2.reasons
 
