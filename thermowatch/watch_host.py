@@ -12,7 +12,7 @@ leaves (thermowatch.protocol's command book)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -22,16 +22,14 @@ from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.probing import Probing, suspects_of
 from thermowatch.protocol import Directive, Outcome, ack_for
 
-if TYPE_CHECKING:
-    from thermowatch.loop import Watch
-
 log = logging.getLogger("thermowatch.loop")
 
 
 class WatchHost:
-    """The executor's host for `w`: `step` and `directive` are the loop's."""
+    """The executor's host for `w`, the Watch (thermowatch/loop.py; not imported here: the loop
+    imports this module): `step` and `directive` are the loop's."""
 
-    def __init__(self, w: "Watch") -> None:
+    def __init__(self, w: Any) -> None:
         self.w = w
         self.probing: Probing | None = None  # a precise skip's search in progress
         self._waiting: list[Command] = []  # commands that came with a rollback that is still probing

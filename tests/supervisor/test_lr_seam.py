@@ -94,7 +94,7 @@ def test_trained_lr_equals_recorded_multiplier_across_two_cuts_and_a_rollback(db
         assert recorded[-1] == 0.25 and result.final_step == 22
         # What the acks say happened: the manual rollback loaded checkpoint 16 and trains at x0.25.
         last = acts[-1].result
-        assert (last["checkpoint_step"], last["step"], last["lr_multiplier"]) == (16, 17, 0.25)
+        assert (last["checkpoint_step"], last["first_step"], last["lr_multiplier"]) == (16, 17, 0.25)
         assert mismatches == []
         assert listed == ctl.store.steps()  # the supervisor's list is the trainer's disk
     finally:
