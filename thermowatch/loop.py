@@ -51,13 +51,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from thermowatch.checkpoint_dir import KEEP_BEHIND, KEEP_EVERY, CheckpointDir
-from thermowatch.lr_forecast import lr_forecast, schedule_lr
+from thermowatch.checkpoint_dir import CheckpointDir
+from thermowatch.checkpointing import Checkpointing
+from thermowatch.lr_forecast import schedule_lr
 from thermowatch.monitors.contract import Command, LRChange, ledger_digest, multiplier_at
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.paused import PauseNotice
 from thermowatch.protocol import Directed, Directive
-from thermowatch.ranks import Ranks, rng_state
+from thermowatch.ranks import Ranks
 from thermowatch.recorder import Recorder
 from thermowatch.run import Run
 from thermowatch.watch_config import WatchConfig
@@ -112,7 +113,7 @@ class Watch(Directed):
         self.recorder = Recorder(model, cfg.thermometers, self.dist, lambda r: self.run.send(r),
                                  lambda: ledger_digest(self.ledger.ranges))
         self.host = WatchHost(self)  # the commands: thermowatch/obey.py's handlers, shared with the bundled trainer
-        self.ckpt_losses: list[float] = []  # the newest losses before the checkpoint loaded last (precise skip)
+        self.saved = Checkpointing(self)  # what a checkpoint holds, and what a load or a resume puts back
         self._ids: np.ndarray | None = None
         self._ids_step = 0
         self._recorded = True
@@ -129,7 +130,8 @@ class Watch(Directed):
         """The steps to train, 1-based. Resumes from the newest checkpoint; after a rollback it
         yields the checkpoint's step + 1 again; blocks while paused; ends at `steps` or on stop."""
         if not self._started:
-            self._resume()
+            self.saved.resume()
+            self._started = True
         while True:
             if self._started and not self._recorded:
                 raise RuntimeError(f"step {self._ids_step}: call record(loss) once per step before the next one")
@@ -139,7 +141,7 @@ class Watch(Directed):
                     self._prepare(nxt)
                     yield nxt
                     continue
-            self._checkpoint_due()
+            self.saved.due()
             self.host.obey()
             if self.host.probing is not None:  # a rollback that bisects before it resumes: probes first
                 continue
@@ -242,6 +244,10 @@ class Watch(Directed):
     def lr_multiplier(self) -> float:
         return multiplier_at(self.step + 1, self.lr_changes)
 
+    def _load(self, step: int) -> int:
+        """Load checkpoint `step` into the loop (thermowatch/probing.py's ProbeHost)."""
+        return self.saved.load(step)
+
     # --- per step -----------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> None:
@@ -294,74 +300,6 @@ class Watch(Directed):
             for g, lr in zip(opt.param_groups, self._saved_lrs):
                 g["lr"] = lr
             self._saved_lrs = None
-
-    # --- checkpoints (thermowatch/checkpoint_dir.py does the files) ---------------------------
-
-    def _checkpoints(self) -> list[int]:
-        return self.ckpts.steps()
-
-    def _checkpoint_due(self) -> None:
-        if self._started and self.step and self.step % self.checkpoint_every == 0 and self._ids_step == self.step:
-            if not self.ckpts.exists(self.step):
-                self._save(self.step)
-
-    def _save(self, step: int) -> None:
-        self.recorder.drain(True)  # the health of the steps before it is known before it is registered
-        extra = {"step": step, "cursor": self.cursor,
-                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                 "rng": rng_state()}
-        if self.precise is not None:  # a precise skip's healthy trail, should a rollback come back here
-            extra["losses"] = [v for _, v in list(self.recorder.losses)[-self.precise.window:]]
-        healthy = self.recorder.healthy
-        path = self.ckpts.save(step, extra, self.cursor, healthy)
-        if path is not None:  # rank 0: registered, the book kept, retention, then the others go on
-            self.save_book()
-            self.run.checkpoint_saved(step, path.resolve(), self.cursor, healthy=healthy,
-                                      manifest={"attempt": self.run.attempt, "client": "thermowatch.watch"})
-            old = self.ckpts.prune(step)
-            self.run.checkpoints_deleted(old, f"retention: keep_checkpoints={self.ckpts.keep}, one per "
-                                              f"{KEEP_EVERY} steps, the newest {KEEP_BEHIND}+ steps old")
-            self.ckpts.released()
-        self.recorder.healthy = True
-
-    def _load(self, step: int) -> int:
-        return self._adopt(self.ckpts.load(step))
-
-    def load_newest(self, steps: list[int], healthy_fallback: bool = False) -> int | None:
-        """The step of the newest of `steps` that loaded (CheckpointDir.load_newest), or None."""
-        state = self.ckpts.load_newest(steps, healthy_fallback)
-        return self._adopt(state) if state is not None else None
-
-    def _adopt(self, state: dict[str, Any]) -> int:
-        """A loaded checkpoint's own state: the step, the cursor and the precise skip's trail."""
-        self.ckpt_losses = [float(v) for v in state.get("losses") or []]
-        self.step, self.cursor = int(state["step"]), int(state["cursor"])
-        self._ids_step = self.step
-        return self.step
-
-    def save_book(self) -> None:
-        """The ledger and the LR changes are absolute and outlive every rollback: kept in the run's
-        command book (thermowatch.protocol, `checkpoint_dir/commands.json`) beside the
-        checkpoints, not in them, so a relaunch has the newest. Rank 0 keeps them."""
-        if self.dist.rank == 0:
-            self.run.book.save(self.lr_changes, self.ledger.ranges)
-
-    def open_attempt(self, start_step: int) -> None:
-        """A new attempt from `start_step` (a resume, a rollback): every rank takes rank 0's
-        number, and the schedule's forecast is made again from there."""
-        self.run.start(start_step=start_step)
-        self.run.attempt = self.dist.from_rank0(lambda: self.run.attempt)
-        self._peak_base = self.step
-        self._peak = lr_forecast(self.optimizer, self.scheduler, self.lr_schedule, self.step, self.total)
-
-    def _resume(self) -> None:
-        book = self.dist.from_rank0(lambda: {"skip_ranges": [r.to_json() for r in self.run.book.skip_ranges],
-                                             "lr_changes": [c.to_json() for c in self.run.book.lr_changes]})
-        self.ledger = SkipLedger(book["skip_ranges"], period=self.dataset_size, index=self.data_index)
-        self.lr_changes = [LRChange.from_json(c) for c in book["lr_changes"]]
-        self.open_attempt(self.load_newest(self.dist.from_rank0(self._checkpoints)) or 0)
-        self._started = True
-        self._ids_step = self.step
 
 
 def _open_run(cfg: WatchConfig, model: torch.nn.Module, dist: Ranks, data_index: Any,

@@ -87,7 +87,7 @@ class WatchHost:
         self.probing = None
         out = p.result()
         w.ledger.add_many([r.to_json() for r in out.skip_ranges])
-        w.save_book()
+        w.saved.save_book()
         log.info("thermowatch: %s", out.detail)
         self.answer(p.cmd, out, None)
         return None
@@ -133,7 +133,7 @@ class WatchHost:
         trained_to = w.cursor  # the abandoned path trained every id below this
         steps = [t.restart_from.step] if cmd.exact else [s for s in w.dist.from_rank0(w.ckpts.steps)
                                                          if s <= t.restart_from.step]
-        loaded = w.load_newest(steps, healthy_fallback=True)
+        loaded = w.saved.load_newest(steps, healthy_fallback=True)
         if loaded is None:
             why = "; ".join(w.ckpts.passed_over) or "the log says why"
             if cmd.exact:
@@ -157,11 +157,11 @@ class WatchHost:
                 w.ckpts.remove(s)
         prev = w.run.attempt
         w.run.checkpoints_deleted(abandoned, f"abandoned by the rollback to step {loaded}")
-        w.open_attempt(loaded)
+        w.saved.open_attempt(loaded)
         if t.directive is not None:  # it ends a pause (issue 35)
             w.directive = t.directive
         if precise:  # its command and Outcome are handed over by obey() once the executor has said it
-            healthy = w.ckpt_losses or [v for _, v in w.recorder.losses]
+            healthy = w.saved.losses or [v for _, v in w.recorder.losses]
             self.probing = Probing.begin(w.precise, suspects, loaded, w.ledger.copy(), healthy, left,
                                          w.global_batch, lone.pop() if len(lone) == 1 else None)
         ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(

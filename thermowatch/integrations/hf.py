@@ -93,7 +93,7 @@ class ThermowatchCallback(Adapter, TrainerCallback):
         if probe:
             control.should_log = control.should_save = control.should_evaluate = False
         if logged is not None and state.global_step % w.checkpoint_every == 0:
-            logged.keep(w._checkpoints())
+            logged.keep(w.ckpts.steps())
         if b.next_step is None:
             control.should_training_stop = True
             return control
