@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from thermowatch.checkpoint_dir import KEEP_BEHIND, KEEP_EVERY
-from thermowatch.lr_forecast import lr_forecast
 from thermowatch.monitors.contract import LRChange
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.ranks import rng_state
@@ -79,8 +78,7 @@ class Checkpointing:
         w = self.w
         w.run.start(start_step=start_step)
         w.run.attempt = w.dist.from_rank0(lambda: w.run.attempt)
-        w._peak_base = w.step
-        w._peak = lr_forecast(w.optimizer, w.scheduler, w.lr_schedule, w.step, w.total)
+        w.forecast.make(w.optimizer, w.scheduler, w.lr_schedule, w.step, w.total)
 
     def resume(self) -> None:
         """The command book's ledger and LR changes, then the newest checkpoint that loads (rank 0's
@@ -91,4 +89,3 @@ class Checkpointing:
         w.ledger = SkipLedger(book["skip_ranges"], period=w.dataset_size, index=w.data_index)
         w.lr_changes = [LRChange.from_json(c) for c in book["lr_changes"]]
         self.open_attempt(self.load_newest(w.dist.from_rank0(w.ckpts.steps)) or 0)
-        w._ids_step = w.step

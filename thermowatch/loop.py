@@ -53,7 +53,7 @@ import torch
 
 from thermowatch.checkpoint_dir import CheckpointDir
 from thermowatch.checkpointing import Checkpointing
-from thermowatch.lr_forecast import schedule_lr
+from thermowatch.lr_forecast import Forecast, schedule_lr
 from thermowatch.monitors.contract import Command, LRChange, ledger_digest, multiplier_at
 from thermowatch.monitors.ledger import SkipLedger
 from thermowatch.paused import PauseNotice
@@ -118,7 +118,7 @@ class Watch(Directed):
         self._ids_step = 0
         self._recorded = True
         self._started = self._closed = False
-        self._peak, self._peak_base = np.zeros(0), 0  # the schedule's forecast, made when steps() starts
+        self.forecast = Forecast()  # the schedule's peak LR ahead, made when an attempt opens
         self._probe_grad_finite = True  # the probe step's gradient was finite (_before_optimizer_step)
         self._saved_lrs: list[Any] | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -257,8 +257,7 @@ class Watch(Directed):
         ids = (probe.ledger if probe is not None else self.ledger).take(self.cursor, self.global_batch)
         self._ids, self._ids_step, self._recorded = ids, step, False
         mult = multiplier_at(step, self.lr_changes)
-        k = step - 1 - self._peak_base
-        peak = float(self._peak[k]) if 0 <= k < len(self._peak) else math.nan
+        peak = self.forecast.at(step)
         # the LR this step trains at: the schedule's now (the user's scheduler.step() comes after)
         self.recorder.begin(step, int(ids[0]), int(ids[-1]) + 1, mult, peak * mult,
                             schedule_lr(self.optimizer) * mult, probe=probe is not None)
@@ -307,12 +306,12 @@ def _open_run(cfg: WatchConfig, model: torch.nn.Module, dist: Ranks, data_index:
     """Rank 0's Run (rank > 0: a stand-in that sends nothing), registered with what makes runs
     comparable (the model's fingerprint: the peer envelope, supervisor/store/peers.py); a config
     that names its own model section keeps it."""
+    if dist.rank != 0:
+        return _Quiet(cfg.poll_interval_s)
     info = {"client": "thermowatch.watch", "checkpoint": {"every": cfg.checkpoint_every},
             "model": model_fingerprint(model), **(cfg.config or {})}
     if data_index is not None:  # the quarantine's data indices are the loader's to map (quarantine API)
         info["data"] = {**info.get("data", {}), "shuffled": True}
-    if dist.rank != 0:
-        return _Quiet(cfg.poll_interval_s)
     return Run(cfg.run, steps=cfg.steps, global_batch=cfg.global_batch, config=info, server=cfg.server,
                token=cfg.token, state_dir=cfg.dir, world_size=dist.world, poll_interval_s=cfg.poll_interval_s,
                supervisor_config=supervisor_config,

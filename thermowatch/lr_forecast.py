@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 from typing import Any, Callable
 
@@ -57,3 +58,19 @@ def lr_forecast(optimizer: torch.optim.Optimizer, scheduler: Any, lr_schedule: C
                     type(scheduler).__name__, exc)
         return np.zeros(0)
     return np.maximum.accumulate(lrs[::-1])[::-1]
+
+
+class Forecast:
+    """The schedule's peak LR ahead for one attempt: made at its first step, read per step."""
+
+    def __init__(self) -> None:
+        self.base, self.peak = 0, np.zeros(0)
+
+    def make(self, optimizer: torch.optim.Optimizer, scheduler: Any, lr_schedule: Callable[[int], float] | None,
+             step: int, total: int) -> None:
+        self.base, self.peak = step, lr_forecast(optimizer, scheduler, lr_schedule, step, total)
+
+    def at(self, step: int) -> float:
+        """The largest LR from `step` on (NaN past the forecast, or with none)."""
+        k = step - 1 - self.base
+        return float(self.peak[k]) if 0 <= k < len(self.peak) else math.nan

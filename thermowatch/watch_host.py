@@ -22,7 +22,7 @@ from thermowatch.obey import Applied, Obey, Refused, Transition
 from thermowatch.probing import Probing, suspects_of
 from thermowatch.protocol import Directive, Outcome, ack_for
 
-log = logging.getLogger("thermowatch.loop")
+log = logging.getLogger(__name__)
 
 
 class WatchHost:

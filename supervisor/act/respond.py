@@ -415,4 +415,4 @@ def _intervention_kind(kind: CommandKind) -> CommandKind:
     """A past command as the policy's history counts it: a manual skip as a rollback (it changed
     which samples the run trains, as a data rollback does); the rest as they are (a resume, a stop
     or a profile is no intervention: policy.ACTIONS leaves them out)."""
-    return CommandKind.ROLLBACK if kind is CommandKind.SKIP else CommandKind(kind)
+    return CommandKind.ROLLBACK if kind is CommandKind.SKIP else kind

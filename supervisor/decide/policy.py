@@ -1,14 +1,15 @@
 """The supervisor's decision: a pure function from one finding and the run's state to an action.
 
 Only a finding whose outcome is `act` can change the run (DESIGN.md, Trust: three outcomes):
-`watch` is recorded (no command), `alert` tells a human (no command, `alert`), whatever the signal, the severity or
-the state of the run. An `act` finding still only acts if its signal is in `rollback_signals`
+`watch` is recorded (no command), `alert` tells a human (no command, `alert`), whatever the
+signal, the severity or the state of the run. An `act` finding still only acts if its signal is in `rollback_signals`
 and its severity is at least `act_min_severity` (critical by default: a warning never acts).
 
 Shaped like Ray Train v2's failure policy (`make_decision(status) -> Decision`): no DB, no clock,
 no I/O. The responder (supervisor/act/respond.py) gathers a `PolicyInput` and calls
 `make_decision`; the Decision holds the typed command (monitors/commands.py: Rollback, SetLR,
-Pause) that the executor (supervisor/act/executor.py) stores as it is and hands to the trainer. Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
+Pause) that the executor (supervisor/act/executor.py) stores as it is and hands to the trainer.
+Every decision carries `reasons`: sentences an engineer reads in Slack at 3 a.m.
 
 The ladder (DESIGN.md, "Rollback semantics"):
 
@@ -59,7 +60,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 from thermowatch.monitors.commands import CommandKind, ContractError, Pause, Rollback, SetLR
-
 from thermowatch.monitors.contract import (DEFAULT_ROLLBACK_SIGNALS, CheckpointInfo, Finding, Outcome, Severity, Signal,
                                           signal_family)
 from thermowatch.monitors.settings import SettingError, check_number
