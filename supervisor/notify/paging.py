@@ -114,21 +114,26 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}{parts.path}"
 
 
+def read_secret_file(section: str, what: str, file_key: str, file: str, put: str) -> str:
+    """The secret in a mounted file: readable and non-empty, or a NotifyConfigError saying what to do."""
+    path = Path(file)
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise NotifyConfigError(f"{section}.{file_key}: the {what} file {path} cannot be read ({exc.strerror}); "
+                                f"mount the secret there or fix the path") from None
+    if not secret:
+        raise NotifyConfigError(f"{section}.{file_key}: the {what} file {path} is empty; put {put} in it")
+    return secret
+
+
 def resolve_secret(section: str, what: str, env_key: str, env_name: str, file_key: str, file: str, put: str,
                    environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(secret, where it came from) for `section` (the config's name for it): a file, when set,
     wins over the environment variable. Never from the config file itself."""
     environ = os.environ if environ is None else environ
     if file:
-        path = Path(file)
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise NotifyConfigError(f"{section}.{file_key}: the {what} file {path} cannot be read ({exc.strerror}); "
-                                    f"mount the secret there or fix the path") from None
-        if not secret:
-            raise NotifyConfigError(f"{section}.{file_key}: the {what} file {path} is empty; put {put} in it")
-        return secret, f"file {path}"
+        return read_secret_file(section, what, file_key, file, put), f"file {Path(file)}"
     if env_name:
         secret = environ.get(env_name, "").strip()
         if not secret:

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import time
-from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 from urllib.error import HTTPError
 
@@ -39,7 +38,7 @@ from slack_sdk.models.blocks import (
 
 from thermowatch.monitors.contract import Severity
 from thermowatch.supervisor.notify.base import Alert, NotifyConfigError, NotifyError
-from thermowatch.supervisor.notify.paging import RunLinks, run_url
+from thermowatch.supervisor.notify.paging import RunLinks, read_secret_file, resolve_secret, run_url
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +63,11 @@ class SlackSettings(Protocol):
     base_url: str | None
 
 
-def _read_secret(what: str, file_key: str, file: str, put: str) -> str:
-    """A secret from a mounted file: readable and non-empty, or a NotifyConfigError saying what to do."""
-    path = Path(file)
-    try:
-        secret = path.read_text().strip()
-    except OSError as exc:
-        raise NotifyConfigError(f"Slack {what} file {path} cannot be read ({exc.strerror}); mount the secret there "
-                                f"or set slack.{file_key} to the right path") from exc
-    if not secret:
-        raise NotifyConfigError(f"Slack {what} file {path} is empty; put {put} in it")
-    return secret
-
-
 def resolve_token(token_env: str | None, token_file: str | None,
                   environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     """Return (token, where it came from). A token file, when set, wins over the env var."""
-    environ = os.environ if environ is None else environ
-    if token_file:
-        return _read_secret("token", "token_file", token_file, "the bot token (xoxb-...)"), f"file {Path(token_file)}"
-    if token_env:
-        token = environ.get(token_env, "").strip()
-        if not token:
-            raise NotifyConfigError(
-                f"Slack token not found: environment variable {token_env} is unset or empty; export the "
-                "bot token (xoxb-...) there, or set slack.token_file to a secret file holding it")
-        return token, f"environment variable {token_env}"
-    raise NotifyConfigError("Slack is configured without a token source; set slack.token_env or slack.token_file")
+    return resolve_secret("slack", "token", "token_env", token_env or "", "token_file", token_file or "",
+                          "the bot token (xoxb-...)", environ)
 
 
 def resolve_signing_secret(secret_env: str | None, secret_file: str | None,
@@ -99,7 +76,8 @@ def resolve_signing_secret(secret_env: str | None, secret_file: str | None,
     the endpoint answers 404). A file, when set, wins and must be readable and non-empty."""
     environ = os.environ if environ is None else environ
     if secret_file:
-        return _read_secret("signing secret", "signing_secret_file", secret_file, "the app's signing secret")
+        return read_secret_file("slack", "signing secret", "signing_secret_file", secret_file,
+                                "the app's signing secret")
     if secret_env:
         return environ.get(secret_env, "").strip() or None
     return None

@@ -444,7 +444,7 @@ def test_approver_groups_without_a_bot_token_stop_the_start(tmp_path):
     cfg = SupervisorConfig(data_dir=tmp_path / "data", slack={
         "signing_secret_file": str(tmp_path / "secret"), "approver_groups": ["S0ONCALL"],
         "token_env": "TW_TEST_NO_SUCH_TOKEN"})
-    with pytest.raises(UserError, match="slack.approver_groups are read with the bot token: Slack token not found: "
+    with pytest.raises(UserError, match="slack.approver_groups are read with the bot token: slack.token_env: "
                                         "environment variable TW_TEST_NO_SUCH_TOKEN"):
         Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
     assert not (tmp_path / "data").exists()
