@@ -210,36 +210,34 @@ class Thermometers:
 
     # --- hooks (hot path: tensor ops only, no host sync) ------------------------------------
 
-    def _act_hook(self, slot: int):
+    def _out_hook(self, put):
+        """A forward hook handing the module's first float output, detached, to `put` (timed as ACT)."""
         def hook(mod, args, out):
             if not self._act_on:
                 return
             t = _first_float_tensor(out)
             if t is not None and t.numel():
                 self._timer.start()
-                self._slots.put_aminmax(slot, t.detach())
+                put(t.detach())
                 self._timer.stop(ACT)
 
         return hook
+
+    def _act_hook(self, slot: int):
+        return self._out_hook(lambda t: self._slots.put_aminmax(slot, t))
 
     def _z_hook(self, slot: int):
-        def hook(mod, args, out):
-            if not self._act_on:
-                return
-            t = _first_float_tensor(out)
-            if t is not None and t.numel():
-                # Foreign models only (ours hand over their lse: ZProbe). Max over tokens (not
-                # the mean PaLM's z-loss penalises): one runaway token shows. Over the first
-                # z_batch sequences: an fp32 logsumexp of every token's logits was ~20% of a
-                # GPT-2-small bf16 step on an H100 (BENCHMARKS.md), 1/B of it now.
-                self._timer.start()
-                n = self.config.z_batch
-                t = t.detach() if n is None or t.dim() < 3 else t.detach()[:n]
-                z = torch.logsumexp(t.float(), dim=-1).amax()
-                self._slots.put(slot, z.reshape(1))
-                self._timer.stop(ACT)
+        def put(t: torch.Tensor) -> None:
+            # Foreign models only (ours hand over their lse: ZProbe). Max over tokens (not
+            # the mean PaLM's z-loss penalises): one runaway token shows. Over the first
+            # z_batch sequences: an fp32 logsumexp of every token's logits was ~20% of a
+            # GPT-2-small bf16 step on an H100 (BENCHMARKS.md), 1/B of it now.
+            n = self.config.z_batch
+            t = t if n is None or t.dim() < 3 else t[:n]
+            z = torch.logsumexp(t.float(), dim=-1).amax()
+            self._slots.put(slot, z.reshape(1))
 
-        return hook
+        return self._out_hook(put)
 
     def _mha_hook(self, probe: AttnProbe):
         def hook(mod, args, kwargs):
