@@ -212,7 +212,7 @@ def replay(
             n_records += 1
             if attempt is not None and current is not None and attempt != current:
                 said(events.pop(attempt, []))  # what the run did there, and why
-                bank.reset(record.step)  # the new attempt re-trains from here (Responder.rewind)
+                bank.reset(record.step)  # the new attempt re-trains from here (Banks.rewind)
             current = attempt if attempt is not None else current
             for finding in bank.observe(record, attempt):
                 n_findings += 1

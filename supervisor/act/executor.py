@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import threading
 from typing import Any, Callable, Iterator
 
 from sqlalchemy.exc import DataError, IntegrityError
@@ -56,7 +57,9 @@ from thermowatch.supervisor.notify.base import Alert, ChartRequest, Notifier, St
 from thermowatch.supervisor.notify.flap import FlapConfig
 from thermowatch.supervisor.notify.outbox import Outbox
 from thermowatch.supervisor.act.outcome import details, outcome, summary
-from thermowatch.supervisor.decide.policy import Decision
+from thermowatch.supervisor.act.triage import decision_after_rollback
+from thermowatch.supervisor.decide.policy import Decision, PolicyConfig
+from thermowatch.supervisor.judge.banks import Banks
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import audit as audit_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
@@ -96,8 +99,8 @@ PAGE_ACKNOWLEDGED = "page_acknowledged"  # audit event: a person took a page (ac
 class Executor:
     def __init__(self, session_factory: sessionmaker, notifier: Notifier, *, advise_only: bool = False,
                  ack_timeout_s: float = 120.0, ack_retries: int = 2, command_expiry_s: float = 900.0,
-                 on_rollback_done: Callable[[str, int], None] | None = None, flap: FlapConfig | None = None,
-                 on_proposal_cancelled: Callable[[str], None] | None = None, redeliver_s: float = REDELIVER_S,
+                 banks: Banks | None = None, policy: PolicyConfig | None = None, flap: FlapConfig | None = None,
+                 redeliver_s: float = REDELIVER_S,
                  approval_pause_after_steps: int | None = None, runbook_url: str = "",
                  fence: Callable[[Session], None] | None = None, may_send: Callable[[], bool] | None = None,
                  start_outbox: bool = True):
@@ -126,10 +129,13 @@ class Executor:
         self._expiry = dt.timedelta(seconds=command_expiry_s)
         self._started = dt.datetime.now(dt.timezone.utc)
         self._last_poll: dict[str, dt.datetime] = {}
-        self._on_rollback_done = on_rollback_done or (lambda run_id, step: None)
-        # A person said no to the policy's proposal: the detectors must still speak up if the
-        # divergence goes on (issue 23: logits of 600-2,648 for 500 steps paged nobody).
-        self._on_proposal_cancelled = on_proposal_cancelled or (lambda run_id: None)
+        # The judge stage's detector banks: a done rollback rewinds them, a declined proposal
+        # releases their latches later (None: no detectors, as in a bare executor's tests).
+        self._banks = banks
+        # What follows a rollback's replay triage is the policy's (act.triage; None: nothing).
+        self._policy = policy
+        # One decision at a time, here and in act.respond (which shares this lock).
+        self.deciding = threading.RLock()
         # Alerts are rows written in the deciding transaction and sent by a background thread, so
         # no ingest or command request waits for Slack (DESIGN.md, "Nothing blocks training").
         self.outbox = Outbox(session_factory, notifier, may_send=may_send)
@@ -146,8 +152,8 @@ class Executor:
     # --- decisions -> rows ---------------------------------------------------------------------
 
     def carry_out(self, s: Session, run_id: str, incident_id: int, finding: Finding, decision: Decision) -> list[int]:
-        self._fence(s)
         """Write what `decision` asks for as action rows (in the caller's transaction)."""
+        self._fence(s)
         reasons = list(decision.reasons)
         needs_ok = decision.requires_approval or self._advise_only
         ids: list[int] = []
@@ -316,7 +322,10 @@ class Executor:
         cancelled: list[str] = []
         self._human_decides(action_id, who, "cancelled", change, StoryState.RESOLVED)  # the question is over
         for run_id in cancelled:
-            self._on_proposal_cancelled(run_id)
+            # A person said no to the policy's proposal: the detectors must still speak up if the
+            # divergence goes on (issue 23: logits of 600-2,648 for 500 steps paged nobody).
+            if self._banks is not None and self._policy is not None:
+                self._banks.recheck_after(run_id, self._policy.cooldown_steps)
 
     def refuse(self, action_id: int, who: str, wanted: str, why: str) -> None:
         """A human's answer that is not theirs to give (a Slack user who is not an approver,
@@ -481,8 +490,18 @@ class Executor:
             self.fail(run_id, ack.command_id, why, result=ack.to_json())
             raise UserError(f"action {ack.command_id}: {why}") from None
         if first_step is not None:
-            self._on_rollback_done(run_id, first_step)
+            if self._banks is not None:
+                self._banks.rewind(run_id, first_step)
+            if self._policy is not None:
+                self._after_triage(run_id)
         self.flush_alerts()
+
+    def _after_triage(self, run_id: str) -> None:
+        """What the policy says after the rollback's replay triage named a cause (act.triage)."""
+        with self.deciding, self._begin() as s:
+            then = decision_after_rollback(s, run_id, self._policy)
+            if then is not None:
+                self.carry_out(s, run_id, *then)
 
     def fail(self, run_id: str, action_id: int, why: str, result: dict[str, Any] | None = None) -> bool:
         """Fail an open action with an alert (a bad ack, an undeliverable row). False if there is

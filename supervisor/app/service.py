@@ -29,6 +29,7 @@ from thermowatch.supervisor.app import jobs
 from thermowatch.supervisor.decide.approvers import HOW_TO_CONFIGURE, Approvers
 from thermowatch.supervisor.app.config import SupervisorConfig, judged_with
 from thermowatch.supervisor.judge.bank_process import BankProcess
+from thermowatch.supervisor.judge.banks import Banks
 from thermowatch.supervisor.judge.checkpoint_health import CheckpointFailures
 from thermowatch.supervisor.judge.consistency import ConsistencyCheck
 from thermowatch.supervisor.act.executor import Executor
@@ -231,26 +232,27 @@ class Supervisor:
         self.coordinator = None  # serve()'s, with a lease (supervisor.app.lease.Coordinator)
         self.notifier = notifier
         policy = self.policy = cfg.policy_config
+        bank_cfg = cfg.bank_config
+        # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
+        # waits for each judgement anyway, so it keeps them in its own.
+        self.bank_process = BankProcess(bank_cfg) if cfg.judge_process and not judge_inline else None
+        # The stages in their order: the judge's banks, the executor (an acked rollback rewinds the
+        # banks), the responder (decides on each finding), the judge's thread (hands findings on).
+        self.banks = Banks(self.sessions, bank_cfg, process=self.bank_process)
         self.executor = Executor(self.sessions, self.notifier, advise_only=policy.advise_only,
                                  approval_pause_after_steps=policy.approval_pause_after_steps,
                                  runbook_url=cfg.runbook_url,
                                  ack_timeout_s=cfg.ack_timeout_s, ack_retries=cfg.ack_retries,
                                  command_expiry_s=cfg.command_expiry_s, redeliver_s=cfg.redeliver_s,
-                                 on_rollback_done=self._rewind, flap=cfg.slack.flap(),
-                                 on_proposal_cancelled=self._recheck_after_no,
+                                 banks=self.banks, policy=policy, flap=cfg.slack.flap(),
                                  fence=lease.fence if lease is not None else None,
                                  may_send=lease.holds if lease is not None else None, start_outbox=not standby)
-        bank_cfg = cfg.bank_config
-        # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
-        # waits for each judgement anyway, so it keeps them in its own.
-        self.bank_process = BankProcess(bank_cfg) if cfg.judge_process and not judge_inline else None
-        self.responder = Responder(self.sessions, self.executor, policy, bank_cfg, clock=clock,
-                                   process=self.bank_process)
+        self.responder = Responder(self.sessions, self.executor, policy, self.banks, clock=clock)
         self.consistency = ConsistencyCheck(self.sessions, self.executor)
         self.checkpoint_health = CheckpointFailures(self.sessions, self.executor)
         # Commit, answer, then judge (supervisor.judge.judge). judge_inline: write() returns after the
         # batch is judged (the embedded mode); the daemon answers HTTP at once (serve()).
-        self.judge = Judge(self.sessions, self.responder.on_records)
+        self.judge = Judge(self.sessions, self.banks, self.responder.handle)
         if not standby:
             self.judge.start()
         self._judge_inline = judge_inline
@@ -312,7 +314,7 @@ class Supervisor:
     def open_run(self, info: RunInfo, actor: str = "run-controller",
                  authorize: Callable[[str, str], None] | None = None) -> None:
         self.ingestor.open_run(info, actor, authorize)
-        self.responder.note_attempt(info.run_id, info.attempt)
+        self.banks.note_attempt(info.run_id, info.attempt)
 
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> int:
         """A batch as StepRecords (the in-process sink, the JSON body): converted to columns at the
@@ -375,14 +377,6 @@ class Supervisor:
             except Exception:  # the batch is committed; a failing check must not bounce it
                 log.exception("%s failed for run %s attempt %s", type(check).__name__, run_id, attempt)
 
-    def _rewind(self, run_id: str, first_step: int) -> None:
-        self.responder.rewind(run_id, first_step)
-
-    def _recheck_after_no(self, run_id: str) -> None:
-        """A proposal was cancelled: what persists `cooldown_steps` later fires again (and asks
-        again), the same release a cooldown ends with (Responder.recheck_after)."""
-        self.responder.recheck_after(run_id, self.policy.cooldown_steps)
-
     def notifier_status(self) -> dict:
         """For /healthz (the ops side): per channel, "ok" or why it could not be reached at
         start-up, e.g. {"slack:#alerts": "ok", "console": "ok"}; ok is False when any is not."""
@@ -396,7 +390,7 @@ class Supervisor:
 
     def close(self) -> None:
         """Survives any one part failing (STYLE.md rule 9)."""
-        for name, closer in (("judge", self.judge.close), ("detector state", self.responder.save_states),
+        for name, closer in (("judge", self.judge.close), ("detector state", self.banks.save_states),
                              ("detectors' process", self.bank_process.close if self.bank_process else lambda: None),
                              ("ingestor", self.ingestor.close),
                              ("alert outbox", self.executor.close), ("notifier", self.notifier.close),

@@ -9,11 +9,11 @@ database write stay in the daemon (supervisor.judge.judge, supervisor.act.respon
 
 - `BankProcess` owns the child: started on first use (spawn, never fork: the daemon has
   threads), one per daemon, holding one DetectorBank per run.
-- `RemoteBank` is a DetectorBank's face in the daemon: the methods the responder calls, each a
+- `RemoteBank` is a DetectorBank's face in the daemon: the methods the banks call, each a
   call to the child with the same arguments and the same result (or the same exception).
 - **A child that dies** (killed, out of memory) loses only what a daemon SIGKILL loses: the
   in-memory bank since its last state save. The call that saw it raises `BankLost`; the judge
-  catches up from its marker; the responder reloads each run's bank from its saved state in a
+  catches up from its marker; the banks reload each run's bank from its saved state in a
   new child (`RemoteBank.lost`).
 - **A daemon that dies** ends its child: the child reads end-of-file on the pipe and exits, so a
   SIGKILLed daemon leaves no orphan. The child ignores SIGINT and SIGTERM (a Ctrl-C reaches the
@@ -34,14 +34,14 @@ from thermowatch.monitors.detectors import BankConfig, DetectorBank
 
 log = logging.getLogger(__name__)
 
-# What the daemon may ask of a bank in the child: DetectorBank's methods that the responder calls.
+# What the daemon may ask of a bank in the child: DetectorBank's methods that the banks call.
 _CALLS = frozenset({"observe", "observe_many", "check", "reset", "release_latches", "state_parts", "mark_saved",
                     "load_state_parts"})
 
 
 class BankLost(RuntimeError):
     """The detectors' process died during a call: its banks are gone; reload them from their
-    saved state (Responder.bank does) and judge again from the marker (Judge does)."""
+    saved state (Banks.bank does: supervisor.judge.banks) and judge again from the marker (Judge does)."""
 
 
 def _serve(conn, config: BankConfig) -> None:
@@ -72,7 +72,7 @@ def _serve(conn, config: BankConfig) -> None:
 
 
 def _sendable(exc: Exception) -> Exception:
-    """The exception itself when it pickles (ValueError: the responder's 'older state' fallback
+    """The exception itself when it pickles (ValueError: the banks' 'older state' fallback
     depends on its type), else a RuntimeError with its text."""
     import pickle
 
@@ -163,7 +163,7 @@ class BankProcess:
 
 
 class RemoteBank:
-    """A DetectorBank held by the detectors' process; the responder's calls, one round trip each."""
+    """A DetectorBank held by the detectors' process; the banks' calls, one round trip each."""
 
     def __init__(self, host: BankProcess, run_id: str, generation: int) -> None:
         self._host = host

@@ -18,6 +18,8 @@ of one attempt coalesce to the newest. The order per batch stays: judge, store t
 A SIGKILL after the findings are stored and before the mark is written judges that batch again at
 the next start: the bank restored from its saved state skips the steps it had judged, and a
 finding judged again is not stored or decided twice (Responder.handle, findings.stored_key).
+The detectors are this stage's: `banks` (supervisor.judge.banks) judges each batch and hands
+every finding to `on_finding`, the act stage's Responder.handle.
 
 The embedded mode (the trainer in the supervisor's process) waits for the judge after each
 write (`Supervisor(judge_inline=True)`), so its behaviour is the one it always had; the daemon
@@ -29,24 +31,24 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable
-
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.columns import StepColumns
+from thermowatch.supervisor.judge.banks import Banks, OnFinding
 from thermowatch.supervisor.store import judged as judged_store
 from thermowatch.supervisor.store import thermometers
 
 log = logging.getLogger(__name__)
 
-OnRecords = Callable[[str, int, StepColumns], object]  # a committed batch, as columns
 _CATCH_UP_STEPS = 500  # steps read back per catch-up batch
 
 
 class Judge:
-    def __init__(self, sessions: sessionmaker, on_records: OnRecords, *, max_queued_batches: int = 1000) -> None:
+    def __init__(self, sessions: sessionmaker, banks: Banks, on_finding: OnFinding, *,
+                 max_queued_batches: int = 1000) -> None:
         self._sessions = sessions
-        self._on_records = on_records
+        self.banks = banks  # the detectors, one bank per run
+        self._on_finding = on_finding  # the act stage: each finding is decided there
         self.max_queued_batches = max_queued_batches
         self._queue: collections.deque[tuple[str, int, StepColumns]] = collections.deque()
         self._cv = threading.Condition()
@@ -156,7 +158,7 @@ class Judge:
         top = int(fresh.steps.max()) if len(fresh) else done
         if not len(fresh):
             return
-        self._on_records(run_id, attempt, fresh)
+        self.banks.judge(run_id, attempt, fresh, self._on_finding)
         self._through[(run_id, attempt)] = top
         with self._cv:
             self._marks[(run_id, attempt)] = top  # steps only rise here: the newest wins

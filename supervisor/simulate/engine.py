@@ -141,6 +141,18 @@ def run_once(cfg: SimConfig, strategy: Strategy, crash_rate_s: float, every: int
             next_crash = t + cost + _exp(crash_rng, crash_rate_s)
         return t + cost
 
+    def roll_back(before: float) -> None:
+        """To the newest checkpoint at or before step `before` (those after it are dropped); the
+        next false action is drawn from there."""
+        nonlocal s, t, lost, deep, next_fa
+        target, shallow = keep.newest_at_or_before(before)
+        deep += not shallow
+        lost += (s - target) * step_s
+        s = float(target)
+        keep.drop_after(target)
+        t = restart(t, rollback_cost)
+        next_fa = s + _exp(fa_rng, fa_rate)
+
     while t < wall:
         next_ck = (int(s) // every + 1) * every
         ev_step = min(next_ck, detect_step, onset if s < onset else INF, next_fa if next_fa < onset else INF)
@@ -162,16 +174,10 @@ def run_once(cfg: SimConfig, strategy: Strategy, crash_rate_s: float, every: int
             lost += (s - target) * step_s
             s = float(target)
         elif human_t <= t or (t == t_step and ev_step == detect_step):
-            target, shallow = keep.newest_at_or_before(onset - margin)
             rollbacks += 1
-            deep += not shallow
-            lost += (s - target) * step_s
-            s = float(target)
-            keep.drop_after(target)
-            t = restart(t, rollback_cost)
+            roll_back(onset - margin)
             onset, onset_reached = s + _exp(div_rng, cfg.divergences_per_step), False
             detect_step, human_t = INF, INF
-            next_fa = s + _exp(fa_rng, fa_rate)
         elif ev_step == next_ck and t == t_step:
             if next_crash < t + cfg.save_s:  # the save never finishes
                 save += next_crash - t
@@ -191,14 +197,8 @@ def run_once(cfg: SimConfig, strategy: Strategy, crash_rate_s: float, every: int
                 else:
                     human_t = t + human_delay(t)
         else:  # a false action on a healthy run
-            target, shallow = keep.newest_at_or_before(s - margin)
             false_actions += 1
-            deep += not shallow
-            lost += (s - target) * step_s
-            s = float(target)
-            keep.drop_after(target)
-            t = restart(t, rollback_cost)
-            next_fa = s + _exp(fa_rng, fa_rate)
+            roll_back(s - margin)
     kept = min(s, onset)  # trained past an onset nobody acted on: wasted
     lost += (s - kept) * step_s
     useful = kept * step_s

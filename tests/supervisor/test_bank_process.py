@@ -191,7 +191,7 @@ def test_a_killed_detectors_process_loses_no_finding_and_judges_nothing_twice(db
         for b in bs[:cut]:
             sup.write(RUN, 0, b)
         assert sup.judge.wait(120)
-        sup.responder.save_states()  # as every 5 s; the kill loses what came after a save
+        sup.banks.save_states()  # as every 5 s; the kill loses what came after a save
         first = sup.bank_process.pid
         os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 10

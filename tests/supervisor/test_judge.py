@@ -114,13 +114,13 @@ def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, r
             sup.write(RUN, 0, b)
         assert sup.judge.wait(120)
         assert findings(sup) == []
-        sup.responder.save_states()
+        sup.banks.save_states()
         sup.judge.close()  # what follows is committed and waits for a judge
         for b in bs[cut:]:
             sup.ingestor.write(RUN, 0, b)
         lock = sqlite3.connect(path, isolation_level=None)
         lock.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, writers wait (busy_timeout 10 s), then fail
-        sup.judge = Judge(sup.sessions, sup.responder.on_records).start()
+        sup.judge = Judge(sup.sessions, sup.banks, sup.responder.handle).start()
         time.sleep(12)
         assert findings(sup) == []  # nothing could be stored yet
         lock.execute("COMMIT")

@@ -423,20 +423,22 @@ def test_a_cooldown_reminder_survives_a_daemon_restart_and_releases_the_latches_
     a = make_sup(db, tmp_path)
     try:
         a.open_run(RunInfo(RUN, 1, 1))
-        a.responder.on_records(RUN, 1, StepColumns.from_records(recs[:60]))  # the ceiling detectors latch (logits > 150 from ~44)
-        a.responder._recheck[RUN] = (1, 70)  # as handle() leaves it when a cooldown holds a finding back
-        a.responder._save_state(RUN)
+        # the ceiling detectors latch (logits > 150 from ~44)
+        a.banks.judge(RUN, 1, StepColumns.from_records(recs[:60]), a.responder.handle)
+        a.banks.recheck_at(RUN, 1, 70)  # as handle() leaves it when a cooldown holds a finding back
+        a.banks._save_state(RUN)
     finally:
         a.close()
     b = make_sup(db, tmp_path)
     try:
-        b.responder.bank(RUN)  # loads the saved state, the reminder with it
-        assert b.responder._recheck[RUN] == (1, 70)
-        b.responder.on_records(RUN, 1, StepColumns.from_records(recs[60:65]))
-        assert b.responder._recheck[RUN] == (1, 70)  # not due yet
-        b.responder.on_records(RUN, 1, StepColumns.from_records(recs[65:70]))  # reaches step 70: released, and forgotten
-        assert RUN not in b.responder._recheck
-        found = b.responder.on_records(RUN, 1, StepColumns.from_records(recs[70:71]))
+        b.banks.bank(RUN)  # loads the saved state, the reminder with it
+        assert b.banks._recheck[RUN] == (1, 70)
+        b.banks.judge(RUN, 1, StepColumns.from_records(recs[60:65]), b.responder.handle)
+        assert b.banks._recheck[RUN] == (1, 70)  # not due yet
+        # reaches step 70: released, and forgotten
+        b.banks.judge(RUN, 1, StepColumns.from_records(recs[65:70]), b.responder.handle)
+        assert RUN not in b.banks._recheck
+        found = b.banks.judge(RUN, 1, StepColumns.from_records(recs[70:71]), b.responder.handle)
         assert any(f.signal.value == "attn_logit_ceiling" for f in found), found  # what persists fires again
     finally:
         b.close()
