@@ -45,7 +45,7 @@ import numpy as np
 
 from thermowatch.monitors.contract import ATTN_LOGIT_LSE, Outcome, Severity, Signal
 
-from .base import at_least, positive
+from .base import at_least_each, positive
 from .arrays import block_max, window_medians
 from .series import Found, SeriesBank, Single, logs, median_rows, quiet_excursions, robust_rows
 from .witness import Witnesses
@@ -109,14 +109,9 @@ class AttnLogitConfig:
             raise ValueError(f"min_level must be >= 0 (0 turns it off), got {self.min_level!r}")
         if not self.min_ratio > 1.0:
             raise ValueError(f"min_ratio must be > 1 (a ratio over baseline), got {self.min_ratio!r}")
-        at_least("window", self.window, 4)
-        at_least("slope_window", self.slope_window, 3)
-        at_least("level_points", self.level_points, 1)
-        at_least("confirm", self.confirm, 1)
-        at_least("warmup", self.warmup, 0)
-        at_least("clear_steps", self.clear_steps, 1)
-        at_least("history", self.history, self.window + self.slope_window)
-        at_least("onset_lookback", self.onset_lookback, 8)
+        at_least_each(self, window=4, slope_window=3, level_points=1, confirm=1, warmup=0, clear_steps=1)
+        # after window and slope_window: history's floor is their sum
+        at_least_each(self, history=self.window + self.slope_window, onset_lookback=8)
         if self.onset_lookback > self.history:
             raise ValueError(f"onset_lookback ({self.onset_lookback}) must not exceed history ({self.history})")
         if self.level_points > self.slope_window:

@@ -159,3 +159,9 @@ def positive(name: str, value: float) -> None:
 def at_least(name: str, value: int, lo: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def at_least_each(cfg: object, **lows: int) -> None:
+    """at_least for each named field of `cfg`, in the order given: a config's counts in one table."""
+    for name, lo in lows.items():
+        at_least(name, getattr(cfg, name), lo)

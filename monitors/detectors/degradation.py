@@ -24,7 +24,7 @@ import numpy as np
 from thermowatch.monitors.contract import Outcome, Severity, Signal
 
 from .arrays import as_rows
-from .base import at_least, positive
+from .base import at_least_each, positive
 from .series import Found, SeriesBank, Single
 from .witness import LossTrend, WitnessConfig, Witnesses
 
@@ -56,11 +56,7 @@ class DegradationConfig:
         positive("critical_margin", self.critical_margin)
         if not 0.0 <= self.confirm_fraction < 1.0:
             raise ValueError(f"confirm_fraction must be in [0, 1), got {self.confirm_fraction!r}")
-        at_least("confirm_min", self.confirm_min, 1)
-        at_least("warmup", self.warmup, 0)
-        at_least("clear_steps", self.clear_steps, 1)
-        at_least("history", self.history, 8)
-        at_least("onset_lookback", self.onset_lookback, 8)
+        at_least_each(self, confirm_min=1, warmup=0, clear_steps=1, history=8, onset_lookback=8)
 
 
 class DegradationBank(SeriesBank):

@@ -42,7 +42,7 @@ import numpy as np
 
 from thermowatch.monitors.contract import LOSS, LR, LR_PEAK_AHEAD, Finding, Outcome, Severity, Signal
 
-from .base import at_least, positive
+from .base import at_least_each, positive
 from .witness import line_fit
 
 
@@ -63,12 +63,7 @@ class LrJumpConfig:
         if not self.jump_ratio > 1.0:
             raise ValueError(f"jump_ratio must be > 1 (a ratio of LRs), got {self.jump_ratio!r}")
         positive("margin", self.margin)
-        at_least("window", self.window, 1)
-        at_least("confirm", self.confirm, 1)
-        at_least("patience", self.patience, 0)
-        at_least("fit", self.fit, 8)
-        at_least("smooth", self.smooth, 1)
-        at_least("settle", self.settle, 0)
+        at_least_each(self, window=1, confirm=1, patience=0, fit=8, smooth=1, settle=0)
         if self.confirm > self.window:
             raise ValueError(f"confirm ({self.confirm}) must be <= window ({self.window})")
 
