@@ -35,10 +35,14 @@ def check_name(where: str, s: Any, max_chars: int, *, min_chars: int = 1) -> str
         raise ContractError(f"{where} must be a string, got {type(s).__name__}")
     if not min_chars <= len(s) <= max_chars:
         raise ContractError(f"{where} must have {min_chars} to {max_chars} characters, got {len(s)}")
-    m = NOT_NAME.search(s)
+    return check_chars(where, s, NOT_NAME, "names may not contain control characters, NUL or lone surrogates")
+
+
+def check_chars(where: str, s: str, bad: re.Pattern[str], rule: str) -> str:
+    """`s`, or a ContractError naming the first character `bad` finds in it, its position and `rule`."""
+    m = bad.search(s)
     if m:
-        raise ContractError(f"{where} {show(s)} holds {ascii(m.group())} at position {m.start()}: names may not "
-                            "contain control characters, NUL or lone surrogates")
+        raise ContractError(f"{where} {show(s)} holds {ascii(m.group())} at position {m.start()}: {rule}")
     return s
 
 

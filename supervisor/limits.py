@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from thermowatch.monitors.commands import INT32_MAX, INT64_MAX, ContractError
 from thermowatch.monitors.names import NOT_NAME as _NOT_NAME
-from thermowatch.monitors.names import RUN_ID_CHARS, check_name, check_run_id
+from thermowatch.monitors.names import RUN_ID_CHARS, check_chars, check_name, check_run_id
 from thermowatch.monitors.names import show as _show
 
 # --- column limits (store/orm.py; not configurable: the schema decides) -------------------------
@@ -123,11 +123,7 @@ def check_text(where: str, s: Any, max_chars: int | None = None) -> str:
         raise ContractError(f"{where} must be a string, got {type(s).__name__}")
     if max_chars is not None and len(s) > max_chars:
         raise ContractError(f"{where} has {len(s)} characters; the limit is {max_chars}")
-    m = _NOT_TEXT.search(s)
-    if m:
-        raise ContractError(f"{where} {_show(s)} holds {ascii(m.group())} at position {m.start()}: strings may not "
-                            "contain NUL or lone surrogates (not valid Unicode text)")
-    return s
+    return check_chars(where, s, _NOT_TEXT, "strings may not contain NUL or lone surrogates (not valid Unicode text)")
 
 
 # The whole rule of check_metric_key as one match: the hot path (every distinct key of every batch).
@@ -146,10 +142,7 @@ def check_metric_key(key: Any) -> None:
     if not metric or len(metric) > METRIC_CHARS or (sep and not module) or len(module) > MODULE_CHARS:
         raise ContractError(f"metric key {_show(key)}: expected 'metric' or 'metric/module', a non-empty metric of at "
                             f"most {METRIC_CHARS} chars and, after '/', a non-empty module of at most {MODULE_CHARS}")
-    m = _NOT_NAME.search(key)
-    if m:
-        raise ContractError(f"metric key {_show(key)} holds {ascii(m.group())} at position {m.start()}: metric keys "
-                            "may not contain control characters, NUL or lone surrogates")
+    check_chars("metric key", key, _NOT_NAME, "metric keys may not contain control characters, NUL or lone surrogates")
 
 
 def check_int(where: str, v: Any, lo: int, hi: int) -> int:
