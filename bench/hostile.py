@@ -310,6 +310,29 @@ def run(url: str, only: tuple[str, ...] = PROBES) -> dict:
         d.close()
 
 
+# What each probe's figures print as, in this order; a probe left out by --only prints nothing.
+REPORT = {
+    "cross_run": lambda v: [f"team B's token into team A's run: {v['answers']}; run A's steps after: "
+                            f"{v['run_a_steps']}"],
+    "claims": lambda v: [f"steps claiming [0, 1e15): {v['claim_1e15']} ({v['detail'][:100]}...); actions "
+                         f"{v['actions']}, skips {v['skips']}"],
+    "attempts": lambda v: [f"10^4 new attempts of one run: sent {v['sent']}, accepted {v['accepted']}, answers "
+                           f"{v['answers']}; run page {v['page']} in {v['page_ms']} ms"],
+    "declared": lambda v: [f"headers only, {v['declared_gb']} GB declared, {DECLARED['at_once']} at once x "
+                           f"{v['routes']} routes x 2 tokens: peak {v['peak_mb']} MB (+{v['peak_growth_mb']} MB), "
+                           f"after {v['rss_after_mb']} MB, {v['seconds']} s"]
+                          + [f"    {key}: {len(paths)} routes" for key, paths in sorted(v["answers"].items())],
+    "big_posts": lambda v: [f"400 MB x3 {probe:36s} answers {b['answers']}  peak {b['peak_mb']} MB  after "
+                            f"{b['rss_after_mb']} MB" for probe, b in v.items()],
+    "key_headers": lambda v: [f"10^6-key headers x10 ({v['body_mb']} MB)      answers {v['answers']}  peak "
+                              f"{v['peak_mb']} MB  after {v['rss_after_mb']} MB"],
+    "overlap": lambda v: [f"overlapping batches at once: both accepted {v['both_accepted']}/{v['trials']}  answers "
+                          f"{v['answers']}"],
+    "empty_keys": lambda v: [f"empty keys: {v}"],
+    "control_byte": lambda v: [f"control byte: {v}"],
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
@@ -342,37 +365,9 @@ def main() -> None:
                 eng.dispose()
         r = results[name]
         print(f"\n== {name}: daemon RSS at start {r['rss_start_mb']} MB")
-        if "cross_run" in r:
-            print(f"  team B's token into team A's run: {r['cross_run']['answers']}; "
-                  f"run A's steps after: {r['cross_run']['run_a_steps']}")
-        if "claims" in r:
-            cl = r["claims"]
-            print(f"  steps claiming [0, 1e15): {cl['claim_1e15']} ({cl['detail'][:100]}...); actions {cl['actions']}, "
-                  f"skips {cl['skips']}")
-        if "attempts" in r:
-            at = r["attempts"]
-            print(f"  10^4 new attempts of one run: sent {at['sent']}, accepted {at['accepted']}, answers "
-                  f"{at['answers']}; run page {at['page']} in {at['page_ms']} ms")
-        if "declared" in r:
-            dl = r["declared"]
-            print(f"  headers only, {dl['declared_gb']} GB declared, {DECLARED['at_once']} at once x {dl['routes']} "
-                  f"routes x 2 tokens: "
-                  f"peak {dl['peak_mb']} MB (+{dl['peak_growth_mb']} MB), after {dl['rss_after_mb']} MB, "
-                  f"{dl['seconds']} s")
-            for key, paths in sorted(dl["answers"].items()):
-                print(f"      {key}: {len(paths)} routes")
-        for probe, v in r.get("big_posts", {}).items():
-            print(f"  400 MB x3 {probe:36s} answers {v['answers']}  peak {v['peak_mb']} MB  after {v['rss_after_mb']} MB")
-        if "key_headers" in r:
-            k = r["key_headers"]
-            print(f"  10^6-key headers x10 ({k['body_mb']} MB)      answers {k['answers']}  peak {k['peak_mb']} MB  "
-                  f"after {k['rss_after_mb']} MB")
-        if "overlap" in r:
-            o = r["overlap"]
-            print(f"  overlapping batches at once: both accepted {o['both_accepted']}/{o['trials']}  answers {o['answers']}")
-        for probe in ("empty_keys", "control_byte"):
-            if probe in r:
-                print(f"  {probe.replace('_', ' ')}: {r[probe]}")
+        for probe, lines in REPORT.items():
+            for line in lines(r[probe]) if probe in r else ():
+                print("  " + line)
         print(f"  /healthz after: {r['alive']}")
     if a.json:
         print(json.dumps({"bench": "hostile", "results": results}))
