@@ -10,17 +10,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import RunInfo, StepRecord
-from thermowatch.supervisor.serve.api import install_error_handlers
 from thermowatch.supervisor.serve.api import chart as chart_api
 from thermowatch.cli import main
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import runs, thermometers
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH, guard
+from tests.supervisor.api_client import router_client
+from tests.supervisor.auth_helpers import ADMIN_TOKEN
 
 RUN = "chart-run"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -60,10 +58,7 @@ def seeded(db):
 
 @pytest.fixture
 def client(seeded):
-    app = FastAPI()
-    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
-    app.include_router(chart_api.make_router(Sup(seeded.sessions), guard=guard(seeded.sessions)))
-    with TestClient(app, headers=AUTH) as c:
+    with router_client(chart_api, Sup(seeded.sessions)) as c:
         yield c
 
 
@@ -119,10 +114,7 @@ def test_an_attempt_numbered_near_int32_max_charts_without_an_array_that_large(d
     with db.sessions.begin() as s:
         thermometers.append(s, RUN, 0, _recs(0, 300, 1))
         thermometers.append(s, RUN, big, _recs(150, 400, 1))
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
-    with TestClient(app, headers=AUTH) as c:
+    with router_client(chart_api, Sup(db.sessions)) as c:
         for params in ({"buckets": 1000}, {"buckets": 10}, {"step_lo": 140, "step_hi": 160, "buckets": 500}):
             r = c.get(f"/api/runs/{RUN}/chart", params={"metric": "loss", **params})
             assert r.status_code == 200, r.text
@@ -147,10 +139,7 @@ def test_times_are_the_live_paths_wall_clock(db):
         for attempt, lo, hi, t0 in ((0, 0, 200, 1000.0), (1, 100, 300, 5000.0)):
             recs = [StepRecord(step=st, values={"loss": 1.0}, wall_time=t0 + st) for st in range(lo, hi)]
             steps_store.record_steps(s, run, attempt, recs)
-    app = FastAPI()
-    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
-    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
-    with TestClient(app, headers=AUTH) as c:
+    with router_client(chart_api, Sup(db.sessions)) as c:
         whole = c.get(f"/api/runs/{run}/times", params={"points": 300}).json()
         few = c.get(f"/api/runs/{run}/times", params={"points": 10, "step_lo": 50, "step_hi": 150}).json()
         assert c.get(f"/api/runs/{run}/times", params={"points": 1}).status_code == 422
@@ -175,10 +164,7 @@ def test_a_hundred_layer_chart_for_a_phone_is_under_a_megabyte(db):
                 for st in range(lo, lo + 500)]
         with db.sessions.begin() as s:
             thermometers.append(s, run, 0, recs)
-    app = FastAPI()
-    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
-    app.include_router(chart_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
-    with TestClient(app, headers=AUTH) as c:
+    with router_client(chart_api, Sup(db.sessions)) as c:
         params = {"metric": "act_max", "buckets": 390}
         full = c.get(f"/api/runs/{run}/chart", params=params)
         thin = c.get(f"/api/runs/{run}/chart", params={**params, "fields": "max"})

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from thermowatch.monitors.contract import CheckpointInfo, RunInfo, StepRecord
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.notify.console import ConsoleNotifier
-from thermowatch.supervisor.serve.server import build_app
-from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
+from tests.supervisor.api_client import client  # noqa: F401  (client: the fixture)
+from tests.supervisor.auth_helpers import ADMIN_TOKEN
 from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import checkpoints as checkpoints_store
 from thermowatch.supervisor.store import judged
@@ -71,12 +71,6 @@ def sup(db, tmp_path):
     s.open_run(RunInfo(run_id=TARGET, attempt=0, world_size=1))
     yield s
     s.close()
-
-
-@pytest.fixture
-def client(sup):
-    with TestClient(build_app(sup), raise_server_exceptions=False, headers=AUTH) as c:
-        yield c
 
 
 def baseline(c: TestClient) -> bytes:

@@ -18,6 +18,7 @@ from thermowatch.supervisor.app.config import ConfigError, SupervisorConfig
 from thermowatch.supervisor.limits import Limits, check_json
 from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.serve.server import build_app
+from tests.supervisor.api_client import client  # noqa: F401  (client: the fixture)
 from tests.supervisor.auth_helpers import ADMIN_TOKEN, AUTH
 from thermowatch.supervisor.app.service import Supervisor
 
@@ -27,27 +28,16 @@ LIMITS = {"max_config_keys": 50, "max_config_bytes": 4000, "max_manifest_keys": 
           "max_keys_per_step": 40, "max_series_per_run": 12}
 
 
-def make_sup(db, tmp_path, **limits) -> Supervisor:
-    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, limits={**LIMITS, **limits},
-                           api_token=ADMIN_TOKEN)
-    sup = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
-    sup.open_run(RunInfo(run_id=RUN, attempt=0, world_size=2, config={"lr": 3e-4, "layers": [1, 2]}))
-    sup.write(RUN, 0, [StepRecord(step=s, values={k: s + i / 10 for i, k in enumerate(KEYS)}, sample_lo=8 * s,
-                                  sample_hi=8 * s + 8, wall_time=0.5) for s in range(20)])
-    return sup
-
-
 @pytest.fixture
 def sup(db, tmp_path):
-    s = make_sup(db, tmp_path)
+    """A daemon under LIMITS, with the baseline run: its config and 20 steps of KEYS."""
+    cfg = SupervisorConfig(data_dir=tmp_path / "data", db_url=db.url, limits=dict(LIMITS), api_token=ADMIN_TOKEN)
+    s = Supervisor(cfg, notifier=ConsoleNotifier(io.StringIO()))
+    s.open_run(RunInfo(run_id=RUN, attempt=0, world_size=2, config={"lr": 3e-4, "layers": [1, 2]}))
+    s.write(RUN, 0, [StepRecord(step=i, values={k: i + j / 10 for j, k in enumerate(KEYS)}, sample_lo=8 * i,
+                                sample_hi=8 * i + 8, wall_time=0.5) for i in range(20)])
     yield s
     s.close()
-
-
-@pytest.fixture
-def client(sup):
-    with TestClient(build_app(sup), raise_server_exceptions=False, headers=AUTH) as c:
-        yield c
 
 
 def snapshot(c: TestClient) -> bytes:

@@ -8,12 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from thermowatch.monitors.contract import CheckpointInfo, Finding, RunInfo, Severity, Signal, StepRecord
-from thermowatch.supervisor.serve.api import install_error_handlers
 from thermowatch.supervisor.serve.api import runs as runs_api
 from thermowatch.supervisor.store import views
 from thermowatch.supervisor.store.views import envelope
@@ -21,7 +18,7 @@ from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.app.service import Progress
 from thermowatch.supervisor.store import actions, audit, checkpoints, findings, incidents, lr_changes, runs, skips, thermometers
 from thermowatch.supervisor.store import steps as steps_store
-from tests.supervisor.auth_helpers import AUTH, guard
+from tests.supervisor.api_client import router_client
 
 RUN = "gpt-350m"
 LAYERS = 3
@@ -108,10 +105,7 @@ def seeded(db):
 
 @pytest.fixture
 def client(db):
-    app = FastAPI()
-    install_error_handlers(app)  # the store's NotFound -> 404, as the daemon's app
-    app.include_router(runs_api.make_router(Sup(db.sessions), guard=guard(db.sessions)))
-    with TestClient(app, headers=AUTH) as c:
+    with router_client(runs_api, Sup(db.sessions)) as c:
         yield c
 
 
