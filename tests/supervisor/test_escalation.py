@@ -61,6 +61,19 @@ def _ask(sup, tmp_path) -> actions_store.ActionRow:
     return ask
 
 
+@pytest.fixture
+def sup(db, tmp_path, fakes):
+    s = make_sup(db, tmp_path, fakes)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ask(sup, tmp_path) -> actions_store.ActionRow:
+    """A real divergence's rollback waiting for approval, every alert about it sent."""
+    return _ask(sup, tmp_path)
+
+
 def _later(minutes: float) -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=minutes)
 
@@ -69,131 +82,111 @@ def _mentions(msg: dict) -> str:
     return msg.get("text", "")
 
 
-def test_a_page_names_the_oncall_escalates_once_and_ends_with_its_story(db, tmp_path, fakes):
+def test_a_page_names_the_oncall_escalates_once_and_ends_with_its_story(sup, ask, fakes):
     slack, pd, hook, smtp = fakes
-    sup = make_sup(db, tmp_path, fakes)
-    try:
-        ask = _ask(sup, tmp_path)
-        story = f"incident:{ask.incident_id}"
-        # The page: for the on-call group on Slack, one PagerDuty incident, one webhook trigger, one mail.
-        pages = [m for m in slack.posted() if f"<!subteam^{ONCALL}>" in _mentions(m)]
-        assert len(pages) == 1 and f"<@{LEAD}>" not in _mentions(pages[0])
-        buttons = [e for b in pages[0]["blocks"] if b["type"] == "actions" for e in b["elements"]]
-        assert [(e["action_id"], e["value"]) for e in buttons][-1] == (ACK, story)
-        # Nothing else the divergence said mentioned anyone: a rollback done by itself wakes nobody.
-        assert sum("<!subteam^" in _mentions(m) for m in slack.posted()) == 1
-        assert [e["event_action"] for e in pd.events()] == ["trigger"]
-        assert [b["event"] for b in hook.accepted()] == ["trigger"] and hook.accepted()[0]["escalation"] == 0
-        (mail,) = smtp.mails
-        assert mail.rcpt_to == ["oncall@example.org"] and mail.subject.startswith("[thermowatch CRITICAL]")
-        assert f"thermowatch approve {ask.id}" in mail.body and "https://tw.example.org/runs/oncall" in mail.body
+    story = f"incident:{ask.incident_id}"
+    # The page: for the on-call group on Slack, one PagerDuty incident, one webhook trigger, one mail.
+    pages = [m for m in slack.posted() if f"<!subteam^{ONCALL}>" in _mentions(m)]
+    assert len(pages) == 1 and f"<@{LEAD}>" not in _mentions(pages[0])
+    buttons = [e for b in pages[0]["blocks"] if b["type"] == "actions" for e in b["elements"]]
+    assert [(e["action_id"], e["value"]) for e in buttons][-1] == (ACK, story)
+    # Nothing else the divergence said mentioned anyone: a rollback done by itself wakes nobody.
+    assert sum("<!subteam^" in _mentions(m) for m in slack.posted()) == 1
+    assert [e["event_action"] for e in pd.events()] == ["trigger"]
+    assert [b["event"] for b in hook.accepted()] == ["trigger"] and hook.accepted()[0]["escalation"] == 0
+    (mail,) = smtp.mails
+    assert mail.rcpt_to == ["oncall@example.org"] and mail.subject.startswith("[thermowatch CRITICAL]")
+    assert f"thermowatch approve {ask.id}" in mail.body and "https://tw.example.org/runs/oncall" in mail.body
 
-        # Not yet due: nothing. Due: one escalation on every channel that has none of its own.
-        assert jobs.escalate(sup, now=_later(10)) == []
-        (esc,) = jobs.escalate(sup, now=_later(16))
-        assert esc.escalation == 1 and esc.thread == story and "not acknowledged for 1" in esc.title
-        assert f"thermowatch ack {RUN} --incident {ask.incident_id}" in esc.commands
-        assert jobs.escalate(sup, now=_later(40)) == []  # once
-        assert sup.executor.outbox.drain(20)
-        escalated = [m for m in slack.posted() if f"<@{LEAD}>" in _mentions(m)]
-        assert len(escalated) == 1 and f"<!subteam^{ONCALL}>" in _mentions(escalated[0])
-        assert escalated[0].get("thread_ts") and escalated[0].get("reply_broadcast") is True
-        assert [e["event_action"] for e in pd.events()] == ["trigger"]  # PagerDuty escalates by its own policy
-        assert [(b["event"], b["escalation"]) for b in hook.accepted()] == [("trigger", 0), ("trigger", 1)]
-        assert len(smtp.mails) == 2
-        second = smtp.mails[1]
-        assert second.subject.startswith("[thermowatch ESCALATED]")
-        assert second.rcpt_to == ["oncall@example.org", "lead@example.org"]
-        assert second.message["References"] == mail.message["Message-ID"]  # one conversation
-        with sup.sessions() as s:
-            (audited,) = audit_store.events(s, RUN, jobs.ESCALATED)
-            assert audited.detail["thread"] == story and audited.detail["waited_s"] >= 15 * 60
+    # Not yet due: nothing. Due: one escalation on every channel that has none of its own.
+    assert jobs.escalate(sup, now=_later(10)) == []
+    (esc,) = jobs.escalate(sup, now=_later(16))
+    assert esc.escalation == 1 and esc.thread == story and "not acknowledged for 1" in esc.title
+    assert f"thermowatch ack {RUN} --incident {ask.incident_id}" in esc.commands
+    assert jobs.escalate(sup, now=_later(40)) == []  # once
+    assert sup.executor.outbox.drain(20)
+    escalated = [m for m in slack.posted() if f"<@{LEAD}>" in _mentions(m)]
+    assert len(escalated) == 1 and f"<!subteam^{ONCALL}>" in _mentions(escalated[0])
+    assert escalated[0].get("thread_ts") and escalated[0].get("reply_broadcast") is True
+    assert [e["event_action"] for e in pd.events()] == ["trigger"]  # PagerDuty escalates by its own policy
+    assert [(b["event"], b["escalation"]) for b in hook.accepted()] == [("trigger", 0), ("trigger", 1)]
+    assert len(smtp.mails) == 2
+    second = smtp.mails[1]
+    assert second.subject.startswith("[thermowatch ESCALATED]")
+    assert second.rcpt_to == ["oncall@example.org", "lead@example.org"]
+    assert second.message["References"] == mail.message["Message-ID"]  # one conversation
+    with sup.sessions() as s:
+        (audited,) = audit_store.events(s, RUN, jobs.ESCALATED)
+        assert audited.detail["thread"] == story and audited.detail["waited_s"] >= 15 * 60
 
-        # Approving answers the page; the rollback's ack ends it, on every channel that was paged.
-        sup.executor.approve(ask.id, "alice")
-        (cmd,) = sup.poll(RUN)
-        sup.ack(RUN, Ack(command_id=cmd.id, ok=True, first_step=ask.args["to_step"] + 1, detail="rolled back"))
-        assert sup.executor.outbox.drain(20)
-        assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge", "resolve"]
-        assert [b["event"] for b in hook.accepted()][-2:] == ["acknowledge", "resolve"]
-        assert [m.subject.split("]")[0] for m in smtp.mails[2:]] == ["[thermowatch ACKNOWLEDGED", "[thermowatch RESOLVED"]
-        assert all(m.message["References"] == mail.message["Message-ID"] for m in smtp.mails[1:])
-        assert jobs.escalate(sup, now=_later(120)) == []
-    finally:
-        sup.close()
+    # Approving answers the page; the rollback's ack ends it, on every channel that was paged.
+    sup.executor.approve(ask.id, "alice")
+    (cmd,) = sup.poll(RUN)
+    sup.ack(RUN, Ack(command_id=cmd.id, ok=True, first_step=ask.args["to_step"] + 1, detail="rolled back"))
+    assert sup.executor.outbox.drain(20)
+    assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge", "resolve"]
+    assert [b["event"] for b in hook.accepted()][-2:] == ["acknowledge", "resolve"]
+    assert [m.subject.split("]")[0] for m in smtp.mails[2:]] == ["[thermowatch ACKNOWLEDGED", "[thermowatch RESOLVED"]
+    assert all(m.message["References"] == mail.message["Message-ID"] for m in smtp.mails[1:])
+    assert jobs.escalate(sup, now=_later(120)) == []
 
 
-def test_acknowledged_pages_do_not_escalate_from_the_api_the_button_or_twice(db, tmp_path, fakes):
+def test_acknowledged_pages_do_not_escalate_from_the_api_the_button_or_twice(sup, ask, fakes):
     slack, pd, hook, smtp = fakes
-    sup = make_sup(db, tmp_path, fakes)
-    try:
-        ask = _ask(sup, tmp_path)
-        with TestClient(build_app(sup), headers=AUTH) as c:
-            # Bad input: a 4xx naming the problem, nothing stored.
-            for body, status, words in (({}, 422, "exactly one"), ({"incident": 1, "action": 1}, 422, "exactly one"),
-                                        ({"incident": 99999}, 404, "no incident 99999"),
-                                        ({"incident": "x"}, 422, "incident"), ({"incident": 1, "when": 2}, 422, "when")):
-                r = c.post(f"/api/runs/{RUN}/acknowledge", json=body)
-                assert r.status_code == status and words in r.text, (body, r.text)
-            assert c.post("/api/runs/nope/acknowledge", json={"incident": ask.incident_id}).status_code == 404
-            with sup.sessions() as s:
-                assert audit_store.events(s, RUN, "page_acknowledged") == []
-
-            r = c.post(f"/api/runs/{RUN}/acknowledge", json={"incident": ask.incident_id, "who": "alice",
-                                                             "reason": "looking at the logits"})
-            assert r.status_code == 200 and r.json()["already"] is False
-            again = c.post(f"/api/runs/{RUN}/acknowledge", json={"incident": ask.incident_id}).json()
-            assert again["already"] is True and "alice" in again["who"] and again["reason"] == "looking at the logits"
-            # Slack's button on the same story: already taken, nothing more sent.
-            got = click(c, f"incident:{ask.incident_id}", ACK, user="bob")
-            assert got.status_code == 200 and got.json()["already"] is True
-        assert sup.executor.outbox.drain(20)
-        assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge"]
-        assert [m.subject.split("]")[0] for m in smtp.mails] == ["[thermowatch CRITICAL", "[thermowatch ACKNOWLEDGED"]
-        assert "looking at the logits" in smtp.mails[1].body
-        assert any("acknowledged the page" in m.get("text", "") for m in slack.posted())
-        assert jobs.escalate(sup, now=_later(60)) == []  # taken: never escalated
+    with TestClient(build_app(sup), headers=AUTH) as c:
+        # Bad input: a 4xx naming the problem, nothing stored.
+        for body, status, words in (({}, 422, "exactly one"), ({"incident": 1, "action": 1}, 422, "exactly one"),
+                                    ({"incident": 99999}, 404, "no incident 99999"),
+                                    ({"incident": "x"}, 422, "incident"), ({"incident": 1, "when": 2}, 422, "when")):
+            r = c.post(f"/api/runs/{RUN}/acknowledge", json=body)
+            assert r.status_code == status and words in r.text, (body, r.text)
+        assert c.post("/api/runs/nope/acknowledge", json={"incident": ask.incident_id}).status_code == 404
         with sup.sessions() as s:
-            assert actions_store.get_action(s, ask.id).state == "pending"  # the approval still waits
-            assert len(audit_store.events(s, RUN, "page_acknowledged")) == 1
-    finally:
-        sup.close()
+            assert audit_store.events(s, RUN, "page_acknowledged") == []
+
+        r = c.post(f"/api/runs/{RUN}/acknowledge", json={"incident": ask.incident_id, "who": "alice",
+                                                         "reason": "looking at the logits"})
+        assert r.status_code == 200 and r.json()["already"] is False
+        again = c.post(f"/api/runs/{RUN}/acknowledge", json={"incident": ask.incident_id}).json()
+        assert again["already"] is True and "alice" in again["who"] and again["reason"] == "looking at the logits"
+        # Slack's button on the same story: already taken, nothing more sent.
+        got = click(c, f"incident:{ask.incident_id}", ACK, user="bob")
+        assert got.status_code == 200 and got.json()["already"] is True
+    assert sup.executor.outbox.drain(20)
+    assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge"]
+    assert [m.subject.split("]")[0] for m in smtp.mails] == ["[thermowatch CRITICAL", "[thermowatch ACKNOWLEDGED"]
+    assert "looking at the logits" in smtp.mails[1].body
+    assert any("acknowledged the page" in m.get("text", "") for m in slack.posted())
+    assert jobs.escalate(sup, now=_later(60)) == []  # taken: never escalated
+    with sup.sessions() as s:
+        assert actions_store.get_action(s, ask.id).state == "pending"  # the approval still waits
+        assert len(audit_store.events(s, RUN, "page_acknowledged")) == 1
 
 
-def test_the_slack_button_acknowledges_as_the_clicker_and_refuses_strangers(db, tmp_path, fakes):
+def test_the_slack_button_acknowledges_as_the_clicker_and_refuses_strangers(sup, ask, fakes):
     slack, pd, hook, smtp = fakes
-    sup = make_sup(db, tmp_path, fakes)
-    try:
-        ask = _ask(sup, tmp_path)
-        with TestClient(build_app(sup)) as c:
-            assert click(c, f"incident:{ask.incident_id}", ACK, user="mallory").status_code == 403
-            assert click(c, "incident:x", ACK).status_code == 400
-            assert click(c, "incident:99999", ACK).status_code == 404
-            r = click(c, f"incident:{ask.incident_id}", ACK, user="alice")
-            assert r.status_code == 200 and r.json()["event"] == "acknowledged", r.text
-        with sup.sessions() as s:
-            (row,) = audit_store.events(s, RUN, "page_acknowledged")
-            assert row.actor == "slack:alice (U0ALICE)" and row.detail["incident_id"] == ask.incident_id
-        assert sup.executor.outbox.drain(20)
-        assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge"]
-    finally:
-        sup.close()
+    with TestClient(build_app(sup)) as c:
+        assert click(c, f"incident:{ask.incident_id}", ACK, user="mallory").status_code == 403
+        assert click(c, "incident:x", ACK).status_code == 400
+        assert click(c, "incident:99999", ACK).status_code == 404
+        r = click(c, f"incident:{ask.incident_id}", ACK, user="alice")
+        assert r.status_code == 200 and r.json()["event"] == "acknowledged", r.text
+    with sup.sessions() as s:
+        (row,) = audit_store.events(s, RUN, "page_acknowledged")
+        assert row.actor == "slack:alice (U0ALICE)" and row.detail["incident_id"] == ask.incident_id
+    assert sup.executor.outbox.drain(20)
+    assert [e["event_action"] for e in pd.events()] == ["trigger", "acknowledge"]
 
 
-def test_a_page_whose_cause_ended_without_a_word_is_not_escalated(db, tmp_path, fakes):
+def test_a_page_whose_cause_ended_without_a_word_is_not_escalated(sup, ask):
     """The escalation reads the story's cause, not only its messages: an incident closed, or a
     run that finished, is never escalated even when no resolve went out."""
-    sup = make_sup(db, tmp_path, fakes)
-    try:
-        ask = _ask(sup, tmp_path)
-        with sup.sessions.begin() as s:
-            incidents_store.resolve_incident(s, ask.incident_id, "closed by hand")
-        assert jobs.escalate(sup, now=_later(30)) == []
-        sup.executor.notify(Alert(run_id=RUN, severity=Severity.CRITICAL, title=f"{RUN}: checkpoint saves failing",
-                                  thread="action:4242"))  # no such action: a story of no cause is not escalated
-        assert jobs.escalate(sup, now=_later(30)) == []
-    finally:
-        sup.close()
+    with sup.sessions.begin() as s:
+        incidents_store.resolve_incident(s, ask.incident_id, "closed by hand")
+    assert jobs.escalate(sup, now=_later(30)) == []
+    sup.executor.notify(Alert(run_id=RUN, severity=Severity.CRITICAL, title=f"{RUN}: checkpoint saves failing",
+                              thread="action:4242"))  # no such action: a story of no cause is not escalated
+    assert jobs.escalate(sup, now=_later(30)) == []
 
 
 def test_escalation_is_off_at_zero_and_its_job_is_scheduled_otherwise(db, tmp_path, fakes):

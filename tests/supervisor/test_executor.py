@@ -55,6 +55,14 @@ def sup(db, tmp_path, stream):
     s.close()
 
 
+@pytest.fixture
+def slack_sup(db, tmp_path, slack):
+    """A supervisor whose alerts go to the fake Slack's #training-alerts, as the daemon posts them."""
+    s = make_sup(db, tmp_path, SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0))
+    yield s
+    s.close()
+
+
 def action(sup, action_id):
     with sup.sessions() as s:
         return actions_store.get_action(s, action_id)
@@ -276,30 +284,25 @@ def test_advise_only_approve_then_approve_again_conflicts(db, tmp_path):
         sup.close()
 
 
-def test_decision_alert_reaches_slack_with_the_reasons(db, tmp_path, slack):
-    notifier = SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0)
-    sup = make_sup(db, tmp_path, notifier)
-    try:
-        act = _diverge(sup, tmp_path)
-        assert sup.executor.outbox.drain(30)
-        posted = slack.posted()
-        # Alert-only findings (growth with no witness yet) may be posted before the one that acts.
-        acting = [m for m in posted if f"rollback to step {act.args['to_step']}" in m["text"]]
-        assert len(acting) == 1, [m["text"] for m in posted]
-        msg = acting[0]
-        assert msg["channel"] == "#training-alerts"
-        blocks = msg["blocks"] if isinstance(msg["blocks"], list) else json.loads(msg["blocks"])
-        text = "\n".join(str(b) for b in blocks)
-        # the policy's reasons, as stored in the action row, are what the human reads
-        reasons = act.reason.split("; ")
-        assert any("rung 1" in r for r in reasons)
-        for r in reasons[1:]:
-            assert r.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")[:60] in text
-        assert f"step {act.args['to_step']}" in text
-        assert RUN in text
-        assert all(a.ok for a in alerts(sup))
-    finally:
-        sup.close()
+def test_decision_alert_reaches_slack_with_the_reasons(slack_sup, slack, tmp_path):
+    act = _diverge(slack_sup, tmp_path)
+    assert slack_sup.executor.outbox.drain(30)
+    posted = slack.posted()
+    # Alert-only findings (growth with no witness yet) may be posted before the one that acts.
+    acting = [m for m in posted if f"rollback to step {act.args['to_step']}" in m["text"]]
+    assert len(acting) == 1, [m["text"] for m in posted]
+    msg = acting[0]
+    assert msg["channel"] == "#training-alerts"
+    blocks = msg["blocks"] if isinstance(msg["blocks"], list) else json.loads(msg["blocks"])
+    text = "\n".join(str(b) for b in blocks)
+    # the policy's reasons, as stored in the action row, are what the human reads
+    reasons = act.reason.split("; ")
+    assert any("rung 1" in r for r in reasons)
+    for r in reasons[1:]:
+        assert r.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")[:60] in text
+    assert f"step {act.args['to_step']}" in text
+    assert RUN in text
+    assert all(a.ok for a in alerts(slack_sup))
 
 
 def test_a_failing_notifier_does_not_undo_the_decision(db, tmp_path, slack):
@@ -372,27 +375,22 @@ def test_approval_alert_carries_the_action_id_the_commands_and_the_run_page(db, 
         sup.close()
 
 
-def test_done_and_failed_actions_report_in_their_thread(db, tmp_path, slack):
+def test_done_and_failed_actions_report_in_their_thread(slack_sup, slack):
     """A manual command's story: asked, then what the trainer did; a failure is broadcast."""
-    notifier = SlackNotifier(slack.token, "#training-alerts", base_url=slack.base_url, retries=0)
-    sup = make_sup(db, tmp_path, notifier)
-    try:
-        ok, bad = skip(sup), skip(sup, 300, 400)
-        sup.poll(RUN)
-        sup.ack(RUN, Ack(ok, ok=True, first_step=12, skip_ranges=(SampleRange(100, 200),)))
-        sup.ack(RUN, Ack(bad, ok=False, first_step=12, detail="ledger is read-only"))
-        assert sup.executor.outbox.drain(30)
-        parents = slack.top_level()
-        assert len(parents) == 2 and all(p["reply_count"] == 1 for p in parents)
-        done = slack.thread(parents[0]["ts"])[1]
-        assert f"skip (action {ok}) done: skip applied, first step trained 12, skipped [100, 200)" in done["text"]
-        assert done["text"].count("first step trained") == 1, done["text"]  # said once (issue 23's wording)
-        assert "subtype" not in done
-        failed = slack.thread(parents[1]["ts"])[1]
-        assert "FAILED" in failed["text"] and "read-only" in failed["text"]
-        assert failed["subtype"] == "thread_broadcast"
-    finally:
-        sup.close()
+    ok, bad = skip(slack_sup), skip(slack_sup, 300, 400)
+    slack_sup.poll(RUN)
+    slack_sup.ack(RUN, Ack(ok, ok=True, first_step=12, skip_ranges=(SampleRange(100, 200),)))
+    slack_sup.ack(RUN, Ack(bad, ok=False, first_step=12, detail="ledger is read-only"))
+    assert slack_sup.executor.outbox.drain(30)
+    parents = slack.top_level()
+    assert len(parents) == 2 and all(p["reply_count"] == 1 for p in parents)
+    done = slack.thread(parents[0]["ts"])[1]
+    assert f"skip (action {ok}) done: skip applied, first step trained 12, skipped [100, 200)" in done["text"]
+    assert done["text"].count("first step trained") == 1, done["text"]  # said once (issue 23's wording)
+    assert "subtype" not in done
+    failed = slack.thread(parents[1]["ts"])[1]
+    assert "FAILED" in failed["text"] and "read-only" in failed["text"]
+    assert failed["subtype"] == "thread_broadcast"
 
 
 def test_the_finish_closes_open_incidents_and_tells_the_story_in_one_message(db, tmp_path):

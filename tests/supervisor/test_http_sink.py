@@ -96,6 +96,17 @@ def _loss(db, run_id="r"):
         return thermometers.history(s, run_id, "loss")
 
 
+def _spooled_while_down(server, spool_dir):
+    """Stop the server, then open run r and write steps 0-9 through a sink that does not retry
+    for an hour, and close it: all of it lies in the spool file returned."""
+    server.stop()
+    sink = HttpSink(server.url, spool_dir, INGEST_TOKEN, retry_interval=3600)
+    sink.open_run(RunInfo("r", 0, world_size=1))
+    sink.write("r", 0, _batch(0))
+    sink.close()
+    return next(spool_dir.glob("spool-*.jsonl"))
+
+
 def test_outage_loses_no_step_and_keeps_order(db, server, tmp_path):
     sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=0.0, batch_steps=100)
     sink.open_run(RunInfo("r", 0, world_size=2))
@@ -234,12 +245,7 @@ def test_no_retry_inside_the_backoff_interval(db, server, tmp_path):
 
 
 def test_torn_spool_line_from_a_crash_is_set_aside(db, server, tmp_path):
-    server.stop()
-    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
-    sink.open_run(RunInfo("r", 0, world_size=1))
-    sink.write("r", 0, _batch(0))
-    sink.close()
-    spool = next((tmp_path / "spool").glob("spool-*.jsonl"))
+    spool = _spooled_while_down(server, tmp_path / "spool")
     with open(spool, "ab") as f:
         f.write(b'{"path": "/api/runs/r/attempts/0/steps", "body": {"records": [{"st')  # killed mid-append
     server.start()
@@ -319,12 +325,7 @@ def test_checkpoint_deletions_reach_the_supervisor(db, server, tmp_path):
 def test_batches_travel_as_columns_and_an_older_json_spool_still_replays(db, server, tmp_path):
     """The sink posts steps as columns (monitors.columns); a spool written by an older sink (JSON
     bodies) replays in order beside the new lines (base64 of the columns body)."""
-    server.stop()
-    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, retry_interval=3600)
-    sink.open_run(RunInfo("r", 0, world_size=1))
-    sink.write("r", 0, _batch(0))
-    sink.close()
-    spool = next((tmp_path / "spool").glob("spool-*.jsonl"))
+    spool = _spooled_while_down(server, tmp_path / "spool")
     lines = [json.loads(x) for x in spool.read_bytes().splitlines()]
     assert lines[1]["content_type"] == COLUMNS_CONTENT_TYPE and "body_b64" in lines[1]
     old = {"path": "/api/runs/r/attempts/0/steps", "body": {"records": [r.to_json() for r in _batch(10)]}}

@@ -128,9 +128,11 @@ class Held:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _request(app, path: str, client: str = "c") -> int:
-    scope = {"type": "http", "method": "GET", "path": path, "headers": [(b"authorization", client.encode())],
-             "client": ("127.0.0.1", 1)}
+async def _request(app, path: str, client: str | None = "c", method: str = "GET") -> int:
+    """One request through `app` as an ASGI server hands it over; its status. `client` is the
+    Authorization header the gate budgets reads by (None: no header)."""
+    headers = [] if client is None else [(b"authorization", client.encode())]
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 1)}
     status = []
 
     async def receive():
@@ -196,18 +198,7 @@ class HeldByPath(Held):
 
 
 async def _post(app, path: str) -> int:
-    status = []
-
-    async def receive():
-        return {"type": "http.request", "body": b""}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            status.append(msg["status"])
-
-    await app({"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 1)},
-              receive, send)
-    return status[0]
+    return await _request(app, path, client=None, method="POST")
 
 
 def test_a_read_lets_the_writes_in_flight_finish_first_but_waits_no_longer_than_yield_s():
