@@ -24,7 +24,7 @@ from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import judged as judged_store
-from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
+from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, uninterrupted
 
 RUN = "bp"
 
@@ -61,13 +61,7 @@ def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     sup = make_sup(f"sqlite:///{d / 'ref.db'}", d / "data")
     assert sup.bank_process is None  # inline: the detectors stay in the caller's process
-    try:
-        sup.open_run(RunInfo(RUN, 0, world_size=1))
-        for b in batches():
-            sup.write(RUN, 0, b)
-        found = findings(sup)
-    finally:
-        sup.close()
+    found = uninterrupted(sup, RUN, batches(), findings)
     assert any(f[4] == "act" for f in found), "the diverging run raised no finding to act on"
     return found
 

@@ -15,7 +15,7 @@ from thermowatch.supervisor.notify.console import ConsoleNotifier
 from thermowatch.supervisor.app.service import Supervisor
 from thermowatch.supervisor.store import findings as findings_store
 from thermowatch.supervisor.store import judged as judged_store
-from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records
+from tests.fixtures.diverging import DETECTORS, POLICY, diverging_records, uninterrupted
 
 RUN = "jg"
 
@@ -41,13 +41,7 @@ def reference(tmp_path_factory):
     """What an uninterrupted supervisor finds in the run (its own SQLite file)."""
     d = tmp_path_factory.mktemp("ref")
     sup = make_sup(f"sqlite:///{d / 'ref.db'}", d / "data")
-    try:
-        sup.open_run(RunInfo(RUN, 0, world_size=1))
-        for b in batches():
-            sup.write(RUN, 0, b)
-        found = findings(sup)
-    finally:
-        sup.close()
+    found = uninterrupted(sup, RUN, batches(), findings)
     assert found, "the diverging run raised no finding"
     return found
 
