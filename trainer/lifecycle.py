@@ -24,21 +24,25 @@ class Initializing:
 
 
 @dataclass(frozen=True)
-class Running:
-    attempt: int
-    step: int  # the last step trained
+class _AtStep:
+    """Where the run stands: the attempt and the last step it trained."""
 
-
-@dataclass(frozen=True)
-class Paused:
     attempt: int
     step: int
 
 
 @dataclass(frozen=True)
-class Restarting:
-    attempt: int  # the attempt that failed
-    step: int
+class Running(_AtStep):
+    """Training."""
+
+
+@dataclass(frozen=True)
+class Paused(_AtStep):
+    """Held by a PAUSE command until a RESUME."""
+
+
+@dataclass(frozen=True)
+class Restarting(_AtStep):  # `attempt` is the one that failed
     error: str
     failures: int
 
