@@ -67,6 +67,18 @@ def check_tree(cls: type, obj: Any, path: str = "") -> None:
             _check_value(hints[key], val, where)
 
 
+def changed(obj: Any) -> dict[str, Any]:
+    """The fields of the dataclass `obj` that differ from its class's defaults, a nested section as
+    its own changed fields: what a config file would have to say to build it."""
+    default = type(obj)()
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        mine, theirs = getattr(obj, f.name), getattr(default, f.name)
+        if f.init and mine != theirs:
+            out[f.name] = changed(mine) if dataclasses.is_dataclass(mine) and type(mine) is type(theirs) else mine
+    return out
+
+
 def _check_value(tp: Any, val: Any, where: str) -> None:
     if tp is Any or isinstance(tp, (str, typing.TypeVar)):
         return

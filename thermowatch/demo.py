@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thermowatch.monitors.contract import describe_args
-from thermowatch.supervisor.app.config import SupervisorConfig
+from thermowatch.supervisor.app.config import SupervisorConfig, read_mapping
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,10 @@ def demo_supervisor_config(opts: DemoOptions) -> SupervisorConfig:
     the demo's data dir and database."""
     if opts.config is None:
         return SupervisorConfig(data_dir=opts.data_dir, db_url=opts.db_url, policy=DEMO_POLICY, detectors=DEMO_DETECTORS)
-    theirs = SupervisorConfig.load(opts.config)
+    theirs = read_mapping(Path(opts.config))  # their sections as written: the fields they set
     return SupervisorConfig.load(opts.config, data_dir=opts.data_dir, db_url=opts.db_url or "",
-                                 policy={**DEMO_POLICY, **theirs.policy}, detectors={**DEMO_DETECTORS, **theirs.detectors})
+                                 policy={**DEMO_POLICY, **(theirs.get("policy") or {})},
+                                 detectors={**DEMO_DETECTORS, **(theirs.get("detectors") or {})})
 
 
 def train_config(opts: DemoOptions, run_id: str, ckpt_dir: Path):

@@ -224,13 +224,14 @@ def _config_kind(path: str, values: dict, train_cls: type) -> str:
 
 
 def _describe_supervisor(cfg: SupervisorConfig) -> list[str]:
+    from thermowatch.monitors.config_tree import changed
     from thermowatch.supervisor import db
 
     return [
         f"  database: {db.redact(cfg.db_url) if cfg.db_url else f'SQLite in {cfg.data_dir}'}",
         f"  listens on {cfg.host}:{cfg.port}, auth {'on' if cfg.auth else 'OFF'}, public_url {cfg.public_url or '-'}",
         f"  Slack: {cfg.slack.channel or 'off (console alerts)'}; advise_only {cfg.advise_only}",
-        f"  policy overrides: {cfg.policy or 'none'}; detector overrides: {cfg.detectors or 'none'}",
+        f"  policy overrides: {changed(cfg.policy) or 'none'}; detector overrides: {changed(cfg.detectors) or 'none'}",
     ]
 
 

@@ -11,19 +11,23 @@ secret can override one field without a file.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from thermowatch.monitors.config_tree import ConfigTreeError, check_tree, schema
+from thermowatch.monitors.config_tree import ConfigTreeError, check_tree
 from thermowatch.monitors.contract import Severity
+from thermowatch.monitors.detectors import BankConfig
+from thermowatch.monitors.envelope import EnvelopeConfig
 from thermowatch.monitors.settings import SettingError, check_number, parse_bool, parse_number
+from thermowatch.supervisor.decide.policy import PolicyConfig
 from thermowatch.supervisor.errors import UserError
+from thermowatch.supervisor.limits import Limits
 
 if TYPE_CHECKING:
-    from thermowatch.monitors.detectors import BankConfig
     from thermowatch.supervisor.notify.flap import FlapConfig
 
 
@@ -269,24 +273,14 @@ class SupervisorConfig:
     pagerduty: PagerDutyConfig = field(default_factory=PagerDutyConfig)  # paging beside Slack (issue 37)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
     email: EmailConfig = field(default_factory=EmailConfig)  # pages by SMTP (issue 37)
-    # The sections below are checked key by key against the class named in `schema` (config_tree).
-    policy: dict[str, Any] = field(default_factory=dict,  # PolicyConfig fields that differ
-                                   metadata=schema("thermowatch.supervisor.decide.policy:PolicyConfig"))
-    detectors: dict[str, Any] = field(default_factory=dict,  # DetectorBank config that differs
-                                      metadata=schema("thermowatch.monitors.detectors:BankConfig"))
-    limits: dict[str, Any] = field(default_factory=dict,  # supervisor.limits.Limits fields that differ
-                                   metadata=schema("thermowatch.supervisor.limits:Limits"))
-    # The peer envelope (loss_behind_peers; supervisor/app/jobs.py and the run page): EnvelopeConfig
-    # fields that differ (gap_nats, confirm, start, smooth, min_peers)
-    envelope: dict[str, Any] = field(default_factory=dict,
-                                     metadata=schema("thermowatch.monitors.envelope:EnvelopeConfig"))
-    # The four sections above, built once at load into their typed classes (a value out of range
-    # stops `serve` at start-up, naming the section); everything past load reads these.
-    # (Typed Any here: the classes are imported at load, and the config tree resolves these hints.)
-    policy_config: Any = field(init=False, repr=False, compare=False)  # PolicyConfig, advise_only folded in
-    bank_config: Any = field(init=False, repr=False, compare=False)  # monitors.detectors.BankConfig
-    limits_config: Any = field(init=False, repr=False, compare=False)  # supervisor.limits.Limits
-    envelope_config: Any = field(init=False, repr=False, compare=False)  # monitors.envelope.EnvelopeConfig
+    # The sections below are typed; a YAML file (or a caller) gives each as a mapping of the fields
+    # that differ, checked key by key (config_tree) and built once at load, so a value out of range
+    # stops `serve` at start-up, naming the section.
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # `advise_only` above folded in
+    detectors: BankConfig = field(default_factory=BankConfig)
+    limits: Limits = field(default_factory=Limits)  # supervisor.limits
+    # The peer envelope (loss_behind_peers; supervisor/app/jobs.py and the run page)
+    envelope: EnvelopeConfig = field(default_factory=EnvelopeConfig)
 
     def __post_init__(self) -> None:
         # The sections a person writes by hand: one message naming the dotted path of a typo
@@ -330,21 +324,24 @@ class SupervisorConfig:
             self.slack.flap()
         except UserError as exc:
             raise ConfigError(str(exc)) from None
-        from thermowatch.supervisor.limits import Limits
+        self._build_sections()
 
-        from thermowatch.monitors.detectors import BankConfig
-        from thermowatch.supervisor.decide.policy import PolicyConfig
-
-        # Build each section once now, so a value out of range stops `serve` at start-up
-        # with the section's name, not at the first finding.
-        from thermowatch.monitors.envelope import EnvelopeConfig
-
-        for name, attr, build in (
-                ("limits", "limits_config", Limits.from_dict), ("detectors", "bank_config", BankConfig.from_dict),
-                ("policy", "policy_config", lambda d: PolicyConfig(**{"advise_only": self.advise_only, **d})),
-                ("envelope", "envelope_config", lambda d: EnvelopeConfig(**d))):
+    def _build_sections(self) -> None:
+        """Each typed section from the mapping given for it (its fields that differ), once."""
+        policy = self.policy
+        if isinstance(policy, Mapping):  # its own advise_only wins over the top level's
+            policy = {"advise_only": self.advise_only, **policy}
+        elif isinstance(policy, PolicyConfig) and self.advise_only and not policy.advise_only:
+            policy = dataclasses.replace(policy, advise_only=True)
+        for name, cls, build in (("limits", Limits, Limits.from_dict), ("detectors", BankConfig, BankConfig.from_dict),
+                                 ("policy", PolicyConfig, lambda d: PolicyConfig(**d)),
+                                 ("envelope", EnvelopeConfig, lambda d: EnvelopeConfig(**d))):
+            value = policy if name == "policy" else getattr(self, name)
+            if isinstance(value, cls):
+                setattr(self, name, value)
+                continue
             try:
-                setattr(self, attr, build(getattr(self, name)))
+                setattr(self, name, build(value))
             except (TypeError, ValueError, UserError) as exc:
                 raise ConfigError(f"{name}: {exc}") from None
 

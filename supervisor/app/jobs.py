@@ -166,7 +166,7 @@ def peer_envelope(sup: Daemon, now: dt.datetime | None = None, cfg: EnvelopeConf
     responder, which records it once per attempt (a later tick finds the same stretch again and
     is not decided twice) and alerts."""
     now = now or dt.datetime.now(dt.timezone.utc)
-    cfg = cfg or sup.cfg.envelope_config  # the daemon's `envelope:` section
+    cfg = cfg or sup.cfg.envelope  # the daemon's `envelope:` section
     found: list[tuple[str, Finding, int | None]] = []
     with sup.sessions() as s:
         # Bounded whatever the database holds (an ingest token can make 10^5 runs: issue 21):

@@ -231,8 +231,8 @@ class Supervisor:
             lease.use(self.sessions)
         self.coordinator = None  # serve()'s, with a lease (supervisor.app.lease.Coordinator)
         self.notifier = notifier
-        policy = self.policy = cfg.policy_config
-        bank_cfg = cfg.bank_config
+        policy = self.policy = cfg.policy
+        bank_cfg = cfg.detectors
         # The daemon (judge_inline=False) judges in the detectors' own process; the embedded mode
         # waits for each judgement anyway, so it keeps them in its own.
         self.bank_process = BankProcess(bank_cfg) if cfg.judge_process and not judge_inline else None
@@ -259,7 +259,7 @@ class Supervisor:
         self.progress = Progress()  # the newest loss, step time and tokens/s per run, for /metrics
         self.ingestor = Ingestor(self.sessions, on_records=self._judge_later, check_state=self._check_state,
                                  check_keys=self.consistency.reads + self.checkpoint_health.reads,
-                                 limits=cfg.limits_config, judged_with=judged_with(cfg.bank_config))
+                                 limits=cfg.limits, judged_with=judged_with(cfg.detectors))
         self.limits = self.ingestor.limits  # the HTTP router checks a batch's size before parsing it
 
     # --- roles (supervisor.app.lease) -------------------------------------------------------------

@@ -60,7 +60,11 @@ def test_sections_built_in_code_are_checked_too():
         SupervisorConfig(detectors={"loss": {"z_threshold": 3}})
     cfg = SupervisorConfig(policy={"lr_factor": 0.25, "rollback_signals": ["loss_spike"]},
                            detectors={"attn": {"ceiling": 80}, "disabled": ["stall"]})
-    assert cfg.policy["lr_factor"] == 0.25 and cfg.policy_config.lr_factor == 0.25
+    assert cfg.policy.lr_factor == 0.25 and cfg.policy.rollback_signals == {"loss_spike"}
+    assert cfg.detectors.attn.ceiling == 80
+    # A section given as its typed object is taken as it is; the top level's advise_only still holds.
+    typed = SupervisorConfig(policy=cfg.policy, detectors=cfg.detectors, advise_only=True)
+    assert typed.detectors is cfg.detectors and typed.policy.lr_factor == 0.25 and typed.policy.advise_only
 
 
 def test_the_old_relative_lr_multiplier_is_read_as_lr_factor_with_a_warning():
@@ -68,7 +72,7 @@ def test_the_old_relative_lr_multiplier_is_read_as_lr_factor_with_a_warning():
     else). It is `lr_factor` now; the old key works for one release, saying so."""
     with pytest.warns(FutureWarning, match="policy.lr_multiplier is deprecated: it is now policy.lr_factor"):
         cfg = SupervisorConfig(policy={"lr_multiplier": 0.25})
-    assert (cfg.policy_config.lr_factor, cfg.policy_config.lr_multiplier) == (0.25, None)
+    assert (cfg.policy.lr_factor, cfg.policy.lr_multiplier) == (0.25, None)
     with pytest.raises(ConfigError, match="both set"):
         SupervisorConfig(policy={"lr_multiplier": 0.25, "lr_factor": 0.3})
 
@@ -169,8 +173,8 @@ def test_the_limits_example_in_docs_configuration_loads(tmp_path):
     example = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     (tmp_path / "sup.yaml").write_text(example)
     cfg = SupervisorConfig.load(tmp_path / "sup.yaml", env={}, data_dir=tmp_path)
-    limits = Limits.from_dict(cfg.limits)
-    assert cfg.max_body_bytes == 64 << 20
+    limits = cfg.limits
+    assert isinstance(limits, Limits) and cfg.max_body_bytes == 64 << 20
     assert limits.max_body_bytes_in_flight == 256 << 20 and limits.max_new_runs_per_token_per_hour == 1000
 
 
@@ -182,7 +186,7 @@ def test_the_limits_example_in_docs_configuration_loads(tmp_path):
 ])
 def test_a_boolean_in_the_environment_takes_the_documented_spellings(tmp_path, text, value):
     cfg = SupervisorConfig.load(None, env={"THERMOWATCH_ADVISE_ONLY": text}, data_dir=tmp_path)
-    assert cfg.advise_only is value and cfg.policy_config.advise_only is value
+    assert cfg.advise_only is value and cfg.policy.advise_only is value
 
 
 @pytest.mark.parametrize("text", ["y", "n", "enabled", "disabled", "2", "-1", "truee", "t rue", "   "])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from thermowatch.cli import main
 from thermowatch.demo import DEMO_POLICY, DemoOptions, demo_supervisor_config
+from thermowatch.supervisor.decide.policy import PolicyConfig
 
 
 def test_a_teams_config_brings_its_channels_and_policy_not_its_database(tmp_path):
@@ -20,11 +21,11 @@ def test_a_teams_config_brings_its_channels_and_policy_not_its_database(tmp_path
     opts = DemoOptions(data_dir=tmp_path / "demo", json_summary=None, config=cfg_file)
     cfg = demo_supervisor_config(opts)
     assert cfg.slack.channel == "#training-alerts" and cfg.webhook.url == "https://hooks.example/thermowatch"
-    assert cfg.policy["approval_pause_after_steps"] == 7 and cfg.policy["cooldown_steps"] == 3
-    assert cfg.policy["rollback_margin_steps"] == DEMO_POLICY["rollback_margin_steps"]  # the demo's, not overridden
+    assert cfg.policy.approval_pause_after_steps == 7 and cfg.policy.cooldown_steps == 3
+    assert cfg.policy.rollback_margin_steps == DEMO_POLICY["rollback_margin_steps"]  # the demo's, not overridden
     assert "prod-db" not in cfg.db_url and Path(cfg.data_dir) == tmp_path / "demo"
     plain = demo_supervisor_config(DemoOptions(data_dir=tmp_path / "demo", json_summary=None))
-    assert not plain.slack.channel and plain.policy == DEMO_POLICY
+    assert not plain.slack.channel and plain.policy == PolicyConfig(**DEMO_POLICY)
 
 
 def test_a_missing_config_is_exit_2_with_the_reason(tmp_path, capsys):

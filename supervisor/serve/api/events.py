@@ -120,7 +120,7 @@ def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
     @router.get("/runs/{run_id}/events")
     def events(run_id: str) -> Response:
         with sup.sessions() as s:
-            return json_response(to_wire(run_events(s, run_id, sup.cfg.bank_config)))
+            return json_response(to_wire(run_events(s, run_id, sup.cfg.detectors)))
 
     cache: dict[str, tuple[float, dict[str, Any]]] = {}
 
@@ -135,7 +135,7 @@ def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
         if hit is None or now - hit[0] > ENVELOPE_TTL_S:
             with sup.sessions() as s:
                 require_run(s, run_id)
-                hit = (now, peers_store.envelope_view(s, run_id, sup.cfg.envelope_config))
+                hit = (now, peers_store.envelope_view(s, run_id, sup.cfg.envelope))
             if len(cache) > 1000:
                 cache.clear()
             cache[run_id] = hit

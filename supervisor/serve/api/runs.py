@@ -139,7 +139,7 @@ def make_router(sup: Daemon, *, guard: Guard) -> APIRouter:
 
     @router.get("/runs/{run_id}/status")
     def status(run_id: str) -> Response:
-        stall_s = sup.cfg.bank_config.stall.timeout_s
+        stall_s = sup.cfg.detectors.stall.timeout_s
         with sup.sessions() as s:
             return json_response(run_status(s, run_id, stall_after_s=stall_s))
 

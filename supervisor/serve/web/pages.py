@@ -178,7 +178,7 @@ def _index_rows(sup: Daemon, cursor: str | None) -> tuple[list[dict], str | None
     """A page of runs (the store's order: newest first) with what the index shows of each."""
     # What W&B's and Grafana's users look for first (issue 23): per run its state, where it is,
     # its loss, what is open and when it last reported; a page of runs in three statements.
-    stall_s = sup.cfg.bank_config.stall.timeout_s
+    stall_s = sup.cfg.detectors.stall.timeout_s
     now = dt.datetime.now(dt.timezone.utc)
     with sup.sessions() as s:
         page = runs_page(s, INDEX_PAGE, cursor)

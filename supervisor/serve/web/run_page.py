@@ -150,7 +150,7 @@ def chart_assets(e, base: str) -> tuple[str, str]:
 def render(sup: Daemon, e, page: Callable[[str, str], HTMLResponse], run_url: Callable[..., str], base: str,
            charts: list, zoom_window: Callable, run_id: str, incident: int | None, step_lo: int | None,
            step_hi: int | None, *, only_attention: bool = False, attempts_before: int | None = None) -> HTMLResponse:
-    stall_s = sup.cfg.bank_config.stall.timeout_s
+    stall_s = sup.cfg.detectors.stall.timeout_s
     with sup.sessions() as s:
         run = require_run(s, run_id)
         incs = incidents_with_findings(s, run_id)
