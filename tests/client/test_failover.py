@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import thermowatch
-from tests.client.user_loop import DATA, train_step, user_batch, user_model
+from tests.client.http_loop import operator, train_operated
+from tests.client.user_loop import user_model
 from tests.fakes.network import Silent
 from tests.fakes.replica import Replica
 from tests.live_server import free_port, running, served
@@ -40,29 +41,17 @@ def _stored_steps(api: httpx.Client, run: str) -> dict[str, list[int]]:
 
 def test_a_loop_given_a_dead_address_a_standby_and_the_leader_loses_nothing(db, tmp_path):
     with served(db.url, tmp_path / "srv", ADMIN) as (leader, _):
-        api = httpx.Client(base_url=leader, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
-        made = api.post("/api/tokens", json={"name": "my-trainer", "scopes": ["ingest"]})
-        assert made.status_code == 201, made.text
+        api, secret = operator(leader, ADMIN)
         with Replica(leader, "standby") as standby:
             torch.manual_seed(0)
             model = user_model()
             opt = torch.optim.SGD(model.parameters(), lr=1e-2)
             # The order a trainer might list them in: the first is gone, the second a standby.
             tw = thermowatch.watch(model, opt, run="failover", steps=60, global_batch=4,
-                                   server=[_dead(), standby.url, leader], token=made.json()["secret"],
+                                   server=[_dead(), standby.url, leader], token=secret,
                                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10, poll_interval_s=0.1)
-            trained = []
-            for step in tw.steps():
-                ids = tw.batch_ids(step)
-                trained.append((step, ids.tolist()))
-                tw.record(train_step(model, opt, *user_batch(DATA, ids)))
-                if step == 5:
-                    deadline = time.monotonic() + 60  # registration is the client's I/O thread's
-                    while api.get("/api/runs/failover/status").status_code == 404 and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                    r = api.post("/api/runs/failover/actions", json={
-                        "kind": "skip", "args": {"skip_ranges": [[100, 140]]}, "who": "ana", "reason": "bad shard"})
-                    assert r.status_code == 201, r.text
+            trained = train_operated(tw, model, opt, api, "failover", {
+                5: {"kind": "skip", "args": {"skip_ranges": [[100, 140]]}, "who": "ana", "reason": "bad shard"}})
             tw.close()
 
         # Every step once, in the order trained (one attempt: no rollback here).

@@ -5,14 +5,12 @@ through the client's poller and are carried out between two steps."""
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import pytest
 import torch
 
 import thermowatch
-from tests.client.user_loop import DATA, user_batch, user_model, train_step
+from tests.client.http_loop import operator, train_operated
+from tests.client.user_loop import user_model
 from tests.live_server import served
 
 ADMIN = "tw_client-http-admin-0123456789abcdef"
@@ -22,32 +20,15 @@ def test_a_loop_over_http_obeys_the_operator_and_reads_finished(db, tmp_path):
     with served(db.url, tmp_path / "srv", ADMIN) as (url, _):
         started = (tmp_path / "serve.log").read_text()  # a fresh database: every migration ran
         assert "Running upgrade" not in started and "Added job" not in started, started  # issue 23: 41 lines
-        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
-        made = api.post("/api/tokens", json={"name": "my-trainer", "scopes": ["ingest"]})
-        assert made.status_code == 201, made.text
+        api, secret = operator(url, ADMIN)
         torch.manual_seed(0)
         model = user_model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        tw = thermowatch.watch(model, opt, run="wire", steps=200, global_batch=4, server=url,
-                               token=made.json()["secret"], checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10,
-                               poll_interval_s=0.1)
-        trained = []
-        for step in tw.steps():
-            ids = tw.batch_ids(step)
-            trained.append((step, ids.tolist()))
-            tw.record(train_step(model, opt, *user_batch(DATA, ids)))
-            if step == 5:
-                # an operator acts on a run the server knows: registration is the client's I/O
-                # thread's job and on a slow machine may still be in flight at step 5
-                deadline = time.monotonic() + 60
-                while api.get("/api/runs/wire/status").status_code == 404 and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                r = api.post("/api/runs/wire/actions", json={"kind": "skip", "args": {"skip_ranges": [[200, 240]]},
-                                                             "who": "ana", "reason": "bad shard"})
-                assert r.status_code == 201, r.text
-            if step == 30:
-                r = api.post("/api/runs/wire/actions", json={"kind": "stop", "who": "ana", "reason": "enough"})
-                assert r.status_code == 201, r.text
+        tw = thermowatch.watch(model, opt, run="wire", steps=200, global_batch=4, server=url, token=secret,
+                               checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10, poll_interval_s=0.1)
+        trained = train_operated(tw, model, opt, api, "wire", {
+            5: {"kind": "skip", "args": {"skip_ranges": [[200, 240]]}, "who": "ana", "reason": "bad shard"},
+            30: {"kind": "stop", "who": "ana", "reason": "enough"}})
         tw.close()
 
         acts = {a["kind"]: a for a in api.get("/api/runs/wire/actions").json()["actions"]}
