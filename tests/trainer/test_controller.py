@@ -49,6 +49,28 @@ def _run(cfg, on_step, sink=None):
     return ctl.run(), sink, q
 
 
+def _run_acting(cfg, act, step: int, attempt: int = 0):
+    """Run a controller; act(ctl, q) is called once, after `step` of `attempt`."""
+    return _run(cfg, lambda ctl, rec, att, q: act(ctl, q) if (rec.step, att) == (step, attempt) else None)
+
+
+def _rollback_onto_damaged_12(cfg, damage):
+    """Run `cfg` (14 steps, a checkpoint every 4); after step 13, damage(ctl, checkpoint 12's folder)
+    and ask for a rollback to 12: it lands on checkpoint 8 and the run ends at 14. The ack."""
+    cmd = {}
+
+    def damage_then_roll_back(ctl, q):
+        damage(ctl, ctl.store.path(12))
+        cmd["rb"] = q.push(cfg.run_id, CommandKind.ROLLBACK, to_step=12)
+
+    result, sink, q = _run_acting(cfg, damage_then_roll_back, step=13)
+    ack = q.ack_for(cmd["rb"])
+    assert ack.ok and ack.first_step == 9 and ack.checkpoint_step == 8, ack
+    assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
+    assert result.final_step == 14 and result.attempts == [0, 1]
+    return ack
+
+
 def _ids_seen(ctl, attempt):
     import ray
 
@@ -109,14 +131,11 @@ def test_killed_worker_restarts_gang_from_last_checkpoint(ray_session, tmp_path)
     import ray
 
     cfg = tiny_config(tmp_path, run_id="kill", steps=14, checkpoint={"every": 5})
-    killed = {}
 
-    def on_step(ctl, rec, attempt, q):
-        if rec.step == 8 and attempt == 0:
-            killed["actor"] = ctl.gang.workers[1]
-            ray.kill(ctl.gang.workers[1], no_restart=True)
+    def kill_rank_1(ctl, q):
+        ray.kill(ctl.gang.workers[1], no_restart=True)
 
-    result, sink, q = _run(cfg, on_step)
+    result, sink, q = _run_acting(cfg, kill_rank_1, step=8)
     assert result.final_step == 14 and result.restarts == 1 and result.attempts == [0, 1]
     assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 5)]
     assert "restart after" in sink.runs[1].config["reason"]
@@ -141,12 +160,11 @@ def test_stalled_rank_times_out_and_the_gang_restarts(ray_session, tmp_path):
     cfg = tiny_config(tmp_path, run_id="stall", steps=8, step_timeout_s=10.0, checkpoint={"every": 3})
     stopped = {}
 
-    def on_step(ctl, rec, attempt, q):
-        if rec.step == 4 and attempt == 0:
-            stopped["pid"] = ray.get(ctl.gang.workers[0].pid.remote())
-            os.kill(stopped["pid"], signal.SIGSTOP)
+    def stop_rank_0(ctl, q):
+        stopped["pid"] = ray.get(ctl.gang.workers[0].pid.remote())
+        os.kill(stopped["pid"], signal.SIGSTOP)
 
-    result, sink, q = _run(cfg, on_step)
+    result, sink, q = _run_acting(cfg, stop_rank_0, step=4)
     assert result.restarts == 1 and result.attempts == [0, 1] and result.final_step == 8
     assert "GangTimeout" in sink.runs[1].config["reason"] and sink.runs[1].start_step == 3
     with pytest.raises(ProcessLookupError):  # the stalled process was killed with its gang
@@ -158,24 +176,16 @@ def test_stalled_rank_times_out_and_the_gang_restarts(ray_session, tmp_path):
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_passed_over(ray_session, tmp_path):
     cfg = tiny_config(tmp_path, run_id="bad", steps=14, checkpoint={"every": 4})
-    cmd = {}
 
-    def on_step(ctl, rec, attempt, q):
-        if rec.step == 13 and attempt == 0:
-            newest = ctl.store.path(12)
-            shard = sorted(newest.rglob("*optim_states.pt"))[0]
-            data = shard.read_bytes()
-            shard.write_bytes(data[: len(data) // 2])  # a torn write
-            # And a save that never committed: must never be read as a checkpoint.
-            (ctl.store.root / "step_00000013.tmp").mkdir()
-            cmd["rb"] = q.push("bad", CommandKind.ROLLBACK, to_step=12)
+    def tear(ctl, newest):
+        shard = sorted(newest.rglob("*optim_states.pt"))[0]
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])  # a torn write
+        # And a save that never committed: must never be read as a checkpoint.
+        (ctl.store.root / "step_00000013.tmp").mkdir()
 
-    result, sink, q = _run(cfg, on_step)
-    ack = q.ack_for(cmd["rb"])
-    assert ack.ok and ack.first_step == 9 and ack.checkpoint_step == 8, ack
+    ack = _rollback_onto_damaged_12(cfg, tear)
     assert "rolled back to checkpoint 8; asked <= 12; 12 is not intact" in ack.detail, ack.detail
-    assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
-    assert result.final_step == 14 and result.attempts == [0, 1]
 
 
 @pytest.mark.slow
@@ -187,27 +197,20 @@ def test_a_planted_checkpoint_file_is_refused_and_the_rollback_falls_back(ray_se
     from thermowatch.monitors.manifest import MANIFEST, file_digest
 
     cfg = tiny_config(tmp_path, run_id="planted", steps=14, checkpoint={"every": 4})
-    marker, cmd = tmp_path / "ran", {}
+    marker = tmp_path / "ran"
 
-    def on_step(ctl, rec, attempt, q):
-        if rec.step == 13 and attempt == 0:
-            newest = ctl.store.path(12)
-            shard = next(newest.rglob("mp_rank_00_model_states.pt"))
-            plant(shard, marker)
-            body = json.loads((newest / MANIFEST).read_text())
-            body["files"][shard.relative_to(newest).as_posix()] = file_digest(shard, body["checksum"])
-            (newest / MANIFEST).write_text(json.dumps(body))
-            assert ctl.store.problem(12) is None  # the store's checks vouch for it: only the load can tell
-            cmd["rb"] = q.push("planted", CommandKind.ROLLBACK, to_step=12)
+    def plant_vouched_for(ctl, newest):
+        shard = next(newest.rglob("mp_rank_00_model_states.pt"))
+        plant(shard, marker)
+        body = json.loads((newest / MANIFEST).read_text())
+        body["files"][shard.relative_to(newest).as_posix()] = file_digest(shard, body["checksum"])
+        (newest / MANIFEST).write_text(json.dumps(body))
+        assert ctl.store.problem(12) is None  # the store's checks vouch for it: only the load can tell
 
     with caplog.at_level("ERROR", logger="thermowatch.trainer.controller"):
-        result, sink, q = _run(cfg, on_step)
+        ack = _rollback_onto_damaged_12(cfg, plant_vouched_for)
     assert not marker.exists(), "loading the planted checkpoint ran its command"
-    ack = q.ack_for(cmd["rb"])
-    assert ack.ok and ack.checkpoint_step == 8 and ack.first_step == 9, ack
     assert "passed over 12 (failed to load: " in ack.detail, ack.detail  # the ack says which and why
-    assert [(i.attempt, i.start_step) for i in sink.runs] == [(0, 0), (1, 8)]
-    assert result.final_step == 14
     refusal = [r.getMessage() for r in caplog.records if "checkpoint step 12 failed to load" in r.getMessage()]
     assert refusal and "refused the DeepSpeed checkpoint" in refusal[0] and "posix.system" in refusal[0], refusal
 
