@@ -18,7 +18,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Sequence, Union
+from typing import AbstractSet, Any, ClassVar, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -109,7 +109,7 @@ def _opt_str(owner: str, name: str, v: Any) -> str | None:
     return v
 
 
-def _only(owner: str, obj: Any, known: set[str]) -> Mapping[str, Any]:
+def _only(owner: str, obj: Any, known: AbstractSet[str]) -> Mapping[str, Any]:
     if not isinstance(obj, Mapping):
         raise ContractError(f"{owner} must be a JSON object, got {type(obj).__name__}")
     extra = sorted(set(obj) - known)
@@ -306,6 +306,7 @@ class SetLR:
     _KEYS: ClassVar[dict[str, str]] = {"lr_multiplier": "multiplier", "lr_steps": "steps",
                                        "rewarmup_steps": "rewarmup_steps", "lr_factor": "factor",
                                        "lr_base": "base"}
+    ARGS: ClassVar[frozenset[str]] = frozenset(_KEYS)  # the JSON args from_args takes (the API's mirror: schemas.py)
 
     def to_args(self) -> dict[str, Any]:
         out = {"lr_multiplier": self.multiplier, "lr_steps": self.steps, "rewarmup_steps": self.rewarmup_steps}
@@ -315,7 +316,7 @@ class SetLR:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "SetLR":
-        o = _only("set_lr", args, set(cls._KEYS))
+        o = _only("set_lr", args, cls.ARGS)
         if o.get("lr_multiplier") is None:
             raise ContractError("set_lr needs lr_multiplier: the absolute multiplier on the schedule, "
                                 f"in (0, {MAX_LR_MULTIPLIER:g}]")
@@ -336,6 +337,9 @@ class Rollback:
     checkpoint: str | None = None  # the path the policy chose (informational; to_step decides)
     exclude_rank: int | None = None
     exclude_node: str | None = None
+
+    ARGS: ClassVar[frozenset[str]] = frozenset({"to_step", "exact", "checkpoint", "skip_ranges", "exclude_rank",
+                                                "exclude_node", *SetLR.ARGS})
 
     def __post_init__(self) -> None:
         _int("rollback", "to_step", self.to_step)
@@ -360,8 +364,7 @@ class Rollback:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Rollback":
-        o = _only("rollback", args, {"to_step", "exact", "checkpoint", "skip_ranges", "exclude_rank", "exclude_node",
-                                     *SetLR._KEYS})
+        o = _only("rollback", args, cls.ARGS)
         if o.get("to_step") is None:
             raise ContractError("rollback needs to_step: roll back to the newest healthy checkpoint at or before it")
         lr_args = {k: v for k, v in o.items() if k in SetLR._KEYS and v is not None}
@@ -377,6 +380,7 @@ class Skip:
     """Never train the samples in `ranges` (absolute ids), from now on."""
 
     kind: ClassVar[CommandKind] = CommandKind.SKIP
+    ARGS: ClassVar[frozenset[str]] = frozenset({"skip_ranges"})
     ranges: tuple[SampleRange, ...]
 
     def __post_init__(self) -> None:
@@ -389,7 +393,7 @@ class Skip:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Skip":
-        o = _only("skip", args, {"skip_ranges"})
+        o = _only("skip", args, cls.ARGS)
         return cls(ranges_from_json(o.get("skip_ranges")))
 
 
@@ -398,6 +402,7 @@ class Profile:
     """Trace the next `steps` steps with torch.profiler (into `out_dir`, or the run's profiles/)."""
 
     kind: ClassVar[CommandKind] = CommandKind.PROFILE
+    ARGS: ClassVar[frozenset[str]] = frozenset({"steps", "out_dir"})
     steps: int = 5
     out_dir: str | None = None
 
@@ -409,7 +414,7 @@ class Profile:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Profile":
-        o = _only("profile", args, {"steps", "out_dir"})
+        o = _only("profile", args, cls.ARGS)
         return cls(o.get("steps", 5), _opt_str("profile", "out_dir", o.get("out_dir")))
 
 
@@ -421,10 +426,11 @@ def _no_args(kind: CommandKind):
 
         @classmethod
         def from_args(cls, args: Mapping[str, Any]):
-            _only(kind.value, args or {}, set())
+            _only(kind.value, args or {}, cls.ARGS)
             return cls()
 
     NoArgs.kind = kind  # type: ignore[attr-defined]
+    NoArgs.ARGS = frozenset()  # type: ignore[attr-defined]
     NoArgs.__name__ = NoArgs.__qualname__ = kind.value.capitalize()
     return NoArgs
 
@@ -439,6 +445,7 @@ class Pause:
     pause (issue 35: paused loops printed nothing and waited until someone happened to look)."""
 
     kind: ClassVar[CommandKind] = CommandKind.PAUSE
+    ARGS: ClassVar[frozenset[str]] = frozenset({"reason"})
     reason: str = ""
 
     def __post_init__(self) -> None:
@@ -456,7 +463,7 @@ class Pause:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Pause":
-        o = _only("pause", args or {}, {"reason"})
+        o = _only("pause", args or {}, cls.ARGS)
         return cls(_opt_str("pause", "reason", o.get("reason")) or "")
 
 

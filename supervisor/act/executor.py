@@ -229,7 +229,8 @@ class Executor:
             if fin is not None:
                 raise Conflict(ended_words(run_id, fin))
             args = feasibility.resolve_relative(s, run_id, args or {})
-            if kind == CommandKind.PAUSE.value and not args.get("reason"):  # what the paused loop prints
+            # what the paused loop prints; a reason that is no text ({}, 0) is the contract's to refuse
+            if kind == CommandKind.PAUSE.value and isinstance(args, dict) and args.get("reason") in (None, ""):
                 args = {**args, "reason": Pause.saying(f"paused by {who}" + (f": {reason}" if reason else "")).reason}
             try:
                 body = parse_command(kind, args)

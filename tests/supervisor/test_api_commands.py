@@ -81,6 +81,21 @@ def test_submit_poll_ack_happy_path(client, sup):
     assert [(a["id"], a["state"]) for a in acts] == [(aid, "done")]
 
 
+def test_a_pause_says_why_in_its_args_as_the_document_states(client, sup):
+    """The API's schema for each kind's args is checked against the command's own keys at import
+    (schemas.ARGS_MODELS); a pause's `reason` was taken but documented nowhere."""
+    from thermowatch.supervisor.serve.api.schemas import ManualActionBody
+
+    body = {"kind": "pause", "args": {"reason": "eval shows a regression"}, "who": "bob"}
+    ManualActionBody.model_validate(body)  # the document allows it ...
+    r = client.post(f"/api/runs/{RUN}/actions", json=body)
+    assert r.status_code == 201, r.text  # ... and the daemon takes it
+    assert client.get(f"/api/runs/{RUN}/commands").json()["commands"][0]["args"] == {"reason": "eval shows a regression"}
+    for bad, words in (({"why": "x"}, "why"), ({"reason": {}}, "reason must be a string")):
+        r = client.post(f"/api/runs/{RUN}/actions", json={"kind": "pause", "args": bad})
+        assert r.status_code == 422 and words in r.text, r.text  # never the default reason in its place
+
+
 def test_ack_ok_must_be_a_boolean(client, sup):
     """`"ok": "false"` is a refusal spelled as a string; read as truthy it would book the
     command's effects (skip ranges, LR change) for a command the trainer refused."""

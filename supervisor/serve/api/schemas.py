@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
-from thermowatch.monitors.commands import INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER
+from thermowatch.monitors.commands import (COMMAND_TYPES, INT32_MAX, INT64_MAX, MAX_LR_MULTIPLIER, MAX_PAUSE_REASON,
+                                           CommandKind)
 from thermowatch.monitors.contract import MAX_WALL_TIME
 from thermowatch.supervisor.limits import METRIC_CHARS, MODULE_CHARS, PATH_CHARS, RUN_ID_CHARS, Limits
 
@@ -205,7 +206,12 @@ class _Strict(BaseModel):
 
 
 class NoArgs(_Strict):
-    """pause, resume and stop take no args."""
+    """resume and stop take no args."""
+
+
+class PauseArgs(_Strict):
+    reason: str | None = Field(None, max_length=MAX_PAUSE_REASON, description=(
+        "why, printed by the paused loop (default: who paused it, and the action's reason)"))
 
 
 class ProfileArgs(_Strict):
@@ -244,44 +250,31 @@ class RollbackArgs(_LRArgs):
     exclude_node: str | None = None
 
 
+# Each command's args as the API documents them. The keys are the command's own (its ARGS, which
+# its from_args takes): checked below, so the document cannot drift from what the contract accepts
+# (it did: a pause's `reason` was taken and documented nowhere).
+ARGS_MODELS: dict[CommandKind, type[_Strict]] = {
+    CommandKind.PAUSE: PauseArgs, CommandKind.RESUME: NoArgs, CommandKind.STOP: NoArgs,
+    CommandKind.PROFILE: ProfileArgs, CommandKind.SKIP: SkipArgs, CommandKind.SET_LR: SetLRArgs,
+    CommandKind.ROLLBACK: RollbackArgs}
+_drift = {k.value: sorted(set(m.model_fields) ^ COMMAND_TYPES[k].ARGS) for k, m in ARGS_MODELS.items()
+          if set(m.model_fields) != COMMAND_TYPES[k].ARGS or k not in COMMAND_TYPES}
+if _drift or set(ARGS_MODELS) != set(CommandKind):
+    raise AssertionError(f"the API's command args differ from the commands' (monitors.commands ARGS): {_drift}")
+
+
 class _Action(_Strict):
     who: str = _WHO
     reason: str = ""
 
 
-class PauseAction(_Action):
-    kind: Literal["pause"]
-    args: NoArgs = Field(default_factory=NoArgs)
-
-
-class ResumeAction(_Action):
-    kind: Literal["resume"]
-    args: NoArgs = Field(default_factory=NoArgs)
-
-
-class StopAction(_Action):
-    kind: Literal["stop"]
-    args: NoArgs = Field(default_factory=NoArgs)
-
-
-class ProfileAction(_Action):
-    kind: Literal["profile"]
-    args: ProfileArgs = Field(default_factory=ProfileArgs)
-
-
-class SkipAction(_Action):
-    kind: Literal["skip"]
-    args: SkipArgs
-
-
-class SetLRAction(_Action):
-    kind: Literal["set_lr"]
-    args: SetLRArgs
-
-
-class RollbackAction(_Action):
-    kind: Literal["rollback"]
-    args: RollbackArgs
+def _action(kind: CommandKind) -> type[_Action]:
+    """The body for one kind: {kind, args, who, reason}, args required where the command needs some."""
+    args = ARGS_MODELS[kind]
+    required = any(f.is_required() for f in args.model_fields.values())
+    return create_model(f"{COMMAND_TYPES[kind].__name__}Action", __base__=_Action,
+                        kind=(Literal[kind.value], ...),  # type: ignore[valid-type]
+                        args=(args, ... if required else Field(default_factory=args)))
 
 
 class ManualActionBody(RootModel):
@@ -290,8 +283,7 @@ class ManualActionBody(RootModel):
     {kind, args} model and lets monitors.commands.parse_command judge the args, so the
     contract stays the one validator; this documents what it checks."""
 
-    root: Annotated[Union[PauseAction, ResumeAction, StopAction, ProfileAction, SkipAction, SetLRAction,
-                          RollbackAction], Field(discriminator="kind")]
+    root: Annotated[Union[tuple(_action(k) for k in CommandKind)], Field(discriminator="kind")]  # type: ignore[valid-type]
 
 
 # --- helpers ------------------------------------------------------------------------------------
