@@ -118,6 +118,16 @@ def _only(owner: str, obj: Any, known: AbstractSet[str]) -> Mapping[str, Any]:
     return obj
 
 
+def _args(command: Any, args: Any) -> Mapping[str, Any]:
+    """A command's JSON args: no key its class does not take (its ARGS), and the one it needs
+    (NEEDS: the key and what it means) given."""
+    o = _only(command.kind.value, args, command.ARGS)
+    needs = getattr(command, "NEEDS", None)
+    if needs is not None and o.get(needs[0]) is None:
+        raise ContractError(f"{command.kind.value} needs {needs[0]}: {needs[1]}")
+    return o
+
+
 def _fields(owner: str, obj: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     """`obj` as a JSON object of these fields only, every `required` one present."""
     o = _only(owner, obj, {*required, *optional})
@@ -307,6 +317,8 @@ class SetLR:
                                        "rewarmup_steps": "rewarmup_steps", "lr_factor": "factor",
                                        "lr_base": "base"}
     ARGS: ClassVar[frozenset[str]] = frozenset(_KEYS)  # the JSON args from_args takes (the API's mirror: schemas.py)
+    NEEDS: ClassVar[tuple[str, str]] = ("lr_multiplier",
+                                        f"the absolute multiplier on the schedule, in (0, {MAX_LR_MULTIPLIER:g}]")
 
     def to_args(self) -> dict[str, Any]:
         out = {"lr_multiplier": self.multiplier, "lr_steps": self.steps, "rewarmup_steps": self.rewarmup_steps}
@@ -316,10 +328,7 @@ class SetLR:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "SetLR":
-        o = _only("set_lr", args, cls.ARGS)
-        if o.get("lr_multiplier") is None:
-            raise ContractError("set_lr needs lr_multiplier: the absolute multiplier on the schedule, "
-                                f"in (0, {MAX_LR_MULTIPLIER:g}]")
+        o = _args(cls, args)
         # rewarmup_steps null is 0; not `v or 0`, which took {} or false for 0 as well
         return cls(**{cls._KEYS[k]: (v if k != "rewarmup_steps" or v is not None else 0) for k, v in o.items()})
 
@@ -340,6 +349,7 @@ class Rollback:
 
     ARGS: ClassVar[frozenset[str]] = frozenset({"to_step", "exact", "checkpoint", "skip_ranges", "exclude_rank",
                                                 "exclude_node", *SetLR.ARGS})
+    NEEDS: ClassVar[tuple[str, str]] = ("to_step", "roll back to the newest healthy checkpoint at or before it")
 
     def __post_init__(self) -> None:
         _int("rollback", "to_step", self.to_step)
@@ -364,9 +374,7 @@ class Rollback:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Rollback":
-        o = _only("rollback", args, cls.ARGS)
-        if o.get("to_step") is None:
-            raise ContractError("rollback needs to_step: roll back to the newest healthy checkpoint at or before it")
+        o = _args(cls, args)
         lr_args = {k: v for k, v in o.items() if k in SetLR._KEYS and v is not None}
         return cls(to_step=o["to_step"], exact=o.get("exact", False), skip=ranges_from_json(o.get("skip_ranges")),
                    lr=SetLR.from_args(lr_args) if lr_args.get("lr_multiplier") is not None else None,
@@ -393,7 +401,7 @@ class Skip:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Skip":
-        o = _only("skip", args, cls.ARGS)
+        o = _args(cls, args)
         return cls(ranges_from_json(o.get("skip_ranges")))
 
 
@@ -414,7 +422,7 @@ class Profile:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Profile":
-        o = _only("profile", args, cls.ARGS)
+        o = _args(cls, args)
         return cls(o.get("steps", 5), _opt_str("profile", "out_dir", o.get("out_dir")))
 
 
@@ -426,7 +434,7 @@ def _no_args(kind: CommandKind):
 
         @classmethod
         def from_args(cls, args: Mapping[str, Any]):
-            _only(kind.value, args or {}, cls.ARGS)
+            _args(cls, args or {})
             return cls()
 
     NoArgs.kind = kind  # type: ignore[attr-defined]
@@ -463,7 +471,7 @@ class Pause:
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Pause":
-        o = _only("pause", args or {}, cls.ARGS)
+        o = _args(cls, args or {})
         return cls(_opt_str("pause", "reason", o.get("reason")) or "")
 
 
