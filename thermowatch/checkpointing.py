@@ -28,7 +28,7 @@ class Checkpointing:
     def due(self) -> None:
         """Save the step just trained when it falls on `checkpoint_every` and is not saved yet."""
         w = self.w
-        if w.step and w.step % w.checkpoint_every == 0 and w._ids_step == w.step and not w.ckpts.exists(w.step):
+        if w.step and w.step % w.checkpoint_every == 0 and w.batch_step == w.step and not w.ckpts.exists(w.step):
             self.save(w.step)
 
     def save(self, step: int) -> None:
@@ -37,7 +37,7 @@ class Checkpointing:
         extra = {"step": step, "cursor": w.cursor,
                  "scheduler": w.scheduler.state_dict() if w.scheduler is not None else None, "rng": rng_state()}
         if w.precise is not None:  # a precise skip's healthy trail, should a rollback come back here
-            extra["losses"] = [v for _, v in list(w.recorder.losses)[-w.precise.window:]]
+            extra["losses"] = w.recorder.trail.newest(w.precise.window)
         healthy = w.recorder.healthy
         path = w.ckpts.save(step, extra, w.cursor, healthy)
         if path is not None:  # rank 0: registered, the book kept, retention, then the others go on
@@ -62,8 +62,7 @@ class Checkpointing:
         """A loaded checkpoint's own state: the step, the cursor and the precise skip's trail."""
         w = self.w
         self.losses = [float(v) for v in state.get("losses") or []]
-        w.step, w.cursor = int(state["step"]), int(state["cursor"])
-        w._ids_step = w.step
+        w.move_to(int(state["step"]), int(state["cursor"]))
         return w.step
 
     def save_book(self) -> None:

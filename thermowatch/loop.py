@@ -248,6 +248,15 @@ class Watch(Directed):
         """Load checkpoint `step` into the loop (thermowatch/probing.py's ProbeHost)."""
         return self.saved.load(step)
 
+    @property
+    def batch_step(self) -> int:
+        """The step whose batch steps() handed out last (batch_ids' step)."""
+        return self._ids_step
+
+    def move_to(self, step: int, cursor: int) -> None:
+        """Where a loaded checkpoint puts the loop: its step, trained, and the next sample id."""
+        self.step, self.cursor, self._ids_step = step, cursor, step
+
     # --- per step -----------------------------------------------------------------------------
 
     def _prepare(self, step: int) -> None:

@@ -10,6 +10,7 @@ the same turn), and loads the checkpoint again when a probe ends."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -42,6 +43,45 @@ def lone_rank(values: dict[str, float], ranks: dict[str, int]) -> int | None:
     hardware), or None when none or several did."""
     named = {r for k, r in ranks.items() if not math.isfinite(values.get(k, 0.0))}
     return named.pop() if len(named) == 1 else None
+
+
+class LossTrail:
+    """The path's newest (step, loss) and the steps one rank broke alone on, as both hosts keep them
+    (thermowatch/recorder.py, trainer/controller.py): a precise skip's spike bar starts from the
+    losses, replay triage compares the abandoned path's with its replay, and a rank that broke
+    alone is its evidence for hardware. A non-finite gradient norm is a spike at its step, as in
+    the probes (a flipped bit shows in grad_norm a step before the loss); `grad` None: not read."""
+
+    def __init__(self, kept: int = 256) -> None:
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=kept)
+        self.lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+
+    def add(self, step: int, loss: float, grad: float | None, values: dict[str, float],
+            ranks: dict[str, int] | None) -> None:
+        broken = not (math.isfinite(loss) and (grad is None or math.isfinite(grad)))
+        self.losses.append((step, math.nan if grad is not None and not math.isfinite(grad) else loss))
+        if broken and ranks:  # rare: the one rank that held the non-finite extremes, if one did
+            lone = lone_rank(values, ranks)
+            if lone is not None:
+                self.lone.append((step, lone))
+
+    def newest(self, n: int | None = None) -> list[float]:
+        """The newest `n` losses (all kept, with None), oldest first."""
+        kept = [v for _, v in self.losses]
+        return kept if n is None else kept[-n:]
+
+    def abandon(self, loaded: int) -> tuple[list[tuple[int, float]], set[int]]:
+        """A rollback loaded checkpoint `loaded`: the path after it is forgotten. Returns its
+        losses and the ranks that broke alone on it."""
+        left = [(s, v) for s, v in self.losses if s > loaded]
+        lone = {r for s, r in self.lone if s > loaded}
+        self.lone.clear()
+        self.keep_to(loaded)
+        return left, lone
+
+    def keep_to(self, step: int) -> None:
+        """Forget the losses after `step` (a resume from it)."""
+        self.losses = collections.deque(((s, v) for s, v in self.losses if s <= step), maxlen=self.losses.maxlen)
 
 
 class ProbeHost(Protocol):

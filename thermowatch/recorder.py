@@ -9,7 +9,6 @@ non-finite figures one rank alone held (a rollback's evidence for precise skip a
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from typing import Callable
@@ -21,7 +20,7 @@ from thermowatch.monitors.contract import LR_MULTIPLIER, LR_PEAK_AHEAD, StepReco
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 from thermowatch.monitors.thermometers.unread import Unread
-from thermowatch.probing import lone_rank
+from thermowatch.probing import LossTrail
 from thermowatch.ranks import Ranks
 
 LOSSES_KEPT = 256  # the path's newest (step, loss): enough for a rollback's window and the trail
@@ -36,9 +35,7 @@ class Recorder:
         self.dist, self._send, self._digest = dist, send, digest
         self.final_loss = math.nan
         self.healthy = True  # every loss since the last checkpoint was finite
-        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=LOSSES_KEPT)
-        # (step, rank): under torchrun, steps whose non-finite figures the reduction pinned on one rank
-        self.lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        self.trail = LossTrail(LOSSES_KEPT)  # the path's newest losses, the steps a rank broke alone
         self._meta: dict[int, tuple[int, int, float, float, float]] = {}  # step -> ids lo, hi, lr x, peak, lr
         self.th = None
         self._reducer: Reducer | None = None
@@ -108,15 +105,7 @@ class Recorder:
         loss = vals.get("loss", math.nan)
         self.healthy &= math.isfinite(loss)
         self.final_loss = loss
-        # precise skip's view of the path: a non-finite gradient is a spike at its step, as in its
-        # probes (a flipped bit shows in grad_norm a step before the loss)
-        grad = vals.get("grad_norm", 0.0)
-        self.losses.append((step, loss if grad is None or math.isfinite(grad) else math.nan))
-        if ranks and not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
-            # rare (a broken step): the one rank that held the non-finite extremes, if one did
-            lone = lone_rank(vals, ranks)
-            if lone is not None:
-                self.lone.append((step, lone))
+        self.trail.add(step, loss, vals.get("grad_norm"), vals, ranks)
         self._send(StepRecord(step=step, values=vals, sample_lo=lo, sample_hi=hi, wall_time=time.time(),
                               ranks=ranks or {}, ledger_digest=self._digest()))
 
@@ -128,13 +117,10 @@ class Recorder:
     def rewind(self, loaded: int) -> tuple[list[tuple[int, float]], set[int]]:
         """A rollback loaded checkpoint `loaded`: what is pending is dropped and the path after it
         forgotten. Returns the abandoned path's losses and the ranks that broke alone on it."""
-        left = [(s, v) for s, v in self.losses if s > loaded]
-        lone = {r for s, r in self.lone if s > loaded}
-        self.lone.clear()
+        left, lone = self.trail.abandon(loaded)
         if self.th is not None:
             self.th.discard_pending()
         self._meta.clear()
-        self.losses = collections.deque(((s, v) for s, v in self.losses if s <= loaded), maxlen=LOSSES_KEPT)
         self.healthy = True
         return left, lone
 

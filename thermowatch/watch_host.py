@@ -161,7 +161,7 @@ class WatchHost:
         if t.directive is not None:  # it ends a pause (issue 35)
             w.directive = t.directive
         if precise:  # its command and Outcome are handed over by obey() once the executor has said it
-            healthy = w.saved.losses or [v for _, v in w.recorder.losses]
+            healthy = w.saved.losses or w.recorder.trail.newest()
             self.probing = Probing.begin(w.precise, suspects, loaded, w.ledger.copy(), healthy, left,
                                          w.global_batch, lone.pop() if len(lone) == 1 else None)
         ckpt = t.restart_from if loaded == t.restart_from.step else CheckpointInfo(

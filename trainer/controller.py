@@ -15,7 +15,6 @@ state, written into every checkpoint manifest and re-applied on every start and 
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import time
@@ -67,7 +66,7 @@ from thermowatch.paused import PauseNotice
 from thermowatch.protocol import CommandBook, Directed, Directive, Outcome, next_attempt
 from thermowatch.trainer.obey import ABANDONED as _ABANDONED
 from thermowatch.trainer.obey import Applied, Obey, Transition
-from thermowatch.probing import lone_rank, suspects_of
+from thermowatch.probing import LossTrail, suspects_of
 from thermowatch.trainer.probes import Probes
 
 __all__ = ["RunController", "RunFailed", "RunResult", "Reducer"]
@@ -150,8 +149,7 @@ class RunController(Directed):
         # the steps where one rank alone broke (hardware's evidence), the abandoned path's end.
         self.precise = config.precise()
         self.probes: Probes | None = None  # a search the executor's Outcome hands the rollback to
-        self._losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
-        self._lone: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        self._trail = LossTrail()  # the path's newest losses, the steps a rank broke alone (precise skip)
         self._trained_to = 0  # the abandoned path trained every sample id below this
 
     # --- the loop -------------------------------------------------------------------------------
@@ -264,13 +262,8 @@ class RunController(Directed):
         loss, norm = rec.values.get(LOSS, math.nan), rec.values.get(GRAD_NORM, math.nan)
         self._healthy &= math.isfinite(loss) and math.isfinite(norm)
         self._trained_to = max(self._trained_to, first.sample_hi)
-        if self.precise is not None:
-            self._losses.append((first.step, loss if math.isfinite(norm) else math.nan))
-            if ranks and not (math.isfinite(loss) and math.isfinite(norm)):
-                # rare (a broken step): the one rank that held the non-finite extremes, if one did
-                lone = lone_rank(rec.values, ranks)
-                if lone is not None:
-                    self._lone.append((first.step, lone))
+        if self.precise is not None:  # a step with no grad_norm is a broken one here (norm NaN)
+            self._trail.add(first.step, loss, norm, rec.values, ranks)
         self.result.final_loss = loss
         self.result.steps_recorded += 1
         self._tell(self.sink.write, self.cfg.run_id, self.attempt, [rec])
@@ -319,7 +312,7 @@ class RunController(Directed):
         self.loaded_checkpoint = ckpt
         self._healthy = True
         self._trained_to = 0 if ckpt is None else int(ckpt.manifest["data"]["cursor"])
-        self._losses = collections.deque(((s, v) for s, v in self._losses if s <= self.step), maxlen=256)
+        self._trail.keep_to(self.step)
         self._last_ckpt_step = self.step if ckpt is not None else -1
         self.reducer = Reducer(self.gang.names)
         self._unread = Unread(list(self.gang.names))  # a thermometer budget's figures (issue 36)
@@ -447,7 +440,7 @@ class RunController(Directed):
             world_size=self.cfg.world_size,
             zero_stage=self.cfg.zero_stage,
             # a precise skip's spike bar starts from them, should a rollback come back here
-            **({"losses": [v for _, v in list(self._losses)[-self.precise.window:]]} if self.precise else {}),
+            **({"losses": self._trail.newest(self.precise.window)} if self.precise else {}),
         )
         # Durability barrier: every step this checkpoint covers is posted or spooled before the
         # checkpoint exists. A controller that dies right after the commit is relaunched from
@@ -505,9 +498,8 @@ class RunController(Directed):
             if self.precise is not None and t.skip:  # a data rollback: which samples did it, first
                 self._drain()  # the abandoned path's newest loss may be the spike triage replays
                 suspects = suspects_of(t.skip, self._trained_to, self.ledger)
-                left = [(s, v) for s, v in self._losses if s > ckpt.step]
-                lone = {r for s, r in self._lone if s > ckpt.step} | self._broke_alone(ckpt.step)
-                self._lone.clear()
+                left, lone = self._trail.abandon(ckpt.step)
+                lone |= self._broke_alone(ckpt.step)
                 suspects = suspects if len(suspects) else None
         ranges = [r.to_json() for r in t.skip] if suspects is None else []
         self.ledger.add_many(ranges)
