@@ -291,7 +291,7 @@ class Executor:
         distrusted, the one proposed) and what that discards. Refused when no healthy checkpoint
         at or before its step is left: approving it could only fail at the trainer."""
         try:
-            body = parse_command(row.kind, row.args)
+            body = row.body
         except ContractError:
             return None  # delivered as it is and failed there, with the reason (deliver)
         target = ckpt_store.newest_healthy_before(s, row.run_id, body.to_step + 1)
@@ -395,7 +395,7 @@ class Executor:
                     last = max(a.updated_at, resent.get(a.id, a.updated_at))
                     if now - last >= self._redeliver:
                         try:
-                            out.append(Command(id=a.id, body=parse_command(a.kind, a.args)))
+                            out.append(a.command)
                         except ContractError:  # cannot be: it was a valid command when it went out
                             continue
                         log.log(logging.DEBUG if a.id in resent else logging.INFO,  # once a command, not every 5 s
@@ -407,7 +407,7 @@ class Executor:
                 if a.state is not ActionState.PENDING or a.requires_approval:
                     continue
                 try:
-                    cmd = Command(id=a.id, body=parse_command(a.kind, a.args))
+                    cmd = a.command
                 except ContractError as exc:
                     bad.append((a, str(exc)))
                     continue
@@ -525,7 +525,7 @@ class Executor:
         ack, from an older trainer, books what the command asked for). Returns a rollback's first
         re-trained step (the ack's `step`, the checkpoint's + 1; None for any other command) and
         whether it resolved the action's incident."""
-        body = parse_command(row.kind, row.args)
+        body = row.body
         asked_ranges = body.ranges if isinstance(body, Skip) else body.skip if isinstance(body, Rollback) else ()
         # A precise skip's ack says exactly what it skipped, nothing included (replay triage found
         # the cause was not the data); a bare ack from an older trainer books what was asked.

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from thermowatch.monitors.commands import OPEN_STATES, ActionOrigin, ActionState, CommandKind
-from thermowatch.monitors.commands import json_safe
+from thermowatch.monitors.commands import (OPEN_STATES, ActionOrigin, ActionState, Command, CommandBody, CommandKind,
+                                           json_safe, parse_command)
 from thermowatch.supervisor.store.orm import Action, utcnow
 
 # The commands that move a loop between training, waiting and ending (thermowatch.protocol's
@@ -49,6 +49,17 @@ class ActionRow:
     requires_approval: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] | None = None  # the trainer's ack (contract.Ack JSON)
+
+    @property
+    def command(self) -> Command:
+        """The typed command the row holds (monitors.commands), as the executor wrote it; every
+        reader (deliver, approve, the ack's booking, the run page) reads it here. ContractError
+        for a row the contract no longer reads (written by an older version)."""
+        return Command(id=self.id, body=self.body)
+
+    @property
+    def body(self) -> CommandBody:
+        return parse_command(self.kind, self.args)
 
     @property
     def checkpoint_step(self) -> int | None:

@@ -25,8 +25,7 @@ from urllib.parse import quote, urlencode
 from fastapi import HTTPException
 from fastapi.responses import HTMLResponse
 
-from thermowatch.monitors.contract import (THERMOMETER_COST, THERMOMETER_EVERY, ContractError, describe_args,
-                                           parse_command)
+from thermowatch.monitors.contract import THERMOMETER_COST, THERMOMETER_EVERY, ContractError, describe_args
 from thermowatch.monitors.commands import ActionState
 from thermowatch.supervisor.store.views import incidents_with_findings, require_run, run_status
 from thermowatch.supervisor.store import actions as actions_store
@@ -86,7 +85,7 @@ def _age(seconds: float | None) -> str:
 
 def _body(a):
     try:
-        return parse_command(a.kind, a.args)
+        return a.body
     except ContractError:
         return None
 
