@@ -1,6 +1,6 @@
 """One walk over a config's dataclass tree for the tests that check every setting (issue 34): the
-supervisor's numbers (tests/supervisor/test_config.py), its settings table
-(tests/supervisor/test_settings_table.py) and the training config's numbers
+supervisor's numbers (tests/supervisor/app/test_config.py), its settings table
+(tests/supervisor/app/test_settings_table.py) and the training config's numbers
 (tests/trainer/test_config.py) all enumerate the fields the same way."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ cluster-launcher file against the schema Ray ships and Ray's own validate_config
 and training configs (also those inside ConfigMaps) through `thermowatch validate-config`. A
 file no checker recognises fails the walk, so nothing in deploy/ goes unchecked.
 
-The loaders' own tests (tests/supervisor/test_config.py, tests/trainer/test_config.py) load
+The loaders' own tests (tests/supervisor/app/test_config.py, tests/trainer/test_config.py) load
 every `*supervisor*.yaml` / `*train*.yaml` here too; this file adds everything else."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What to do about each signal: the "what to do" column of docs/operations.md's signal table,
 carried by every alert of that signal (issue 37: alerts linked no runbook; Marin keeps one per
-alert). tests/supervisor/test_runbook.py holds this table and the docs' to the same words."""
+alert). tests/supervisor/notify/test_runbook.py holds this table and the docs' to the same words."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the HTTP routers and the web pages use of the Supervisor (supervisor.app.service): the
 seam between serve/ and the rest, as a Protocol listing exactly that, so a router says what it
 needs and nothing else of the Supervisor leaks into serve/ unnoticed.
-tests/supervisor/test_daemon.py holds the Supervisor to it and the routers to its list."""
+tests/supervisor/serve/test_daemon.py holds the Supervisor to it and the routers to its list."""
 
 from __future__ import annotations
 

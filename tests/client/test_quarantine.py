@@ -65,7 +65,7 @@ def train(db, tmp_path, run: str, precise: bool = True, poison: range = POISON, 
 
 
 # SQLite only (CI time): the quarantine's queries run on both databases in
-# tests/supervisor/test_quarantine_store.py; this is the seam, client to CLI.
+# tests/supervisor/store/test_quarantine_store.py; this is the seam, client to CLI.
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_a_skip_that_held_becomes_the_quarantine(db, tmp_path, capsys):
     sup, poisoned_steps = train(db, tmp_path, "poisoned")

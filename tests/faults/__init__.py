@@ -12,9 +12,9 @@ asserts survives. All run in CI (README's test command).
 | a worker (rank) killed | tests/trainer/test_controller.py::test_killed_worker_restarts_gang_from_last_checkpoint | gang restarted from the last checkpoint |
 | a stalled rank | tests/trainer/test_controller.py::test_stalled_rank_times_out_and_the_gang_restarts | time-out, gang restarted |
 | a corrupt checkpoint | tests/trainer/test_controller.py::test_corrupt_checkpoint_is_passed_over, tests/trainer/test_checkpoint.py | passed over for an older valid one |
-| the supervisor SIGKILLed mid-stream | tests/supervisor/test_restart.py, tests/supervisor/test_judge.py | pending command delivered, incident open, detector state kept; no finding lost or judged twice |
-| Slack answering 429 and 500 | tests/supervisor/test_outbox.py | ingest never blocked; every alert delivered, in order, one thread |
-| non-finite values from real training (LR x1e20) | tests/supervisor/test_nonfinite.py | stored as NaN; rolled back at once |
+| the supervisor SIGKILLed mid-stream | tests/supervisor/seams/test_restart.py, tests/supervisor/judge/test_judge.py | pending command delivered, incident open, detector state kept; no finding lost or judged twice |
+| Slack answering 429 and 500 | tests/supervisor/notify/test_outbox.py | ingest never blocked; every alert delivered, in order, one thread |
+| non-finite values from real training (LR x1e20) | tests/supervisor/seams/test_nonfinite.py | stored as NaN; rolled back at once |
 
 Every test counts the stored steps, and every action's final state is asserted where one is taken.
 """

@@ -25,7 +25,7 @@ import yaml
 from tests.faults.cluster import free_port
 from tests.fixtures.diverging import DETECTORS, POLICY, checkpoint_for, diverging_records
 from tests.supervisor.auth_helpers import ADMIN_TOKEN
-from tests.supervisor.test_restart import Daemon
+from tests.supervisor.seams.test_restart import Daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RUN = "pgrestart"

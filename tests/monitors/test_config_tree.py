@@ -1,5 +1,5 @@
 """config_tree: the walk itself, on small dataclasses (the configs' own cases live in
-tests/supervisor/test_config.py and tests/trainer/test_config.py)."""
+tests/supervisor/app/test_config.py and tests/trainer/test_config.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The peer envelope's rule (monitors/envelope.py) on synthetic loss curves: how soon a run that
 falls behind its peers gets a verdict, and that a healthy run, even one a few steps late on the
-steep start, gets none (issue 39, item 4). Real recorded runs: tests/supervisor/test_peer_envelope.py."""
+steep start, gets none (issue 39, item 4). Real recorded runs: tests/supervisor/app/test_peer_envelope.py."""
 
 from __future__ import annotations
 

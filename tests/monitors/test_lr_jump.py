@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from thermowatch.monitors.contract import LOSS, LR, LR_PEAK_AHEAD, CheckpointInfo, Outcome, Severity, Signal
 from thermowatch.monitors.contract import StepRecord
 from thermowatch.monitors.detectors import BankConfig, DetectorBank, LrJumpConfig, LrJumpDetector
-from tests.supervisor.test_policy import lr_multiplier, lr_steps, to_step
+from tests.supervisor.decide.test_policy import lr_multiplier, lr_steps, to_step
 from thermowatch.supervisor.decide.policy import PolicyConfig, PolicyInput, make_decision
 
 JUMP = 200

@@ -26,7 +26,7 @@ from thermowatch.supervisor.store import audit, checkpoints, findings, incidents
 from thermowatch.supervisor.store import steps as steps_store
 from tests.fixtures import traces
 from tests.supervisor.auth_helpers import ADMIN_TOKEN
-from tests.supervisor.test_runs_api import seed
+from tests.supervisor.serve.test_runs_api import seed
 
 JUMP, DEMO = "jump-qkln", "demo-like"
 WIDTH, HEIGHT = 390, 844  # an iPhone 12-15's CSS pixels

@@ -1,7 +1,7 @@
 """trainer/obey.py: a command's handler only reads the run controller and returns a Transition;
 RunController.transition is the one place a command changes the run. A real RunController over
 a real CheckpointStore (no gang: the handlers never touch it; the gang's part is covered end to
-end in test_controller.py and tests/supervisor/test_lr_seam.py)."""
+end in test_controller.py and tests/supervisor/seams/test_lr_seam.py)."""
 
 from __future__ import annotations
 

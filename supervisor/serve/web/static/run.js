@@ -1,7 +1,7 @@
 /* The run page's charts (supervisor/serve/web/run_page.py). Plain script, no build step; draws with the
  * vendored uPlot from GET /api/runs/{run}/chart (re-bucketed on every zoom) and /events, read with
  * the page's sign-in cookie. Everything it holds is on window.thermowatch, for people debugging
- * the page and for the browser tests (tests/supervisor/test_web_page.py). */
+ * the page and for the browser tests (tests/supervisor/serve/test_web_page.py). */
 "use strict";
 (function () {
   // Two pages: a run's (#charts) and the comparison of runs (#compare, compareRuns below).

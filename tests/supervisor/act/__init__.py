@@ -1,0 +1,1 @@
+"""Tests of supervisor/act/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/app/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/charts/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/decide/ (docs/architecture.md's tree)."""

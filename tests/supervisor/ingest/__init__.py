@@ -1,0 +1,1 @@
+"""Tests of supervisor/ingest/ (docs/architecture.md's tree)."""

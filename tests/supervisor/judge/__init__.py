@@ -1,0 +1,1 @@
+"""Tests of supervisor/judge/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/notify/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/operate/ (docs/architecture.md's tree)."""

@@ -1,0 +1,1 @@
+"""Tests of supervisor/serve/ (docs/architecture.md's tree)."""

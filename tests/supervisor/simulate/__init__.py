@@ -1,0 +1,1 @@
+"""Tests of supervisor/simulate/ (docs/architecture.md's tree)."""

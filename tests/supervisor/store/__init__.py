@@ -1,0 +1,1 @@
+"""Tests of supervisor/store/ (docs/architecture.md's tree)."""
