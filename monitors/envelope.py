@@ -12,12 +12,11 @@ over the steps up to that one): being behind those means this run's extra LR hur
     behind = smoothed loss - envelope >= gap_nats, and smoothed loss >= the envelope `lag` steps
              before, for `confirm` steps in a row (steps, not records), from step `start`
 
-The second condition is issue 39's (item 4). Early on every curve falls steeply and seeds leave
+Why the second condition (issue 39, item 4): early on every curve falls steeply and seeds leave
 the first plateau a few steps apart, so a run a few steps late stands tenths of a nat behind
-without being worse; that is why a fixed `start: 150` held every verdict back, and it paged two
-held-out no-growth runs 124 and 156 steps after they fell behind. Worse than where the peers were
-`lag` steps before is more than late. Once the peers' curve flattens the condition is the first
-one's, so their own curve decides when a verdict can come, not a fixed step.
+without being worse. Worse than where the peers were `lag` steps before is more than late. Once
+the peers' curve flattens the condition is the first one's, so their own curve decides when a
+verdict can come, not a fixed step.
 
 Pure, like the detectors: `behind_peers(run, peers)` over arrays; supervisor.app.jobs reads the
 runs from the store (supervisor/store/peers.py) and hands the finding to the responder (an alert

@@ -8,13 +8,11 @@ policy's margin (100 steps by default: PaLM restarted ~100 steps back; YaLM-100B
 - the newest `keep_last` checkpoints;
 - one per `keep_every`-step span (the first in it), forever: a target behind a slow drift or an
   onset found late (0 = none);
-- with `now` and `behind`, a rule in steps back from the newest, whatever the counts (issue 35:
-  with `checkpoint_every x keep_last` under 110 the client deleted the checkpoint a rollback
-  needed, so rollbacks asked for at step <= 40 landed on step 10, and the policy found no target):
+- with `now` and `behind`, a rule in steps back from the newest, whatever the counts, so that a
+  small `checkpoint_every x keep_last` cannot delete the checkpoint a rollback needs (issue 35):
   - the newest checkpoint at or before `now - behind`: the target the policy picks for a
-    divergence found now (onset - margin) is there while its command is on the way. Without it
-    a run that checkpointed every 25 steps and kept 5 had deleted the step-50 checkpoint the
-    policy chose at step 171 by the time the command arrived (bench/precise_skip.py found it);
+    divergence found now (onset - margin) is there while its command is on the way, however
+    many checkpoints the run saves meanwhile;
   - a checkpoint `age` steps old is kept when it is the first in its aligned block, a power of
     two of steps: at most a tenth of `behind` within the last `behind` steps, then 0.2-0.4 x the
     age. A rollback lands on the newest kept checkpoint at or before the step it asks for: within

@@ -1,4 +1,5 @@
-"""Streaming detectors and the bank that routes a step record's metric keys to them.
+"""Streaming detectors and the bank that routes a step record's metric keys to them: one bank per
+run judges each step once, with a few numpy operations per route rather than Python per series.
 
     bank = DetectorBank(BankConfig())
     for record in records:                 # one StepRecord per step, already reduced over ranks

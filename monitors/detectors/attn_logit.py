@@ -1,4 +1,5 @@
-"""Attention-logit growth and ceiling (keys `attn_logit_max/<module>`, `attn_logit_lse/<module>`).
+"""Attention-logit growth and ceiling (keys `attn_logit_max/<module>`, `attn_logit_lse/<module>`):
+the detectors for the attention blow-up that YaLM-100B names as the reason for its divergence.
 
 YaLM-100B: "starting at about 14,000 iterations, the maxima of matmul in attention began to grow
 sharply. This growth is the reason for the divergence." A blowing-up attention logit grows

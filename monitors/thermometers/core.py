@@ -1,4 +1,5 @@
-"""Thermometers for any torch model: hooks that measure into one device tensor per step.
+"""Thermometers for any torch model: hooks that measure into one device tensor per step, so a step
+costs one host copy instead of a `.item()` per metric.
 
 Per step (the order the trainer calls things):
 

@@ -1,4 +1,5 @@
-"""Update-to-weight ratio: ||W_after - W_before|| / ||W_before|| per module for one optimizer step.
+"""Update-to-weight ratio: ||W_after - W_before|| / ||W_before|| per module for one optimizer step,
+the figure behind the `update_growth` witness of harm (monitors/detectors/witness.py).
 
 Exact, from a copy of the weights taken just before the step (no optimizer internals, so it
 works for any optimizer, the plain torch loop and DeepSpeed alike). The copy is what costs:
