@@ -1,13 +1,14 @@
-"""Thermometer charts as PNG bytes (matplotlib, Agg). With charts/layout.py (where the legend and
-the labels go), the only module that imports matplotlib.
+"""Thermometer charts as PNG bytes (matplotlib, Agg), for the run page's images and the charts
+uploaded to Slack. With charts/layout.py (where the legend and the labels go), the only module
+that imports matplotlib.
 
 Figures are built with the object API (Figure + FigureCanvasAgg), never pyplot: pyplot keeps
 global state, and the web server renders several charts at once in its threadpool.
 
 A figure is a web of reference cycles (figure <-> canvas <-> axes <-> artists), so reference
 counting never frees one; it lives until a full garbage collection, which in a daemon holding
-~150k objects comes rarely. Measured on a 100-series chart of 10^6 steps: the daemon's RSS grew
-~5.5 MB per PNG (168 -> 209 MB over 15 charts). So each render ends with gc.collect(): ~13 ms
+~150k objects comes rarely: without one, a 100-series chart of 10^6 steps adds ~5.5 MB of RSS
+per PNG (measured: 168 -> 209 MB over 15 charts). So each render ends with gc.collect(): ~13 ms
 in the daemon, whose start-up heap `thermowatch serve` freezes (server.settle_heap: a collection
 then scans only what came after), ~60 ms in a process that froze nothing; RSS stays flat.
 
@@ -23,7 +24,7 @@ What a chart shows, for the engineer who opens it at 8 a.m.:
     a shaded band of the steps that were re-trained;
   - LR changes: a dotted line where the multiplier took effect, shaded while it lasts;
   - the threshold a finding fired on (the attention-logit ceiling, the loss spike's bar), a
-    labelled horizontal line kept inside the y range (issue 37: Slack's chart left it out);
+    labelled horizontal line kept inside the y range (issue 37);
   - a legend beside the axes, never over the data: the series hottest first, at most MAX_LEGEND
     of them and "+M more", one entry per kind of mark (layout.place_legend); the marks' words
     merged or shortened where they would overprint (layout.place_labels).

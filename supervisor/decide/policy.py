@@ -42,11 +42,11 @@ The ladder (DESIGN.md, "Rollback semantics"):
             cap, no healthy checkpoint before the onset, the LR floor, or an action that failed
             -> PAUSE and page a human.
 
-Cooldowns count steps, not seconds (issue 22: a fast loop trains hundreds of steps in a 600 s
-cooldown and re-diverged unchecked). An action's cooldown runs from the step it took effect
-(the ack's first trained step: T + 1 after a rollback to T) for `cooldown_steps` steps of the
-trajectory it left running. Findings of an attempt a rollback left behind are never acted on.
-`cooldown_s` adds a wall-clock cooldown for teams who want one (off by default).
+Cooldowns count steps, not seconds (issue 22): a fast loop trains hundreds of steps in a 600 s
+cooldown, time enough to diverge again unchecked. An action's cooldown runs from the step it
+took effect (the ack's first trained step: T + 1 after a rollback to T) for `cooldown_steps`
+steps of the trajectory it left running. Findings of an attempt a rollback left behind are never
+acted on. `cooldown_s` adds a wall-clock cooldown for teams who want one (off by default).
 
 Time is epoch seconds (float) everywhere. A checkpoint at step s holds the weights after step s,
 so a rollback to s replays from step s + 1; `skip_steps` is an inclusive step range.

@@ -22,7 +22,7 @@ The detectors are this stage's: `banks` (supervisor.judge.banks) judges each bat
 every finding to `on_finding`, the act stage's Responder.handle.
 
 The embedded mode (the trainer in the supervisor's process) waits for the judge after each
-write (`Supervisor(judge_inline=True)`), so its behaviour is the one it always had; the daemon
+write (`Supervisor(judge_inline=True)`), so a write returns after its batch is judged; the daemon
 (`thermowatch serve`) answers the HTTP request without waiting.
 """
 

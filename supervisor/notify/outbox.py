@@ -24,7 +24,7 @@ out), retried with the same backoff up to `upload_attempts` times, then marked f
 it illustrates was sent on its own row before it and is never touched.
 
 Channels are the parts of the notifier (supervisor.notify.base.FanOut), each delivered and
-recorded on its own: the console taking an alert no longer hides that Slack refused it. A
+recorded on its own: the console taking an alert never hides that Slack refused it. A
 channel with a `wants(alert, paged)` filter (the pagers: PagerDuty, the signed webhook) gets
 rows only for the alerts it takes, so its rows say what was really paged.
 """

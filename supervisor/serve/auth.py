@@ -12,9 +12,9 @@ Scopes:
     operate  manual commands, approve, cancel; implies `read` (an operator acts on what they see)
     admin    create, list and revoke tokens; implies every scope
 `ingest` implies nothing else: a trainer's token, copied onto every GPU node, cannot read other
-runs' history or issue commands, nor write into them (issue 33: a token made for team B posted a
-NaN step into team A's run and could make the supervisor roll it back). A run's owner is the
-token that opened it (`runs.created_by`, by token name: names are never reused); `admin` keeps
+runs' history or issue commands, nor write into them (issue 33: else a token made for team B
+could post a NaN step into team A's run and make the supervisor roll it back). A run's owner is
+the token that opened it (`runs.created_by`, by token name: names are never reused); `admin` keeps
 its reach over every run, and `operate` acts on any run through its own routes.
 
 A link from an alert (supervisor.notify.link_grants) signs its opener in as a principal bound to

@@ -15,14 +15,12 @@ Each route declares the most it reads (`max_body(n)` in its `openapi_extra`, whi
 
 A declared length is a promise, not bytes: nothing is allocated or reserved for it. The budget
 counts the bytes received, and `read_body` grows its buffer as they arrive (issue 33: a buffer
-sized from the header let one headers-only request declaring 2 GB take 1.9 GB of the daemon's
-memory before the 413, on any route that reads a body, signed in or not).
+sized from the header would let one headers-only request declaring 2 GB take as much of the
+daemon's memory before the 413, on any route that reads a body, signed in or not).
 
 A body is reserved against the budget only when its route starts reading it, which every route
 does after its token check: a client without a token can make the daemon hold no more than the
 small budget of the routes it may reach unauthenticated (the sign-in form, Slack's callback).
-Before issue 21, POST /login and Slack's callback read the whole body before checking its size:
-three 400 MB posts took the daemon from 161 MB to 1.7 GB.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ earlier skip takes the verdict of the one that skipped on, and says so.
 
 How sure a `quarantine` is (`sure`): `narrowed` when a precise skip's probes found these samples
 among the suspects; `blunt` when the skip took every sample from the checkpoint to the detection,
-so the cause is among them but most of them are likely clean (issue 35: 1,632 skipped samples
-named "the likely cause", 32 of them poisoned).
+so the cause is among them but most of them are likely clean (issue 35).
 
 A manual rollback (no incident) is judged against any rollback signal. Derived on read from the
 action, incident and step rows: nothing to keep in step, and a verdict changes the moment the

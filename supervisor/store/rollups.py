@@ -1,6 +1,6 @@
 """Thermometer rollups: min/max/last/count per bucket at coarser widths, so a chart of a
 10^6-step, 100-layer history reads a few thousand buckets per series instead of 10^8 points
-(issue 12: one such chart took 48-90 s and 3.4 GB reading every raw point).
+(issue 12: read raw, such a chart takes 48-90 s and 3.4 GB).
 
 Widths 4, 16, 64, ... 262144 steps (x4 apart). A chart asks for `buckets` buckets and reads the
 coarsest width that still gives at least that many in its window, so it reads between
