@@ -18,9 +18,9 @@ offending ones before it resumes, by re-training from the rollback's checkpoint:
   stretch cut in two by a halving is found in both). A group of `min_samples` or fewer is an
   offender as it is.
 - A halving cuts at a whole number of steps (`align`, the global batch, from the group's
-  start): a probe of whole steps ends on a batch of its own. Cut mid-step, its last batch was
-  filled with the samples after the suspects (the rest of them skipped): unknown data, poisoned
-  where the stretch runs past them, and the spike was blamed on the probe's clean half-step.
+  start): a probe of whole steps ends on a batch of its own. Cut mid-step, its last batch would
+  be filled with the samples after the suspects (the rest of them skipped): unknown data,
+  poisoned where the stretch runs past them, and the spike blamed on the probe's clean half-step.
 - The stretch, whole: the suspects end where the spike was seen (and the command came), and a
   poisoned stretch may go on past them. When an offender group reaches the end of what was
   searched, the samples that follow it (the ids the loop would train next, `follow`) are probed
@@ -38,10 +38,10 @@ offending ones before it resumes, by re-training from the rollback's checkpoint:
   (4x the suspects' steps by default) covers the blocks too, so the stretch is followed only
   as far as it allows.
 - The spike bar's trailing window is the newest `window` losses of the path up to the
-  checkpoint, kept in the checkpoint when it was saved. Read from the losses sent, after a
-  couple of rollbacks to the same checkpoint they had been pushed out by abandoned paths: the
-  bar started empty, took a probe's first 4 (poisoned) losses for its level and released them,
-  and a one-step probe could never spike (its group then skipped whole as "inseparable").
+  checkpoint, kept in the checkpoint when it was saved, not read from the losses sent: after a
+  couple of rollbacks to the same checkpoint the abandoned paths' losses have pushed the healthy
+  ones out, so the bar would start empty, take a probe's first (poisoned) losses for its level
+  and release them, and a one-step probe could never spike.
 
 Replay triage (issue 39) comes first, when the path the rollback abandoned showed a loss spike
 (by the same bar, `recorded`): two replays from the checkpoint, each through the step where it
@@ -60,7 +60,7 @@ spiked, label the cause (CAUSES in monitors/commands.py):
   replay showed (the suspects it had trained by its spike hold an offender).
 
 A divergence the loss never showed (attention logits growing under a calm loss) cannot be told
-apart by replaying the loss: triage does not run and the search bisects as before it. The
+apart by replaying the loss: triage does not run and the search bisects the suspects directly. The
 replays have their own budget (twice the abandoned path's steps to its spike) beside the
 search's; `max_seconds` covers both.
 
