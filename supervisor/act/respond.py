@@ -141,7 +141,7 @@ class Responder:
                 time=a.created_at.timestamp() if a.created_at else self._clock(),
                 ok=a.state is not ActionState.FAILED,
                 automatic=a.origin is ActionOrigin.AUTO,
-                target_step=a.args.get("to_step") if a.kind is CommandKind.ROLLBACK else None,
+                to_step=a.args.get("to_step") if a.kind is CommandKind.ROLLBACK else None,
                 lowered_lr=a.args.get("lr_multiplier") is not None,
                 # what it skipped: a precise skip's ack says (none, when replay triage cleared the data)
                 skipped_samples=a.kind is CommandKind.ROLLBACK and bool(
@@ -156,7 +156,7 @@ class Responder:
                 seq=a.id,
                 # what the trainer loaded (it falls back past a corrupt target): a NaN right after
                 # the load indicts this one (policy._bad_load)
-                loaded_step=a.checkpoint_step if done and a.kind is CommandKind.ROLLBACK else None,
+                checkpoint_step=a.checkpoint_step if done and a.kind is CommandKind.ROLLBACK else None,
                 onset=inc.onset_step if inc else None,
             ))
         # The multiplier in force at the step the trainer trains next (absolute, newest change

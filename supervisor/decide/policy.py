@@ -270,18 +270,18 @@ class Intervention:
     # ROLLBACK: the step it went back to, and whether it also lowered the LR. After a rollback
     # that kept the LR (rung 1), rung 2 goes back no later than that target: the checkpoints
     # saved since were trained at the very LR that diverged again.
-    target_step: int | None = None
+    to_step: int | None = None
     lowered_lr: bool = False
     skipped_samples: bool = False  # ROLLBACK: it skipped samples (a data rollback)
-    # The first step trained after it took effect (the ack's step; after a rollback to T, T + 1);
+    # The first step trained after it took effect (the ack's first_step; after a rollback to T, T + 1);
     # None until it is acknowledged. Cooldowns count from here.
     first_step: int | None = None
     # The attempt its finding was judged on; a rollback leaves this attempt (and older) behind.
     attempt: int | None = None
     seq: int = 0  # orders actions decided in the same second (the action row's id: higher is newer)
-    # ROLLBACK: the checkpoint the trainer really loaded (its ack's checkpoint_step; target_step
+    # ROLLBACK: the checkpoint the trainer really loaded (its ack's checkpoint_step; to_step
     # when it fell back on a corrupt one). None until acknowledged.
-    loaded_step: int | None = None
+    checkpoint_step: int | None = None
     onset: int | None = None  # the onset step of the finding it answered
     # A manual action has no finding, so no `attempt`: the attempt running when it was asked,
     # which a manual rollback leaves behind (only _bad_load reads it).
@@ -461,7 +461,7 @@ def _guards(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision | None:
     for h in live:
         if _abandoned(inp, h):
             return Decision(None, alert=False, reasons=[
-                head, f"late finding of attempt {inp.attempt}, which the rollback to step {h.target_step} (decided "
+                head, f"late finding of attempt {inp.attempt}, which the rollback to step {h.to_step} (decided "
                       f"at step {h.step}) left behind; the re-trained attempt from step {h.first_step} is judged "
                       "on its own"])
         into = _cooling(inp, cfg, h)
@@ -545,7 +545,7 @@ def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
     Replay triage (issue 39) is what will tell data from the optimizer for certain."""
     f = inp.finding
     if not (h.kind is CommandKind.ROLLBACK and h.ok and h.automatic and h.skipped_samples and h.first_step is not None
-            and h.target_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
+            and h.to_step is not None and _family(h.signal) == _family(f.signal) in _DATA_FAMILIES):
         return None
     if inp.attempt is None or h.attempt is None or inp.attempt <= h.attempt or f.detect_step < h.first_step:
         return None
@@ -555,7 +555,7 @@ def _data_recurrence(inp: PolicyInput, h: Intervention) -> int | None:
     # LR blow-up answered by four data rollbacks that skipped 7,084 clean samples). The ladder's.
     if f.detect_step > h.first_step + _FOLLOWS_SKIP_STEPS and abs(f.detect_step - h.step) <= 2:
         return None
-    return h.target_step
+    return h.to_step
 
 
 def _cooldown_end(cfg: PolicyConfig, h: Intervention) -> int:
@@ -619,7 +619,7 @@ def _ladder(inp: PolicyInput, cfg: PolicyConfig, head: str) -> Decision:
     if len(rollbacks) >= cfg.max_rollbacks_per_day:
         return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
                             f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
-    cap = (prev.target_step if prev is not None and prev.kind is CommandKind.ROLLBACK and not prev.lowered_lr
+    cap = (prev.to_step if prev is not None and prev.kind is CommandKind.ROLLBACK and not prev.lowered_lr
            else None)
     target, why = _pick_checkpoint(inp, cfg, cap)
     if target is None:
@@ -693,7 +693,7 @@ def after_triage(finding: Finding, cause: str, current_lr_multiplier: float, cfg
         _lr_reason(current_lr_multiplier, new, cfg)], rung=2))
 
 
-def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, target_step: int) -> Decision:
+def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Intervention, to_step: int) -> Decision:
     """The same cause on the path a data rollback re-trained (_data_recurrence): back to that
     rollback's checkpoint again, at once and at the same LR, the skip grown through this detection.
     The caps (max_interventions, max_rollbacks_per_day) still bound it."""
@@ -704,16 +704,16 @@ def _skip_further(inp: PolicyInput, cfg: PolicyConfig, head: str, h: Interventio
         return _pause(head, f"{len(rollbacks)} automatic rollbacks in the last 24 h "
                             f"(max_rollbacks_per_day={cfg.max_rollbacks_per_day}); pausing for a human")
     healthy = [c for c in inp.checkpoints if c.healthy]
-    target = _newest_at_or_before(healthy, target_step)
+    target = _newest_at_or_before(healthy, to_step)
     if target is None:
-        return _pause(head, f"no healthy checkpoint at or before step {target_step}, where the data rollback at "
+        return _pause(head, f"no healthy checkpoint at or before step {to_step}, where the data rollback at "
                             f"step {h.step} went; a human has to pick a target")
     skip = (target.step + 1, f.detect_step) if target.step + 1 <= f.detect_step else None
     # The stretch goes on past this detection too: skip ahead of it, doubling with each return
     # (2x, 4x, ... the steps from onset to detection), so a stretch of any length is passed
     # within the caps, at the cost of a few clean samples (issue 35: 2 steps at a time met the
     # 4-intervention cap 9 poisoned steps short of the end).
-    again = sum(1 for x in rollbacks if x.skipped_samples and x.ok and x.target_step == h.target_step) - 1
+    again = sum(1 for x in rollbacks if x.skipped_samples and x.ok and x.to_step == h.to_step) - 1
     ahead = (f.detect_step - f.onset_step + 1) * 2 ** (max(0, again) + 1) if skip else 0
     reasons = [head,
                f"the same cause again on the path the rollback at step {h.step} re-trained (first step "
@@ -735,12 +735,12 @@ def _bad_load(inp: PolicyInput, h: Intervention) -> int | None:
     re-trained. Else None. Manual rollbacks count too: a bad file is bad whoever asked for it."""
     f = inp.finding
     if not (f.signal is Signal.NON_FINITE and h.kind is CommandKind.ROLLBACK and h.ok
-            and h.first_step is not None and h.loaded_step is not None):
+            and h.first_step is not None and h.checkpoint_step is not None):
         return None
     left = h.attempt if h.attempt is not None else h.left_attempt
     if inp.attempt is None or left is None or inp.attempt <= left:
         return None
-    return h.loaded_step if h.first_step <= f.onset_step < h.first_step + BAD_LOAD_STEPS else None
+    return h.checkpoint_step if h.first_step <= f.onset_step < h.first_step + BAD_LOAD_STEPS else None
 
 
 def _bad_loads_before(inp: PolicyInput, h: Intervention) -> list[int]:
@@ -748,7 +748,7 @@ def _bad_loads_before(inp: PolicyInput, h: Intervention) -> list[int]:
     one not included), newest first: each rollback of the chain answered a non-finite finding
     whose onset fell in the first BAD_LOAD_STEPS steps the rollback before it re-trained."""
     done = _newest_first([x for x in inp.history if x.kind is CommandKind.ROLLBACK and x.ok
-                          and x.first_step is not None and x.loaded_step is not None])
+                          and x.first_step is not None and x.checkpoint_step is not None])
     out: list[int] = []
     at = next((i for i, x in enumerate(done) if x is h), None)
     while at is not None and at + 1 < len(done):
@@ -756,7 +756,7 @@ def _bad_loads_before(inp: PolicyInput, h: Intervention) -> list[int]:
         if not (cur.signal is Signal.NON_FINITE and cur.onset is not None
                 and prev.first_step <= cur.onset < prev.first_step + BAD_LOAD_STEPS):
             break
-        out.append(prev.loaded_step)
+        out.append(prev.checkpoint_step)
         at += 1
     return out
 
@@ -905,9 +905,9 @@ def _passed_over(ckpts: Iterable[CheckpointInfo], after: int, upto: int) -> str:
     return f"; passed over the checkpoint(s) at step {', '.join(map(str, bad))}: saved while unhealthy"
 
 
-def _skip_range(f: Finding, cfg: PolicyConfig, target_step: int) -> tuple[int, int] | None:
-    # Steps up to target_step are already inside the checkpoint's weights: nothing to skip there.
-    lo = max(f.onset_step - cfg.rollback_margin_steps, target_step + 1)
+def _skip_range(f: Finding, cfg: PolicyConfig, to_step: int) -> tuple[int, int] | None:
+    # Steps up to to_step are already inside the checkpoint's weights: nothing to skip there.
+    lo = max(f.onset_step - cfg.rollback_margin_steps, to_step + 1)
     return (lo, f.detect_step) if lo <= f.detect_step else None
 
 

@@ -46,7 +46,7 @@ def replay_decider(settings: dict[str, Any] | None = None) -> Callable[[Finding]
         if d.acts:
             history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                         time=f.detect_step * seconds_per_step, ok=True,
-                                        target_step=d.command.to_step if isinstance(d.command, Rollback) else None,
+                                        to_step=d.command.to_step if isinstance(d.command, Rollback) else None,
                                         lowered_lr=d.lr is not None,
                                         seq=len(history)))
             if d.lr is not None:

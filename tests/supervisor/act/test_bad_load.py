@@ -24,7 +24,7 @@ def rollback(loaded: int, *, signal=S.LOSS_SPIKE, onset=None, attempt=1, ago=60.
     """A rollback that loaded `loaded` and took effect (re-trained from loaded + 1), answering a
     finding of `attempt`; the run's next attempt is attempt + 1."""
     return Intervention(kind=CommandKind.ROLLBACK, signal=signal if automatic else None, module="", step=(onset or loaded + 20),
-                        time=NOW - ago, ok=True, automatic=automatic, target_step=loaded, loaded_step=loaded,
+                        time=NOW - ago, ok=True, automatic=automatic, to_step=loaded, checkpoint_step=loaded,
                         first_step=loaded + 1, attempt=attempt if automatic else None,
                         left_attempt=None if automatic else attempt, onset=onset, seq=seq)
 

@@ -76,14 +76,14 @@ def finding(signal=S.LOSS_SPIKE, onset=990, detect=1000, sev=Severity.CRITICAL, 
 
 
 def iv(kind=K.ROLLBACK, signal=S.LOSS_SPIKE, step=1000, ago=H, ok=True, automatic=True, first_step=None,
-       attempt=None, target_step=None, lowered_lr=False) -> Intervention:
+       attempt=None, to_step=None, lowered_lr=False) -> Intervention:
     return Intervention(kind=CommandKind(kind), signal=signal, module="", step=step, time=NOW - ago, ok=ok, automatic=automatic,
-                        first_step=first_step, attempt=attempt, target_step=target_step, lowered_lr=lowered_lr)
+                        first_step=first_step, attempt=attempt, to_step=to_step, lowered_lr=lowered_lr)
 
 
 # A rung-1 rollback decided at step 1000 that went back to 850 and was acknowledged: the run
 # re-trains from step 851, so a finding at step 1000 is 149 steps into the re-trained attempt.
-RB = dict(step=1000, first_step=851, target_step=850)
+RB = dict(step=1000, first_step=851, to_step=850)
 
 
 CKPTS = [ck(800), ck(850), ck(900), ck(950)]
@@ -430,7 +430,7 @@ _findings = st.builds(
 _history = st.lists(st.builds(
     Intervention, kind=st.sampled_from(list(CommandKind)), signal=st.none() | st.sampled_from(list(Signal)),
     module=st.just(""), step=st.integers(0, 3000), time=st.floats(NOW - 2 * 86_400, NOW), ok=st.booleans(),
-    automatic=st.booleans(), target_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans(),
+    automatic=st.booleans(), to_step=st.none() | st.integers(0, 3000), lowered_lr=st.booleans(),
     first_step=st.none() | st.integers(0, 3000), attempt=st.none() | st.integers(0, 3)), max_size=6)
 _inputs = st.builds(
     PolicyInput, finding=_findings, now=st.just(NOW),
@@ -501,7 +501,7 @@ class Run:
             first = to_step(d) + 1 if d.word == K.ROLLBACK else f.detect_step + 1
             self.history.append(Intervention(kind=d.kind, signal=f.signal, module=f.module, step=f.detect_step,
                                              time=self.now, ok=True, first_step=first, attempt=self.attempt,
-                                             target_step=to_step(d), lowered_lr=lr_multiplier(d) is not None,
+                                             to_step=to_step(d), lowered_lr=lr_multiplier(d) is not None,
                                              skipped_samples=d.skip_steps is not None, seq=len(self.history)))
             self.lr = lr_multiplier(d) or self.lr
             if d.word == K.ROLLBACK:
@@ -653,7 +653,7 @@ def test_a_late_finding_of_an_abandoned_attempt_never_acts(inp, cfg, signal, ste
     f = Finding(signal=signal, module="blocks.1.attn", severity=Severity.CRITICAL, onset_step=step,
                 detect_step=step, outcome=Outcome.ACT)
     rb = Intervention(kind=CommandKind.ROLLBACK, signal=S.LOSS_SPIKE, module="", step=rolled_back + 10, time=NOW - 1,
-                      ok=True, target_step=rolled_back, first_step=rolled_back + 1, attempt=left, seq=99)
+                      ok=True, to_step=rolled_back, first_step=rolled_back + 1, attempt=left, seq=99)
     inp = dataclasses.replace(inp, finding=f, history=[h for h in inp.history if h.time < NOW - 1] + [rb],
                               attempt=left - (step % 2 if left else 0), failed_action_pending=False, paused=False)
     cfg = dataclasses.replace(cfg, rollback_signals=cfg.rollback_signals | {signal})  # free to act on it
