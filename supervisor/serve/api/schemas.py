@@ -151,6 +151,9 @@ class CauseBody(BaseModel):
     replays: list[ReplayBody] = Field(min_length=1, max_length=2)
     steps: int = Field(ge=0, le=INT64_MAX, description="training steps the replays took")
     seconds: float = Field(ge=0, le=1e9)
+    rank: int | None = Field(None, ge=0, le=INT32_MAX, description=(
+        "under torchrun, the one rank whose figures went non-finite on the abandoned path; null when every "
+        "rank's did or none was named; absent from older clients"))
 
 
 class BisectedBody(BaseModel):
