@@ -71,8 +71,8 @@ def test_a_database_that_hangs_is_503_within_the_timeout(sup, db):
 
 def test_judge_dead_or_far_behind_is_503(sup):
     release = threading.Event()
-    judged = sup.judge._on_records
-    sup.judge._on_records = lambda *a: (release.wait(30), judged(*a))
+    judge = sup.judge.banks.judge  # held up, then judged as ever
+    sup.judge.banks.judge = lambda *a: (release.wait(30), judge(*a))[1]
     sup.open_run(RunInfo(run_id="r", attempt=0, world_size=1))
     for i in range(4):
         sup.write("r", 0, [StepRecord(step=i, values={"loss": 1.0})])
