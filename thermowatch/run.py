@@ -15,13 +15,9 @@ Where it sends: `server=`/`token=`, else `THERMOWATCH_SERVER`/`THERMOWATCH_TOKEN
 runs in this process, as `thermowatch train` does without `--supervisor`. Several daemon replicas
 (issue 40): a list, or one comma-separated string; it fails over between them (thermowatch.transport).
 
-Nothing here runs on the caller's thread but a queue append. Records, checkpoints, acks and the
-finish report reach the daemon in the order they were made. Records wait in one queue: over HTTP
-the sink's (thermowatch.transport.HttpSink; its sender batches, posts and spools them), handed to
-it on the caller's thread; with the embedded supervisor this Run's own, a batch every
-`send_interval_s`, stored by one background thread. That thread sends the acks (over HTTP: each
-once the sink has posted or spooled what was made before it, while what is made after it waits
-behind it here, since acks travel apart from the sink) and polls commands once the run is registered.
+Nothing here runs on the caller's thread but a queue append: one background thread registers
+the run, sends records, checkpoints and acks in the order they were made (records before the
+ack of a command that came after them), and polls commands only once the run is registered.
 Commands are remembered with their acks (`state_dir/commands.json`), so a command delivered
 again (a lost ack, a restart) is answered with the same ack and never carried out twice; one
 delivered again while it is still being carried out (the daemon re-sends what it has not heard
@@ -109,7 +105,6 @@ class Run:
             http = HttpSink(self.server, self.state_dir / "spool", token=token, batch_s=send_interval_s,
                             close_timeout=close_timeout_s)
             self._sink: RecordSink = http
-            self._http: HttpSink | None = http  # its write() only appends: handed what it takes at once
             self._channel: Any = HttpCommandChannel(self.server, token=token)
             self._closers: list[Callable[[], None]] = [lambda: http.close(self._time_left() + IO_RESERVE_S),
                                                        self._channel.close]
@@ -119,17 +114,12 @@ class Run:
 
             sup = Supervisor(supervisor_config or SupervisorConfig.load())
             self._sink = self._channel = self.supervisor = sup
-            self._http = None  # its write() stores and judges: records wait in _out for the I/O thread
             self._closers = [sup.close]
         # The acks given (answered again on a re-delivery), with the LR changes and skip ranges the
         # loop keeps beside them: thermowatch.protocol, the bundled controller's book too.
         self.book = CommandBook(self.state_dir)
         self._handed: dict[int, dict[str, Any]] = {}  # commands handed out and not yet acked: id -> JSON
-        # What the I/O thread has still to do, in order: acks and registration checks; in process,
-        # the records and the sink's other messages too; over HTTP, those made behind an ack
-        # still to send (`_behind` counts it and what follows it: the sink takes the rest at once).
-        self._out: collections.deque[Callable[[], None] | _Records | _SinkCall | _Check] = collections.deque()
-        self._behind = 0
+        self._out: collections.deque[Callable[[], None]] = collections.deque()
         self._inbox: collections.deque[Command] = collections.deque()
         self._cv = threading.Condition()
         self._registered = False
@@ -140,8 +130,9 @@ class Run:
         # every half second instead of one a step (a 10 steps/s loop paid ~5% of its CPU in
         # requests, bench/client_overhead.py). Anything else queued (an ack, a checkpoint, the
         # finish), flush() and close() send them at once, in order. Over HTTP the sink batches
-        # them itself (HttpSink's queue, batch_s: the one place they wait), never _out.
+        # them itself (HttpSink's queue, the one place they wait): here they only change threads.
         self.send_interval_s = send_interval_s
+        self._sink_batches = bool(getattr(self._sink, "batches_records", False))
         self._records_since: float | None = None  # when the oldest unsent record was queued
         self._flushing = 0
         self.errors = 0  # sends or polls that raised (logged; training goes on)
@@ -155,36 +146,26 @@ class Run:
         checkpoint's step after a resume or a rollback). Returns the attempt number, never reused."""
         self.attempt = next_attempt(self.state_dir, self.attempt)
         info = RunInfo(self.run_id, self.attempt, self.world_size, dict(self.config), start_step, dict(hosts or {}))
-        self._to_sink(lambda: self._sink.open_run(info))
-        self._submit(_Check(self._confirm_registered))
+        self._submit(_SinkCall(lambda: self._sink.open_run(info)))
+        self._submit(self._confirm_registered)
         return self.attempt
 
     def send(self, record: StepRecord | Sequence[StepRecord]) -> None:
-        if isinstance(record, StepRecord):  # a step at a time (thermowatch.watch): no generator a step
-            records = [record]
-            self.last_step = max(self.last_step or 0, record.step)
-        else:
-            records = list(record)
-            if records:
-                self.last_step = max(self.last_step or 0, max(r.step for r in records))
-        if self._http is None or self._behind > 0:
-            self._submit(_Records(self.attempt, records))
-            return
-        try:  # a queue append (HttpSink.write), as _to_sink does, without a closure a step
-            self._http.write(self.run_id, self.attempt, records)
-        except Exception:  # noqa: BLE001 - a closed sink (a send after finish()) never stops training
-            self._failed()
+        records = [record] if isinstance(record, StepRecord) else list(record)
+        if records:
+            self.last_step = max(self.last_step or 0, max(r.step for r in records))
+        self._submit(_Records(self.attempt, records))
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike, sample_cursor: int, healthy: bool = True,
                          manifest: dict[str, Any] | None = None) -> None:
         info = CheckpointInfo(step, str(path), sample_cursor, healthy, dict(manifest or {}))
         attempt = self.attempt
-        self._to_sink(lambda: self._sink.checkpoint_saved(self.run_id, attempt, info))
+        self._submit(_SinkCall(lambda: self._sink.checkpoint_saved(self.run_id, attempt, info)))
 
     def checkpoints_deleted(self, steps: Sequence[int], reason: str) -> None:
         steps, attempt = [int(s) for s in steps], self.attempt
         if steps:
-            self._to_sink(lambda: self._sink.checkpoints_deleted(self.run_id, attempt, steps, reason))
+            self._submit(_SinkCall(lambda: self._sink.checkpoints_deleted(self.run_id, attempt, steps, reason)))
 
     def commands(self) -> list[Command]:
         """Commands received since the last call, oldest first; a command already answered is
@@ -314,7 +295,7 @@ class Run:
                 self._stop(timeout)  # a bad argument still closes the session, then says what was wrong
                 raise
             attempt = self.attempt
-            self._to_sink(lambda: self._sink.finish_run(self.run_id, attempt, finished))
+            self._submit(_SinkCall(lambda: self._sink.finish_run(self.run_id, attempt, finished)))
         self._stop(timeout)
 
     close = finish
@@ -356,14 +337,12 @@ class Run:
 
     def _take_over(self) -> None:
         """The I/O thread is still in a request at the deadline (a poll or an ack begun before
-        finish()): hand what it has not reached to the sink from here, in order (what was made
-        behind an ack: records and the sink's messages, the finish report among them); acks stay
-        in the book."""
+        finish()): hand what it has not reached to the sink from here, in order (records and
+        the sink's messages: the finish report among them); acks stay in the book."""
         with self._cv:
             self._taken_over = True
             items = list(self._out)
             self._out.clear()
-            self._behind = 0
         dropped = 0
         for item in items:
             if isinstance(item, _Records):
@@ -378,21 +357,10 @@ class Run:
 
     # --- the background thread ----------------------------------------------------------------
 
-    def _to_sink(self, call: Callable[[], None]) -> None:
-        """A message for the sink other than records (a registration, a checkpoint, a deletion,
-        the finish report), behind the records made before it: over HTTP handed over here (a
-        queue append) unless an ack still to send is ahead of it; else it waits in _out."""
-        if self._http is None or self._behind > 0:
-            self._submit(_SinkCall(call))
-        else:
-            self._guard(call)
-
-    def _submit(self, item: "Callable[[], None] | _Records | _SinkCall | _Check") -> None:
+    def _submit(self, item: "Callable[[], None] | _Records") -> None:
         with self._cv:
             if isinstance(item, _Records) and self._records_since is None:
                 self._records_since = time.monotonic()
-            if self._http is not None and not isinstance(item, _Check):
-                self._behind += 1  # an ack, or a message behind one: what the caller makes next waits too
             self._out.append(item)
             self._cv.notify_all()
 
@@ -401,8 +369,7 @@ class Run:
         alone may wait for their batch to fill; anything else goes at once."""
         if not self._out:
             return None
-        if (self._flushing or self._closing or self._http is not None
-                or not all(isinstance(i, _Records) for i in self._out)):
+        if self._flushing or self._closing or self._sink_batches or not all(isinstance(i, _Records) for i in self._out):
             return 0.0
         return max(0.0, (self._records_since or 0.0) + self.send_interval_s - time.monotonic())
 
@@ -438,10 +405,6 @@ class Run:
                     self._guard(lambda r=item: self._sink.write(self.run_id, r.attempt, r.records))
                 else:
                     self._guard(item)
-                if self._http is not None and not isinstance(item, _Check):
-                    with self._cv:  # handed over or sent: once none is left, the caller hands the sink its own
-                        if not self._taken_over:
-                            self._behind -= k
             # Polls are due on their own clock, never starved by a busy queue; none once closing.
             if self._registered and not self._closing and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.poll_interval_s
@@ -469,12 +432,9 @@ class Run:
         try:
             return fn()
         except Exception:  # noqa: BLE001 - the daemon's problems never stop training
-            self._failed()
+            self.errors += 1
+            log.exception("thermowatch: a send or poll failed; training goes on")
             return None
-
-    def _failed(self) -> None:
-        self.errors += 1
-        log.exception("thermowatch: a send or poll failed; training goes on")
 
     def _confirm_registered(self, pause_s: float = 0.0) -> None:
         """Poll only once the daemon has the run (a poll before it answers 404): over HTTP the
@@ -487,20 +447,15 @@ class Run:
         if self._drain_sink(30.0) and getattr(self._sink, "spooled", 0) == 0:
             self._registered = True
         elif not self._closing:
-            self._submit(_Check(lambda: self._confirm_registered(self.poll_interval_s)))
+            self._submit(lambda: self._confirm_registered(self.poll_interval_s))
 
     def _drain_sink(self, timeout: float) -> bool:
-        """What the sink was handed so far, posted or spooled, in `timeout` at most, ended early
-        by finish()'s deadline (in slices: a drain begun before finish() does not know of it).
-        Over HTTP the loop goes on writing meanwhile: only the messages written before this call
-        are waited for (HttpSink.written). In process the sink stored each as it was handed over."""
-        if self._http is None:
-            return self._sink.drain(max(0.0, min(timeout, self._time_left())))
-        upto = self._http.written()
+        """The sink's drain(timeout), ended early by finish()'s deadline (in slices: a drain begun
+        before finish() does not know of it)."""
         end = time.monotonic() + timeout
         while True:
             left = min(end - time.monotonic(), self._time_left())
-            if self._http.drain(max(0.0, min(left, 0.05)), upto=upto):
+            if self._sink.drain(max(0.0, min(left, 0.05))):
                 return True
             if left <= 0.05:
                 return False
@@ -517,7 +472,10 @@ class _Records:
         self.attempt, self.records = attempt, records
 
 
-class _Call:
+class _SinkCall:
+    """A message for the sink (a checkpoint, a deletion, the finish report): a queue append over
+    HTTP, so finish() may make it itself when the I/O thread is stuck past the deadline."""
+
     __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[[], None]) -> None:
@@ -525,17 +483,3 @@ class _Call:
 
     def __call__(self) -> None:
         self.fn()
-
-
-class _SinkCall(_Call):
-    """A message for the sink (a checkpoint, a deletion, the finish report) waiting in _out: a
-    queue append over HTTP, so finish() may make it itself when the I/O thread is stuck past the
-    deadline."""
-
-    __slots__ = ()
-
-
-class _Check(_Call):
-    """A registration check (_confirm_registered): it waits for the sink and holds nothing back."""
-
-    __slots__ = ()

@@ -135,19 +135,9 @@ class HttpSink:
         self._queue_size = queue_size
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()  # body: factory or _Steps
         self._queued_since: float | None = None  # when the oldest queued step arrived
-        # What the queue holds, kept as it changes so the sender never walks it to decide when to
-        # send: the steps in it, and its other messages (a registration, a checkpoint: sent at once).
-        self._queued_steps = self._queued_other = 0
-        self._steps_paths: dict[tuple[str, int], str] = {}
-        # Messages counted in the order written: handed over (posted, spooled or set aside), held by
-        # the sender (the queue entries merged into its batch), spilled to the overflow file. What
-        # is written is their sum plus the queue; drain() waits for what was written before it
-        # alone, so a loop that goes on writing never holds it back (an ack behind the steps
-        # before it: thermowatch.Run). Counted per batch, never per step.
-        self._done = self._taken = self._spilled = self._promoting = 0
-        self._push_to = 0  # drain() asked for the messages before this one: they go without a batch wait
+        self._push = False  # drain() asked: send what is queued now, without waiting for a batch
         self._cv = threading.Condition()
-        self._busy = False  # the sender holds a message, or replays the spool, and has not finished
+        self._busy = False  # the sender holds a message it has not finished with
         self._holding: tuple[str, Any] | None = None  # that message (close() spools it if it must)
         self._overflow: Any = None  # spill file while the queue is full; the sender promotes it
         self._closing = False
@@ -162,10 +152,7 @@ class HttpSink:
     def write(self, run_id: str, attempt: int, records: Sequence[StepRecord]) -> None:
         if records:
             records = list(records)  # the caller may reuse its list; the records themselves are not mutated
-            path = self._steps_paths.get((run_id, attempt))
-            if path is None:  # formatted once an attempt, not once a step
-                path = self._steps_paths[(run_id, attempt)] = f"{_run_path(run_id)}/attempts/{attempt}/steps"
-            self._submit(path, _Steps(records))
+            self._submit(f"{_run_path(run_id)}/attempts/{attempt}/steps", _Steps(records))
 
     def checkpoint_saved(self, run_id: str, attempt: int, ckpt: CheckpointInfo) -> None:
         self._submit(f"{_run_path(run_id)}/attempts/{attempt}/checkpoints", ckpt.to_json)
@@ -232,8 +219,6 @@ class HttpSink:
         later: ingest is idempotent."""
         with self._cv:
             held = ([self._holding] if self._holding is not None else []) + list(self._queue)
-            self._done += self._taken + len(self._queue) + self._spilled  # spooled below, in order
-            self._taken = self._spilled = self._queued_steps = self._queued_other = 0
             self._queue.clear()
             self._queued_since = None
             overflow, self._overflow = self._overflow, None
@@ -266,26 +251,14 @@ class HttpSink:
             os.replace(left, self.spool_dir / f"spool-{self._seq:08d}.jsonl")
             fsync_dir(self.spool_dir)
 
-    def written(self) -> int:
-        """How many messages have been written so far: a mark for `drain(upto=...)`."""
-        with self._cv:
-            return self._written()
-
-    def _written(self) -> int:
-        return self._done + self._taken + self._spilled + self._promoting + len(self._queue)
-
-    def drain(self, timeout: float | None = None, *, upto: int | None = None) -> bool:
-        """Send everything written so far (or the first `upto` messages: `written()`) now, no
-        batch waiting for more steps, and wait until it is posted or spooled, and for a replay
-        of the spool under way; False on timeout (0: start sending, do not wait). What is
-        written meanwhile is not waited for."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Send everything written so far now (no batch waits for more steps) and wait until it
+        is posted or spooled; False on timeout (0: start sending, do not wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            if upto is None:
-                upto = self._written()
-            self._push_to = max(self._push_to, upto)
+            self._push = True
             self._cv.notify_all()
-            while self._done < upto or (self._busy and self._holding is None):
+            while self._queue or self._busy or self._overflow is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -297,35 +270,29 @@ class HttpSink:
             if self._closing:
                 raise RuntimeError("HttpSink is closed")
             if self._overflow is None and len(self._queue) < self._queue_size:
-                self._queue.append((path, body))
-                # The sender is woken when the batch's clock starts, when the batch is full and for
-                # anything else: not for each step (a thread switch a step, on the loop's thread).
-                if not isinstance(body, _Steps):
-                    self._queued_other += 1
-                    self._cv.notify_all()
-                    return
-                self._queued_steps += len(body.records)
-                if self._queued_since is None:
+                if isinstance(body, _Steps) and self._queued_since is None:
                     self._queued_since = time.monotonic()
-                    self._cv.notify_all()
-                elif self._queued_steps >= self.batch_steps:
-                    self._cv.notify_all()
+                self._queue.append((path, body))
+                self._cv.notify_all()
                 return
             # The sender is stuck (a slow supervisor): spill, in order, behind everything queued.
             if self._overflow is None:
                 self._overflow = open(self.spool_dir / "overflow.jsonl", "ab")
-                self._cv.notify_all()  # it promotes the spill file once it is back
             self._overflow.write(_spool_line(path, *_encode(body)))
-            self._spilled += 1
 
     # --- the sender thread ---------------------------------------------------------------------
 
     def _batch_due_in(self) -> float:
         """Seconds the queue may still wait for more steps to join its batch (0: send now)."""
-        if self._done < self._push_to or self._closing or self._overflow is not None or self._queued_since is None:
-            return 0.0  # drain() waits for the queue's head, closing, spilling, or no step queued
-        if self._queued_other or self._queued_steps >= self.batch_steps:
-            return 0.0  # a checkpoint, a registration, a finish: never held back; or a full batch
+        if self._push or self._closing or self._overflow is not None or self._queued_since is None:
+            return 0.0
+        steps = 0
+        for _, body in self._queue:
+            if not isinstance(body, _Steps):
+                return 0.0  # a checkpoint, a registration, a finish: never held back
+            steps += len(body.records)
+        if steps >= self.batch_steps:
+            return 0.0
         return max(0.0, self._queued_since + self.batch_s - time.monotonic())
 
     def _sender(self) -> None:
@@ -340,6 +307,7 @@ class HttpSink:
                         continue
                     if self._closing or self._overflow is not None:
                         break
+                    self._push = False  # everything drain() asked for has gone
                     wait = self._replay_due_in()
                     if wait == 0 or (not self._cv.wait(wait) and wait is not None):
                         break  # the spool is due for a replay
@@ -362,8 +330,6 @@ class HttpSink:
                 with self._cv:
                     self._busy = False
                     self._holding = None
-                    self._done += self._taken  # posted, spooled or set aside (close() may have counted them)
-                    self._taken = 0
                     self._cv.notify_all()
 
     def _take(self) -> tuple[str, Any]:
@@ -371,22 +337,17 @@ class HttpSink:
         into one batch of at most ~batch_steps steps / batch_values values (called holding the
         condition)."""
         path, body = self._queue.popleft()
-        self._taken = 1
-        if not isinstance(body, _Steps):
-            self._queued_other -= 1
-        else:
+        if isinstance(body, _Steps):
             records = list(body.records)
             values = sum(len(r.values) for r in records)
             while (self._queue and self._queue[0][0] == path and isinstance(self._queue[0][1], _Steps)
                    and len(records) < self.batch_steps and values < self.batch_values):
                 more = self._queue.popleft()[1].records
-                self._taken += 1
                 records += more
                 values += sum(len(r.values) for r in more)
             body = _Steps(records)
-            self._queued_steps -= len(records)
-            if not self._queued_steps:
-                self._queued_since = None
+        if not any(isinstance(b, _Steps) for _, b in self._queue):
+            self._queued_since = None
         return path, body
 
     def _replay_due_in(self) -> float | None:
@@ -400,29 +361,20 @@ class HttpSink:
 
     def _promote_overflow(self) -> None:
         """Turn the caller's spill file into the newest spool file, once the queue ahead of it is
-        empty, so that it is replayed after everything queued before it and before anything after.
-        The fsyncs come after the condition is let go: the loop's next write() never waits for
-        the disk (drain() still does: the messages count as handed over once they are durable)."""
+        empty, so that it is replayed after everything queued before it and before anything after."""
         with self._cv:
             if self._overflow is None or self._queue:
                 return
             f, self._overflow = self._overflow, None
-            n, self._spilled = self._spilled, 0
-            self._promoting += n
             with self._disk:
                 f.flush()
+                os.fsync(f.fileno())
+                f.close()
                 self._close_file()
                 self._seq += 1
                 os.replace(self.spool_dir / "overflow.jsonl", self.spool_dir / f"spool-{self._seq:08d}.jsonl")
-        try:
-            os.fsync(f.fileno())
-            f.close()
-            fsync_dir(self.spool_dir)
-        finally:
-            with self._cv:
-                self._promoting -= n
-                self._done += n
-                self._cv.notify_all()
+                fsync_dir(self.spool_dir)
+            self._cv.notify_all()
 
     # --- spool -----------------------------------------------------------------------------------
 

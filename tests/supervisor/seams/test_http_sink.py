@@ -405,38 +405,3 @@ def test_steps_handed_over_one_by_one_go_as_batches_and_none_waits_past_batch_s(
     assert sink.flush(force=True)
     np.testing.assert_array_equal(_loss(db)[0], np.arange(121))
     sink.close()
-
-
-def test_drain_waits_for_what_was_written_before_it_while_the_loop_goes_on(db, server, tmp_path):
-    """thermowatch.Run drains its sink before an ack (the steps before the command reach the
-    daemon first) while the loop goes on handing it a step every millisecond: drain() waits for
-    what was written before it was called, or for the first written() messages, never for what
-    comes after (it used to wait for an empty queue: until the loop stopped)."""
-    sink = HttpSink(server.url, tmp_path / "spool", INGEST_TOKEN, batch_s=0.2)
-    sink.open_run(RunInfo("r", 0, world_size=1))
-    assert sink.drain(30)
-    stop, steps = threading.Event(), []
-
-    def loop() -> None:
-        while not stop.is_set():
-            sink.write("r", 0, _batch(len(steps), 1))
-            steps.append(len(steps))
-            time.sleep(0.001)
-
-    trainer = threading.Thread(target=loop)
-    trainer.start()
-    try:
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        assert sink.drain(20)
-        mark = sink.written()
-        assert sink.drain(20, upto=mark)
-        took = time.monotonic() - t0
-        assert trainer.is_alive()
-    finally:
-        stop.set()
-        trainer.join()
-    assert took < 10, took
-    assert sink.drain(30) and sink.spooled == 0
-    np.testing.assert_array_equal(_loss(db)[0], np.arange(len(steps)))
-    sink.close()
