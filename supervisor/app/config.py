@@ -327,23 +327,22 @@ class SupervisorConfig:
         self._build_sections()
 
     def _build_sections(self) -> None:
-        """Each typed section from the mapping given for it (its fields that differ), once."""
-        policy = self.policy
-        if isinstance(policy, Mapping):  # its own advise_only wins over the top level's
-            policy = {"advise_only": self.advise_only, **policy}
-        elif isinstance(policy, PolicyConfig) and self.advise_only and not policy.advise_only:
-            policy = dataclasses.replace(policy, advise_only=True)
-        for name, cls, build in (("limits", Limits, Limits.from_dict), ("detectors", BankConfig, BankConfig.from_dict),
-                                 ("policy", PolicyConfig, lambda d: PolicyConfig(**d)),
-                                 ("envelope", EnvelopeConfig, lambda d: EnvelopeConfig(**d))):
-            value = policy if name == "policy" else getattr(self, name)
-            if isinstance(value, cls):
-                setattr(self, name, value)
-                continue
-            try:
-                setattr(self, name, build(value))
-            except (TypeError, ValueError, UserError) as exc:
-                raise ConfigError(f"{name}: {exc}") from None
+        """Each typed section from the mapping given for it (its fields that differ), once; a
+        section given built is taken as it is."""
+        built_policy = isinstance(self.policy, PolicyConfig)
+        for name, cls, build in (
+                ("limits", Limits, Limits.from_dict), ("detectors", BankConfig, BankConfig.from_dict),
+                # a mapping's own advise_only wins over the top level's
+                ("policy", PolicyConfig, lambda d: PolicyConfig(**{"advise_only": self.advise_only, **d})),
+                ("envelope", EnvelopeConfig, lambda d: EnvelopeConfig(**d))):
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                try:
+                    setattr(self, name, build(value))
+                except (TypeError, ValueError, UserError) as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if built_policy and self.advise_only and not self.policy.advise_only:
+            self.policy = dataclasses.replace(self.policy, advise_only=True)
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> "SupervisorConfig":
