@@ -8,6 +8,8 @@ the same seed), in two scenarios:
   lr        at step 151 the LR jumps x300 (1e-3 -> 0.3), as a resume with a wrong config would: the
             attention logits grow ~10^5x within 30 steps and the loss diverges (10-60 nats) on
             these models without thermowatch
+  clean     neither (not in the default list): a healthy run, on which the supervisor must do
+            nothing (goal: 0 rollbacks, skips, LR changes and pauses, no alert after the finish)
 
 Loop kinds (docs/any-trainer.md; each a user's loop as the docs write it):
 
@@ -41,7 +43,7 @@ A real step takes far longer than these toys' (~10 ms), while the client sends i
 step, so the supervisor's reaction, counted in steps, is nearer a real run's. Runs without it
 are not padded (their wall time means nothing).
 
-    python bench/any_loop_study.py [--kinds plain,hf,lightning,run,ddp,fsdp2] [--scenarios poisoned,lr]
+    python bench/any_loop_study.py [--kinds plain,hf,lightning,run,ddp,fsdp2] [--scenarios poisoned,lr,clean]
                                    [--json] [--keep DIR] [--skip-ahead N]
 
 `--skip-ahead 0` turns the policy's skip_ahead_steps off: the rollback's window then ends at the
@@ -71,7 +73,7 @@ from pathlib import Path
 from common import REPO, free_port  # first: this checkout on sys.path
 
 KINDS = ("plain", "hf", "lightning", "run", "ddp", "fsdp2")
-SCENARIOS = ("poisoned", "lr")
+SCENARIOS = ("poisoned", "lr", "clean")
 B, SEQ, STEPS, EVERY = 16, 32, 300, 25  # global batch, tokens a sample (+1 target), steps, checkpoint every
 N = 16384  # samples: id i is sample i (ids stay below N in these runs: no second pass)
 VOCAB = 256
@@ -277,7 +279,7 @@ def after_finish(ctx: Ctx, sup) -> None:
     finished = dt.datetime.now(dt.timezone.utc)
     time.sleep(1.0)  # anything still in flight lands
     out = ctx.out
-    out["stall_check_covers_run"] = RUN_ID in getattr(sup.responder, "_banks", {})  # the check looks at it
+    out["stall_check_covers_run"] = RUN_ID in sup.banks._banks  # the check looks at it (Banks.stalls)
     try:
         stalls = sup.responder.check_stalls(now=time.time() + 3600)
         out["stall_findings_after_finish"] = [f"{f.signal.value} {f.module} {f.severity.value} at step {f.detect_step}"
@@ -915,7 +917,7 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default="poisoned,lr", help=f"of {', '.join(SCENARIOS)}")
     ap.add_argument("--modes", default="tw,none", help="tw (under thermowatch), none (without), or both")
     ap.add_argument("--json", action="store_true", help="one JSON object per run, then the table")
     ap.add_argument("--keep", help="keep each run's directory (stderr, database) under this folder")

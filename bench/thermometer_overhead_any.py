@@ -8,8 +8,9 @@ of its block's process CPU time / the plain block's in that round (one torch thr
 
 Variants:
   plain        no thermometers
-  default      ThermometerConfig(): attention found by interception, the cheap figure (q k^T of
-               the first sequence), every group every step, update ratio every 10th
+  default      ThermometerConfig(): attention found by interception, the default figure (the
+               kernel's own log-sum-exp: each SDPA call runs through the private op that hands it
+               out), every group every step, update ratio every 10th
   no_attn      the same without the attention group (attn_find=False): what attention adds
   attn_exact   default with attn_mode="exact": q k^T over the whole batch every step
   no_entropy, no_act, no_grad, no_update
@@ -118,7 +119,7 @@ def main() -> None:
     cpu = rotating_rounds(names, run, warmup=args.warmup, steps=args.steps, block=args.block)
     ratio = paired_ratios(cpu)
     some = next(iter(thermos.values()))
-    found = [n for n in some.names if n.startswith("attn_logit_max/")]
+    found = [n for n in some.names if n.startswith(("attn_logit_max/", "attn_logit_lse/"))]
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
           f"V{args.vocab} {'bf16 autocast on ' + torch.cuda.get_device_name() if cuda else 'fp32'}, {len(found)} attention modules found, {len(cpu['plain'])} rounds of "
           f"{args.block} steps, torch threads {torch.get_num_threads()}")

@@ -38,12 +38,19 @@ fp32 logits the model holds anyway (no copy of its own).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# The fused kernel's attention with its lse, and the entropy from one more fused pass, are the
+# thermometers' (any model's SDPA calls are read the same way: intercept.py); re-exported here.
+from thermowatch.monitors.thermometers.attention import (  # noqa: F401
+    attention_entropy,
+    attention_with_lse,
+    public_attention_with_lse,
+)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _NORMS = ("layernorm", "rmsnorm")
@@ -141,48 +148,6 @@ def make_norm(cfg: GPTConfig, dim: int, out_dtype: torch.dtype | None = None) ->
     return FP32LayerNorm(dim, out_dtype)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Causal attention that also returns the row log-sum-exp [B, H, T] (fp32).
-
-    Calls the fused kernel SDPA itself picks, through its private aten op, so the output (and
-    its gradient) is the same as `F.scaled_dot_product_attention` (tested bit-exact on CPU) and
-    the lse comes free. No public op returns it, so a torch whose op is gone or changed falls
-    back to public ops (`public_attention_with_lse`: the same output, the lse from an explicit
-    T x T pass), with a warning, rather than failing the step (issue 22).
-    """
-    try:
-        return _fused_attention_with_lse(q, k, v, scale)
-    except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, torch.cuda.OutOfMemoryError):
-            raise
-        warnings.warn(f"thermowatch: torch's fused attention-with-lse op is unavailable here ({exc!r}); "
-                      "the attention-logit LSE now costs an explicit T x T pass", stacklevel=2)
-        return public_attention_with_lse(q, k, v, scale)
-
-
-def public_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """attention_with_lse from public ops only: SDPA for the output, an fp32 logsumexp over the
-    causal scores (no gradient) for the lse."""
-    with torch.no_grad():
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        future = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1)
-        lse = torch.logsumexp(s.masked_fill(future, float("-inf")), dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), lse
-
-
-def _fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    if q.device.type == "cpu":
-        # aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *,
-        #   attn_mask=None, scale=None) -> (output, logsumexp)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return out[0], out[1]
-    # Memory-efficient kernel: lse is padded to a multiple of 32 along T.
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)[:2]
-    return out, lse[..., : q.shape[-2]]
-
-
 def causal_scores_stats(
     q: torch.Tensor, k: torch.Tensor, scale: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -200,24 +165,6 @@ def causal_scores_stats(
 def causal_scores_max(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """Exact max of the causal pre-softmax logits per head: [B, H, T, D] -> [H] (fp32)."""
     return causal_scores_stats(q, k, scale)[0]
-
-
-@torch.no_grad()
-def attention_entropy(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Mean (over batch and query positions) entropy of each head's causal attention
-    distribution, in nats, [B, H, T, D] -> [H] fp32, without materialising T x T.
-
-    Per row, H = lse - E_p[s] with s_j = scale * q.k_j, and E_p[s] = scale * q . (sum_j p_j k_j):
-    the attention output with V = K. So one more fused forward pass (no gradient) gives it
-    exactly, up to the kernel's precision. The keys are centred first (V = K - kbar, the
-    q.kbar share added back in fp32): any constant shift is exact since sum_j p_j = 1, and the
-    bf16 output then carries only the deviation, so lse - E_p[s] does not cancel large terms.
-    """
-    kbar = k.mean(dim=-2, keepdim=True)
-    out, lse = attention_with_lse(q, k, k - kbar, scale)
-    qf = q.float()
-    mean_s = scale * ((qf * out.float()).sum(-1) + (qf * kbar.float()).sum(-1))
-    return (lse.float() - mean_s).mean(dim=(0, 2))
 
 
 class CausalSelfAttention(nn.Module):

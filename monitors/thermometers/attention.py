@@ -19,6 +19,7 @@ bound of the true min.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -166,15 +167,16 @@ def _future(t: int, s: int, device: torch.device, dtype: torch.dtype = torch.flo
 
 @torch.no_grad()
 def sdpa_scores_stats(
-    args: tuple, kwargs: dict, heads: torch.Tensor | None, n_seq: int | None, entropy: bool
+    args: tuple, kwargs: dict, heads: torch.Tensor | None, n_seq: int | None, entropy: bool, lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Max per head of the pre-softmax logits of one `F.scaled_dot_product_attention` call,
     recomputed from its q and k with public ops: scale * q k^T (scale = 1/sqrt(E) unless given),
     plus its `attn_mask` (bool: False = masked; float: added) or, with `is_causal`, SDPA's
     top-left causal mask. For the query heads `heads` (None = all; under GQA each reads its key
     head) of the first `n_seq` sequences (None = all). Returns ([heads] fp32, mean softmax
-    entropy per head or None). Dropout is ignored: the logits are pre-dropout. Materialises the
-    scores in chunks of heads of at most _CHUNK_ELEMENTS."""
+    entropy per head or None). With `lse`, the max per head of each row's log-sum-exp instead
+    (the fused path's figure, for calls it does not take: fused_call). Dropout is ignored: the
+    logits are pre-dropout. Materialises the scores in chunks of heads of at most _CHUNK_ELEMENTS."""
     q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
     mask = _arg(args, kwargs, 3, "attn_mask")
     is_causal = _arg(args, kwargs, 5, "is_causal", False)
@@ -203,7 +205,7 @@ def sdpa_scores_stats(
     future = _future(t, s, q.device, torch.bfloat16 if low else torch.float32) if mask is None and is_causal else None
     if whole:  # the common case, one chunk: no head index, no concatenation
         sc = _masked_scores(q, k, scale, mask, future, low)
-        return sc.amax(dim=(0, 2, 3)), softmax_entropy(sc) if entropy else None
+        return _row_max(sc, lse), softmax_entropy(sc) if entropy else None
     if heads is None:
         heads = torch.arange(q.shape[1], device=q.device)
     maxes, ents = [], []
@@ -211,10 +213,16 @@ def sdpa_scores_stats(
         m = mask if mask is None or mask.shape[1] == 1 else mask.index_select(1, hs)
         sc = _masked_scores(q.index_select(1, hs), k.index_select(1, hs // group if group > 1 else hs), scale, m, future,
                             low)
-        maxes.append(sc.amax(dim=(0, 2, 3)))
+        maxes.append(_row_max(sc, lse))
         if entropy:
             ents.append(softmax_entropy(sc))
     return torch.cat(maxes), torch.cat(ents) if entropy else None
+
+
+def _row_max(sc: torch.Tensor, lse: bool) -> torch.Tensor:
+    """[n, h, L, S] scores -> [h]: the max, or with `lse` the max over rows of the row's fp32
+    log-sum-exp (max <= lse <= max + ln(keys))."""
+    return torch.logsumexp(sc.float(), dim=-1).amax(dim=(0, 2)) if lse else sc.amax(dim=(0, 2, 3))
 
 
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -244,16 +252,125 @@ def _mask(sc: torch.Tensor, mask: torch.Tensor | None, future: torch.Tensor | No
 
 @torch.no_grad()
 def softmax_stats(
-    logits: torch.Tensor, probs: torch.Tensor, n_seq: int | None, entropy: bool
+    logits: torch.Tensor, probs: torch.Tensor, n_seq: int | None, entropy: bool, lse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An eager attention's own softmax (Hugging Face's eager_attention_forward, nanoGPT's
     non-flash path): its input is the scaled, masked logits, so their max is exact and costs one
     pass (an additive mask's large negatives never win over a key that takes part). Per head
     for [B, H, L, S], one value otherwise. The entropy comes from its output, over the first
-    `n_seq` sequences (None = all)."""
+    `n_seq` sequences (None = all). With `lse`, the rows' log-sum-exp in place of the max, as
+    the fused path reads it (attention_with_lse)."""
     four = logits.dim() == 4
-    mx = logits.amax(dim=(0, 2, 3)) if four else logits.amax().reshape(1)
+    if lse:
+        row = torch.logsumexp(logits.float(), dim=-1)
+        mx = row.amax(dim=(0, 2)) if four else row.amax().reshape(1)
+    else:
+        mx = logits.amax(dim=(0, 2, 3)) if four else logits.amax().reshape(1)
     if not entropy:
         return mx, None
     ent = torch.special.entr(probs[:n_seq].float()).sum(-1)
     return mx, ent.nanmean(dim=(0, 2)) if four else ent.nanmean().reshape(1)
+
+
+# The fused kernel's log-sum-exp: the attention figure at the cost of the attention itself.
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                       is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the row log-sum-exp [B, H, L] (fp32) of the scaled logits
+    (top-left causally masked with `is_causal`): per row max <= lse <= max + ln(keys).
+
+    Calls the fused kernel SDPA itself picks, through its private aten op, so the output (and
+    its gradient) is the same as `F.scaled_dot_product_attention` (tested bit-exact on CPU) and
+    the lse comes free. No public op returns it, so a torch whose op is gone or changed falls
+    back to public ops (`public_attention_with_lse`: the same output, the lse from an explicit
+    L x S pass), with a warning, rather than failing the step (issue 22).
+    """
+    try:
+        return fused_attention_with_lse(q, k, v, scale, is_causal)
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        warnings.warn(f"thermowatch: torch's fused attention-with-lse op is unavailable here ({exc!r}); "
+                      "the attention-logit LSE now costs an explicit T x T pass", stacklevel=2)
+        return public_attention_with_lse(q, k, v, scale, is_causal)
+
+
+def public_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                              is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse from public ops only: SDPA for the output, an fp32 logsumexp over the
+    (causal) scores, without gradient, for the lse."""
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    with torch.no_grad():
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * sc
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1),
+                              float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale), lse
+
+
+def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                             is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel SDPA dispatches to for a call without mask or dropout, called through its
+    private aten op, which hands out the lse too. Raises when the op is gone or refuses the call."""
+    if q.device.type == "cpu":
+        # aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *,
+        #   attn_mask=None, scale=None) -> (output, logsumexp)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled()):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out[0], out[1]
+    # Memory-efficient kernel: lse is padded to a multiple of 32 along L.
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                      scale=scale)[:2]
+    return out, lse[..., : q.shape[-2]]
+
+
+def fused_call(args: tuple, kwargs: dict) -> tuple | None:
+    """An intercepted `F.scaled_dot_product_attention` call as (q, k, v, scale, is_causal) for
+    fused_attention_with_lse, or None for a call that kernel path does not take the same way:
+    a mask, dropout, GQA, not [B, H, L, E], a value width other than the key's, mixed dtypes,
+    causal with L != S, the user's flash kernel switched off. Under autocast the inputs are cast
+    as autocast casts SDPA's (it is on its lower-precision list), so the kernel and the output
+    are the ones the user's call would get."""
+    q, k, v = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key"), _arg(args, kwargs, 2, "value")
+    if (_arg(args, kwargs, 3, "attn_mask") is not None or _arg(args, kwargs, 4, "dropout_p", 0.0) != 0.0
+            or _arg(args, kwargs, 7, "enable_gqa", False)):
+        return None
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_nested for t in (q, k, v)):
+        return None
+    is_causal = bool(_arg(args, kwargs, 5, "is_causal", False))
+    if (q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]
+            or v.shape[-1] != q.shape[-1] or (is_causal and q.shape[-2] != k.shape[-2])):
+        return None
+    dev = q.device.type
+    flash, efficient = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()
+    if not (dev == "cpu" and flash or dev == "cuda" and (flash or efficient)):  # CPU's flash obeys the same switch
+        return None
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return None
+    return q, k, v, _arg(args, kwargs, 6, "scale"), is_causal
+
+
+@torch.no_grad()
+def attention_entropy(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+                      is_causal: bool = True) -> torch.Tensor:
+    """Mean (over batch and query positions) entropy of each head's (causal) attention
+    distribution, in nats, [B, H, T, D] -> [H] fp32, without materialising T x T.
+
+    Per row, H = lse - E_p[s] with s_j = scale * q.k_j, and E_p[s] = scale * q . (sum_j p_j k_j):
+    the attention output with V = K. So one more fused forward pass (no gradient) gives it
+    exactly, up to the kernel's precision. The keys are centred first (V = K - kbar, the
+    q.kbar share added back in fp32): any constant shift is exact since sum_j p_j = 1, and the
+    bf16 output then carries only the deviation, so lse - E_p[s] does not cancel large terms.
+    """
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kbar = k.mean(dim=-2, keepdim=True)
+    out, lse = attention_with_lse(q, k, k - kbar, scale, is_causal)
+    qf = q.float()
+    mean_s = sc * ((qf * out.float()).sum(-1) + (qf * kbar.float()).sum(-1))
+    return (lse.float() - mean_s).mean(dim=(0, 2))

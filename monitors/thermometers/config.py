@@ -41,15 +41,18 @@ class ThermometerConfig:
     # these types (nn.MultiheadAttention: explicit QK^T recomputed from its inputs; any other
     # class: its SDPA or softmax calls intercepted, or an error at instrument() if it makes none),
     # and with attn_find every module whose forward calls F.scaled_dot_product_attention or
-    # Hugging Face's attention functions (intercept.py). A found module's figure is
-    # attn_logit_max: an explicit fp32 max of q k^T over attn_heads heads and, unless attn_mode
-    # is "exact", the first attn_entropy_batch sequences (a sample: <= the batch's max); under
-    # an eager softmax, the max of its input over the whole batch.
+    # Hugging Face's attention functions (intercept.py). A found module's figure follows
+    # attn_mode: "lse", attn_logit_lse, its SDPA kernel's own log-sum-exp (the call runs through
+    # the private op that hands it out; a call with a mask, dropout or GQA gets it from an
+    # explicit q k^T of the first attn_entropy_batch sequences); "exact", attn_logit_max, an
+    # explicit fp32 max of q k^T over attn_heads heads of every sequence; under an eager softmax,
+    # the rows' lse (or max) of its input over the whole batch.
     attn_types: tuple[type, ...] = (nn.MultiheadAttention,)
     attn_find: bool = True
-    # How probe modules measure: "lse" = the fused kernel's log-sum-exp, a bound
+    # How probe and found modules measure: "lse" = the fused kernel's log-sum-exp, a bound
     # max <= lse <= max + ln(keys), free (no T x T); "exact" = explicit QK^T (T x T per head);
-    # "flex" = FlexAttention max_scores, exact and fused, CUDA only.
+    # "flex" = FlexAttention max_scores, exact and fused, CUDA only (a found module: an
+    # explicit max of the first attn_entropy_batch sequences).
     attn_mode: str = "lse"
     # Heads per attention module the explicit QK^T path computes each sampled step, rotating
     # through all heads step by step; None = every head (then the max is exact, not a sample).

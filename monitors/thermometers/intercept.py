@@ -11,15 +11,20 @@ there, by name, with the fix (`AttentionNotProbed`).
 
 Measuring it, on sampled steps only: a forward pre-hook on each found module enters one
 TorchFunctionMode, its forward hook (always_call, so an exception cannot leave it on) leaves it.
-Inside, every SDPA call is measured from its own q and k (attention.sdpa_scores_stats: masks,
-is_causal and GQA as the call passes them) and every softmax over the last dim of a >= 3-d tensor
-from its input, which is the masked logits (attention.softmax_stats), and both are attributed to
-the innermost found module running. The call itself runs unchanged: the user's kernel, output and
-gradient are untouched. On unsampled steps the hooks return at once and no mode is on.
+Inside, under attn_mode "lse" (the default), an SDPA call the fused kernel path takes (no mask,
+dropout or GQA: attention.fused_call) runs through the kernel SDPA dispatches to, by its private
+aten op, which hands out the rows' log-sum-exp as well: the output and gradient are the call's
+own (bit-identical on CPU, autocast's casts repeated) and the figure is a max over [B, H, L]. Any
+other SDPA call runs as written and is measured from its own q and k
+(attention.sdpa_scores_stats: masks, is_causal and GQA as the call passes them), and every
+softmax over the last dim of a >= 3-d tensor from its input, which is the masked logits
+(attention.softmax_stats); all are attributed to the innermost found module running. On
+unsampled steps the hooks return at once and no mode is on.
 
 Cost while on: every torch call inside the module's forward passes through
-`__torch_function__` (a few microseconds each, tens of calls a layer), plus the figure: one
-explicit q k^T for the sequences and heads sampled (bench/thermometer_overhead.py --model nano).
+`__torch_function__` (a few microseconds each, tens of calls a layer), plus the figure: a max
+over the kernel's lse, or one explicit q k^T for the sequences and heads sampled
+(bench/thermometer_overhead_any.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from thermowatch.monitors.thermometers.attention import AttnProbe, sdpa_scores_stats, softmax_stats
+from thermowatch.monitors.thermometers.attention import (
+    AttnProbe,
+    attention_entropy,
+    fused_attention_with_lse,
+    fused_call,
+    sdpa_scores_stats,
+    softmax_stats,
+)
 from thermowatch.monitors.thermometers.budget import ATTN, NullTimer, Timer
 
 DOCS = "docs/any-trainer.md#attention-logits"
@@ -124,23 +136,35 @@ class Site:
         self.calls = 0  # SDPA / softmax calls seen in the current sampled forward
         self.warned = False
         self.broken = False  # a figure failed once: warned, the slots stay NaN from then on
+        self.fused = True  # "lse": its SDPA calls run through the kernel's lse op, until that op fails once
 
     def n_seq(self) -> int | None:
-        return self.probe.entropy_batch if self.probe.mode == "sample" else None
+        return self.probe.entropy_batch if self.probe.mode in ("sample", "lse") else None
 
     def on_sdpa(self, args: tuple, kwargs: dict) -> None:
         p = self.probe
-        mx, ent = sdpa_scores_stats(args, kwargs, p.heads, self.n_seq(), p.entropy)
+        mx, ent = sdpa_scores_stats(args, kwargs, p.heads, self.n_seq(), p.entropy, lse=p.mode == "lse")
         p.put_head_max(mx, p.heads)
         if ent is not None:
             p.put_entropy(ent)
+
+    def on_fused(self, call: tuple, lse) -> None:
+        """The figure of a call the fused kernel ran (Interceptor._fused): its lse, free, and on
+        entropy steps one more fused pass without gradient over the first entropy_batch sequences."""
+        p = self.probe
+        p.put_lse(lse.detach())
+        if p.entropy:
+            q, k, _, scale, is_causal = call
+            n = p.entropy_batch
+            p.put_entropy(attention_entropy(q[:n].detach(), k[:n].detach(), scale, is_causal))
 
     def on_softmax(self, args: tuple, kwargs: dict, out) -> None:
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(x, torch.Tensor) or x.dim() < 3 or dim not in (-1, x.dim() - 1):
             return  # not attention weights over keys
-        mx, ent = softmax_stats(x.detach(), out.detach(), self.n_seq(), self.probe.entropy)
+        mx, ent = softmax_stats(x.detach(), out.detach(), self.n_seq(), self.probe.entropy,
+                                lse=self.probe.mode == "lse")
         self.probe.put_head_max(mx, None)
         if ent is not None:
             self.probe.put_entropy(ent)
@@ -185,6 +209,11 @@ class Interceptor(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
+            site = self.stack[-1]
+            if site.probe.mode == "lse" and site.fused and not site.broken:
+                out = self._fused(site, args, kwargs)
+                if out is not None:
+                    return out
             self._measure(Site.on_sdpa, args, kwargs)
         self.timer.stop(ATTN)  # the user's own call is not the thermometers' cost
         try:
@@ -193,6 +222,31 @@ class Interceptor(TorchFunctionMode):
             self.timer.start()
         if func in _SOFTMAX:
             self._measure(Site.on_softmax, args, kwargs, out)
+        return out
+
+    def _fused(self, site: Site, args: tuple, kwargs: dict):
+        """Run the user's SDPA call through the kernel it dispatches to, by the private op that
+        hands out the lse as well (attention.fused_call says which calls): the output and its
+        gradient are the call's own, the figure costs a max over [B, H, L]. None: not this call
+        (a mask, dropout, GQA, ...), or the op failed (then never again for this site, warned
+        once): the caller measures it from q and k and runs the call as written."""
+        call = fused_call(args, kwargs)
+        if call is None:
+            return None
+        self.timer.stop(ATTN)  # the attention itself is the user's cost, not the thermometers'
+        try:
+            out, lse = fused_attention_with_lse(*call)
+        except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise
+            site.fused = False
+            warnings.warn(f"thermowatch: torch's fused attention-with-lse op refused {site.name!r} ({site.cls}) "
+                          f"({exc!r}); its attention figure now comes from an explicit q k^T of a sample, "
+                          "and its SDPA call runs as written", stacklevel=3)
+            return None
+        finally:
+            self.timer.start()
+        self._measure(Site.on_fused, call, lse)
         return out
 
     def _measure(self, method, *a) -> None:

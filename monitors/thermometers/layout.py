@@ -92,9 +92,12 @@ def layout(cfg: ThermometerConfig, act, z, attn, groups) -> Layout:
         names.append(metric_key(Z, name))
     attn_slots = []
     for name, mod, kind in attn:
-        # A found module's figure is always an explicit max: of the first attn_entropy_batch
-        # sequences ("sample", the cheap default) or of all of them ("exact").
-        mode = {"probe": cfg.attn_mode, "mha": "exact"}.get(kind, "exact" if cfg.attn_mode == "exact" else "sample")
+        # A found module's figure under "lse" (the default) is its SDPA kernel's log-sum-exp, as a
+        # probe's is (intercept.py: the call runs through the op that hands it out); under "exact"
+        # an explicit max over every sequence; under "flex" (probes only) an explicit max of the
+        # first attn_entropy_batch sequences ("sample").
+        found = {"lse": "lse", "exact": "exact"}.get(cfg.attn_mode, "sample")
+        mode = {"probe": cfg.attn_mode, "mha": "exact", "found": found}[kind]
         metric = ATTN_LOGIT_LSE if mode == "lse" else ATTN_LOGIT_MAX
         n_head = _n_head(mod)
         if (cfg.per_head or cfg.attn_heads is not None) and not n_head:

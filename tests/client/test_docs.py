@@ -82,7 +82,7 @@ def test_each_example_runs_as_written(i, tmp_path):
         assert ckpts == [10, 20, 30, 40] and sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt")) == [
             "step_00000010.pt", "step_00000020.pt", "step_00000030.pt", "step_00000040.pt"]
         keys = {k for (k,) in db.execute("SELECT metric FROM series")}
-        assert {"loss", "lr", "attn_logit_max", "lr_multiplier"} <= keys, keys
+        assert {"loss", "lr", "attn_logit_lse", "lr_multiplier"} <= keys, keys
     elif i == 1:  # LR set by hand, its forecast from lr_schedule; precise skip on (nothing to skip)
         assert "run by-hand: step 20, attempt 1" in r.stdout and "step 20 lr " in r.stdout, r.stdout
         assert runs == {"by-hand": 20}
