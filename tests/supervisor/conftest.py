@@ -98,10 +98,30 @@ def _pg_template(templates, pg_admin) -> str:
 
 
 def _truncate_all(engine: Engine) -> None:
+    """Every table empty and every sequence back at its start, as `TRUNCATE <all> RESTART IDENTITY`
+    leaves them, touching only what the previous test used: a TRUNCATE of all 22 tables and its
+    commit cost ~0.2 s a test (~550 PostgreSQL tests), one query finds the few tables with rows
+    and the sequences ever read, and those are emptied (DELETE, the foreign keys' triggers off for
+    this transaction: every table it leaves holds no rows; TRUNCATE past 1 MiB) and restarted."""
     with engine.begin() as c:
         tables = [t for t in sa.inspect(c).get_table_names() if t != "alembic_version"]
-        if tables:
-            c.execute(sa.text("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " RESTART IDENTITY CASCADE"))
+        if not tables:
+            return
+        probe = " UNION ALL ".join(f"SELECT '{t}' WHERE EXISTS (SELECT 1 FROM \"{t}\")" for t in tables)
+        full = c.execute(sa.text(probe)).scalars().all()
+        used = c.execute(sa.text("SELECT sequencename FROM pg_sequences "
+                                 "WHERE schemaname = current_schema() AND last_value IS NOT NULL")).scalars().all()
+        # A table of many rows (a rollup test's points) is cheaper truncated than deleted.
+        big = [t for t in full if c.execute(sa.text(f"SELECT pg_relation_size('\"{t}\"')")).scalar() > (1 << 20)]
+        if big:
+            c.execute(sa.text("TRUNCATE " + ", ".join(f'"{t}"' for t in big) + " CASCADE"))
+        if full:
+            c.execute(sa.text("SET LOCAL session_replication_role = replica"))
+            for t in full:
+                if t not in big:
+                    c.execute(sa.text(f'DELETE FROM "{t}"'))
+        for seq in used:
+            c.execute(sa.text(f'ALTER SEQUENCE "{seq}" RESTART'))
 
 
 @pytest.fixture(params=DIALECTS)
