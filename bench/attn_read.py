@@ -64,6 +64,10 @@ def main() -> None:
         "whole read, before-like (fp32 copies, autocast)": lambda: _autocast(lambda: A.sdpa_scores_stats((q.float(), k.float()), {"is_causal": True}, None, 1, False)),
         "whole read, after": lambda: A.sdpa_scores_stats((q, k), {"is_causal": True}, None, 1, False),
         "whole read, after, with entropy": lambda: A.sdpa_scores_stats((q, k), {"is_causal": True}, None, 1, True),
+        # the default since session 26: the call itself through the op that hands out its lse
+        "sdpa forward through the lse op (the kernel path)": lambda: A.fused_attention_with_lse(q, k, v, None, True),
+        "+ its figure: amax of the lse [B, H, T]": lambda: A.fused_attention_with_lse(q, k, v, None, True)[1].amax(),
+        "entropy, one more fused pass over 1 sequence": lambda: A.attention_entropy(q1, k1, None, True),
     }
     print(f"q, k [1, {h}, {t}, {e}] bf16 on {torch.cuda.get_device_name()}, {args.layers} layers; ms per layer (x layers)")
     for name, fn in rows.items():
