@@ -17,8 +17,11 @@ import torch
 import thermowatch
 from tests.client.user_loop import B, DATA, train_step, user_batch, user_model
 from tests.fixtures.planted import Payload, plant
+from tests.live_server import wait_until
+from tests.waits import action_handed
 from thermowatch.checkpoint_io import CheckpointRefused, load_as_data
 from thermowatch.monitors.manifest import file_digest
+from thermowatch.supervisor.act.executor import ended
 from thermowatch.supervisor.app.config import SupervisorConfig
 from thermowatch.supervisor.store import actions as actions_store
 
@@ -35,6 +38,11 @@ def _train(tw, model, opt, sched, on_step=None) -> list[tuple[int, int]]:
             on_step(step)
     tw.close()
     return trained
+
+
+def _reopened(sup, run: str) -> bool:
+    with sup.sessions() as s:
+        return ended(s, run) is None
 
 
 def _watch(db, tmp_path, steps: int):
@@ -86,7 +94,11 @@ def test_a_planted_newest_checkpoint_is_refused_on_resume_and_on_rollback(db, tm
         if step == 24 and "rollback" not in submitted:
             # Rollback: a planted file named as a newer checkpoint than 20, asked for by a rollback.
             plant(ckpt / "step_00000022.pt", tmp_path / "ran_rollback")
+            # The resumed attempt reaches the supervisor on the sink's thread; 4 toy steps (ms) can
+            # come before it, when the run still reads as finished and a command is refused.
+            wait_until(lambda: _reopened(sup, "planted"), "attempt 2 of 'planted' open in the supervisor")
             submitted["rollback"] = sup.executor.submit("planted", "rollback", {"to_step": 23}, "ana", "spike")
+            action_handed(sup, submitted["rollback"])  # a toy step is ms: 16 left could outrun the poll
 
     with caplog.at_level(logging.ERROR, logger="thermowatch.loop"):
         trained = _train(tw, model, opt, sched, at)

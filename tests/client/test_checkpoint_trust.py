@@ -20,7 +20,7 @@ import time
 import torch
 
 from tests.client.user_loop import DATA, calm, train_step, user_batch
-from tests.waits import action_final
+from tests.waits import action_final, action_handed
 from thermowatch.checkpoint_io import load_as_data
 from thermowatch.supervisor.store import actions as actions_store
 from thermowatch.supervisor.store import checkpoints as ckpt_store
@@ -69,6 +69,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_and_the_run_goes_on(db, tmp_
             _flip(newest, newest.stat().st_size // 2)  # bit rot inside the weights, same size
             load_as_data(newest)  # torch.load takes it as it is: only the checksum can tell
             asked["rb"] = tw.run.supervisor.executor.submit("flipped", "rollback", {"to_step": 20}, "ana", "spike")
+            action_handed(tw.run.supervisor, asked["rb"])  # a toy step is ms: 8 left could outrun the poll
 
     trained = _train(tw, model, opt, after=after)
     row = action_final(tw.run.supervisor, asked["rb"])
