@@ -1,14 +1,22 @@
-"""Suite-wide collection order: the longest tests first.
+"""Suite-wide collection order: the longest files first.
 
 The suite runs on two workers (`pytest -n 2 --dist loadfile`, README's test command), which take
 whole files in collection order; a long file collected last would leave one worker training
-alone at the end. A test's hang guard (`pytest.mark.timeout`) is sized to its expected length,
-so files holding the largest guards go first; everything else keeps its order."""
+alone at the end. tests/file_seconds.json holds the seconds each file took in a full run
+(refresh it with tests/file_seconds.py after changing a file's length by much): files go in
+that order, the longest first. A file it does not list yet (a new one) goes before all of them,
+those with the largest hang guards (`pytest.mark.timeout`, sized to a test's expected length)
+first: started early, even a long new file cannot leave one worker alone at the end. Within a
+file the order is kept."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 
 # One intra-op thread per process the suite starts (each pytest worker, and the CLIs and ranks it
 # spawns, which inherit the environment; a user's OMP_NUM_THREADS is kept). Two workers each
@@ -30,7 +38,18 @@ def _guard(item) -> float:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    by_file: dict[str, float] = {}
+    seconds = json.loads(FILE_SECONDS.read_text())
+    guard: dict[str, float] = {}
     for item in items:
-        by_file[item.fspath.strpath] = max(by_file.get(item.fspath.strpath, 0.0), _guard(item))
-    items.sort(key=lambda item: -by_file[item.fspath.strpath])  # stable: order within a file kept
+        path = _file(item)
+        guard[path] = max(guard.get(path, 0.0), _guard(item))
+
+    def order(item) -> tuple[int, float]:
+        path = _file(item)
+        return (1, -seconds[path]) if path in seconds else (0, -guard[path])
+
+    items.sort(key=order)  # stable: order within a file kept
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::", 1)[0]  # tests/..., relative to the rootdir
