@@ -162,7 +162,11 @@ def train(spec: RunSpec, out_dir: str | os.PathLike[str], threads: int = 1) -> d
                                    max_bytes=spec.max_bytes))
     tmp = log.with_suffix(f".{os.getpid()}.tmp")
     t0 = time.perf_counter()
-    with instrument(model, ThermometerConfig()) as th, tmp.open("w") as fh:
+    # Every group every step (budget=None): the default budget's cadences follow the measured cost,
+    # so the machine's load at record time would decide which steps carry which keys (two
+    # recordings of the same code differed on 4-76 steps per run, session 26). `--thin` replays a
+    # budget's cadences from these, the same way each time.
+    with instrument(model, ThermometerConfig(budget=None)) as th, tmp.open("w") as fh:
         for step in range(1, spec.steps + 1):
             lr = spec.lr_at(step)
             for g in opt.param_groups:
