@@ -46,11 +46,7 @@ import torch.nn.functional as F
 
 # The fused kernel's attention with its lse, and the entropy from one more fused pass, are the
 # thermometers' (any model's SDPA calls are read the same way: intercept.py); re-exported here.
-from thermowatch.monitors.thermometers.attention import (  # noqa: F401
-    attention_entropy,
-    attention_with_lse,
-    public_attention_with_lse,
-)
+from thermowatch.monitors.thermometers.attention import attention_entropy, attention_with_lse
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _NORMS = ("layernorm", "rmsnorm")

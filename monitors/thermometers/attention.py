@@ -274,6 +274,11 @@ def softmax_stats(
 
 # The fused kernel's log-sum-exp: the attention figure at the cost of the attention itself.
 
+# What a private op that is gone, renamed or refuses its arguments raises (a CUDA OutOfMemoryError,
+# a RuntimeError too, is re-raised by the callers: the user's own call would have run out too).
+OP_REFUSED = (AttributeError, NotImplementedError, RuntimeError, TypeError)
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                        is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns the row log-sum-exp [B, H, L] (fp32) of the scaled logits
@@ -287,7 +292,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     """
     try:
         return fused_attention_with_lse(q, k, v, scale, is_causal)
-    except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+    except OP_REFUSED as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
         warnings.warn(f"thermowatch: torch's fused attention-with-lse op is unavailable here ({exc!r}); "
@@ -301,11 +306,8 @@ def public_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (causal) scores, without gradient, for the lse."""
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     with torch.no_grad():
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * sc
-        if is_causal:
-            s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1),
-                              float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
+        future = _future(q.shape[-2], k.shape[-2], q.device) if is_causal else None
+        lse = torch.logsumexp(_masked_scores(q, k, sc, None, future), dim=-1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale), lse
 
 

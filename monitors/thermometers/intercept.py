@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from thermowatch.monitors.thermometers.attention import (
+    OP_REFUSED,
     AttnProbe,
     attention_entropy,
     fused_attention_with_lse,
@@ -236,7 +237,7 @@ class Interceptor(TorchFunctionMode):
         self.timer.stop(ATTN)  # the attention itself is the user's cost, not the thermometers'
         try:
             out, lse = fused_attention_with_lse(*call)
-        except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+        except OP_REFUSED as exc:
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
             site.fused = False
