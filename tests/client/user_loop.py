@@ -13,8 +13,12 @@ import thermowatch
 from tests.fixtures.nanogpt import NanoConfig, NanoGPT
 from thermowatch.supervisor.app.config import SupervisorConfig
 
+# Fixed text to train on: README.md as of 62dd0c1. It was README.md itself, so every README edit
+# changed what these loops train on and where their losses spike (a row added at the top of its
+# timing table moved an automatic rollback's target from 15 to 5 in test_checkpoint_trust).
 REPO = Path(__file__).resolve().parents[2]
-DATA = torch.frombuffer(bytearray((REPO / "README.md").read_bytes()), dtype=torch.uint8).long()
+DATA_FILE = REPO / "tests" / "data" / "user_loop.txt"
+DATA = torch.frombuffer(bytearray(DATA_FILE.read_bytes()), dtype=torch.uint8).long()
 SEQ, B = 16, 4
 
 
