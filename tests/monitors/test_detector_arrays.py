@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from thermowatch.monitors.contract import StepRecord, split_key
 from thermowatch.monitors.detectors import BankConfig, DetectorBank, run_witnesses
+from thermowatch.monitors.detectors.co_rise import CoRiseDetector
+from thermowatch.monitors.detectors.lr_jump import LrJumpDetector
 from tests.fixtures import streams
 
 # Findings of the per-series design (one Python object per series, before the banks; commit
@@ -105,10 +107,13 @@ def _per_series_run(stream, cfg):
     bank = DetectorBank(config)  # only for its routes and witnesses config
     witnesses = run_witnesses(config)
     dets: dict[tuple[str, str], object] = {}
+    # The run-level detectors over loss, LR and the global norm, after every series, as the bank
+    # runs them (a co-rise fires on some drawn streams: seed 1196, 10 layers, 113 steps)
+    whole = (LrJumpDetector(config.lr_jump), CoRiseDetector(config.co_rise))
     out = []
     for ev in stream:
         if ev[0] == "reset":
-            for d in dets.values():
+            for d in (*dets.values(), *whole):
                 d.reset(ev[1])
             witnesses.reset(ev[1])
             continue
@@ -134,12 +139,14 @@ def _per_series_run(stream, cfg):
                     if f is not None:
                         got.append((p, r, f.to_json()))
         out.extend((step, f) for _, _, f in sorted(got, key=lambda t: t[:2]))
+        out.extend((step, f.to_json()) for f in (d.observe(step, values.get) for d in whole) if f is not None)
     return out
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), layers=st.integers(1, 12), steps=st.integers(20, 140),
        cfg=st.sampled_from(sorted(CONFIGS)))
+@example(seed=1196, layers=10, steps=113, cfg="default")  # a co-rise (a run-level detector) fires: found by a random draw
 @example(seed=25995, layers=10, steps=38, cfg="small")  # a growth alert on b5 opens the episode a ceiling act on b2 takes
 def test_bank_equals_one_detector_per_series(seed, layers, steps, cfg):
     stream = streams.stream(seed, n_steps=steps, n_layers=layers)
