@@ -39,16 +39,23 @@ def redact(url: str) -> str:
         return url.split("@")[-1]
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(dbapi_conn, _record, *, busy_timeout: bool = True) -> None:
     # WAL lets the web page read while ingest writes; synchronous=NORMAL is durable across a
     # process crash in WAL mode (only an OS crash can lose the last commits), and ~10x
-    # faster than FULL for many small commits. busy_timeout instead of "database is locked".
+    # faster than FULL for many small commits. busy_timeout instead of "database is locked":
+    # 10 s, unless the URL sets its own (`sqlite:///path.db?timeout=30`, seconds, the driver's
+    # sqlite3.connect(timeout=...)).
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=10000")
+    if busy_timeout:
+        cur.execute("PRAGMA busy_timeout=10000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+def _sqlite_pragmas_own_timeout(dbapi_conn, record) -> None:
+    _sqlite_pragmas(dbapi_conn, record, busy_timeout=False)
 
 
 def _postgres_settings(dbapi_conn, _record) -> None:
@@ -77,7 +84,7 @@ def make_engine(url: str, **kwargs) -> Engine:
         if u.database and u.database != ":memory:":
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(u, **kwargs)
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", _sqlite_pragmas_own_timeout if "timeout" in u.query else _sqlite_pragmas)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(u, **kwargs)

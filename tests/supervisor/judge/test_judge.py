@@ -87,18 +87,19 @@ def test_an_overflowing_queue_is_caught_up_from_the_database(db, tmp_path, refer
         sup.close()
 
 
-def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, reference):
+def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, reference, caplog):
     """The judge finds a divergence while SQLite's write lock is held elsewhere for longer than
-    the busy timeout (10 s): storing its findings fails. The responder forgets the bank that
-    judged them, so the judge's retry from its marker judges the steps again from the saved state
-    and stores every finding, once."""
+    the busy timeout (the URL's 1 s here; 10 s by default): storing its findings fails. The
+    responder forgets the bank that judged them, so the judge's retry from its marker judges the
+    steps again from the saved state and stores every finding, once."""
+    import logging
     import sqlite3
     import time
 
     from thermowatch.supervisor.judge.judge import Judge
 
     path = tmp_path / "locked.db"
-    sup = make_sup(f"sqlite:///{path}", tmp_path / "d", judge_inline=False)
+    sup = make_sup(f"sqlite:///{path}?timeout=1", tmp_path / "d", judge_inline=False)
     bs = batches()
     first = min(f[3] for f in reference)
     cut = next(i for i, b in enumerate(bs) if b[-1].step >= first)
@@ -113,10 +114,12 @@ def test_a_database_that_refuses_the_findings_for_a_while_loses_none(tmp_path, r
         for b in bs[cut:]:
             sup.ingestor.write(RUN, 0, b)
         lock = sqlite3.connect(path, isolation_level=None)
-        lock.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, writers wait (busy_timeout 10 s), then fail
-        sup.judge = Judge(sup.sessions, sup.banks, sup.responder.handle).start()
-        time.sleep(12)
+        lock.execute("BEGIN EXCLUSIVE")  # WAL: readers go on, writers wait (busy timeout 1 s), then fail
+        with caplog.at_level(logging.ERROR, logger="thermowatch.supervisor.judge.judge"):
+            sup.judge = Judge(sup.sessions, sup.banks, sup.responder.handle).start()
+            time.sleep(3)
         assert findings(sup) == []  # nothing could be stored yet
+        assert any("could not be judged" in r.getMessage() for r in caplog.records)  # it failed, and retries
         lock.execute("COMMIT")
         lock.close()
         assert sup.judge.wait(120)

@@ -31,7 +31,18 @@ def test_sqlite_engine_pragmas(tmp_path):
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert c.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         assert c.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
-        assert c.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+        assert c.exec_driver_sql("PRAGMA busy_timeout").scalar() == 10000  # ms: the default
+    engine.dispose()
+
+
+def test_a_sqlite_url_may_set_its_own_busy_timeout(tmp_path):
+    """`?timeout=` (seconds, the driver's own parameter) is kept, not overwritten by the 10 s
+    default; the other pragmas still apply."""
+    engine = dbmod.make_engine(f"sqlite:///{tmp_path / 'x.db'}?timeout=2.5")
+    with engine.connect() as c:
+        assert c.exec_driver_sql("PRAGMA busy_timeout").scalar() == 2500
+        assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert c.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
     engine.dispose()
 
 
