@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from common import add_model_flags, free_port, nano_model, paired_ratios, rotating_rounds  # first: sys.path
+from common import add_model_flags, free_port, nano_model, paired_ratio_ci, paired_ratios, rotating_rounds  # first: sys.path
 from tests.live_server import wait_healthy
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
 
@@ -200,21 +200,25 @@ def main() -> None:
         daemon.terminate()
         daemon.wait(30)
     ratio, cratio = paired_ratios(wall), paired_ratios(cpu)
+    ci = paired_ratio_ci(wall)
     where = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"nanoGPT (SDPA) {args.layers}L d{args.d_model} h{args.heads} T{args.seq_len} B{args.batch} "
           f"{'bf16 autocast' if bf16 else 'fp32'} on {where}, "
           f"{len(wall['plain'])} rounds of {args.block} steps, torch threads {torch.get_num_threads()}"
           f"{f', gradients clipped to {args.clip}' if args.clip else ''}; "
           f"the daemon stored {[s.get('last_step') for s in stored.values()]} steps (all sent: {sent_ok})")
-    print(f"  {'variant':<12}{'wall ms/step':>14}{'wall ratio':>12}{'CPU ratio':>11}  its own figure, cadence")
+    print(f"  {'variant':<12}{'wall ms/step':>14}{'wall ratio':>12}{'~95% interval':>16}{'CPU ratio':>11}"
+          "  its own figure, cadence")
     for k in names:
         own = ""
         if k in told:
             cost, cad, over = told[k]
             own = f"  {cost:.4f} {cad}{' over budget' if over else ''}"
-        print(f"  {k:<12}{statistics.median(wall[k]):>14.2f}{ratio[k]:>12.3f}{cratio[k]:>11.3f}{own}")
+        band = f"{ci[k][0]:.3f}-{ci[k][1]:.3f}"
+        print(f"  {k:<12}{statistics.median(wall[k]):>14.2f}{ratio[k]:>12.3f}{band:>16}{cratio[k]:>11.3f}{own}")
     if args.json:
         print(json.dumps({"bench": "client_overhead", "wall_ratio": {k: round(v, 4) for k, v in ratio.items()},
+                          "wall_ratio_ci95": {k: [round(a, 4), round(b, 4)] for k, (a, b) in ci.items()},
                           "cpu_ratio": {k: round(v, 4) for k, v in cratio.items()},
                           "step_ms": {k: round(statistics.median(v), 3) for k, v in wall.items()},
                           "stored_last_step": {k: v.get("last_step") for k, v in stored.items()},

@@ -8,6 +8,7 @@ A bench imports it as `common`: `python bench/X.py` puts bench/ first on sys.pat
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import statistics
@@ -98,3 +99,16 @@ def rotating_rounds(names: Sequence[str], run: Callable[[str, int], T], *, warmu
 def paired_ratios(times: dict[str, list[float]], base: str = "plain") -> dict[str, float]:
     """Each variant's median over rounds of its time / `base`'s time in the same round."""
     return {k: statistics.median(a / p for a, p in zip(v, times[base])) for k, v in times.items()}
+
+
+def paired_ratio_ci(times: dict[str, list[float]], base: str = "plain") -> dict[str, tuple[float, float]]:
+    """A distribution-free ~95% interval for each variant's median paired ratio (paired_ratios):
+    the order statistics n/2 -+ 0.98*sqrt(n) of its per-round ratios (the binomial interval of a
+    median; no normality assumed). Its half-width is the spread a figure is read with."""
+    out = {}
+    for k, v in times.items():
+        r = sorted(a / p for a, p in zip(v, times[base]))
+        n = len(r)
+        lo, hi = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n))), min(n - 1, math.ceil(n / 2 + 0.98 * math.sqrt(n)))
+        out[k] = (r[lo], r[hi])
+    return out
