@@ -82,6 +82,9 @@ class ThermometerConfig:
     # Sampling intervals per group, in steps (step % every == 0 is sampled). 1 = every step:
     # a divergence can take off within tens of steps (PaLM restarts ~100 steps before a spike).
     # Under a budget, a group left at 1 is the budget's to thin; one set above 1 stays there.
+    # Without one, a cadence above 1 puts `thermometer_every/<group>` in the vector, so what a
+    # step did not read is absent from the record (unread.py), not NaN; the global grad_norm is
+    # read every step until end_step is handed the loop's own (then grad_every thins the rest).
     act_every: int = 1
     attn_every: int = 1
     grad_every: int = 1

@@ -124,7 +124,11 @@ def layout(cfg: ThermometerConfig, act, z, attn, groups) -> Layout:
     # The budget's own figures, last (slots 0, 1, 2 stay loss, lr, grad_norm): filled on the host
     # in collect(), or under a finish (the cross-rank reduction) into their device slots when
     # they change, every DECIDE_EVERY steps at most (Slots keeps them across resets).
+    # Fixed cadences above 1 (no budget) carry their `thermometer_every/<group>` too, constant: a
+    # group's figures between its reads are then absent from the record (unread.py), not NaN.
     extras_start = len(names)
     if cfg.budget is not None:
         names += [THERMOMETER_COST] + [metric_key(THERMOMETER_EVERY, g) for g in BUDGETED]
+    elif max(cfg.act_every, cfg.attn_every, cfg.grad_every) > 1:
+        names += [metric_key(THERMOMETER_EVERY, g) for g in BUDGETED]
     return Layout(names, act_slots, z_slots, attn_slots, grad, update_start, slice(extras_start, len(names)))

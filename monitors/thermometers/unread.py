@@ -1,8 +1,8 @@
 """Figures a budget left unread are absent from the record, never NaN (issue 36).
 
-Under `ThermometerConfig(budget=...)` the act, attn and grad groups are read every n-th step
-(`thermometer_every/<group>` in the step's vector, a power of two: read where step % n == 0), and
-their slots hold NaN in between. A NaN act_max is a non-finite finding (monitors.detectors.
+Under `ThermometerConfig(budget=...)`, or fixed cadences above 1 without one, the act, attn and
+grad groups are read every n-th step (`thermometer_every/<group>` in the step's vector: read where
+step % n == 0), and their slots hold NaN in between. A NaN act_max is a non-finite finding (monitors.detectors.
 non_finite), so what leaves for the supervisor must not carry them: `Unread(names).keep(values,
 step)` is the mask of the figures that were read, NaN of a group read this step included (that
 NaN is real); the budget's own figures go once they are measured. Vectorised over the slots: one comparison per group, then one mask."""

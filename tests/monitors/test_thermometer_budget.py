@@ -257,24 +257,68 @@ def test_floors_win_over_a_budget_they_exceed_and_say_so_once(caplog):
 
 
 def test_no_budget_is_the_fixed_cadences_unmeasured():
-    """budget=None: the vector and its NaN as before the budget, bit for bit the same figures as a
-    budgeted twin reading every step, and no timer runs."""
+    """budget=None: NaN where a group was not read, bit for bit the same figures as a budgeted
+    twin reading every step where it was, the fixed cadences in the vector (so as_dict leaves the
+    unread out), and no timer runs."""
     a, b = _deep(), _deep()
     fixed = instrument(a, ThermometerConfig(budget=None, act_every=2, attn_every=3, grad_every=4))
     twin = instrument(b, ThermometerConfig(budget=1.0))
-    assert fixed.names == twin.names[: -len(EXTRAS)]
+    assert fixed.names == [n for n in twin.names if n != "thermometer_cost"]
     rows_f = _train(a, fixed, 2 * DECIDE_EVERY, give_norm=True)
     rows_t = _train(b, twin, 2 * DECIDE_EVERY, give_norm=True)
     assert fixed.cadence == {"act": 2, "attn": 3, "grad": 4, "update": 10} and math.isnan(fixed.cost)
     assert not fixed.over_budget and type(fixed._timer).__name__ == "NullTimer"
     for (s, vf, _), (_, vt, _) in zip(rows_f, rows_t):
         for k, x in vf.items():
+            if k.startswith("thermometer_every/"):
+                assert x == fixed.cadence[k.split("/")[1]], (s, k, x)
+                continue
             every = (2 if k.startswith(("act_", "z/")) else 4 if k.startswith("grad_norm/")
                      else 10 if k.startswith("update_ratio") else 1)
-            if s % every:
+            first = s == 1 and k.startswith("grad_norm/")  # read until the loop is seen handing its norm over
+            if s % every and not first:
                 assert math.isnan(x), (s, k)
             else:
                 assert x == vt[k] or (math.isnan(x) and math.isnan(vt[k])), (s, k, x, vt[k])
+    assert instrument(_deep(), ThermometerConfig(budget=None)).names == twin.names[: -len(EXTRAS)]  # all at 1: none
+
+
+@pytest.mark.parametrize("give_norm", [False, True], ids=["loop's own norm", "norm handed over"])
+def test_fixed_cadences_send_no_unread_nan_and_the_detectors_find_nothing(give_norm):
+    """A healthy loop with fixed cadences above 1 and no budget: the record (as_dict) leaves out
+    what a step did not read, never a NaN a non-finite detector would page on; the global gradient
+    norm is there every step (read by the thermometers until the loop hands its own over, then
+    the per-layer norms thin to their cadence). The detectors' default bank, fed those records,
+    finds nothing. Before, each unread act_max and grad_norm went out as NaN: a CRITICAL
+    non_finite finding at step 1 of every such run."""
+    from thermowatch.monitors.contract import StepRecord
+    from thermowatch.monitors.detectors import BankConfig, DetectorBank
+
+    model = _deep()
+    th = instrument(model, ThermometerConfig(budget=None, act_every=2, attn_every=3, grad_every=4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    bank = DetectorBank(BankConfig())
+    findings, layers = [], {}
+    for s in range(1, 41):
+        th.begin_step(s)
+        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) if give_norm else None
+        opt.step()
+        th.end_step(loss=loss, lr=1e-2, grad_norm=norm)
+        opt.zero_grad(set_to_none=True)
+        d = th.as_dict(th.collect())
+        assert math.isfinite(d["loss"]) and math.isfinite(d["grad_norm"]), (s, d.get("grad_norm"))
+        bad = sorted(k for k, v in d.items() if not math.isfinite(v) and not k.startswith(("update_ratio", "attn_entropy")))
+        assert bad == [], (s, bad)
+        assert any(k.startswith("act_max/") for k in d) == (s % 2 == 0), s
+        layers[s] = any(k.startswith("grad_norm/") for k in d)
+        findings += bank.observe(StepRecord(step=s, sample_lo=4 * (s - 1), sample_hi=4 * s, tokens=32,
+                                            wall_time=float(s), values=d))
+    assert findings == []
+    # the per-layer norms: every step while the loop's own norm is not handed over, else every 4th
+    assert layers == ({s: True for s in layers} if not give_norm else {s: s % 4 == 0 or s == 1 for s in layers})
 
 
 def test_the_figures_cross_a_finish_in_their_device_slots():
