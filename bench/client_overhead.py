@@ -6,6 +6,11 @@ in one process, against a real `thermowatch serve` daemon started here (auth on,
   thermo    the same with instrument(model) (default thermometers), read every step
   watch     thermowatch.watch(...): default thermometers, the LR hooks, batch_ids, records sent
             by the background thread to the daemon over HTTP, commands polled every second
+  watch-bare  the same without thermometers (thermometers=False): what the client's machinery
+            alone costs (the LR hooks, batch_ids, the sender and poller threads, the daemon beside it)
+  watch-idle  the same with the thermometers' hooks in place and no activation, attention or
+            per-layer figure ever read: what the hooks cost on steps they do not read, plus the
+            global gradient norm (read every step: the loop does not hand its own over)
   watch@B   the same with ThermometerConfig(budget=B), one per --budget (B "off": budget=None,
             the fixed every-step cadences); the client's own figure for its cost
             (Thermometers.cost) and the cadences it chose are printed beside the measured one
@@ -127,7 +132,7 @@ def main() -> None:
     total = args.warmup + args.steps + 2 * args.block  # a spare block: the rounds, and --sync-debug
     try:
         budgets = {f"watch@{b}": (None if b == "off" else float(b)) for b in args.budget}
-        names = ["plain", "thermo", "watch", *budgets]
+        names = ["plain", "thermo", "watch", "watch-bare", "watch-idle", *budgets]
         if args.variants:
             keep = set(args.variants.split(","))
             names = [n for n in names if n == "plain" or n in keep]
@@ -138,7 +143,11 @@ def main() -> None:
         tws, steps = {}, {}
         for name in names:
             if name.startswith("watch"):
-                therm = ThermometerConfig(budget=budgets[name]) if name in budgets else True
+                never = 10**9  # watch-idle: every group's cadence past the end
+                therm = (ThermometerConfig(budget=budgets[name]) if name in budgets
+                         else False if name == "watch-bare"
+                         else ThermometerConfig(budget=None, act_every=never, attn_every=never, grad_every=never,
+                                                update_every=never) if name == "watch-idle" else True)
                 tws[name] = thermowatch.watch(models[name], opts[name], run=f"bench-{len(tws)}", steps=total,
                                               global_batch=args.batch, server=url, token=TOKEN,
                                               checkpoint_dir=tmp / f"ckpt{len(tws)}", checkpoint_every=total + 1,
