@@ -7,6 +7,7 @@ without an alembic.ini on disk.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from sqlalchemy import event
@@ -54,10 +55,6 @@ def _sqlite_pragmas(dbapi_conn, _record, *, busy_timeout: bool = True) -> None:
     cur.close()
 
 
-def _sqlite_pragmas_own_timeout(dbapi_conn, record) -> None:
-    _sqlite_pragmas(dbapi_conn, record, busy_timeout=False)
-
-
 def _postgres_settings(dbapi_conn, _record) -> None:
     # The supervisor's queries are short: small index range reads (a chart's chunks and rollups,
     # a step's rows) and writes. On those, a planner misestimate (a rolled-back attempt's step
@@ -84,7 +81,7 @@ def make_engine(url: str, **kwargs) -> Engine:
         if u.database and u.database != ":memory:":
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(u, **kwargs)
-        event.listen(engine, "connect", _sqlite_pragmas_own_timeout if "timeout" in u.query else _sqlite_pragmas)
+        event.listen(engine, "connect", functools.partial(_sqlite_pragmas, busy_timeout="timeout" not in u.query))
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(u, **kwargs)
