@@ -140,18 +140,18 @@ def main() -> None:
         del base
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=cuda or None) for k, m in models.items()}
         th = instrument(models["thermo"]) if "thermo" in models else None
+        never = 10**9  # watch-idle: every group's cadence past the end
+        thermometers = {"watch": True, "watch-bare": False,
+                        "watch-idle": ThermometerConfig(budget=None, act_every=never, attn_every=never,
+                                                        grad_every=never, update_every=never),
+                        **{n: ThermometerConfig(budget=b) for n, b in budgets.items()}}
         tws, steps = {}, {}
         for name in names:
-            if name.startswith("watch"):
-                never = 10**9  # watch-idle: every group's cadence past the end
-                therm = (ThermometerConfig(budget=budgets[name]) if name in budgets
-                         else False if name == "watch-bare"
-                         else ThermometerConfig(budget=None, act_every=never, attn_every=never, grad_every=never,
-                                                update_every=never) if name == "watch-idle" else True)
+            if name in thermometers:
                 tws[name] = thermowatch.watch(models[name], opts[name], run=f"bench-{len(tws)}", steps=total,
                                               global_batch=args.batch, server=url, token=TOKEN,
                                               checkpoint_dir=tmp / f"ckpt{len(tws)}", checkpoint_every=total + 1,
-                                              thermometers=therm)
+                                              thermometers=thermometers[name])
                 steps[name] = tws[name].steps()
         counter = dict.fromkeys(models, 0)
 
