@@ -83,8 +83,8 @@ class ThermometerConfig:
     # a divergence can take off within tens of steps (PaLM restarts ~100 steps before a spike).
     # Under a budget, a group left at 1 is the budget's to thin; one set above 1 stays there.
     # Without one, a cadence above 1 puts `thermometer_every/<group>` in the vector, so what a
-    # step did not read is absent from the record (unread.py), not NaN; the global grad_norm is
-    # read every step until end_step is handed the loop's own (then grad_every thins the rest).
+    # step did not read is absent from the record (unread.py), not NaN. Either way the global
+    # grad_norm is read on every step whose end_step was not handed the loop's own before.
     act_every: int = 1
     attn_every: int = 1
     grad_every: int = 1

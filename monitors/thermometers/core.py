@@ -120,9 +120,10 @@ class Thermometers:
         self._extras_version = -1  # the budget's version last written into the device slots
         if self._budget is None and lay.extras.stop > lay.extras.start:  # fixed cadences: written once, kept
             self._slots.buf[lay.extras] = torch.tensor(self._every, dtype=torch.float32, device=self.device)
-        # Did the latest end_step get the global gradient norm from its caller? Without a budget
-        # and with grad_every > 1, the grad group is read on every step until it does: the global
-        # norm is the non-finite and spike detectors' input, never left unread (as the budget's floor).
+        # Did the latest end_step get the global gradient norm from its caller? Until it does, the
+        # grad group is read on every step whatever its cadence (a fixed grad_every, or the budget's
+        # between two decisions): the global norm is the non-finite and spike detectors' input,
+        # never left unread.
         self._grad_norm_given = False
 
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -286,7 +287,7 @@ class Thermometers:
         act, attn, grad = self._every
         self._act_on = step % act == 0
         self._attn_on = step % attn == 0
-        self._grad_on = step % grad == 0 or (self._budget is None and not self._grad_norm_given)
+        self._grad_on = step % grad == 0 or not self._grad_norm_given
         self._update_on = self._update is not None and step % cfg.update_every == 0
         self._timer.mark((self._act_on, self._attn_on, self._grad_on, self._update_on, True))
         self._timer.start()

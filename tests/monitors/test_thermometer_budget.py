@@ -283,6 +283,22 @@ def test_no_budget_is_the_fixed_cadences_unmeasured():
     assert instrument(_deep(), ThermometerConfig(budget=None)).names == twin.names[: -len(EXTRAS)]  # all at 1: none
 
 
+def test_a_loop_that_stops_handing_its_norm_over_still_has_the_global_norm_every_step():
+    """Under a budget the per-layer norms thin (here to every 16th step) while the loop hands
+    end_step its own global norm; when it stops, the thermometers read the norm again from the
+    step after, not at the budget's next decision (up to 32 steps on): a step without it sends
+    a NaN grad_norm, a critical non-finite finding. The one step on which the loop first does
+    not hand it over is still unread: begin_step cannot know it yet."""
+    model = _deep()
+    th = instrument(model, ThermometerConfig(budget=1e-6))
+    handed = _train(model, th, 2 * DECIDE_EVERY, give_norm=True)
+    assert handed[-1][2]["grad"] == 16  # thinned: the loop's own norm stands in
+    first = 2 * DECIDE_EVERY + 1
+    after = _train(model, th, 8, give_norm=False, first=first)
+    assert [s for s, v, _ in after if not math.isfinite(v["grad_norm"])] == [first]
+    assert all(math.isfinite(v["grad_norm/blocks.0"]) for s, v, _ in after if s > first)  # read with it
+
+
 @pytest.mark.parametrize("give_norm", [False, True], ids=["loop's own norm", "norm handed over"])
 def test_fixed_cadences_send_no_unread_nan_and_the_detectors_find_nothing(give_norm):
     """A healthy loop with fixed cadences above 1 and no budget: the record (as_dict) leaves out
