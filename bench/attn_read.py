@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,11 +69,22 @@ def main() -> None:
         "sdpa forward through the lse op (the kernel path)": lambda: A.fused_attention_with_lse(q, k, v, None, True),
         "+ its figure: amax of the lse [B, H, T]": lambda: A.fused_attention_with_lse(q, k, v, None, True)[1].amax(),
         "entropy, one more fused pass over 1 sequence": lambda: A.attention_entropy(q1, k1, None, True),
+        # as in training (inputs that need grad): the step's cost of a read step's kernel path
+        "sdpa forward + backward, whole batch (the model's own)":
+            lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dy),
+        "forward + backward through the lse op": lambda: A.fused_attention_with_lse(qg, kg, vg, None, True)[0].backward(dy),
     }
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dy = torch.randn_like(q)
+    pick = torch._fused_sdp_choice(qg, kg, vg, None, 0.0, True)
+    print(f"SDPA picks backend {pick} ({', '.join(f'{b.name}={int(b)}' for b in _BACKENDS)}) for these inputs with grad")
     print(f"q, k [1, {h}, {t}, {e}] bf16 on {torch.cuda.get_device_name()}, {args.layers} layers; ms per layer (x layers)")
     for name, fn in rows.items():
         ms = timed(fn, args.repeat)
         print(f"  {name:<52}{ms:8.3f}  ({ms * args.layers:7.2f})")
+
+
+_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 
 
 def _autocast(fn):

@@ -24,6 +24,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from thermowatch.monitors.thermometers.budget import ATTN, NullTimer
 from thermowatch.monitors.thermometers.slots import Slots
@@ -274,13 +275,16 @@ def softmax_stats(
 
 # The fused kernel's log-sum-exp: the attention figure at the cost of the attention itself.
 
+_FLASH, _EFFICIENT, _CUDNN = (int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                SDPBackend.CUDNN_ATTENTION))
+
 # What a private op that is gone, renamed or refuses its arguments raises (a CUDA OutOfMemoryError,
 # a RuntimeError too, is re-raised by the callers: the user's own call would have run out too).
 OP_REFUSED = (AttributeError, NotImplementedError, RuntimeError, TypeError)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                       is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       is_causal: bool = True, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that also returns the row log-sum-exp [B, H, L] (fp32) of the scaled logits
     (top-left causally masked with `is_causal`): per row max <= lse <= max + ln(keys).
 
@@ -288,10 +292,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     its gradient) is the same as `F.scaled_dot_product_attention` (tested bit-exact on CPU) and
     the lse comes free. No public op returns it, so a torch whose op is gone or changed falls
     back to public ops (`public_attention_with_lse`: the same output, the lse from an explicit
-    L x S pass), with a warning, rather than failing the step (issue 22).
+    L x S pass), with a warning, rather than failing the step (issue 22). `own`: a pass of the
+    thermometers' own, not the model's (fused_attention_with_lse).
     """
     try:
-        return fused_attention_with_lse(q, k, v, scale, is_causal)
+        return fused_attention_with_lse(q, k, v, scale, is_causal, own)
     except OP_REFUSED as exc:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             raise
@@ -312,15 +317,27 @@ def public_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                             is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                             is_causal: bool = True, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel SDPA dispatches to for a call without mask or dropout, called through its
-    private aten op, which hands out the lse too. Raises when the op is gone or refuses the call."""
+    private aten op, which hands out the lse too. Raises when the op is gone or refuses the call.
+    `own`: a pass of the thermometers' own (the entropy's, no grad, one sequence), not the model's
+    call: on a GPU the flash kernel where it can, faster there than the cuDNN one SDPA picks
+    (on an H200 0.31 vs 0.44 ms a layer at GPT-2 small, 0.24 vs 0.46 at 24L d2048 T2048)."""
     if q.device.type == "cpu":
         # aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *,
         #   attn_mask=None, scale=None) -> (output, logsumexp)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and torch.backends.cuda.flash_sdp_enabled()):
+    # The kernel SDPA picks for this call, as SDPA asks (its own flags, the sdpa_kernel context,
+    # the device, the inputs' grad): on an H200 it picks cuDNN for bf16 where the flash op took
+    # 1.5-1.8x its forward (BENCHMARKS.md), a cost on every read step the budget never saw.
+    choice = -1 if own else torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    if choice == _CUDNN:
+        # (output, logsumexp [B, H, L] or [B, H, L, 1], ...); compute_log_sumexp=True
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                 scale=scale)
+        return out[0], out[1].reshape(q.shape[:3])
+    if choice == _FLASH or (choice != _EFFICIENT and q.dtype in (torch.float16, torch.bfloat16)
+                            and q.shape[-1] <= 256 and torch.backends.cuda.flash_sdp_enabled()):
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
         return out[0], out[1]
     # Memory-efficient kernel: lse is padded to a multiple of 32 along L.
@@ -372,7 +389,7 @@ def attention_entropy(q: torch.Tensor, k: torch.Tensor, scale: float | None = No
     """
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     kbar = k.mean(dim=-2, keepdim=True)
-    out, lse = attention_with_lse(q, k, k - kbar, scale, is_causal)
+    out, lse = attention_with_lse(q, k, k - kbar, scale, is_causal, own=True)
     qf = q.float()
     mean_s = sc * ((qf * out.float()).sum(-1) + (qf * kbar.float()).sum(-1))
     return (lse.float() - mean_s).mean(dim=(0, 2))
