@@ -72,6 +72,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--clip", type=float, default=None,
                     help="every variant clips its gradients to this norm (clip_grad_norm_), as GPT trainers do; "
                          "watch variants hand the norm to record(loss, grad_norm=...)")
+    ap.add_argument("--lr", type=float, default=1e-3,
+                    help="AdamW's constant LR; a 1B-class shape at 1e-3 with no warm-up really diverges and "
+                         "the daemon pauses it (BENCHMARKS.md), which stops the measurement")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args()
 
@@ -138,7 +141,7 @@ def main() -> None:
             names = [n for n in names if n == "plain" or n in keep]
         models = {k: copy.deepcopy(base) for k in names}
         del base
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=cuda or None) for k, m in models.items()}
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, fused=cuda or None) for k, m in models.items()}
         th = instrument(models["thermo"]) if "thermo" in models else None
         never = 10**9  # watch-idle: every group's cadence past the end
         thermometers = {"watch": True, "watch-bare": False,
@@ -180,7 +183,7 @@ def main() -> None:
                 opt.step()
             opt.zero_grad(set_to_none=True)
             if name == "thermo":
-                th.end_step(loss=loss, lr=1e-3, grad_norm=gn)
+                th.end_step(loss=loss, lr=args.lr, grad_norm=gn)
                 while th.collect(block=False) is not None:  # a step late, as watch reads them
                     pass
             elif name in tws:

@@ -5,7 +5,7 @@
 # not on the lent machines' image: they travel as wheels in .whl (python 3.12, see
 # /work/.library/device/README.md), installed here into /tmp/site. Output: $OUT (or /tmp/gpu-out).
 #
-#   bash bench/gpu.sh            # ~6 min on an H200 (its last step may be cut by the caller's limit)
+#   bash bench/gpu.sh            # ~8 min at most on an H200 (each step has its own timeout)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -19,18 +19,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, fastapi, sqlalchemy; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt" || exit 4
 G2="--layers 12 --d-model 768 --heads 12 --seq-len 1024 --vocab 50304 --batch 16 --threads 4"
 B1="--layers 24 --d-model 2048 --heads 16 --seq-len 2048 --vocab 50304 --batch 4 --threads 4"
-# where an attention read's time goes, per layer, at both shapes
-timeout 60 python3 bench/attn_read.py --heads 12 --seq-len 1024 --head-dim 64 --batch 16 --layers 12 2>&1 | tee "$OUT/attn_read.txt"
-timeout 60 python3 bench/attn_read.py --heads 16 --seq-len 2048 --head-dim 128 --batch 4 --layers 24 2>&1 | tee -a "$OUT/attn_read.txt"
-# GPT-2 small (124M): the whole client, budget off and 1%, without and with clipping (the loop then
-# hands its norm to record(loss, grad_norm=...))
-for clip in "" "--clip 1.0"; do
-  timeout 120 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 100 $clip \
-    --budget off --budget 0.01 --variants watch@off,watch@0.01 --json 2>&1 | tee -a "$OUT/client_gpt2.txt"
-done
-# a 1B-class shape (24L d2048 T2048, ~1.3B parameters; three copies with AdamW ~65 GB), clipping
-timeout 200 python3 bench/client_overhead.py --device cuda $B1 --steps 60 --warmup 80 --clip 1.0 \
+# the daemon's imports first: a missing wheel ends the run here, not after the model is built
+python3 -c "import thermowatch.cli, thermowatch.supervisor.app" 2>&1 | tee -a "$OUT/gpu.txt" || exit 4
+# GPT-2 small (124M), clipping (the loop hands its norm to record(loss, grad_norm=...)): the whole
+# client, budget off and 1%, and the client without thermometers (its machinery alone)
+timeout 110 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 100 --clip 1.0 \
+  --budget off --budget 0.01 --variants watch@off,watch@0.01,watch-bare --json 2>&1 | tee "$OUT/client_gpt2.txt"
+# a 1B-class shape (24L d2048 T2048, ~1.3B parameters; three copies with AdamW ~65 GB), clipping, at
+# GPT-3 XL's LR: at 1e-3 with no warm-up its attention logits really grow and the daemon pauses it
+timeout 150 python3 bench/client_overhead.py --device cuda $B1 --steps 60 --warmup 60 --clip 1.0 --lr 2e-4 \
   --budget off --budget 0.01 --variants watch@off,watch@0.01 --json 2>&1 | tee "$OUT/client_1b.txt"
-# the thermometers alone by group (time allowing; ~80 s)
-timeout 120 python3 bench/thermometer_overhead_any.py --device cuda $G2 --steps 100 --warmup 100 \
+# GPT-2 small without clipping: the global gradient norm is then the client's to read every step
+timeout 90 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 60 \
+  --budget off --budget 0.01 --variants watch@off,watch@0.01 --json 2>&1 | tee -a "$OUT/client_gpt2.txt"
+# where an attention read's time goes, per layer, at both shapes (the kernel path's rows)
+timeout 40 python3 bench/attn_read.py --heads 12 --seq-len 1024 --head-dim 64 --batch 16 --layers 12 2>&1 | tee "$OUT/attn_read.txt"
+timeout 40 python3 bench/attn_read.py --heads 16 --seq-len 2048 --head-dim 128 --batch 4 --layers 24 2>&1 | tee -a "$OUT/attn_read.txt"
+# the thermometers alone by group (time allowing)
+timeout 90 python3 bench/thermometer_overhead_any.py --device cuda $G2 --steps 100 --warmup 60 \
   --variants every_step,budget_1pct,no_attn,no_act,no_grad --json 2>&1 | tee "$OUT/thermo_gpt2.txt"
