@@ -20,7 +20,7 @@ import torch.nn as nn
 from tests.fixtures.nanogpt import NanoConfig, NanoGPT
 from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
-from thermowatch.monitors.thermometers.budget import ATTN_MAX_EVERY, DECIDE_EVERY, ThreadTimer, decide
+from thermowatch.monitors.thermometers.budget import ATTN_MAX_EVERY, DECIDE_EVERY, Budget, ThreadTimer, decide
 
 EXTRAS = ["thermometer_cost", "thermometer_every/act", "thermometer_every/attn", "thermometer_every/grad"]
 
@@ -254,6 +254,32 @@ def test_floors_win_over_a_budget_they_exceed_and_say_so_once(caplog):
     warned = [r for r in caplog.records if "floors exceed their budget" in r.getMessage()]
     assert len(warned) == 1 and "attn every 4" in warned[0].getMessage()
     assert th.cost > 1e-4  # what it measured is what it says
+
+
+@pytest.mark.parametrize("windows, warned", [
+    (["warm", "within", "within", "within"], 0),  # the warm-up window alone: no warning
+    (["warm", "over", "within"], 1),  # over in two windows running: warned, once
+    (["over", "within", "over", "within", "over"], 0),  # never two running
+    (["over", "over", "over", "over"], 1),
+])
+def test_the_floors_warning_needs_two_windows_running_over_budget(caplog, windows, warned):
+    """The first window holds the run's warm-up (an H200's first 32 steps: 3.3% at the floors,
+    then 0.9% for good). The budget's shares per read and fixed share, as every rank agreed them
+    (the agree seam all_ranks_max fills in a process group), per window."""
+    shares = {"warm": [0.04, 0.12, 0.005, 0.001], "over": [0.04, 0.12, 0.005, 0.001],
+              "within": [0.01, 0.02, 0.001, 0.001]}
+    script = iter(np.array(shares[w]) for w in windows)
+    b = Budget(0.01, (1, 1, 1), (16, ATTN_MAX_EVERY, 16), ThreadTimer(), torch.device("cpu"),
+               agree=lambda mine, device: next(script))
+    b.grad_norm_given = True
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="thermowatch"):
+        for w in windows:
+            b.plan(DECIDE_EVERY * (len(seen) + 1))
+            seen.append(b.over_budget)
+    assert seen == [w != "within" for w in windows]  # the flag is each window's own
+    said = [r for r in caplog.records if "floors exceed their budget" in r.getMessage()]
+    assert len(said) == warned
 
 
 def test_no_budget_is_the_fixed_cadences_unmeasured():
