@@ -150,7 +150,8 @@ class Recorder:
             if self._reducer is not None:
                 vals, ranks = self._reducer.unpack(vals)
             # a budget's unread figures are absent, not NaN (issue 36)
-            self._emit(self.th.last_step, self._unread.as_dict(vals, self.th.last_step), extra or {}, ranks)
+            self._emit(self.th.last_step, self._unread.as_dict(vals, self.th.last_step, not self.th.last_norm_unread),
+                       extra or {}, ranks)
             vals = self.th.collect(block=block)
 
     def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float],

@@ -203,10 +203,11 @@ class Thermometers:
         self._ring = 0
         # Ended steps not yet collected, oldest first: at most one per host buffer.
         # (step, host values, copy event, the budget's figures for collect() to fill or None)
-        self._pending: deque[tuple[int, torch.Tensor, object, tuple | None]] = deque()
+        self._pending: deque[tuple[int, torch.Tensor, object, tuple | None, bool]] = deque()
         self.dropped = 0  # ended steps overwritten before anyone collected them
         self.step: int | None = None
         self.last_step: int | None = None  # the step the latest collect() returned
+        self.last_norm_unread = False  # its global grad_norm was not read (end_step: norm_unread)
 
     def _claim(self, name: str, mod: nn.Module, attr: str) -> None:
         if getattr(mod, attr) is not None:
@@ -383,6 +384,9 @@ class Thermometers:
             self._grad_groups(global_norm=grad_norm is None)
             self._timer.stop(GRAD)
         self._timer.start()
+        # The loop handed no norm over on a step the grad group did not read (the first step after
+        # one that handed it over): the global norm is unread, left out of the record, not NaN.
+        norm_unread = grad_norm is None and not self._grad_on
         self._act_on = self._attn_on = self._grad_on = self._update_on = False
         for a in self._attn:
             a.probe.mode = None
@@ -402,9 +406,9 @@ class Thermometers:
             host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((self.step, host, event, extras))
+            self._pending.append((self.step, host, event, extras, norm_unread))
         else:
-            self._pending.append((self.step, out.clone() if out is buf else out, None, extras))
+            self._pending.append((self.step, out.clone() if out is buf else out, None, extras, norm_unread))
         self._timer.stop(BASE)
 
     def _grad_groups(self, global_norm: bool) -> None:
@@ -465,13 +469,13 @@ class Thermometers:
         step returned."""
         if not self._pending:
             return None
-        step, host, event, extras = self._pending[0]
+        step, host, event, extras, norm_unread = self._pending[0]
         if event is not None:
             if not block and not event.query():
                 return None
             event.synchronize()
         self._pending.popleft()
-        self.last_step = step
+        self.last_step, self.last_norm_unread = step, norm_unread
         values = host.numpy().astype(np.float64)
         if extras is not None:
             values[self._extras] = extras
@@ -490,7 +494,7 @@ class Thermometers:
         step = self.last_step if step is None else step
         if step is None or self._unread is None:
             return dict(zip(self.names, values.tolist()))
-        return self._unread.as_dict(values, step)
+        return self._unread.as_dict(values, step, norm_read=not self.last_norm_unread)
 
     def detach(self) -> None:
         """Remove every hook and probe; the model then runs exactly as before instrument()."""

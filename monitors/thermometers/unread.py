@@ -51,8 +51,14 @@ class Unread:
                 mask[slots] = np.isfinite(values[slots])  # not read: its NaN goes; a finite value was read
         return mask
 
-    def as_dict(self, values: np.ndarray, step: int) -> dict[str, float]:
-        """The step's figures by name, those not read left out (all of them without a budget)."""
+    def as_dict(self, values: np.ndarray, step: int, norm_read: bool = True) -> dict[str, float]:
+        """The step's figures by name, those not read left out (all of them without a budget).
+        `norm_read=False`: the global grad_norm was not read either (Thermometers.last_norm_unread),
+        with or without a budget."""
         if not self.active:
-            return dict(zip(self.names, values.tolist()))
-        return {n: v for n, v, k in zip(self.names, values.tolist(), self.keep(values, step).tolist()) if k}
+            out = dict(zip(self.names, values.tolist()))
+        else:
+            out = {n: v for n, v, k in zip(self.names, values.tolist(), self.keep(values, step).tolist()) if k}
+        if not norm_read and GRAD_NORM in out and not np.isfinite(out[GRAD_NORM]):
+            del out[GRAD_NORM]  # its NaN says "not read", not a non-finite gradient
+        return out

@@ -75,3 +75,30 @@ def test_a_cuda_loss_is_read_without_a_sync_and_sent_with_its_own_step():
     rec.drain(True)
     _check(sent, losses, norms)
     assert not rec.healthy and rec.final_loss == 1.75
+
+
+def test_with_thermometers_a_step_whose_global_norm_was_not_read_leaves_it_out():
+    """A loop that hands record() its norm lets the per-layer norms thin (fixed grad_every 4
+    here); the first step on which it stops handing it over has no global norm read at all: the
+    record leaves grad_norm out, never NaN (a critical non-finite finding on a healthy run); from
+    the next step the thermometers read it themselves, and every other step has it."""
+    from thermowatch.monitors.thermometers import ThermometerConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    sent: list = []
+    rec = Recorder(model, ThermometerConfig(budget=None, grad_every=4), Ranks(), sent.append, lambda: "d")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt.register_step_post_hook(lambda *_: rec.grads_from_params())  # as watch reads .grad
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 13):
+        rec.begin(step, step, step + 1, 1.0, 0.1, 1e-2, probe=False)
+        loss = model(torch.randn(8, 4, generator=g)).square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) if step <= 6 else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec.end(step, loss, norm, {})
+    rec.drain(True)
+    assert [r.step for r in sent] == list(range(1, 13))
+    assert [r.step for r in sent if "grad_norm" not in r.values] == [7]
+    assert all(math.isfinite(v) for r in sent for k, v in r.values.items() if k.startswith("grad_norm"))
