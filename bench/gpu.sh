@@ -5,7 +5,14 @@
 # not on the lent machines' image: they travel as wheels in .whl (python 3.12, see
 # /work/.library/device/README.md), installed here into /tmp/site. Output: $OUT (or /tmp/gpu-out).
 #
-#   bash bench/gpu.sh            # ~8 min at most on an H200 (each step has its own timeout)
+#   bash bench/gpu.sh            # ~4 min on an H200 (8 at most: each step has its own timeout)
+#
+# The wheels (9.5 MB; .whl is git-ignored, so build them in each new checkout, on this side):
+#   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl "sqlalchemy>=2.0" "alembic>=1.13" "fastapi>=0.110" "uvicorn>=0.29" "httptools>=0.6" \
+#     "apscheduler>=3.10,<4" "slack-sdk>=3.27" "orjson>=3.9" "pydantic>=2.6"
+# and call the device with carry [".whl"].
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -21,6 +28,10 @@ G2="--layers 12 --d-model 768 --heads 12 --seq-len 1024 --vocab 50304 --batch 16
 B1="--layers 24 --d-model 2048 --heads 16 --seq-len 2048 --vocab 50304 --batch 4 --threads 4"
 # the daemon's imports first: a missing wheel ends the run here, not after the model is built
 python3 -c "import thermowatch.cli, thermowatch.supervisor.app" 2>&1 | tee -a "$OUT/gpu.txt" || exit 4
+# the tests that need CUDA (CI never has a GPU): the kernel path, the late loss, the CUDA timer
+timeout 60 python3 -m pytest -q -p no:cacheprovider --noconftest -rs tests/monitors/test_attn_kernel_choice.py \
+  tests/client/test_late_scalars.py "tests/monitors/test_thermometer_budget.py::test_the_cuda_timer_reads_its_events_once_done" \
+  2>&1 | tee "$OUT/tests.txt"
 # GPT-2 small (124M), clipping (the loop hands its norm to record(loss, grad_norm=...)): the whole
 # client, budget off and 1%, and the client without thermometers (its machinery alone)
 timeout 110 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 100 --clip 1.0 \
