@@ -20,7 +20,6 @@ from thermowatch.monitors.collective import CollectiveReducer
 from thermowatch.monitors.contract import LR_MULTIPLIER, LR_PEAK_AHEAD, StepRecord
 from thermowatch.monitors.reduce import Reducer
 from thermowatch.monitors.thermometers import ThermometerConfig, instrument
-from thermowatch.monitors.thermometers.unread import Unread
 from thermowatch.probing import LossTrail
 from thermowatch.ranks import Ranks
 
@@ -100,7 +99,6 @@ class Recorder:
             # gradient norms read from .grad in the optimizer post-hook (grads_from_params)
             self.th = instrument(model, thermometers if isinstance(thermometers, ThermometerConfig) else None,
                                  grad_hooks=False)
-            self._unread = Unread(self.th.names)
             if dist.world > 1:  # reduced on the device, in the step's stream, before the one host copy
                 self.th.finish = CollectiveReducer(self.th.names, len(self.th.names), self.th.device)
                 self._reducer = Reducer(self.th.names)
@@ -150,8 +148,7 @@ class Recorder:
             if self._reducer is not None:
                 vals, ranks = self._reducer.unpack(vals)
             # a budget's unread figures are absent, not NaN (issue 36)
-            self._emit(self.th.last_step, self._unread.as_dict(vals, self.th.last_step, not self.th.last_norm_unread),
-                       extra or {}, ranks)
+            self._emit(self.th.last_step, self.th.as_dict(vals, self.th.last_step), extra or {}, ranks)
             vals = self.th.collect(block=block)
 
     def _emit(self, step: int, vals: dict[str, float], extra: dict[str, float],

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from thermowatch.monitors.thermometers.attention import AttnProbe, mha_scores_stats
 from thermowatch.monitors.thermometers.budget import (
-    ACT, ATTN, BASE, BUDGETED, GRAD, UPDATE, Budget, NullTimer, Timer, bounds, timer_for,
+    ACT, ATTN, BASE, BUDGETED, GRAD, UPDATE, Budget, NullTimer, ThreadTimer, Timer, bounds, timer_for,
 )
 from thermowatch.monitors.thermometers.config import ThermometerConfig
 from thermowatch.monitors.thermometers.intercept import Interceptor, Site
@@ -116,6 +116,9 @@ class Thermometers:
         if cfg.budget is not None:
             self._timer = timer_for(self.device)
             self._budget = Budget(cfg.budget, *bounds(cfg), self._timer, self.device)
+        # The host's share of a step read (collect, as_dict) is the thermometers' cost too where the
+        # training thread pays it: on a CPU. On a GPU the host runs ahead and the events time the device.
+        self._host_timer: Timer = self._timer if isinstance(self._timer, ThreadTimer) else NullTimer()
         self._every = (cfg.act_every, cfg.attn_every, cfg.grad_every)  # in force this step
         self._extras_version = -1  # the budget's version last written into the device slots
         if self._budget is None and lay.extras.stop > lay.extras.start:  # fixed cadences: written once, kept
@@ -474,11 +477,13 @@ class Thermometers:
             if not block and not event.query():
                 return None
             event.synchronize()
+        self._host_timer.start()
         self._pending.popleft()
         self.last_step, self.last_norm_unread = step, norm_unread
         values = host.numpy().astype(np.float64)
         if extras is not None:
             values[self._extras] = extras
+        self._host_timer.stop(BASE)
         return values
 
     def discard_pending(self) -> int:
@@ -492,9 +497,13 @@ class Thermometers:
         a NaN act_max reads as a non-finite finding; unread.py). `step`: the step `values` are of,
         by default the one the latest collect() returned (`th.as_dict(th.collect())`)."""
         step = self.last_step if step is None else step
-        if step is None or self._unread is None:
+        if step is None:
             return dict(zip(self.names, values.tolist()))
-        return self._unread.as_dict(values, step, norm_read=not self.last_norm_unread)
+        self._host_timer.start()
+        try:
+            return self._unread.as_dict(values, step, norm_read=not self.last_norm_unread)
+        finally:
+            self._host_timer.stop(BASE)
 
     def detach(self) -> None:
         """Remove every hook and probe; the model then runs exactly as before instrument()."""
