@@ -64,7 +64,8 @@ def _train(model: nn.Module, th, steps: int, *, give_norm: bool, first: int = 1,
         th.end_step(loss=loss, lr=lr, grad_norm=norm)
         opt.zero_grad(set_to_none=True)
         vals = th.collect()
-        out.append((s, th.as_dict(vals) if records else dict(zip(th.names, vals.tolist())), cadence))  # raw: NaN where unread
+        raw = dict(zip(th.names, vals.tolist()))  # NaN where unread
+        out.append((s, th.as_dict(vals) if records else raw, cadence))
     return out
 
 
