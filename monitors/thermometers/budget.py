@@ -19,9 +19,9 @@ end_step's own work), and `decide()`: from each group's fastest cadence, double 
 the group whose share is largest until the sum fits the budget or every group is at its
 slowest (then the floors win: `over_budget`, warned once two windows running are over).
 Cadences are powers of two, so a step read by a slow group is read by the faster ones, and
-DECIDE_EVERY (a multiple of every cadence) is a step every group reads. Under torch.distributed the ranks decide from the max
-of their shares (`all_ranks_max`), so all read the same steps: a rank reading a figure the
-others skip would look like an outlier rank (monitors.reduce).
+DECIDE_EVERY (a multiple of every cadence) is a step every group reads. Under torch.distributed
+the ranks decide from the max of their shares (`all_ranks_max`), so all read the same steps: a
+rank reading a figure the others skip would look like an outlier rank (monitors.reduce).
 """
 
 from __future__ import annotations
