@@ -33,9 +33,10 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider --noconftest -rs tests/monit
   tests/client/test_late_scalars.py "tests/monitors/test_thermometer_budget.py::test_the_cuda_timer_reads_its_events_once_done" \
   2>&1 | tee "$OUT/tests.txt"
 # GPT-2 small (124M), clipping (the loop hands its norm to record(loss, grad_norm=...)): the whole
-# client, budget off and 1%, and the client without thermometers (its machinery alone)
+# client, budget off and 1%, and the client without thermometers (its machinery alone); with
+# --sync-debug, where each variant makes the host wait for the GPU (0 per block in session 28)
 timeout 110 python3 bench/client_overhead.py --device cuda $G2 --steps 100 --warmup 100 --clip 1.0 \
-  --budget off --budget 0.01 --variants watch@off,watch@0.01,watch-bare --json 2>&1 | tee "$OUT/client_gpt2.txt"
+  --budget off --budget 0.01 --variants watch@off,watch@0.01,watch-bare --sync-debug --json 2>&1 | tee "$OUT/client_gpt2.txt"
 # a 1B-class shape (24L d2048 T2048, ~1.3B parameters; three copies with AdamW ~65 GB), clipping, at
 # GPT-3 XL's LR: at 1e-3 with no warm-up its attention logits really grow and the daemon pauses it
 timeout 150 python3 bench/client_overhead.py --device cuda $B1 --steps 60 --warmup 60 --clip 1.0 --lr 2e-4 \
