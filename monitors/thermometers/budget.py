@@ -62,6 +62,9 @@ class Timer(Protocol):
     def mark(self, tag: tuple) -> None:
         """A step begins, carrying `tag`: closes the step open until now."""
 
+    def tag(self, tag: tuple) -> None:
+        """The open step's tag, where it is known only after its mark (begin_step's plan)."""
+
     def start(self) -> None:
         """A region of thermometer work begins (nested regions count once)."""
 
@@ -76,6 +79,9 @@ class NullTimer:
     """No budget: nothing measured."""
 
     def mark(self, tag: tuple) -> None:
+        pass
+
+    def tag(self, tag: tuple) -> None:
         pass
 
     def start(self) -> None:
@@ -104,6 +110,10 @@ class ThreadTimer:
             t, t0, ns = self._open
             self._done.append((t, float(now - t0), ns))
         self._open = (tag, now, [0.0] * len(GROUPS))
+
+    def tag(self, tag: tuple) -> None:
+        if self._open is not None:
+            self._open = (tag, *self._open[1:])
 
     def start(self) -> None:
         if self._depth == 0:
@@ -137,6 +147,10 @@ class CudaTimer:
         ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
+
+    def tag(self, tag: tuple) -> None:
+        if self._open is not None:
+            self._open = (tag, *self._open[1:])
 
     def mark(self, tag: tuple) -> None:
         self._depth = 0

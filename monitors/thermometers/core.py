@@ -286,6 +286,10 @@ class Thermometers:
             raise RuntimeError("these thermometers were detached; call instrument(model) again")
         cfg = self.config
         self.step = step
+        # The step begins here: the budget's plan() is its work too (tagged once the cadences are
+        # known; until then as a step that reads no group).
+        self._timer.mark((False, False, False, False, True))
+        self._timer.start()
         if self._budget is not None:  # takes in the steps measured so far; decides every 32nd step
             self._every = tuple(self._budget.plan(step))
         act, attn, grad = self._every
@@ -293,8 +297,7 @@ class Thermometers:
         self._attn_on = step % attn == 0
         self._grad_on = step % grad == 0 or not self._grad_norm_given
         self._update_on = self._update is not None and step % cfg.update_every == 0
-        self._timer.mark((self._act_on, self._attn_on, self._grad_on, self._update_on, True))
-        self._timer.start()
+        self._timer.tag((self._act_on, self._attn_on, self._grad_on, self._update_on, True))
         self._slots.reset()
         for _, zp in self._z_probes:
             zp.on = self._act_on

@@ -157,6 +157,21 @@ def test_the_thread_timer_measures_a_region_of_known_work():
     assert max(ratios) == pytest.approx(1.0, abs=0.25) and max(ratios) < 1.05, ratios  # CPU time <= wall time
 
 
+def test_a_step_is_tagged_after_its_mark_and_its_planning_counts():
+    """begin_step marks the step first, so the budget's plan() is inside it (BASE), and tags it
+    with the groups it reads once plan() has said."""
+    timer = ThreadTimer()
+    untagged = (False, False, False, False, True)
+    timer.mark(untagged)
+    timer.start()
+    sum(range(20_000))  # the planning
+    timer.tag((True, False, True, False, True))
+    timer.stop(4)
+    timer.mark(untagged)
+    (tag, step_ns, ns), = timer.finished()
+    assert tag == (True, False, True, False, True) and 0 < ns[4] <= step_ns
+
+
 def test_a_region_left_open_ends_with_its_step():
     """A hook that raised between start() and stop() does not skew the timing of the steps after."""
     timer = ThreadTimer()
