@@ -244,7 +244,6 @@ class Budget:
         self.version = 0  # bumped when cost or every change
         self.shares: list[float] = [math.nan] * len(BUDGETED)  # per read, as of the last decision
         self._warned = False
-        self._was_over = False  # the previous decision's: a warning needs two in a row
         self._per_read = [0.0] * len(BUDGETED)  # ns per read, kept for a group not read in a window
         self._new_window()
 
@@ -287,10 +286,11 @@ class Budget:
             slowest[GRAD] = self.fastest[GRAD]
         self.every, over = decide(share, fixed, self.budget, self.fastest, slowest)
         self.shares = share
-        # Warned once the floors exceed the budget in two windows running: the first window holds
-        # the run's warm-up (on an H200 a 61 ms median step and 3.3% at the floors, then 44 ms
-        # and 0.9% for good), which alone would warn every run that is in fact within it.
-        if over and self._was_over and not self._warned:
+        # Warned once the floors exceed the budget in two windows running (over_budget still holds
+        # the previous decision's): the first window holds the run's warm-up (on an H200 a 61 ms
+        # median step and 3.3% at the floors, then 44 ms and 0.9% for good), which alone would warn
+        # every run that is in fact within it.
+        if over and self.over_budget and not self._warned:
             self._warned = True
             at = ", ".join(f"{g} every {e} ({s / e:.2%})" for g, e, s in zip(BUDGETED, self.every, share))
             log.warning(
@@ -299,4 +299,4 @@ class Budget:
                 "a %.3g ms step. They run at those floors. Raise ThermometerConfig.budget, or read less on a read "
                 "step (fewer act_patterns, attn_heads, attn_entropy=False)",
                 self.budget, at, 100 * fixed, 100 * (fixed + sum(s / e for s, e in zip(share, self.every))), step_ns / 1e6)
-        self.over_budget = self._was_over = over
+        self.over_budget = over
